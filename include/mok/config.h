@@ -1,0 +1,33 @@
+// Tuning knobs of the fused layer. None of them changes the result: outputs are bitwise
+// identical for every valid config (DESIGN.md section 7).
+#pragma once
+
+#include <cstdint>
+
+#include "mok/error.h"
+#include "mok/shape.h"
+
+namespace mok {
+
+enum class Precision : int32_t {
+  kBF16 = 0,  // bf16 operands, fp32 accumulation
+  kFP8 = 1,   // reserved: not implemented yet
+};
+
+const char* precision_name(Precision precision);
+
+struct MoeConfig {
+  int32_t fwd_num_comm_sms = 24;     // SMs that run dispatch/combine in the forward kernel
+  int32_t bwd_num_comm_sms = 24;     // likewise in the backward kernel
+  int64_t minibatch_size = 4096;     // rows of the expert-grouped buffer per overlap step
+  int64_t macrobatch_size = 131072;  // rows of the ring token buffer
+  Precision precision = Precision::kBF16;
+  double wait_timeout_s = 100.0;     // device spin-waits abort with a diagnosis after this long
+};
+
+inline constexpr int32_t kMaxCommSms = 128;
+
+// Checks the config against the shape it will run; the message names the knob and its value.
+Status can_implement(const MoeConfig& config, const MoeShape& shape);
+
+}  // namespace mok

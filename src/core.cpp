@@ -1,0 +1,99 @@
+// Names of the enums of the public API, and TensorView helpers.
+#include <string>
+
+#include "mok/config.h"
+#include "mok/dtype.h"
+#include "mok/error.h"
+#include "mok/tensor.h"
+
+namespace mok {
+
+const char* error_code_name(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kOk: return "ok";
+    case ErrorCode::kInvalidArgument: return "invalid argument";
+    case ErrorCode::kUnsupported: return "unsupported";
+    case ErrorCode::kOutOfMemory: return "out of memory";
+    case ErrorCode::kCudaError: return "CUDA error";
+    case ErrorCode::kDeviceFault: return "device fault";
+    case ErrorCode::kTimeout: return "timeout";
+    case ErrorCode::kInternal: return "internal error";
+  }
+  return "unknown error";
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat32: return "fp32";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kFloat8E4M3: return "fp8_e4m3";
+  }
+  return "unknown";
+}
+
+const char* device_type_name(DeviceType device_type) {
+  switch (device_type) {
+    case DeviceType::kCPU: return "cpu";
+    case DeviceType::kCUDA: return "cuda";
+  }
+  return "unknown";
+}
+
+const char* precision_name(Precision precision) {
+  switch (precision) {
+    case Precision::kBF16: return "bf16";
+    case Precision::kFP8: return "fp8";
+  }
+  return "unknown";
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                                  DeviceType device_type, int32_t device_id) {
+  if (shape.size() < 1 || shape.size() > static_cast<size_t>(kMaxDims))
+    throw Error(ErrorCode::kInvalidArgument,
+                "TensorView::contiguous: " + std::to_string(shape.size()) +
+                    " dimensions given; valid: 1.." + std::to_string(kMaxDims));
+  TensorView view;
+  view.data = data;
+  view.dtype = dtype;
+  view.ndim = static_cast<int32_t>(shape.size());
+  view.device_type = device_type;
+  view.device_id = device_id;
+  int dim = 0;
+  for (int64_t extent : shape) view.shape[dim++] = extent;
+  int64_t stride = 1;
+  for (int d = view.ndim - 1; d >= 0; --d) {
+    view.strides[d] = stride;
+    stride *= view.shape[d];
+  }
+  return view;
+}
+
+int64_t TensorView::numel() const {
+  if (ndim == 0) return 0;
+  int64_t count = 1;
+  for (int d = 0; d < ndim; ++d) count *= shape[d];
+  return count;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::string text = "[";
+  for (int d = 0; d < ndim; ++d) {
+    if (d > 0) text += ", ";
+    text += std::to_string(shape[d]);
+  }
+  return text + "]";
+}
+
+}  // namespace mok

@@ -1,0 +1,139 @@
+// MoeShape and MoeConfig checks, and the named shapes of DESIGN.md.
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "mok/config.h"
+#include "mok/schedule.h"
+#include "mok/shape.h"
+
+namespace mok {
+
+namespace {
+
+std::string field_error(const char* field, int64_t value, const std::string& valid) {
+  return std::string("shape: ") + field + " = " + std::to_string(value) + "; valid: " + valid;
+}
+
+Status check_dim(const char* field, int64_t value, bool allow_zero) {
+  if ((allow_zero && value == 0)) return Status::Ok();
+  if (value < kDimAlignment || value > kMaxDim || value % kDimAlignment != 0)
+    return Status::invalid(field_error(
+        field, value,
+        std::string(allow_zero ? "0 (none) or " : "") + "a multiple of " +
+            std::to_string(kDimAlignment) + " in [" + std::to_string(kDimAlignment) + ", " +
+            std::to_string(kMaxDim) + "]"));
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string MoeShape::to_string() const {
+  std::ostringstream text;
+  text << "T=" << num_tokens << " H=" << hidden << " I=" << intermediate << " E=" << num_experts
+       << " K=" << top_k << " R=" << num_ranks;
+  if (has_shared_expert()) text << " Is=" << shared_intermediate;
+  if (has_clamp()) text << " L=" << swiglu_limit;
+  return text.str();
+}
+
+Status can_implement(const MoeShape& shape) {
+  if (shape.num_tokens < 0 || shape.num_tokens > kMaxTokensPerRank)
+    return Status::invalid(field_error("num_tokens", shape.num_tokens,
+                                       "[0, " + std::to_string(kMaxTokensPerRank) + "]"));
+  MOK_RETURN_IF_ERROR(check_dim("hidden", shape.hidden, false));
+  MOK_RETURN_IF_ERROR(check_dim("intermediate", shape.intermediate, false));
+  MOK_RETURN_IF_ERROR(check_dim("shared_intermediate", shape.shared_intermediate, true));
+  if (shape.top_k < 1 || shape.top_k > kMaxTopK)
+    return Status::invalid(field_error("top_k", shape.top_k, "[1, " + std::to_string(kMaxTopK) + "]"));
+  if (shape.num_ranks < 1 || shape.num_ranks > kMaxRanks)
+    return Status::invalid(
+        field_error("num_ranks", shape.num_ranks, "[1, " + std::to_string(kMaxRanks) + "]"));
+  if (shape.num_experts < 1 || shape.num_experts > kMaxExperts)
+    return Status::invalid(field_error("num_experts", shape.num_experts,
+                                       "[1, " + std::to_string(kMaxExperts) + "]"));
+  if (shape.num_experts % shape.num_ranks != 0)
+    return Status::invalid(field_error("num_experts", shape.num_experts,
+                                       "a multiple of num_ranks = " + std::to_string(shape.num_ranks) +
+                                           " (every rank owns E/R experts)"));
+  if (!(shape.swiglu_limit > 0.0f))
+    return Status::invalid("shape: swiglu_limit = " + std::to_string(shape.swiglu_limit) +
+                           "; valid: a positive number, or infinity for no clamp");
+  ScheduleParams params;
+  params.num_ranks = shape.num_ranks;
+  params.tokens_per_rank = static_cast<int32_t>(shape.num_tokens);
+  params.top_k = shape.top_k;
+  params.num_experts = static_cast<int32_t>(shape.num_experts);
+  MOK_RETURN_IF_ERROR(validate_schedule_params(params));
+  return Status::Ok();
+}
+
+MoeShape named_shape(std::string_view name, int32_t num_ranks) {
+  MoeShape shape;
+  shape.num_ranks = num_ranks;
+  shape.top_k = 8;
+  if (name == "dsv3" || name == "dsv3_local" || name == "kimi_slice") {
+    shape.hidden = 7168;
+    shape.intermediate = 2048;
+    shape.num_tokens = name == "kimi_slice" ? 2048 : 4096;
+    shape.num_experts = name == "dsv3" ? 256 : name == "dsv3_local" ? 32 : 8 * num_ranks;
+  } else if (name == "qwen3") {
+    shape.hidden = 2048;
+    shape.intermediate = 768;
+    shape.num_experts = 128;
+    shape.num_tokens = 8192;
+  } else if (name == "tiny") {
+    shape.hidden = 256;
+    shape.intermediate = 128;
+    shape.num_experts = 8;
+    shape.top_k = 2;
+    shape.num_tokens = 64;
+  } else {
+    std::string valid;
+    for (const auto& known : named_shape_names()) valid += (valid.empty() ? "" : ", ") + known;
+    throw Error(ErrorCode::kInvalidArgument,
+                "shape name '" + std::string(name) + "' is unknown; valid: " + valid);
+  }
+  return shape;
+}
+
+std::vector<std::string> named_shape_names() {
+  return {"tiny", "qwen3", "dsv3", "dsv3_local", "kimi_slice"};
+}
+
+int64_t weight_bytes_per_rank(const MoeShape& shape) {
+  const int64_t routed = 3 * shape.num_local_experts() * shape.intermediate * shape.hidden;
+  const int64_t shared = 3 * shape.shared_intermediate * shape.hidden;
+  return (routed + shared) * static_cast<int64_t>(sizeof(uint16_t));
+}
+
+Status can_implement(const MoeConfig& config, const MoeShape& shape) {
+  MOK_RETURN_IF_ERROR(can_implement(shape));
+  auto bad = [](const std::string& text) { return Status::invalid("config: " + text); };
+  if (config.precision != Precision::kBF16)
+    return Status::unsupported(std::string("config: precision = ") + precision_name(config.precision) +
+                               " is not implemented yet; valid: bf16");
+  for (auto [field, value] : {std::pair{"fwd_num_comm_sms", config.fwd_num_comm_sms},
+                              std::pair{"bwd_num_comm_sms", config.bwd_num_comm_sms}}) {
+    const int32_t low = shape.num_ranks > 1 ? 1 : 0;
+    if (value < low || value > kMaxCommSms)
+      return bad(std::string(field) + " = " + std::to_string(value) + "; valid: [" +
+                 std::to_string(low) + ", " + std::to_string(kMaxCommSms) + "]" +
+                 (shape.num_ranks > 1 ? " (at least 1 with more than one rank)" : ""));
+  }
+  if (config.minibatch_size < kDefaultRowAlign || config.minibatch_size % kDefaultRowAlign != 0)
+    return bad("minibatch_size = " + std::to_string(config.minibatch_size) +
+               "; valid: a positive multiple of " + std::to_string(kDefaultRowAlign) +
+               " (the GEMM tile height)");
+  if (config.macrobatch_size < config.minibatch_size ||
+      config.macrobatch_size % config.minibatch_size != 0)
+    return bad("macrobatch_size = " + std::to_string(config.macrobatch_size) +
+               "; valid: a positive multiple of minibatch_size = " +
+               std::to_string(config.minibatch_size));
+  if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
+    return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
+               "; valid: a positive, finite number of seconds");
+  return Status::Ok();
+}
+
+}  // namespace mok

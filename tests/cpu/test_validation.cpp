@@ -1,0 +1,300 @@
+// Input validation: every bad shape, config, tensor and expert id gets its own specific error,
+// raised before anything runs, and nothing is written.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "mok/config.h"
+#include "mok/layer_args.h"
+#include "mok/reference.h"
+#include "mok/schedule.h"
+#include "mok/shape.h"
+
+namespace mok {
+namespace {
+
+// Owns zero-filled buffers of the tiny shape and hands out valid args; tests break one thing.
+struct TinyCall {
+  MoeShape shape = named_shape("tiny");
+  std::vector<bf16> x, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, out, d_out,
+      d_x, d_w_gate, d_w_up, d_w_down, d_w_shared_gate, d_w_shared_up, d_w_shared_down;
+  std::vector<int32_t> top_experts;
+  std::vector<float> router_weights, d_router_weights;
+
+  explicit TinyCall(int64_t shared_intermediate = 0) {
+    shape.shared_intermediate = shared_intermediate;
+    const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
+                  E = shape.num_local_experts(), Is = shape.shared_intermediate;
+    x.resize(T * H);
+    out.resize(T * H);
+    d_out.resize(T * H);
+    d_x.resize(T * H);
+    for (auto* w : {&w_gate, &w_up, &w_down, &d_w_gate, &d_w_up, &d_w_down}) w->resize(E * I * H);
+    for (auto* w : {&w_shared_gate, &w_shared_up, &w_shared_down, &d_w_shared_gate, &d_w_shared_up,
+                    &d_w_shared_down})
+      w->resize(Is * H);
+    top_experts.resize(T * K);
+    for (int64_t i = 0; i < T * K; ++i) top_experts[i] = static_cast<int32_t>(i % shape.num_experts);
+    router_weights.assign(T * K, 0.5f);
+    d_router_weights.resize(T * K);
+  }
+
+  ForwardArgs forward_args() {
+    const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
+                  E = shape.num_local_experts(), Is = shape.shared_intermediate;
+    ForwardArgs args;
+    args.x = TensorView::contiguous(x.data(), DType::kBFloat16, {T, H});
+    args.top_experts = TensorView::contiguous(top_experts.data(), DType::kInt32, {T, K});
+    args.router_weights = TensorView::contiguous(router_weights.data(), DType::kFloat32, {T, K});
+    args.w_gate = TensorView::contiguous(w_gate.data(), DType::kBFloat16, {E, I, H});
+    args.w_up = TensorView::contiguous(w_up.data(), DType::kBFloat16, {E, I, H});
+    args.w_down = TensorView::contiguous(w_down.data(), DType::kBFloat16, {E, H, I});
+    if (Is > 0) {
+      args.w_shared_gate = TensorView::contiguous(w_shared_gate.data(), DType::kBFloat16, {Is, H});
+      args.w_shared_up = TensorView::contiguous(w_shared_up.data(), DType::kBFloat16, {Is, H});
+      args.w_shared_down = TensorView::contiguous(w_shared_down.data(), DType::kBFloat16, {H, Is});
+    }
+    args.out = TensorView::contiguous(out.data(), DType::kBFloat16, {T, H});
+    return args;
+  }
+
+  BackwardArgs backward_args() {
+    const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
+                  E = shape.num_local_experts(), Is = shape.shared_intermediate;
+    BackwardArgs args;
+    args.forward = forward_args();
+    args.forward.out = TensorView();
+    args.d_out = TensorView::contiguous(d_out.data(), DType::kBFloat16, {T, H});
+    args.d_x = TensorView::contiguous(d_x.data(), DType::kBFloat16, {T, H});
+    args.d_router_weights = TensorView::contiguous(d_router_weights.data(), DType::kFloat32, {T, K});
+    args.d_w_gate = TensorView::contiguous(d_w_gate.data(), DType::kBFloat16, {E, I, H});
+    args.d_w_up = TensorView::contiguous(d_w_up.data(), DType::kBFloat16, {E, I, H});
+    args.d_w_down = TensorView::contiguous(d_w_down.data(), DType::kBFloat16, {E, H, I});
+    if (Is > 0) {
+      args.d_w_shared_gate = TensorView::contiguous(d_w_shared_gate.data(), DType::kBFloat16, {Is, H});
+      args.d_w_shared_up = TensorView::contiguous(d_w_shared_up.data(), DType::kBFloat16, {Is, H});
+      args.d_w_shared_down = TensorView::contiguous(d_w_shared_down.data(), DType::kBFloat16, {H, Is});
+    }
+    return args;
+  }
+};
+
+void expect_error(const Status& status, ErrorCode code, const std::vector<std::string>& fragments) {
+  EXPECT_FALSE(status.ok());
+  EXPECT_EQ(status.code, code) << status.message;
+  for (const auto& fragment : fragments)
+    EXPECT_NE(status.message.find(fragment), std::string::npos)
+        << "message \"" << status.message << "\" lacks \"" << fragment << "\"";
+}
+
+TEST(ShapeValidation, NamedShapesAreValid) {
+  for (const auto& name : named_shape_names()) {
+    for (int32_t ranks : {1, 2, 8}) {
+      Status status = can_implement(named_shape(name, ranks));
+      EXPECT_TRUE(status.ok()) << name << " R=" << ranks << ": " << status.message;
+    }
+  }
+  EXPECT_EQ(named_shape("kimi_slice", 4).num_experts, 32);
+  EXPECT_EQ(named_shape("dsv3").num_experts, 256);
+}
+
+TEST(ShapeValidation, UnknownNameListsTheKnownOnes) {
+  try {
+    named_shape("dsv4");
+    FAIL() << "no error for an unknown shape name";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("'dsv4'"), std::string::npos);
+    EXPECT_NE(std::string(error.what()).find("qwen3"), std::string::npos);
+  }
+}
+
+TEST(ShapeValidation, EachBadFieldIsNamed) {
+  const MoeShape good = named_shape("tiny");
+  ASSERT_TRUE(can_implement(good).ok());
+  struct Case {
+    void (*mutate)(MoeShape&);
+    std::vector<std::string> fragments;
+  };
+  const std::vector<Case> cases = {
+      {[](MoeShape& s) { s.hidden = 100; }, {"hidden = 100", "multiple of 64"}},
+      {[](MoeShape& s) { s.hidden = 0; }, {"hidden = 0"}},
+      {[](MoeShape& s) { s.intermediate = 96; }, {"intermediate = 96"}},
+      {[](MoeShape& s) { s.shared_intermediate = 65; }, {"shared_intermediate = 65", "0 (none)"}},
+      {[](MoeShape& s) { s.num_tokens = -1; }, {"num_tokens = -1"}},
+      {[](MoeShape& s) { s.top_k = 0; }, {"top_k = 0"}},
+      {[](MoeShape& s) { s.top_k = 33; }, {"top_k = 33", "[1, 32]"}},
+      {[](MoeShape& s) { s.num_ranks = 3; }, {"num_experts = 8", "multiple of num_ranks = 3"}},
+      {[](MoeShape& s) { s.num_ranks = 0; }, {"num_ranks = 0"}},
+      {[](MoeShape& s) { s.num_experts = 4096; }, {"num_experts = 4096"}},
+      {[](MoeShape& s) { s.swiglu_limit = 0.0f; }, {"swiglu_limit"}},
+      {[](MoeShape& s) { s.swiglu_limit = std::nanf(""); }, {"swiglu_limit"}},
+      {[](MoeShape& s) { s.num_tokens = 1 << 20; s.top_k = 32; s.num_ranks = 64; s.num_experts = 64; },
+       {"int32"}},
+  };
+  for (const auto& test_case : cases) {
+    MoeShape shape = good;
+    test_case.mutate(shape);
+    expect_error(can_implement(shape), ErrorCode::kInvalidArgument, test_case.fragments);
+  }
+}
+
+TEST(ConfigValidation, EachBadKnobIsNamed) {
+  const MoeShape shape = named_shape("tiny", 2);
+  MoeConfig good;
+  ASSERT_TRUE(can_implement(good, shape).ok());
+  MoeConfig config = good;
+  config.precision = Precision::kFP8;
+  expect_error(can_implement(config, shape), ErrorCode::kUnsupported, {"precision = fp8"});
+  config = good;
+  config.minibatch_size = 100;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"minibatch_size = 100", "128"});
+  config = good;
+  config.macrobatch_size = good.minibatch_size * 3 / 2;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"macrobatch_size = 6144"});
+  config = good;
+  config.fwd_num_comm_sms = 0;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"fwd_num_comm_sms = 0"});
+  EXPECT_TRUE(can_implement(config, named_shape("tiny", 1)).ok()) << "one rank needs no comm SMs";
+  config = good;
+  config.bwd_num_comm_sms = 1000;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"bwd_num_comm_sms = 1000"});
+  config = good;
+  config.wait_timeout_s = -1;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"wait_timeout_s"});
+}
+
+TEST(ArgsValidation, ValidArgsPass) {
+  for (int64_t shared : {0, 64}) {
+    TinyCall call(shared);
+    EXPECT_TRUE(check_forward_args(call.shape, call.forward_args(), DeviceType::kCPU).ok());
+    Status status = check_backward_args(call.shape, call.backward_args(), DeviceType::kCPU);
+    EXPECT_TRUE(status.ok()) << status.message;
+  }
+}
+
+TEST(ArgsValidation, EachBadTensorIsNamed) {
+  TinyCall call(64);
+  auto check = [&](auto mutate, ErrorCode code, std::vector<std::string> fragments) {
+    ForwardArgs args = call.forward_args();
+    mutate(args);
+    expect_error(check_forward_args(call.shape, args, DeviceType::kCPU), code, fragments);
+  };
+  const auto bad = ErrorCode::kInvalidArgument;
+  check([](ForwardArgs& a) { a.x = TensorView(); }, bad, {"`x` is missing", "[T=64, H=256] bf16"});
+  check([](ForwardArgs& a) { a.router_weights.dtype = DType::kBFloat16; }, bad,
+        {"`router_weights` has dtype bf16; expected fp32"});
+  check([](ForwardArgs& a) { a.top_experts.dtype = DType::kFloat32; }, bad,
+        {"`top_experts` has dtype fp32; expected int32 or int64"});
+  check([](ForwardArgs& a) { std::swap(a.w_gate.shape[1], a.w_gate.shape[2]); }, bad,
+        {"`w_gate` has shape [8, 256, 128]", "[E_loc=8, I=128, H=256]"});
+  check([](ForwardArgs& a) { a.w_down.ndim = 2; }, bad, {"`w_down` has shape [8, 256]"});
+  check([](ForwardArgs& a) { a.x.strides[0] = 512; }, bad, {"`x` is not contiguous", "[512, 1]"});
+  check([](ForwardArgs& a) { a.out.device_type = DeviceType::kCUDA; }, bad,
+        {"`out` is on cuda; expected a cpu tensor"});
+  check([](ForwardArgs& a) { a.w_shared_up.shape[0] = 128; }, bad, {"`w_shared_up` has shape [128, 256]"});
+  check([](ForwardArgs& a) { a.out.data = a.x.data; }, bad, {"output `out` overlaps input `x`"});
+  check([](ForwardArgs& a) { a.router_weights.data = nullptr; }, bad, {"`router_weights` has a null data pointer"});
+
+  TinyCall routed_only(0);
+  ForwardArgs args = routed_only.forward_args();
+  args.w_shared_gate = call.forward_args().w_shared_gate;
+  expect_error(check_forward_args(routed_only.shape, args, DeviceType::kCPU), bad,
+               {"`w_shared_gate` was given", "no shared expert"});
+}
+
+TEST(ArgsValidation, CudaTensorsMustShareADeviceAndBeAligned) {
+  TinyCall call;
+  ForwardArgs args = call.forward_args();
+  for (TensorView* view : {&args.x, &args.top_experts, &args.router_weights, &args.w_gate, &args.w_up,
+                           &args.w_down, &args.out}) {
+    view->device_type = DeviceType::kCUDA;
+    view->data = reinterpret_cast<void*>(uintptr_t{1} << 40 | reinterpret_cast<uintptr_t>(view->data));
+  }
+  ForwardArgs misaligned = args;
+  misaligned.w_up.data = static_cast<char*>(misaligned.w_up.data) + 2;
+  expect_error(check_forward_args(call.shape, misaligned, DeviceType::kCUDA), ErrorCode::kInvalidArgument,
+               {"`w_up` data pointer is not 16-byte aligned"});
+  ForwardArgs other_device = args;
+  other_device.w_down.device_id = 1;
+  expect_error(check_forward_args(call.shape, other_device, DeviceType::kCUDA), ErrorCode::kInvalidArgument,
+               {"`w_down` is on cuda:1", "cuda:0"});
+}
+
+TEST(ArgsValidation, BackwardOutputsMustNotOverlap) {
+  TinyCall call;
+  BackwardArgs args = call.backward_args();
+  args.d_w_up.data = args.d_w_gate.data;
+  expect_error(check_backward_args(call.shape, args, DeviceType::kCPU), ErrorCode::kInvalidArgument,
+               {"outputs `d_w_gate` and `d_w_up` overlap"});
+  args = call.backward_args();
+  args.d_router_weights.data = call.router_weights.data();
+  expect_error(check_backward_args(call.shape, args, DeviceType::kCPU), ErrorCode::kInvalidArgument,
+               {"output `d_router_weights` overlaps input `router_weights`"});
+  args = call.backward_args();
+  args.d_out = TensorView();
+  expect_error(check_backward_args(call.shape, args, DeviceType::kCPU), ErrorCode::kInvalidArgument,
+               {"`d_out` is missing"});
+}
+
+TEST(ExpertIdValidation, FirstBadEntryIsNamed) {
+  TinyCall call;
+  call.top_experts[3 * 2 + 1] = 8;
+  call.top_experts[10 * 2 + 0] = -2;
+  expect_error(check_top_experts(call.shape, call.forward_args().top_experts, 1),
+               ErrorCode::kInvalidArgument,
+               {"top_experts[rank 1, token 3, k 1] = 8 is out of range", "[0, 8)"});
+  std::vector<int64_t> wide(call.top_experts.begin(), call.top_experts.end());
+  wide[3 * 2 + 1] = 0;
+  wide[5] = int64_t{1} << 40;
+  TensorView view = TensorView::contiguous(wide.data(), DType::kInt64, {64, 2});
+  expect_error(check_top_experts(call.shape, view, 0), ErrorCode::kInvalidArgument,
+               {"top_experts[rank 0, token 2, k 1] = 1099511627776"});
+}
+
+TEST(ExpertIdValidation, ScheduleHeaderGivesTheSameMessage) {
+  ScheduleParams params;
+  params.num_ranks = 2;
+  params.tokens_per_rank = 64;
+  params.top_k = 2;
+  params.num_experts = 8;
+  ScheduleHeader header{};
+  header.status = static_cast<int32_t>(ScheduleStatus::kBadExpertId);
+  header.error_pair = (1 * 64 + 3) * 2 + 1;
+  header.error_value = 8;
+  expect_error(schedule_status(params, header), ErrorCode::kInvalidArgument,
+               {"top_experts[rank 1, token 3, k 1] = 8 is out of range"});
+}
+
+// The reference validates everything before it writes anything: a bad call leaves the poisoned
+// outputs untouched.
+TEST(ReferenceValidation, NothingRunsOnBadInput) {
+  TinyCall call;
+  const bf16 poison{0x7fc1};
+  std::fill(call.out.begin(), call.out.end(), poison);
+  call.top_experts[7] = 99;
+  EXPECT_THROW(reference::forward(call.shape, call.forward_args()), Error);
+  for (const bf16 value : call.out) ASSERT_EQ(value.bits, poison.bits);
+
+  call.top_experts[7] = 0;
+  ForwardArgs args = call.forward_args();
+  args.w_up.shape[2] = 128;
+  EXPECT_THROW(reference::forward(call.shape, args), Error);
+  for (const bf16 value : call.out) ASSERT_EQ(value.bits, poison.bits);
+
+  std::fill(call.d_x.begin(), call.d_x.end(), poison);
+  BackwardArgs backward = call.backward_args();
+  backward.d_w_down.dtype = DType::kFloat32;
+  EXPECT_THROW(reference::backward(call.shape, backward), Error);
+  for (const bf16 value : call.d_x) ASSERT_EQ(value.bits, poison.bits);
+
+  // A rank count that does not match the shape.
+  EXPECT_THROW(reference::forward_ep(named_shape("tiny", 2), {call.forward_args()}), Error);
+}
+
+}  // namespace
+}  // namespace mok
