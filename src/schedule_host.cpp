@@ -106,7 +106,7 @@ void build_schedule_host(const ScheduleLayout& layout, const void* top_experts_a
       if (header.error_pair < 0) {
         header.status = static_cast<int32_t>(ScheduleStatus::kBadExpertId);
         header.error_pair = static_cast<int32_t>(pair);
-        header.error_value = static_cast<int32_t>(expert);
+        header.error_value = saturate_expert_id(expert);
       }
       continue;
     }

@@ -13,12 +13,16 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "mok/baseline_layer.h"
+#include "mok/device_problem.h"
+#include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
 #include "mok/schedule.h"
@@ -54,9 +58,13 @@ mok run options:
   --threads N                  CPU threads of the reference (default: all)
   --check-tokens N             tokens the fp64 oracle checks (default: all that fit a budget)
   --json FILE                  also write the results as JSON
+  --cpu                        run the CPU reference even where a GPU is present
 
-Without a GPU, `mok run` runs the CPU reference (forward and backward) and checks it against an
-independent fp64 implementation. With a GPU it also checks the GPU schedule builder.
+On a GPU (one rank), `mok run` runs mok's forward and the unfused cuBLAS baseline in the same
+run, checks both against the CPU reference on a slice of tokens, and prints times and TFLOP/s.
+Without a GPU (or with --cpu, or --ranks > 1 for now), it runs the CPU reference forward and
+backward, checks it against an independent fp64 implementation, and, where a GPU is present,
+checks the GPU schedule builder against the host's.
 )";
 
 struct RunOptions {
@@ -68,6 +76,7 @@ struct RunOptions {
   std::string routing = "uniform";
   uint64_t seed = 1;
   std::string json_path;
+  bool cpu_only = false;
 };
 
 int64_t parse_int(const std::string& flag, const std::string& text) {
@@ -87,6 +96,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     if (flag == "--help" || flag == "-h") {
       std::cout << kUsage;
       std::exit(0);
+    }
+    if (flag == "--cpu") {
+      options.cpu_only = true;
+      continue;
     }
     if (i + 1 >= args.size())
       throw Error(ErrorCode::kInvalidArgument, "option " + flag + " needs a value (see mok --help)");
@@ -370,8 +383,174 @@ std::string json_escape(const std::string& text) {
   return out;
 }
 
+// A copy of rank 0 of an R = 1 problem holding only `tokens` (weights shared by value).
+mok::HostProblem token_slice(const mok::HostProblem& problem, const std::vector<int64_t>& tokens) {
+  mok::HostProblem slice;
+  slice.shape = problem.shape;
+  slice.shape.num_tokens = static_cast<int64_t>(tokens.size());
+  const mok::HostRank& full = problem.ranks[0];
+  mok::HostRank rank;
+  const int64_t H = problem.shape.hidden, K = problem.shape.top_k;
+  for (int64_t token : tokens) {
+    rank.x.insert(rank.x.end(), full.x.begin() + token * H, full.x.begin() + (token + 1) * H);
+    rank.d_out.insert(rank.d_out.end(), full.d_out.begin() + token * H, full.d_out.begin() + (token + 1) * H);
+    rank.top_experts.insert(rank.top_experts.end(), full.top_experts.begin() + token * K,
+                            full.top_experts.begin() + (token + 1) * K);
+    rank.router_weights.insert(rank.router_weights.end(), full.router_weights.begin() + token * K,
+                               full.router_weights.begin() + (token + 1) * K);
+  }
+  rank.w_gate = full.w_gate;
+  rank.w_up = full.w_up;
+  rank.w_down = full.w_down;
+  rank.w_shared_gate = full.w_shared_gate;
+  rank.w_shared_up = full.w_shared_up;
+  rank.w_shared_down = full.w_shared_down;
+  rank.out.resize(tokens.size() * H);
+  rank.d_x.resize(tokens.size() * H);
+  rank.d_router_weights.resize(tokens.size() * K);
+  rank.d_w_gate.resize(full.d_w_gate.size());
+  rank.d_w_up.resize(full.d_w_up.size());
+  rank.d_w_down.resize(full.d_w_down.size());
+  rank.d_w_shared_gate.resize(full.d_w_shared_gate.size());
+  rank.d_w_shared_up.resize(full.d_w_shared_up.size());
+  rank.d_w_shared_down.resize(full.d_w_shared_down.size());
+  slice.ranks.push_back(std::move(rank));
+  return slice;
+}
+
+double median_ms(const std::function<void()>& body, cudaStream_t stream, int warmup, int iterations) {
+  cudaEvent_t start, stop;
+  CLI_CUDA_CHECK(cudaEventCreate(&start));
+  CLI_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < warmup; ++i) body();
+  std::vector<float> times;
+  for (int i = 0; i < iterations; ++i) {
+    CLI_CUDA_CHECK(cudaEventRecord(start, stream));
+    body();
+    CLI_CUDA_CHECK(cudaEventRecord(stop, stream));
+    CLI_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CLI_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// The GPU path of `mok run` (one GPU): mok's forward against the unfused cuBLAS baseline in the
+// same run, both checked against the CPU reference on a slice of tokens, mok also bitwise
+// against itself across runs.
+int run_gpu_command(const RunOptions& options, const mok::MoeShape& shape, const std::string& device_name) {
+  constexpr double kGpuTolerance = 1e-2;
+  const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
+  mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
+  int64_t routed_pairs = 0;
+  for (int32_t expert : problem.ranks[0].top_experts) routed_pairs += expert >= 0;
+  const double forward_flop = 6.0 * routed_pairs * shape.hidden * shape.intermediate +
+                              6.0 * shape.num_tokens * shape.hidden * shape.shared_intermediate;
+
+  mok::DeviceProblem device(problem, 0);
+  mok::GpuLayer layer(shape, mok::MoeConfig{});
+  mok::BaselineLayer baseline(shape);
+  cudaStream_t stream;
+  CLI_CUDA_CHECK(cudaStreamCreate(&stream));
+  const mok::ForwardArgs args = device.forward_args();
+
+  // Correctness first: poisoned outputs, mok twice (bitwise), the baseline once.
+  std::vector<mok::HostRank> results(3, problem.ranks[0]);
+  for (int run = 0; run < 3; ++run) {
+    device.poison_outputs();
+    if (run < 2) {
+      layer.forward(args, stream);
+      layer.synchronize(stream).throw_if_error();
+    } else {
+      baseline.forward(args, stream);
+      CLI_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    device.download_outputs(results[run]);
+  }
+  const bool deterministic = std::memcmp(results[0].out.data(), results[1].out.data(), results[0].out.size() * 2) == 0;
+
+  const int64_t total_tokens = shape.num_tokens;
+  const int64_t check_count = std::min<int64_t>(total_tokens, options.check_tokens >= 0 ? options.check_tokens : 128);
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i < check_count; ++i) tokens.push_back(i * total_tokens / check_count);
+  mok::HostProblem slice = token_slice(problem, tokens);
+  mok::reference::Options reference_options;
+  reference_options.num_threads = options.threads;
+  if (check_count > 0) mok::reference::forward(slice.shape, slice.forward_args(0), reference_options);
+  auto compare = [&](const std::string& name, const mok::HostRank& got) {
+    ErrorAccumulator acc;
+    const int64_t H = shape.hidden;
+    for (size_t slot = 0; slot < tokens.size(); ++slot)
+      for (int64_t col = 0; col < H; ++col)
+        acc.add(value_of(got.out[tokens[slot] * H + col]), value_of(slice.ranks[0].out[slot * H + col]));
+    return acc.result(name);
+  };
+  const Comparison mok_error = compare("mok out", results[0]);
+  const Comparison baseline_error = compare("baseline out", results[2]);
+
+  const auto stages = layer.profile_forward(args, stream, 20);
+  const double mok_ms = median_ms([&] { layer.forward(args, stream); }, stream, 3, 20);
+  const double baseline_ms = median_ms([&] { baseline.forward(args, stream); }, stream, 3, 20);
+  CLI_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  bool passed = deterministic && mok_error.finite && mok_error.rel <= kGpuTolerance && baseline_error.finite &&
+                baseline_error.rel <= kGpuTolerance;
+  std::printf("mok run: forward on %s (EP = 1)\n", device_name.c_str());
+  std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(), shape.to_string().c_str(),
+              options.routing.c_str(), static_cast<unsigned long long>(options.seed));
+  std::printf("  work      %lld routed pairs, %.1f GFLOP forward\n", static_cast<long long>(routed_pairs),
+              forward_flop / 1e9);
+  std::printf("  %-26s %10s %10s %8s\n", "forward", "ms", "TFLOP/s", "vs base");
+  std::printf("  %-26s %10.3f %10.1f %7.2fx\n", "mok", mok_ms, forward_flop / mok_ms / 1e9, baseline_ms / mok_ms);
+  std::printf("  %-26s %10.3f %10.1f %7.2fx\n", "baseline (cuBLAS, unfused)", baseline_ms,
+              forward_flop / baseline_ms / 1e9, 1.0);
+  std::printf("  mok stages (median of 20, with events between stages):\n");
+  for (const auto& [name, ms] : stages) std::printf("    %-24s %9.3f ms\n", name.c_str(), ms);
+  std::printf("  check against the CPU reference on %lld of %lld tokens (tolerance %.0e):\n",
+              static_cast<long long>(check_count), static_cast<long long>(total_tokens), kGpuTolerance);
+  for (const Comparison& error : {mok_error, baseline_error})
+    std::printf("    %-16s max |err| %.3e  rel err %.3e%s\n", error.name.c_str(), error.max_abs, error.rel,
+                error.finite ? "" : "  NOT FINITE");
+  std::printf("  mok bitwise identical across runs: %s\n", deterministic ? "yes" : "NO");
+  std::printf("%s\n", passed ? "PASS" : "FAIL");
+
+  if (!options.json_path.empty()) {
+    std::ofstream json(options.json_path);
+    json << "{\n  \"device\": \"" << json_escape(device_name) << "\", \"shape_name\": \"" << options.shape_name
+         << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \"" << options.routing << "\",\n"
+         << "  \"forward_gflop\": " << forward_flop / 1e9 << ", \"mok_forward_ms\": " << mok_ms
+         << ", \"baseline_forward_ms\": " << baseline_ms << ",\n  \"mok_tflops\": " << forward_flop / mok_ms / 1e9
+         << ", \"speedup\": " << baseline_ms / mok_ms << ",\n  \"stages_ms\": {";
+    for (size_t i = 0; i < stages.size(); ++i)
+      json << (i ? ", " : "") << "\"" << stages[i].first << "\": " << stages[i].second;
+    json << "},\n  \"mok_rel_err\": " << mok_error.rel << ", \"baseline_rel_err\": " << baseline_error.rel
+         << ", \"deterministic\": " << (deterministic ? "true" : "false") << ", \"passed\": "
+         << (passed ? "true" : "false") << "\n}\n";
+  }
+  return passed ? 0 : 1;
+}
+
+std::string cuda_device_name() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return "";
+  }
+  cudaDeviceProp props{};
+  if (cudaGetDeviceProperties(&props, 0) != cudaSuccess) return "";
+  return props.name;
+}
+
 int run_command(const RunOptions& options) {
   const mok::MoeShape shape = shape_from_options(options);
+  if (!options.cpu_only && shape.num_ranks == 1) {
+    const std::string device_name = cuda_device_name();
+    if (!device_name.empty()) return run_gpu_command(options, shape, device_name);
+  }
   const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
   check_fits_in_memory(shape, options.shape_name);
   mok::reference::Options reference_options;

@@ -77,7 +77,7 @@ struct ScheduleHeader {
   int32_t total_recv;   // entries of the receive list
   int32_t status;       // ScheduleStatus
   int32_t error_pair;   // first pair index with a bad expert id, or -1
-  int32_t error_value;  // its expert id (truncated to int32 for int64 input)
+  int32_t error_value;  // its expert id, saturated to the int32 range for int64 input
   int32_t reserved[2];
 };
 static_assert(sizeof(ScheduleHeader) == 32, "ScheduleHeader is shared by host and device");
@@ -148,6 +148,12 @@ struct ScheduleView {
     return view;
   }
 };
+
+// An expert id as the header stores it: int64 ids outside the int32 range saturate, so a huge
+// bad id never reads back as a valid one.
+MOK_HOST_DEVICE inline int32_t saturate_expert_id(int64_t expert) {
+  return expert > INT32_MAX ? INT32_MAX : expert < INT32_MIN ? INT32_MIN : static_cast<int32_t>(expert);
+}
 
 // Decodes a pair index.
 struct PairCoord {

@@ -1,0 +1,53 @@
+// The MoE layer on one GPU (EP = 1): the host runtime that owns the workspace and launches the
+// device kernels. Today the forward runs as a short sequence of kernels (schedule build, local
+// dispatch, gate/up GEMM with fused SwiGLU, down GEMM with scatter, combine); the persistent
+// fused kernel replaces the sequence behind the same API.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mok/config.h"
+#include "mok/error.h"
+#include "mok/layer_args.h"
+#include "mok/shape.h"
+
+namespace mok {
+
+class GpuLayer {
+ public:
+  // Allocates the workspace for `shape` on the current CUDA device; throws mok::Error if the
+  // shape or config cannot be implemented (naming the field) or memory runs out.
+  GpuLayer(const MoeShape& shape, const MoeConfig& config);
+  ~GpuLayer();
+  GpuLayer(const GpuLayer&) = delete;
+  GpuLayer& operator=(const GpuLayer&) = delete;
+
+  // Runs the forward on `stream` with CUDA tensors; validates the arguments on the host first
+  // and launches nothing if they are wrong. No host synchronization.
+  void forward(const ForwardArgs& args, cudaStream_t stream);
+
+  // Runs the forward `iterations` times with CUDA events between its stages and returns the
+  // median milliseconds of each stage (name, ms), then "total". Synchronizes.
+  std::vector<std::pair<std::string, float>> profile_forward(const ForwardArgs& args, cudaStream_t stream,
+                                                             int iterations);
+
+  // Waits for `stream` and reports what the device found: bad expert ids (naming rank, token,
+  // slot and value), a timed-out device wait (with its diagnosis), or a CUDA error.
+  Status synchronize(cudaStream_t stream);
+
+  const MoeShape& shape() const;
+  // Bytes of device memory the workspace holds.
+  int64_t workspace_bytes() const;
+
+  struct State;  // opaque: workspace, tensor maps, diagnosis record (src/gpu_layer.cpp)
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace mok

@@ -1,0 +1,79 @@
+// HostProblem: an owning, host-memory MoE problem for a whole expert-parallel group (every
+// rank's inputs and output buffers), filled with deterministic random values. Tests and the
+// CLI build one, hand its views to the CPU reference (or copy them to GPUs), and compare.
+//
+// Values, from the project's splitmix64 stream (a (shape, routing, seed) triple gives the same
+// problem on every machine): x and d_out ~ U(-1, 1), weights ~ U(-1, 1) / sqrt(fan_in), all
+// rounded to bf16; router weights ~ U(0, 1) in fp32 (tests may overwrite some); routing from
+// generate_routing. The shared expert is replicated: every rank holds the same values.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mok/dtype.h"
+#include "mok/layer_args.h"
+#include "mok/reference.h"
+#include "mok/routing.h"
+#include "mok/shape.h"
+
+namespace mok {
+
+// One rank's tensors, row-major. E_loc = local experts, Is = shared intermediate.
+struct HostRank {
+  // Inputs.
+  std::vector<bf16> x;                           // [T, H]
+  std::vector<bf16> d_out;                       // [T, H]
+  std::vector<int32_t> top_experts;              // [T, K], global ids, -1 = no route
+  std::vector<float> router_weights;             // [T, K]
+  std::vector<bf16> w_gate, w_up;                // [E_loc, I, H]
+  std::vector<bf16> w_down;                      // [E_loc, H, I]
+  std::vector<bf16> w_shared_gate, w_shared_up;  // [Is, H] (empty when Is = 0)
+  std::vector<bf16> w_shared_down;               // [H, Is]
+  // Outputs.
+  std::vector<bf16> out;                             // [T, H]
+  std::vector<bf16> d_x;                             // [T, H]
+  std::vector<float> d_router_weights;               // [T, K]
+  std::vector<bf16> d_w_gate, d_w_up;                // [E_loc, I, H]
+  std::vector<bf16> d_w_down;                        // [E_loc, H, I]
+  std::vector<bf16> d_w_shared_gate, d_w_shared_up;  // [Is, H]
+  std::vector<bf16> d_w_shared_down;                 // [H, Is]
+};
+
+struct HostProblem {
+  MoeShape shape;
+  std::vector<HostRank> ranks;  // shape.num_ranks entries
+
+  // Builds and fills a problem; throws mok::Error if can_implement(shape) fails.
+  static HostProblem make(const MoeShape& shape, RoutingKind routing, uint64_t seed);
+
+  // Host bytes that make() allocates for `shape` (inputs and outputs of every rank), so a
+  // caller can refuse a shape that does not fit in memory before trying.
+  static int64_t bytes_needed(const MoeShape& shape);
+
+  // Views into rank `rank`'s buffers (int32 top_experts, CPU device).
+  ForwardArgs forward_args(int32_t rank);
+  BackwardArgs backward_args(int32_t rank);
+  std::vector<ForwardArgs> all_forward_args();
+  std::vector<BackwardArgs> all_backward_args();
+
+  // The same math on one rank: R = 1, all E experts local (ranks' experts in rank order), the
+  // ranks' tokens concatenated in rank order. Outputs are allocated, not filled.
+  HostProblem single_rank_equivalent() const;
+  // R = 1 with all experts and only rank `rank`'s tokens: its shared-expert weight gradients
+  // are what rank `rank` computes in the R-rank problem.
+  HostProblem rank_alone(int32_t rank) const;
+
+  // Fills every output buffer with NaN (a recognizable payload), so that an element a run
+  // fails to write shows up in any comparison.
+  void poison_outputs();
+
+  // The inputs as mok::oracle::Inputs (d_out included). Needs shape.num_ranks == 1.
+  oracle::Inputs to_oracle_inputs() const;
+};
+
+// The poison values of HostProblem::poison_outputs.
+inline constexpr uint16_t kPoisonBf16Bits = 0xFFC1;
+inline constexpr uint32_t kPoisonF32Bits = 0xFFC0BAD1u;
+
+}  // namespace mok

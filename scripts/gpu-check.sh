@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# The one command to run on a GPU device machine: builds mok (Release, ptxas register/spill
+# report in the log), runs the CPU and GPU test suites, the CLI on the tiny shape, and
+# compute-sanitizer on the schedule GPU tests, then writes a summary.
+#
+# Outputs under $OUT (default ./out; the device tool returns at most 8 files): build.log,
+# ctest.log, run.log (mok run on tiny and the benchmark shapes), sass.log, sanitizer.log and
+# results.json (device, pass or fail per step, ctest counts, schedule timing, and every
+# `mok run --json` result). MOK_BENCH_SHAPES picks the benchmark shapes (default: qwen3 dsv3_local). A failing step is recorded and the script goes on
+# to the summary; it exits non-zero if any step failed.
+#
+# GoogleTest: the device machine may lack it and cannot download it. Run scripts/fetch-gtest.sh
+# on the development machine first and carry .deps (git-ignored) with the working tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+OUT="${OUT:-$root/out}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+build_dir="${MOK_GPU_BUILD_DIR:-build-gpu}"
+export PATH="$PATH:/usr/local/cuda/bin"
+# NVLink multicast must never be used on these machines (DESIGN.md section 2.8).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+start_seconds=$SECONDS
+
+step_names=()
+step_results=()
+record() {  # record NAME pass|fail|skipped
+  step_names+=("$1")
+  step_results+=("$2")
+  echo "== step $1: $2"
+}
+# run_step NAME LOG COMMAND...: runs the command with its output shown and appended to LOG.
+run_step() {
+  local name="$1" log="$2"
+  shift 2
+  echo "== $name: $*" | tee -a "$log"
+  if "$@" 2>&1 | tee -a "$log"; then record "$name" pass; else record "$name" fail; fi
+}
+json_string() {  # prints its argument as a JSON string
+  local s="${1//\\/\\\\}"
+  s="${s//\"/\\\"}"
+  s="${s//$'\n'/ }"
+  printf '"%s"' "$s"
+}
+
+# --- Device and toolchain ------------------------------------------------------------------------
+device_name="unknown"
+driver_version="unknown"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L; then
+  device_name="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  driver_version="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n 1)"
+  record device pass
+else
+  echo "nvidia-smi failed or is missing: no GPU visible"
+  record device fail
+fi
+nvcc_version="missing"
+if command -v nvcc >/dev/null 2>&1; then
+  nvcc --version
+  nvcc_version="$(nvcc --version | grep -o 'release [0-9.]*, V[0-9.]*' || true)"
+fi
+cmake_version="$(cmake --version 2>/dev/null | head -n 1 || echo missing)"
+echo "$cmake_version"
+
+# --- Configure and build -------------------------------------------------------------------------
+: >"$OUT/build.log"
+cmake_args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON)
+if command -v ninja >/dev/null 2>&1; then
+  cmake_args+=(-G Ninja)
+else
+  echo "ninja is missing: using Unix Makefiles" | tee -a "$OUT/build.log"
+  cmake_args+=(-G "Unix Makefiles")
+fi
+if [ -d "$root/.deps/googletest" ]; then
+  cmake_args+=("-DMOK_GTEST_SOURCE_DIR=$root/.deps/googletest")
+fi
+# CMake before 3.26 knows no C++20 flag for nvcc; name it so CUDA_STANDARD 20 configures.
+if cmake --version 2>/dev/null | head -n 1 | grep -Eq 'version 3\.(2[0-5]|1[0-9])\.'; then
+  cmake_args+=(-DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20
+               -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
+fi
+run_step configure "$OUT/build.log" cmake "${cmake_args[@]}"
+built=0
+if [ "${step_results[-1]}" = pass ]; then
+  run_step build "$OUT/build.log" cmake --build "$build_dir" -j "$(nproc)"
+  [ "${step_results[-1]}" = pass ] && built=1
+else
+  record build skipped
+fi
+
+# --- Tests ---------------------------------------------------------------------------------------
+: >"$OUT/ctest.log"
+cpu_counts='null'
+gpu_counts='null'
+# ctest_counts LOG_FILE: JSON counts from one ctest run's summary lines.
+ctest_counts() {
+  local log="$1" total failed skipped
+  # "100% tests passed out of 60" or "95% tests passed, 3 tests failed out of 60"
+  total="$(grep -Eo 'tests passed.* out of [0-9]+' "$log" | tail -n 1 | grep -Eo '[0-9]+$' || true)"
+  failed="$(grep -Eo '[0-9]+ tests failed out of' "$log" | tail -n 1 | grep -Eo '^[0-9]+' || true)"
+  failed="${failed:-0}"
+  skipped="$(grep -c '(Skipped)' "$log" || true)"
+  if [ -z "$total" ]; then
+    echo 'null'
+    return
+  fi
+  echo "{\"total\": $total, \"passed\": $((total - failed - skipped)), \"failed\": $failed, \"skipped\": $skipped}"
+}
+if [ "$built" = 1 ]; then
+  # CPU tests in parallel; the GPU suite alone, so that its timings see an idle machine.
+  tmp_log="$(mktemp)"
+  run_step ctest_cpu "$tmp_log" bash -c "cd '$build_dir' && ctest --output-on-failure -L cpu -j '$(nproc)' --timeout 300"
+  cat "$tmp_log" >>"$OUT/ctest.log"
+  cpu_counts="$(ctest_counts "$tmp_log")"
+  : >"$tmp_log"
+  run_step ctest_gpu "$tmp_log" bash -c "cd '$build_dir' && MOK_RESULTS_DIR='$OUT' ctest --verbose -L gpu --timeout 420"
+  cat "$tmp_log" >>"$OUT/ctest.log"
+  gpu_counts="$(ctest_counts "$tmp_log")"
+  # On a device machine a skipped GPU suite means the GPU was not usable: a failure here.
+  if grep -q '(Skipped)' "$tmp_log"; then
+    echo "the GPU suite was skipped: no usable GPU; ctest_gpu counts as failed" | tee -a "$OUT/ctest.log"
+    step_results[-1]=fail
+  fi
+  rm -f "$tmp_log"
+else
+  record ctest_cpu skipped
+  record ctest_gpu skipped
+fi
+
+# --- CLI: the tiny shape, then the benchmarks (mok vs the unfused baseline, same run) ------------
+bench_json=""
+add_bench_json() {  # add_bench_json NAME FILE: merge one `mok run --json` result, then drop the file
+  if [ -s "$2" ]; then
+    [ -n "$bench_json" ] && bench_json+=", "
+    bench_json+="$(json_string "$1"): $(cat "$2")"
+  fi
+  rm -f "$2"
+}
+if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
+  : >"$OUT/run.log"
+  run_step mok_run_tiny "$OUT/run.log" timeout 120 "./$build_dir/mok" run --shape tiny --json "$OUT/tmp_tiny.json"
+  add_bench_json tiny "$OUT/tmp_tiny.json"
+  for shape in ${MOK_BENCH_SHAPES:-qwen3 dsv3_local}; do
+    run_step "bench_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
+      --json "$OUT/tmp_bench.json"
+    add_bench_json "$shape" "$OUT/tmp_bench.json"
+  done
+else
+  echo "mok CLI not built: skipping mok run"
+  record mok_run skipped
+fi
+
+# --- Disassembly: are the matrix instructions and register reallocation there? ------------------
+if [ "$built" = 1 ] && command -v cuobjdump >/dev/null 2>&1; then
+  {
+    echo "SASS instruction counts per kernel (HGMMA = wgmma, UTMALDG = TMA load, USETMAXREG = setmaxnreg)"
+    cuobjdump --dump-sass "$build_dir/libmok.a" 2>/dev/null | awk '
+      /Function :/ { name = $3 }
+      /HGMMA/ { hgmma[name]++ } /UTMALDG/ { tma[name]++ } /USETMAXREG/ { maxreg[name]++ }
+      /LDL|STL/ { local[name]++ }
+      END { for (n in hgmma) printf "%-100s HGMMA %d UTMALDG %d USETMAXREG %d LDL/STL %d\n", n, hgmma[n], tma[n], maxreg[n], local[n] }'
+    echo
+    grep -E "registers|spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -40
+  } >"$OUT/sass.log" 2>&1 || true
+fi
+
+# --- compute-sanitizer on the schedule GPU tests ---------------------------------------------------
+sanitizer="$(command -v compute-sanitizer || true)"
+if [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" ]; then
+  : >"$OUT/sanitizer.log"
+  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:-ScheduleGpu.Timing}"
+  race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize}"
+  run_step sanitizer_memcheck "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
+    --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$memcheck_filter"
+  run_step sanitizer_racecheck "$OUT/sanitizer.log" timeout 90 "$sanitizer" --tool racecheck \
+    --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$race_filter"
+  run_step sanitizer_synccheck "$OUT/sanitizer.log" timeout 60 "$sanitizer" --tool synccheck \
+    --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$race_filter"
+else
+  echo "compute-sanitizer or the GPU test binary is missing: skipping the sanitizer runs"
+  record sanitizer skipped
+fi
+
+# --- Summary -------------------------------------------------------------------------------------
+failed_steps=()
+steps_json=""
+for i in "${!step_names[@]}"; do
+  [ -n "$steps_json" ] && steps_json+=", "
+  steps_json+="$(json_string "${step_names[$i]}"): $(json_string "${step_results[$i]}")"
+  [ "${step_results[$i]}" = fail ] && failed_steps+=("${step_names[$i]}")
+done
+timing='null'
+if [ -s "$OUT/schedule_timing.json" ]; then timing="$(cat "$OUT/schedule_timing.json")"; rm -f "$OUT/schedule_timing.json"; fi
+ok=true
+[ ${#failed_steps[@]} -gt 0 ] && ok=false
+cat >"$OUT/results.json" <<EOF
+{
+  "ok": $ok,
+  "device": $(json_string "$device_name"),
+  "driver": $(json_string "$driver_version"),
+  "nvcc": $(json_string "$nvcc_version"),
+  "cmake": $(json_string "$cmake_version"),
+  "git_commit": $(json_string "$(git rev-parse --short HEAD 2>/dev/null || echo none)"),
+  "seconds": $((SECONDS - start_seconds)),
+  "steps": {$steps_json},
+  "ctest": {"cpu": $cpu_counts, "gpu": $gpu_counts},
+  "schedule_timing": $timing,
+  "runs": {$bench_json}
+}
+EOF
+
+echo
+echo "== gpu-check summary ($device_name, $((SECONDS - start_seconds)) s; logs in $OUT)"
+for i in "${!step_names[@]}"; do printf '  %-22s %s\n' "${step_names[$i]}" "${step_results[$i]}"; done
+echo "  ctest cpu: $cpu_counts"
+echo "  ctest gpu: $gpu_counts"
+grep -E 'schedule build .*median' "$OUT/ctest.log" | sed 's/^[0-9]*: /  /' || true
+[ -f "$OUT/run.log" ] && sed -n '/^mok run: forward/,/^\(PASS\|FAIL\)$/p' "$OUT/run.log"
+if [ "$ok" != true ]; then
+  echo "gpu-check FAILED: ${failed_steps[*]}"
+  exit 1
+fi
+echo "gpu-check passed"

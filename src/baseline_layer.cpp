@@ -1,0 +1,149 @@
+// BaselineLayer: see include/mok/baseline_layer.h. cuBLAS computes each expert's GEMMs in
+// column-major terms: C^T[n x c] = W[n x k] * rows^T[k x c], i.e. op(W) = T on the row-major
+// weight, with fp32 accumulation and bf16 output (the same rounding points as mok).
+#include "mok/baseline_layer.h"
+
+#include <cublas_v2.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels/launchers.h"
+#include "mok/schedule.h"
+#include "mok/schedule_gpu.h"
+
+namespace mok {
+
+namespace {
+
+void cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw Error(ErrorCode::kCudaError, std::string("baseline: ") + what + ": " + cudaGetErrorString(status));
+}
+
+void cublas_check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw Error(ErrorCode::kCudaError, std::string("baseline: ") + what + ": cuBLAS status " + std::to_string(status));
+}
+
+struct Buffer {
+  void* pointer = nullptr;
+  explicit Buffer(int64_t bytes) { cuda_check(cudaMalloc(&pointer, std::max<int64_t>(bytes, 16)), "cudaMalloc"); }
+  ~Buffer() { cudaFree(pointer); }
+  char* bytes() const { return static_cast<char*>(pointer); }
+};
+
+// rows[count x k] (row-major, ld k) times weights[n x k]^T into out[count x n].
+void gemm_rows_by_weights_t(cublasHandle_t handle, int64_t count, int64_t n, int64_t k, const void* weights,
+                            const void* rows, void* out) {
+  const float one = 1.0f, zero = 0.0f;
+  cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(count),
+                            static_cast<int>(k), &one, weights, CUDA_R_16BF, static_cast<int>(k), rows, CUDA_R_16BF,
+                            static_cast<int>(k), &zero, out, CUDA_R_16BF, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx");
+}
+
+}  // namespace
+
+struct BaselineLayer::State {
+  MoeShape shape;
+  cublasHandle_t handle = nullptr;
+  ScheduleLayout layout;
+  std::unique_ptr<Buffer> schedule, rows, gate, up, hidden, expert_out, shared_gate, shared_up, shared_hidden,
+      shared_out;
+  ~State() {
+    if (handle != nullptr) cublasDestroy(handle);
+  }
+};
+
+BaselineLayer::BaselineLayer(const MoeShape& shape) : state_(std::make_unique<State>()) {
+  can_implement(shape).throw_if_error();
+  if (shape.num_ranks != 1)
+    throw Error(ErrorCode::kUnsupported, "BaselineLayer: num_ranks = " + std::to_string(shape.num_ranks) +
+                                             "; valid: 1");
+  State& s = *state_;
+  s.shape = shape;
+  cublas_check(cublasCreate(&s.handle), "cublasCreate");
+  ScheduleParams params;
+  params.tokens_per_rank = static_cast<int32_t>(shape.num_tokens);
+  params.top_k = shape.top_k;
+  params.num_experts = static_cast<int32_t>(shape.num_experts);
+  s.layout = ScheduleLayout::make(params);
+  const int64_t max_rows = params.max_rows(), H = shape.hidden, I = shape.intermediate, T = shape.num_tokens;
+  s.schedule = std::make_unique<Buffer>(s.layout.total_bytes);
+  s.rows = std::make_unique<Buffer>(max_rows * H * 2);
+  s.gate = std::make_unique<Buffer>(max_rows * I * 2);
+  s.up = std::make_unique<Buffer>(max_rows * I * 2);
+  s.hidden = std::make_unique<Buffer>(max_rows * I * 2);
+  s.expert_out = std::make_unique<Buffer>(max_rows * H * 2);
+  if (shape.has_shared_expert()) {
+    const int64_t Is = shape.shared_intermediate;
+    s.shared_gate = std::make_unique<Buffer>(T * Is * 2);
+    s.shared_up = std::make_unique<Buffer>(T * Is * 2);
+    s.shared_hidden = std::make_unique<Buffer>(T * Is * 2);
+    s.shared_out = std::make_unique<Buffer>(T * H * 2);
+  }
+}
+
+BaselineLayer::~BaselineLayer() = default;
+
+void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
+  State& s = *state_;
+  const MoeShape& shape = s.shape;
+  check_forward_args(shape, args, DeviceType::kCUDA).throw_if_error();
+  const int64_t H = shape.hidden, I = shape.intermediate, T = shape.num_tokens, E = shape.num_experts;
+  cublas_check(cublasSetStream(s.handle, stream), "cublasSetStream");
+
+  // Sort by expert and read the split sizes on the host (the synchronization users pay).
+  launch_build_schedule(s.layout, args.top_experts.data, args.top_experts.dtype, s.schedule->pointer, stream)
+      .throw_if_error();
+  ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
+  std::vector<int32_t> offsets(E + 1), counts(E);
+  cuda_check(cudaMemcpyAsync(offsets.data(), view.expert_offsets, (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
+             "read offsets");
+  cuda_check(cudaMemcpyAsync(counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
+             "read counts");
+  cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
+
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
+                                         s.rows->pointer, s.layout.params.max_rows(), stream),
+             "permute");
+  const char* w_gate = static_cast<const char*>(args.w_gate.data);
+  const char* w_up = static_cast<const char*>(args.w_up.data);
+  const char* w_down = static_cast<const char*>(args.w_down.data);
+  for (int64_t e = 0; e < E; ++e) {
+    if (counts[e] == 0) continue;
+    const int64_t row = offsets[e];
+    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2, s.rows->bytes() + row * H * 2,
+                           s.gate->bytes() + row * I * 2);
+    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2, s.rows->bytes() + row * H * 2,
+                           s.up->bytes() + row * I * 2);
+  }
+  cuda_check(kernels::launch_baseline_swiglu(offsets[E], s.gate->pointer, s.up->pointer, I, shape.swiglu_limit,
+                                             s.hidden->pointer, stream),
+             "swiglu");
+  for (int64_t e = 0; e < E; ++e) {
+    if (counts[e] == 0) continue;
+    const int64_t row = offsets[e];
+    gemm_rows_by_weights_t(s.handle, counts[e], H, I, w_down + e * H * I * 2, s.hidden->bytes() + row * I * 2,
+                           s.expert_out->bytes() + row * H * 2);
+  }
+  if (shape.has_shared_expert() && T > 0) {
+    const int64_t Is = shape.shared_intermediate;
+    gemm_rows_by_weights_t(s.handle, T, Is, H, args.w_shared_gate.data, args.x.data, s.shared_gate->pointer);
+    gemm_rows_by_weights_t(s.handle, T, Is, H, args.w_shared_up.data, args.x.data, s.shared_up->pointer);
+    cuda_check(kernels::launch_baseline_swiglu(T, s.shared_gate->pointer, s.shared_up->pointer, Is,
+                                               shape.swiglu_limit, s.shared_hidden->pointer, stream),
+               "shared swiglu");
+    gemm_rows_by_weights_t(s.handle, T, H, Is, args.w_shared_down.data, s.shared_hidden->pointer,
+                           s.shared_out->pointer);
+  }
+  cuda_check(kernels::launch_baseline_unpermute(s.expert_out->pointer, view.pair_row,
+                                                shape.has_shared_expert() ? s.shared_out->pointer : nullptr,
+                                                args.router_weights.data_as<const float>(), T, H, shape.top_k,
+                                                args.out.data, stream),
+             "unpermute");
+}
+
+}  // namespace mok

@@ -1,0 +1,47 @@
+// Local dispatch: copies each routed token's row of x into its slot of the expert-grouped row
+// buffer (the single-GPU form of the pull dispatch), and zeroes padding rows so that the GEMMs
+// that sum over rows (weight gradients) see zeros there.
+//
+// Roles: a grid-stride loop; each warp copies one row at a time in 16-byte vectors (H/8 of
+// them). Rows past header.total_rows are left alone.
+#include <cuda_bf16.h>
+
+#include "kernels/launchers.h"
+
+namespace mok::kernels {
+
+namespace {
+
+__global__ void gather_rows_kernel(const ScheduleHeader* header, const int32_t* row_pair,
+                                   const uint4* x, int64_t vectors_per_row, int32_t top_k,
+                                   uint4* rows) {
+  const int total_rows = header->total_rows;
+  const int warps_total = gridDim.x * blockDim.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < total_rows; row += warps_total) {
+    const int pair = row_pair[row];
+    uint4* dst = rows + row * vectors_per_row;
+    if (pair < 0) {
+      for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      const uint4* src = x + static_cast<int64_t>(pair / top_k) * vectors_per_row;
+      for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = __ldg(src + v);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair,
+                               const void* x, int64_t hidden, int32_t top_k, void* rows,
+                               int64_t max_rows, cudaStream_t stream) {
+  if (max_rows == 0) return cudaSuccess;
+  int device = 0, sm_count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  gather_rows_kernel<<<sm_count * 4, 256, 0, stream>>>(header, row_pair, static_cast<const uint4*>(x),
+                                                      hidden / 8, top_k, static_cast<uint4*>(rows));
+  return cudaGetLastError();
+}
+
+}  // namespace mok::kernels

@@ -1,0 +1,38 @@
+// The types of device waits that host code also sees: the context every waiting kernel gets,
+// and the diagnosis record a timed-out wait leaves behind (see wait.cuh).
+#pragma once
+
+#include <stdint.h>
+
+namespace mok::kernels {
+
+// What was being waited for; the host turns it into words (describe_wait_diagnosis in wait_report.h).
+enum class WaitSite : int32_t {
+  kGemmFreeStage = 1,    // GEMM producer waiting for consumers to release a smem stage
+  kGemmLoadedStage = 2,  // GEMM consumer waiting for TMA to fill a smem stage
+  kCounter = 3,          // a dependency counter in global memory
+  kTestNeverReady = 4,   // the deliberately unsatisfiable wait of the timeout test
+};
+
+// Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host
+// can still read it after the trap has killed the context.
+struct WaitDiagnosis {
+  int32_t timed_out;  // 1 once written
+  int32_t site;       // WaitSite
+  int32_t rank;
+  int32_t sm;
+  int32_t block;
+  int32_t thread;
+  int64_t expected;
+  int64_t seen;
+  uint64_t waited_ns;
+};
+
+// Passed by value to every kernel that waits.
+struct WaitContext {
+  uint64_t timeout_ns;         // from MoeConfig::wait_timeout_s
+  int32_t rank;
+  WaitDiagnosis* diagnosis;    // mapped host memory, or null
+};
+
+}  // namespace mok::kernels

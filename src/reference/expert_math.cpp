@@ -1,0 +1,172 @@
+// One expert's forward and backward over a block of rows (see expert_math.h). Every product
+// goes through gemm_nt / dot_fixed, so each value has one fixed summation order.
+#include "expert_math.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "gemm_f32.h"
+
+namespace mok::reference::detail {
+
+namespace {
+
+// exp of -g shared by silu and sigmoid: silu(g) = g / (1 + exp(-g)), sigmoid = 1 / (1 + exp(-g)).
+inline float one_plus_exp_neg(float g) { return 1.0f + std::exp(-g); }
+
+void round_in_place(ThreadPool& pool, float* values, int64_t rows, int64_t width) {
+  pool.parallel_for(rows, [&](int64_t row) {
+    float* row_values = values + row * width;
+    for (int64_t col = 0; col < width; ++col) row_values[col] = round_to_bf16(row_values[col]);
+  });
+}
+
+}  // namespace
+
+void load_expert_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
+                         int64_t hidden, int64_t intermediate, WeightsFor use,
+                         ExpertWeights& weights) {
+  weights.hidden = hidden;
+  weights.intermediate = intermediate;
+  const int64_t matrix = intermediate * hidden;
+  weights.gate_up.resize(static_cast<size_t>(2 * matrix));
+  convert_bf16_to_float(pool, w_gate, matrix, weights.gate_up.data());
+  convert_bf16_to_float(pool, w_up, matrix, weights.gate_up.data() + matrix);
+  if (use == WeightsFor::kForward) {
+    weights.down.resize(static_cast<size_t>(matrix));
+    convert_bf16_to_float(pool, w_down, matrix, weights.down.data());
+  } else {
+    // dh_raw[i] = sum_n d_out[n] * Wd[n][i] and dx[h] = sum_i d_g[i] Wg[i][h] + d_u[i] Wu[i][h]
+    // reduce over the weights' other index: transposed copies make them NT products too.
+    weights.down_t.resize(static_cast<size_t>(matrix));
+    transpose_to_float(pool, w_down, hidden, intermediate, intermediate, weights.down_t.data(),
+                       hidden);
+    weights.gate_up_t.resize(static_cast<size_t>(2 * matrix));
+    transpose_to_float(pool, w_gate, intermediate, hidden, hidden, weights.gate_up_t.data(),
+                       2 * intermediate);
+    transpose_to_float(pool, w_up, intermediate, hidden, hidden,
+                       weights.gate_up_t.data() + intermediate, 2 * intermediate);
+  }
+}
+
+SwigluRows expert_swiglu(ThreadPool& pool, const ExpertWeights& weights, const float* x_rows,
+                         int64_t rows, float swiglu_limit) {
+  const int64_t hidden = weights.hidden, inter = weights.intermediate;
+  std::vector<float> gate_up(static_cast<size_t>(rows * 2 * inter));
+  gemm_nt(pool, rows, 2 * inter, hidden, x_rows, hidden, weights.gate_up.data(), hidden,
+          gate_up.data(), 2 * inter);
+
+  SwigluRows act;
+  const size_t count = static_cast<size_t>(rows * inter);
+  act.gate.resize(count);
+  act.up.resize(count);
+  act.gate_passes.resize(count);
+  act.up_passes.resize(count);
+  act.hidden.resize(count);
+  const float limit = swiglu_limit;
+  pool.parallel_for(rows, [&](int64_t row) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const int64_t at = row * inter + i;
+      const float g = round_to_bf16(gate_up[row * 2 * inter + i]);
+      const float u = round_to_bf16(gate_up[row * 2 * inter + inter + i]);
+      // Strict comparisons: a value equal to the limit is not clamped and passes its gradient.
+      const bool gate_clamped = g > limit;
+      const bool up_clamped = u > limit || u < -limit;
+      const float g_clamped = gate_clamped ? limit : g;
+      const float u_clamped = u > limit ? limit : (u < -limit ? -limit : u);
+      act.gate[at] = g_clamped;
+      act.up[at] = u_clamped;
+      act.gate_passes[at] = gate_clamped ? 0 : 1;
+      act.up_passes[at] = up_clamped ? 0 : 1;
+      const float silu = g_clamped / one_plus_exp_neg(g_clamped);
+      act.hidden[at] = round_to_bf16(silu * u_clamped);
+    }
+  });
+  return act;
+}
+
+void expert_down(ThreadPool& pool, const ExpertWeights& weights, const float* hidden, int64_t rows,
+                 float* y) {
+  const int64_t hidden_size = weights.hidden, inter = weights.intermediate;
+  gemm_nt(pool, rows, hidden_size, inter, hidden, inter, weights.down.data(), inter, y,
+          hidden_size);
+  round_in_place(pool, y, rows, hidden_size);
+}
+
+void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float* x_rows,
+                     const float* d_out_rows, const float* row_weights, int64_t rows,
+                     float swiglu_limit, const ExpertGradients& grads) {
+  const int64_t hidden = weights.hidden, inter = weights.intermediate;
+  if (rows == 0) {
+    // An expert nobody routed to: its gradients are zero (the outputs are still written).
+    std::fill(grads.d_w_gate, grads.d_w_gate + inter * hidden, bf16{});
+    std::fill(grads.d_w_up, grads.d_w_up + inter * hidden, bf16{});
+    std::fill(grads.d_w_down, grads.d_w_down + inter * hidden, bf16{});
+    return;
+  }
+  const SwigluRows act = expert_swiglu(pool, weights, x_rows, rows, swiglu_limit);
+
+  // dh_raw = bf16(d_out . Wd[:, i]): the unweighted dgrad of down.
+  std::vector<float> dh_raw(static_cast<size_t>(rows * inter));
+  gemm_nt(pool, rows, inter, hidden, d_out_rows, hidden, weights.down_t.data(), hidden,
+          dh_raw.data(), inter);
+  round_in_place(pool, dh_raw.data(), rows, inter);
+
+  // d_router_weights = <dh_raw, h>: computed directly, right for zero and negative weights.
+  if (grads.d_router_weights != nullptr)
+    pool.parallel_for(rows, [&](int64_t row) {
+      grads.d_router_weights[row] =
+          dot_fixed(dh_raw.data() + row * inter, act.hidden.data() + row * inter, inter);
+    });
+
+  // SwiGLU backward in fp32 on the clamped bf16 g, u; d_g and d_u side by side in one row of
+  // 2I, the operand of the fused dx reduction.
+  std::vector<float> d_gate_up(static_cast<size_t>(rows * 2 * inter));
+  std::vector<float> weighted_hidden(static_cast<size_t>(rows * inter));
+  pool.parallel_for(rows, [&](int64_t row) {
+    const float weight = row_weights != nullptr ? row_weights[row] : 1.0f;
+    float* d_gate = d_gate_up.data() + row * 2 * inter;
+    float* d_up = d_gate + inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const int64_t at = row * inter + i;
+      const float dh = weight * dh_raw[at];
+      const float g = act.gate[at];
+      const float u = act.up[at];
+      const float denominator = one_plus_exp_neg(g);
+      const float silu = g / denominator;
+      const float sigmoid = 1.0f / denominator;
+      d_up[i] = act.up_passes[at] ? round_to_bf16(dh * silu) : 0.0f;
+      d_gate[i] = act.gate_passes[at]
+                      ? round_to_bf16(dh * u * sigmoid * (1.0f + g * (1.0f - sigmoid)))
+                      : 0.0f;
+      weighted_hidden[at] = round_to_bf16(weight * act.hidden[at]);
+    }
+  });
+
+  // dx = bf16(d_g . Wg[:, h] + d_u . Wu[:, h]): one reduction over 2I, rounded once.
+  gemm_nt(pool, rows, hidden, 2 * inter, d_gate_up.data(), 2 * inter, weights.gate_up_t.data(),
+          2 * inter, grads.dx, hidden);
+  round_in_place(pool, grads.dx, rows, hidden);
+
+  // Weight gradients reduce over the rows: transposed copies make the rows the depth of an NT
+  // product, summed in row order.
+  std::vector<float> d_out_t(static_cast<size_t>(hidden * rows));
+  std::vector<float> hidden_t(static_cast<size_t>(inter * rows));
+  transpose_to_float(pool, d_out_rows, rows, hidden, hidden, d_out_t.data(), rows);
+  transpose_to_float(pool, weighted_hidden.data(), rows, inter, inter, hidden_t.data(), rows);
+  gemm_nt(pool, hidden, inter, rows, d_out_t.data(), rows, hidden_t.data(), rows, grads.d_w_down,
+          inter);
+  d_out_t = {};
+  hidden_t = {};
+
+  std::vector<float> d_gate_up_t(static_cast<size_t>(2 * inter * rows));
+  std::vector<float> x_t(static_cast<size_t>(hidden * rows));
+  transpose_to_float(pool, d_gate_up.data(), rows, 2 * inter, 2 * inter, d_gate_up_t.data(), rows);
+  transpose_to_float(pool, x_rows, rows, hidden, hidden, x_t.data(), rows);
+  gemm_nt(pool, inter, hidden, rows, d_gate_up_t.data(), rows, x_t.data(), rows, grads.d_w_gate,
+          hidden);
+  gemm_nt(pool, inter, hidden, rows, d_gate_up_t.data() + inter * rows, rows, x_t.data(), rows,
+          grads.d_w_up, hidden);
+}
+
+}  // namespace mok::reference::detail

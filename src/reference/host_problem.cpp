@@ -1,0 +1,272 @@
+// HostProblem: construction with deterministic random values, views, R = 1 equivalents,
+// poisoning, and conversion to oracle inputs. See include/mok/host_problem.h.
+#include "mok/host_problem.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "mok/error.h"
+
+namespace mok {
+
+namespace {
+
+// Independent streams per tensor and rank, so one tensor's values do not depend on how many
+// values another consumed.
+enum class Stream : uint64_t {
+  kX = 1,
+  kDOut,
+  kRouterWeights,
+  kWGate,
+  kWUp,
+  kWDown,
+  kWSharedGate,
+  kWSharedUp,
+  kWSharedDown,
+};
+
+SplitMix64 stream(uint64_t seed, Stream tensor, int64_t rank) {
+  SplitMix64 mixer(seed ^ (static_cast<uint64_t>(tensor) * 0xd1b54a32d192ed03ull) ^
+                   (static_cast<uint64_t>(rank + 1) * 0x8cb92ba72f3d8dd7ull));
+  return SplitMix64(mixer.next());
+}
+
+// `count` values U(-scale, scale), rounded to bf16.
+std::vector<bf16> uniform_bf16(SplitMix64 rng, int64_t count, double scale) {
+  std::vector<bf16> values(static_cast<size_t>(count));
+  for (bf16& value : values)
+    value = float_to_bf16(static_cast<float>((2.0 * rng.uniform() - 1.0) * scale));
+  return values;
+}
+
+template <typename T>
+void append(std::vector<T>& dst, const std::vector<T>& src) {
+  dst.insert(dst.end(), src.begin(), src.end());
+}
+
+void allocate_outputs(const MoeShape& shape, HostRank& rank) {
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
+  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  rank.out.assign(T * H, bf16{});
+  rank.d_x.assign(T * H, bf16{});
+  rank.d_router_weights.assign(T * K, 0.0f);
+  rank.d_w_gate.assign(E * I * H, bf16{});
+  rank.d_w_up.assign(E * I * H, bf16{});
+  rank.d_w_down.assign(E * H * I, bf16{});
+  rank.d_w_shared_gate.assign(Is * H, bf16{});
+  rank.d_w_shared_up.assign(Is * H, bf16{});
+  rank.d_w_shared_down.assign(H * Is, bf16{});
+}
+
+// A view of a vector, or an absent view for an empty optional tensor.
+template <typename T>
+TensorView view_of(std::vector<T>& data, DType dtype, std::initializer_list<int64_t> shape,
+                   bool present = true) {
+  if (!present) return TensorView{};
+  return TensorView::contiguous(data.data(), dtype, shape);
+}
+
+// R = 1 problem holding the tokens of `token_ranks` (concatenated in that order) and every
+// expert of the group.
+HostProblem merge_ranks(const HostProblem& problem, const std::vector<int32_t>& token_ranks) {
+  HostProblem merged;
+  merged.shape = problem.shape;
+  merged.shape.num_ranks = 1;
+  merged.shape.num_tokens = problem.shape.num_tokens * static_cast<int64_t>(token_ranks.size());
+  HostRank single;
+  for (int32_t rank : token_ranks) {
+    const HostRank& source = problem.ranks[rank];
+    append(single.x, source.x);
+    append(single.d_out, source.d_out);
+    append(single.top_experts, source.top_experts);
+    append(single.router_weights, source.router_weights);
+  }
+  for (const HostRank& source : problem.ranks) {
+    append(single.w_gate, source.w_gate);
+    append(single.w_up, source.w_up);
+    append(single.w_down, source.w_down);
+  }
+  single.w_shared_gate = problem.ranks[0].w_shared_gate;
+  single.w_shared_up = problem.ranks[0].w_shared_up;
+  single.w_shared_down = problem.ranks[0].w_shared_down;
+  allocate_outputs(merged.shape, single);
+  merged.ranks.push_back(std::move(single));
+  return merged;
+}
+
+template <typename T>
+std::vector<double> to_double(const std::vector<T>& values) {
+  std::vector<double> result(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    if constexpr (std::is_same_v<T, bf16>)
+      result[i] = bf16_to_float(values[i]);
+    else
+      result[i] = static_cast<double>(values[i]);
+  }
+  return result;
+}
+
+void check_rank(const HostProblem& problem, int32_t rank) {
+  if (rank < 0 || rank >= static_cast<int32_t>(problem.ranks.size()))
+    throw Error(ErrorCode::kInvalidArgument, "HostProblem: rank = " + std::to_string(rank) +
+                                                 "; valid: [0, " +
+                                                 std::to_string(problem.ranks.size()) + ")");
+}
+
+}  // namespace
+
+HostProblem HostProblem::make(const MoeShape& shape, RoutingKind routing, uint64_t seed) {
+  can_implement(shape).throw_if_error();
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
+  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  const int32_t R = shape.num_ranks;
+
+  HostProblem problem;
+  problem.shape = shape;
+  problem.ranks.resize(R);
+  const std::vector<int32_t> all_routing =
+      generate_routing(routing, R, static_cast<int32_t>(T), shape.top_k,
+                       static_cast<int32_t>(shape.num_experts), seed);
+  // Replicated shared expert: one stream, copied to every rank.
+  const std::vector<bf16> shared_gate =
+      uniform_bf16(stream(seed, Stream::kWSharedGate, 0), Is * H, 1.0 / std::sqrt(double(H)));
+  const std::vector<bf16> shared_up =
+      uniform_bf16(stream(seed, Stream::kWSharedUp, 0), Is * H, 1.0 / std::sqrt(double(H)));
+  const std::vector<bf16> shared_down = uniform_bf16(stream(seed, Stream::kWSharedDown, 0), H * Is,
+                                                     Is > 0 ? 1.0 / std::sqrt(double(Is)) : 0.0);
+
+  for (int32_t r = 0; r < R; ++r) {
+    HostRank& rank = problem.ranks[r];
+    rank.x = uniform_bf16(stream(seed, Stream::kX, r), T * H, 1.0);
+    rank.d_out = uniform_bf16(stream(seed, Stream::kDOut, r), T * H, 1.0);
+    rank.top_experts.assign(all_routing.begin() + r * T * K, all_routing.begin() + (r + 1) * T * K);
+    SplitMix64 weight_rng = stream(seed, Stream::kRouterWeights, r);
+    rank.router_weights.resize(T * K);
+    for (float& weight : rank.router_weights) weight = static_cast<float>(weight_rng.uniform());
+    rank.w_gate =
+        uniform_bf16(stream(seed, Stream::kWGate, r), E * I * H, 1.0 / std::sqrt(double(H)));
+    rank.w_up = uniform_bf16(stream(seed, Stream::kWUp, r), E * I * H, 1.0 / std::sqrt(double(H)));
+    rank.w_down =
+        uniform_bf16(stream(seed, Stream::kWDown, r), E * H * I, 1.0 / std::sqrt(double(I)));
+    rank.w_shared_gate = shared_gate;
+    rank.w_shared_up = shared_up;
+    rank.w_shared_down = shared_down;
+    allocate_outputs(shape, rank);
+  }
+  return problem;
+}
+
+int64_t HostProblem::bytes_needed(const MoeShape& shape) {
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
+  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  constexpr int64_t kBf16 = 2, kF32 = 4, kI32 = 4;
+  // Inputs and outputs have the same extents (x/out, d_out/d_x, weights/gradients).
+  const int64_t activations = 2 * T * H * kBf16;                 // x, d_out
+  const int64_t routing = T * K * (kI32 + kF32);                 // top_experts, router weights
+  const int64_t weights = (3 * E * I * H + 3 * Is * H) * kBf16;  // routed + shared
+  const int64_t per_rank = 2 * (activations + weights) + routing + T * K * kF32;
+  // make() also holds the routing of all ranks while it splits it.
+  return shape.num_ranks * (per_rank + T * K * kI32);
+}
+
+ForwardArgs HostProblem::forward_args(int32_t rank_index) {
+  check_rank(*this, rank_index);
+  HostRank& rank = ranks[rank_index];
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
+  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  const bool shared = shape.has_shared_expert();
+  ForwardArgs args;
+  args.x = view_of(rank.x, DType::kBFloat16, {T, H});
+  args.top_experts = view_of(rank.top_experts, DType::kInt32, {T, K});
+  args.router_weights = view_of(rank.router_weights, DType::kFloat32, {T, K});
+  args.w_gate = view_of(rank.w_gate, DType::kBFloat16, {E, I, H});
+  args.w_up = view_of(rank.w_up, DType::kBFloat16, {E, I, H});
+  args.w_down = view_of(rank.w_down, DType::kBFloat16, {E, H, I});
+  args.w_shared_gate = view_of(rank.w_shared_gate, DType::kBFloat16, {Is, H}, shared);
+  args.w_shared_up = view_of(rank.w_shared_up, DType::kBFloat16, {Is, H}, shared);
+  args.w_shared_down = view_of(rank.w_shared_down, DType::kBFloat16, {H, Is}, shared);
+  args.out = view_of(rank.out, DType::kBFloat16, {T, H});
+  return args;
+}
+
+BackwardArgs HostProblem::backward_args(int32_t rank_index) {
+  BackwardArgs args;
+  args.forward = forward_args(rank_index);
+  args.forward.out = TensorView{};
+  HostRank& rank = ranks[rank_index];
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
+  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  const bool shared = shape.has_shared_expert();
+  args.d_out = view_of(rank.d_out, DType::kBFloat16, {T, H});
+  args.d_x = view_of(rank.d_x, DType::kBFloat16, {T, H});
+  args.d_router_weights = view_of(rank.d_router_weights, DType::kFloat32, {T, K});
+  args.d_w_gate = view_of(rank.d_w_gate, DType::kBFloat16, {E, I, H});
+  args.d_w_up = view_of(rank.d_w_up, DType::kBFloat16, {E, I, H});
+  args.d_w_down = view_of(rank.d_w_down, DType::kBFloat16, {E, H, I});
+  args.d_w_shared_gate = view_of(rank.d_w_shared_gate, DType::kBFloat16, {Is, H}, shared);
+  args.d_w_shared_up = view_of(rank.d_w_shared_up, DType::kBFloat16, {Is, H}, shared);
+  args.d_w_shared_down = view_of(rank.d_w_shared_down, DType::kBFloat16, {H, Is}, shared);
+  return args;
+}
+
+std::vector<ForwardArgs> HostProblem::all_forward_args() {
+  std::vector<ForwardArgs> args;
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) args.push_back(forward_args(rank));
+  return args;
+}
+
+std::vector<BackwardArgs> HostProblem::all_backward_args() {
+  std::vector<BackwardArgs> args;
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) args.push_back(backward_args(rank));
+  return args;
+}
+
+HostProblem HostProblem::single_rank_equivalent() const {
+  std::vector<int32_t> all_ranks;
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) all_ranks.push_back(rank);
+  return merge_ranks(*this, all_ranks);
+}
+
+HostProblem HostProblem::rank_alone(int32_t rank) const {
+  check_rank(*this, rank);
+  return merge_ranks(*this, {rank});
+}
+
+void HostProblem::poison_outputs() {
+  bf16 poison_bf16;
+  poison_bf16.bits = kPoisonBf16Bits;
+  float poison_f32;
+  std::memcpy(&poison_f32, &kPoisonF32Bits, sizeof(poison_f32));
+  for (HostRank& rank : ranks) {
+    for (auto* buffer : {&rank.out, &rank.d_x, &rank.d_w_gate, &rank.d_w_up, &rank.d_w_down,
+                         &rank.d_w_shared_gate, &rank.d_w_shared_up, &rank.d_w_shared_down})
+      std::fill(buffer->begin(), buffer->end(), poison_bf16);
+    std::fill(rank.d_router_weights.begin(), rank.d_router_weights.end(), poison_f32);
+  }
+}
+
+oracle::Inputs HostProblem::to_oracle_inputs() const {
+  if (shape.num_ranks != 1)
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        "HostProblem::to_oracle_inputs: shape.num_ranks = " + std::to_string(shape.num_ranks) +
+            "; the oracle is single-rank (use single_rank_equivalent() first)");
+  const HostRank& rank = ranks[0];
+  oracle::Inputs inputs;
+  inputs.x = to_double(rank.x);
+  inputs.top_experts.assign(rank.top_experts.begin(), rank.top_experts.end());
+  inputs.router_weights = to_double(rank.router_weights);
+  inputs.w_gate = to_double(rank.w_gate);
+  inputs.w_up = to_double(rank.w_up);
+  inputs.w_down = to_double(rank.w_down);
+  inputs.w_shared_gate = to_double(rank.w_shared_gate);
+  inputs.w_shared_up = to_double(rank.w_shared_up);
+  inputs.w_shared_down = to_double(rank.w_shared_down);
+  inputs.d_out = to_double(rank.d_out);
+  return inputs;
+}
+
+}  // namespace mok

@@ -1,0 +1,22 @@
+// Host-side creation of TMA tensor maps (CUtensorMap) for bf16 tensors, through the driver
+// entry point that the CUDA runtime hands out (so mok does not link libcuda directly).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "mok/error.h"
+
+namespace mok {
+
+// A row-major bf16 matrix [outer, inner] read in boxes of [box_outer, box_inner] elements with
+// the 128-byte swizzle (box_inner * 2 must be 128). `what` names the operand in errors.
+CUtensorMap make_tensor_map_2d(const void* base, int64_t inner, int64_t outer, int32_t box_inner,
+                               int32_t box_outer, const char* what);
+
+// A row-major bf16 tensor [batch, outer, inner] read in boxes of [1, box_outer, box_inner].
+CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, int64_t batch,
+                               int32_t box_inner, int32_t box_outer, const char* what);
+
+}  // namespace mok
