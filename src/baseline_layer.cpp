@@ -33,6 +33,28 @@ struct Buffer {
   char* bytes() const { return static_cast<char*>(pointer); }
 };
 
+constexpr float kOne = 1.0f, kZero = 0.0f;
+
+// out[count x n] = rows[count x k] * W where W is row-major [k x n] (the dgrad forms).
+void gemm_rows_by_weights(cublasHandle_t handle, int64_t count, int64_t n, int64_t k, const void* weights,
+                          const void* rows, void* out, const float* beta) {
+  cublas_check(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(count),
+                            static_cast<int>(k), &kOne, weights, CUDA_R_16BF, static_cast<int>(n), rows, CUDA_R_16BF,
+                            static_cast<int>(k), beta, out, CUDA_R_16BF, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx (dgrad)");
+}
+
+// out[m x n] (row-major) = a[count x m]^T * b[count x n]: a weight gradient over `count` rows.
+void gemm_weight_grad(cublasHandle_t handle, int64_t count, int64_t m, int64_t n, const void* a, const void* b,
+                      void* out) {
+  cublas_check(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(n), static_cast<int>(m),
+                            static_cast<int>(count), &kOne, b, CUDA_R_16BF, static_cast<int>(n), a, CUDA_R_16BF,
+                            static_cast<int>(m), &kZero, out, CUDA_R_16BF, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx (weight gradient)");
+}
+
 // rows[count x k] (row-major, ld k) times weights[n x k]^T into out[count x n].
 void gemm_rows_by_weights_t(cublasHandle_t handle, int64_t count, int64_t n, int64_t k, const void* weights,
                             const void* rows, void* out) {
@@ -52,6 +74,8 @@ struct BaselineLayer::State {
   ScheduleLayout layout;
   std::unique_ptr<Buffer> schedule, rows, gate, up, hidden, expert_out, shared_gate, shared_up, shared_hidden,
       shared_out;
+  // Backward only (allocated on first use).
+  std::unique_ptr<Buffer> d_out_rows, dh_raw, d_gate, d_up, shared_dh_raw, shared_d_gate, shared_d_up;
   ~State() {
     if (handle != nullptr) cublasDestroy(handle);
   }
@@ -144,6 +168,118 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
                                                 args.router_weights.data_as<const float>(), T, H, shape.top_k,
                                                 args.out.data, stream),
              "unpermute");
+}
+
+}  // namespace mok
+
+namespace mok {
+
+void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream) {
+  State& s = *state_;
+  const MoeShape& shape = s.shape;
+  check_backward_args(shape, args, DeviceType::kCUDA).throw_if_error();
+  const ForwardArgs& fwd = args.forward;
+  const int64_t H = shape.hidden, I = shape.intermediate, T = shape.num_tokens, E = shape.num_experts;
+  const int64_t max_rows = s.layout.params.max_rows();
+  if (!s.d_out_rows) {
+    s.d_out_rows = std::make_unique<Buffer>(max_rows * H * 2);
+    s.dh_raw = std::make_unique<Buffer>(max_rows * I * 2);
+    s.d_gate = std::make_unique<Buffer>(max_rows * I * 2);
+    s.d_up = std::make_unique<Buffer>(max_rows * I * 2);
+    if (shape.has_shared_expert()) {
+      const int64_t Is = shape.shared_intermediate;
+      s.shared_dh_raw = std::make_unique<Buffer>(T * Is * 2);
+      s.shared_d_gate = std::make_unique<Buffer>(T * Is * 2);
+      s.shared_d_up = std::make_unique<Buffer>(T * Is * 2);
+    }
+  }
+  cublas_check(cublasSetStream(s.handle, stream), "cublasSetStream");
+  launch_build_schedule(s.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.schedule->pointer, stream)
+      .throw_if_error();
+  ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
+  std::vector<int32_t> offsets(E + 1), counts(E);
+  cuda_check(cudaMemcpyAsync(offsets.data(), view.expert_offsets, (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
+             "read offsets");
+  cuda_check(cudaMemcpyAsync(counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
+             "read counts");
+  cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
+
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows->pointer,
+                                         max_rows, stream),
+             "permute x");
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
+                                         s.d_out_rows->pointer, max_rows, stream),
+             "permute d_out");
+  cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream), "zero d_rw");
+  const char* w_gate = static_cast<const char*>(fwd.w_gate.data);
+  const char* w_up = static_cast<const char*>(fwd.w_up.data);
+  const char* w_down = static_cast<const char*>(fwd.w_down.data);
+  char* d_w_gate = static_cast<char*>(args.d_w_gate.data);
+  char* d_w_up = static_cast<char*>(args.d_w_up.data);
+  char* d_w_down = static_cast<char*>(args.d_w_down.data);
+  for (int64_t e = 0; e < E; ++e) {
+    if (counts[e] == 0) continue;
+    const int64_t row = offsets[e];
+    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2, s.rows->bytes() + row * H * 2,
+                           s.gate->bytes() + row * I * 2);
+    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2, s.rows->bytes() + row * H * 2,
+                           s.up->bytes() + row * I * 2);
+    gemm_rows_by_weights(s.handle, counts[e], I, H, w_down + e * H * I * 2, s.d_out_rows->bytes() + row * H * 2,
+                         s.dh_raw->bytes() + row * I * 2, &kZero);
+  }
+  cuda_check(kernels::launch_baseline_swiglu_backward(offsets[E], s.gate->pointer, s.up->pointer, s.dh_raw->pointer,
+                                                      view.row_pair, fwd.router_weights.data_as<const float>(), I,
+                                                      shape.swiglu_limit, s.d_gate->pointer, s.d_up->pointer,
+                                                      s.hidden->pointer, args.d_router_weights.data_as<float>(),
+                                                      stream),
+             "swiglu backward");
+  for (int64_t e = 0; e < E; ++e) {
+    if (counts[e] == 0) {
+      for (char* grad : {d_w_gate + e * I * H * 2, d_w_up + e * I * H * 2, d_w_down + e * H * I * 2})
+        cuda_check(cudaMemsetAsync(grad, 0, I * H * 2, stream), "zero empty expert gradient");
+      continue;
+    }
+    const int64_t row = offsets[e];
+    char* dx = s.expert_out->bytes() + row * H * 2;
+    gemm_rows_by_weights(s.handle, counts[e], H, I, w_gate + e * I * H * 2, s.d_gate->bytes() + row * I * 2, dx,
+                         &kZero);
+    gemm_rows_by_weights(s.handle, counts[e], H, I, w_up + e * I * H * 2, s.d_up->bytes() + row * I * 2, dx, &kOne);
+    gemm_weight_grad(s.handle, counts[e], I, H, s.d_gate->bytes() + row * I * 2, s.rows->bytes() + row * H * 2,
+                     d_w_gate + e * I * H * 2);
+    gemm_weight_grad(s.handle, counts[e], I, H, s.d_up->bytes() + row * I * 2, s.rows->bytes() + row * H * 2,
+                     d_w_up + e * I * H * 2);
+    gemm_weight_grad(s.handle, counts[e], H, I, s.d_out_rows->bytes() + row * H * 2,
+                     s.hidden->bytes() + row * I * 2, d_w_down + e * H * I * 2);
+  }
+  if (shape.has_shared_expert()) {
+    const int64_t Is = shape.shared_intermediate;
+    if (T == 0) {
+      for (const TensorView* grad : {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
+        cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream), "zero shared gradients");
+    } else {
+      gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_gate.data, fwd.x.data, s.shared_gate->pointer);
+      gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_up.data, fwd.x.data, s.shared_up->pointer);
+      gemm_rows_by_weights(s.handle, T, Is, H, fwd.w_shared_down.data, args.d_out.data, s.shared_dh_raw->pointer,
+                           &kZero);
+      cuda_check(kernels::launch_baseline_swiglu_backward(T, s.shared_gate->pointer, s.shared_up->pointer,
+                                                          s.shared_dh_raw->pointer, nullptr, nullptr, Is,
+                                                          shape.swiglu_limit, s.shared_d_gate->pointer,
+                                                          s.shared_d_up->pointer, s.shared_hidden->pointer, nullptr,
+                                                          stream),
+                 "shared swiglu backward");
+      gemm_rows_by_weights(s.handle, T, H, Is, fwd.w_shared_gate.data, s.shared_d_gate->pointer,
+                           s.shared_out->pointer, &kZero);
+      gemm_rows_by_weights(s.handle, T, H, Is, fwd.w_shared_up.data, s.shared_d_up->pointer, s.shared_out->pointer,
+                           &kOne);
+      gemm_weight_grad(s.handle, T, Is, H, s.shared_d_gate->pointer, fwd.x.data, args.d_w_shared_gate.data);
+      gemm_weight_grad(s.handle, T, Is, H, s.shared_d_up->pointer, fwd.x.data, args.d_w_shared_up.data);
+      gemm_weight_grad(s.handle, T, H, Is, args.d_out.data, s.shared_hidden->pointer, args.d_w_shared_down.data);
+    }
+  }
+  cuda_check(kernels::launch_baseline_unpermute(s.expert_out->pointer, view.pair_row,
+                                                shape.has_shared_expert() && T > 0 ? s.shared_out->pointer : nullptr,
+                                                nullptr, T, H, shape.top_k, args.d_x.data, stream),
+             "unpermute d_x");
 }
 
 }  // namespace mok

@@ -54,18 +54,44 @@ int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1
 
 }  // namespace
 
+// One set of experts that runs through the GEMM kernels: the routed experts (schedule built on
+// every call) or the shared expert (a fixed one-expert schedule over the rank's tokens).
+struct ExpertSet {
+  ScheduleLayout layout;
+  DeviceBuffer schedule;
+  int64_t num_experts = 0;
+  int64_t intermediate = 0;
+  int64_t capacity_rows = 0;  // rows of the [rows, I] buffers (a multiple of 128)
+  DeviceBuffer hidden;        // forward h; backward h_w
+  DeviceBuffer gate, up;      // backward: recomputed bf16 g, u
+  DeviceBuffer d_gate, d_up;  // backward
+  DeviceBuffer rw_partial;    // backward, routed only: [capacity_rows, ceil(I / 256)] fp32
+
+  void allocate(int64_t rows, int64_t inter, int64_t experts, bool router_weights) {
+    capacity_rows = rows;
+    intermediate = inter;
+    num_experts = experts;
+    for (DeviceBuffer* buffer : {&hidden, &gate, &up, &d_gate, &d_up}) buffer->allocate(rows * inter * 2, "expert buffer");
+    if (router_weights) rw_partial.allocate(rows * ((inter + 255) / 256) * 4, "router weight partials");
+  }
+  ScheduleView view() const { return ScheduleView::at(schedule.pointer, layout); }
+  int64_t bytes() const {
+    return schedule.bytes + hidden.bytes + gate.bytes + up.bytes + d_gate.bytes + d_up.bytes + rw_partial.bytes;
+  }
+};
+
 struct GpuLayer::State {
   MoeShape shape;
   MoeConfig config;
   int device = 0;
   int sm_count = 0;
-  ScheduleLayout schedule_layout;
-  DeviceBuffer schedule, rows, hidden, slots;
-  DeviceBuffer shared_schedule, shared_hidden, shared_out;
-  ScheduleLayout shared_layout;
+  ExpertSet routed, shared;
+  DeviceBuffer rows;        // [max_rows, H]: routed x rows in schedule order (padding rows zero)
+  DeviceBuffer d_out_rows;  // [max_rows, H]: routed d_out rows (backward)
+  DeviceBuffer slots;       // [T*K, H]: forward expert outputs / backward dx rows per (token, k)
+  DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
-  DType expert_dtype = DType::kInt32;
 
   ~State() {
     if (diagnosis != nullptr) cudaFreeHost(diagnosis);
@@ -99,11 +125,12 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config) : state_(std:
   params.tokens_per_rank = static_cast<int32_t>(T);
   params.top_k = shape.top_k;
   params.num_experts = static_cast<int32_t>(shape.num_experts);
-  s.schedule_layout = ScheduleLayout::make(params);
-  const int64_t max_rows = s.schedule_layout.params.max_rows();
-  s.schedule.allocate(s.schedule_layout.total_bytes, "schedule buffer");
+  s.routed.layout = ScheduleLayout::make(params);
+  const int64_t max_rows = params.max_rows();
+  s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
+  s.routed.allocate(max_rows, I, shape.num_local_experts(), /*router_weights=*/true);
   s.rows.allocate(max_rows * H * 2, "routed rows buffer");
-  s.hidden.allocate(max_rows * I * 2, "hidden buffer");
+  s.d_out_rows.allocate(max_rows * H * 2, "routed d_out rows buffer");
   s.slots.allocate(T * K * H * 2, "combine slots buffer");
 
   if (shape.has_shared_expert()) {
@@ -114,15 +141,14 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config) : state_(std:
     shared_params.tokens_per_rank = static_cast<int32_t>(T);
     shared_params.top_k = 1;
     shared_params.num_experts = 1;
-    s.shared_layout = ScheduleLayout::make(shared_params);
+    s.shared.layout = ScheduleLayout::make(shared_params);
     std::vector<int32_t> identity(static_cast<size_t>(T), 0);
-    std::vector<char> host(s.shared_layout.output_bytes);
-    build_schedule_host(s.shared_layout, identity.data(), DType::kInt32, host.data());
-    s.shared_schedule.allocate(s.shared_layout.total_bytes, "shared expert schedule");
-    cuda_check(cudaMemcpy(s.shared_schedule.pointer, host.data(), host.size(), cudaMemcpyHostToDevice),
+    std::vector<char> host(s.shared.layout.output_bytes);
+    build_schedule_host(s.shared.layout, identity.data(), DType::kInt32, host.data());
+    s.shared.schedule.allocate(s.shared.layout.total_bytes, "shared expert schedule");
+    cuda_check(cudaMemcpy(s.shared.schedule.pointer, host.data(), host.size(), cudaMemcpyHostToDevice),
                "upload shared expert schedule");
-    s.shared_hidden.allocate(round_up(std::max<int64_t>(T, 1), 128) * shape.shared_intermediate * 2,
-                             "shared hidden buffer");
+    s.shared.allocate(round_up(std::max<int64_t>(T, 1), 128), shape.shared_intermediate, 1, /*router_weights=*/false);
     s.shared_out.allocate(T * H * 2, "shared output buffer");
   }
 
@@ -140,84 +166,166 @@ const MoeShape& GpuLayer::shape() const { return state_->shape; }
 
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
-  return s.schedule.bytes + s.rows.bytes + s.hidden.bytes + s.slots.bytes + s.shared_schedule.bytes +
-         s.shared_hidden.bytes + s.shared_out.bytes;
+  return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes + s.slots.bytes + s.shared_out.bytes;
 }
-
-namespace {
-
-// Runs gate/up + SwiGLU and down for the experts described by `schedule` (a built schedule).
-void run_expert_gemms(const GpuLayer& layer, int sm_count, const ScheduleLayout& layout, void* schedule,
-                      const void* rows, int64_t num_rows_capacity, const void* w_gate, const void* w_up,
-                      const void* w_down, int64_t num_experts, int64_t intermediate, void* hidden,
-                      void* out, float swiglu_limit, const kernels::WaitContext& wait, cudaStream_t stream,
-                      const std::function<void(const char*)>& mark) {
-  const MoeShape& shape = layer.shape();
-  const int64_t H = shape.hidden;
-  ScheduleView view = ScheduleView::at(schedule, layout);
-  const CUtensorMap rows_map = make_tensor_map_2d(rows, H, num_rows_capacity, 64, 128, "routed rows");
-  const CUtensorMap gate_map = make_tensor_map_3d(w_gate, H, intermediate, num_experts, 64, 128, "w_gate");
-  const CUtensorMap up_map = make_tensor_map_3d(w_up, H, intermediate, num_experts, 64, 128, "w_up");
-  const CUtensorMap hidden_map = make_tensor_map_2d(hidden, intermediate, num_rows_capacity, 64, 128, "hidden");
-  const CUtensorMap down_map = make_tensor_map_3d(w_down, intermediate, H, num_experts, 64, 256, "w_down");
-
-  kernels::ExpertGemmParams gate_up{};
-  gate_up.header = view.header;
-  gate_up.tile_expert = view.tile_expert;
-  gate_up.row_pair = view.row_pair;
-  gate_up.n_extent = static_cast<int32_t>(intermediate);
-  gate_up.k_extent = static_cast<int32_t>(H);
-  gate_up.out = static_cast<__nv_bfloat16*>(hidden);
-  gate_up.out_ld = intermediate;
-  gate_up.swiglu_limit = swiglu_limit;
-  gate_up.wait = wait;
-  cuda_check(kernels::launch_expert_gemm(kernels::ExpertGemmForm::kGateUpSwiGLU, rows_map, gate_map, up_map,
-                                         gate_up, sm_count, stream),
-             "gate/up GEMM launch");
-  mark("gate/up GEMM + SwiGLU");
-
-  kernels::ExpertGemmParams down = gate_up;
-  down.n_extent = static_cast<int32_t>(H);
-  down.k_extent = static_cast<int32_t>(intermediate);
-  down.out = static_cast<__nv_bfloat16*>(out);
-  down.out_ld = H;
-  cuda_check(kernels::launch_expert_gemm(kernels::ExpertGemmForm::kDownScatter, hidden_map, down_map, down_map,
-                                         down, sm_count, stream),
-             "down GEMM launch");
-  mark("down GEMM + scatter");
-}
-
-}  // namespace
 
 namespace {
 
 using StageMarker = std::function<void(const char*)>;
 
+// Tensor maps: K-major operands are read in [128 rows x 64] boxes (A) or [128|256 x 64] (B);
+// MN-major ones in [64 K-rows x 64] boxes.
+CUtensorMap k_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_2d(base, width, rows, 64, 128, what);
+}
+CUtensorMap mn_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_2d(base, width, rows, 64, 64, what);
+}
+CUtensorMap k_major_weights(const void* base, int64_t k, int64_t n, int64_t experts, int32_t box_n, const char* what) {
+  return make_tensor_map_3d(base, k, n, experts, 64, box_n, what);
+}
+CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t experts, const char* what) {
+  return make_tensor_map_3d(base, n, k, experts, 64, 64, what);
+}
+
+kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet& set) {
+  kernels::ExpertGemmParams params{};
+  const ScheduleView view = set.view();
+  params.header = view.header;
+  params.tile_expert = view.tile_expert;
+  params.row_pair = view.row_pair;
+  params.expert_offsets = view.expert_offsets;
+  params.num_experts = static_cast<int32_t>(set.num_experts);
+  params.swiglu_limit = s.shape.swiglu_limit;
+  params.wait = s.wait_context();
+  return params;
+}
+
+void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form, const kernels::ExpertGemmMaps& maps,
+            const kernels::ExpertGemmParams& params, cudaStream_t stream, const char* what) {
+  cuda_check(kernels::launch_expert_gemm(form, maps, params, s.sm_count, stream), what);
+}
+
+// Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T), then y = h Wd^T scattered to
+// out + row_pair[row] * H. `rows` holds `rows_in_map` rows of width H.
+void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows, int64_t rows_in_map,
+                     const void* w_gate, const void* w_up, const void* w_down, void* out, cudaStream_t stream,
+                     const StageMarker& mark) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  kernels::ExpertGemmMaps maps;
+  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  kernels::ExpertGemmParams params = base_params(s, set);
+  params.n_extent = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  params.out = set.hidden.as<__nv_bfloat16>();
+  params.out_ld = I;
+  launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
+  mark("gate/up GEMM + SwiGLU");
+
+  maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, set.capacity_rows, "hidden");
+  maps.b0 = maps.b1 = k_major_weights(w_down, I, H, E, 256, "w_down");
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(I);
+  params.out = static_cast<__nv_bfloat16*>(out);
+  params.out_ld = H;
+  launch(s, kernels::ExpertGemmForm::kDownScatter, maps, params, stream, "down GEMM");
+  mark("down GEMM + scatter");
+}
+
+struct WeightGrads {
+  void* d_w_gate;
+  void* d_w_up;
+  void* d_w_down;
+};
+
+// Backward of one expert set: recompute g, u; dgrad of down with SwiGLU backward (d_g, d_u,
+// h_w, router-weight partials); dx rows scattered to dx_out + row_pair[row] * H; the three
+// weight gradients. router_weights null = weight 1 (the shared expert).
+void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows, const void* d_out_rows,
+                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
+                      const float* router_weights, void* dx_out, const WeightGrads& grads, cudaStream_t stream,
+                      const StageMarker& mark) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts, R = set.capacity_rows;
+  kernels::ExpertGemmParams params = base_params(s, set);
+
+  kernels::ExpertGemmMaps maps;
+  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  params.n_extent = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  params.out = set.gate.as<__nv_bfloat16>();
+  params.out2 = set.up.as<__nv_bfloat16>();
+  params.out_ld = I;
+  launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream, "gate/up recompute GEMM");
+  mark("gate/up recompute");
+
+  maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
+  maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  params.in_gate = set.gate.as<const __nv_bfloat16>();
+  params.in_up = set.up.as<const __nv_bfloat16>();
+  params.out = set.d_gate.as<__nv_bfloat16>();
+  params.out2 = set.d_up.as<__nv_bfloat16>();
+  params.out3 = set.hidden.as<__nv_bfloat16>();
+  params.router_weights = router_weights;
+  params.rw_partial = router_weights != nullptr ? set.rw_partial.as<float>() : nullptr;
+  launch(s, kernels::ExpertGemmForm::kDownGradSwiGLU, maps, params, stream, "down dgrad GEMM");
+  mark("down dgrad + SwiGLU backward");
+
+  maps.a0 = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
+  maps.a1 = k_major_rows(set.d_up.pointer, I, R, "d_up");
+  maps.b0 = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
+  maps.b1 = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(I);
+  params.out = static_cast<__nv_bfloat16*>(dx_out);
+  params.out_ld = H;
+  launch(s, kernels::ExpertGemmForm::kGateUpGradScatter, maps, params, stream, "gate/up dgrad GEMM");
+  mark("gate/up dgrad + scatter");
+
+  // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
+  const CUtensorMap x_rows = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
+  auto weight_grad = [&](const void* a, int64_t m, const CUtensorMap& b, int64_t n, void* out, const char* what) {
+    kernels::ExpertGemmMaps wgrad_maps;
+    wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, R, what);
+    wgrad_maps.b0 = wgrad_maps.b1 = b;
+    kernels::ExpertGemmParams wgrad = base_params(s, set);
+    wgrad.m_extent = static_cast<int32_t>(m);
+    wgrad.n_extent = static_cast<int32_t>(n);
+    wgrad.out = static_cast<__nv_bfloat16*>(out);
+    wgrad.out_ld = n;
+    launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
+  };
+  weight_grad(set.d_gate.pointer, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
+  weight_grad(set.d_up.pointer, I, x_rows, H, grads.d_w_up, "weight gradient of up");
+  weight_grad(d_out_rows, H, mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"), I, grads.d_w_down,
+              "weight gradient of down");
+  mark("weight gradients");
+}
+
 }  // namespace
 
 // The forward as a sequence of stages; `mark(name)` is called after each one (profiling).
-static void run_forward(GpuLayer& layer, GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
-                        const StageMarker& mark) {
+static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream, const StageMarker& mark) {
   const MoeShape& shape = s.shape;
   const int64_t T = shape.num_tokens, H = shape.hidden;
-  const kernels::WaitContext wait = s.wait_context();
-  launch_build_schedule(s.schedule_layout, args.top_experts.data, args.top_experts.dtype, s.schedule.pointer, stream)
+  launch_build_schedule(s.routed.layout, args.top_experts.data, args.top_experts.dtype, s.routed.schedule.pointer,
+                        stream)
       .throw_if_error();
   mark("schedule");
-  ScheduleView view = ScheduleView::at(s.schedule.pointer, s.schedule_layout);
-  const int64_t max_rows = s.schedule_layout.params.max_rows();
+  const ScheduleView view = s.routed.view();
+  const int64_t max_rows = s.routed.capacity_rows;
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k, s.rows.pointer,
                                          max_rows, stream),
              "gather launch");
   mark("gather");
-  run_expert_gemms(layer, s.sm_count, s.schedule_layout, s.schedule.pointer, s.rows.pointer, max_rows,
-                   args.w_gate.data, args.w_up.data, args.w_down.data, shape.num_local_experts(), shape.intermediate,
-                   s.hidden.pointer, s.slots.pointer, shape.swiglu_limit, wait, stream, mark);
+  forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data, args.w_down.data,
+                  s.slots.pointer, stream, mark);
   if (shape.has_shared_expert() && T > 0) {
-    run_expert_gemms(layer, s.sm_count, s.shared_layout, s.shared_schedule.pointer, args.x.data, T,
-                     args.w_shared_gate.data, args.w_shared_up.data, args.w_shared_down.data, 1,
-                     shape.shared_intermediate, s.shared_hidden.pointer, s.shared_out.pointer, shape.swiglu_limit,
-                     wait, stream, [](const char*) {});
+    forward_experts(s, s.shared, args.x.data, T, args.w_shared_gate.data, args.w_shared_up.data,
+                    args.w_shared_down.data, s.shared_out.pointer, stream, [](const char*) {});
     mark("shared expert");
   }
   cuda_check(kernels::launch_combine(s.slots.pointer, shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
@@ -228,19 +336,73 @@ static void run_forward(GpuLayer& layer, GpuLayer::State& s, const ForwardArgs& 
   mark("combine");
 }
 
+static void run_backward(GpuLayer::State& s, const BackwardArgs& args, cudaStream_t stream, const StageMarker& mark) {
+  const MoeShape& shape = s.shape;
+  const ForwardArgs& fwd = args.forward;
+  const int64_t T = shape.num_tokens, H = shape.hidden;
+  launch_build_schedule(s.routed.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.routed.schedule.pointer,
+                        stream)
+      .throw_if_error();
+  mark("schedule");
+  const ScheduleView view = s.routed.view();
+  const int64_t max_rows = s.routed.capacity_rows;
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows.pointer,
+                                         max_rows, stream),
+             "gather launch");
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
+                                         s.d_out_rows.pointer, max_rows, stream),
+             "gather d_out launch");
+  mark("gather x, d_out");
+  backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data, fwd.w_up.data,
+                   fwd.w_down.data, fwd.router_weights.data_as<const float>(), s.slots.pointer,
+                   {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, stream, mark);
+  cuda_check(kernels::launch_router_weight_grad(view.pair_row, s.routed.rw_partial.as<const float>(),
+                                                static_cast<int32_t>((shape.intermediate + 255) / 256),
+                                                T * shape.top_k, args.d_router_weights.data_as<float>(), stream),
+             "router weight gradient launch");
+  mark("router weight gradient");
+  if (shape.has_shared_expert()) {
+    if (T > 0) {
+      backward_experts(s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,
+                       fwd.w_shared_down.data, nullptr, s.shared_out.pointer,
+                       {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data}, stream,
+                       [](const char*) {});
+    } else {
+      for (const TensorView* grad : {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
+        cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream), "zero shared weight gradients");
+    }
+    mark("shared expert");
+  }
+  cuda_check(kernels::launch_combine(s.slots.pointer, shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
+                                     fwd.top_experts.data, fwd.top_experts.dtype, nullptr, T, H, shape.top_k,
+                                     shape.num_experts, args.d_x.data, stream),
+             "d_x combine launch");
+  mark("d_x combine");
+}
+
 void GpuLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   if (args.x.device_id != s.device)
     throw Error(ErrorCode::kInvalidArgument, "forward: tensors are on cuda:" + std::to_string(args.x.device_id) +
                                                  " but the layer's workspace is on cuda:" + std::to_string(s.device));
-  run_forward(*this, s, args, stream, [](const char*) {});
+  run_forward(s, args, stream, [](const char*) {});
 }
 
-std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const ForwardArgs& args, cudaStream_t stream,
-                                                                     int iterations) {
+void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream) {
   State& s = *state_;
-  check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  if (args.d_out.device_id != s.device)
+    throw Error(ErrorCode::kInvalidArgument, "backward: tensors are on cuda:" + std::to_string(args.d_out.device_id) +
+                                                 " but the layer's workspace is on cuda:" + std::to_string(s.device));
+  run_backward(s, args, stream, [](const char*) {});
+}
+
+namespace {
+
+// Runs `run(mark)` `iterations` times with events at every mark; the median of each stage.
+std::vector<std::pair<std::string, float>> profile_stages(
+    cudaStream_t stream, int iterations, const std::function<void(const StageMarker&)>& run) {
   std::vector<std::string> names;
   std::vector<std::vector<float>> samples;
   std::vector<cudaEvent_t> events;
@@ -256,7 +418,7 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const Forwa
     size_t marker = 0;
     cuda_check(cudaEventRecord(event_at(marker++), stream), "cudaEventRecord");
     std::vector<std::string> stage_names;
-    run_forward(*this, s, args, stream, [&](const char* name) {
+    run([&](const char* name) {
       cuda_check(cudaEventRecord(event_at(marker++), stream), "cudaEventRecord");
       stage_names.push_back(name);
     });
@@ -285,6 +447,22 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const Forwa
   return medians;
 }
 
+}  // namespace
+
+std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const ForwardArgs& args, cudaStream_t stream,
+                                                                     int iterations) {
+  State& s = *state_;
+  check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  return profile_stages(stream, iterations, [&](const StageMarker& mark) { run_forward(s, args, stream, mark); });
+}
+
+std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(const BackwardArgs& args, cudaStream_t stream,
+                                                                      int iterations) {
+  State& s = *state_;
+  check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  return profile_stages(stream, iterations, [&](const StageMarker& mark) { run_backward(s, args, stream, mark); });
+}
+
 Status GpuLayer::synchronize(cudaStream_t stream) {
   State& s = *state_;
   cudaError_t status = cudaStreamSynchronize(stream);
@@ -292,11 +470,11 @@ Status GpuLayer::synchronize(cudaStream_t stream) {
   if (status != cudaSuccess)
     return Status{ErrorCode::kCudaError, std::string("forward: ") + cudaGetErrorString(status)};
   ScheduleHeader header{};
-  ScheduleView view = ScheduleView::at(s.schedule.pointer, s.schedule_layout);
+  const ScheduleView view = s.routed.view();
   status = cudaMemcpy(&header, view.header, sizeof(header), cudaMemcpyDeviceToHost);
   if (status != cudaSuccess)
     return Status{ErrorCode::kCudaError, std::string("reading the schedule header: ") + cudaGetErrorString(status)};
-  Status routing = schedule_status(s.schedule_layout.params, header);
+  Status routing = schedule_status(s.routed.layout.params, header);
   if (!routing.ok()) return Status{ErrorCode::kDeviceFault, routing.message};
   return Status::Ok();
 }

@@ -22,6 +22,8 @@ class BaselineLayer {
 
   // Runs on `stream`; synchronizes once to read the expert counts, as the PyTorch pipeline does.
   void forward(const ForwardArgs& args, cudaStream_t stream);
+  // The backward the same way (recomputing gate/up), one cuBLAS call per expert and GEMM.
+  void backward(const BackwardArgs& args, cudaStream_t stream);
 
   struct State;  // opaque (src/baseline_layer.cpp)
 

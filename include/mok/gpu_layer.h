@@ -1,7 +1,9 @@
 // The MoE layer on one GPU (EP = 1): the host runtime that owns the workspace and launches the
-// device kernels. Today the forward runs as a short sequence of kernels (schedule build, local
-// dispatch, gate/up GEMM with fused SwiGLU, down GEMM with scatter, combine); the persistent
-// fused kernel replaces the sequence behind the same API.
+// device kernels. Today each direction runs as a short sequence of kernels (forward: schedule,
+// local dispatch, gate/up GEMM with fused SwiGLU, down GEMM with scatter, combine; backward:
+// schedule, gathers, gate/up recompute, down dgrad with fused SwiGLU backward, router-weight
+// gradient, gate/up dgrad with scatter, weight gradients, d_x combine); the persistent fused
+// kernels replace the sequences behind the same API.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -31,10 +33,18 @@ class GpuLayer {
   // and launches nothing if they are wrong. No host synchronization.
   void forward(const ForwardArgs& args, cudaStream_t stream);
 
+  // Runs the backward on `stream` with CUDA tensors (args.forward holds the forward's inputs;
+  // the forward's intermediates are recomputed): d_x, d_router_weights and every weight
+  // gradient. Validates first; no host synchronization.
+  void backward(const BackwardArgs& args, cudaStream_t stream);
+
   // Runs the forward `iterations` times with CUDA events between its stages and returns the
   // median milliseconds of each stage (name, ms), then "total". Synchronizes.
   std::vector<std::pair<std::string, float>> profile_forward(const ForwardArgs& args, cudaStream_t stream,
                                                              int iterations);
+
+  std::vector<std::pair<std::string, float>> profile_backward(const BackwardArgs& args, cudaStream_t stream,
+                                                              int iterations);
 
   // Waits for `stream` and reports what the device found: bad expert ids (naming rank, token,
   // slot and value), a timed-out device wait (with its diagnosis), or a CUDA error.

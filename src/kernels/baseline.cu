@@ -51,7 +51,7 @@ __global__ void baseline_unpermute_kernel(const uint4* expert_rows, const int32_
     for (int k = 0; k < top_k; ++k) {
       const int row = pair_row[token * top_k + k];
       if (row < 0) continue;
-      const float weight = router_weights[token * top_k + k];
+      const float weight = router_weights != nullptr ? router_weights[token * top_k + k] : 1.0f;
       const uint4 packed = expert_rows[row * vectors_per_row + vector];
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
 #pragma unroll
@@ -90,6 +90,57 @@ cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pa
   baseline_unpermute_kernel<<<grid_for(num_tokens * vectors_per_row), 256, 0, stream>>>(
       static_cast<const uint4*>(expert_rows), pair_row, static_cast<const uint4*>(shared), router_weights,
       num_tokens, vectors_per_row, top_k, static_cast<uint4*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace mok::kernels
+
+namespace mok::kernels {
+
+namespace {
+
+// One warp per row: SwiGLU backward of the baseline from g, u, dh_raw (bf16 rows), the router
+// weight of the row's pair (1 without router weights); writes d_g, d_u, h_w and the row's
+// <dh_raw, h> (warp-shuffle sum) into d_router_weights[pair].
+__global__ void baseline_swiglu_backward_kernel(int64_t num_rows, const __nv_bfloat16* gate, const __nv_bfloat16* up,
+                                                const __nv_bfloat16* dh_raw, const int32_t* row_pair,
+                                                const float* router_weights, int64_t intermediate, float limit,
+                                                __nv_bfloat16* d_gate, __nv_bfloat16* d_up,
+                                                __nv_bfloat16* weighted_hidden, float* d_router_weights) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; row < num_rows;
+       row += warps) {
+    const int pair = row_pair != nullptr ? row_pair[row] : static_cast<int>(row);
+    const float weight = pair < 0 ? 0.0f : router_weights != nullptr ? router_weights[pair] : 1.0f;
+    float dot = 0.0f;
+    for (int64_t i = lane; i < intermediate; i += 32) {
+      const int64_t at = row * intermediate + i;
+      const SwigluGrad grad = swiglu_backward(__bfloat162float(dh_raw[at]), __bfloat162float(gate[at]),
+                                              __bfloat162float(up[at]), weight, limit);
+      dot += grad.dh_raw_times_h;
+      d_gate[at] = __float2bfloat16_rn(grad.d_gate);
+      d_up[at] = __float2bfloat16_rn(grad.d_up);
+      weighted_hidden[at] = __float2bfloat16_rn(grad.weighted_hidden);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (lane == 0 && pair >= 0 && d_router_weights != nullptr) d_router_weights[pair] = dot;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_baseline_swiglu_backward(int64_t num_rows, const void* gate, const void* up, const void* dh_raw,
+                                            const int32_t* row_pair, const float* router_weights,
+                                            int64_t intermediate, float limit, void* d_gate, void* d_up,
+                                            void* weighted_hidden, float* d_router_weights, cudaStream_t stream) {
+  if (num_rows == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>((num_rows * 32 + 255) / 256, 132 * 16));
+  baseline_swiglu_backward_kernel<<<blocks, 256, 0, stream>>>(
+      num_rows, static_cast<const __nv_bfloat16*>(gate), static_cast<const __nv_bfloat16*>(up),
+      static_cast<const __nv_bfloat16*>(dh_raw), row_pair, router_weights, intermediate, limit,
+      static_cast<__nv_bfloat16*>(d_gate), static_cast<__nv_bfloat16*>(d_up),
+      static_cast<__nv_bfloat16*>(weighted_hidden), d_router_weights);
   return cudaGetLastError();
 }
 

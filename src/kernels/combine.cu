@@ -36,7 +36,7 @@ __global__ void combine_kernel(const uint4* slots, const uint4* shared, const Ex
     for (int k = 0; k < top_k; ++k) {
       const int64_t expert = static_cast<int64_t>(top_experts[token * top_k + k]);
       if (expert < 0 || expert >= num_experts) continue;
-      const float weight = router_weights[token * top_k + k];
+      const float weight = router_weights != nullptr ? router_weights[token * top_k + k] : 1.0f;
       const uint4 packed = slots[(token * top_k + k) * vectors_per_row + vector];
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
 #pragma unroll

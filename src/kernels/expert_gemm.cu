@@ -1,22 +1,29 @@
-// The expert grouped GEMM kernels (forward): gate/up with fused SwiGLU, and down with the
-// scatter into per-(token, k) combine slots.
+// The expert grouped GEMM kernel, every form of the layer (forms and operands in
+// expert_gemm_params.h, epilogues in epilogue.cuh, the mainloop and warp roles in
+// gemm_mainloop.cuh).
 //
-// Grid: persistent, one 384-thread CTA per SM (see gemm_mainloop.cuh for the warp roles).
-// Tiles: (m, n) with m over the schedule's 128-row tiles (every tile inside one expert segment)
-// and n over the output columns. Tile t maps to a group of kGroupM consecutive m-tiles (about
-// one expert) swept n-major, so CTAs running together share B tiles of one expert and the A
-// rows of the group in L2. CTA c takes tiles c, c + grid, c + 2*grid, ...: producer and
-// consumers walk the same sequence, so no tile handoff is needed inside the CTA.
-// Epilogues read the fp32 accumulators straight from registers:
-//   kGateUpSwiGLU: register j (gate column) pairs with j + 16 (the up column 128 further), so
-//                  SwiGLU is thread-local; h is stored as bf16 pairs.
-//   kDownScatter:  each row goes to out + row_pair[row] * out_ld; padding rows are skipped.
+// Grid: persistent, one 384-thread CTA per SM. CTA c takes tiles c, c + grid, c + 2*grid, ...;
+// the producer and both consumers walk the same sequence, so no tile handoff is needed.
+// Tiles:
+//   row-tile forms  (m, n) with m over the schedule's 128-row tiles (each inside one expert
+//                   segment) and n over output columns; tile t maps to a group of kGroupM
+//                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
+//                   together share the B tiles of one expert and the A rows of the group in L2.
+//   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
+// Producer loads per K-block of 64 (tensor maps a0, a1, b0, b1; K-major boxes are
+// [rows x 64 K], MN-major boxes [64 K-rows x 64 MN], four of them for a 256-wide B):
+//   kGateUpSwiGLU, kGateUpStore  A rows (a0), B gate rows (b0) then up rows (b1), 128 each
+//   kDownScatter                 A = h rows (a0), B = Wd rows (b0), 256
+//   kDownGradSwiGLU              A = d_out rows (a0), B = Wd MN-major (b0)
+//   kGateUpGradScatter           K < I: A = d_g (a0), B = Wg MN-major (b0); then d_u (a1), Wu (b1)
+//   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0)
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include "kernels/epilogue.cuh"
 #include "kernels/expert_gemm_params.h"
 #include "kernels/gemm_mainloop.cuh"
-#include "kernels/swiglu.cuh"
+#include "kernels/launchers.h"
 
 namespace mok::kernels {
 
@@ -24,97 +31,126 @@ namespace {
 
 constexpr int kGroupM = 8;
 
-struct TileCoord {
-  int m_tile;
-  int n_tile;
+template <ExpertGemmForm kForm>
+struct FormTraits {
+  static constexpr bool kAMnMajor = kForm == ExpertGemmForm::kWeightGrad;
+  static constexpr bool kBMnMajor = kForm == ExpertGemmForm::kDownGradSwiGLU ||
+                                    kForm == ExpertGemmForm::kGateUpGradScatter ||
+                                    kForm == ExpertGemmForm::kWeightGrad;
+  static constexpr bool kRowTiles = kForm != ExpertGemmForm::kWeightGrad;
+  static constexpr int kTileN = tile_n_columns(kForm);
 };
 
-__device__ __forceinline__ TileCoord tile_coord(int tile, int num_m_tiles, int num_n_tiles) {
-  const int group = tile / (kGroupM * num_n_tiles);
-  const int first_m = group * kGroupM;
-  const int group_m = min(kGroupM, num_m_tiles - first_m);
-  const int local = tile - group * kGroupM * num_n_tiles;
-  return {first_m + local % group_m, local / group_m};
+struct TileSpace {
+  int num_m_tiles;
+  int num_n_tiles;
+  int num_tiles;
+};
+
+template <ExpertGemmForm kForm>
+__device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) {
+  using Traits = FormTraits<kForm>;
+  TileSpace space;
+  space.num_n_tiles = (params.n_extent + Traits::kTileN - 1) / Traits::kTileN;
+  if constexpr (Traits::kRowTiles) {
+    space.num_m_tiles = params.header->num_tiles;
+    space.num_tiles = space.num_m_tiles * space.num_n_tiles;
+  } else {
+    space.num_m_tiles = (params.m_extent + BLOCK_M - 1) / BLOCK_M;
+    space.num_tiles = params.num_experts * space.num_m_tiles * space.num_n_tiles;
+  }
+  return space;
 }
 
 template <ExpertGemmForm kForm>
-__device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const TileCoord& coord,
-                                         int consumer_idx, const float (&acc)[128]) {
-  constexpr int kTileN = tile_n_columns(kForm);
-  const int row_base = coord.m_tile * BLOCK_M + consumer_idx * 64;
-  const int col_base = coord.n_tile * kTileN;
+__device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params, const TileSpace& space, int tile) {
+  TileCoord coord;
+  if constexpr (FormTraits<kForm>::kRowTiles) {
+    const int group = tile / (kGroupM * space.num_n_tiles);
+    const int first_m = group * kGroupM;
+    const int group_m = min(kGroupM, space.num_m_tiles - first_m);
+    const int local = tile - group * kGroupM * space.num_n_tiles;
+    coord.m_tile = first_m + local % group_m;
+    coord.n_tile = local / group_m;
+    coord.expert = params.tile_expert[coord.m_tile];
+    coord.k_row0 = 0;
+    const int k_total = kForm == ExpertGemmForm::kGateUpGradScatter ? 2 * params.k_extent : params.k_extent;
+    coord.num_k_blocks = k_total / BLOCK_K;
+  } else {
+    const int per_expert = space.num_m_tiles * space.num_n_tiles;
+    coord.expert = tile / per_expert;
+    const int local = tile - coord.expert * per_expert;
+    coord.n_tile = local / space.num_m_tiles;
+    coord.m_tile = local % space.num_m_tiles;
+    coord.k_row0 = params.expert_offsets[coord.expert];
+    coord.num_k_blocks = (params.expert_offsets[coord.expert + 1] - coord.k_row0) / BLOCK_K;
+  }
+  return coord;
+}
+
+// Issues the TMA loads of one K-block into a stage (see the map at the top of the file).
+template <ExpertGemmForm kForm>
+__device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtensorMap* a1, const CUtensorMap* b0,
+                                            const CUtensorMap* b1, const ExpertGemmParams& params,
+                                            const TileCoord& coord, int k_block, __nv_bfloat16* a_dst,
+                                            __nv_bfloat16* b_dst, uint64_t* full) {
+  constexpr int kChunk = 64 * BLOCK_K;  // elements of one [64 x 64] box
+  const int k = k_block * BLOCK_K;
+  const int row = coord.m_tile * BLOCK_M;
+  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
+    ptx::tma_load_2d(a_dst, a0, full, k, row);
+    ptx::tma_load_3d(b_dst, b0, full, k, coord.n_tile * 128, coord.expert);
+    ptx::tma_load_3d(b_dst + 128 * BLOCK_K, b1, full, k, coord.n_tile * 128, coord.expert);
+  } else if constexpr (kForm == ExpertGemmForm::kDownScatter) {
+    ptx::tma_load_2d(a_dst, a0, full, k, row);
+    ptx::tma_load_3d(b_dst, b0, full, k, coord.n_tile * 256, coord.expert);
+  } else if constexpr (kForm == ExpertGemmForm::kDownGradSwiGLU) {
+    ptx::tma_load_2d(a_dst, a0, full, k, row);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = row_base + fragment_row(i);
-    __nv_bfloat16* out_row;
-    if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
-      out_row = params.out + static_cast<int64_t>(row) * params.out_ld;
-    } else {
-      const int pair = params.row_pair[row];
-      if (pair < 0) continue;
-      out_row = params.out + static_cast<int64_t>(pair) * params.out_ld;
-    }
-    constexpr int kColumnGroups = kForm == ExpertGemmForm::kGateUpSwiGLU ? 16 : 32;
+    for (int c = 0; c < 4; ++c) ptx::tma_load_3d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k, coord.expert);
+  } else if constexpr (kForm == ExpertGemmForm::kGateUpGradScatter) {
+    const bool first_half = k < params.k_extent;
+    const int k_half = first_half ? k : k - params.k_extent;
+    ptx::tma_load_2d(a_dst, first_half ? a0 : a1, full, k_half, row);
 #pragma unroll
-    for (int j = 0; j < kColumnGroups; ++j) {
-      const int col = col_base + fragment_col(j);
-      if (col >= params.n_extent) continue;
-      float2 value;
-      if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
-        value.x = swiglu_forward(acc[j * 4 + i * 2], acc[(j + 16) * 4 + i * 2], params.swiglu_limit);
-        value.y = swiglu_forward(acc[j * 4 + i * 2 + 1], acc[(j + 16) * 4 + i * 2 + 1],
-                                 params.swiglu_limit);
-      } else {
-        value.x = acc[j * 4 + i * 2];
-        value.y = acc[j * 4 + i * 2 + 1];
-      }
-      *reinterpret_cast<__nv_bfloat162*>(out_row + col) = __float22bfloat162_rn(value);
-    }
+    for (int c = 0; c < 4; ++c)
+      ptx::tma_load_3d(b_dst + c * kChunk, first_half ? b0 : b1, full, coord.n_tile * 256 + c * 64, k_half, coord.expert);
+  } else {
+    const int k_row = coord.k_row0 + k;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) ptx::tma_load_2d(a_dst + c * kChunk, a0, full, coord.m_tile * 128 + c * 64, k_row);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) ptx::tma_load_2d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k_row);
   }
 }
 
 template <ExpertGemmForm kForm>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    expert_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                       const __grid_constant__ CUtensorMap tmap_b0,
-                       const __grid_constant__ CUtensorMap tmap_b1, const ExpertGemmParams params) {
+    expert_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
+                       const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
+                       const ExpertGemmParams params) {
+  using Traits = FormTraits<kForm>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   GemmSharedStorage& smem = *reinterpret_cast<GemmSharedStorage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   init_pipeline(smem);
-
-  constexpr int kTileN = tile_n_columns(kForm);
-  const int num_m_tiles = params.header->num_tiles;
-  const int num_n_tiles = (params.n_extent + kTileN - 1) / kTileN;
-  const int num_tiles = num_m_tiles * num_n_tiles;
-  const int num_k_blocks = params.k_extent / BLOCK_K;
+  const TileSpace space = tile_space<kForm>(params);
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      ptx::prefetch_tensor_map(&tmap_a);
+      ptx::prefetch_tensor_map(&tmap_a0);
       ptx::prefetch_tensor_map(&tmap_b0);
-      if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) ptx::prefetch_tensor_map(&tmap_b1);
       PipelineState state;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const TileCoord coord = tile_coord(tile, num_m_tiles, num_n_tiles);
-        const int expert = params.tile_expert[coord.m_tile];
-        const int row = coord.m_tile * BLOCK_M;
-        for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-          const int k = k_block * BLOCK_K;
+      for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
+        const TileCoord coord = tile_coord<kForm>(params, space, tile);
+        for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
                         [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                          ptx::tma_load_2d(a_dst, &tmap_a, full, k, row);
-                          if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
-                            ptx::tma_load_3d(b_dst, &tmap_b0, full, k, coord.n_tile * 128, expert);
-                            ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &tmap_b1, full, k,
-                                             coord.n_tile * 128, expert);
-                          } else {
-                            ptx::tma_load_3d(b_dst, &tmap_b0, full, k, coord.n_tile * 256, expert);
-                          }
+                          issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord, k_block, a_dst,
+                                             b_dst, full);
                         });
-        }
       }
     }
   } else {
@@ -122,30 +158,49 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int consumer_idx = warpgroup - 1;
     PipelineState state;
     float acc[128];
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const TileCoord coord = tile_coord(tile, num_m_tiles, num_n_tiles);
-      consume_tile(params.wait, smem, state, num_k_blocks, consumer_idx, acc);
+    for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
+      const TileCoord coord = tile_coord<kForm>(params, space, tile);
+      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(params.wait, smem, state, coord.num_k_blocks, consumer_idx,
+                                                         acc);
       epilogue<kForm>(params, coord, consumer_idx, acc);
     }
   }
+}
+
+template <ExpertGemmForm kForm>
+cudaError_t launch_form(const CUtensorMap& a0, const CUtensorMap& a1, const CUtensorMap& b0, const CUtensorMap& b1,
+                        const ExpertGemmParams& params, int num_ctas, cudaStream_t stream) {
+  const size_t smem_bytes = expert_gemm_smem_bytes();
+  cudaError_t status = cudaFuncSetAttribute(expert_gemm_kernel<kForm>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  expert_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(a0, a1, b0, b1, params);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 size_t expert_gemm_smem_bytes() { return sizeof(GemmSharedStorage) + 1024; }
 
-cudaError_t launch_expert_gemm(ExpertGemmForm form, const CUtensorMap& tmap_a,
-                               const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
-                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream) {
-  const size_t smem_bytes = expert_gemm_smem_bytes();
-  auto kernel = form == ExpertGemmForm::kGateUpSwiGLU
-                    ? expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>
-                    : expert_gemm_kernel<ExpertGemmForm::kDownScatter>;
-  cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
-  if (status != cudaSuccess) return status;
-  kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(tmap_a, tmap_b0, tmap_b1, params);
-  return cudaGetLastError();
+cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, const ExpertGemmParams& params,
+                               int num_ctas, cudaStream_t stream) {
+  switch (form) {
+    case ExpertGemmForm::kGateUpSwiGLU:
+      return launch_form<ExpertGemmForm::kGateUpSwiGLU>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+    case ExpertGemmForm::kDownScatter:
+      return launch_form<ExpertGemmForm::kDownScatter>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+    case ExpertGemmForm::kGateUpStore:
+      return launch_form<ExpertGemmForm::kGateUpStore>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+    case ExpertGemmForm::kDownGradSwiGLU:
+      return launch_form<ExpertGemmForm::kDownGradSwiGLU>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas,
+                                                          stream);
+    case ExpertGemmForm::kGateUpGradScatter:
+      return launch_form<ExpertGemmForm::kGateUpGradScatter>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas,
+                                                             stream);
+    case ExpertGemmForm::kWeightGrad:
+      return launch_form<ExpertGemmForm::kWeightGrad>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace mok::kernels

@@ -10,31 +10,56 @@
 
 namespace mok::kernels {
 
-// Which GEMM of the layer, and so which operand loads and which epilogue.
+// Which GEMM of the layer: its operand loads, its tiles and its epilogue.
+// "rows" are the expert-grouped rows of the schedule (128-row tiles, one expert each).
 enum class ExpertGemmForm : int32_t {
-  // h = swiglu(x_rows * Wg[e]^T, x_rows * Wu[e]^T): A = gathered rows [rows, H], B = gate and
-  // up weights [E_loc, I, H]; a tile is 128 rows x (128 gate + 128 up) columns; out = h [rows, I].
+  // Forward gate/up: A = rows [rows, H]; B = gate and up weights [E_loc, I, H]; a tile is 128
+  // rows x (128 gate + 128 up) columns; out = h = swiglu(g, u) [rows, I].
   kGateUpSwiGLU = 0,
-  // y = h * Wd[e]^T, rounded to bf16 and scattered: row `r` goes to combine slot row_pair[r]
-  // (the pair index (src, token, k)); padding rows are dropped. A = h [rows, I], B = Wd [E_loc, H, I].
+  // Forward down: A = h [rows, I]; B = Wd [E_loc, H, I]; y = bf16 rows scattered to combine
+  // slot row_pair[row] of out [pairs, H]; padding rows dropped.
   kDownScatter = 1,
+  // Backward recompute of gate/up: like kGateUpSwiGLU but stores bf16(g) to out and bf16(u) to
+  // out2 (both [rows, I], before the clamp).
+  kGateUpStore = 2,
+  // Backward dgrad of down with SwiGLU backward fused: A = d_out rows [rows, H] (K = H);
+  // B = Wd [E_loc, H, I] read MN-major (K = H rows, N = I contiguous). Epilogue: dh_raw =
+  // bf16(acc); with g, u from `in_gate` / `in_up` and w = router weight of the row's pair (1 if
+  // router_weights is null): out = d_g, out2 = d_u, out3 = h_w = bf16(w h) ([rows, I] each),
+  // and rw_partial[row][n_tile] = sum over the tile's columns of dh_raw * h (fixed order).
+  kDownGradSwiGLU = 3,
+  // Backward dgrad of gate/up: A = [d_g | d_u] (two maps, K = 2I); B = [Wg ; Wu] read MN-major
+  // (K = I rows of each, N = H contiguous); dx rows scattered like kDownScatter.
+  kGateUpGradScatter = 4,
+  // Weight gradient of one expert per tile: out[e] [M, N] = A^T B over the expert's rows
+  // (K = rows in schedule order, one CTA per output tile, fixed order): A = [rows, M] and
+  // B = [rows, N], both MN-major. dWg = d_g^T x, dWu = d_u^T x, dWd = d_out^T h_w.
+  kWeightGrad = 5,
 };
 
 struct ExpertGemmParams {
-  const ScheduleHeader* header;  // num_tiles: how many 128-row tiles the schedule filled
+  const ScheduleHeader* header;  // num_tiles: the 128-row tiles the schedule filled
   const int32_t* tile_expert;    // local expert of each 128-row tile
   const int32_t* row_pair;       // pair index of each row, -1 = padding
-  int32_t n_extent;              // output columns: I (gate/up) or H (down)
-  int32_t k_extent;              // reduction length: H (gate/up) or I (down)
-  __nv_bfloat16* out;            // h [max_rows, I] or combine slots [pairs, H]
-  int64_t out_ld;                // elements between output rows
+  const int32_t* expert_offsets; // segment starts (kWeightGrad)
+  int32_t num_experts;           // E_loc (kWeightGrad)
+  int32_t m_extent;              // output rows M (kWeightGrad)
+  int32_t n_extent;              // output columns N
+  int32_t k_extent;              // reduction length (row-tile forms; kGateUpGradScatter: I of one half)
+  __nv_bfloat16* out;            // see the form
+  __nv_bfloat16* out2;
+  __nv_bfloat16* out3;
+  int64_t out_ld;                // elements between output rows (all outputs of the form)
+  const __nv_bfloat16* in_gate;  // kDownGradSwiGLU: g rows [rows, I]
+  const __nv_bfloat16* in_up;    // kDownGradSwiGLU: u rows [rows, I]
+  const float* router_weights;   // kDownGradSwiGLU: [pairs], or null for weight 1
+  float* rw_partial;             // kDownGradSwiGLU: [rows, n_tiles], or null
   float swiglu_limit;            // infinity = no clamp
   WaitContext wait;
 };
 
-// Output columns covered by one tile of the form.
 constexpr int tile_n_columns(ExpertGemmForm form) {
-  return form == ExpertGemmForm::kGateUpSwiGLU ? 128 : 256;
+  return form == ExpertGemmForm::kGateUpSwiGLU || form == ExpertGemmForm::kGateUpStore ? 128 : 256;
 }
 
 }  // namespace mok::kernels

@@ -12,7 +12,9 @@
 // Pipeline: kNumStages stages of (A 128x64, B 256x64) bf16, 128-byte swizzled as TMA writes them
 // and wgmma reads them; the ring runs on across tiles, so the producer prefetches the next
 // tile while the consumers run the epilogue of the current one.
-// Operands are K-major (both A rows and B rows contiguous along K): x * W^T and h * Wd^T.
+// Operands may be K-major (rows contiguous along K: x * W^T, h * Wd^T) or MN-major (contiguous
+// along M or N: the dgrad forms' weights, and both operands of the weight gradients, whose K is
+// the token rows); wgmma reads either from the swizzled tiles through its transpose bits.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -78,23 +80,47 @@ __device__ __forceinline__ void produce_stage(const WaitContext& wait, GemmShare
   state.advance();
 }
 
+// Operand tiles in a stage: A is 128 (M) x 64 (K), B is 256 (N) x 64 (K), each either
+// K-major (TMA box [rows x 64 K-elements]) or MN-major (boxes of [64 K-rows x 64 MN-elements],
+// 64-element MN chunks 8 KB apart). Consumer c uses M rows [64c, 64c + 64).
+constexpr uint32_t kMnChunkBytes = BLOCK_K * 64 * 2;  // one [64 K-rows x 64 MN] box
+
+template <bool kMnMajor>
+__device__ __forceinline__ uint64_t operand_desc(const __nv_bfloat16* tile) {
+  if constexpr (kMnMajor) return ptx::smem_desc_mn_major_sw128(tile, kMnChunkBytes);
+  else return ptx::smem_desc_k_major_sw128(tile);
+}
+
+// Descriptor advance for the next 16 elements of K, in 16-byte units: K-major moves 32 bytes
+// along the swizzled row; MN-major moves 16 K-rows of 128 bytes.
+template <bool kMnMajor>
+constexpr uint64_t k16_step() {
+  return kMnMajor ? (16 * 128) >> 4 : (16 * 2) >> 4;
+}
+
 // Consumer side of one tile: accumulates A[rows of this warpgroup] * B^T over `num_k_blocks`
-// K-blocks into `acc`, releasing each stage once the wgmma that read it has completed.
+// K-blocks into `acc`, releasing each stage once the wgmma that read it has completed. With no
+// K-blocks (an expert without rows) it returns at once; zeroing 128 registers here would make
+// ptxas spill, so the epilogue handles that case.
+template <bool kAMnMajor, bool kBMnMajor>
 __device__ __forceinline__ void consume_tile(const WaitContext& wait, GemmSharedStorage& smem,
                                              PipelineState& state, int num_k_blocks,
                                              int consumer_idx, float (&acc)[128]) {
   const bool releases = (threadIdx.x % 32) == 0;
+  if (num_k_blocks == 0) return;  // acc is left undefined: the epilogue writes zeros instead
   int previous_stage = -1;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
-    const __nv_bfloat16* a_tile = smem.a[state.stage] + consumer_idx * 64 * BLOCK_K;
-    const uint64_t desc_a = ptx::smem_desc_k_major_sw128(a_tile);
-    const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[state.stage]);
+    // Consumer c's 64 M rows: 64 K-major rows of 128 bytes, or MN chunk c; both 8 KB in.
+    const uint64_t desc_a = operand_desc<kAMnMajor>(smem.a[state.stage] + consumer_idx * 64 * BLOCK_K);
+    const uint64_t desc_b = operand_desc<kBMnMajor>(smem.b[state.stage]);
     ptx::fence_registers(acc);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < BLOCK_K / 16; ++k)  // 16 bf16 = 32 bytes = 2 descriptor units
-      ptx::wgmma_m64n256k16_bf16(acc, desc_a + 2 * k, desc_b + 2 * k, k_block > 0 || k > 0);
+    for (int k = 0; k < BLOCK_K / 16; ++k)
+      ptx::wgmma_m64n256k16_bf16<kAMnMajor, kBMnMajor>(acc, desc_a + k * k16_step<kAMnMajor>(),
+                                                       desc_b + k * k16_step<kBMnMajor>(),
+                                                       k_block > 0 || k > 0);
     ptx::wgmma_commit();
     ptx::fence_registers(acc);
     ptx::wgmma_wait<1>();
@@ -104,7 +130,7 @@ __device__ __forceinline__ void consume_tile(const WaitContext& wait, GemmShared
   }
   ptx::wgmma_wait<0>();
   ptx::fence_registers(acc);
-  if (previous_stage >= 0 && releases) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+  if (releases) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
 }
 
 // Accumulator fragment coordinates of wgmma m64nN (fp32): register j*4 + i*2 + c holds

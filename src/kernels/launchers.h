@@ -14,11 +14,19 @@
 
 namespace mok::kernels {
 
-// Expert grouped GEMM (expert_gemm.cu). tmap_b1 is used only by kGateUpSwiGLU.
+// Expert grouped GEMM (expert_gemm.cu): the tensor maps each form reads are listed at the top
+// of expert_gemm.cu; unused maps may be any valid map.
+struct ExpertGemmMaps {
+  CUtensorMap a0, a1, b0, b1;
+};
 size_t expert_gemm_smem_bytes();
-cudaError_t launch_expert_gemm(ExpertGemmForm form, const CUtensorMap& tmap_a,
-                               const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
-                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream);
+cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, const ExpertGemmParams& params,
+                               int num_ctas, cudaStream_t stream);
+
+// d_router_weights[p] = sum over n of rw_partial[pair_row[p]][n] (n ascending), 0 where the
+// pair is not routed here (reduce.cu).
+cudaError_t launch_router_weight_grad(const int32_t* pair_row, const float* rw_partial, int32_t num_n_tiles,
+                                      int64_t num_pairs, float* d_router_weights, cudaStream_t stream);
 
 // Local dispatch (dispatch_local.cu): rows [0, header.total_rows) of `rows` [max_rows, hidden]
 // get x[token of row_pair[row]]; padding rows get zeros. `top_k` decodes the pair index.
@@ -27,7 +35,8 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
                                int64_t max_rows, cudaStream_t stream);
 
 // Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], slots[t*K + k])) over the
-// slots whose expert id is in [0, num_experts), in k order. `shared` may be null.
+// slots whose expert id is in [0, num_experts), in k order. `shared` may be null;
+// `router_weights` null means weight 1 (the d_x sum: fmaf(1, y, acc) == acc + y exactly).
 cudaError_t launch_combine(const void* slots, const void* shared, const void* top_experts,
                            DType expert_dtype, const float* router_weights, int64_t num_tokens,
                            int64_t hidden, int32_t top_k, int64_t num_experts, void* out,
@@ -40,5 +49,13 @@ cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const voi
 cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pair_row, const void* shared,
                                       const float* router_weights, int64_t num_tokens, int64_t hidden,
                                       int32_t top_k, void* out, cudaStream_t stream);
+
+// Baseline SwiGLU backward over rows [0, num_rows): row r's pair is row_pair[r] (identity when
+// null; -1 = padding, weight 0); router_weights null = weight 1; d_router_weights[pair] gets the
+// row's <dh_raw, h> when not null.
+cudaError_t launch_baseline_swiglu_backward(int64_t num_rows, const void* gate, const void* up, const void* dh_raw,
+                                            const int32_t* row_pair, const float* router_weights,
+                                            int64_t intermediate, float limit, void* d_gate, void* d_up,
+                                            void* weighted_hidden, float* d_router_weights, cudaStream_t stream);
 
 }  // namespace mok::kernels

@@ -100,7 +100,23 @@ __device__ __forceinline__ void fence_registers(float (&acc)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-// D[64 x 256] (+)= A[64 x 16] * B[16 x 256]^T, bf16 in, fp32 accumulate, both K-major.
+// Shared-memory matrix descriptor for an MN-major operand tile (contiguous along M or N) as
+// TMA writes it with the 128-byte swizzle from boxes of [64 K-rows x 64 MN-elements]: a K-row is
+// 128 bytes, 8 K-rows form a 1024-byte group (stride byte offset), and successive 64-element
+// MN chunks are `chunk_bytes` apart (leading byte offset).
+__device__ __forceinline__ uint64_t smem_desc_mn_major_sw128(const void* tile, uint32_t chunk_bytes) {
+  const uint64_t address = smem_addr(tile);
+  uint64_t desc = 0;
+  desc |= (address & 0x3FFFF) >> 4;
+  desc |= uint64_t{(chunk_bytes >> 4) & 0x3FFF} << 16;  // leading byte offset: next MN chunk
+  desc |= uint64_t{1024 >> 4} << 32;                    // stride byte offset: next 8 K-rows
+  desc |= uint64_t{1} << 62;
+  return desc;
+}
+
+// D[64 x 256] (+)= A[64 x 16] * B[16 x 256]^T, bf16 in, fp32 accumulate. kTransA / kTransB = 1
+// when that operand is MN-major in shared memory (0: K-major).
+template <int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a,
                                                       uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -114,7 +130,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n}\n"
+      "%128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -131,7 +147,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int32_t>(accumulate)));
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int32_t>(accumulate)), "n"(kTransA), "n"(kTransB));
 }
 
 // ---- register reallocation and fences ------------------------------------------------------

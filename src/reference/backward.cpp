@@ -40,6 +40,8 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const BackwardAr
   const ForwardArgs& owner = owner_args.forward;
   const int64_t matrix = inter * hidden;
   ExpertWeights weights;
+  weights.hidden = hidden;
+  weights.intermediate = inter;
   for (int64_t expert = 0; expert < shape.num_local_experts(); ++expert) {
     const int64_t rows = schedule.routed_rows(expert);
     const int64_t begin = schedule.segment_begin(expert);
@@ -56,13 +58,12 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const BackwardAr
               .forward.router_weights.data_as<const float>()[pair.token * top_k + pair.k];
     }
 
+    // An expert without rows needs no operands: expert_backward only zeroes its gradients.
     if (rows > 0)
       detail::load_expert_weights(pool, owner.w_gate.data_as<const bf16>() + expert * matrix,
                                   owner.w_up.data_as<const bf16>() + expert * matrix,
                                   owner.w_down.data_as<const bf16>() + expert * matrix, hidden,
                                   inter, detail::WeightsFor::kBackward, weights);
-    else
-      weights.hidden = hidden, weights.intermediate = inter;
 
     std::vector<float> d_router_weights(static_cast<size_t>(rows));
     std::vector<float> dx(static_cast<size_t>(rows * hidden));
@@ -99,13 +100,13 @@ std::vector<float> shared_expert_backward(ThreadPool& pool, const MoeShape& shap
   convert_bf16_to_float(pool, forward.x.data_as<const bf16>(), tokens * hidden, x_rows.data());
   convert_bf16_to_float(pool, args.d_out.data_as<const bf16>(), tokens * hidden, d_out_rows.data());
   ExpertWeights weights;
+  weights.hidden = hidden;
+  weights.intermediate = inter;
   if (tokens > 0)
     detail::load_expert_weights(pool, forward.w_shared_gate.data_as<const bf16>(),
                                 forward.w_shared_up.data_as<const bf16>(),
                                 forward.w_shared_down.data_as<const bf16>(), hidden, inter,
                                 detail::WeightsFor::kBackward, weights);
-  else
-    weights.hidden = hidden, weights.intermediate = inter;
 
   std::vector<float> dx(static_cast<size_t>(tokens * hidden));
   detail::ExpertGradients grads;

@@ -1,0 +1,114 @@
+// Epilogues of the expert grouped GEMMs: they read the fp32 accumulators straight from the
+// consumer warpgroup's registers (fragment layout in gemm_mainloop.cuh) and write bf16 outputs
+// with 4-byte stores. One function per form; the rounding points are docs/design.md's.
+//
+//   kGateUpSwiGLU      register j (gate column) pairs with j + 16 (the up column 128 further):
+//                      h = swiglu(g, u) is thread-local.
+//   kGateUpStore       the same pairing, storing bf16(g) and bf16(u) for the backward.
+//   kDownScatter,      row r goes to out + row_pair[r] * out_ld (a combine slot); padding rows
+//   kGateUpGradScatter are dropped.
+//   kDownGradSwiGLU    dh_raw = bf16(acc), SwiGLU backward with g, u read back, d_g, d_u, h_w
+//                      stored; the tile's share of <dh_raw, h> per row reduced over the 4 lanes
+//                      that hold the row (xor-shuffles, fixed order) into rw_partial.
+//   kWeightGrad        out[e] [M, N] row-major.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/expert_gemm_params.h"
+#include "kernels/gemm_mainloop.cuh"
+#include "kernels/swiglu.cuh"
+
+namespace mok::kernels {
+
+struct TileCoord {
+  int expert;
+  int m_tile;  // 128-row tile (of the schedule's rows, or of M for kWeightGrad)
+  int n_tile;
+  int k_row0;  // first K row (kWeightGrad: the expert's first row)
+  int num_k_blocks;
+};
+
+__device__ __forceinline__ void store_pair(__nv_bfloat16* address, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(address) = __floats2bfloat162_rn(x, y);
+}
+
+template <ExpertGemmForm kForm>
+__device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const TileCoord& coord,
+                                         int consumer_idx, const float (&acc)[128]) {
+  constexpr int kTileN = tile_n_columns(kForm);
+  constexpr bool kPairedGateUp = kTileN == 128;
+  constexpr int kColumnGroups = kPairedGateUp ? 16 : 32;
+  const int row_base = coord.m_tile * BLOCK_M + consumer_idx * 64;
+  const int col_base = coord.n_tile * kTileN;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row_base + fragment_row(i);
+    if constexpr (kForm == ExpertGemmForm::kWeightGrad) {
+      // An expert without rows has a zero gradient (and an undefined accumulator).
+      if (row >= params.m_extent) continue;
+      __nv_bfloat16* out_row = params.out + (static_cast<int64_t>(coord.expert) * params.m_extent + row) * params.out_ld;
+      const bool empty = coord.num_k_blocks == 0;
+#pragma unroll
+      for (int j = 0; j < kColumnGroups; ++j) {
+        const int col = col_base + fragment_col(j);
+        if (col < params.n_extent)
+          store_pair(out_row + col, empty ? 0.0f : acc[j * 4 + i * 2], empty ? 0.0f : acc[j * 4 + i * 2 + 1]);
+      }
+    } else if constexpr (kForm == ExpertGemmForm::kDownScatter || kForm == ExpertGemmForm::kGateUpGradScatter) {
+      const int pair = params.row_pair[row];
+      if (pair < 0) continue;
+      __nv_bfloat16* out_row = params.out + static_cast<int64_t>(pair) * params.out_ld;
+#pragma unroll
+      for (int j = 0; j < kColumnGroups; ++j) {
+        const int col = col_base + fragment_col(j);
+        if (col < params.n_extent) store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
+      }
+    } else if constexpr (kPairedGateUp) {
+      const int64_t offset = static_cast<int64_t>(row) * params.out_ld;
+#pragma unroll
+      for (int j = 0; j < kColumnGroups; ++j) {
+        const int col = col_base + fragment_col(j);
+        if (col >= params.n_extent) continue;
+        const float g0 = acc[j * 4 + i * 2], g1 = acc[j * 4 + i * 2 + 1];
+        const float u0 = acc[(j + 16) * 4 + i * 2], u1 = acc[(j + 16) * 4 + i * 2 + 1];
+        if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
+          store_pair(params.out + offset + col, swiglu_forward(g0, u0, params.swiglu_limit),
+                     swiglu_forward(g1, u1, params.swiglu_limit));
+        } else {
+          store_pair(params.out + offset + col, g0, g1);
+          store_pair(params.out2 + offset + col, u0, u1);
+        }
+      }
+    } else {
+      static_assert(kForm == ExpertGemmForm::kDownGradSwiGLU, "unhandled form");
+      const int pair = params.row_pair[row];
+      const float weight = pair < 0 ? 0.0f : params.router_weights != nullptr ? params.router_weights[pair] : 1.0f;
+      const int64_t offset = static_cast<int64_t>(row) * params.out_ld;
+      float partial = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kColumnGroups; ++j) {
+        const int col = col_base + fragment_col(j);
+        if (col >= params.n_extent) continue;
+        const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(params.in_gate + offset + col));
+        const float2 up = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(params.in_up + offset + col));
+        SwigluGrad grad0 = swiglu_backward(acc[j * 4 + i * 2], gate.x, up.x, weight, params.swiglu_limit);
+        SwigluGrad grad1 = swiglu_backward(acc[j * 4 + i * 2 + 1], gate.y, up.y, weight, params.swiglu_limit);
+        partial += grad0.dh_raw_times_h;
+        partial += grad1.dh_raw_times_h;
+        store_pair(params.out + offset + col, grad0.d_gate, grad1.d_gate);
+        store_pair(params.out2 + offset + col, grad0.d_up, grad1.d_up);
+        store_pair(params.out3 + offset + col, grad0.weighted_hidden, grad1.weighted_hidden);
+      }
+      // The 4 lanes of a quad hold the same row: reduce in a fixed tree.
+      partial += __shfl_xor_sync(0xffffffffu, partial, 1);
+      partial += __shfl_xor_sync(0xffffffffu, partial, 2);
+      if (params.rw_partial != nullptr && pair >= 0 && threadIdx.x % 4 == 0) {
+        const int num_n_tiles = (params.n_extent + kTileN - 1) / kTileN;
+        params.rw_partial[static_cast<int64_t>(row) * num_n_tiles + coord.n_tile] = partial;
+      }
+    }
+  }
+}
+
+}  // namespace mok::kernels
