@@ -74,6 +74,7 @@ struct BaselineLayer::State {
   ScheduleLayout layout;
   std::unique_ptr<Buffer> schedule, rows, gate, up, hidden, expert_out, shared_gate, shared_up, shared_hidden,
       shared_out;
+  std::vector<int32_t> offsets, counts;  // split sizes read by the last forward
   // Backward only (allocated on first use).
   std::unique_ptr<Buffer> d_out_rows, dh_raw, d_gate, d_up, shared_dh_raw, shared_d_gate, shared_d_up;
   ~State() {
@@ -123,7 +124,10 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   launch_build_schedule(s.layout, args.top_experts.data, args.top_experts.dtype, s.schedule->pointer, stream)
       .throw_if_error();
   ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
-  std::vector<int32_t> offsets(E + 1), counts(E);
+  std::vector<int32_t>& offsets = s.offsets;
+  std::vector<int32_t>& counts = s.counts;
+  offsets.resize(E + 1);
+  counts.resize(E);
   cuda_check(cudaMemcpyAsync(offsets.data(), view.expert_offsets, (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
              "read offsets");
   cuda_check(cudaMemcpyAsync(counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
@@ -174,7 +178,7 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
 
 namespace mok {
 
-void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream) {
+void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream, bool saved_activations) {
   State& s = *state_;
   const MoeShape& shape = s.shape;
   check_backward_args(shape, args, DeviceType::kCUDA).throw_if_error();
@@ -194,19 +198,24 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream) {
     }
   }
   cublas_check(cublasSetStream(s.handle, stream), "cublasSetStream");
-  launch_build_schedule(s.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.schedule->pointer, stream)
-      .throw_if_error();
   ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
-  std::vector<int32_t> offsets(E + 1), counts(E);
-  cuda_check(cudaMemcpyAsync(offsets.data(), view.expert_offsets, (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
-             "read offsets");
-  cuda_check(cudaMemcpyAsync(counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
-             "read counts");
-  cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
-
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows->pointer,
-                                         max_rows, stream),
-             "permute x");
+  if (!saved_activations || s.offsets.empty()) {
+    saved_activations = false;
+    launch_build_schedule(s.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.schedule->pointer, stream)
+        .throw_if_error();
+    s.offsets.resize(E + 1);
+    s.counts.resize(E);
+    cuda_check(cudaMemcpyAsync(s.offsets.data(), view.expert_offsets, (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
+               "read offsets");
+    cuda_check(cudaMemcpyAsync(s.counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
+               "read counts");
+    cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
+    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows->pointer,
+                                           max_rows, stream),
+               "permute x");
+  }
+  const std::vector<int32_t>& offsets = s.offsets;
+  const std::vector<int32_t>& counts = s.counts;
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
                                          s.d_out_rows->pointer, max_rows, stream),
              "permute d_out");
@@ -220,10 +229,12 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream) {
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] == 0) continue;
     const int64_t row = offsets[e];
-    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2, s.rows->bytes() + row * H * 2,
-                           s.gate->bytes() + row * I * 2);
-    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2, s.rows->bytes() + row * H * 2,
-                           s.up->bytes() + row * I * 2);
+    if (!saved_activations) {
+      gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2, s.rows->bytes() + row * H * 2,
+                             s.gate->bytes() + row * I * 2);
+      gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2, s.rows->bytes() + row * H * 2,
+                             s.up->bytes() + row * I * 2);
+    }
     gemm_rows_by_weights(s.handle, counts[e], I, H, w_down + e * H * I * 2, s.d_out_rows->bytes() + row * H * 2,
                          s.dh_raw->bytes() + row * I * 2, &kZero);
   }
@@ -257,8 +268,10 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream) {
       for (const TensorView* grad : {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
         cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream), "zero shared gradients");
     } else {
-      gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_gate.data, fwd.x.data, s.shared_gate->pointer);
-      gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_up.data, fwd.x.data, s.shared_up->pointer);
+      if (!saved_activations) {
+        gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_gate.data, fwd.x.data, s.shared_gate->pointer);
+        gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_up.data, fwd.x.data, s.shared_up->pointer);
+      }
       gemm_rows_by_weights(s.handle, T, Is, H, fwd.w_shared_down.data, args.d_out.data, s.shared_dh_raw->pointer,
                            &kZero);
       cuda_check(kernels::launch_baseline_swiglu_backward(T, s.shared_gate->pointer, s.shared_up->pointer,

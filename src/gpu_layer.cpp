@@ -92,6 +92,7 @@ struct GpuLayer::State {
   DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
+  uint64_t generation = 0;  // forwards run so far: names the context the workspace holds
 
   ~State() {
     if (diagnosis != nullptr) cudaFreeHost(diagnosis);
@@ -220,6 +221,8 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.n_extent = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
   params.out = set.hidden.as<__nv_bfloat16>();
+  params.out2 = set.gate.as<__nv_bfloat16>();  // the forward context: g and u for the backward
+  params.out3 = set.up.as<__nv_bfloat16>();
   params.out_ld = I;
   launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
   mark("gate/up GEMM + SwiGLU");
@@ -229,6 +232,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
   params.out = static_cast<__nv_bfloat16*>(out);
+  params.out2 = params.out3 = nullptr;
   params.out_ld = H;
   launch(s, kernels::ExpertGemmForm::kDownScatter, maps, params, stream, "down GEMM");
   mark("down GEMM + scatter");
@@ -240,13 +244,13 @@ struct WeightGrads {
   void* d_w_down;
 };
 
-// Backward of one expert set: recompute g, u; dgrad of down with SwiGLU backward (d_g, d_u,
+// Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down with SwiGLU backward (d_g, d_u,
 // h_w, router-weight partials); dx rows scattered to dx_out + row_pair[row] * H; the three
 // weight gradients. router_weights null = weight 1 (the shared expert).
 void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows, const void* d_out_rows,
                       int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                      const float* router_weights, void* dx_out, const WeightGrads& grads, cudaStream_t stream,
-                      const StageMarker& mark) {
+                      const float* router_weights, void* dx_out, const WeightGrads& grads, bool recompute,
+                      cudaStream_t stream, const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts, R = set.capacity_rows;
   kernels::ExpertGemmParams params = base_params(s, set);
 
@@ -259,8 +263,10 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   params.out = set.gate.as<__nv_bfloat16>();
   params.out2 = set.up.as<__nv_bfloat16>();
   params.out_ld = I;
-  launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream, "gate/up recompute GEMM");
-  mark("gate/up recompute");
+  if (recompute) {
+    launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream, "gate/up recompute GEMM");
+    mark("gate/up recompute");
+  }
 
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
@@ -287,9 +293,12 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
   const CUtensorMap x_rows = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
-  auto weight_grad = [&](const void* a, int64_t m, const CUtensorMap& b, int64_t n, void* out, const char* what) {
+  // `a_rows`: rows the A operand's memory holds (d_out of the shared expert has only T rows;
+  // TMA fills the rest of the last tile with zeros).
+  auto weight_grad = [&](const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b, int64_t n, void* out,
+                         const char* what) {
     kernels::ExpertGemmMaps wgrad_maps;
-    wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, R, what);
+    wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
     wgrad_maps.b0 = wgrad_maps.b1 = b;
     kernels::ExpertGemmParams wgrad = base_params(s, set);
     wgrad.m_extent = static_cast<int32_t>(m);
@@ -298,9 +307,9 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
     wgrad.out_ld = n;
     launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
   };
-  weight_grad(set.d_gate.pointer, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
-  weight_grad(set.d_up.pointer, I, x_rows, H, grads.d_w_up, "weight gradient of up");
-  weight_grad(d_out_rows, H, mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"), I, grads.d_w_down,
+  weight_grad(set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
+  weight_grad(set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, "weight gradient of up");
+  weight_grad(d_out_rows, rows_in_map, H, mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"), I, grads.d_w_down,
               "weight gradient of down");
   mark("weight gradients");
 }
@@ -336,26 +345,33 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
   mark("combine");
 }
 
-static void run_backward(GpuLayer::State& s, const BackwardArgs& args, cudaStream_t stream, const StageMarker& mark) {
+// With `use_context`, the forward that ran last on this layer left the schedule, the gathered x
+// rows and g, u of every row (routed and shared) in the workspace: the backward starts from
+// them instead of rebuilding and recomputing.
+static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context, cudaStream_t stream,
+                         const StageMarker& mark) {
   const MoeShape& shape = s.shape;
   const ForwardArgs& fwd = args.forward;
   const int64_t T = shape.num_tokens, H = shape.hidden;
-  launch_build_schedule(s.routed.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.routed.schedule.pointer,
-                        stream)
-      .throw_if_error();
-  mark("schedule");
+  if (!use_context) {
+    launch_build_schedule(s.routed.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.routed.schedule.pointer,
+                          stream)
+        .throw_if_error();
+    mark("schedule");
+  }
   const ScheduleView view = s.routed.view();
   const int64_t max_rows = s.routed.capacity_rows;
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows.pointer,
-                                         max_rows, stream),
-             "gather launch");
+  if (!use_context)
+    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows.pointer,
+                                           max_rows, stream),
+               "gather launch");
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
                                          s.d_out_rows.pointer, max_rows, stream),
              "gather d_out launch");
-  mark("gather x, d_out");
+  mark(use_context ? "gather d_out" : "gather x, d_out");
   backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data, fwd.w_up.data,
                    fwd.w_down.data, fwd.router_weights.data_as<const float>(), s.slots.pointer,
-                   {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, stream, mark);
+                   {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, !use_context, stream, mark);
   cuda_check(kernels::launch_router_weight_grad(view.pair_row, s.routed.rw_partial.as<const float>(),
                                                 static_cast<int32_t>((shape.intermediate + 255) / 256),
                                                 T * shape.top_k, args.d_router_weights.data_as<float>(), stream),
@@ -365,8 +381,8 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, cudaStrea
     if (T > 0) {
       backward_experts(s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,
                        fwd.w_shared_down.data, nullptr, s.shared_out.pointer,
-                       {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data}, stream,
-                       [](const char*) {});
+                       {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data},
+                       !use_context, stream, [](const char*) {});
     } else {
       for (const TensorView* grad : {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
         cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream), "zero shared weight gradients");
@@ -380,22 +396,38 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, cudaStrea
   mark("d_x combine");
 }
 
-void GpuLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
+ForwardContext GpuLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   if (args.x.device_id != s.device)
     throw Error(ErrorCode::kInvalidArgument, "forward: tensors are on cuda:" + std::to_string(args.x.device_id) +
                                                  " but the layer's workspace is on cuda:" + std::to_string(s.device));
   run_forward(s, args, stream, [](const char*) {});
+  return ForwardContext{++s.generation};
 }
 
-void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream) {
+namespace {
+
+// True when `context` names the layer's current forward; throws for a stale one.
+bool context_is_current(const GpuLayer::State& s, const ForwardContext* context) {
+  if (context == nullptr) return false;
+  if (context->generation == 0 || context->generation != s.generation)
+    throw Error(ErrorCode::kInvalidArgument,
+                "backward: context = forward #" + std::to_string(context->generation) +
+                    ", but the layer's workspace holds forward #" + std::to_string(s.generation) +
+                    "; pass the context of the latest forward on this layer, or none to recompute");
+  return true;
+}
+
+}  // namespace
+
+void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   if (args.d_out.device_id != s.device)
     throw Error(ErrorCode::kInvalidArgument, "backward: tensors are on cuda:" + std::to_string(args.d_out.device_id) +
                                                  " but the layer's workspace is on cuda:" + std::to_string(s.device));
-  run_backward(s, args, stream, [](const char*) {});
+  run_backward(s, args, context_is_current(s, context), stream, [](const char*) {});
 }
 
 namespace {
@@ -457,10 +489,12 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const Forwa
 }
 
 std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(const BackwardArgs& args, cudaStream_t stream,
-                                                                      int iterations) {
+                                                                      int iterations, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
-  return profile_stages(stream, iterations, [&](const StageMarker& mark) { run_backward(s, args, stream, mark); });
+  const bool use_context = context_is_current(s, context);
+  return profile_stages(stream, iterations,
+                        [&](const StageMarker& mark) { run_backward(s, args, use_context, stream, mark); });
 }
 
 Status GpuLayer::synchronize(cudaStream_t stream) {

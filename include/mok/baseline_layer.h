@@ -22,8 +22,10 @@ class BaselineLayer {
 
   // Runs on `stream`; synchronizes once to read the expert counts, as the PyTorch pipeline does.
   void forward(const ForwardArgs& args, cudaStream_t stream);
-  // The backward the same way (recomputing gate/up), one cuBLAS call per expert and GEMM.
-  void backward(const BackwardArgs& args, cudaStream_t stream);
+  // The backward the same way, one cuBLAS call per expert and GEMM. With saved_activations it
+  // reuses the last forward's split sizes, permuted x and gate/up outputs, as autograd keeps
+  // them (args must be that forward's inputs); without, it recomputes them.
+  void backward(const BackwardArgs& args, cudaStream_t stream, bool saved_activations = false);
 
   struct State;  // opaque (src/baseline_layer.cpp)
 

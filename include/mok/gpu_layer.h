@@ -20,6 +20,13 @@
 
 namespace mok {
 
+// Names the intermediates a forward left in the layer's workspace (the routing schedule, the
+// gathered x rows, and bf16 g and u of every row), which a backward of the same inputs can
+// start from instead of recomputing them. Valid until the next forward on the same layer.
+struct ForwardContext {
+  uint64_t generation = 0;
+};
+
 class GpuLayer {
  public:
   // Allocates the workspace for `shape` on the current CUDA device; throws mok::Error if the
@@ -31,12 +38,13 @@ class GpuLayer {
 
   // Runs the forward on `stream` with CUDA tensors; validates the arguments on the host first
   // and launches nothing if they are wrong. No host synchronization.
-  void forward(const ForwardArgs& args, cudaStream_t stream);
+  ForwardContext forward(const ForwardArgs& args, cudaStream_t stream);
 
-  // Runs the backward on `stream` with CUDA tensors (args.forward holds the forward's inputs;
-  // the forward's intermediates are recomputed): d_x, d_router_weights and every weight
-  // gradient. Validates first; no host synchronization.
-  void backward(const BackwardArgs& args, cudaStream_t stream);
+  // Runs the backward on `stream` with CUDA tensors: d_x, d_router_weights and every weight
+  // gradient. args.forward holds the forward's inputs. With the context of the latest forward
+  // (of these same inputs) it starts from the kept intermediates; without one it recomputes
+  // them. A stale context is an error. Validates first; no host synchronization.
+  void backward(const BackwardArgs& args, cudaStream_t stream, const ForwardContext* context = nullptr);
 
   // Runs the forward `iterations` times with CUDA events between its stages and returns the
   // median milliseconds of each stage (name, ms), then "total". Synchronizes.
@@ -44,7 +52,7 @@ class GpuLayer {
                                                              int iterations);
 
   std::vector<std::pair<std::string, float>> profile_backward(const BackwardArgs& args, cudaStream_t stream,
-                                                              int iterations);
+                                                              int iterations, const ForwardContext* context = nullptr);
 
   // Waits for `stream` and reports what the device found: bad expert ids (naming rank, token,
   // slot and value), a timed-out device wait (with its diagnosis), or a CUDA error.

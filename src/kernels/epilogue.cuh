@@ -3,7 +3,8 @@
 // with 4-byte stores. One function per form; the rounding points are docs/design.md's.
 //
 //   kGateUpSwiGLU      register j (gate column) pairs with j + 16 (the up column 128 further):
-//                      h = swiglu(g, u) is thread-local.
+//                      h = swiglu(g, u) is thread-local; with out2/out3 set it also keeps
+//                      bf16(g) and bf16(u) (the forward context).
 //   kGateUpStore       the same pairing, storing bf16(g) and bf16(u) for the backward.
 //   kDownScatter,      row r goes to out + row_pair[r] * out_ld (a combine slot); padding rows
 //   kGateUpGradScatter are dropped.
@@ -66,6 +67,7 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
       }
     } else if constexpr (kPairedGateUp) {
       const int64_t offset = static_cast<int64_t>(row) * params.out_ld;
+      const bool keeps_gate_up = params.out2 != nullptr;
 #pragma unroll
       for (int j = 0; j < kColumnGroups; ++j) {
         const int col = col_base + fragment_col(j);
@@ -75,6 +77,10 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
         if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
           store_pair(params.out + offset + col, swiglu_forward(g0, u0, params.swiglu_limit),
                      swiglu_forward(g1, u1, params.swiglu_limit));
+          if (keeps_gate_up) {  // the forward context: g, u kept for the backward
+            store_pair(params.out2 + offset + col, g0, g1);
+            store_pair(params.out3 + offset + col, u0, u1);
+          }
         } else {
           store_pair(params.out + offset + col, g0, g1);
           store_pair(params.out2 + offset + col, u0, u1);

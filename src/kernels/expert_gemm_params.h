@@ -14,7 +14,8 @@ namespace mok::kernels {
 // "rows" are the expert-grouped rows of the schedule (128-row tiles, one expert each).
 enum class ExpertGemmForm : int32_t {
   // Forward gate/up: A = rows [rows, H]; B = gate and up weights [E_loc, I, H]; a tile is 128
-  // rows x (128 gate + 128 up) columns; out = h = swiglu(g, u) [rows, I].
+  // rows x (128 gate + 128 up) columns; out = h = swiglu(g, u) [rows, I]; when out2 is set it
+  // also keeps bf16(g) in out2 and bf16(u) in out3 (the forward context of the backward).
   kGateUpSwiGLU = 0,
   // Forward down: A = h [rows, I]; B = Wd [E_loc, H, I]; y = bf16 rows scattered to combine
   // slot row_pair[row] of out [pairs, H]; padding rows dropped.

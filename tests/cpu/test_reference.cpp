@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "../../src/reference/gemm_f32.h"
+#include "reference/gemm_f32.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
 #include "mok/routing.h"

@@ -54,9 +54,12 @@ MoeShape make_shape(int64_t tokens, int64_t hidden, int64_t intermediate, int64_
   return shape;
 }
 
-HostRank gpu_backward(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem) {
+// One training step on the GPU: forward, then backward from the forward's context, or
+// recomputing the forward when `with_context` is false.
+HostRank gpu_backward(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem, bool with_context) {
   device.poison_outputs();
-  layer.backward(device.backward_args(), nullptr);
+  const ForwardContext context = layer.forward(device.forward_args(), nullptr);
+  layer.backward(device.backward_args(), nullptr, with_context ? &context : nullptr);
   const Status status = layer.synchronize(nullptr);
   EXPECT_TRUE(status.ok()) << status.message;
   HostRank result = problem.ranks[0];
@@ -77,7 +80,7 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   const HostRank& want = problem.ranks[0];
   DeviceProblem device(problem, 0);
   GpuLayer layer(shape, MoeConfig{});
-  const HostRank got = gpu_backward(layer, device, problem);
+  const HostRank got = gpu_backward(layer, device, problem, /*with_context=*/true);
 
   struct Output {
     const char* name;
@@ -107,13 +110,14 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   }
   std::printf("\n");
 
-  const HostRank again = gpu_backward(layer, device, problem);
+  const HostRank again = gpu_backward(layer, device, problem, /*with_context=*/false);
+  EXPECT_TRUE(same_bits(again.out, got.out)) << "the forward is not bitwise reproducible";
   EXPECT_TRUE(same_bits(again.d_x, got.d_x) && same_bits(again.d_router_weights, got.d_router_weights) &&
               same_bits(again.d_w_gate, got.d_w_gate) && same_bits(again.d_w_up, got.d_w_up) &&
               same_bits(again.d_w_down, got.d_w_down) && same_bits(again.d_w_shared_gate, got.d_w_shared_gate) &&
               same_bits(again.d_w_shared_up, got.d_w_shared_up) &&
               same_bits(again.d_w_shared_down, got.d_w_shared_down))
-      << "the backward is not bitwise reproducible";
+      << "the backward recomputing the forward differs bitwise from the backward from the context";
 }
 
 TEST(BackwardGpu, MatchesReference) {
@@ -129,6 +133,23 @@ TEST(BackwardGpu, MatchesReference) {
   check_backward("zero tokens", make_shape(0, 512, 256, 8, 4, 64), RoutingKind::kUniform, ++seed);
   check_backward("many experts", make_shape(257, 768, 256, 64, 8), RoutingKind::kUniform, ++seed);
   check_backward("wide", make_shape(512, 2048, 768, 8, 2, 256), RoutingKind::kUniform, ++seed);
+}
+
+TEST(BackwardGpu, StaleContextIsRejected) {
+  const MoeShape shape = named_shape("tiny");
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 9);
+  DeviceProblem device(problem, 0);
+  GpuLayer layer(shape, MoeConfig{});
+  const ForwardContext first = layer.forward(device.forward_args(), nullptr);
+  layer.forward(device.forward_args(), nullptr);
+  try {
+    layer.backward(device.backward_args(), nullptr, &first);
+    FAIL() << "a stale context was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("context = forward #1, but the layer's workspace holds forward #2"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 }  // namespace
