@@ -238,7 +238,7 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream, bool
     gemm_rows_by_weights(s.handle, counts[e], I, H, w_down + e * H * I * 2, s.d_out_rows->bytes() + row * H * 2,
                          s.dh_raw->bytes() + row * I * 2, &kZero);
   }
-  cuda_check(kernels::launch_baseline_swiglu_backward(offsets[E], s.gate->pointer, s.up->pointer, s.dh_raw->pointer,
+  cuda_check(kernels::launch_swiglu_backward(nullptr, offsets[E], s.gate->pointer, s.up->pointer, s.dh_raw->pointer,
                                                       view.row_pair, fwd.router_weights.data_as<const float>(), I,
                                                       shape.swiglu_limit, s.d_gate->pointer, s.d_up->pointer,
                                                       s.hidden->pointer, args.d_router_weights.data_as<float>(),
@@ -274,7 +274,7 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream, bool
       }
       gemm_rows_by_weights(s.handle, T, Is, H, fwd.w_shared_down.data, args.d_out.data, s.shared_dh_raw->pointer,
                            &kZero);
-      cuda_check(kernels::launch_baseline_swiglu_backward(T, s.shared_gate->pointer, s.shared_up->pointer,
+      cuda_check(kernels::launch_swiglu_backward(nullptr, T, s.shared_gate->pointer, s.shared_up->pointer,
                                                           s.shared_dh_raw->pointer, nullptr, nullptr, Is,
                                                           shape.swiglu_limit, s.shared_d_gate->pointer,
                                                           s.shared_d_up->pointer, s.shared_hidden->pointer, nullptr,

@@ -62,21 +62,19 @@ struct ExpertSet {
   int64_t num_experts = 0;
   int64_t intermediate = 0;
   int64_t capacity_rows = 0;  // rows of the [rows, I] buffers (a multiple of 128)
-  DeviceBuffer hidden;        // forward h; backward h_w
+  DeviceBuffer hidden;        // forward h; backward dh_raw, then h_w in place
   DeviceBuffer gate, up;      // backward: recomputed bf16 g, u
   DeviceBuffer d_gate, d_up;  // backward
-  DeviceBuffer rw_partial;    // backward, routed only: [capacity_rows, ceil(I / 256)] fp32
 
-  void allocate(int64_t rows, int64_t inter, int64_t experts, bool router_weights) {
+  void allocate(int64_t rows, int64_t inter, int64_t experts) {
     capacity_rows = rows;
     intermediate = inter;
     num_experts = experts;
     for (DeviceBuffer* buffer : {&hidden, &gate, &up, &d_gate, &d_up}) buffer->allocate(rows * inter * 2, "expert buffer");
-    if (router_weights) rw_partial.allocate(rows * ((inter + 255) / 256) * 4, "router weight partials");
   }
   ScheduleView view() const { return ScheduleView::at(schedule.pointer, layout); }
   int64_t bytes() const {
-    return schedule.bytes + hidden.bytes + gate.bytes + up.bytes + d_gate.bytes + d_up.bytes + rw_partial.bytes;
+    return schedule.bytes + hidden.bytes + gate.bytes + up.bytes + d_gate.bytes + d_up.bytes;
   }
 };
 
@@ -129,7 +127,7 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config) : state_(std:
   s.routed.layout = ScheduleLayout::make(params);
   const int64_t max_rows = params.max_rows();
   s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
-  s.routed.allocate(max_rows, I, shape.num_local_experts(), /*router_weights=*/true);
+  s.routed.allocate(max_rows, I, shape.num_local_experts());
   s.rows.allocate(max_rows * H * 2, "routed rows buffer");
   s.d_out_rows.allocate(max_rows * H * 2, "routed d_out rows buffer");
   s.slots.allocate(T * K * H * 2, "combine slots buffer");
@@ -149,7 +147,7 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config) : state_(std:
     s.shared.schedule.allocate(s.shared.layout.total_bytes, "shared expert schedule");
     cuda_check(cudaMemcpy(s.shared.schedule.pointer, host.data(), host.size(), cudaMemcpyHostToDevice),
                "upload shared expert schedule");
-    s.shared.allocate(round_up(std::max<int64_t>(T, 1), 128), shape.shared_intermediate, 1, /*router_weights=*/false);
+    s.shared.allocate(round_up(std::max<int64_t>(T, 1), 128), shape.shared_intermediate, 1);
     s.shared_out.allocate(T * H * 2, "shared output buffer");
   }
 
@@ -245,12 +243,12 @@ struct WeightGrads {
 };
 
 // Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down with SwiGLU backward (d_g, d_u,
-// h_w, router-weight partials); dx rows scattered to dx_out + row_pair[row] * H; the three
+// h_w, d_router_weights of routed pairs); dx rows scattered to dx_out + row_pair[row] * H; the three
 // weight gradients. router_weights null = weight 1 (the shared expert).
 void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows, const void* d_out_rows,
                       int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                      const float* router_weights, void* dx_out, const WeightGrads& grads, bool recompute,
-                      cudaStream_t stream, const StageMarker& mark) {
+                      const float* router_weights, float* d_router_weights, void* dx_out, const WeightGrads& grads,
+                      bool recompute, cudaStream_t stream, const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts, R = set.capacity_rows;
   kernels::ExpertGemmParams params = base_params(s, set);
 
@@ -268,17 +266,20 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
     mark("gate/up recompute");
   }
 
+  // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
-  params.in_gate = set.gate.as<const __nv_bfloat16>();
-  params.in_up = set.up.as<const __nv_bfloat16>();
-  params.out = set.d_gate.as<__nv_bfloat16>();
-  params.out2 = set.d_up.as<__nv_bfloat16>();
-  params.out3 = set.hidden.as<__nv_bfloat16>();
-  params.router_weights = router_weights;
-  params.rw_partial = router_weights != nullptr ? set.rw_partial.as<float>() : nullptr;
-  launch(s, kernels::ExpertGemmForm::kDownGradSwiGLU, maps, params, stream, "down dgrad GEMM");
-  mark("down dgrad + SwiGLU backward");
+  params.out = set.hidden.as<__nv_bfloat16>();
+  params.out2 = params.out3 = nullptr;
+  launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
+  mark("down dgrad");
+  const ScheduleView view = set.view();
+  cuda_check(kernels::launch_swiglu_backward(view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
+                                             view.row_pair, router_weights, I, s.shape.swiglu_limit,
+                                             set.d_gate.pointer, set.d_up.pointer, set.hidden.pointer,
+                                             d_router_weights, stream),
+             "SwiGLU backward launch");
+  mark("SwiGLU backward + router weight gradient");
 
   maps.a0 = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
   maps.a1 = k_major_rows(set.d_up.pointer, I, R, "d_up");
@@ -368,19 +369,18 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
                                          s.d_out_rows.pointer, max_rows, stream),
              "gather d_out launch");
+  // Pairs not routed here (expert -1) keep 0; the SwiGLU backward writes the routed ones.
+  cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream),
+             "zero d_router_weights");
   mark(use_context ? "gather d_out" : "gather x, d_out");
   backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data, fwd.w_up.data,
-                   fwd.w_down.data, fwd.router_weights.data_as<const float>(), s.slots.pointer,
+                   fwd.w_down.data, fwd.router_weights.data_as<const float>(),
+                   args.d_router_weights.data_as<float>(), s.slots.pointer,
                    {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, !use_context, stream, mark);
-  cuda_check(kernels::launch_router_weight_grad(view.pair_row, s.routed.rw_partial.as<const float>(),
-                                                static_cast<int32_t>((shape.intermediate + 255) / 256),
-                                                T * shape.top_k, args.d_router_weights.data_as<float>(), stream),
-             "router weight gradient launch");
-  mark("router weight gradient");
   if (shape.has_shared_expert()) {
     if (T > 0) {
       backward_experts(s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,
-                       fwd.w_shared_down.data, nullptr, s.shared_out.pointer,
+                       fwd.w_shared_down.data, nullptr, nullptr, s.shared_out.pointer,
                        {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data},
                        !use_context, stream, [](const char*) {});
     } else {

@@ -1,9 +1,9 @@
 // The MoE layer on one GPU (EP = 1): the host runtime that owns the workspace and launches the
 // device kernels. Today each direction runs as a short sequence of kernels (forward: schedule,
 // local dispatch, gate/up GEMM with fused SwiGLU, down GEMM with scatter, combine; backward:
-// schedule, gathers, gate/up recompute, down dgrad with fused SwiGLU backward, router-weight
-// gradient, gate/up dgrad with scatter, weight gradients, d_x combine); the persistent fused
-// kernels replace the sequences behind the same API.
+// gathers, down dgrad, SwiGLU backward with the router-weight gradient, gate/up dgrad with
+// scatter, weight gradients, d_x combine; without a forward context also the schedule and the
+// gate/up recompute); the persistent fused kernels replace the sequences behind the same API.
 #pragma once
 
 #include <cuda_runtime_api.h>

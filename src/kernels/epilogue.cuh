@@ -8,9 +8,7 @@
 //   kGateUpStore       the same pairing, storing bf16(g) and bf16(u) for the backward.
 //   kDownScatter,      row r goes to out + row_pair[r] * out_ld (a combine slot); padding rows
 //   kGateUpGradScatter are dropped.
-//   kDownGradSwiGLU    dh_raw = bf16(acc), SwiGLU backward with g, u read back, d_g, d_u, h_w
-//                      stored; the tile's share of <dh_raw, h> per row reduced over the 4 lanes
-//                      that hold the row (xor-shuffles, fixed order) into rw_partial.
+//   kDownGrad          dh_raw = bf16(acc) rows, stored as they are.
 //   kWeightGrad        out[e] [M, N] row-major.
 #pragma once
 
@@ -87,31 +85,12 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
         }
       }
     } else {
-      static_assert(kForm == ExpertGemmForm::kDownGradSwiGLU, "unhandled form");
-      const int pair = params.row_pair[row];
-      const float weight = pair < 0 ? 0.0f : params.router_weights != nullptr ? params.router_weights[pair] : 1.0f;
-      const int64_t offset = static_cast<int64_t>(row) * params.out_ld;
-      float partial = 0.0f;
+      static_assert(kForm == ExpertGemmForm::kDownGrad, "unhandled form");
+      __nv_bfloat16* out_row = params.out + static_cast<int64_t>(row) * params.out_ld;
 #pragma unroll
       for (int j = 0; j < kColumnGroups; ++j) {
         const int col = col_base + fragment_col(j);
-        if (col >= params.n_extent) continue;
-        const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(params.in_gate + offset + col));
-        const float2 up = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(params.in_up + offset + col));
-        SwigluGrad grad0 = swiglu_backward(acc[j * 4 + i * 2], gate.x, up.x, weight, params.swiglu_limit);
-        SwigluGrad grad1 = swiglu_backward(acc[j * 4 + i * 2 + 1], gate.y, up.y, weight, params.swiglu_limit);
-        partial += grad0.dh_raw_times_h;
-        partial += grad1.dh_raw_times_h;
-        store_pair(params.out + offset + col, grad0.d_gate, grad1.d_gate);
-        store_pair(params.out2 + offset + col, grad0.d_up, grad1.d_up);
-        store_pair(params.out3 + offset + col, grad0.weighted_hidden, grad1.weighted_hidden);
-      }
-      // The 4 lanes of a quad hold the same row: reduce in a fixed tree.
-      partial += __shfl_xor_sync(0xffffffffu, partial, 1);
-      partial += __shfl_xor_sync(0xffffffffu, partial, 2);
-      if (params.rw_partial != nullptr && pair >= 0 && threadIdx.x % 4 == 0) {
-        const int num_n_tiles = (params.n_extent + kTileN - 1) / kTileN;
-        params.rw_partial[static_cast<int64_t>(row) * num_n_tiles + coord.n_tile] = partial;
+        if (col < params.n_extent) store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
       }
     }
   }

@@ -14,7 +14,7 @@
 // [rows x 64 K], MN-major boxes [64 K-rows x 64 MN], four of them for a 256-wide B):
 //   kGateUpSwiGLU, kGateUpStore  A rows (a0), B gate rows (b0) then up rows (b1), 128 each
 //   kDownScatter                 A = h rows (a0), B = Wd rows (b0), 256
-//   kDownGradSwiGLU              A = d_out rows (a0), B = Wd MN-major (b0)
+//   kDownGrad                    A = d_out rows (a0), B = Wd MN-major (b0)
 //   kGateUpGradScatter           K < I: A = d_g (a0), B = Wg MN-major (b0); then d_u (a1), Wu (b1)
 //   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0)
 #include <cuda.h>
@@ -34,7 +34,7 @@ constexpr int kGroupM = 8;
 template <ExpertGemmForm kForm>
 struct FormTraits {
   static constexpr bool kAMnMajor = kForm == ExpertGemmForm::kWeightGrad;
-  static constexpr bool kBMnMajor = kForm == ExpertGemmForm::kDownGradSwiGLU ||
+  static constexpr bool kBMnMajor = kForm == ExpertGemmForm::kDownGrad ||
                                     kForm == ExpertGemmForm::kGateUpGradScatter ||
                                     kForm == ExpertGemmForm::kWeightGrad;
   static constexpr bool kRowTiles = kForm != ExpertGemmForm::kWeightGrad;
@@ -104,7 +104,7 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
   } else if constexpr (kForm == ExpertGemmForm::kDownScatter) {
     ptx::tma_load_2d(a_dst, a0, full, k, row);
     ptx::tma_load_3d(b_dst, b0, full, k, coord.n_tile * 256, coord.expert);
-  } else if constexpr (kForm == ExpertGemmForm::kDownGradSwiGLU) {
+  } else if constexpr (kForm == ExpertGemmForm::kDownGrad) {
     ptx::tma_load_2d(a_dst, a0, full, k, row);
 #pragma unroll
     for (int c = 0; c < 4; ++c) ptx::tma_load_3d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k, coord.expert);
@@ -191,8 +191,8 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, 
       return launch_form<ExpertGemmForm::kDownScatter>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
     case ExpertGemmForm::kGateUpStore:
       return launch_form<ExpertGemmForm::kGateUpStore>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
-    case ExpertGemmForm::kDownGradSwiGLU:
-      return launch_form<ExpertGemmForm::kDownGradSwiGLU>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas,
+    case ExpertGemmForm::kDownGrad:
+      return launch_form<ExpertGemmForm::kDownGrad>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas,
                                                           stream);
     case ExpertGemmForm::kGateUpGradScatter:
       return launch_form<ExpertGemmForm::kGateUpGradScatter>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas,

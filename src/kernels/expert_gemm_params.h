@@ -23,12 +23,10 @@ enum class ExpertGemmForm : int32_t {
   // Backward recompute of gate/up: like kGateUpSwiGLU but stores bf16(g) to out and bf16(u) to
   // out2 (both [rows, I], before the clamp).
   kGateUpStore = 2,
-  // Backward dgrad of down with SwiGLU backward fused: A = d_out rows [rows, H] (K = H);
-  // B = Wd [E_loc, H, I] read MN-major (K = H rows, N = I contiguous). Epilogue: dh_raw =
-  // bf16(acc); with g, u from `in_gate` / `in_up` and w = router weight of the row's pair (1 if
-  // router_weights is null): out = d_g, out2 = d_u, out3 = h_w = bf16(w h) ([rows, I] each),
-  // and rw_partial[row][n_tile] = sum over the tile's columns of dh_raw * h (fixed order).
-  kDownGradSwiGLU = 3,
+  // Backward dgrad of down: dh_raw = bf16(d_out rows Wd) [rows, I] to out. A = d_out rows
+  // [rows, H] (K = H); B = Wd [E_loc, H, I] read MN-major (K = H rows, N = I contiguous). The
+  // SwiGLU backward runs after it as its own memory-bound kernel (swiglu_backward.cu).
+  kDownGrad = 3,
   // Backward dgrad of gate/up: A = [d_g | d_u] (two maps, K = 2I); B = [Wg ; Wu] read MN-major
   // (K = I rows of each, N = H contiguous); dx rows scattered like kDownScatter.
   kGateUpGradScatter = 4,
@@ -51,10 +49,6 @@ struct ExpertGemmParams {
   __nv_bfloat16* out2;
   __nv_bfloat16* out3;
   int64_t out_ld;                // elements between output rows (all outputs of the form)
-  const __nv_bfloat16* in_gate;  // kDownGradSwiGLU: g rows [rows, I]
-  const __nv_bfloat16* in_up;    // kDownGradSwiGLU: u rows [rows, I]
-  const float* router_weights;   // kDownGradSwiGLU: [pairs], or null for weight 1
-  float* rw_partial;             // kDownGradSwiGLU: [rows, n_tiles], or null
   float swiglu_limit;            // infinity = no clamp
   WaitContext wait;
 };

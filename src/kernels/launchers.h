@@ -23,11 +23,6 @@ size_t expert_gemm_smem_bytes();
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, const ExpertGemmParams& params,
                                int num_ctas, cudaStream_t stream);
 
-// d_router_weights[p] = sum over n of rw_partial[pair_row[p]][n] (n ascending), 0 where the
-// pair is not routed here (reduce.cu).
-cudaError_t launch_router_weight_grad(const int32_t* pair_row, const float* rw_partial, int32_t num_n_tiles,
-                                      int64_t num_pairs, float* d_router_weights, cudaStream_t stream);
-
 // Local dispatch (dispatch_local.cu): rows [0, header.total_rows) of `rows` [max_rows, hidden]
 // get x[token of row_pair[row]]; padding rows get zeros. `top_k` decodes the pair index.
 cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair,
@@ -50,12 +45,16 @@ cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pa
                                       const float* router_weights, int64_t num_tokens, int64_t hidden,
                                       int32_t top_k, void* out, cudaStream_t stream);
 
-// Baseline SwiGLU backward over rows [0, num_rows): row r's pair is row_pair[r] (identity when
-// null; -1 = padding, weight 0); router_weights null = weight 1; d_router_weights[pair] gets the
-// row's <dh_raw, h> when not null.
-cudaError_t launch_baseline_swiglu_backward(int64_t num_rows, const void* gate, const void* up, const void* dh_raw,
-                                            const int32_t* row_pair, const float* router_weights,
-                                            int64_t intermediate, float limit, void* d_gate, void* d_up,
-                                            void* weighted_hidden, float* d_router_weights, cudaStream_t stream);
+// SwiGLU backward (swiglu_backward.cu), one warp per row, over rows [0, header->total_rows) (or
+// [0, num_rows) when header is null): from bf16 g, u and dh_raw rows, d_g, d_up and
+// h_w = bf16(w h) rows (weighted_hidden may alias dh_raw: each element is read, then written, by
+// one thread), and d_router_weights[row_pair[row]] = <dh_raw, h> of the row (lanes in fixed
+// order, then a fixed xor tree). Row r's pair is row_pair[r] (identity when null; -1 = padding,
+// weight 0, nothing written to d_router_weights); router_weights null = weight 1;
+// d_router_weights may be null (the shared expert).
+cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate, const void* up,
+                                   const void* dh_raw, const int32_t* row_pair, const float* router_weights,
+                                   int64_t intermediate, float limit, void* d_gate, void* d_up, void* weighted_hidden,
+                                   float* d_router_weights, cudaStream_t stream);
 
 }  // namespace mok::kernels
