@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh
 cd "${MOK_BUILD_DIR:-build}"
+# Say up front when the GPU suite cannot run here (ctest then lists it as skipped).
+if ! ./mok_gpu_tests --gtest_list_tests >/dev/null 2>&1; then ./mok_gpu_tests --gtest_list_tests | head -n 1 || true; fi
 ctest --output-on-failure --timeout 1200 -j "$(nproc)" "$@"

@@ -301,6 +301,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
     kernels::ExpertGemmMaps wgrad_maps;
     wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
     wgrad_maps.b0 = wgrad_maps.b1 = b;
+    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what);
     kernels::ExpertGemmParams wgrad = base_params(s, set);
     wgrad.m_extent = static_cast<int32_t>(m);
     wgrad.n_extent = static_cast<int32_t>(n);

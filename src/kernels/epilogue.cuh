@@ -9,7 +9,9 @@
 //   kDownScatter,      row r goes to out + row_pair[r] * out_ld (a combine slot); padding rows
 //   kGateUpGradScatter are dropped.
 //   kDownGrad          dh_raw = bf16(acc) rows, stored as they are.
-//   kWeightGrad        out[e] [M, N] row-major.
+//   kWeightGrad        through a 128x256 shared-memory staging tile and a TMA store into
+//                      out[e] [M, N] (weight_grad_store below): the store runs in the background
+//                      while the consumers start the next tile's mainloop.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,18 +45,7 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = row_base + fragment_row(i);
-    if constexpr (kForm == ExpertGemmForm::kWeightGrad) {
-      // An expert without rows has a zero gradient (and an undefined accumulator).
-      if (row >= params.m_extent) continue;
-      __nv_bfloat16* out_row = params.out + (static_cast<int64_t>(coord.expert) * params.m_extent + row) * params.out_ld;
-      const bool empty = coord.num_k_blocks == 0;
-#pragma unroll
-      for (int j = 0; j < kColumnGroups; ++j) {
-        const int col = col_base + fragment_col(j);
-        if (col < params.n_extent)
-          store_pair(out_row + col, empty ? 0.0f : acc[j * 4 + i * 2], empty ? 0.0f : acc[j * 4 + i * 2 + 1]);
-      }
-    } else if constexpr (kForm == ExpertGemmForm::kDownScatter || kForm == ExpertGemmForm::kGateUpGradScatter) {
+    if constexpr (kForm == ExpertGemmForm::kDownScatter || kForm == ExpertGemmForm::kGateUpGradScatter) {
       const int pair = params.row_pair[row];
       if (pair < 0) continue;
       __nv_bfloat16* out_row = params.out + static_cast<int64_t>(pair) * params.out_ld;
@@ -93,6 +84,44 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
         if (col < params.n_extent) store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
       }
     }
+  }
+}
+
+// The weight gradient's epilogue. Consumer threads write their fragments into the staging tile
+// (four chunks of [128 rows x 64 columns], 128-byte rows swizzled as TMA expects: 16-byte unit
+// u of row r sits at u ^ (r % 8), which also makes each warp's writes bank-conflict free), then
+// one thread stores the chunks with TMA. Before overwriting the tile, that thread waits until
+// the previous tile's store has read it. An expert without rows stores zeros.
+template <typename Storage>
+__device__ __forceinline__ void weight_grad_store(const CUtensorMap* out_map, Storage& smem,
+                                                  const ExpertGemmParams& params, const TileCoord& coord,
+                                                  int consumer_idx, const float (&acc)[128]) {
+  constexpr int kChunkBytes = BLOCK_M * 128;
+  const bool issuer = threadIdx.x == 128;
+  if (issuer) ptx::bulk_wait_group_read<0>();
+  ptx::named_barrier_sync(1, kConsumerThreads);
+  char* tile = reinterpret_cast<char*>(smem.store_tile);
+  const bool empty = coord.num_k_blocks == 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = consumer_idx * 64 + fragment_row(i);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int offset = (j / 8) * kChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
+      *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(
+          empty ? 0.0f : acc[j * 4 + i * 2], empty ? 0.0f : acc[j * 4 + i * 2 + 1]);
+    }
+  }
+  ptx::fence_proxy_async_shared();
+  ptx::named_barrier_sync(1, kConsumerThreads);
+  if (issuer) {
+    const int col_base = coord.n_tile * BLOCK_N;
+#pragma unroll
+    for (int chunk = 0; chunk < 4; ++chunk)
+      if (col_base + chunk * 64 < params.n_extent)
+        ptx::tma_store_3d(out_map, tile + chunk * kChunkBytes, col_base + chunk * 64, coord.m_tile * BLOCK_M,
+                          coord.expert);
+    ptx::bulk_commit_group();
   }
 }
 

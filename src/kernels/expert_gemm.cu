@@ -16,7 +16,8 @@
 //   kDownScatter                 A = h rows (a0), B = Wd rows (b0), 256
 //   kDownGrad                    A = d_out rows (a0), B = Wd MN-major (b0)
 //   kGateUpGradScatter           K < I: A = d_g (a0), B = Wg MN-major (b0); then d_u (a1), Wu (b1)
-//   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0)
+//   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0);
+//                                3 stages, the output leaves through a staging tile and `out`
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -125,14 +126,18 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
 }
 
 template <ExpertGemmForm kForm>
+using FormStorage = GemmSharedStorage<kForm == ExpertGemmForm::kWeightGrad ? kWeightGradStages : kNumStages,
+                                      kForm == ExpertGemmForm::kWeightGrad>;
+
+template <ExpertGemmForm kForm>
 __global__ void __launch_bounds__(kNumThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
                        const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
-                       const ExpertGemmParams params) {
+                       const __grid_constant__ CUtensorMap tmap_out, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
+  using Storage = FormStorage<kForm>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  GemmSharedStorage& smem = *reinterpret_cast<GemmSharedStorage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   init_pipeline(smem);
   const TileSpace space = tile_space<kForm>(params);
   const int warpgroup = threadIdx.x / 128;
@@ -142,7 +147,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&tmap_a0);
       ptx::prefetch_tensor_map(&tmap_b0);
-      PipelineState state;
+      PipelineState<Storage::kNumStagesHere> state;
       for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
         const TileCoord coord = tile_coord<kForm>(params, space, tile);
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
@@ -156,49 +161,52 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     const int consumer_idx = warpgroup - 1;
-    PipelineState state;
+    PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
     for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
       const TileCoord coord = tile_coord<kForm>(params, space, tile);
       consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(params.wait, smem, state, coord.num_k_blocks, consumer_idx,
                                                          acc);
-      epilogue<kForm>(params, coord, consumer_idx, acc);
+      if constexpr (kForm == ExpertGemmForm::kWeightGrad)
+        weight_grad_store(&tmap_out, smem, params, coord, consumer_idx, acc);
+      else
+        epilogue<kForm>(params, coord, consumer_idx, acc);
     }
+    // Outstanding TMA stores read the staging tile: it must outlive them.
+    if constexpr (kForm == ExpertGemmForm::kWeightGrad)
+      if (threadIdx.x == 128) ptx::bulk_wait_group<0>();
   }
 }
 
 template <ExpertGemmForm kForm>
-cudaError_t launch_form(const CUtensorMap& a0, const CUtensorMap& a1, const CUtensorMap& b0, const CUtensorMap& b1,
-                        const ExpertGemmParams& params, int num_ctas, cudaStream_t stream) {
-  const size_t smem_bytes = expert_gemm_smem_bytes();
+cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
+                        cudaStream_t stream) {
+  const size_t smem_bytes = sizeof(FormStorage<kForm>) + 1024;
   cudaError_t status = cudaFuncSetAttribute(expert_gemm_kernel<kForm>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  expert_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(a0, a1, b0, b1, params);
+  expert_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps.a0, maps.a1, maps.b0, maps.b1,
+                                                                            maps.out, params);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-size_t expert_gemm_smem_bytes() { return sizeof(GemmSharedStorage) + 1024; }
-
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, const ExpertGemmParams& params,
                                int num_ctas, cudaStream_t stream) {
   switch (form) {
     case ExpertGemmForm::kGateUpSwiGLU:
-      return launch_form<ExpertGemmForm::kGateUpSwiGLU>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+      return launch_form<ExpertGemmForm::kGateUpSwiGLU>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kDownScatter:
-      return launch_form<ExpertGemmForm::kDownScatter>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+      return launch_form<ExpertGemmForm::kDownScatter>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kGateUpStore:
-      return launch_form<ExpertGemmForm::kGateUpStore>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+      return launch_form<ExpertGemmForm::kGateUpStore>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kDownGrad:
-      return launch_form<ExpertGemmForm::kDownGrad>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas,
-                                                          stream);
+      return launch_form<ExpertGemmForm::kDownGrad>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kGateUpGradScatter:
-      return launch_form<ExpertGemmForm::kGateUpGradScatter>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas,
-                                                             stream);
+      return launch_form<ExpertGemmForm::kGateUpGradScatter>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kWeightGrad:
-      return launch_form<ExpertGemmForm::kWeightGrad>(maps.a0, maps.a1, maps.b0, maps.b1, params, num_ctas, stream);
+      return launch_form<ExpertGemmForm::kWeightGrad>(maps, params, num_ctas, stream);
   }
   return cudaErrorInvalidValue;
 }

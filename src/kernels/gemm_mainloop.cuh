@@ -28,7 +28,8 @@ namespace mok::kernels {
 constexpr int BLOCK_M = 128;
 constexpr int BLOCK_N = 256;
 constexpr int BLOCK_K = 64;
-constexpr int kNumStages = 4;
+constexpr int kNumStages = 4;          // stages of the row-tile forms
+constexpr int kWeightGradStages = 3;   // the weight gradient trades one stage for its store tile
 constexpr int kNumThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kProducerRegisters = 40;
@@ -36,29 +37,38 @@ constexpr int kConsumerRegisters = 232;
 constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 
+// Shared memory of one CTA: the stage ring, and for forms with a TMA-store epilogue a staging
+// tile of 128 x 256 bf16 (four 128B-swizzled chunks of 64 columns).
+template <int kStages, bool kStoreTile>
 struct alignas(1024) GemmSharedStorage {
-  __nv_bfloat16 a[kNumStages][BLOCK_M * BLOCK_K];
-  __nv_bfloat16 b[kNumStages][BLOCK_N * BLOCK_K];
-  uint64_t full[kNumStages];
-  uint64_t empty[kNumStages];
+  static constexpr int kNumStagesHere = kStages;
+  __nv_bfloat16 a[kStages][BLOCK_M * BLOCK_K];
+  __nv_bfloat16 b[kStages][BLOCK_N * BLOCK_K];
+  __nv_bfloat16 store_tile[kStoreTile ? BLOCK_M * BLOCK_N : 8];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
 };
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
+static_assert(sizeof(GemmSharedStorage<kNumStages, false>) + 1024 <= 227 * 1024, "fits the SM's shared memory");
+static_assert(sizeof(GemmSharedStorage<kWeightGradStages, true>) + 1024 <= 227 * 1024, "fits the SM's shared memory");
 
 // Position in the stage ring; the phase bit flips each time the ring wraps.
+template <int kStages>
 struct PipelineState {
   int stage = 0;
   uint32_t phase = 0;
   __device__ __forceinline__ void advance() {
-    if (++stage == kNumStages) {
+    if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
     }
   }
 };
 
-__device__ __forceinline__ void init_pipeline(GemmSharedStorage& smem) {
+template <typename Storage>
+__device__ __forceinline__ void init_pipeline(Storage& smem) {
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
+    for (int s = 0; s < Storage::kNumStagesHere; ++s) {
       ptx::mbarrier_init(&smem.full[s], 1);
       ptx::mbarrier_init(&smem.empty[s], kConsumerThreads / 32);  // one arrive per consumer warp
     }
@@ -70,9 +80,8 @@ __device__ __forceinline__ void init_pipeline(GemmSharedStorage& smem) {
 // Producer side of one K-block: waits for the stage to be free, arms it, and calls
 // `issue_loads(a_dst, b_dst, full_barrier)` which must issue TMA loads of exactly
 // `bytes` bytes completing on the barrier.
-template <typename IssueLoads>
-__device__ __forceinline__ void produce_stage(const WaitContext& wait, GemmSharedStorage& smem,
-                                              PipelineState& state, uint32_t bytes,
+template <typename Storage, typename State, typename IssueLoads>
+__device__ __forceinline__ void produce_stage(const WaitContext& wait, Storage& smem, State& state, uint32_t bytes,
                                               IssueLoads issue_loads) {
   mbarrier_wait(wait, WaitSite::kGemmFreeStage, &smem.empty[state.stage], state.phase ^ 1);
   ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], bytes);
@@ -102,9 +111,8 @@ constexpr uint64_t k16_step() {
 // K-blocks into `acc`, releasing each stage once the wgmma that read it has completed. With no
 // K-blocks (an expert without rows) it returns at once; zeroing 128 registers here would make
 // ptxas spill, so the epilogue handles that case.
-template <bool kAMnMajor, bool kBMnMajor>
-__device__ __forceinline__ void consume_tile(const WaitContext& wait, GemmSharedStorage& smem,
-                                             PipelineState& state, int num_k_blocks,
+template <bool kAMnMajor, bool kBMnMajor, typename Storage, typename State>
+__device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& smem, State& state, int num_k_blocks,
                                              int consumer_idx, float (&acc)[128]) {
   const bool releases = (threadIdx.x % 32) == 0;
   if (num_k_blocks == 0) return;  // acc is left undefined: the epilogue writes zeros instead

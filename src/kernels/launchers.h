@@ -18,8 +18,8 @@ namespace mok::kernels {
 // of expert_gemm.cu; unused maps may be any valid map.
 struct ExpertGemmMaps {
   CUtensorMap a0, a1, b0, b1;
+  CUtensorMap out;  // kWeightGrad: the gradient [E_loc, M, N], boxes of [128 rows x 64 columns]
 };
-size_t expert_gemm_smem_bytes();
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, const ExpertGemmParams& params,
                                int num_ctas, cudaStream_t stream);
 
