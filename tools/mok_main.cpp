@@ -45,7 +45,8 @@ usage:
   mok --help | --version
 
 mok run options:
-  --shape NAME                 tiny (default), qwen3, dsv3, dsv3_local, kimi_slice
+  --shape NAME                 tiny, qwen3, dsv3, dsv3_local, kimi_slice (default: dsv3_local
+                               on a GPU, the single-GPU target; tiny on the CPU)
   --tokens N                   tokens per rank (default: the shape's)
   --experts E                  routed experts in the whole group (default: the shape's)
   --ranks R                    expert-parallel ranks, emulated in one process (default 1)
@@ -68,7 +69,7 @@ checks the GPU schedule builder against the host's.
 )";
 
 struct RunOptions {
-  std::string shape_name = "tiny";
+  std::string shape_name;  // empty: dsv3_local on a GPU, tiny on the CPU
   int64_t tokens = -1, experts = -1, shared_intermediate = 0;
   int32_t ranks = 1, top_k = -1, threads = 0;
   int64_t check_tokens = -1;
@@ -635,12 +636,11 @@ std::string cuda_device_name() {
   return props.name;
 }
 
-int run_command(const RunOptions& options) {
+int run_command(RunOptions options) {
+  const std::string device_name = options.cpu_only ? "" : cuda_device_name();
+  if (options.shape_name.empty()) options.shape_name = device_name.empty() || options.ranks > 1 ? "tiny" : "dsv3_local";
   const mok::MoeShape shape = shape_from_options(options);
-  if (!options.cpu_only && shape.num_ranks == 1) {
-    const std::string device_name = cuda_device_name();
-    if (!device_name.empty()) return run_gpu_command(options, shape, device_name);
-  }
+  if (!device_name.empty() && shape.num_ranks == 1) return run_gpu_command(options, shape, device_name);
   const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
   check_fits_in_memory(shape, options.shape_name);
   mok::reference::Options reference_options;
@@ -690,8 +690,9 @@ int run_command(const RunOptions& options) {
   if (gpu.ran) passed &= gpu.identical;
 
   std::printf("mok run: CPU reference of the MoE layer%s\n",
-              gpu.ran ? (" (GPU " + gpu.device + " found: the fused GPU layer is not built yet, so the "
-                                                 "layer runs on the CPU; the GPU builds the schedule)").c_str()
+              gpu.ran ? (" (GPU " + gpu.device + " found, but the multi-GPU layer is not built yet or --cpu "
+                                                 "was given: the group is emulated on the CPU; the GPU builds the "
+                                                 "schedule)").c_str()
                       : (", on the CPU: " + gpu.note).c_str());
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
               shape.to_string().c_str(), options.routing.c_str(), static_cast<unsigned long long>(options.seed));
