@@ -6,7 +6,8 @@
 # Outputs under $OUT (default ./out; the device tool returns at most 8 files): build.log,
 # ctest.log, run.log (mok run on tiny and the benchmark shapes), sass.log, sanitizer.log and
 # results.json (device, pass or fail per step, ctest counts, schedule timing, and every
-# `mok run --json` result). MOK_BENCH_SHAPES picks the benchmark shapes (default: qwen3 dsv3_local). A failing step is recorded and the script goes on
+# `mok run --json` result). MOK_BENCH_SHAPES picks the extra benchmark shapes (default: qwen3;
+# `mok run` with no arguments covers dsv3_local); MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is recorded and the script goes on
 # to the summary; it exits non-zero if any step failed.
 #
 # GoogleTest: the device machine may lack it and cannot download it. Run scripts/fetch-gtest.sh
@@ -141,11 +142,19 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   : >"$OUT/run.log"
   run_step mok_run_tiny "$OUT/run.log" timeout 120 "./$build_dir/mok" run --shape tiny --json "$OUT/tmp_tiny.json"
   add_bench_json tiny "$OUT/tmp_tiny.json"
-  for shape in ${MOK_BENCH_SHAPES:-qwen3 dsv3_local}; do
+  for shape in ${MOK_BENCH_SHAPES:-qwen3}; do
     run_step "bench_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
       --json "$OUT/tmp_bench.json"
     add_bench_json "$shape" "$OUT/tmp_bench.json"
   done
+  # The main job as a newcomer runs it: no arguments (dsv3_local on a GPU).
+  run_step mok_run_default "$OUT/run.log" timeout 300 "./$build_dir/mok" run
+  # Optional hardware-counter profile of the expert GEMMs (MOK_NCU=1): clocks left alone.
+  if [ "${MOK_NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
+    run_step ncu_expert_gemm "$OUT/run.log" timeout 300 ncu --clock-control none --section SpeedOfLight \
+      --section Occupancy --section LaunchStats -k regex:expert_gemm_kernel --launch-count 6 \
+      "./$build_dir/mok" run --shape dsv3_local --check-tokens 1
+  fi
 else
   echo "mok CLI not built: skipping mok run"
   record mok_run skipped
