@@ -148,7 +148,8 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
     add_bench_json "$shape" "$OUT/tmp_bench.json"
   done
   # The main job as a newcomer runs it: no arguments (dsv3_local on a GPU).
-  run_step mok_run_default "$OUT/run.log" timeout 300 "./$build_dir/mok" run
+  run_step mok_run_default "$OUT/run.log" timeout 300 "./$build_dir/mok" run --json "$OUT/tmp_default.json"
+  add_bench_json default "$OUT/tmp_default.json"
   # Optional hardware-counter profile of the expert GEMMs (MOK_NCU=1): clocks left alone.
   if [ "${MOK_NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
     run_step ncu_expert_gemm "$OUT/run.log" timeout 300 ncu --clock-control none --section SpeedOfLight \
