@@ -18,17 +18,21 @@ namespace {
 
 void cuda_check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
-    throw Error(ErrorCode::kCudaError, std::string("baseline: ") + what + ": " + cudaGetErrorString(status));
+    throw Error(ErrorCode::kCudaError,
+                std::string("baseline: ") + what + ": " + cudaGetErrorString(status));
 }
 
 void cublas_check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
-    throw Error(ErrorCode::kCudaError, std::string("baseline: ") + what + ": cuBLAS status " + std::to_string(status));
+    throw Error(ErrorCode::kCudaError,
+                std::string("baseline: ") + what + ": cuBLAS status " + std::to_string(status));
 }
 
 struct Buffer {
   void* pointer = nullptr;
-  explicit Buffer(int64_t bytes) { cuda_check(cudaMalloc(&pointer, std::max<int64_t>(bytes, 16)), "cudaMalloc"); }
+  explicit Buffer(int64_t bytes) {
+    cuda_check(cudaMalloc(&pointer, std::max<int64_t>(bytes, 16)), "cudaMalloc");
+  }
   ~Buffer() { cudaFree(pointer); }
   char* bytes() const { return static_cast<char*>(pointer); }
 };
@@ -36,34 +40,37 @@ struct Buffer {
 constexpr float kOne = 1.0f, kZero = 0.0f;
 
 // out[count x n] = rows[count x k] * W where W is row-major [k x n] (the dgrad forms).
-void gemm_rows_by_weights(cublasHandle_t handle, int64_t count, int64_t n, int64_t k, const void* weights,
-                          const void* rows, void* out, const float* beta) {
-  cublas_check(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(count),
-                            static_cast<int>(k), &kOne, weights, CUDA_R_16BF, static_cast<int>(n), rows, CUDA_R_16BF,
-                            static_cast<int>(k), beta, out, CUDA_R_16BF, static_cast<int>(n), CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               "cublasGemmEx (dgrad)");
+void gemm_rows_by_weights(cublasHandle_t handle, int64_t count, int64_t n, int64_t k,
+                          const void* weights, const void* rows, void* out, const float* beta) {
+  cublas_check(
+      cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(count),
+                   static_cast<int>(k), &kOne, weights, CUDA_R_16BF, static_cast<int>(n), rows,
+                   CUDA_R_16BF, static_cast<int>(k), beta, out, CUDA_R_16BF, static_cast<int>(n),
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx (dgrad)");
 }
 
 // out[m x n] (row-major) = a[count x m]^T * b[count x n]: a weight gradient over `count` rows.
-void gemm_weight_grad(cublasHandle_t handle, int64_t count, int64_t m, int64_t n, const void* a, const void* b,
-                      void* out) {
-  cublas_check(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(n), static_cast<int>(m),
-                            static_cast<int>(count), &kOne, b, CUDA_R_16BF, static_cast<int>(n), a, CUDA_R_16BF,
-                            static_cast<int>(m), &kZero, out, CUDA_R_16BF, static_cast<int>(n), CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               "cublasGemmEx (weight gradient)");
+void gemm_weight_grad(cublasHandle_t handle, int64_t count, int64_t m, int64_t n, const void* a,
+                      const void* b, void* out) {
+  cublas_check(
+      cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(n), static_cast<int>(m),
+                   static_cast<int>(count), &kOne, b, CUDA_R_16BF, static_cast<int>(n), a,
+                   CUDA_R_16BF, static_cast<int>(m), &kZero, out, CUDA_R_16BF, static_cast<int>(n),
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx (weight gradient)");
 }
 
 // rows[count x k] (row-major, ld k) times weights[n x k]^T into out[count x n].
-void gemm_rows_by_weights_t(cublasHandle_t handle, int64_t count, int64_t n, int64_t k, const void* weights,
-                            const void* rows, void* out) {
+void gemm_rows_by_weights_t(cublasHandle_t handle, int64_t count, int64_t n, int64_t k,
+                            const void* weights, const void* rows, void* out) {
   const float one = 1.0f, zero = 0.0f;
-  cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(count),
-                            static_cast<int>(k), &one, weights, CUDA_R_16BF, static_cast<int>(k), rows, CUDA_R_16BF,
-                            static_cast<int>(k), &zero, out, CUDA_R_16BF, static_cast<int>(n), CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               "cublasGemmEx");
+  cublas_check(
+      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(count),
+                   static_cast<int>(k), &one, weights, CUDA_R_16BF, static_cast<int>(k), rows,
+                   CUDA_R_16BF, static_cast<int>(k), &zero, out, CUDA_R_16BF, static_cast<int>(n),
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
 }
 
 }  // namespace
@@ -72,11 +79,12 @@ struct BaselineLayer::State {
   MoeShape shape;
   cublasHandle_t handle = nullptr;
   ScheduleLayout layout;
-  std::unique_ptr<Buffer> schedule, rows, gate, up, hidden, expert_out, shared_gate, shared_up, shared_hidden,
-      shared_out;
+  std::unique_ptr<Buffer> schedule, rows, gate, up, hidden, expert_out, shared_gate, shared_up,
+      shared_hidden, shared_out;
   std::vector<int32_t> offsets, counts;  // split sizes read by the last forward
   // Backward only (allocated on first use).
-  std::unique_ptr<Buffer> d_out_rows, dh_raw, d_gate, d_up, shared_dh_raw, shared_d_gate, shared_d_up;
+  std::unique_ptr<Buffer> d_out_rows, dh_raw, d_gate, d_up, shared_dh_raw, shared_d_gate,
+      shared_d_up;
   ~State() {
     if (handle != nullptr) cublasDestroy(handle);
   }
@@ -85,8 +93,8 @@ struct BaselineLayer::State {
 BaselineLayer::BaselineLayer(const MoeShape& shape) : state_(std::make_unique<State>()) {
   can_implement(shape).throw_if_error();
   if (shape.num_ranks != 1)
-    throw Error(ErrorCode::kUnsupported, "BaselineLayer: num_ranks = " + std::to_string(shape.num_ranks) +
-                                             "; valid: 1");
+    throw Error(ErrorCode::kUnsupported,
+                "BaselineLayer: num_ranks = " + std::to_string(shape.num_ranks) + "; valid: 1");
   State& s = *state_;
   s.shape = shape;
   cublas_check(cublasCreate(&s.handle), "cublasCreate");
@@ -95,7 +103,8 @@ BaselineLayer::BaselineLayer(const MoeShape& shape) : state_(std::make_unique<St
   params.top_k = shape.top_k;
   params.num_experts = static_cast<int32_t>(shape.num_experts);
   s.layout = ScheduleLayout::make(params);
-  const int64_t max_rows = params.max_rows(), H = shape.hidden, I = shape.intermediate, T = shape.num_tokens;
+  const int64_t max_rows = params.max_rows(), H = shape.hidden, I = shape.intermediate,
+                T = shape.num_tokens;
   s.schedule = std::make_unique<Buffer>(s.layout.total_bytes);
   s.rows = std::make_unique<Buffer>(max_rows * H * 2);
   s.gate = std::make_unique<Buffer>(max_rows * I * 2);
@@ -117,21 +126,25 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   State& s = *state_;
   const MoeShape& shape = s.shape;
   check_forward_args(shape, args, DeviceType::kCUDA).throw_if_error();
-  const int64_t H = shape.hidden, I = shape.intermediate, T = shape.num_tokens, E = shape.num_experts;
+  const int64_t H = shape.hidden, I = shape.intermediate, T = shape.num_tokens,
+                E = shape.num_experts;
   cublas_check(cublasSetStream(s.handle, stream), "cublasSetStream");
 
   // Sort by expert and read the split sizes on the host (the synchronization users pay).
-  launch_build_schedule(s.layout, args.top_experts.data, args.top_experts.dtype, s.schedule->pointer, stream)
+  launch_build_schedule(s.layout, args.top_experts.data, args.top_experts.dtype,
+                        s.schedule->pointer, stream)
       .throw_if_error();
   ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
   std::vector<int32_t>& offsets = s.offsets;
   std::vector<int32_t>& counts = s.counts;
   offsets.resize(E + 1);
   counts.resize(E);
-  cuda_check(cudaMemcpyAsync(offsets.data(), view.expert_offsets, (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
+  cuda_check(cudaMemcpyAsync(offsets.data(), view.expert_offsets, (E + 1) * 4,
+                             cudaMemcpyDeviceToHost, stream),
              "read offsets");
-  cuda_check(cudaMemcpyAsync(counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
-             "read counts");
+  cuda_check(
+      cudaMemcpyAsync(counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
+      "read counts");
   cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
 
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
@@ -143,47 +156,53 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] == 0) continue;
     const int64_t row = offsets[e];
-    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2, s.rows->bytes() + row * H * 2,
-                           s.gate->bytes() + row * I * 2);
-    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2, s.rows->bytes() + row * H * 2,
-                           s.up->bytes() + row * I * 2);
+    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2,
+                           s.rows->bytes() + row * H * 2, s.gate->bytes() + row * I * 2);
+    gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2,
+                           s.rows->bytes() + row * H * 2, s.up->bytes() + row * I * 2);
   }
-  cuda_check(kernels::launch_baseline_swiglu(offsets[E], s.gate->pointer, s.up->pointer, I, shape.swiglu_limit,
-                                             s.hidden->pointer, stream),
+  cuda_check(kernels::launch_baseline_swiglu(offsets[E], s.gate->pointer, s.up->pointer, I,
+                                             shape.swiglu_limit, s.hidden->pointer, stream),
              "swiglu");
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] == 0) continue;
     const int64_t row = offsets[e];
-    gemm_rows_by_weights_t(s.handle, counts[e], H, I, w_down + e * H * I * 2, s.hidden->bytes() + row * I * 2,
-                           s.expert_out->bytes() + row * H * 2);
+    gemm_rows_by_weights_t(s.handle, counts[e], H, I, w_down + e * H * I * 2,
+                           s.hidden->bytes() + row * I * 2, s.expert_out->bytes() + row * H * 2);
   }
   if (shape.has_shared_expert() && T > 0) {
     const int64_t Is = shape.shared_intermediate;
-    gemm_rows_by_weights_t(s.handle, T, Is, H, args.w_shared_gate.data, args.x.data, s.shared_gate->pointer);
-    gemm_rows_by_weights_t(s.handle, T, Is, H, args.w_shared_up.data, args.x.data, s.shared_up->pointer);
-    cuda_check(kernels::launch_baseline_swiglu(T, s.shared_gate->pointer, s.shared_up->pointer, Is,
-                                               shape.swiglu_limit, s.shared_hidden->pointer, stream),
-               "shared swiglu");
+    gemm_rows_by_weights_t(s.handle, T, Is, H, args.w_shared_gate.data, args.x.data,
+                           s.shared_gate->pointer);
+    gemm_rows_by_weights_t(s.handle, T, Is, H, args.w_shared_up.data, args.x.data,
+                           s.shared_up->pointer);
+    cuda_check(
+        kernels::launch_baseline_swiglu(T, s.shared_gate->pointer, s.shared_up->pointer, Is,
+                                        shape.swiglu_limit, s.shared_hidden->pointer, stream),
+        "shared swiglu");
     gemm_rows_by_weights_t(s.handle, T, H, Is, args.w_shared_down.data, s.shared_hidden->pointer,
                            s.shared_out->pointer);
   }
-  cuda_check(kernels::launch_baseline_unpermute(s.expert_out->pointer, view.pair_row,
-                                                shape.has_shared_expert() ? s.shared_out->pointer : nullptr,
-                                                args.router_weights.data_as<const float>(), T, H, shape.top_k,
-                                                args.out.data, stream),
-             "unpermute");
+  cuda_check(
+      kernels::launch_baseline_unpermute(
+          s.expert_out->pointer, view.pair_row,
+          shape.has_shared_expert() ? s.shared_out->pointer : nullptr,
+          args.router_weights.data_as<const float>(), T, H, shape.top_k, args.out.data, stream),
+      "unpermute");
 }
 
 }  // namespace mok
 
 namespace mok {
 
-void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream, bool saved_activations) {
+void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
+                             bool saved_activations) {
   State& s = *state_;
   const MoeShape& shape = s.shape;
   check_backward_args(shape, args, DeviceType::kCUDA).throw_if_error();
   const ForwardArgs& fwd = args.forward;
-  const int64_t H = shape.hidden, I = shape.intermediate, T = shape.num_tokens, E = shape.num_experts;
+  const int64_t H = shape.hidden, I = shape.intermediate, T = shape.num_tokens,
+                E = shape.num_experts;
   const int64_t max_rows = s.layout.params.max_rows();
   if (!s.d_out_rows) {
     s.d_out_rows = std::make_unique<Buffer>(max_rows * H * 2);
@@ -201,25 +220,29 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream, bool
   ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
   if (!saved_activations || s.offsets.empty()) {
     saved_activations = false;
-    launch_build_schedule(s.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.schedule->pointer, stream)
+    launch_build_schedule(s.layout, fwd.top_experts.data, fwd.top_experts.dtype,
+                          s.schedule->pointer, stream)
         .throw_if_error();
     s.offsets.resize(E + 1);
     s.counts.resize(E);
-    cuda_check(cudaMemcpyAsync(s.offsets.data(), view.expert_offsets, (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
+    cuda_check(cudaMemcpyAsync(s.offsets.data(), view.expert_offsets, (E + 1) * 4,
+                               cudaMemcpyDeviceToHost, stream),
                "read offsets");
-    cuda_check(cudaMemcpyAsync(s.counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
-               "read counts");
+    cuda_check(
+        cudaMemcpyAsync(s.counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
+        "read counts");
     cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
-    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows->pointer,
-                                           max_rows, stream),
+    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
+                                           s.rows->pointer, max_rows, stream),
                "permute x");
   }
   const std::vector<int32_t>& offsets = s.offsets;
   const std::vector<int32_t>& counts = s.counts;
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
-                                         s.d_out_rows->pointer, max_rows, stream),
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H,
+                                         shape.top_k, s.d_out_rows->pointer, max_rows, stream),
              "permute d_out");
-  cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream), "zero d_rw");
+  cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream),
+             "zero d_rw");
   const char* w_gate = static_cast<const char*>(fwd.w_gate.data);
   const char* w_up = static_cast<const char*>(fwd.w_up.data);
   const char* w_down = static_cast<const char*>(fwd.w_down.data);
@@ -230,68 +253,78 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream, bool
     if (counts[e] == 0) continue;
     const int64_t row = offsets[e];
     if (!saved_activations) {
-      gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2, s.rows->bytes() + row * H * 2,
-                             s.gate->bytes() + row * I * 2);
-      gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2, s.rows->bytes() + row * H * 2,
-                             s.up->bytes() + row * I * 2);
+      gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2,
+                             s.rows->bytes() + row * H * 2, s.gate->bytes() + row * I * 2);
+      gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2,
+                             s.rows->bytes() + row * H * 2, s.up->bytes() + row * I * 2);
     }
-    gemm_rows_by_weights(s.handle, counts[e], I, H, w_down + e * H * I * 2, s.d_out_rows->bytes() + row * H * 2,
-                         s.dh_raw->bytes() + row * I * 2, &kZero);
+    gemm_rows_by_weights(s.handle, counts[e], I, H, w_down + e * H * I * 2,
+                         s.d_out_rows->bytes() + row * H * 2, s.dh_raw->bytes() + row * I * 2,
+                         &kZero);
   }
-  cuda_check(kernels::launch_swiglu_backward(nullptr, offsets[E], s.gate->pointer, s.up->pointer, s.dh_raw->pointer,
-                                                      view.row_pair, fwd.router_weights.data_as<const float>(), I,
-                                                      shape.swiglu_limit, s.d_gate->pointer, s.d_up->pointer,
-                                                      s.hidden->pointer, args.d_router_weights.data_as<float>(),
-                                                      stream),
-             "swiglu backward");
+  cuda_check(
+      kernels::launch_swiglu_backward(
+          nullptr, offsets[E], s.gate->pointer, s.up->pointer, s.dh_raw->pointer, view.row_pair,
+          fwd.router_weights.data_as<const float>(), I, shape.swiglu_limit, s.d_gate->pointer,
+          s.d_up->pointer, s.hidden->pointer, args.d_router_weights.data_as<float>(), stream),
+      "swiglu backward");
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] == 0) {
-      for (char* grad : {d_w_gate + e * I * H * 2, d_w_up + e * I * H * 2, d_w_down + e * H * I * 2})
+      for (char* grad :
+           {d_w_gate + e * I * H * 2, d_w_up + e * I * H * 2, d_w_down + e * H * I * 2})
         cuda_check(cudaMemsetAsync(grad, 0, I * H * 2, stream), "zero empty expert gradient");
       continue;
     }
     const int64_t row = offsets[e];
     char* dx = s.expert_out->bytes() + row * H * 2;
-    gemm_rows_by_weights(s.handle, counts[e], H, I, w_gate + e * I * H * 2, s.d_gate->bytes() + row * I * 2, dx,
-                         &kZero);
-    gemm_rows_by_weights(s.handle, counts[e], H, I, w_up + e * I * H * 2, s.d_up->bytes() + row * I * 2, dx, &kOne);
-    gemm_weight_grad(s.handle, counts[e], I, H, s.d_gate->bytes() + row * I * 2, s.rows->bytes() + row * H * 2,
-                     d_w_gate + e * I * H * 2);
-    gemm_weight_grad(s.handle, counts[e], I, H, s.d_up->bytes() + row * I * 2, s.rows->bytes() + row * H * 2,
-                     d_w_up + e * I * H * 2);
+    gemm_rows_by_weights(s.handle, counts[e], H, I, w_gate + e * I * H * 2,
+                         s.d_gate->bytes() + row * I * 2, dx, &kZero);
+    gemm_rows_by_weights(s.handle, counts[e], H, I, w_up + e * I * H * 2,
+                         s.d_up->bytes() + row * I * 2, dx, &kOne);
+    gemm_weight_grad(s.handle, counts[e], I, H, s.d_gate->bytes() + row * I * 2,
+                     s.rows->bytes() + row * H * 2, d_w_gate + e * I * H * 2);
+    gemm_weight_grad(s.handle, counts[e], I, H, s.d_up->bytes() + row * I * 2,
+                     s.rows->bytes() + row * H * 2, d_w_up + e * I * H * 2);
     gemm_weight_grad(s.handle, counts[e], H, I, s.d_out_rows->bytes() + row * H * 2,
                      s.hidden->bytes() + row * I * 2, d_w_down + e * H * I * 2);
   }
   if (shape.has_shared_expert()) {
     const int64_t Is = shape.shared_intermediate;
     if (T == 0) {
-      for (const TensorView* grad : {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
+      for (const TensorView* grad :
+           {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
         cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream), "zero shared gradients");
     } else {
       if (!saved_activations) {
-        gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_gate.data, fwd.x.data, s.shared_gate->pointer);
-        gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_up.data, fwd.x.data, s.shared_up->pointer);
+        gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_gate.data, fwd.x.data,
+                               s.shared_gate->pointer);
+        gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_up.data, fwd.x.data,
+                               s.shared_up->pointer);
       }
-      gemm_rows_by_weights(s.handle, T, Is, H, fwd.w_shared_down.data, args.d_out.data, s.shared_dh_raw->pointer,
-                           &kZero);
-      cuda_check(kernels::launch_swiglu_backward(nullptr, T, s.shared_gate->pointer, s.shared_up->pointer,
-                                                          s.shared_dh_raw->pointer, nullptr, nullptr, Is,
-                                                          shape.swiglu_limit, s.shared_d_gate->pointer,
-                                                          s.shared_d_up->pointer, s.shared_hidden->pointer, nullptr,
-                                                          stream),
+      gemm_rows_by_weights(s.handle, T, Is, H, fwd.w_shared_down.data, args.d_out.data,
+                           s.shared_dh_raw->pointer, &kZero);
+      cuda_check(kernels::launch_swiglu_backward(nullptr, T, s.shared_gate->pointer,
+                                                 s.shared_up->pointer, s.shared_dh_raw->pointer,
+                                                 nullptr, nullptr, Is, shape.swiglu_limit,
+                                                 s.shared_d_gate->pointer, s.shared_d_up->pointer,
+                                                 s.shared_hidden->pointer, nullptr, stream),
                  "shared swiglu backward");
       gemm_rows_by_weights(s.handle, T, H, Is, fwd.w_shared_gate.data, s.shared_d_gate->pointer,
                            s.shared_out->pointer, &kZero);
-      gemm_rows_by_weights(s.handle, T, H, Is, fwd.w_shared_up.data, s.shared_d_up->pointer, s.shared_out->pointer,
-                           &kOne);
-      gemm_weight_grad(s.handle, T, Is, H, s.shared_d_gate->pointer, fwd.x.data, args.d_w_shared_gate.data);
-      gemm_weight_grad(s.handle, T, Is, H, s.shared_d_up->pointer, fwd.x.data, args.d_w_shared_up.data);
-      gemm_weight_grad(s.handle, T, H, Is, args.d_out.data, s.shared_hidden->pointer, args.d_w_shared_down.data);
+      gemm_rows_by_weights(s.handle, T, H, Is, fwd.w_shared_up.data, s.shared_d_up->pointer,
+                           s.shared_out->pointer, &kOne);
+      gemm_weight_grad(s.handle, T, Is, H, s.shared_d_gate->pointer, fwd.x.data,
+                       args.d_w_shared_gate.data);
+      gemm_weight_grad(s.handle, T, Is, H, s.shared_d_up->pointer, fwd.x.data,
+                       args.d_w_shared_up.data);
+      gemm_weight_grad(s.handle, T, H, Is, args.d_out.data, s.shared_hidden->pointer,
+                       args.d_w_shared_down.data);
     }
   }
-  cuda_check(kernels::launch_baseline_unpermute(s.expert_out->pointer, view.pair_row,
-                                                shape.has_shared_expert() && T > 0 ? s.shared_out->pointer : nullptr,
-                                                nullptr, T, H, shape.top_k, args.d_x.data, stream),
+  cuda_check(kernels::launch_baseline_unpermute(
+                 s.expert_out->pointer, view.pair_row,
+                 shape.has_shared_expert() && T > 0 ? s.shared_out->pointer : nullptr, nullptr, T,
+                 H, shape.top_k, args.d_x.data, stream),
              "unpermute d_x");
 }
 

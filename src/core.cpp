@@ -10,41 +10,58 @@ namespace mok {
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return "ok";
-    case ErrorCode::kInvalidArgument: return "invalid argument";
-    case ErrorCode::kUnsupported: return "unsupported";
-    case ErrorCode::kOutOfMemory: return "out of memory";
-    case ErrorCode::kCudaError: return "CUDA error";
-    case ErrorCode::kDeviceFault: return "device fault";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kInternal: return "internal error";
+    case ErrorCode::kOk:
+      return "ok";
+    case ErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case ErrorCode::kUnsupported:
+      return "unsupported";
+    case ErrorCode::kOutOfMemory:
+      return "out of memory";
+    case ErrorCode::kCudaError:
+      return "CUDA error";
+    case ErrorCode::kDeviceFault:
+      return "device fault";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kInternal:
+      return "internal error";
   }
   return "unknown error";
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat32: return "fp32";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kFloat8E4M3: return "fp8_e4m3";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kFloat8E4M3:
+      return "fp8_e4m3";
   }
   return "unknown";
 }
 
 const char* device_type_name(DeviceType device_type) {
   switch (device_type) {
-    case DeviceType::kCPU: return "cpu";
-    case DeviceType::kCUDA: return "cuda";
+    case DeviceType::kCPU:
+      return "cpu";
+    case DeviceType::kCUDA:
+      return "cuda";
   }
   return "unknown";
 }
 
 const char* precision_name(Precision precision) {
   switch (precision) {
-    case Precision::kBF16: return "bf16";
-    case Precision::kFP8: return "fp8";
+    case Precision::kBF16:
+      return "bf16";
+    case Precision::kFP8:
+      return "fp8";
   }
   return "unknown";
 }

@@ -11,8 +11,9 @@ namespace {
 
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
-    throw Error(status == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError,
-                std::string("DeviceProblem: ") + what + ": " + cudaGetErrorString(status));
+    throw Error(
+        status == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError,
+        std::string("DeviceProblem: ") + what + ": " + cudaGetErrorString(status));
 }
 
 struct DeviceArray {
@@ -35,14 +36,16 @@ struct DeviceArray {
   template <typename T>
   void download(std::vector<T>& host, const char* what) const {
     if (host.size() * sizeof(T) != bytes)
-      throw Error(ErrorCode::kInvalidArgument, std::string("DeviceProblem: host buffer for ") + what +
-                                                   " has " + std::to_string(host.size() * sizeof(T)) +
+      throw Error(ErrorCode::kInvalidArgument, std::string("DeviceProblem: host buffer for ") +
+                                                   what + " has " +
+                                                   std::to_string(host.size() * sizeof(T)) +
                                                    " bytes; expected " + std::to_string(bytes));
     if (bytes > 0) check(cudaMemcpy(host.data(), pointer, bytes, cudaMemcpyDeviceToHost), what);
   }
 };
 
-TensorView cuda_view(const DeviceArray& array, DType dtype, std::initializer_list<int64_t> shape, bool present = true) {
+TensorView cuda_view(const DeviceArray& array, DType dtype, std::initializer_list<int64_t> shape,
+                     bool present = true) {
   if (!present) return TensorView{};
   int device = 0;
   cudaGetDevice(&device);
@@ -52,18 +55,26 @@ TensorView cuda_view(const DeviceArray& array, DType dtype, std::initializer_lis
 }  // namespace
 
 struct DeviceProblem::Buffers {
-  DeviceArray x, d_out, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
-      w_shared_down;
-  DeviceArray out, d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate, d_w_shared_up,
-      d_w_shared_down;
-  DeviceArray* outputs[9] = {&out, &d_x, &d_router_weights, &d_w_gate, &d_w_up, &d_w_down,
-                             &d_w_shared_gate, &d_w_shared_up, &d_w_shared_down};
+  DeviceArray x, d_out, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+      w_shared_up, w_shared_down;
+  DeviceArray out, d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
+      d_w_shared_up, d_w_shared_down;
+  DeviceArray* outputs[9] = {&out,
+                             &d_x,
+                             &d_router_weights,
+                             &d_w_gate,
+                             &d_w_up,
+                             &d_w_down,
+                             &d_w_shared_gate,
+                             &d_w_shared_up,
+                             &d_w_shared_down};
 };
 
 DeviceProblem::DeviceProblem(const HostProblem& problem, int32_t rank)
     : shape_(problem.shape), buffers_(std::make_unique<Buffers>()) {
   if (rank < 0 || rank >= static_cast<int32_t>(problem.ranks.size()))
-    throw Error(ErrorCode::kInvalidArgument, "DeviceProblem: rank = " + std::to_string(rank) + "; valid: 0.." +
+    throw Error(ErrorCode::kInvalidArgument, "DeviceProblem: rank = " + std::to_string(rank) +
+                                                 "; valid: 0.." +
                                                  std::to_string(problem.ranks.size() - 1));
   const HostRank& host = problem.ranks[rank];
   Buffers& b = *buffers_;
@@ -131,7 +142,8 @@ BackwardArgs DeviceProblem::backward_args() {
 
 void DeviceProblem::poison_outputs() {
   for (DeviceArray* output : buffers_->outputs)
-    if (output->bytes > 0) check(cudaMemset(output->pointer, 0xFF, output->bytes), "poison outputs");
+    if (output->bytes > 0)
+      check(cudaMemset(output->pointer, 0xFF, output->bytes), "poison outputs");
 }
 
 void DeviceProblem::download_outputs(HostRank& rank) const {
@@ -149,9 +161,10 @@ void DeviceProblem::download_outputs(HostRank& rank) const {
 
 void DeviceProblem::upload_routing(const std::vector<int32_t>& top_experts) {
   if (top_experts.size() * sizeof(int32_t) != buffers_->top_experts.bytes)
-    throw Error(ErrorCode::kInvalidArgument, "DeviceProblem::upload_routing: " + std::to_string(top_experts.size()) +
-                                                 " entries; expected " +
-                                                 std::to_string(buffers_->top_experts.bytes / sizeof(int32_t)));
+    throw Error(ErrorCode::kInvalidArgument,
+                "DeviceProblem::upload_routing: " + std::to_string(top_experts.size()) +
+                    " entries; expected " +
+                    std::to_string(buffers_->top_experts.bytes / sizeof(int32_t)));
   check(cudaMemcpy(buffers_->top_experts.pointer, top_experts.data(), buffers_->top_experts.bytes,
                    cudaMemcpyHostToDevice),
         "upload routing");

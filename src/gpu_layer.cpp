@@ -30,8 +30,9 @@ namespace {
 
 void cuda_check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
-    throw Error(status == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError,
-                std::string(what) + ": " + cudaGetErrorString(status));
+    throw Error(
+        status == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError,
+        std::string(what) + ": " + cudaGetErrorString(status));
 }
 
 struct DeviceBuffer {
@@ -50,7 +51,9 @@ struct DeviceBuffer {
   }
 };
 
-int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
 
 }  // namespace
 
@@ -70,7 +73,8 @@ struct ExpertSet {
     capacity_rows = rows;
     intermediate = inter;
     num_experts = experts;
-    for (DeviceBuffer* buffer : {&hidden, &gate, &up, &d_gate, &d_up}) buffer->allocate(rows * inter * 2, "expert buffer");
+    for (DeviceBuffer* buffer : {&hidden, &gate, &up, &d_gate, &d_up})
+      buffer->allocate(rows * inter * 2, "expert buffer");
   }
   ScheduleView view() const { return ScheduleView::at(schedule.pointer, layout); }
   int64_t bytes() const {
@@ -101,22 +105,27 @@ struct GpuLayer::State {
   }
 };
 
-GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config) : state_(std::make_unique<State>()) {
+GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config)
+    : state_(std::make_unique<State>()) {
   can_implement(config, shape).throw_if_error();
   if (shape.num_ranks != 1)
-    throw Error(ErrorCode::kUnsupported, "GpuLayer: num_ranks = " + std::to_string(shape.num_ranks) +
-                                             " is not supported yet; valid: 1 (multi-GPU comes with the "
-                                             "communication layer)");
+    throw Error(ErrorCode::kUnsupported,
+                "GpuLayer: num_ranks = " + std::to_string(shape.num_ranks) +
+                    " is not supported yet; valid: 1 (multi-GPU comes with the "
+                    "communication layer)");
   State& s = *state_;
   s.shape = shape;
   s.config = config;
   cuda_check(cudaGetDevice(&s.device), "cudaGetDevice");
-  cuda_check(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, s.device), "SM count");
+  cuda_check(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, s.device),
+             "SM count");
   int major = 0;
-  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, s.device), "compute capability");
+  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, s.device),
+             "compute capability");
   if (major != 9)
-    throw Error(ErrorCode::kUnsupported, "GpuLayer: device " + std::to_string(s.device) + " has compute capability " +
-                                             std::to_string(major) + ".x; mok's kernels need Hopper (9.0, sm_90a)");
+    throw Error(ErrorCode::kUnsupported, "GpuLayer: device " + std::to_string(s.device) +
+                                             " has compute capability " + std::to_string(major) +
+                                             ".x; mok's kernels need Hopper (9.0, sm_90a)");
 
   const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k;
   ScheduleParams params;
@@ -145,8 +154,9 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config) : state_(std:
     std::vector<char> host(s.shared.layout.output_bytes);
     build_schedule_host(s.shared.layout, identity.data(), DType::kInt32, host.data());
     s.shared.schedule.allocate(s.shared.layout.total_bytes, "shared expert schedule");
-    cuda_check(cudaMemcpy(s.shared.schedule.pointer, host.data(), host.size(), cudaMemcpyHostToDevice),
-               "upload shared expert schedule");
+    cuda_check(
+        cudaMemcpy(s.shared.schedule.pointer, host.data(), host.size(), cudaMemcpyHostToDevice),
+        "upload shared expert schedule");
     s.shared.allocate(round_up(std::max<int64_t>(T, 1), 128), shape.shared_intermediate, 1);
     s.shared_out.allocate(T * H * 2, "shared output buffer");
   }
@@ -155,8 +165,9 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config) : state_(std:
                            cudaHostAllocMapped),
              "diagnosis record");
   *s.diagnosis = kernels::WaitDiagnosis{};
-  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.diagnosis_device), s.diagnosis, 0),
-             "diagnosis record device pointer");
+  cuda_check(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.diagnosis_device), s.diagnosis, 0),
+      "diagnosis record device pointer");
 }
 
 GpuLayer::~GpuLayer() = default;
@@ -165,7 +176,8 @@ const MoeShape& GpuLayer::shape() const { return state_->shape; }
 
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
-  return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes + s.slots.bytes + s.shared_out.bytes;
+  return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes + s.slots.bytes +
+         s.shared_out.bytes;
 }
 
 namespace {
@@ -180,10 +192,12 @@ CUtensorMap k_major_rows(const void* base, int64_t width, int64_t rows, const ch
 CUtensorMap mn_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
   return make_tensor_map_2d(base, width, rows, 64, 64, what);
 }
-CUtensorMap k_major_weights(const void* base, int64_t k, int64_t n, int64_t experts, int32_t box_n, const char* what) {
+CUtensorMap k_major_weights(const void* base, int64_t k, int64_t n, int64_t experts, int32_t box_n,
+                            const char* what) {
   return make_tensor_map_3d(base, k, n, experts, 64, box_n, what);
 }
-CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t experts, const char* what) {
+CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t experts,
+                             const char* what) {
   return make_tensor_map_3d(base, n, k, experts, 64, 64, what);
 }
 
@@ -200,16 +214,17 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   return params;
 }
 
-void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form, const kernels::ExpertGemmMaps& maps,
-            const kernels::ExpertGemmParams& params, cudaStream_t stream, const char* what) {
+void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
+            const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
+            cudaStream_t stream, const char* what) {
   cuda_check(kernels::launch_expert_gemm(form, maps, params, s.sm_count, stream), what);
 }
 
 // Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T), then y = h Wd^T scattered to
 // out + row_pair[row] * H. `rows` holds `rows_in_map` rows of width H.
-void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows, int64_t rows_in_map,
-                     const void* w_gate, const void* w_up, const void* w_down, void* out, cudaStream_t stream,
-                     const StageMarker& mark) {
+void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                     int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
+                     void* out, cudaStream_t stream, const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   kernels::ExpertGemmMaps maps;
   maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
@@ -242,14 +257,17 @@ struct WeightGrads {
   void* d_w_down;
 };
 
-// Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down with SwiGLU backward (d_g, d_u,
-// h_w, d_router_weights of routed pairs); dx rows scattered to dx_out + row_pair[row] * H; the three
-// weight gradients. router_weights null = weight 1 (the shared expert).
-void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows, const void* d_out_rows,
-                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                      const float* router_weights, float* d_router_weights, void* dx_out, const WeightGrads& grads,
+// Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down
+// with SwiGLU backward (d_g, d_u, h_w, d_router_weights of routed pairs); dx rows scattered to
+// dx_out + row_pair[row] * H; the three weight gradients. router_weights null = weight 1 (the
+// shared expert).
+void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                      const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
+                      const void* w_up, const void* w_down, const float* router_weights,
+                      float* d_router_weights, void* dx_out, const WeightGrads& grads,
                       bool recompute, cudaStream_t stream, const StageMarker& mark) {
-  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts, R = set.capacity_rows;
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
+                R = set.capacity_rows;
   kernels::ExpertGemmParams params = base_params(s, set);
 
   kernels::ExpertGemmMaps maps;
@@ -262,7 +280,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   params.out2 = set.up.as<__nv_bfloat16>();
   params.out_ld = I;
   if (recompute) {
-    launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream, "gate/up recompute GEMM");
+    launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream,
+           "gate/up recompute GEMM");
     mark("gate/up recompute");
   }
 
@@ -274,10 +293,10 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
   mark("down dgrad");
   const ScheduleView view = set.view();
-  cuda_check(kernels::launch_swiglu_backward(view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
-                                             view.row_pair, router_weights, I, s.shape.swiglu_limit,
-                                             set.d_gate.pointer, set.d_up.pointer, set.hidden.pointer,
-                                             d_router_weights, stream),
+  cuda_check(kernels::launch_swiglu_backward(
+                 view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
+                 view.row_pair, router_weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
+                 set.d_up.pointer, set.hidden.pointer, d_router_weights, stream),
              "SwiGLU backward launch");
   mark("SwiGLU backward + router weight gradient");
 
@@ -289,15 +308,16 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   params.k_extent = static_cast<int32_t>(I);
   params.out = static_cast<__nv_bfloat16*>(dx_out);
   params.out_ld = H;
-  launch(s, kernels::ExpertGemmForm::kGateUpGradScatter, maps, params, stream, "gate/up dgrad GEMM");
+  launch(s, kernels::ExpertGemmForm::kGateUpGradScatter, maps, params, stream,
+         "gate/up dgrad GEMM");
   mark("gate/up dgrad + scatter");
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
   const CUtensorMap x_rows = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
   // `a_rows`: rows the A operand's memory holds (d_out of the shared expert has only T rows;
   // TMA fills the rest of the last tile with zeros).
-  auto weight_grad = [&](const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b, int64_t n, void* out,
-                         const char* what) {
+  auto weight_grad = [&](const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b, int64_t n,
+                         void* out, const char* what) {
     kernels::ExpertGemmMaps wgrad_maps;
     wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
     wgrad_maps.b0 = wgrad_maps.b1 = b;
@@ -311,35 +331,37 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   };
   weight_grad(set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
   weight_grad(set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, "weight gradient of up");
-  weight_grad(d_out_rows, rows_in_map, H, mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"), I, grads.d_w_down,
-              "weight gradient of down");
+  weight_grad(d_out_rows, rows_in_map, H, mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"),
+              I, grads.d_w_down, "weight gradient of down");
   mark("weight gradients");
 }
 
 }  // namespace
 
 // The forward as a sequence of stages; `mark(name)` is called after each one (profiling).
-static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream, const StageMarker& mark) {
+static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
+                        const StageMarker& mark) {
   const MoeShape& shape = s.shape;
   const int64_t T = shape.num_tokens, H = shape.hidden;
-  launch_build_schedule(s.routed.layout, args.top_experts.data, args.top_experts.dtype, s.routed.schedule.pointer,
-                        stream)
+  launch_build_schedule(s.routed.layout, args.top_experts.data, args.top_experts.dtype,
+                        s.routed.schedule.pointer, stream)
       .throw_if_error();
   mark("schedule");
   const ScheduleView view = s.routed.view();
   const int64_t max_rows = s.routed.capacity_rows;
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k, s.rows.pointer,
-                                         max_rows, stream),
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
+                                         s.rows.pointer, max_rows, stream),
              "gather launch");
   mark("gather");
-  forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data, args.w_down.data,
-                  s.slots.pointer, stream, mark);
+  forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
+                  args.w_down.data, s.slots.pointer, stream, mark);
   if (shape.has_shared_expert() && T > 0) {
     forward_experts(s, s.shared, args.x.data, T, args.w_shared_gate.data, args.w_shared_up.data,
                     args.w_shared_down.data, s.shared_out.pointer, stream, [](const char*) {});
     mark("shared expert");
   }
-  cuda_check(kernels::launch_combine(s.slots.pointer, shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
+  cuda_check(kernels::launch_combine(s.slots.pointer,
+                                     shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
                                      args.top_experts.data, args.top_experts.dtype,
                                      args.router_weights.data_as<const float>(), T, H, shape.top_k,
                                      shape.num_experts, args.out.data, stream),
@@ -350,49 +372,54 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
 // With `use_context`, the forward that ran last on this layer left the schedule, the gathered x
 // rows and g, u of every row (routed and shared) in the workspace: the backward starts from
 // them instead of rebuilding and recomputing.
-static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context, cudaStream_t stream,
-                         const StageMarker& mark) {
+static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
+                         cudaStream_t stream, const StageMarker& mark) {
   const MoeShape& shape = s.shape;
   const ForwardArgs& fwd = args.forward;
   const int64_t T = shape.num_tokens, H = shape.hidden;
   if (!use_context) {
-    launch_build_schedule(s.routed.layout, fwd.top_experts.data, fwd.top_experts.dtype, s.routed.schedule.pointer,
-                          stream)
+    launch_build_schedule(s.routed.layout, fwd.top_experts.data, fwd.top_experts.dtype,
+                          s.routed.schedule.pointer, stream)
         .throw_if_error();
     mark("schedule");
   }
   const ScheduleView view = s.routed.view();
   const int64_t max_rows = s.routed.capacity_rows;
   if (!use_context)
-    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k, s.rows.pointer,
-                                           max_rows, stream),
+    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
+                                           s.rows.pointer, max_rows, stream),
                "gather launch");
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
-                                         s.d_out_rows.pointer, max_rows, stream),
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H,
+                                         shape.top_k, s.d_out_rows.pointer, max_rows, stream),
              "gather d_out launch");
   // Pairs not routed here (expert -1) keep 0; the SwiGLU backward writes the routed ones.
   cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream),
              "zero d_router_weights");
   mark(use_context ? "gather d_out" : "gather x, d_out");
-  backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data, fwd.w_up.data,
-                   fwd.w_down.data, fwd.router_weights.data_as<const float>(),
+  backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data,
+                   fwd.w_up.data, fwd.w_down.data, fwd.router_weights.data_as<const float>(),
                    args.d_router_weights.data_as<float>(), s.slots.pointer,
-                   {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, !use_context, stream, mark);
+                   {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, !use_context, stream,
+                   mark);
   if (shape.has_shared_expert()) {
     if (T > 0) {
-      backward_experts(s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,
-                       fwd.w_shared_down.data, nullptr, nullptr, s.shared_out.pointer,
-                       {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data},
-                       !use_context, stream, [](const char*) {});
+      backward_experts(
+          s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,
+          fwd.w_shared_down.data, nullptr, nullptr, s.shared_out.pointer,
+          {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data},
+          !use_context, stream, [](const char*) {});
     } else {
-      for (const TensorView* grad : {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
-        cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream), "zero shared weight gradients");
+      for (const TensorView* grad :
+           {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
+        cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream),
+                   "zero shared weight gradients");
     }
     mark("shared expert");
   }
-  cuda_check(kernels::launch_combine(s.slots.pointer, shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
-                                     fwd.top_experts.data, fwd.top_experts.dtype, nullptr, T, H, shape.top_k,
-                                     shape.num_experts, args.d_x.data, stream),
+  cuda_check(kernels::launch_combine(s.slots.pointer,
+                                     shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
+                                     fwd.top_experts.data, fwd.top_experts.dtype, nullptr, T, H,
+                                     shape.top_k, shape.num_experts, args.d_x.data, stream),
              "d_x combine launch");
   mark("d_x combine");
 }
@@ -401,8 +428,9 @@ ForwardContext GpuLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   if (args.x.device_id != s.device)
-    throw Error(ErrorCode::kInvalidArgument, "forward: tensors are on cuda:" + std::to_string(args.x.device_id) +
-                                                 " but the layer's workspace is on cuda:" + std::to_string(s.device));
+    throw Error(ErrorCode::kInvalidArgument,
+                "forward: tensors are on cuda:" + std::to_string(args.x.device_id) +
+                    " but the layer's workspace is on cuda:" + std::to_string(s.device));
   run_forward(s, args, stream, [](const char*) {});
   return ForwardContext{++s.generation};
 }
@@ -422,12 +450,14 @@ bool context_is_current(const GpuLayer::State& s, const ForwardContext* context)
 
 }  // namespace
 
-void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream, const ForwardContext* context) {
+void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
+                        const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   if (args.d_out.device_id != s.device)
-    throw Error(ErrorCode::kInvalidArgument, "backward: tensors are on cuda:" + std::to_string(args.d_out.device_id) +
-                                                 " but the layer's workspace is on cuda:" + std::to_string(s.device));
+    throw Error(ErrorCode::kInvalidArgument,
+                "backward: tensors are on cuda:" + std::to_string(args.d_out.device_id) +
+                    " but the layer's workspace is on cuda:" + std::to_string(s.device));
   run_backward(s, args, context_is_current(s, context), stream, [](const char*) {});
 }
 
@@ -463,7 +493,8 @@ std::vector<std::pair<std::string, float>> profile_stages(
     }
     for (size_t stage = 0; stage + 1 < marker; ++stage) {
       float ms = 0;
-      cuda_check(cudaEventElapsedTime(&ms, events[stage], events[stage + 1]), "cudaEventElapsedTime");
+      cuda_check(cudaEventElapsedTime(&ms, events[stage], events[stage + 1]),
+                 "cudaEventElapsedTime");
       samples[stage].push_back(ms);
     }
     float total = 0;
@@ -482,33 +513,38 @@ std::vector<std::pair<std::string, float>> profile_stages(
 
 }  // namespace
 
-std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const ForwardArgs& args, cudaStream_t stream,
+std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const ForwardArgs& args,
+                                                                     cudaStream_t stream,
                                                                      int iterations) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
-  return profile_stages(stream, iterations, [&](const StageMarker& mark) { run_forward(s, args, stream, mark); });
+  return profile_stages(stream, iterations,
+                        [&](const StageMarker& mark) { run_forward(s, args, stream, mark); });
 }
 
-std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(const BackwardArgs& args, cudaStream_t stream,
-                                                                      int iterations, const ForwardContext* context) {
+std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(
+    const BackwardArgs& args, cudaStream_t stream, int iterations, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   const bool use_context = context_is_current(s, context);
-  return profile_stages(stream, iterations,
-                        [&](const StageMarker& mark) { run_backward(s, args, use_context, stream, mark); });
+  return profile_stages(stream, iterations, [&](const StageMarker& mark) {
+    run_backward(s, args, use_context, stream, mark);
+  });
 }
 
 Status GpuLayer::synchronize(cudaStream_t stream) {
   State& s = *state_;
   cudaError_t status = cudaStreamSynchronize(stream);
-  if (s.diagnosis->timed_out != 0) return Status{ErrorCode::kTimeout, describe_wait_diagnosis(*s.diagnosis)};
+  if (s.diagnosis->timed_out != 0)
+    return Status{ErrorCode::kTimeout, describe_wait_diagnosis(*s.diagnosis)};
   if (status != cudaSuccess)
     return Status{ErrorCode::kCudaError, std::string("forward: ") + cudaGetErrorString(status)};
   ScheduleHeader header{};
   const ScheduleView view = s.routed.view();
   status = cudaMemcpy(&header, view.header, sizeof(header), cudaMemcpyDeviceToHost);
   if (status != cudaSuccess)
-    return Status{ErrorCode::kCudaError, std::string("reading the schedule header: ") + cudaGetErrorString(status)};
+    return Status{ErrorCode::kCudaError,
+                  std::string("reading the schedule header: ") + cudaGetErrorString(status)};
   Status routing = schedule_status(s.routed.layout.params, header);
   if (!routing.ok()) return Status{ErrorCode::kDeviceFault, routing.message};
   return Status::Ok();

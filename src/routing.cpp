@@ -15,9 +15,9 @@ struct KindName {
 };
 
 constexpr KindName kKindNames[] = {
-    {RoutingKind::kUniform, "uniform"},     {RoutingKind::kHoles, "holes"},
-    {RoutingKind::kSkewed, "skewed"},       {RoutingKind::kOneExpert, "one_expert"},
-    {RoutingKind::kOneRank, "one_rank"},    {RoutingKind::kEmptyRank, "empty_rank"},
+    {RoutingKind::kUniform, "uniform"},    {RoutingKind::kHoles, "holes"},
+    {RoutingKind::kSkewed, "skewed"},      {RoutingKind::kOneExpert, "one_expert"},
+    {RoutingKind::kOneRank, "one_rank"},   {RoutingKind::kEmptyRank, "empty_rank"},
     {RoutingKind::kNoRoutes, "no_routes"},
 };
 
@@ -35,7 +35,8 @@ void pick_distinct(SplitMix64& rng, int32_t lo, int32_t hi, const std::vector<do
       int32_t expert;
       if (cdf != nullptr) {
         double u = rng.uniform();
-        expert = lo + static_cast<int32_t>(std::upper_bound(cdf->begin(), cdf->end(), u) - cdf->begin());
+        expert =
+            lo + static_cast<int32_t>(std::upper_bound(cdf->begin(), cdf->end(), u) - cdf->begin());
         expert = std::min(expert, hi - 1);
       } else {
         expert = lo + static_cast<int32_t>(rng.below(static_cast<uint64_t>(count)));
@@ -79,9 +80,9 @@ std::vector<int32_t> generate_routing(RoutingKind kind, int32_t num_ranks, int32
       num_experts % num_ranks != 0)
     throw Error(ErrorCode::kInvalidArgument,
                 "generate_routing: need num_ranks >= 1, tokens_per_rank >= 0, top_k >= 1 and "
-                "num_experts a positive multiple of num_ranks; got R=" + std::to_string(num_ranks) +
-                    " T=" + std::to_string(tokens_per_rank) + " K=" + std::to_string(top_k) +
-                    " E=" + std::to_string(num_experts));
+                "num_experts a positive multiple of num_ranks; got R=" +
+                    std::to_string(num_ranks) + " T=" + std::to_string(tokens_per_rank) +
+                    " K=" + std::to_string(top_k) + " E=" + std::to_string(num_experts));
   const int32_t local_experts = num_experts / num_ranks;
   std::vector<int32_t> routing(static_cast<size_t>(num_ranks) * tokens_per_rank * top_k, -1);
   SplitMix64 rng(seed ^ (static_cast<uint64_t>(kind) + 1) * 0x51ed2701u);
@@ -99,7 +100,8 @@ std::vector<int32_t> generate_routing(RoutingKind kind, int32_t num_ranks, int32
 
   for (int32_t rank = 0; rank < num_ranks; ++rank) {
     for (int32_t token = 0; token < tokens_per_rank; ++token) {
-      int32_t* slots = routing.data() + (static_cast<size_t>(rank) * tokens_per_rank + token) * top_k;
+      int32_t* slots =
+          routing.data() + (static_cast<size_t>(rank) * tokens_per_rank + token) * top_k;
       switch (kind) {
         case RoutingKind::kUniform:
         case RoutingKind::kHoles:

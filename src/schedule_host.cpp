@@ -16,7 +16,9 @@ namespace {
 
 constexpr int64_t kArrayAlign = 256;
 
-int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
 
 int64_t read_id(const void* data, DType dtype, int64_t index) {
   if (dtype == DType::kInt64) return static_cast<const int64_t*>(data)[index];
@@ -69,7 +71,8 @@ ScheduleLayout ScheduleLayout::make(const ScheduleParams& params) {
   layout.row_recv = place(params.max_rows() * kI32);
   layout.pair_row = place(params.num_pairs() * kI32);
   layout.recv_offsets = place((params.num_ranks + 1) * kI32);
-  layout.recv_tokens = place(static_cast<int64_t>(params.num_ranks) * params.tokens_per_rank * kI32);
+  layout.recv_tokens =
+      place(static_cast<int64_t>(params.num_ranks) * params.tokens_per_rank * kI32);
   layout.output_bytes = cursor;
   layout.scratch_chunk_counts = place(chunks * local_experts * kI32);
   layout.scratch_chunk_prefix = place(chunks * local_experts * kI32);
@@ -84,9 +87,9 @@ void build_schedule_host(const ScheduleLayout& layout, const void* top_experts_a
                          DType expert_dtype, void* buffer) {
   const ScheduleParams& p = layout.params;
   if (expert_dtype != DType::kInt32 && expert_dtype != DType::kInt64)
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string("build_schedule_host: expert dtype ") + dtype_name(expert_dtype) +
-                    " is not supported; valid: int32, int64");
+    throw Error(ErrorCode::kInvalidArgument, std::string("build_schedule_host: expert dtype ") +
+                                                 dtype_name(expert_dtype) +
+                                                 " is not supported; valid: int32, int64");
   ScheduleView view = ScheduleView::at(buffer, layout);
   const int32_t local_experts = p.num_local_experts();
   const int32_t first_expert = p.first_local_expert();
@@ -113,7 +116,8 @@ void build_schedule_host(const ScheduleLayout& layout, const void* top_experts_a
     if (expert < first_expert || expert >= first_expert + local_experts) continue;
     int32_t local = static_cast<int32_t>(expert - first_expert);
     local_of_pair[pair] = local;
-    int32_t src_rank = static_cast<int32_t>(pair / (static_cast<int64_t>(p.tokens_per_rank) * p.top_k));
+    int32_t src_rank =
+        static_cast<int32_t>(pair / (static_cast<int64_t>(p.tokens_per_rank) * p.top_k));
     ++view.expert_source_counts[local * p.num_ranks + src_rank];
   }
 
@@ -121,7 +125,8 @@ void build_schedule_host(const ScheduleLayout& layout, const void* top_experts_a
   int32_t offset = 0;
   for (int32_t e = 0; e < local_experts; ++e) {
     int32_t count = 0;
-    for (int32_t s = 0; s < p.num_ranks; ++s) count += view.expert_source_counts[e * p.num_ranks + s];
+    for (int32_t s = 0; s < p.num_ranks; ++s)
+      count += view.expert_source_counts[e * p.num_ranks + s];
     view.expert_counts[e] = count;
     view.expert_offsets[e] = offset;
     offset += (count + p.row_align - 1) / p.row_align * p.row_align;
@@ -130,7 +135,8 @@ void build_schedule_host(const ScheduleLayout& layout, const void* top_experts_a
   header.total_rows = offset;
   header.num_tiles = offset / p.row_align;
   for (int32_t e = 0; e < local_experts; ++e)
-    for (int32_t tile = view.expert_offsets[e] / p.row_align; tile < view.expert_offsets[e + 1] / p.row_align; ++tile)
+    for (int32_t tile = view.expert_offsets[e] / p.row_align;
+         tile < view.expert_offsets[e + 1] / p.row_align; ++tile)
       view.tile_expert[tile] = e;
 
   // Receive list: (src, token) with at least one routed slot, in (src, token) order.
@@ -141,7 +147,8 @@ void build_schedule_host(const ScheduleLayout& layout, const void* top_experts_a
     for (int32_t t = 0; t < p.tokens_per_rank; ++t) {
       int64_t global_token = static_cast<int64_t>(s) * p.tokens_per_rank + t;
       bool routed = false;
-      for (int32_t k = 0; k < p.top_k; ++k) routed |= local_of_pair[global_token * p.top_k + k] >= 0;
+      for (int32_t k = 0; k < p.top_k; ++k)
+        routed |= local_of_pair[global_token * p.top_k + k] >= 0;
       if (!routed) continue;
       recv_of_token[global_token] = recv;
       view.recv_tokens[recv++] = t;
@@ -177,9 +184,10 @@ Status compare_schedules(const ScheduleLayout& layout, const void* expected, con
   ScheduleView got = ScheduleView::at(const_cast<void*>(actual), layout);
   if (std::memcmp(want.header, got.header, sizeof(ScheduleHeader)) != 0) {
     auto text = [](const ScheduleHeader& h) {
-      return "{total_rows " + std::to_string(h.total_rows) + ", num_tiles " + std::to_string(h.num_tiles) +
-             ", total_recv " + std::to_string(h.total_recv) + ", status " + std::to_string(h.status) +
-             ", error_pair " + std::to_string(h.error_pair) + ", error_value " + std::to_string(h.error_value) + "}";
+      return "{total_rows " + std::to_string(h.total_rows) + ", num_tiles " +
+             std::to_string(h.num_tiles) + ", total_recv " + std::to_string(h.total_recv) +
+             ", status " + std::to_string(h.status) + ", error_pair " +
+             std::to_string(h.error_pair) + ", error_value " + std::to_string(h.error_value) + "}";
     };
     return Status{ErrorCode::kInternal, "schedule header differs: expected " + text(*want.header) +
                                             ", got " + text(*got.header)};
@@ -193,7 +201,8 @@ Status compare_schedules(const ScheduleLayout& layout, const void* expected, con
   };
   const Array arrays[] = {
       {"expert_counts", want.expert_counts, got.expert_counts, local_experts},
-      {"expert_source_counts", want.expert_source_counts, got.expert_source_counts, local_experts * p.num_ranks},
+      {"expert_source_counts", want.expert_source_counts, got.expert_source_counts,
+       local_experts * p.num_ranks},
       {"expert_offsets", want.expert_offsets, got.expert_offsets, local_experts + 1},
       {"tile_expert", want.tile_expert, got.tile_expert, want.header->num_tiles},
       {"row_pair", want.row_pair, got.row_pair, want.header->total_rows},
@@ -205,9 +214,10 @@ Status compare_schedules(const ScheduleLayout& layout, const void* expected, con
   for (const Array& array : arrays)
     for (int64_t i = 0; i < array.count; ++i)
       if (array.want[i] != array.got[i])
-        return Status{ErrorCode::kInternal, std::string("schedule ") + array.name + "[" + std::to_string(i) +
-                                                "] differs: expected " + std::to_string(array.want[i]) +
-                                                ", got " + std::to_string(array.got[i])};
+        return Status{ErrorCode::kInternal, std::string("schedule ") + array.name + "[" +
+                                                std::to_string(i) + "] differs: expected " +
+                                                std::to_string(array.want[i]) + ", got " +
+                                                std::to_string(array.got[i])};
   return Status::Ok();
 }
 

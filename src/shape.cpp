@@ -1,11 +1,12 @@
 // MoeShape and MoeConfig checks, and the named shapes of DESIGN.md.
+#include "mok/shape.h"
+
 #include <cmath>
 #include <sstream>
 #include <string>
 
 #include "mok/config.h"
 #include "mok/schedule.h"
-#include "mok/shape.h"
 
 namespace mok {
 
@@ -18,11 +19,11 @@ std::string field_error(const char* field, int64_t value, const std::string& val
 Status check_dim(const char* field, int64_t value, bool allow_zero) {
   if ((allow_zero && value == 0)) return Status::Ok();
   if (value < kDimAlignment || value > kMaxDim || value % kDimAlignment != 0)
-    return Status::invalid(field_error(
-        field, value,
-        std::string(allow_zero ? "0 (none) or " : "") + "a multiple of " +
-            std::to_string(kDimAlignment) + " in [" + std::to_string(kDimAlignment) + ", " +
-            std::to_string(kMaxDim) + "]"));
+    return Status::invalid(field_error(field, value,
+                                       std::string(allow_zero ? "0 (none) or " : "") +
+                                           "a multiple of " + std::to_string(kDimAlignment) +
+                                           " in [" + std::to_string(kDimAlignment) + ", " +
+                                           std::to_string(kMaxDim) + "]"));
   return Status::Ok();
 }
 
@@ -45,17 +46,19 @@ Status can_implement(const MoeShape& shape) {
   MOK_RETURN_IF_ERROR(check_dim("intermediate", shape.intermediate, false));
   MOK_RETURN_IF_ERROR(check_dim("shared_intermediate", shape.shared_intermediate, true));
   if (shape.top_k < 1 || shape.top_k > kMaxTopK)
-    return Status::invalid(field_error("top_k", shape.top_k, "[1, " + std::to_string(kMaxTopK) + "]"));
+    return Status::invalid(
+        field_error("top_k", shape.top_k, "[1, " + std::to_string(kMaxTopK) + "]"));
   if (shape.num_ranks < 1 || shape.num_ranks > kMaxRanks)
     return Status::invalid(
         field_error("num_ranks", shape.num_ranks, "[1, " + std::to_string(kMaxRanks) + "]"));
   if (shape.num_experts < 1 || shape.num_experts > kMaxExperts)
-    return Status::invalid(field_error("num_experts", shape.num_experts,
-                                       "[1, " + std::to_string(kMaxExperts) + "]"));
+    return Status::invalid(
+        field_error("num_experts", shape.num_experts, "[1, " + std::to_string(kMaxExperts) + "]"));
   if (shape.num_experts % shape.num_ranks != 0)
-    return Status::invalid(field_error("num_experts", shape.num_experts,
-                                       "a multiple of num_ranks = " + std::to_string(shape.num_ranks) +
-                                           " (every rank owns E/R experts)"));
+    return Status::invalid(
+        field_error("num_experts", shape.num_experts,
+                    "a multiple of num_ranks = " + std::to_string(shape.num_ranks) +
+                        " (every rank owns E/R experts)"));
   if (!(shape.swiglu_limit > 0.0f))
     return Status::invalid("shape: swiglu_limit = " + std::to_string(shape.swiglu_limit) +
                            "; valid: a positive number, or infinity for no clamp");
@@ -111,7 +114,8 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
   MOK_RETURN_IF_ERROR(can_implement(shape));
   auto bad = [](const std::string& text) { return Status::invalid("config: " + text); };
   if (config.precision != Precision::kBF16)
-    return Status::unsupported(std::string("config: precision = ") + precision_name(config.precision) +
+    return Status::unsupported(std::string("config: precision = ") +
+                               precision_name(config.precision) +
                                " is not implemented yet; valid: bf16");
   for (auto [field, value] : {std::pair{"fwd_num_comm_sms", config.fwd_num_comm_sms},
                               std::pair{"bwd_num_comm_sms", config.bwd_num_comm_sms}}) {

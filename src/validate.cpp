@@ -48,14 +48,16 @@ struct CallChecker {
     if (device_type == DeviceType::kCUDA) {
       if (device_id < 0) device_id = view.device_id;
       if (view.device_id != device_id)
-        return fail(name, "is on cuda:" + std::to_string(view.device_id) +
-                              "; every tensor of the call must be on cuda:" + std::to_string(device_id));
+        return fail(name,
+                    "is on cuda:" + std::to_string(view.device_id) +
+                        "; every tensor of the call must be on cuda:" + std::to_string(device_id));
     }
     bool dtype_ok = false;
     for (DType allowed : allowed_dtypes) dtype_ok |= view.dtype == allowed;
     if (!dtype_ok) {
       std::string valid;
-      for (DType allowed : allowed_dtypes) valid += std::string(valid.empty() ? "" : " or ") + dtype_name(allowed);
+      for (DType allowed : allowed_dtypes)
+        valid += std::string(valid.empty() ? "" : " or ") + dtype_name(allowed);
       return fail(name, std::string("has dtype ") + dtype_name(view.dtype) + "; expected " + valid);
     }
     bool shape_ok = view.ndim == static_cast<int32_t>(dims.size());
@@ -63,8 +65,10 @@ struct CallChecker {
     if (!shape_ok) return fail(name, "has shape " + view.shape_string() + "; expected " + expected);
     if (!view.is_contiguous()) {
       std::string strides = "[";
-      for (int d = 0; d < view.ndim; ++d) strides += (d ? ", " : "") + std::to_string(view.strides[d]);
-      return fail(name, "is not contiguous (strides " + strides + "]); pass a row-major contiguous tensor");
+      for (int d = 0; d < view.ndim; ++d)
+        strides += (d ? ", " : "") + std::to_string(view.strides[d]);
+      return fail(
+          name, "is not contiguous (strides " + strides + "]); pass a row-major contiguous tensor");
     }
     if (view.numel() > 0 && view.data == nullptr) return fail(name, "has a null data pointer");
     if (device_type == DeviceType::kCUDA && reinterpret_cast<uintptr_t>(view.data) % 16 != 0)
@@ -98,7 +102,8 @@ Status check_no_overlap(const char* call, const std::vector<NamedView>& inputs,
     for (const auto& input : inputs)
       if (overlaps(*outputs[o].view, *input.view))
         return Status::invalid(std::string(call) + ": output `" + outputs[o].name +
-                               "` overlaps input `" + input.name + "`; outputs need their own memory");
+                               "` overlaps input `" + input.name +
+                               "`; outputs need their own memory");
     for (size_t other = o + 1; other < outputs.size(); ++other)
       if (overlaps(*outputs[o].view, *outputs[other].view))
         return Status::invalid(std::string(call) + ": outputs `" + outputs[o].name + "` and `" +
@@ -109,17 +114,23 @@ Status check_no_overlap(const char* call, const std::vector<NamedView>& inputs,
 
 Status check_inputs(CallChecker& checker, const MoeShape& shape, const ForwardArgs& args) {
   const Dim T{"T", shape.num_tokens}, H{"H", shape.hidden}, I{"I", shape.intermediate},
-      K{"K", shape.top_k}, E{"E_loc", shape.num_local_experts()}, Is{"Is", shape.shared_intermediate};
+      K{"K", shape.top_k}, E{"E_loc", shape.num_local_experts()},
+      Is{"Is", shape.shared_intermediate};
   MOK_RETURN_IF_ERROR(checker.check("x", args.x, {DType::kBFloat16}, {T, H}));
-  MOK_RETURN_IF_ERROR(checker.check("top_experts", args.top_experts, {DType::kInt32, DType::kInt64}, {T, K}));
-  MOK_RETURN_IF_ERROR(checker.check("router_weights", args.router_weights, {DType::kFloat32}, {T, K}));
+  MOK_RETURN_IF_ERROR(
+      checker.check("top_experts", args.top_experts, {DType::kInt32, DType::kInt64}, {T, K}));
+  MOK_RETURN_IF_ERROR(
+      checker.check("router_weights", args.router_weights, {DType::kFloat32}, {T, K}));
   MOK_RETURN_IF_ERROR(checker.check("w_gate", args.w_gate, {DType::kBFloat16}, {E, I, H}));
   MOK_RETURN_IF_ERROR(checker.check("w_up", args.w_up, {DType::kBFloat16}, {E, I, H}));
   MOK_RETURN_IF_ERROR(checker.check("w_down", args.w_down, {DType::kBFloat16}, {E, H, I}));
   if (shape.has_shared_expert()) {
-    MOK_RETURN_IF_ERROR(checker.check("w_shared_gate", args.w_shared_gate, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(checker.check("w_shared_up", args.w_shared_up, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(checker.check("w_shared_down", args.w_shared_down, {DType::kBFloat16}, {H, Is}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("w_shared_gate", args.w_shared_gate, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("w_shared_up", args.w_shared_up, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("w_shared_down", args.w_shared_down, {DType::kBFloat16}, {H, Is}));
   } else {
     MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_gate", args.w_shared_gate));
     MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_up", args.w_shared_up));
@@ -129,10 +140,14 @@ Status check_inputs(CallChecker& checker, const MoeShape& shape, const ForwardAr
 }
 
 std::vector<NamedView> input_views(const ForwardArgs& args) {
-  return {{"x", &args.x},           {"top_experts", &args.top_experts},
-          {"router_weights", &args.router_weights}, {"w_gate", &args.w_gate},
-          {"w_up", &args.w_up},     {"w_down", &args.w_down},
-          {"w_shared_gate", &args.w_shared_gate},   {"w_shared_up", &args.w_shared_up},
+  return {{"x", &args.x},
+          {"top_experts", &args.top_experts},
+          {"router_weights", &args.router_weights},
+          {"w_gate", &args.w_gate},
+          {"w_up", &args.w_up},
+          {"w_down", &args.w_down},
+          {"w_shared_gate", &args.w_shared_gate},
+          {"w_shared_up", &args.w_shared_up},
           {"w_shared_down", &args.w_shared_down}};
 }
 
@@ -147,22 +162,28 @@ Status check_forward_args(const MoeShape& shape, const ForwardArgs& args, Device
   return check_no_overlap("forward", input_views(args), {{"out", &args.out}});
 }
 
-Status check_backward_args(const MoeShape& shape, const BackwardArgs& args, DeviceType device_type) {
+Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
+                           DeviceType device_type) {
   MOK_RETURN_IF_ERROR(can_implement(shape));
   CallChecker checker{"backward", device_type};
   MOK_RETURN_IF_ERROR(check_inputs(checker, shape, args.forward));
   const Dim T{"T", shape.num_tokens}, H{"H", shape.hidden}, I{"I", shape.intermediate},
-      K{"K", shape.top_k}, E{"E_loc", shape.num_local_experts()}, Is{"Is", shape.shared_intermediate};
+      K{"K", shape.top_k}, E{"E_loc", shape.num_local_experts()},
+      Is{"Is", shape.shared_intermediate};
   MOK_RETURN_IF_ERROR(checker.check("d_out", args.d_out, {DType::kBFloat16}, {T, H}));
   MOK_RETURN_IF_ERROR(checker.check("d_x", args.d_x, {DType::kBFloat16}, {T, H}));
-  MOK_RETURN_IF_ERROR(checker.check("d_router_weights", args.d_router_weights, {DType::kFloat32}, {T, K}));
+  MOK_RETURN_IF_ERROR(
+      checker.check("d_router_weights", args.d_router_weights, {DType::kFloat32}, {T, K}));
   MOK_RETURN_IF_ERROR(checker.check("d_w_gate", args.d_w_gate, {DType::kBFloat16}, {E, I, H}));
   MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, {DType::kBFloat16}, {E, I, H}));
   MOK_RETURN_IF_ERROR(checker.check("d_w_down", args.d_w_down, {DType::kBFloat16}, {E, H, I}));
   if (shape.has_shared_expert()) {
-    MOK_RETURN_IF_ERROR(checker.check("d_w_shared_gate", args.d_w_shared_gate, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(checker.check("d_w_shared_up", args.d_w_shared_up, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(checker.check("d_w_shared_down", args.d_w_shared_down, {DType::kBFloat16}, {H, Is}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_shared_gate", args.d_w_shared_gate, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_shared_up", args.d_w_shared_up, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_shared_down", args.d_w_shared_down, {DType::kBFloat16}, {H, Is}));
   } else {
     MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_gate", args.d_w_shared_gate));
     MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_up", args.d_w_shared_up));

@@ -7,10 +7,14 @@ namespace {
 
 const char* wait_site_name(int32_t site) {
   switch (static_cast<kernels::WaitSite>(site)) {
-    case kernels::WaitSite::kGemmFreeStage: return "GEMM producer waiting for a free shared-memory stage";
-    case kernels::WaitSite::kGemmLoadedStage: return "GEMM consumer waiting for a loaded shared-memory stage";
-    case kernels::WaitSite::kCounter: return "a dependency counter";
-    case kernels::WaitSite::kTestNeverReady: return "the test's never-ready condition";
+    case kernels::WaitSite::kGemmFreeStage:
+      return "GEMM producer waiting for a free shared-memory stage";
+    case kernels::WaitSite::kGemmLoadedStage:
+      return "GEMM consumer waiting for a loaded shared-memory stage";
+    case kernels::WaitSite::kCounter:
+      return "a dependency counter";
+    case kernels::WaitSite::kTestNeverReady:
+      return "the test's never-ready condition";
   }
   return "an unknown wait site";
 }
@@ -18,8 +22,9 @@ const char* wait_site_name(int32_t site) {
 }  // namespace
 
 std::string describe_wait_diagnosis(const kernels::WaitDiagnosis& record) {
-  return "device wait timed out after " + std::to_string(static_cast<double>(record.waited_ns) * 1e-9) +
-         " s: rank " + std::to_string(record.rank) + ", SM " + std::to_string(record.sm) + ", block " +
+  return "device wait timed out after " +
+         std::to_string(static_cast<double>(record.waited_ns) * 1e-9) + " s: rank " +
+         std::to_string(record.rank) + ", SM " + std::to_string(record.sm) + ", block " +
          std::to_string(record.block) + ", thread " + std::to_string(record.thread) + ", " +
          wait_site_name(record.site) + " (expected " + std::to_string(record.expected) + ", seen " +
          std::to_string(record.seen) + "); the kernel was aborted";

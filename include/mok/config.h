@@ -22,7 +22,7 @@ struct MoeConfig {
   int64_t minibatch_size = 4096;     // rows of the expert-grouped buffer per overlap step
   int64_t macrobatch_size = 131072;  // rows of the ring token buffer
   Precision precision = Precision::kBF16;
-  double wait_timeout_s = 100.0;     // device spin-waits abort with a diagnosis after this long
+  double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

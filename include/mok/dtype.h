@@ -25,11 +25,16 @@ enum class DType : int32_t {
 
 MOK_HOST_DEVICE constexpr int64_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kBFloat16: return 2;
-    case DType::kFloat32: return 4;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-    case DType::kFloat8E4M3: return 1;
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat32:
+      return 4;
+    case DType::kInt32:
+      return 4;
+    case DType::kInt64:
+      return 8;
+    case DType::kFloat8E4M3:
+      return 1;
   }
   return 0;
 }
@@ -64,6 +69,8 @@ MOK_HOST_DEVICE inline bf16 float_to_bf16(float value) {
 }
 
 // Rounds a float to the nearest bf16 and returns it as a float.
-MOK_HOST_DEVICE inline float round_to_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+MOK_HOST_DEVICE inline float round_to_bf16(float value) {
+  return bf16_to_float(float_to_bf16(value));
+}
 
 }  // namespace mok

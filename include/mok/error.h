@@ -51,9 +51,9 @@ struct Status {
 };
 
 // Returns early from the enclosing function with `status` when it is not ok.
-#define MOK_RETURN_IF_ERROR(expr)        \
-  do {                                   \
-    ::mok::Status mok_status_ = (expr);  \
+#define MOK_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::mok::Status mok_status_ = (expr);        \
     if (!mok_status_.ok()) return mok_status_; \
   } while (0)
 

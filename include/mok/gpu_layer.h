@@ -44,15 +44,17 @@ class GpuLayer {
   // gradient. args.forward holds the forward's inputs. With the context of the latest forward
   // (of these same inputs) it starts from the kept intermediates; without one it recomputes
   // them. A stale context is an error. Validates first; no host synchronization.
-  void backward(const BackwardArgs& args, cudaStream_t stream, const ForwardContext* context = nullptr);
+  void backward(const BackwardArgs& args, cudaStream_t stream,
+                const ForwardContext* context = nullptr);
 
   // Runs the forward `iterations` times with CUDA events between its stages and returns the
   // median milliseconds of each stage (name, ms), then "total". Synchronizes.
-  std::vector<std::pair<std::string, float>> profile_forward(const ForwardArgs& args, cudaStream_t stream,
-                                                             int iterations);
+  std::vector<std::pair<std::string, float>> profile_forward(const ForwardArgs& args,
+                                                             cudaStream_t stream, int iterations);
 
-  std::vector<std::pair<std::string, float>> profile_backward(const BackwardArgs& args, cudaStream_t stream,
-                                                              int iterations, const ForwardContext* context = nullptr);
+  std::vector<std::pair<std::string, float>> profile_backward(
+      const BackwardArgs& args, cudaStream_t stream, int iterations,
+      const ForwardContext* context = nullptr);
 
   // Waits for `stream` and reports what the device found: bad expert ids (naming rank, token,
   // slot and value), a timed-out device wait (with its diagnosis), or a CUDA error.

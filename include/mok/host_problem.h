@@ -64,6 +64,11 @@ struct HostProblem {
   // are what rank `rank` computes in the R-rank problem.
   HostProblem rank_alone(int32_t rank) const;
 
+  // R = 1 only: a problem holding `tokens` (in that order) with the same weights; outputs are
+  // allocated, not filled. Each token's out, d_x and d_router_weights depend on that token
+  // only, so checks on a slice of a large problem are exact checks of those outputs.
+  HostProblem token_slice(const std::vector<int64_t>& tokens) const;
+
   // Fills every output buffer with NaN (a recognizable payload), so that an element a run
   // fails to write shows up in any comparison.
   void poison_outputs();

@@ -41,8 +41,7 @@ struct BackwardArgs {
 // another output. `device_type` is where every tensor must live. For CUDA tensors the data
 // pointers must also be 16-byte aligned (TMA). Expert ids are data: see check_top_experts.
 Status check_forward_args(const MoeShape& shape, const ForwardArgs& args, DeviceType device_type);
-Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
-                           DeviceType device_type);
+Status check_backward_args(const MoeShape& shape, const BackwardArgs& args, DeviceType device_type);
 
 // Host-side check of expert id values (CPU tensors only): every entry in [-1, E). The message
 // names the first bad entry by rank, token and slot.

@@ -46,11 +46,11 @@ namespace mok::oracle {
 // effects; without it, it is the exact math (used against finite differences).
 // Single rank with all experts local (shape.num_ranks must be 1); outputs are double arrays:
 struct Outputs {
-  std::vector<double> out;               // [T, H]
-  std::vector<double> d_x;               // [T, H]
-  std::vector<double> d_router_weights;  // [T, K]
-  std::vector<double> d_w_gate, d_w_up;  // [E, I, H]
-  std::vector<double> d_w_down;          // [E, H, I]
+  std::vector<double> out;                             // [T, H]
+  std::vector<double> d_x;                             // [T, H]
+  std::vector<double> d_router_weights;                // [T, K]
+  std::vector<double> d_w_gate, d_w_up;                // [E, I, H]
+  std::vector<double> d_w_down;                        // [E, H, I]
   std::vector<double> d_w_shared_gate, d_w_shared_up;  // [Is, H]
   std::vector<double> d_w_shared_down;                 // [H, Is]
 };
@@ -59,11 +59,11 @@ struct Outputs {
 // false). top_experts [T, K], -1 = no route. d_out may be empty: then only `out` is computed
 // (except with T = 0, where the backward outputs, all zero, are returned too).
 struct Inputs {
-  std::vector<double> x;               // [T, H]
-  std::vector<int64_t> top_experts;    // [T, K]
-  std::vector<double> router_weights;  // [T, K]
-  std::vector<double> w_gate, w_up;    // [E, I, H]
-  std::vector<double> w_down;          // [E, H, I]
+  std::vector<double> x;                           // [T, H]
+  std::vector<int64_t> top_experts;                // [T, K]
+  std::vector<double> router_weights;              // [T, K]
+  std::vector<double> w_gate, w_up;                // [E, I, H]
+  std::vector<double> w_down;                      // [E, H, I]
   std::vector<double> w_shared_gate, w_shared_up;  // [Is, H] (empty when Is = 0)
   std::vector<double> w_shared_down;               // [H, Is]
   std::vector<double> d_out;                       // [T, H] or empty

@@ -11,13 +11,13 @@
 namespace mok {
 
 enum class RoutingKind {
-  kUniform,        // K distinct experts per token, uniformly at random
-  kHoles,          // kUniform with about a quarter of the slots set to -1
-  kSkewed,         // distinct experts drawn with Zipf-like popularity (expert 0 hottest)
-  kOneExpert,      // every slot of every token to expert 0 (duplicates: the true worst case)
-  kOneRank,        // every token to K distinct experts of rank 0 (cycled if E_loc < K)
-  kEmptyRank,      // rank R-1 sends nothing (all -1) and no token goes to rank 0's experts
-  kNoRoutes,       // every slot -1
+  kUniform,    // K distinct experts per token, uniformly at random
+  kHoles,      // kUniform with about a quarter of the slots set to -1
+  kSkewed,     // distinct experts drawn with Zipf-like popularity (expert 0 hottest)
+  kOneExpert,  // every slot of every token to expert 0 (duplicates: the true worst case)
+  kOneRank,    // every token to K distinct experts of rank 0 (cycled if E_loc < K)
+  kEmptyRank,  // rank R-1 sends nothing (all -1) and no token goes to rank 0's experts
+  kNoRoutes,   // every slot -1
 };
 
 const char* routing_kind_name(RoutingKind kind);

@@ -35,7 +35,7 @@
 
 namespace mok {
 
-inline constexpr int32_t kDefaultRowAlign = 128;  // = BLOCK_M of the grouped GEMM
+inline constexpr int32_t kDefaultRowAlign = 128;     // = BLOCK_M of the grouped GEMM
 inline constexpr int32_t kScheduleChunkTokens = 64;  // tokens per chunk of the GPU builder's walk
 
 enum class ScheduleStatus : int32_t {
@@ -86,23 +86,23 @@ static_assert(sizeof(ScheduleHeader) == 32, "ScheduleHeader is shared by host an
 // arrays come first; `scratch_*` arrays are used only by the GPU builder.
 struct ScheduleLayout {
   ScheduleParams params;
-  int64_t header = 0;                 // ScheduleHeader
-  int64_t expert_counts = 0;          // int32 [E_loc]: routed pairs per local expert
-  int64_t expert_source_counts = 0;   // int32 [E_loc][R]: routed pairs per (expert, source rank)
-  int64_t expert_offsets = 0;         // int32 [E_loc + 1]: segment starts; [E_loc] = total_rows
-  int64_t tile_expert = 0;            // int32 [max_tiles]: local expert of each row tile
-  int64_t row_pair = 0;               // int32 [max_rows]: pair index of each row, -1 = padding
-  int64_t row_recv = 0;               // int32 [max_rows]: receive-list entry of each row
-  int64_t pair_row = 0;               // int32 [R*T*K]: row of each pair, -1 = not routed here
-  int64_t recv_offsets = 0;           // int32 [R + 1]
-  int64_t recv_tokens = 0;            // int32 [R*T]: token index (within its source rank)
-  int64_t scratch_chunk_counts = 0;   // int32 [num_chunks][E_loc]: pairs per (chunk, expert)
-  int64_t scratch_chunk_prefix = 0;   // int32 [num_chunks][E_loc]: in-segment start of a chunk
-  int64_t scratch_chunk_recv = 0;     // int32 [num_chunks]: receive entries of a chunk
+  int64_t header = 0;                // ScheduleHeader
+  int64_t expert_counts = 0;         // int32 [E_loc]: routed pairs per local expert
+  int64_t expert_source_counts = 0;  // int32 [E_loc][R]: routed pairs per (expert, source rank)
+  int64_t expert_offsets = 0;        // int32 [E_loc + 1]: segment starts; [E_loc] = total_rows
+  int64_t tile_expert = 0;           // int32 [max_tiles]: local expert of each row tile
+  int64_t row_pair = 0;              // int32 [max_rows]: pair index of each row, -1 = padding
+  int64_t row_recv = 0;              // int32 [max_rows]: receive-list entry of each row
+  int64_t pair_row = 0;              // int32 [R*T*K]: row of each pair, -1 = not routed here
+  int64_t recv_offsets = 0;          // int32 [R + 1]
+  int64_t recv_tokens = 0;           // int32 [R*T]: token index (within its source rank)
+  int64_t scratch_chunk_counts = 0;  // int32 [num_chunks][E_loc]: pairs per (chunk, expert)
+  int64_t scratch_chunk_prefix = 0;  // int32 [num_chunks][E_loc]: in-segment start of a chunk
+  int64_t scratch_chunk_recv = 0;    // int32 [num_chunks]: receive entries of a chunk
   int64_t scratch_chunk_recv_prefix = 0;  // int32 [num_chunks]
-  int64_t scratch_chunk_bad = 0;      // int32 [num_chunks]: first bad pair in the chunk, or -1
-  int64_t output_bytes = 0;           // bytes of the output arrays (header .. recv_tokens)
-  int64_t total_bytes = 0;            // bytes of the whole buffer, scratch included
+  int64_t scratch_chunk_bad = 0;          // int32 [num_chunks]: first bad pair in the chunk, or -1
+  int64_t output_bytes = 0;               // bytes of the output arrays (header .. recv_tokens)
+  int64_t total_bytes = 0;                // bytes of the whole buffer, scratch included
 
   static ScheduleLayout make(const ScheduleParams& params);
 };
@@ -152,7 +152,9 @@ struct ScheduleView {
 // An expert id as the header stores it: int64 ids outside the int32 range saturate, so a huge
 // bad id never reads back as a valid one.
 MOK_HOST_DEVICE inline int32_t saturate_expert_id(int64_t expert) {
-  return expert > INT32_MAX ? INT32_MAX : expert < INT32_MIN ? INT32_MIN : static_cast<int32_t>(expert);
+  return expert > INT32_MAX   ? INT32_MAX
+         : expert < INT32_MIN ? INT32_MIN
+                              : static_cast<int32_t>(expert);
 }
 
 // Decodes a pair index.

@@ -13,12 +13,12 @@
 namespace mok {
 
 struct MoeShape {
-  int64_t num_tokens = 0;           // T: tokens on each rank
-  int64_t hidden = 0;               // H
-  int64_t intermediate = 0;         // I of every routed expert
-  int64_t num_experts = 0;          // E: routed experts in the whole group
-  int32_t top_k = 0;                // K: routing slots per token
-  int32_t num_ranks = 1;            // R: expert-parallel ranks; rank r owns experts [r*E/R, (r+1)*E/R)
+  int64_t num_tokens = 0;    // T: tokens on each rank
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I of every routed expert
+  int64_t num_experts = 0;   // E: routed experts in the whole group
+  int32_t top_k = 0;         // K: routing slots per token
+  int32_t num_ranks = 1;     // R: expert-parallel ranks; rank r owns experts [r*E/R, (r+1)*E/R)
   int64_t shared_intermediate = 0;  // Is of the shared expert; 0 = no shared expert
   // SwiGLU clamp limit L: gate = min(gate, L), up = clamp(up, -L, L). Infinity = no clamp.
   float swiglu_limit = std::numeric_limits<float>::infinity();
@@ -30,8 +30,8 @@ struct MoeShape {
 };
 
 // Limits of what this build supports; can_implement reports any shape outside them.
-inline constexpr int64_t kDimAlignment = 64;        // H, I and Is must be multiples of this
-inline constexpr int64_t kMaxDim = 65536;           // H, I, Is upper bound
+inline constexpr int64_t kDimAlignment = 64;  // H, I and Is must be multiples of this
+inline constexpr int64_t kMaxDim = 65536;     // H, I, Is upper bound
 inline constexpr int32_t kMaxTopK = 32;
 inline constexpr int64_t kMaxExperts = 2048;
 inline constexpr int32_t kMaxRanks = 64;

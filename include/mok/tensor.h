@@ -37,7 +37,7 @@ struct TensorView {
   bool present() const { return ndim > 0; }
   int64_t numel() const;
   int64_t nbytes() const { return numel() * dtype_size(dtype); }
-  bool is_contiguous() const;  // row-major, dense; dimensions of size 1 may have any stride
+  bool is_contiguous() const;        // row-major, dense; dimensions of size 1 may have any stride
   std::string shape_string() const;  // e.g. "[8, 128, 256]"
 
   template <typename T>

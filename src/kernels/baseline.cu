@@ -23,7 +23,8 @@ __global__ void baseline_swiglu_kernel(int64_t num_rows, const uint4* gate, cons
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       const float2 gf = __bfloat1622float2(g2[p]), uf = __bfloat1622float2(u2[p]);
-      h2[p] = __floats2bfloat162_rn(swiglu_forward(gf.x, uf.x, limit), swiglu_forward(gf.y, uf.y, limit));
+      h2[p] = __floats2bfloat162_rn(swiglu_forward(gf.x, uf.x, limit),
+                                    swiglu_forward(gf.y, uf.y, limit));
     }
     hidden[index] = result;
   }
@@ -31,9 +32,10 @@ __global__ void baseline_swiglu_kernel(int64_t num_rows, const uint4* gate, cons
 
 // out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], y[pair_row[t*K+k]])): the unpermute and
 // weighted sum, reading each expert output row where the grouped GEMM left it.
-__global__ void baseline_unpermute_kernel(const uint4* expert_rows, const int32_t* pair_row, const uint4* shared,
-                                          const float* router_weights, int64_t num_tokens,
-                                          int64_t vectors_per_row, int32_t top_k, uint4* out) {
+__global__ void baseline_unpermute_kernel(const uint4* expert_rows, const int32_t* pair_row,
+                                          const uint4* shared, const float* router_weights,
+                                          int64_t num_tokens, int64_t vectors_per_row,
+                                          int32_t top_k, uint4* out) {
   const int64_t total = num_tokens * vectors_per_row;
   for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -68,30 +70,33 @@ __global__ void baseline_unpermute_kernel(const uint4* expert_rows, const int32_
   }
 }
 
-int grid_for(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16)); }
+int grid_for(int64_t total) {
+  return static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16));
+}
 
 }  // namespace
 
-cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up, int64_t intermediate,
-                                   float limit, void* hidden, cudaStream_t stream) {
+cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up,
+                                   int64_t intermediate, float limit, void* hidden,
+                                   cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
   const int64_t vectors_per_row = intermediate / 8;
   baseline_swiglu_kernel<<<grid_for(num_rows * vectors_per_row), 256, 0, stream>>>(
-      num_rows, static_cast<const uint4*>(gate), static_cast<const uint4*>(up), vectors_per_row, limit,
-      static_cast<uint4*>(hidden));
+      num_rows, static_cast<const uint4*>(gate), static_cast<const uint4*>(up), vectors_per_row,
+      limit, static_cast<uint4*>(hidden));
   return cudaGetLastError();
 }
 
-cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pair_row, const void* shared,
-                                      const float* router_weights, int64_t num_tokens, int64_t hidden,
-                                      int32_t top_k, void* out, cudaStream_t stream) {
+cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pair_row,
+                                      const void* shared, const float* router_weights,
+                                      int64_t num_tokens, int64_t hidden, int32_t top_k, void* out,
+                                      cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
   const int64_t vectors_per_row = hidden / 8;
   baseline_unpermute_kernel<<<grid_for(num_tokens * vectors_per_row), 256, 0, stream>>>(
-      static_cast<const uint4*>(expert_rows), pair_row, static_cast<const uint4*>(shared), router_weights,
-      num_tokens, vectors_per_row, top_k, static_cast<uint4*>(out));
+      static_cast<const uint4*>(expert_rows), pair_row, static_cast<const uint4*>(shared),
+      router_weights, num_tokens, vectors_per_row, top_k, static_cast<uint4*>(out));
   return cudaGetLastError();
 }
 
 }  // namespace mok::kernels
-

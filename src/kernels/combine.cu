@@ -14,7 +14,8 @@ namespace {
 template <typename ExpertId>
 __global__ void combine_kernel(const uint4* slots, const uint4* shared, const ExpertId* top_experts,
                                const float* router_weights, int64_t num_tokens,
-                               int64_t vectors_per_row, int32_t top_k, int64_t num_experts, uint4* out) {
+                               int64_t vectors_per_row, int32_t top_k, int64_t num_experts,
+                               uint4* out) {
   const int64_t total = num_tokens * vectors_per_row;
   for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -67,13 +68,13 @@ cudaError_t launch_combine(const void* slots, const void* shared, const void* to
   if (expert_dtype == DType::kInt64)
     combine_kernel<<<blocks, 256, 0, stream>>>(
         static_cast<const uint4*>(slots), static_cast<const uint4*>(shared),
-        static_cast<const int64_t*>(top_experts), router_weights, num_tokens, vectors_per_row, top_k,
-        num_experts, static_cast<uint4*>(out));
+        static_cast<const int64_t*>(top_experts), router_weights, num_tokens, vectors_per_row,
+        top_k, num_experts, static_cast<uint4*>(out));
   else
     combine_kernel<<<blocks, 256, 0, stream>>>(
         static_cast<const uint4*>(slots), static_cast<const uint4*>(shared),
-        static_cast<const int32_t*>(top_experts), router_weights, num_tokens, vectors_per_row, top_k,
-        num_experts, static_cast<uint4*>(out));
+        static_cast<const int32_t*>(top_experts), router_weights, num_tokens, vectors_per_row,
+        top_k, num_experts, static_cast<uint4*>(out));
   return cudaGetLastError();
 }
 

@@ -18,7 +18,8 @@ __global__ void gather_rows_kernel(const ScheduleHeader* header, const int32_t* 
   const int total_rows = header->total_rows;
   const int warps_total = gridDim.x * blockDim.x / 32;
   const int lane = threadIdx.x % 32;
-  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < total_rows; row += warps_total) {
+  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < total_rows;
+       row += warps_total) {
     const int pair = row_pair[row];
     uint4* dst = rows + row * vectors_per_row;
     if (pair < 0) {
@@ -32,15 +33,15 @@ __global__ void gather_rows_kernel(const ScheduleHeader* header, const int32_t* 
 
 }  // namespace
 
-cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair,
-                               const void* x, int64_t hidden, int32_t top_k, void* rows,
-                               int64_t max_rows, cudaStream_t stream) {
+cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair, const void* x,
+                               int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
+                               cudaStream_t stream) {
   if (max_rows == 0) return cudaSuccess;
   int device = 0, sm_count = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  gather_rows_kernel<<<sm_count * 4, 256, 0, stream>>>(header, row_pair, static_cast<const uint4*>(x),
-                                                      hidden / 8, top_k, static_cast<uint4*>(rows));
+  gather_rows_kernel<<<sm_count * 4, 256, 0, stream>>>(
+      header, row_pair, static_cast<const uint4*>(x), hidden / 8, top_k, static_cast<uint4*>(rows));
   return cudaGetLastError();
 }
 

@@ -45,14 +45,16 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = row_base + fragment_row(i);
-    if constexpr (kForm == ExpertGemmForm::kDownScatter || kForm == ExpertGemmForm::kGateUpGradScatter) {
+    if constexpr (kForm == ExpertGemmForm::kDownScatter ||
+                  kForm == ExpertGemmForm::kGateUpGradScatter) {
       const int pair = params.row_pair[row];
       if (pair < 0) continue;
       __nv_bfloat16* out_row = params.out + static_cast<int64_t>(pair) * params.out_ld;
 #pragma unroll
       for (int j = 0; j < kColumnGroups; ++j) {
         const int col = col_base + fragment_col(j);
-        if (col < params.n_extent) store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
+        if (col < params.n_extent)
+          store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
       }
     } else if constexpr (kPairedGateUp) {
       const int64_t offset = static_cast<int64_t>(row) * params.out_ld;
@@ -81,7 +83,8 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
 #pragma unroll
       for (int j = 0; j < kColumnGroups; ++j) {
         const int col = col_base + fragment_col(j);
-        if (col < params.n_extent) store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
+        if (col < params.n_extent)
+          store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
       }
     }
   }
@@ -94,8 +97,9 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
 // the previous tile's store has read it. An expert without rows stores zeros.
 template <typename Storage>
 __device__ __forceinline__ void weight_grad_store(const CUtensorMap* out_map, Storage& smem,
-                                                  const ExpertGemmParams& params, const TileCoord& coord,
-                                                  int consumer_idx, const float (&acc)[128]) {
+                                                  const ExpertGemmParams& params,
+                                                  const TileCoord& coord, int consumer_idx,
+                                                  const float (&acc)[128]) {
   constexpr int kChunkBytes = BLOCK_M * 128;
   const bool issuer = threadIdx.x == 128;
   if (issuer) ptx::bulk_wait_group_read<0>();
@@ -107,7 +111,8 @@ __device__ __forceinline__ void weight_grad_store(const CUtensorMap* out_map, St
     const int row = consumer_idx * 64 + fragment_row(i);
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      const int offset = (j / 8) * kChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
+      const int offset =
+          (j / 8) * kChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
       *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(
           empty ? 0.0f : acc[j * 4 + i * 2], empty ? 0.0f : acc[j * 4 + i * 2 + 1]);
     }
@@ -119,8 +124,8 @@ __device__ __forceinline__ void weight_grad_store(const CUtensorMap* out_map, St
 #pragma unroll
     for (int chunk = 0; chunk < 4; ++chunk)
       if (col_base + chunk * 64 < params.n_extent)
-        ptx::tma_store_3d(out_map, tile + chunk * kChunkBytes, col_base + chunk * 64, coord.m_tile * BLOCK_M,
-                          coord.expert);
+        ptx::tma_store_3d(out_map, tile + chunk * kChunkBytes, col_base + chunk * 64,
+                          coord.m_tile * BLOCK_M, coord.expert);
     ptx::bulk_commit_group();
   }
 }

@@ -64,7 +64,8 @@ __device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) 
 }
 
 template <ExpertGemmForm kForm>
-__device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params, const TileSpace& space, int tile) {
+__device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
+                                                const TileSpace& space, int tile) {
   TileCoord coord;
   if constexpr (FormTraits<kForm>::kRowTiles) {
     const int group = tile / (kGroupM * space.num_n_tiles);
@@ -75,7 +76,8 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params, 
     coord.n_tile = local / group_m;
     coord.expert = params.tile_expert[coord.m_tile];
     coord.k_row0 = 0;
-    const int k_total = kForm == ExpertGemmForm::kGateUpGradScatter ? 2 * params.k_extent : params.k_extent;
+    const int k_total =
+        kForm == ExpertGemmForm::kGateUpGradScatter ? 2 * params.k_extent : params.k_extent;
     coord.num_k_blocks = k_total / BLOCK_K;
   } else {
     const int per_expert = space.num_m_tiles * space.num_n_tiles;
@@ -91,10 +93,11 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params, 
 
 // Issues the TMA loads of one K-block into a stage (see the map at the top of the file).
 template <ExpertGemmForm kForm>
-__device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtensorMap* a1, const CUtensorMap* b0,
-                                            const CUtensorMap* b1, const ExpertGemmParams& params,
-                                            const TileCoord& coord, int k_block, __nv_bfloat16* a_dst,
-                                            __nv_bfloat16* b_dst, uint64_t* full) {
+__device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtensorMap* a1,
+                                            const CUtensorMap* b0, const CUtensorMap* b1,
+                                            const ExpertGemmParams& params, const TileCoord& coord,
+                                            int k_block, __nv_bfloat16* a_dst, __nv_bfloat16* b_dst,
+                                            uint64_t* full) {
   constexpr int kChunk = 64 * BLOCK_K;  // elements of one [64 x 64] box
   const int k = k_block * BLOCK_K;
   const int row = coord.m_tile * BLOCK_M;
@@ -108,36 +111,45 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
   } else if constexpr (kForm == ExpertGemmForm::kDownGrad) {
     ptx::tma_load_2d(a_dst, a0, full, k, row);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) ptx::tma_load_3d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k, coord.expert);
+    for (int c = 0; c < 4; ++c)
+      ptx::tma_load_3d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k, coord.expert);
   } else if constexpr (kForm == ExpertGemmForm::kGateUpGradScatter) {
     const bool first_half = k < params.k_extent;
     const int k_half = first_half ? k : k - params.k_extent;
     ptx::tma_load_2d(a_dst, first_half ? a0 : a1, full, k_half, row);
 #pragma unroll
     for (int c = 0; c < 4; ++c)
-      ptx::tma_load_3d(b_dst + c * kChunk, first_half ? b0 : b1, full, coord.n_tile * 256 + c * 64, k_half, coord.expert);
+      ptx::tma_load_3d(b_dst + c * kChunk, first_half ? b0 : b1, full, coord.n_tile * 256 + c * 64,
+                       k_half, coord.expert);
   } else {
     const int k_row = coord.k_row0 + k;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) ptx::tma_load_2d(a_dst + c * kChunk, a0, full, coord.m_tile * 128 + c * 64, k_row);
+    for (int c = 0; c < 2; ++c)
+      ptx::tma_load_2d(a_dst + c * kChunk, a0, full, coord.m_tile * 128 + c * 64, k_row);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) ptx::tma_load_2d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k_row);
+    for (int c = 0; c < 4; ++c)
+      ptx::tma_load_2d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k_row);
   }
 }
 
 template <ExpertGemmForm kForm>
-using FormStorage = GemmSharedStorage<kForm == ExpertGemmForm::kWeightGrad ? kWeightGradStages : kNumStages,
-                                      kForm == ExpertGemmForm::kWeightGrad>;
+using FormStorage =
+    GemmSharedStorage<kForm == ExpertGemmForm::kWeightGrad ? kWeightGradStages : kNumStages,
+                      kForm == ExpertGemmForm::kWeightGrad>;
 
 template <ExpertGemmForm kForm>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    expert_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
-                       const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
-                       const __grid_constant__ CUtensorMap tmap_out, const ExpertGemmParams params) {
+    expert_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a0,
+                       const __grid_constant__ CUtensorMap tmap_a1,
+                       const __grid_constant__ CUtensorMap tmap_b0,
+                       const __grid_constant__ CUtensorMap tmap_b1,
+                       const __grid_constant__ CUtensorMap tmap_out,
+                       const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
   using Storage = FormStorage<kForm>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                              ~uintptr_t{1023});
   init_pipeline(smem);
   const TileSpace space = tile_space<kForm>(params);
   const int warpgroup = threadIdx.x / 128;
@@ -153,8 +165,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
                         [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                          issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord, k_block, a_dst,
-                                             b_dst, full);
+                          issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord,
+                                             k_block, a_dst, b_dst, full);
                         });
       }
     }
@@ -165,8 +177,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     float acc[128];
     for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
       const TileCoord coord = tile_coord<kForm>(params, space, tile);
-      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(params.wait, smem, state, coord.num_k_blocks, consumer_idx,
-                                                         acc);
+      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(params.wait, smem, state,
+                                                         coord.num_k_blocks, consumer_idx, acc);
       if constexpr (kForm == ExpertGemmForm::kWeightGrad)
         weight_grad_store(&tmap_out, smem, params, coord, consumer_idx, acc);
       else
@@ -182,18 +194,19 @@ template <ExpertGemmForm kForm>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
   const size_t smem_bytes = sizeof(FormStorage<kForm>) + 1024;
-  cudaError_t status = cudaFuncSetAttribute(expert_gemm_kernel<kForm>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem_bytes));
+  cudaError_t status =
+      cudaFuncSetAttribute(expert_gemm_kernel<kForm>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  expert_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps.a0, maps.a1, maps.b0, maps.b1,
-                                                                            maps.out, params);
+  expert_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(
+      maps.a0, maps.a1, maps.b0, maps.b1, maps.out, params);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, const ExpertGemmParams& params,
-                               int num_ctas, cudaStream_t stream) {
+cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
+                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream) {
   switch (form) {
     case ExpertGemmForm::kGateUpSwiGLU:
       return launch_form<ExpertGemmForm::kGateUpSwiGLU>(maps, params, num_ctas, stream);

@@ -37,19 +37,19 @@ enum class ExpertGemmForm : int32_t {
 };
 
 struct ExpertGemmParams {
-  const ScheduleHeader* header;  // num_tiles: the 128-row tiles the schedule filled
-  const int32_t* tile_expert;    // local expert of each 128-row tile
-  const int32_t* row_pair;       // pair index of each row, -1 = padding
-  const int32_t* expert_offsets; // segment starts (kWeightGrad)
-  int32_t num_experts;           // E_loc (kWeightGrad)
-  int32_t m_extent;              // output rows M (kWeightGrad)
-  int32_t n_extent;              // output columns N
-  int32_t k_extent;              // reduction length (row-tile forms; kGateUpGradScatter: I of one half)
-  __nv_bfloat16* out;            // see the form
+  const ScheduleHeader* header;   // num_tiles: the 128-row tiles the schedule filled
+  const int32_t* tile_expert;     // local expert of each 128-row tile
+  const int32_t* row_pair;        // pair index of each row, -1 = padding
+  const int32_t* expert_offsets;  // segment starts (kWeightGrad)
+  int32_t num_experts;            // E_loc (kWeightGrad)
+  int32_t m_extent;               // output rows M (kWeightGrad)
+  int32_t n_extent;               // output columns N
+  int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradScatter: I of one half)
+  __nv_bfloat16* out;  // see the form
   __nv_bfloat16* out2;
   __nv_bfloat16* out3;
-  int64_t out_ld;                // elements between output rows (all outputs of the form)
-  float swiglu_limit;            // infinity = no clamp
+  int64_t out_ld;      // elements between output rows (all outputs of the form)
+  float swiglu_limit;  // infinity = no clamp
   WaitContext wait;
 };
 

@@ -28,8 +28,8 @@ namespace mok::kernels {
 constexpr int BLOCK_M = 128;
 constexpr int BLOCK_N = 256;
 constexpr int BLOCK_K = 64;
-constexpr int kNumStages = 4;          // stages of the row-tile forms
-constexpr int kWeightGradStages = 3;   // the weight gradient trades one stage for its store tile
+constexpr int kNumStages = 4;         // stages of the row-tile forms
+constexpr int kWeightGradStages = 3;  // the weight gradient trades one stage for its store tile
 constexpr int kNumThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kProducerRegisters = 40;
@@ -49,8 +49,10 @@ struct alignas(1024) GemmSharedStorage {
   uint64_t empty[kStages];
 };
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
-static_assert(sizeof(GemmSharedStorage<kNumStages, false>) + 1024 <= 227 * 1024, "fits the SM's shared memory");
-static_assert(sizeof(GemmSharedStorage<kWeightGradStages, true>) + 1024 <= 227 * 1024, "fits the SM's shared memory");
+static_assert(sizeof(GemmSharedStorage<kNumStages, false>) + 1024 <= 227 * 1024,
+              "fits the SM's shared memory");
+static_assert(sizeof(GemmSharedStorage<kWeightGradStages, true>) + 1024 <= 227 * 1024,
+              "fits the SM's shared memory");
 
 // Position in the stage ring; the phase bit flips each time the ring wraps.
 template <int kStages>
@@ -81,8 +83,8 @@ __device__ __forceinline__ void init_pipeline(Storage& smem) {
 // `issue_loads(a_dst, b_dst, full_barrier)` which must issue TMA loads of exactly
 // `bytes` bytes completing on the barrier.
 template <typename Storage, typename State, typename IssueLoads>
-__device__ __forceinline__ void produce_stage(const WaitContext& wait, Storage& smem, State& state, uint32_t bytes,
-                                              IssueLoads issue_loads) {
+__device__ __forceinline__ void produce_stage(const WaitContext& wait, Storage& smem, State& state,
+                                              uint32_t bytes, IssueLoads issue_loads) {
   mbarrier_wait(wait, WaitSite::kGemmFreeStage, &smem.empty[state.stage], state.phase ^ 1);
   ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], bytes);
   issue_loads(smem.a[state.stage], smem.b[state.stage], &smem.full[state.stage]);
@@ -96,8 +98,10 @@ constexpr uint32_t kMnChunkBytes = BLOCK_K * 64 * 2;  // one [64 K-rows x 64 MN]
 
 template <bool kMnMajor>
 __device__ __forceinline__ uint64_t operand_desc(const __nv_bfloat16* tile) {
-  if constexpr (kMnMajor) return ptx::smem_desc_mn_major_sw128(tile, kMnChunkBytes);
-  else return ptx::smem_desc_k_major_sw128(tile);
+  if constexpr (kMnMajor)
+    return ptx::smem_desc_mn_major_sw128(tile, kMnChunkBytes);
+  else
+    return ptx::smem_desc_k_major_sw128(tile);
 }
 
 // Descriptor advance for the next 16 elements of K, in 16-byte units: K-major moves 32 bytes
@@ -112,15 +116,17 @@ constexpr uint64_t k16_step() {
 // K-blocks (an expert without rows) it returns at once; zeroing 128 registers here would make
 // ptxas spill, so the epilogue handles that case.
 template <bool kAMnMajor, bool kBMnMajor, typename Storage, typename State>
-__device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& smem, State& state, int num_k_blocks,
-                                             int consumer_idx, float (&acc)[128]) {
+__device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& smem, State& state,
+                                             int num_k_blocks, int consumer_idx,
+                                             float (&acc)[128]) {
   const bool releases = (threadIdx.x % 32) == 0;
   if (num_k_blocks == 0) return;  // acc is left undefined: the epilogue writes zeros instead
   int previous_stage = -1;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
     // Consumer c's 64 M rows: 64 K-major rows of 128 bytes, or MN chunk c; both 8 KB in.
-    const uint64_t desc_a = operand_desc<kAMnMajor>(smem.a[state.stage] + consumer_idx * 64 * BLOCK_K);
+    const uint64_t desc_a =
+        operand_desc<kAMnMajor>(smem.a[state.stage] + consumer_idx * 64 * BLOCK_K);
     const uint64_t desc_b = operand_desc<kBMnMajor>(smem.b[state.stage]);
     ptx::fence_registers(acc);
     ptx::wgmma_fence();

@@ -20,14 +20,14 @@ struct ExpertGemmMaps {
   CUtensorMap a0, a1, b0, b1;
   CUtensorMap out;  // kWeightGrad: the gradient [E_loc, M, N], boxes of [128 rows x 64 columns]
 };
-cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps, const ExpertGemmParams& params,
-                               int num_ctas, cudaStream_t stream);
+cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
+                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream);
 
 // Local dispatch (dispatch_local.cu): rows [0, header.total_rows) of `rows` [max_rows, hidden]
 // get x[token of row_pair[row]]; padding rows get zeros. `top_k` decodes the pair index.
-cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair,
-                               const void* x, int64_t hidden, int32_t top_k, void* rows,
-                               int64_t max_rows, cudaStream_t stream);
+cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair, const void* x,
+                               int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
+                               cudaStream_t stream);
 
 // Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], slots[t*K + k])) over the
 // slots whose expert id is in [0, num_experts), in k order. `shared` may be null;
@@ -39,11 +39,13 @@ cudaError_t launch_combine(const void* slots, const void* shared, const void* to
 
 // Unfused baseline (baseline.cu). SwiGLU over rows [0, num_rows) of [rows, I] buffers;
 // unpermute: out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], expert_rows[pair_row[t*K + k]])).
-cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up, int64_t intermediate,
-                                   float limit, void* hidden, cudaStream_t stream);
-cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pair_row, const void* shared,
-                                      const float* router_weights, int64_t num_tokens, int64_t hidden,
-                                      int32_t top_k, void* out, cudaStream_t stream);
+cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up,
+                                   int64_t intermediate, float limit, void* hidden,
+                                   cudaStream_t stream);
+cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pair_row,
+                                      const void* shared, const float* router_weights,
+                                      int64_t num_tokens, int64_t hidden, int32_t top_k, void* out,
+                                      cudaStream_t stream);
 
 // SwiGLU backward (swiglu_backward.cu), one warp per row, over rows [0, header->total_rows) (or
 // [0, num_rows) when header is null): from bf16 g, u and dh_raw rows, d_g, d_up and
@@ -52,9 +54,10 @@ cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pa
 // order, then a fixed xor tree). Row r's pair is row_pair[r] (identity when null; -1 = padding,
 // weight 0, nothing written to d_router_weights); router_weights null = weight 1;
 // d_router_weights may be null (the shared expert).
-cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate, const void* up,
-                                   const void* dh_raw, const int32_t* row_pair, const float* router_weights,
-                                   int64_t intermediate, float limit, void* d_gate, void* d_up, void* weighted_hidden,
+cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate,
+                                   const void* up, const void* dh_raw, const int32_t* row_pair,
+                                   const float* router_weights, int64_t intermediate, float limit,
+                                   void* d_gate, void* d_up, void* weighted_hidden,
                                    float* d_router_weights, cudaStream_t stream);
 
 }  // namespace mok::kernels

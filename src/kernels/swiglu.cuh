@@ -43,7 +43,8 @@ __device__ __forceinline__ SwigluGrad swiglu_backward(float dh_acc, float gate_r
   SwigluGrad grad;
   grad.dh_raw_times_h = dh_raw * hidden;
   grad.d_up = up_passes ? round_bf16(dh * silu) : 0.0f;
-  grad.d_gate = gate_passes ? round_bf16(dh * up * sigmoid * (1.0f + gate * (1.0f - sigmoid))) : 0.0f;
+  grad.d_gate =
+      gate_passes ? round_bf16(dh * up * sigmoid * (1.0f + gate * (1.0f - sigmoid))) : 0.0f;
   grad.weighted_hidden = round_bf16(weight * hidden);
   return grad;
 }

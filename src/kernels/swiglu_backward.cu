@@ -14,14 +14,17 @@ namespace mok::kernels {
 
 namespace {
 
-__global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num_rows, const uint4* gate,
-                                       const uint4* up, const uint4* dh_raw, const int32_t* row_pair,
-                                       const float* router_weights, int64_t vectors_per_row, float limit,
-                                       uint4* d_gate, uint4* d_up, uint4* weighted_hidden, float* d_router_weights) {
+__global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num_rows,
+                                       const uint4* gate, const uint4* up, const uint4* dh_raw,
+                                       const int32_t* row_pair, const float* router_weights,
+                                       int64_t vectors_per_row, float limit, uint4* d_gate,
+                                       uint4* d_up, uint4* weighted_hidden,
+                                       float* d_router_weights) {
   const int64_t rows = header != nullptr ? header->total_rows : num_rows;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; row < rows; row += warps) {
+  for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; row < rows;
+       row += warps) {
     const int pair = row_pair != nullptr ? row_pair[row] : static_cast<int>(row);
     const float weight = pair < 0 ? 0.0f : router_weights != nullptr ? router_weights[pair] : 1.0f;
     float dot = 0.0f;
@@ -37,7 +40,8 @@ __global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num
       __nv_bfloat162* hw2 = reinterpret_cast<__nv_bfloat162*>(&hw_out);
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
-        const float2 gf = __bfloat1622float2(g2[p]), uf = __bfloat1622float2(u2[p]), df = __bfloat1622float2(dh2[p]);
+        const float2 gf = __bfloat1622float2(g2[p]), uf = __bfloat1622float2(u2[p]),
+                     df = __bfloat1622float2(dh2[p]);
         const SwigluGrad low = swiglu_backward(df.x, gf.x, uf.x, weight, limit);
         const SwigluGrad high = swiglu_backward(df.y, gf.y, uf.y, weight, limit);
         dot += low.dh_raw_times_h;
@@ -57,9 +61,10 @@ __global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num
 
 }  // namespace
 
-cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate, const void* up,
-                                   const void* dh_raw, const int32_t* row_pair, const float* router_weights,
-                                   int64_t intermediate, float limit, void* d_gate, void* d_up, void* weighted_hidden,
+cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate,
+                                   const void* up, const void* dh_raw, const int32_t* row_pair,
+                                   const float* router_weights, int64_t intermediate, float limit,
+                                   void* d_gate, void* d_up, void* weighted_hidden,
                                    float* d_router_weights, cudaStream_t stream) {
   if (header == nullptr && num_rows == 0) return cudaSuccess;
   int device = 0, sm_count = 0;
@@ -68,7 +73,8 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
   swiglu_backward_kernel<<<sm_count * 8, 256, 0, stream>>>(
       header, num_rows, static_cast<const uint4*>(gate), static_cast<const uint4*>(up),
       static_cast<const uint4*>(dh_raw), row_pair, router_weights, intermediate / 8, limit,
-      static_cast<uint4*>(d_gate), static_cast<uint4*>(d_up), static_cast<uint4*>(weighted_hidden), d_router_weights);
+      static_cast<uint4*>(d_gate), static_cast<uint4*>(d_up), static_cast<uint4*>(weighted_hidden),
+      d_router_weights);
   return cudaGetLastError();
 }
 

@@ -6,7 +6,8 @@
 
 namespace mok::kernels {
 
-// What was being waited for; the host turns it into words (describe_wait_diagnosis in wait_report.h).
+// What was being waited for; the host turns it into words (describe_wait_diagnosis in
+// wait_report.h).
 enum class WaitSite : int32_t {
   kGemmFreeStage = 1,    // GEMM producer waiting for consumers to release a smem stage
   kGemmLoadedStage = 2,  // GEMM consumer waiting for TMA to fill a smem stage
@@ -30,9 +31,9 @@ struct WaitDiagnosis {
 
 // Passed by value to every kernel that waits.
 struct WaitContext {
-  uint64_t timeout_ns;         // from MoeConfig::wait_timeout_s
+  uint64_t timeout_ns;  // from MoeConfig::wait_timeout_s
   int32_t rank;
-  WaitDiagnosis* diagnosis;    // mapped host memory, or null
+  WaitDiagnosis* diagnosis;  // mapped host memory, or null
 };
 
 }  // namespace mok::kernels

@@ -224,6 +224,50 @@ std::vector<BackwardArgs> HostProblem::all_backward_args() {
   return args;
 }
 
+HostProblem HostProblem::token_slice(const std::vector<int64_t>& tokens) const {
+  if (shape.num_ranks != 1)
+    throw Error(ErrorCode::kInvalidArgument,
+                "HostProblem::token_slice: num_ranks = " + std::to_string(shape.num_ranks) +
+                    "; valid: 1 (use single_rank_equivalent() first)");
+  for (int64_t token : tokens)
+    if (token < 0 || token >= shape.num_tokens)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "HostProblem::token_slice: token " + std::to_string(token) +
+                      " is out of range; valid: [0, " + std::to_string(shape.num_tokens) + ")");
+  HostProblem slice;
+  slice.shape = shape;
+  slice.shape.num_tokens = static_cast<int64_t>(tokens.size());
+  const HostRank& full = ranks[0];
+  HostRank rank;
+  const int64_t H = shape.hidden, K = shape.top_k;
+  for (int64_t token : tokens) {
+    rank.x.insert(rank.x.end(), full.x.begin() + token * H, full.x.begin() + (token + 1) * H);
+    rank.d_out.insert(rank.d_out.end(), full.d_out.begin() + token * H,
+                      full.d_out.begin() + (token + 1) * H);
+    rank.top_experts.insert(rank.top_experts.end(), full.top_experts.begin() + token * K,
+                            full.top_experts.begin() + (token + 1) * K);
+    rank.router_weights.insert(rank.router_weights.end(), full.router_weights.begin() + token * K,
+                               full.router_weights.begin() + (token + 1) * K);
+  }
+  rank.w_gate = full.w_gate;
+  rank.w_up = full.w_up;
+  rank.w_down = full.w_down;
+  rank.w_shared_gate = full.w_shared_gate;
+  rank.w_shared_up = full.w_shared_up;
+  rank.w_shared_down = full.w_shared_down;
+  rank.out.resize(tokens.size() * H);
+  rank.d_x.resize(tokens.size() * H);
+  rank.d_router_weights.resize(tokens.size() * K);
+  rank.d_w_gate.resize(full.d_w_gate.size());
+  rank.d_w_up.resize(full.d_w_up.size());
+  rank.d_w_down.resize(full.d_w_down.size());
+  rank.d_w_shared_gate.resize(full.d_w_shared_gate.size());
+  rank.d_w_shared_up.resize(full.d_w_shared_up.size());
+  rank.d_w_shared_down.resize(full.d_w_shared_down.size());
+  slice.ranks.push_back(std::move(rank));
+  return slice;
+}
+
 HostProblem HostProblem::single_rank_equivalent() const {
   std::vector<int32_t> all_ranks;
   for (int32_t rank = 0; rank < shape.num_ranks; ++rank) all_ranks.push_back(rank);

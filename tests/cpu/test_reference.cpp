@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "reference/gemm_f32.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
 #include "mok/routing.h"
+#include "reference/gemm_f32.h"
 #include "test_util.h"
 
 namespace mok {

@@ -549,7 +549,8 @@ TEST(ScheduleBadIds, Int64IdsOutsideInt32AreCaught) {
     ASSERT_EQ(check_schedule(schedule.layout, routing, schedule.bytes.data()), "");
     EXPECT_EQ(schedule.header().error_pair, 200);
     EXPECT_EQ(schedule.header().error_value, saturate_expert_id(bad));
-    EXPECT_TRUE(bad < 0 || schedule.header().error_value >= 8) << "a huge id must not read back as a valid one";
+    EXPECT_TRUE(bad < 0 || schedule.header().error_value >= 8)
+        << "a huge id must not read back as a valid one";
     const Status status = schedule_status(params, schedule.header());
     EXPECT_FALSE(status.ok());
     EXPECT_NE(status.message.find("rank 1, token 36, k 0"), std::string::npos) << status.message;

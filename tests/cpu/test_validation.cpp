@@ -38,7 +38,8 @@ struct TinyCall {
                     &d_w_shared_down})
       w->resize(Is * H);
     top_experts.resize(T * K);
-    for (int64_t i = 0; i < T * K; ++i) top_experts[i] = static_cast<int32_t>(i % shape.num_experts);
+    for (int64_t i = 0; i < T * K; ++i)
+      top_experts[i] = static_cast<int32_t>(i % shape.num_experts);
     router_weights.assign(T * K, 0.5f);
     d_router_weights.resize(T * K);
   }
@@ -70,14 +71,17 @@ struct TinyCall {
     args.forward.out = TensorView();
     args.d_out = TensorView::contiguous(d_out.data(), DType::kBFloat16, {T, H});
     args.d_x = TensorView::contiguous(d_x.data(), DType::kBFloat16, {T, H});
-    args.d_router_weights = TensorView::contiguous(d_router_weights.data(), DType::kFloat32, {T, K});
+    args.d_router_weights =
+        TensorView::contiguous(d_router_weights.data(), DType::kFloat32, {T, K});
     args.d_w_gate = TensorView::contiguous(d_w_gate.data(), DType::kBFloat16, {E, I, H});
     args.d_w_up = TensorView::contiguous(d_w_up.data(), DType::kBFloat16, {E, I, H});
     args.d_w_down = TensorView::contiguous(d_w_down.data(), DType::kBFloat16, {E, H, I});
     if (Is > 0) {
-      args.d_w_shared_gate = TensorView::contiguous(d_w_shared_gate.data(), DType::kBFloat16, {Is, H});
+      args.d_w_shared_gate =
+          TensorView::contiguous(d_w_shared_gate.data(), DType::kBFloat16, {Is, H});
       args.d_w_shared_up = TensorView::contiguous(d_w_shared_up.data(), DType::kBFloat16, {Is, H});
-      args.d_w_shared_down = TensorView::contiguous(d_w_shared_down.data(), DType::kBFloat16, {H, Is});
+      args.d_w_shared_down =
+          TensorView::contiguous(d_w_shared_down.data(), DType::kBFloat16, {H, Is});
     }
     return args;
   }
@@ -133,7 +137,12 @@ TEST(ShapeValidation, EachBadFieldIsNamed) {
       {[](MoeShape& s) { s.num_experts = 4096; }, {"num_experts = 4096"}},
       {[](MoeShape& s) { s.swiglu_limit = 0.0f; }, {"swiglu_limit"}},
       {[](MoeShape& s) { s.swiglu_limit = std::nanf(""); }, {"swiglu_limit"}},
-      {[](MoeShape& s) { s.num_tokens = 1 << 20; s.top_k = 32; s.num_ranks = 64; s.num_experts = 64; },
+      {[](MoeShape& s) {
+         s.num_tokens = 1 << 20;
+         s.top_k = 32;
+         s.num_ranks = 64;
+         s.num_experts = 64;
+       },
        {"int32"}},
   };
   for (const auto& test_case : cases) {
@@ -152,17 +161,20 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   expect_error(can_implement(config, shape), ErrorCode::kUnsupported, {"precision = fp8"});
   config = good;
   config.minibatch_size = 100;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"minibatch_size = 100", "128"});
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"minibatch_size = 100", "128"});
   config = good;
   config.macrobatch_size = good.minibatch_size * 3 / 2;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"macrobatch_size = 6144"});
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"macrobatch_size = 6144"});
   config = good;
   config.fwd_num_comm_sms = 0;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"fwd_num_comm_sms = 0"});
   EXPECT_TRUE(can_implement(config, named_shape("tiny", 1)).ok()) << "one rank needs no comm SMs";
   config = good;
   config.bwd_num_comm_sms = 1000;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"bwd_num_comm_sms = 1000"});
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"bwd_num_comm_sms = 1000"});
   config = good;
   config.wait_timeout_s = -1;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"wait_timeout_s"});
@@ -196,9 +208,11 @@ TEST(ArgsValidation, EachBadTensorIsNamed) {
   check([](ForwardArgs& a) { a.x.strides[0] = 512; }, bad, {"`x` is not contiguous", "[512, 1]"});
   check([](ForwardArgs& a) { a.out.device_type = DeviceType::kCUDA; }, bad,
         {"`out` is on cuda; expected a cpu tensor"});
-  check([](ForwardArgs& a) { a.w_shared_up.shape[0] = 128; }, bad, {"`w_shared_up` has shape [128, 256]"});
+  check([](ForwardArgs& a) { a.w_shared_up.shape[0] = 128; }, bad,
+        {"`w_shared_up` has shape [128, 256]"});
   check([](ForwardArgs& a) { a.out.data = a.x.data; }, bad, {"output `out` overlaps input `x`"});
-  check([](ForwardArgs& a) { a.router_weights.data = nullptr; }, bad, {"`router_weights` has a null data pointer"});
+  check([](ForwardArgs& a) { a.router_weights.data = nullptr; }, bad,
+        {"`router_weights` has a null data pointer"});
 
   TinyCall routed_only(0);
   ForwardArgs args = routed_only.forward_args();
@@ -210,19 +224,20 @@ TEST(ArgsValidation, EachBadTensorIsNamed) {
 TEST(ArgsValidation, CudaTensorsMustShareADeviceAndBeAligned) {
   TinyCall call;
   ForwardArgs args = call.forward_args();
-  for (TensorView* view : {&args.x, &args.top_experts, &args.router_weights, &args.w_gate, &args.w_up,
-                           &args.w_down, &args.out}) {
+  for (TensorView* view : {&args.x, &args.top_experts, &args.router_weights, &args.w_gate,
+                           &args.w_up, &args.w_down, &args.out}) {
     view->device_type = DeviceType::kCUDA;
-    view->data = reinterpret_cast<void*>(uintptr_t{1} << 40 | reinterpret_cast<uintptr_t>(view->data));
+    view->data =
+        reinterpret_cast<void*>(uintptr_t{1} << 40 | reinterpret_cast<uintptr_t>(view->data));
   }
   ForwardArgs misaligned = args;
   misaligned.w_up.data = static_cast<char*>(misaligned.w_up.data) + 2;
-  expect_error(check_forward_args(call.shape, misaligned, DeviceType::kCUDA), ErrorCode::kInvalidArgument,
-               {"`w_up` data pointer is not 16-byte aligned"});
+  expect_error(check_forward_args(call.shape, misaligned, DeviceType::kCUDA),
+               ErrorCode::kInvalidArgument, {"`w_up` data pointer is not 16-byte aligned"});
   ForwardArgs other_device = args;
   other_device.w_down.device_id = 1;
-  expect_error(check_forward_args(call.shape, other_device, DeviceType::kCUDA), ErrorCode::kInvalidArgument,
-               {"`w_down` is on cuda:1", "cuda:0"});
+  expect_error(check_forward_args(call.shape, other_device, DeviceType::kCUDA),
+               ErrorCode::kInvalidArgument, {"`w_down` is on cuda:1", "cuda:0"});
 }
 
 TEST(ArgsValidation, BackwardOutputsMustNotOverlap) {

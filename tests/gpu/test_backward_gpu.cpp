@@ -14,49 +14,19 @@
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
+#include "test_util.h"
 
 namespace mok {
 namespace {
 
+using test::make_shape;
+
 constexpr double kTolerance = 1e-2;
-
-double value(const bf16& v) { return bf16_to_float(v); }
-double value(float v) { return v; }
-
-template <typename T>
-double relative_error(const std::vector<T>& got, const std::vector<T>& want, bool* all_finite) {
-  double diff = 0, ref = 0;
-  *all_finite = true;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double g = value(got[i]), w = value(want[i]);
-    if (!std::isfinite(g)) *all_finite = false;
-    diff += (g - w) * (g - w);
-    ref += w * w;
-  }
-  return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
-}
-
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-MoeShape make_shape(int64_t tokens, int64_t hidden, int64_t intermediate, int64_t experts, int32_t top_k,
-                    int64_t shared = 0, float clamp = std::numeric_limits<float>::infinity()) {
-  MoeShape shape;
-  shape.num_tokens = tokens;
-  shape.hidden = hidden;
-  shape.intermediate = intermediate;
-  shape.num_experts = experts;
-  shape.top_k = top_k;
-  shape.shared_intermediate = shared;
-  shape.swiglu_limit = clamp;
-  return shape;
-}
 
 // One training step on the GPU: forward, then backward from the forward's context, or
 // recomputing the forward when `with_context` is false.
-HostRank gpu_backward(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem, bool with_context) {
+HostRank gpu_backward(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem,
+                      bool with_context) {
   device.poison_outputs();
   const ForwardContext context = layer.forward(device.forward_args(), nullptr);
   layer.backward(device.backward_args(), nullptr, with_context ? &context : nullptr);
@@ -69,11 +39,13 @@ HostRank gpu_backward(GpuLayer& layer, DeviceProblem& device, const HostProblem&
 
 void check_backward(const char* name, const MoeShape& shape, RoutingKind routing, uint64_t seed,
                     bool signed_router_weights = false) {
-  SCOPED_TRACE(std::string(name) + " " + shape.to_string() + " routing " + routing_kind_name(routing));
+  SCOPED_TRACE(std::string(name) + " " + shape.to_string() + " routing " +
+               routing_kind_name(routing));
   HostProblem problem = HostProblem::make(shape, routing, seed);
   if (signed_router_weights) {
     std::vector<float>& weights = problem.ranks[0].router_weights;
-    for (size_t i = 0; i < weights.size(); ++i) weights[i] = i % 3 == 0 ? 0.0f : i % 3 == 1 ? -weights[i] : weights[i];
+    for (size_t i = 0; i < weights.size(); ++i)
+      weights[i] = i % 3 == 0 ? 0.0f : i % 3 == 1 ? -weights[i] : weights[i];
   }
   problem.poison_outputs();
   reference::backward(problem.shape, problem.backward_args(0));
@@ -88,20 +60,10 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
     bool finite;
   };
   std::vector<Output> outputs;
-  auto add = [&](const char* output, const auto& g, const auto& w) {
-    if (w.empty()) return;
-    bool finite = false;
-    const double error = relative_error(g, w, &finite);
-    outputs.push_back({output, error, finite});
-  };
-  add("d_x", got.d_x, want.d_x);
-  add("d_router_weights", got.d_router_weights, want.d_router_weights);
-  add("d_w_gate", got.d_w_gate, want.d_w_gate);
-  add("d_w_up", got.d_w_up, want.d_w_up);
-  add("d_w_down", got.d_w_down, want.d_w_down);
-  add("d_w_shared_gate", got.d_w_shared_gate, want.d_w_shared_gate);
-  add("d_w_shared_up", got.d_w_shared_up, want.d_w_shared_up);
-  add("d_w_shared_down", got.d_w_shared_down, want.d_w_shared_down);
+  test::for_each_output(got, want, [&](const char* output, const auto& g, const auto& w) {
+    if (w.empty() || std::string(output) == "out") return;
+    outputs.push_back({output, test::relative_error(g, w), test::all_finite(g)});
+  });
   std::printf("  %-20s %-40s %-10s", name, shape.to_string().c_str(), routing_kind_name(routing));
   for (const Output& output : outputs) {
     std::printf(" %s %.1e", output.name, output.error);
@@ -111,28 +73,32 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   std::printf("\n");
 
   const HostRank again = gpu_backward(layer, device, problem, /*with_context=*/false);
-  EXPECT_TRUE(same_bits(again.out, got.out)) << "the forward is not bitwise reproducible";
-  EXPECT_TRUE(same_bits(again.d_x, got.d_x) && same_bits(again.d_router_weights, got.d_router_weights) &&
-              same_bits(again.d_w_gate, got.d_w_gate) && same_bits(again.d_w_up, got.d_w_up) &&
-              same_bits(again.d_w_down, got.d_w_down) && same_bits(again.d_w_shared_gate, got.d_w_shared_gate) &&
-              same_bits(again.d_w_shared_up, got.d_w_shared_up) &&
-              same_bits(again.d_w_shared_down, got.d_w_shared_down))
-      << "the backward recomputing the forward differs bitwise from the backward from the context";
+  test::for_each_output(again, got, [&](const char* output, const auto& a, const auto& b) {
+    EXPECT_TRUE(test::bitwise_equal(a, b))
+        << output
+        << ": the step recomputing the forward differs bitwise from the step using the context";
+  });
 }
 
 TEST(BackwardGpu, MatchesReference) {
   uint64_t seed = 300;
   check_backward("tiny", named_shape("tiny"), RoutingKind::kUniform, ++seed);
-  check_backward("tiny shared+clamp", make_shape(64, 256, 128, 8, 2, 192, 0.3f), RoutingKind::kUniform, ++seed);
-  check_backward("signed router weights", make_shape(96, 256, 128, 8, 2, 64), RoutingKind::kUniform, ++seed, true);
-  check_backward("one token", make_shape(1, 256, 128, 8, 2, 64), RoutingKind::kUniform, ++seed);
+  check_backward("tiny shared+clamp", make_shape(64, 256, 128, 8, 2, 1, 192, 0.3f),
+                 RoutingKind::kUniform, ++seed);
+  check_backward("signed router weights", make_shape(96, 256, 128, 8, 2, 1, 64),
+                 RoutingKind::kUniform, ++seed, true);
+  check_backward("one token", make_shape(1, 256, 128, 8, 2, 1, 64), RoutingKind::kUniform, ++seed);
   check_backward("medium holes", make_shape(333, 1024, 384, 16, 4), RoutingKind::kHoles, ++seed);
-  check_backward("medium skewed shared", make_shape(333, 1024, 384, 16, 4, 128, 0.5f), RoutingKind::kSkewed, ++seed);
-  check_backward("all to one expert", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneExpert, ++seed);
-  check_backward("no routes", make_shape(130, 512, 256, 8, 4, 64), RoutingKind::kNoRoutes, ++seed);
-  check_backward("zero tokens", make_shape(0, 512, 256, 8, 4, 64), RoutingKind::kUniform, ++seed);
+  check_backward("medium skewed shared", make_shape(333, 1024, 384, 16, 4, 1, 128, 0.5f),
+                 RoutingKind::kSkewed, ++seed);
+  check_backward("all to one expert", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneExpert,
+                 ++seed);
+  check_backward("no routes", make_shape(130, 512, 256, 8, 4, 1, 64), RoutingKind::kNoRoutes,
+                 ++seed);
+  check_backward("zero tokens", make_shape(0, 512, 256, 8, 4, 1, 64), RoutingKind::kUniform,
+                 ++seed);
   check_backward("many experts", make_shape(257, 768, 256, 64, 8), RoutingKind::kUniform, ++seed);
-  check_backward("wide", make_shape(512, 2048, 768, 8, 2, 256), RoutingKind::kUniform, ++seed);
+  check_backward("wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform, ++seed);
 }
 
 TEST(BackwardGpu, StaleContextIsRejected) {
@@ -146,7 +112,8 @@ TEST(BackwardGpu, StaleContextIsRejected) {
     layer.backward(device.backward_args(), nullptr, &first);
     FAIL() << "a stale context was accepted";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("context = forward #1, but the layer's workspace holds forward #2"),
+    EXPECT_NE(std::string(error.what())
+                  .find("context = forward #1, but the layer's workspace holds forward #2"),
               std::string::npos)
         << error.what();
   }

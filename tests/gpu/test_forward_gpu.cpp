@@ -13,9 +13,12 @@
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
+#include "test_util.h"
 
 namespace mok {
 namespace {
+
+using test::make_shape;
 
 constexpr double kTolerance = 1e-2;  // relative error against the CPU reference (expect ~3e-3)
 
@@ -24,31 +27,6 @@ struct Case {
   MoeShape shape;
   RoutingKind routing;
 };
-
-MoeShape make_shape(int64_t tokens, int64_t hidden, int64_t intermediate, int64_t experts, int32_t top_k,
-                    int64_t shared = 0, float clamp = std::numeric_limits<float>::infinity()) {
-  MoeShape shape;
-  shape.num_tokens = tokens;
-  shape.hidden = hidden;
-  shape.intermediate = intermediate;
-  shape.num_experts = experts;
-  shape.top_k = top_k;
-  shape.shared_intermediate = shared;
-  shape.swiglu_limit = clamp;
-  return shape;
-}
-
-double relative_error(const std::vector<bf16>& got, const std::vector<bf16>& want, bool* all_finite) {
-  double diff = 0, ref = 0;
-  *all_finite = true;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double g = bf16_to_float(got[i]), w = bf16_to_float(want[i]);
-    if (!std::isfinite(g)) *all_finite = false;
-    diff += (g - w) * (g - w);
-    ref += w * w;
-  }
-  return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
-}
 
 // Runs the GPU forward on `problem` (R = 1) and returns its output.
 std::vector<bf16> gpu_forward(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem) {
@@ -70,15 +48,15 @@ void check_case(const Case& test_case, uint64_t seed) {
   DeviceProblem device(problem, 0);
   GpuLayer layer(problem.shape, MoeConfig{});
   const std::vector<bf16> first = gpu_forward(layer, device, problem);
-  bool finite = false;
-  const double error = relative_error(first, problem.ranks[0].out, &finite);
-  EXPECT_TRUE(finite) << "NaN or Inf in the GPU output (poisoned elements not written?)";
+  const double error = test::relative_error(first, problem.ranks[0].out);
+  EXPECT_TRUE(test::all_finite(first))
+      << "NaN or Inf in the GPU output (poisoned elements not written?)";
   EXPECT_LE(error, kTolerance);
-  std::printf("  %-22s %-36s %-10s rel err %.2e\n", test_case.name, test_case.shape.to_string().c_str(),
-              routing_kind_name(test_case.routing), error);
+  std::printf("  %-22s %-36s %-10s rel err %.2e\n", test_case.name,
+              test_case.shape.to_string().c_str(), routing_kind_name(test_case.routing), error);
   for (int repeat = 0; repeat < 3; ++repeat) {
     const std::vector<bf16> again = gpu_forward(layer, device, problem);
-    ASSERT_EQ(0, std::memcmp(again.data(), first.data(), first.size() * sizeof(bf16)))
+    ASSERT_TRUE(test::bitwise_equal(again, first))
         << "run " << repeat + 2 << " differs bitwise from run 1";
   }
 }
@@ -86,14 +64,14 @@ void check_case(const Case& test_case, uint64_t seed) {
 TEST(ForwardGpu, MatchesReference) {
   const std::vector<Case> cases = {
       {"tiny", named_shape("tiny"), RoutingKind::kUniform},
-      {"tiny shared+clamp", make_shape(64, 256, 128, 8, 2, 192, 0.3f), RoutingKind::kUniform},
-      {"one token", make_shape(1, 256, 128, 8, 2, 64), RoutingKind::kUniform},
+      {"tiny shared+clamp", make_shape(64, 256, 128, 8, 2, 1, 192, 0.3f), RoutingKind::kUniform},
+      {"one token", make_shape(1, 256, 128, 8, 2, 1, 64), RoutingKind::kUniform},
       {"medium holes", make_shape(333, 1024, 384, 16, 4), RoutingKind::kHoles},
-      {"medium skewed", make_shape(333, 1024, 384, 16, 4, 128), RoutingKind::kSkewed},
+      {"medium skewed", make_shape(333, 1024, 384, 16, 4, 1, 128), RoutingKind::kSkewed},
       {"all to one expert", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneExpert},
-      {"no routes", make_shape(130, 512, 256, 8, 4, 64), RoutingKind::kNoRoutes},
+      {"no routes", make_shape(130, 512, 256, 8, 4, 1, 64), RoutingKind::kNoRoutes},
       {"no routes no shared", make_shape(130, 512, 256, 8, 4), RoutingKind::kNoRoutes},
-      {"zero tokens", make_shape(0, 512, 256, 8, 4, 64), RoutingKind::kUniform},
+      {"zero tokens", make_shape(0, 512, 256, 8, 4, 1, 64), RoutingKind::kUniform},
       {"large K", make_shape(257, 768, 256, 64, 8), RoutingKind::kUniform},
   };
   uint64_t seed = 100;
@@ -101,7 +79,7 @@ TEST(ForwardGpu, MatchesReference) {
 }
 
 TEST(ForwardGpu, FreshInputsEachRun) {
-  const MoeShape shape = make_shape(300, 1024, 512, 8, 2, 256, 1.0f);
+  const MoeShape shape = make_shape(300, 1024, 512, 8, 2, 1, 256, 1.0f);
   for (uint64_t seed : {7, 8, 9}) check_case({"fresh", shape, RoutingKind::kUniform}, seed);
 }
 
@@ -114,7 +92,8 @@ TEST(ForwardGpu, BadExpertIdIsReportedAtSynchronize) {
   layer.forward(device.forward_args(), nullptr);
   const Status status = layer.synchronize(nullptr);
   EXPECT_EQ(status.code, ErrorCode::kDeviceFault);
-  EXPECT_NE(status.message.find("top_experts[rank 0, token 2, k 1] = 11 is out of range"), std::string::npos)
+  EXPECT_NE(status.message.find("top_experts[rank 0, token 2, k 1] = 11 is out of range"),
+            std::string::npos)
       << status.message;
 }
 
@@ -126,7 +105,8 @@ TEST(ForwardGpu, RejectsHostTensorsBeforeLaunching) {
     layer.forward(problem.forward_args(0), nullptr);
     FAIL() << "CPU tensors were accepted";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("`x` is on cpu; expected a cuda tensor"), std::string::npos)
+    EXPECT_NE(std::string(error.what()).find("`x` is on cpu; expected a cuda tensor"),
+              std::string::npos)
         << error.what();
   }
 }

@@ -24,17 +24,24 @@ __global__ void never_ready_kernel(kernels::WaitContext context, const int* flag
 void run_never_ready_wait() {
   kernels::WaitDiagnosis* record = nullptr;
   kernels::WaitDiagnosis* record_device = nullptr;
-  if (cudaHostAlloc(reinterpret_cast<void**>(&record), sizeof(*record), cudaHostAllocMapped) != cudaSuccess) std::exit(10);
+  if (cudaHostAlloc(reinterpret_cast<void**>(&record), sizeof(*record), cudaHostAllocMapped) !=
+      cudaSuccess)
+    std::exit(10);
   *record = kernels::WaitDiagnosis{};
-  if (cudaHostGetDevicePointer(reinterpret_cast<void**>(&record_device), record, 0) != cudaSuccess) std::exit(11);
+  if (cudaHostGetDevicePointer(reinterpret_cast<void**>(&record_device), record, 0) != cudaSuccess)
+    std::exit(11);
   int* flag = nullptr;
-  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess || cudaMemset(flag, 0, sizeof(int)) != cudaSuccess) std::exit(12);
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess ||
+      cudaMemset(flag, 0, sizeof(int)) != cudaSuccess)
+    std::exit(12);
   const kernels::WaitContext context{200'000'000ull, 5, record_device};
   const auto start = std::chrono::steady_clock::now();
   never_ready_kernel<<<2, 64>>>(context, flag);
   const cudaError_t status = cudaDeviceSynchronize();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::fprintf(stderr, "kernel ended after %.2f s with '%s'\n", seconds, cudaGetErrorString(status));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "kernel ended after %.2f s with '%s'\n", seconds,
+               cudaGetErrorString(status));
   if (status == cudaSuccess || record->timed_out != 1 || seconds > 30) std::exit(13);
   std::fprintf(stderr, "%s\n", describe_wait_diagnosis(*record).c_str());
   std::exit(3);
@@ -42,9 +49,10 @@ void run_never_ready_wait() {
 
 TEST(WaitTimeout, UnsatisfiableWaitEndsInDiagnosis) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(run_never_ready_wait(), ::testing::ExitedWithCode(3),
-              "device wait timed out after 0\\.[0-9]+ s: rank 5, SM [0-9]+, block [01], thread [0-9]+, "
-              "the test's never-ready condition \\(expected 1, seen 0\\)");
+  EXPECT_EXIT(
+      run_never_ready_wait(), ::testing::ExitedWithCode(3),
+      "device wait timed out after 0\\.[0-9]+ s: rank 5, SM [0-9]+, block [01], thread [0-9]+, "
+      "the test's never-ready condition \\(expected 1, seen 0\\)");
 }
 
 }  // namespace

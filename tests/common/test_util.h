@@ -1,5 +1,5 @@
-// Helpers of the CPU tests: norms and relative errors over arrays of bf16 / fp32 / fp64,
-// bitwise comparison, slicing, and running the reference on a HostProblem.
+// Helpers shared by the CPU and GPU tests: norms and relative errors over arrays of bf16 / fp32 /
+// fp64, finiteness, bitwise comparison, slicing, shapes, and running the reference.
 #pragma once
 
 #include <cmath>
@@ -41,6 +41,14 @@ bool has_nan(const std::vector<T>& values) {
   for (const T& value : values)
     if (std::isnan(as_double(value))) return true;
   return false;
+}
+
+// No NaN and no infinity: poisoned (unwritten) elements are NaN.
+template <typename T>
+bool all_finite(const std::vector<T>& values) {
+  for (const T& value : values)
+    if (!std::isfinite(as_double(value))) return false;
+  return true;
 }
 
 template <typename T>

@@ -1,0 +1,73 @@
+// Shared pieces of the `mok` command-line tool: the options of `mok run`, error measures, and
+// the two paths of `mok run` (tools/run_cpu.cpp, tools/run_gpu.cpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "mok/dtype.h"
+#include "mok/error.h"
+#include "mok/shape.h"
+
+namespace mok::cli {
+
+struct RunOptions {
+  std::string shape_name;  // empty: dsv3_local on a GPU, tiny on the CPU
+  int64_t tokens = -1, experts = -1, shared_intermediate = 0;
+  int32_t ranks = 1, top_k = -1, threads = 0;
+  int64_t check_tokens = -1;
+  float clamp = 0;
+  std::string routing = "uniform";
+  uint64_t seed = 1;
+  std::string json_path;
+  bool cpu_only = false;
+};
+
+struct Comparison {
+  std::string name;
+  double max_abs = 0, rel = 0;
+  bool finite = true;
+};
+
+// ||got - want|| / ||want|| and the largest absolute difference, over matching elements.
+struct ErrorAccumulator {
+  double diff_sq = 0, ref_sq = 0, max_abs = 0;
+  bool finite = true;
+  void add(double got, double want) {
+    if (!std::isfinite(got)) finite = false;
+    diff_sq += (got - want) * (got - want);
+    ref_sq += want * want;
+    max_abs = std::max(max_abs, std::fabs(got - want));
+  }
+  Comparison result(const std::string& name) const {
+    return {name, max_abs, ref_sq > 0 ? std::sqrt(diff_sq / ref_sq) : std::sqrt(diff_sq), finite};
+  }
+};
+
+inline double value_of(const mok::bf16& value) { return mok::bf16_to_float(value); }
+inline double value_of(float value) { return value; }
+
+// Throws mok::Error naming the failed CUDA call.
+#define CLI_CUDA_CHECK(call)                                                          \
+  do {                                                                                \
+    cudaError_t cli_error_ = (call);                                                  \
+    if (cli_error_ != cudaSuccess)                                                    \
+      throw ::mok::Error(::mok::ErrorCode::kCudaError,                                \
+                         std::string(#call) + ": " + cudaGetErrorString(cli_error_)); \
+  } while (0)
+
+std::string json_escape(const std::string& text);
+// The name of CUDA device 0, or "" when there is no usable GPU.
+std::string cuda_device_name();
+
+// `mok run` on the CPU: the reference (R-rank emulation), checked against the fp64 oracle; where
+// a GPU is present, also the GPU schedule builder against the host's.
+int run_cpu(const RunOptions& options, const mok::MoeShape& shape);
+// `mok run` on one GPU: mok's layer against the unfused baseline, checked against the reference.
+int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::string& device_name);
+
+}  // namespace mok::cli

@@ -1,0 +1,254 @@
+// `mok run` on one GPU: mok's forward and backward against the unfused cuBLAS baseline in the
+// same run; outputs checked against the CPU reference on a slice of tokens (out, d_x and
+// d_router_weights of a token depend on that token only), weight gradients against the
+// baseline's on the whole shape, mok bitwise against itself with and without the forward
+// context; ms, TFLOP/s and speedups per direction, and the stages of each direction.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "mok/baseline_layer.h"
+#include "mok/device_problem.h"
+#include "mok/gpu_layer.h"
+#include "mok/host_problem.h"
+#include "mok/reference.h"
+
+namespace mok::cli {
+
+namespace {
+
+double median_ms(const std::function<void()>& body, cudaStream_t stream, int warmup,
+                 int iterations) {
+  cudaEvent_t start, stop;
+  CLI_CUDA_CHECK(cudaEventCreate(&start));
+  CLI_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < warmup; ++i) body();
+  std::vector<float> times;
+  for (int i = 0; i < iterations; ++i) {
+    CLI_CUDA_CHECK(cudaEventRecord(start, stream));
+    body();
+    CLI_CUDA_CHECK(cudaEventRecord(stop, stream));
+    CLI_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CLI_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Relative error of a whole output (for gradients compared between two GPU runs).
+template <typename T>
+Comparison compare_all(const std::string& name, const std::vector<T>& got,
+                       const std::vector<T>& want) {
+  ErrorAccumulator acc;
+  for (size_t i = 0; i < got.size(); ++i) acc.add(value_of(got[i]), value_of(want[i]));
+  return acc.result(name);
+}
+
+}  // namespace
+
+// The GPU path of `mok run` (one GPU): mok's forward and backward against the unfused cuBLAS
+// baseline in the same run; outputs checked against the CPU reference on a slice of tokens
+// (out, d_x, d_router_weights: each token's depend on that token only), weight gradients
+// against the baseline's on the whole shape, mok bitwise against itself across runs.
+int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::string& device_name) {
+  constexpr double kGpuTolerance = 1e-2;
+  const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
+  mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
+  int64_t routed_pairs = 0;
+  for (int32_t expert : problem.ranks[0].top_experts) routed_pairs += expert >= 0;
+  const double forward_flop = 6.0 * routed_pairs * shape.hidden * shape.intermediate +
+                              6.0 * shape.num_tokens * shape.hidden * shape.shared_intermediate;
+  const double backward_flop = 2 * forward_flop;
+
+  mok::DeviceProblem device(problem, 0);
+  mok::GpuLayer layer(shape, mok::MoeConfig{});
+  mok::BaselineLayer baseline(shape);
+  cudaStream_t stream;
+  CLI_CUDA_CHECK(cudaStreamCreate(&stream));
+  const mok::ForwardArgs args = device.forward_args();
+  const mok::BackwardArgs backward_args = device.backward_args();
+
+  // Correctness first, outputs poisoned before each run: mok with the forward context, mok
+  // recomputing the forward in the backward (must give the same bits), the baseline.
+  std::vector<mok::HostRank> results(3, problem.ranks[0]);
+  for (int run = 0; run < 3; ++run) {
+    device.poison_outputs();
+    if (run < 2) {
+      const mok::ForwardContext context = layer.forward(args, stream);
+      layer.backward(backward_args, stream, run == 0 ? &context : nullptr);
+      layer.synchronize(stream).throw_if_error();
+    } else {
+      baseline.forward(args, stream);
+      baseline.backward(backward_args, stream, /*saved_activations=*/true);
+      CLI_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    device.download_outputs(results[run]);
+  }
+  const mok::HostRank& first = results[0];
+  const mok::HostRank& second = results[1];
+  auto same = [](const auto& a, const auto& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  const bool deterministic = same(first.out, second.out) && same(first.d_x, second.d_x) &&
+                             same(first.d_router_weights, second.d_router_weights) &&
+                             same(first.d_w_gate, second.d_w_gate) &&
+                             same(first.d_w_up, second.d_w_up) &&
+                             same(first.d_w_down, second.d_w_down) &&
+                             same(first.d_w_shared_gate, second.d_w_shared_gate) &&
+                             same(first.d_w_shared_up, second.d_w_shared_up) &&
+                             same(first.d_w_shared_down, second.d_w_shared_down);
+
+  const int64_t total_tokens = shape.num_tokens;
+  const int64_t check_count =
+      std::min<int64_t>(total_tokens, options.check_tokens >= 0 ? options.check_tokens : 128);
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i < check_count; ++i) tokens.push_back(i * total_tokens / check_count);
+  mok::HostProblem slice = problem.token_slice(tokens);
+  mok::reference::Options reference_options;
+  reference_options.num_threads = options.threads;
+  if (check_count > 0) {
+    mok::reference::forward(slice.shape, slice.forward_args(0), reference_options);
+    mok::reference::backward(slice.shape, slice.backward_args(0), reference_options);
+  }
+  const mok::HostRank& want = slice.ranks[0];
+  auto compare_slice = [&](const std::string& name, const auto& got, const auto& expected,
+                           int64_t width) {
+    ErrorAccumulator acc;
+    for (size_t slot = 0; slot < tokens.size(); ++slot)
+      for (int64_t col = 0; col < width; ++col)
+        acc.add(value_of(got[tokens[slot] * width + col]), value_of(expected[slot * width + col]));
+    return acc.result(name);
+  };
+  std::vector<Comparison> errors;
+  for (int run : {0, 2}) {
+    const std::string who = run == 0 ? "mok " : "baseline ";
+    errors.push_back(compare_slice(who + "out", results[run].out, want.out, shape.hidden));
+    errors.push_back(compare_slice(who + "d_x", results[run].d_x, want.d_x, shape.hidden));
+    errors.push_back(compare_slice(who + "d_router_w", results[run].d_router_weights,
+                                   want.d_router_weights, shape.top_k));
+  }
+  std::vector<Comparison> grad_errors = {
+      compare_all("d_w_gate", first.d_w_gate, results[2].d_w_gate),
+      compare_all("d_w_up", first.d_w_up, results[2].d_w_up),
+      compare_all("d_w_down", first.d_w_down, results[2].d_w_down)};
+  if (shape.has_shared_expert()) {
+    grad_errors.push_back(
+        compare_all("d_w_shared_gate", first.d_w_shared_gate, results[2].d_w_shared_gate));
+    grad_errors.push_back(
+        compare_all("d_w_shared_up", first.d_w_shared_up, results[2].d_w_shared_up));
+    grad_errors.push_back(
+        compare_all("d_w_shared_down", first.d_w_shared_down, results[2].d_w_shared_down));
+  }
+
+  // Training step timing: forward, then the backward from the forward's saved activations
+  // (mok's context; the baseline keeps its permuted x and gate/up outputs as autograd would).
+  const auto forward_stages = layer.profile_forward(args, stream, 10);
+  const mok::ForwardContext context = layer.forward(args, stream);
+  const auto backward_stages = layer.profile_backward(backward_args, stream, 10, &context);
+  const double mok_forward_ms = median_ms([&] { layer.forward(args, stream); }, stream, 3, 20);
+  const double mok_step_ms = median_ms(
+      [&] {
+        const mok::ForwardContext step = layer.forward(args, stream);
+        layer.backward(backward_args, stream, &step);
+      },
+      stream, 3, 20);
+  const double mok_recompute_ms =
+      median_ms([&] { layer.backward(backward_args, stream); }, stream, 3, 20);
+  const double base_forward_ms = median_ms([&] { baseline.forward(args, stream); }, stream, 3, 20);
+  const double base_step_ms = median_ms(
+      [&] {
+        baseline.forward(args, stream);
+        baseline.backward(backward_args, stream, true);
+      },
+      stream, 3, 20);
+  const double mok_backward_ms = mok_step_ms - mok_forward_ms;
+  const double base_backward_ms = base_step_ms - base_forward_ms;
+  CLI_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  bool passed = deterministic;
+  for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
+  for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
+  std::printf("mok run: forward and backward on %s (EP = 1)\n", device_name.c_str());
+  std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
+              shape.to_string().c_str(), options.routing.c_str(),
+              static_cast<unsigned long long>(options.seed));
+  std::printf("  work      %lld routed pairs, %.1f GFLOP forward, %.1f GFLOP backward\n",
+              static_cast<long long>(routed_pairs), forward_flop / 1e9, backward_flop / 1e9);
+  std::printf("  %-22s %10s %10s %10s %10s %9s\n", "", "mok ms", "TFLOP/s", "base ms", "TFLOP/s",
+              "speedup");
+  auto row = [&](const char* name, double flop, double mok_ms, double base_ms) {
+    std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", name, mok_ms, flop / mok_ms / 1e9,
+                base_ms, flop / base_ms / 1e9, base_ms / mok_ms);
+  };
+  row("forward", forward_flop, mok_forward_ms, base_forward_ms);
+  row("backward", backward_flop, mok_backward_ms, base_backward_ms);
+  row("forward+backward", forward_flop + backward_flop, mok_step_ms, base_step_ms);
+  std::printf(
+      "  (backward = forward+backward minus forward, both from saved activations; mok's backward\n"
+      "   recomputing the forward instead: %.3f ms, %.1f TFLOP/s)\n",
+      mok_recompute_ms, backward_flop / mok_recompute_ms / 1e9);
+  for (const auto* stages : {&forward_stages, &backward_stages}) {
+    std::printf("  mok %s stages (median of 10, events between stages):\n",
+                stages == &forward_stages ? "forward" : "backward");
+    for (const auto& [name, ms] : *stages) std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
+  }
+  std::printf("  against the CPU reference on %lld of %lld tokens (tolerance %.0e):\n",
+              static_cast<long long>(check_count), static_cast<long long>(total_tokens),
+              kGpuTolerance);
+  for (const Comparison& error : errors)
+    std::printf("    %-22s max |err| %.3e  rel err %.3e%s\n", error.name.c_str(), error.max_abs,
+                error.rel, error.finite ? "" : "  NOT FINITE");
+  std::printf("  mok weight gradients against the baseline's, whole shape:\n");
+  for (const Comparison& error : grad_errors)
+    std::printf("    %-22s max |err| %.3e  rel err %.3e%s\n", error.name.c_str(), error.max_abs,
+                error.rel, error.finite ? "" : "  NOT FINITE");
+  std::printf("  mok bitwise identical across runs, with and without the forward context: %s\n",
+              deterministic ? "yes" : "NO");
+  std::printf("%s\n", passed ? "PASS" : "FAIL");
+
+  if (!options.json_path.empty()) {
+    std::ofstream json(options.json_path);
+    json << "{\n  \"device\": \"" << json_escape(device_name) << "\", \"shape_name\": \""
+         << options.shape_name << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \""
+         << options.routing << "\",\n"
+         << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
+         << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
+         << ", \"backward\": " << mok_backward_ms << ", \"forward_backward\": " << mok_step_ms
+         << ", \"backward_recompute\": " << mok_recompute_ms << "},\n"
+         << "  \"baseline_ms\": {\"forward\": " << base_forward_ms
+         << ", \"backward\": " << base_backward_ms << ", \"forward_backward\": " << base_step_ms
+         << "},\n"
+         << "  \"mok_tflops\": {\"forward\": " << forward_flop / mok_forward_ms / 1e9
+         << ", \"forward_backward\": " << 3 * forward_flop / mok_step_ms / 1e9
+         << "},\n  \"speedup\": {\"forward\": " << base_forward_ms / mok_forward_ms
+         << ", \"forward_backward\": " << base_step_ms / mok_step_ms << "},\n  \"stages_ms\": {";
+    bool first_stage = true;
+    for (const auto* stages : {&forward_stages, &backward_stages})
+      for (const auto& [name, ms] : *stages) {
+        json << (first_stage ? "" : ", ") << "\"" << (stages == &forward_stages ? "fwd " : "bwd ")
+             << name << "\": " << ms;
+        first_stage = false;
+      }
+    json << "},\n  \"errors\": {";
+    bool first_error = true;
+    for (const auto* list : {&errors, &grad_errors})
+      for (const Comparison& error : *list) {
+        json << (first_error ? "" : ", ") << "\"" << error.name << "\": " << error.rel;
+        first_error = false;
+      }
+    json << "},\n  \"deterministic\": " << (deterministic ? "true" : "false")
+         << ", \"passed\": " << (passed ? "true" : "false") << "\n}\n";
+  }
+  return passed ? 0 : 1;
+}
+
+}  // namespace mok::cli
