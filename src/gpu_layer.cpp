@@ -92,6 +92,9 @@ struct GpuLayer::State {
   DeviceBuffer d_out_rows;  // [max_rows, H]: routed d_out rows (backward)
   DeviceBuffer slots;       // [T*K, H]: forward expert outputs / backward dx rows per (token, k)
   DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
+  // The fused local dispatch's counters (dispatch_local.cuh): [0] ticket, [1] epoch,
+  // [2 .. 2 + max_tiles) per-tile row counts; zeroed once, never reset (epochs).
+  DeviceBuffer gather_state;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds
@@ -140,6 +143,8 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config)
   s.rows.allocate(max_rows * H * 2, "routed rows buffer");
   s.d_out_rows.allocate(max_rows * H * 2, "routed d_out rows buffer");
   s.slots.allocate(T * K * H * 2, "combine slots buffer");
+  s.gather_state.allocate((2 + params.max_tiles()) * 8, "gather counters");
+  cuda_check(cudaMemset(s.gather_state.pointer, 0, s.gather_state.bytes), "zero gather counters");
 
   if (shape.has_shared_expert()) {
     // The shared expert runs through the same kernels as one expert that every token visits:
@@ -177,7 +182,7 @@ const MoeShape& GpuLayer::shape() const { return state_->shape; }
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
   return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes + s.slots.bytes +
-         s.shared_out.bytes;
+         s.shared_out.bytes + s.gather_state.bytes;
 }
 
 namespace {
@@ -224,7 +229,8 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
 // out + row_pair[row] * H. `rows` holds `rows_in_map` rows of width H.
 void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                     void* out, cudaStream_t stream, const StageMarker& mark) {
+                     void* out, const kernels::FusedGather& gather, cudaStream_t stream,
+                     const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   kernels::ExpertGemmMaps maps;
   maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
@@ -237,8 +243,15 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.out2 = set.gate.as<__nv_bfloat16>();  // the forward context: g and u for the backward
   params.out3 = set.up.as<__nv_bfloat16>();
   params.out_ld = I;
+  params.gather = gather;
   launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
-  mark("gate/up GEMM + SwiGLU");
+  if (gather.x != nullptr) {
+    cuda_check(kernels::launch_advance_gather_epoch(gather.epoch, stream),
+               "advance the gather epoch");
+    mark("gather + gate/up GEMM + SwiGLU");
+  } else {
+    mark("gate/up GEMM + SwiGLU");
+  }
 
   maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, set.capacity_rows, "hidden");
   maps.b0 = maps.b1 = k_major_weights(w_down, I, H, E, 256, "w_down");
@@ -246,6 +259,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.k_extent = static_cast<int32_t>(I);
   params.out = static_cast<__nv_bfloat16*>(out);
   params.out2 = params.out3 = nullptr;
+  params.gather = kernels::FusedGather{};
   params.out_ld = H;
   launch(s, kernels::ExpertGemmForm::kDownScatter, maps, params, stream, "down GEMM");
   mark("down GEMM + scatter");
@@ -347,17 +361,23 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
                         s.routed.schedule.pointer, stream)
       .throw_if_error();
   mark("schedule");
-  const ScheduleView view = s.routed.view();
+  // The local dispatch runs inside the gate/up GEMM (its producer warpgroup's spare warps).
   const int64_t max_rows = s.routed.capacity_rows;
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
-                                         s.rows.pointer, max_rows, stream),
-             "gather launch");
-  mark("gather");
+  unsigned long long* counters = s.gather_state.as<unsigned long long>();
+  kernels::FusedGather gather{};
+  gather.x = args.x.data_as<const __nv_bfloat16>();
+  gather.rows = s.rows.as<__nv_bfloat16>();
+  gather.hidden = static_cast<int32_t>(H);
+  gather.top_k = shape.top_k;
+  gather.ticket = counters;
+  gather.epoch = counters + 1;
+  gather.tile_rows_done = counters + 2;
   forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
-                  args.w_down.data, s.slots.pointer, stream, mark);
+                  args.w_down.data, s.slots.pointer, gather, stream, mark);
   if (shape.has_shared_expert() && T > 0) {
     forward_experts(s, s.shared, args.x.data, T, args.w_shared_gate.data, args.w_shared_up.data,
-                    args.w_shared_down.data, s.shared_out.pointer, stream, [](const char*) {});
+                    args.w_shared_down.data, s.shared_out.pointer, kernels::FusedGather{}, stream,
+                    [](const char*) {});
     mark("shared expert");
   }
   cuda_check(kernels::launch_combine(s.slots.pointer,

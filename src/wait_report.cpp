@@ -13,6 +13,9 @@ const char* wait_site_name(int32_t site) {
       return "GEMM consumer waiting for a loaded shared-memory stage";
     case kernels::WaitSite::kCounter:
       return "a dependency counter";
+    case kernels::WaitSite::kGatheredRows:
+      return "GEMM producer waiting for the rows of a row tile to be gathered (fused local "
+             "dispatch)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

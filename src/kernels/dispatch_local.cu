@@ -1,6 +1,8 @@
 // Local dispatch: copies each routed token's row of x into its slot of the expert-grouped row
 // buffer (the single-GPU form of the pull dispatch), and zeroes padding rows so that the GEMMs
-// that sum over rows (weight gradients) see zeros there.
+// that sum over rows (weight gradients) see zeros there. This standalone kernel serves the
+// backward (d_out rows, and x rows without a forward context); the forward runs the same copy
+// fused into its gate/up GEMM (dispatch_local.cuh), whose epoch this file also advances.
 //
 // Roles: a grid-stride loop; each warp copies one row at a time in 16-byte vectors (H/8 of
 // them). Rows past header.total_rows are left alone.
@@ -31,7 +33,14 @@ __global__ void gather_rows_kernel(const ScheduleHeader* header, const int32_t* 
   }
 }
 
+__global__ void advance_epoch_kernel(unsigned long long* epoch) { *epoch += 1; }
+
 }  // namespace
+
+cudaError_t launch_advance_gather_epoch(unsigned long long* epoch, cudaStream_t stream) {
+  advance_epoch_kernel<<<1, 1, 0, stream>>>(epoch);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair, const void* x,
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,

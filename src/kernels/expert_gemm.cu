@@ -10,6 +10,9 @@
 //                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
 //                   together share the B tiles of one expert and the A rows of the group in L2.
 //   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
+// Fused local dispatch (kGateUpSwiGLU with params.gather.x set): the producer warpgroup's warps
+// 1-3 gather the routed x rows while warp 0's TMA thread waits per tile for its rows
+// (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it.
 // Producer loads per K-block of 64 (tensor maps a0, a1, b0, b1; K-major boxes are
 // [rows x 64 K], MN-major boxes [64 K-rows x 64 MN], four of them for a 256-wide B):
 //   kGateUpSwiGLU, kGateUpStore  A rows (a0), B gate rows (b0) then up rows (b1), 128 each
@@ -21,6 +24,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include "kernels/dispatch_local.cuh"
 #include "kernels/epilogue.cuh"
 #include "kernels/expert_gemm_params.h"
 #include "kernels/gemm_mainloop.cuh"
@@ -156,12 +160,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
+    constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU;
+    const bool gathers = kCanGather && params.gather.x != nullptr;
     if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&tmap_a0);
       ptx::prefetch_tensor_map(&tmap_b0);
+      const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
       PipelineState<Storage::kNumStagesHere> state;
       for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
         const TileCoord coord = tile_coord<kForm>(params, space, tile);
+        if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
                         [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
@@ -169,6 +177,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                              k_block, a_dst, b_dst, full);
                         });
       }
+    } else if (gathers && threadIdx.x >= 32) {
+      gather_rows_into_tiles(params.gather, params.header, params.row_pair,
+                             gather_epoch(params.gather));
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();

@@ -36,6 +36,21 @@ enum class ExpertGemmForm : int32_t {
   kWeightGrad = 5,
 };
 
+// The local dispatch fused into the forward gate/up GEMM (dispatch_local.cuh): the producer
+// warpgroup's spare warps copy routed x rows into the row buffer the GEMM reads, claiming rows
+// with a ticket, and count each 128-row tile's rows; the TMA thread waits for a tile's count.
+// Counters carry the launch's epoch (no reset pass): ticket = epoch << 32 | next row,
+// tile count = epoch * kTileCountStride + rows gathered.
+struct FusedGather {
+  const __nv_bfloat16* x;              // [T, H]; null = no fused gather
+  __nv_bfloat16* rows;                 // [max_rows, H], the A operand of the GEMM
+  int32_t hidden;                      // H
+  int32_t top_k;                       // K: pair index / K = token
+  unsigned long long* ticket;          // one word
+  unsigned long long* tile_rows_done;  // [max_tiles]
+  unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
+};
+
 struct ExpertGemmParams {
   const ScheduleHeader* header;   // num_tiles: the 128-row tiles the schedule filled
   const int32_t* tile_expert;     // local expert of each 128-row tile
@@ -50,6 +65,7 @@ struct ExpertGemmParams {
   __nv_bfloat16* out3;
   int64_t out_ld;      // elements between output rows (all outputs of the form)
   float swiglu_limit;  // infinity = no clamp
+  FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
   WaitContext wait;
 };
 

@@ -29,6 +29,10 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
                                cudaStream_t stream);
 
+// Advances the epoch of the fused local dispatch after each gate/up GEMM that used it
+// (dispatch_local.cuh): one thread, stream-ordered, CUDA-graph capturable.
+cudaError_t launch_advance_gather_epoch(unsigned long long* epoch, cudaStream_t stream);
+
 // Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], slots[t*K + k])) over the
 // slots whose expert id is in [0, num_experts), in k order. `shared` may be null;
 // `router_weights` null means weight 1 (the d_x sum: fmaf(1, y, acc) == acc + y exactly).

@@ -13,6 +13,7 @@ enum class WaitSite : int32_t {
   kGemmLoadedStage = 2,  // GEMM consumer waiting for TMA to fill a smem stage
   kCounter = 3,          // a dependency counter in global memory
   kTestNeverReady = 4,   // the deliberately unsatisfiable wait of the timeout test
+  kGatheredRows = 5,     // GEMM producer waiting for a row tile's rows to be gathered
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host
