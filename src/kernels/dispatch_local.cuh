@@ -67,8 +67,19 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
     if (pair < 0) {
       for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
     } else {
+      // kLoadsInFlight independent 16-byte loads per lane before their stores: one warp copies
+      // a whole row, so its memory-level parallelism sets the gather's speed.
       const uint4* src = x + static_cast<int64_t>(pair / gather.top_k) * vectors_per_row;
-      for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = __ldg(src + v);
+      constexpr int kLoadsInFlight = 4;
+      for (int64_t base = lane; base < vectors_per_row; base += 32 * kLoadsInFlight) {
+        uint4 values[kLoadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          if (base + u * 32 < vectors_per_row) values[u] = __ldg(src + base + u * 32);
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          if (base + u * 32 < vectors_per_row) dst[base + u * 32] = values[u];
+      }
     }
     __syncwarp();
     if (lane == 0) {

@@ -4,9 +4,10 @@
 // Warp roles of a 384-thread CTA (three warpgroups):
 //   warpgroup 0  producer: one thread issues the TMA loads of A and B tiles into stage s and
 //                arms full[s] with the expected bytes; it waits on empty[s] before reusing s.
-//                It gives its registers away (setmaxnreg.dec to 40).
+//                It gives registers away (setmaxnreg.dec to 56; its spare warps 1-3 run the
+//                fused local dispatch in the forward gate/up GEMM, dispatch_local.cuh).
 //   warpgroups 1, 2  consumers: each owns 64 rows of the 128-row tile and a 64 x 256 fp32
-//                accumulator (128 registers per thread, setmaxnreg.inc to 232). For each
+//                accumulator (128 registers per thread, setmaxnreg.inc to 224). For each
 //                K-block: wait full[s], issue 4 wgmma m64n256k16 (K = 64), keep one wgmma
 //                group in flight, release the previous stage to the producer through empty[s].
 // Pipeline: kNumStages stages of (A 128x64, B 256x64) bf16, 128-byte swizzled as TMA writes them
@@ -32,8 +33,8 @@ constexpr int kNumStages = 4;         // stages of the row-tile forms
 constexpr int kWeightGradStages = 3;  // the weight gradient trades one stage for its store tile
 constexpr int kNumThreads = 384;
 constexpr int kConsumerThreads = 256;
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
+constexpr int kProducerRegisters = 56;
+constexpr int kConsumerRegisters = 224;
 constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 
