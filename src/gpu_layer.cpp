@@ -361,11 +361,19 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
                         s.routed.schedule.pointer, stream)
       .throw_if_error();
   mark("schedule");
-  // The local dispatch runs inside the gate/up GEMM (its producer warpgroup's spare warps).
+  // The local dispatch: its own kernel, or inside the gate/up GEMM (its producer warpgroup's
+  // spare warps) with config.fuse_local_dispatch.
   const int64_t max_rows = s.routed.capacity_rows;
-  unsigned long long* counters = s.gather_state.as<unsigned long long>();
   kernels::FusedGather gather{};
-  gather.x = args.x.data_as<const __nv_bfloat16>();
+  if (!s.config.fuse_local_dispatch) {
+    const ScheduleView view = s.routed.view();
+    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
+                                           s.rows.pointer, max_rows, stream),
+               "gather launch");
+    mark("gather");
+  }
+  unsigned long long* counters = s.gather_state.as<unsigned long long>();
+  gather.x = s.config.fuse_local_dispatch ? args.x.data_as<const __nv_bfloat16>() : nullptr;
   gather.rows = s.rows.as<__nv_bfloat16>();
   gather.hidden = static_cast<int32_t>(H);
   gather.top_k = shape.top_k;

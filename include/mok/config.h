@@ -23,6 +23,10 @@ struct MoeConfig {
   int64_t macrobatch_size = 131072;  // rows of the ring token buffer
   Precision precision = Precision::kBF16;
   double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
+  // Run the forward's local dispatch (the gather of routed x rows) inside the gate/up GEMM, on
+  // the producer warpgroup's spare warps, instead of as its own kernel before it. Same bits
+  // either way; off by default because it measured slower at dsv3 shapes (docs/perf.md, v5).
+  bool fuse_local_dispatch = false;
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

@@ -83,6 +83,25 @@ TEST(ForwardGpu, FreshInputsEachRun) {
   for (uint64_t seed : {7, 8, 9}) check_case({"fresh", shape, RoutingKind::kUniform}, seed);
 }
 
+// The local dispatch fused into the gate/up GEMM gives the same bits as its own kernel, on
+// every routing, across repeated launches (its counters carry epochs, nothing is reset).
+TEST(ForwardGpu, FusedLocalDispatchIsBitwiseEqual) {
+  for (RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kOneExpert, RoutingKind::kHoles,
+                              RoutingKind::kNoRoutes}) {
+    SCOPED_TRACE(routing_kind_name(routing));
+    const MoeShape shape = make_shape(333, 1024, 384, 16, 4, 1, 128);
+    HostProblem problem = HostProblem::make(shape, routing, 31);
+    DeviceProblem device(problem, 0);
+    MoeConfig fused_config;
+    fused_config.fuse_local_dispatch = true;
+    GpuLayer plain(shape, MoeConfig{}), fused(shape, fused_config);
+    const std::vector<bf16> want = gpu_forward(plain, device, problem);
+    for (int repeat = 0; repeat < 3; ++repeat)
+      EXPECT_TRUE(test::bitwise_equal(gpu_forward(fused, device, problem), want))
+          << "launch " << repeat;
+  }
+}
+
 // The whole forward captured once in a CUDA graph and replayed with new routing contents: the
 // schedule and the fused dispatch's epochs live in device memory, so every replay is a fresh,
 // correct forward.
@@ -90,7 +109,9 @@ TEST(ForwardGpu, GraphReplayWithNewRouting) {
   const MoeShape shape = make_shape(300, 512, 256, 16, 4, 1, 128);
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 21);
   DeviceProblem device(problem, 0);
-  GpuLayer layer(shape, MoeConfig{});
+  MoeConfig config;
+  config.fuse_local_dispatch = true;  // the fused dispatch's epochs must survive graph replays
+  GpuLayer layer(shape, config);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   layer.forward(device.forward_args(),
