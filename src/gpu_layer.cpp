@@ -566,7 +566,7 @@ Status GpuLayer::synchronize(cudaStream_t stream) {
   if (s.diagnosis->timed_out != 0)
     return Status{ErrorCode::kTimeout, describe_wait_diagnosis(*s.diagnosis)};
   if (status != cudaSuccess)
-    return Status{ErrorCode::kCudaError, std::string("forward: ") + cudaGetErrorString(status)};
+    return Status{ErrorCode::kCudaError, std::string("layer: ") + cudaGetErrorString(status)};
   ScheduleHeader header{};
   const ScheduleView view = s.routed.view();
   status = cudaMemcpy(&header, view.header, sizeof(header), cudaMemcpyDeviceToHost);
