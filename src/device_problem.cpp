@@ -44,14 +44,6 @@ struct DeviceArray {
   }
 };
 
-TensorView cuda_view(const DeviceArray& array, DType dtype, std::initializer_list<int64_t> shape,
-                     bool present = true) {
-  if (!present) return TensorView{};
-  int device = 0;
-  cudaGetDevice(&device);
-  return TensorView::contiguous(array.pointer, dtype, shape, DeviceType::kCUDA, device);
-}
-
 }  // namespace
 
 struct DeviceProblem::Buffers {
@@ -72,6 +64,7 @@ struct DeviceProblem::Buffers {
 
 DeviceProblem::DeviceProblem(const HostProblem& problem, int32_t rank)
     : shape_(problem.shape), buffers_(std::make_unique<Buffers>()) {
+  check(cudaGetDevice(&device_), "cudaGetDevice");
   if (rank < 0 || rank >= static_cast<int32_t>(problem.ranks.size()))
     throw Error(ErrorCode::kInvalidArgument, "DeviceProblem: rank = " + std::to_string(rank) +
                                                  "; valid: 0.." +
@@ -101,43 +94,37 @@ DeviceProblem::DeviceProblem(const HostProblem& problem, int32_t rank)
 
 DeviceProblem::~DeviceProblem() = default;
 
+LayerPointers DeviceProblem::pointers() const {
+  const Buffers& b = *buffers_;
+  LayerPointers p;
+  p.x = b.x.pointer;
+  p.top_experts = b.top_experts.pointer;
+  p.router_weights = b.router_weights.pointer;
+  p.w_gate = b.w_gate.pointer;
+  p.w_up = b.w_up.pointer;
+  p.w_down = b.w_down.pointer;
+  p.w_shared_gate = b.w_shared_gate.pointer;
+  p.w_shared_up = b.w_shared_up.pointer;
+  p.w_shared_down = b.w_shared_down.pointer;
+  p.out = b.out.pointer;
+  p.d_out = b.d_out.pointer;
+  p.d_x = b.d_x.pointer;
+  p.d_router_weights = b.d_router_weights.pointer;
+  p.d_w_gate = b.d_w_gate.pointer;
+  p.d_w_up = b.d_w_up.pointer;
+  p.d_w_down = b.d_w_down.pointer;
+  p.d_w_shared_gate = b.d_w_shared_gate.pointer;
+  p.d_w_shared_up = b.d_w_shared_up.pointer;
+  p.d_w_shared_down = b.d_w_shared_down.pointer;
+  return p;
+}
+
 ForwardArgs DeviceProblem::forward_args() {
-  const int64_t T = shape_.num_tokens, H = shape_.hidden, I = shape_.intermediate, K = shape_.top_k,
-                E = shape_.num_local_experts(), Is = shape_.shared_intermediate;
-  const bool shared = shape_.has_shared_expert();
-  Buffers& b = *buffers_;
-  ForwardArgs args;
-  args.x = cuda_view(b.x, DType::kBFloat16, {T, H});
-  args.top_experts = cuda_view(b.top_experts, DType::kInt32, {T, K});
-  args.router_weights = cuda_view(b.router_weights, DType::kFloat32, {T, K});
-  args.w_gate = cuda_view(b.w_gate, DType::kBFloat16, {E, I, H});
-  args.w_up = cuda_view(b.w_up, DType::kBFloat16, {E, I, H});
-  args.w_down = cuda_view(b.w_down, DType::kBFloat16, {E, H, I});
-  args.w_shared_gate = cuda_view(b.w_shared_gate, DType::kBFloat16, {Is, H}, shared);
-  args.w_shared_up = cuda_view(b.w_shared_up, DType::kBFloat16, {Is, H}, shared);
-  args.w_shared_down = cuda_view(b.w_shared_down, DType::kBFloat16, {H, Is}, shared);
-  args.out = cuda_view(b.out, DType::kBFloat16, {T, H});
-  return args;
+  return make_forward_args(shape_, pointers(), DeviceType::kCUDA, device_);
 }
 
 BackwardArgs DeviceProblem::backward_args() {
-  const int64_t T = shape_.num_tokens, H = shape_.hidden, I = shape_.intermediate, K = shape_.top_k,
-                E = shape_.num_local_experts(), Is = shape_.shared_intermediate;
-  const bool shared = shape_.has_shared_expert();
-  Buffers& b = *buffers_;
-  BackwardArgs args;
-  args.forward = forward_args();
-  args.forward.out = TensorView{};
-  args.d_out = cuda_view(b.d_out, DType::kBFloat16, {T, H});
-  args.d_x = cuda_view(b.d_x, DType::kBFloat16, {T, H});
-  args.d_router_weights = cuda_view(b.d_router_weights, DType::kFloat32, {T, K});
-  args.d_w_gate = cuda_view(b.d_w_gate, DType::kBFloat16, {E, I, H});
-  args.d_w_up = cuda_view(b.d_w_up, DType::kBFloat16, {E, I, H});
-  args.d_w_down = cuda_view(b.d_w_down, DType::kBFloat16, {E, H, I});
-  args.d_w_shared_gate = cuda_view(b.d_w_shared_gate, DType::kBFloat16, {Is, H}, shared);
-  args.d_w_shared_up = cuda_view(b.d_w_shared_up, DType::kBFloat16, {Is, H}, shared);
-  args.d_w_shared_down = cuda_view(b.d_w_shared_down, DType::kBFloat16, {H, Is}, shared);
-  return args;
+  return make_backward_args(shape_, pointers(), DeviceType::kCUDA, device_);
 }
 
 void DeviceProblem::poison_outputs() {

@@ -84,28 +84,17 @@ struct CallChecker {
   }
 };
 
-struct NamedView {
-  const char* name;
-  const TensorView* view;
-};
-
-bool overlaps(const TensorView& a, const TensorView& b) {
-  if (!a.present() || !b.present() || a.nbytes() == 0 || b.nbytes() == 0) return false;
-  auto a_begin = reinterpret_cast<uintptr_t>(a.data), b_begin = reinterpret_cast<uintptr_t>(b.data);
-  return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
-}
-
 // Every output must be disjoint from every input and from the other outputs.
-Status check_no_overlap(const char* call, const std::vector<NamedView>& inputs,
-                        const std::vector<NamedView>& outputs) {
+Status check_no_overlap(const char* call, const std::vector<NamedTensor>& inputs,
+                        const std::vector<NamedTensor>& outputs) {
   for (size_t o = 0; o < outputs.size(); ++o) {
     for (const auto& input : inputs)
-      if (overlaps(*outputs[o].view, *input.view))
+      if (tensors_overlap(*outputs[o].view, *input.view))
         return Status::invalid(std::string(call) + ": output `" + outputs[o].name +
                                "` overlaps input `" + input.name +
                                "`; outputs need their own memory");
     for (size_t other = o + 1; other < outputs.size(); ++other)
-      if (overlaps(*outputs[o].view, *outputs[other].view))
+      if (tensors_overlap(*outputs[o].view, *outputs[other].view))
         return Status::invalid(std::string(call) + ": outputs `" + outputs[o].name + "` and `" +
                                outputs[other].name + "` overlap; each output needs its own memory");
   }
@@ -139,18 +128,6 @@ Status check_inputs(CallChecker& checker, const MoeShape& shape, const ForwardAr
   return Status::Ok();
 }
 
-std::vector<NamedView> input_views(const ForwardArgs& args) {
-  return {{"x", &args.x},
-          {"top_experts", &args.top_experts},
-          {"router_weights", &args.router_weights},
-          {"w_gate", &args.w_gate},
-          {"w_up", &args.w_up},
-          {"w_down", &args.w_down},
-          {"w_shared_gate", &args.w_shared_gate},
-          {"w_shared_up", &args.w_shared_up},
-          {"w_shared_down", &args.w_shared_down}};
-}
-
 }  // namespace
 
 Status check_forward_args(const MoeShape& shape, const ForwardArgs& args, DeviceType device_type) {
@@ -159,7 +136,7 @@ Status check_forward_args(const MoeShape& shape, const ForwardArgs& args, Device
   MOK_RETURN_IF_ERROR(check_inputs(checker, shape, args));
   MOK_RETURN_IF_ERROR(checker.check("out", args.out, {DType::kBFloat16},
                                     {{"T", shape.num_tokens}, {"H", shape.hidden}}));
-  return check_no_overlap("forward", input_views(args), {{"out", &args.out}});
+  return check_no_overlap("forward", named_inputs(args), {{"out", &args.out}});
 }
 
 Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
@@ -189,17 +166,86 @@ Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
     MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_up", args.d_w_shared_up));
     MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_down", args.d_w_shared_down));
   }
-  std::vector<NamedView> inputs = input_views(args.forward);
+  std::vector<NamedTensor> inputs = named_inputs(args.forward);
   inputs.push_back({"d_out", &args.d_out});
-  return check_no_overlap("backward", inputs,
-                          {{"d_x", &args.d_x},
-                           {"d_router_weights", &args.d_router_weights},
-                           {"d_w_gate", &args.d_w_gate},
-                           {"d_w_up", &args.d_w_up},
-                           {"d_w_down", &args.d_w_down},
-                           {"d_w_shared_gate", &args.d_w_shared_gate},
-                           {"d_w_shared_up", &args.d_w_shared_up},
-                           {"d_w_shared_down", &args.d_w_shared_down}});
+  return check_no_overlap("backward", inputs, named_outputs(args));
+}
+
+ForwardArgs make_forward_args(const MoeShape& shape, const LayerPointers& p, DeviceType device_type,
+                              int32_t device_id) {
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
+                E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  auto view = [&](void* data, DType dtype, std::initializer_list<int64_t> dims) {
+    return TensorView::contiguous(data, dtype, dims, device_type, device_id);
+  };
+  ForwardArgs args;
+  args.x = view(p.x, DType::kBFloat16, {T, H});
+  args.top_experts = view(p.top_experts, DType::kInt32, {T, K});
+  args.router_weights = view(p.router_weights, DType::kFloat32, {T, K});
+  args.w_gate = view(p.w_gate, DType::kBFloat16, {E, I, H});
+  args.w_up = view(p.w_up, DType::kBFloat16, {E, I, H});
+  args.w_down = view(p.w_down, DType::kBFloat16, {E, H, I});
+  if (shape.has_shared_expert()) {
+    args.w_shared_gate = view(p.w_shared_gate, DType::kBFloat16, {Is, H});
+    args.w_shared_up = view(p.w_shared_up, DType::kBFloat16, {Is, H});
+    args.w_shared_down = view(p.w_shared_down, DType::kBFloat16, {H, Is});
+  }
+  args.out = view(p.out, DType::kBFloat16, {T, H});
+  return args;
+}
+
+BackwardArgs make_backward_args(const MoeShape& shape, const LayerPointers& p,
+                                DeviceType device_type, int32_t device_id) {
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
+                E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  auto view = [&](void* data, DType dtype, std::initializer_list<int64_t> dims) {
+    return TensorView::contiguous(data, dtype, dims, device_type, device_id);
+  };
+  BackwardArgs args;
+  args.forward = make_forward_args(shape, p, device_type, device_id);
+  args.forward.out = TensorView{};
+  args.d_out = view(p.d_out, DType::kBFloat16, {T, H});
+  args.d_x = view(p.d_x, DType::kBFloat16, {T, H});
+  args.d_router_weights = view(p.d_router_weights, DType::kFloat32, {T, K});
+  args.d_w_gate = view(p.d_w_gate, DType::kBFloat16, {E, I, H});
+  args.d_w_up = view(p.d_w_up, DType::kBFloat16, {E, I, H});
+  args.d_w_down = view(p.d_w_down, DType::kBFloat16, {E, H, I});
+  if (shape.has_shared_expert()) {
+    args.d_w_shared_gate = view(p.d_w_shared_gate, DType::kBFloat16, {Is, H});
+    args.d_w_shared_up = view(p.d_w_shared_up, DType::kBFloat16, {Is, H});
+    args.d_w_shared_down = view(p.d_w_shared_down, DType::kBFloat16, {H, Is});
+  }
+  return args;
+}
+
+std::vector<NamedTensor> named_inputs(const ForwardArgs& args) {
+  return {{"x", &args.x},
+          {"top_experts", &args.top_experts},
+          {"router_weights", &args.router_weights},
+          {"w_gate", &args.w_gate},
+          {"w_up", &args.w_up},
+          {"w_down", &args.w_down},
+          {"w_shared_gate", &args.w_shared_gate},
+          {"w_shared_up", &args.w_shared_up},
+          {"w_shared_down", &args.w_shared_down}};
+}
+
+std::vector<NamedTensor> named_outputs(const BackwardArgs& args) {
+  return {{"d_x", &args.d_x},
+          {"d_router_weights", &args.d_router_weights},
+          {"d_w_gate", &args.d_w_gate},
+          {"d_w_up", &args.d_w_up},
+          {"d_w_down", &args.d_w_down},
+          {"d_w_shared_gate", &args.d_w_shared_gate},
+          {"d_w_shared_up", &args.d_w_shared_up},
+          {"d_w_shared_down", &args.d_w_shared_down}};
+}
+
+bool tensors_overlap(const TensorView& a, const TensorView& b) {
+  if (!a.present() || !b.present() || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto a_begin = reinterpret_cast<uintptr_t>(a.data);
+  const auto b_begin = reinterpret_cast<uintptr_t>(b.data);
+  return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
 }
 
 int64_t read_expert_id(const TensorView& top_experts, int64_t index) {

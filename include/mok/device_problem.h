@@ -30,7 +30,9 @@ class DeviceProblem {
 
  private:
   struct Buffers;
+  LayerPointers pointers() const;
   MoeShape shape_;
+  int device_ = 0;
   std::unique_ptr<Buffers> buffers_;
 };
 

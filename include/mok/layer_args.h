@@ -5,6 +5,8 @@
 // K top-k, E_loc experts owned by this rank):
 #pragma once
 
+#include <vector>
+
 #include "mok/error.h"
 #include "mok/shape.h"
 #include "mok/tensor.h"
@@ -36,6 +38,48 @@ struct BackwardArgs {
   TensorView d_w_shared_up;     // [Is, H] bf16, written; absent when Is = 0
   TensorView d_w_shared_down;   // [H, Is] bf16, written; absent when Is = 0
 };
+
+// Where one rank's tensors live, each row-major and contiguous with the shapes above (top_experts
+// int32). The shared-expert pointers are ignored when the shape has no shared expert.
+struct LayerPointers {
+  void* x = nullptr;
+  void* top_experts = nullptr;
+  void* router_weights = nullptr;
+  void* w_gate = nullptr;
+  void* w_up = nullptr;
+  void* w_down = nullptr;
+  void* w_shared_gate = nullptr;
+  void* w_shared_up = nullptr;
+  void* w_shared_down = nullptr;
+  void* out = nullptr;
+  void* d_out = nullptr;
+  void* d_x = nullptr;
+  void* d_router_weights = nullptr;
+  void* d_w_gate = nullptr;
+  void* d_w_up = nullptr;
+  void* d_w_down = nullptr;
+  void* d_w_shared_gate = nullptr;
+  void* d_w_shared_up = nullptr;
+  void* d_w_shared_down = nullptr;
+};
+
+// The views of a forward / backward call over `pointers` (backward: forward.out absent).
+ForwardArgs make_forward_args(const MoeShape& shape, const LayerPointers& pointers,
+                              DeviceType device_type, int32_t device_id = 0);
+BackwardArgs make_backward_args(const MoeShape& shape, const LayerPointers& pointers,
+                                DeviceType device_type, int32_t device_id = 0);
+
+// A tensor of a call with its argument name, for checks and messages.
+struct NamedTensor {
+  const char* name;
+  const TensorView* view;
+};
+// The nine inputs of a call (x, top_experts, router_weights, the six weights), in that order.
+std::vector<NamedTensor> named_inputs(const ForwardArgs& args);
+// The eight outputs of a backward call (d_x, d_router_weights, the six weight gradients).
+std::vector<NamedTensor> named_outputs(const BackwardArgs& args);
+// True when both views are present, non-empty, and their byte ranges intersect.
+bool tensors_overlap(const TensorView& a, const TensorView& b);
 
 // Validates dtypes, shapes, contiguity, devices, and that no output overlaps an input or
 // another output. `device_type` is where every tensor must live. For CUDA tensors the data

@@ -13,41 +13,6 @@ namespace mok::reference::detail {
 
 namespace {
 
-struct NamedTensor {
-  const char* name;
-  const TensorView* view;
-};
-
-std::vector<NamedTensor> input_tensors(const ForwardArgs& args) {
-  return {{"x", &args.x},
-          {"top_experts", &args.top_experts},
-          {"router_weights", &args.router_weights},
-          {"w_gate", &args.w_gate},
-          {"w_up", &args.w_up},
-          {"w_down", &args.w_down},
-          {"w_shared_gate", &args.w_shared_gate},
-          {"w_shared_up", &args.w_shared_up},
-          {"w_shared_down", &args.w_shared_down}};
-}
-
-std::vector<NamedTensor> output_tensors(const BackwardArgs& args) {
-  return {{"d_x", &args.d_x},
-          {"d_router_weights", &args.d_router_weights},
-          {"d_w_gate", &args.d_w_gate},
-          {"d_w_up", &args.d_w_up},
-          {"d_w_down", &args.d_w_down},
-          {"d_w_shared_gate", &args.d_w_shared_gate},
-          {"d_w_shared_up", &args.d_w_shared_up},
-          {"d_w_shared_down", &args.d_w_shared_down}};
-}
-
-bool overlaps(const TensorView& a, const TensorView& b) {
-  if (!a.present() || !b.present() || a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const auto a_begin = reinterpret_cast<uintptr_t>(a.data);
-  const auto b_begin = reinterpret_cast<uintptr_t>(b.data);
-  return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
-}
-
 // The per-rank checks cover overlaps inside one rank; here outputs are checked against every
 // tensor of the other ranks, since the emulation reads other ranks' inputs while it writes.
 void check_cross_rank_overlap(const char* call,
@@ -60,7 +25,7 @@ void check_cross_rank_overlap(const char* call,
         if (other == rank) continue;
         for (const auto* group : {&rank_inputs[other], &rank_outputs[other]})
           for (const NamedTensor& tensor : *group)
-            if (overlaps(*output.view, *tensor.view))
+            if (tensors_overlap(*output.view, *tensor.view))
               throw Error(ErrorCode::kInvalidArgument,
                           std::string(call) + ": output `" + output.name + "` of rank " +
                               std::to_string(rank) + " overlaps `" + tensor.name + "` of rank " +
@@ -93,7 +58,7 @@ void validate_forward_ranks(const char* call, const MoeShape& shape,
     const ForwardArgs& args = rank_args[rank];
     throw_for_rank(check_forward_args(shape, args, DeviceType::kCPU), call, rank, rank_args.size());
     check_top_experts(shape, args.top_experts, static_cast<int32_t>(rank)).throw_if_error();
-    inputs.push_back(input_tensors(args));
+    inputs.push_back(named_inputs(args));
     outputs.push_back({{"out", &args.out}});
   }
   check_cross_rank_overlap(call, inputs, outputs);
@@ -108,9 +73,9 @@ void validate_backward_ranks(const char* call, const MoeShape& shape,
     throw_for_rank(check_backward_args(shape, args, DeviceType::kCPU), call, rank,
                    rank_args.size());
     check_top_experts(shape, args.forward.top_experts, static_cast<int32_t>(rank)).throw_if_error();
-    inputs.push_back(input_tensors(args.forward));
+    inputs.push_back(named_inputs(args.forward));
     inputs.back().push_back({"d_out", &args.d_out});
-    outputs.push_back(output_tensors(args));
+    outputs.push_back(named_outputs(args));
   }
   check_cross_rank_overlap(call, inputs, outputs);
 }

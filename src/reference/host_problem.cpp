@@ -61,14 +61,6 @@ void allocate_outputs(const MoeShape& shape, HostRank& rank) {
   rank.d_w_shared_down.assign(H * Is, bf16{});
 }
 
-// A view of a vector, or an absent view for an empty optional tensor.
-template <typename T>
-TensorView view_of(std::vector<T>& data, DType dtype, std::initializer_list<int64_t> shape,
-                   bool present = true) {
-  if (!present) return TensorView{};
-  return TensorView::contiguous(data.data(), dtype, shape);
-}
-
 // R = 1 problem holding the tokens of `token_ranks` (concatenated in that order) and every
 // expert of the group.
 HostProblem merge_ranks(const HostProblem& problem, const std::vector<int32_t>& token_ranks) {
@@ -172,44 +164,39 @@ int64_t HostProblem::bytes_needed(const MoeShape& shape) {
   return shape.num_ranks * (per_rank + T * K * kI32);
 }
 
+// Pointers to every tensor of a rank.
+static LayerPointers pointers_of(HostRank& rank) {
+  LayerPointers p;
+  p.x = rank.x.data();
+  p.top_experts = rank.top_experts.data();
+  p.router_weights = rank.router_weights.data();
+  p.w_gate = rank.w_gate.data();
+  p.w_up = rank.w_up.data();
+  p.w_down = rank.w_down.data();
+  p.w_shared_gate = rank.w_shared_gate.data();
+  p.w_shared_up = rank.w_shared_up.data();
+  p.w_shared_down = rank.w_shared_down.data();
+  p.out = rank.out.data();
+  p.d_out = rank.d_out.data();
+  p.d_x = rank.d_x.data();
+  p.d_router_weights = rank.d_router_weights.data();
+  p.d_w_gate = rank.d_w_gate.data();
+  p.d_w_up = rank.d_w_up.data();
+  p.d_w_down = rank.d_w_down.data();
+  p.d_w_shared_gate = rank.d_w_shared_gate.data();
+  p.d_w_shared_up = rank.d_w_shared_up.data();
+  p.d_w_shared_down = rank.d_w_shared_down.data();
+  return p;
+}
+
 ForwardArgs HostProblem::forward_args(int32_t rank_index) {
   check_rank(*this, rank_index);
-  HostRank& rank = ranks[rank_index];
-  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
-  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
-  const bool shared = shape.has_shared_expert();
-  ForwardArgs args;
-  args.x = view_of(rank.x, DType::kBFloat16, {T, H});
-  args.top_experts = view_of(rank.top_experts, DType::kInt32, {T, K});
-  args.router_weights = view_of(rank.router_weights, DType::kFloat32, {T, K});
-  args.w_gate = view_of(rank.w_gate, DType::kBFloat16, {E, I, H});
-  args.w_up = view_of(rank.w_up, DType::kBFloat16, {E, I, H});
-  args.w_down = view_of(rank.w_down, DType::kBFloat16, {E, H, I});
-  args.w_shared_gate = view_of(rank.w_shared_gate, DType::kBFloat16, {Is, H}, shared);
-  args.w_shared_up = view_of(rank.w_shared_up, DType::kBFloat16, {Is, H}, shared);
-  args.w_shared_down = view_of(rank.w_shared_down, DType::kBFloat16, {H, Is}, shared);
-  args.out = view_of(rank.out, DType::kBFloat16, {T, H});
-  return args;
+  return make_forward_args(shape, pointers_of(ranks[rank_index]), DeviceType::kCPU);
 }
 
 BackwardArgs HostProblem::backward_args(int32_t rank_index) {
-  BackwardArgs args;
-  args.forward = forward_args(rank_index);
-  args.forward.out = TensorView{};
-  HostRank& rank = ranks[rank_index];
-  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
-  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
-  const bool shared = shape.has_shared_expert();
-  args.d_out = view_of(rank.d_out, DType::kBFloat16, {T, H});
-  args.d_x = view_of(rank.d_x, DType::kBFloat16, {T, H});
-  args.d_router_weights = view_of(rank.d_router_weights, DType::kFloat32, {T, K});
-  args.d_w_gate = view_of(rank.d_w_gate, DType::kBFloat16, {E, I, H});
-  args.d_w_up = view_of(rank.d_w_up, DType::kBFloat16, {E, I, H});
-  args.d_w_down = view_of(rank.d_w_down, DType::kBFloat16, {E, H, I});
-  args.d_w_shared_gate = view_of(rank.d_w_shared_gate, DType::kBFloat16, {Is, H}, shared);
-  args.d_w_shared_up = view_of(rank.d_w_shared_up, DType::kBFloat16, {Is, H}, shared);
-  args.d_w_shared_down = view_of(rank.d_w_shared_down, DType::kBFloat16, {H, Is}, shared);
-  return args;
+  check_rank(*this, rank_index);
+  return make_backward_args(shape, pointers_of(ranks[rank_index]), DeviceType::kCPU);
 }
 
 std::vector<ForwardArgs> HostProblem::all_forward_args() {

@@ -44,47 +44,31 @@ struct TinyCall {
     d_router_weights.resize(T * K);
   }
 
-  ForwardArgs forward_args() {
-    const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
-                  E = shape.num_local_experts(), Is = shape.shared_intermediate;
-    ForwardArgs args;
-    args.x = TensorView::contiguous(x.data(), DType::kBFloat16, {T, H});
-    args.top_experts = TensorView::contiguous(top_experts.data(), DType::kInt32, {T, K});
-    args.router_weights = TensorView::contiguous(router_weights.data(), DType::kFloat32, {T, K});
-    args.w_gate = TensorView::contiguous(w_gate.data(), DType::kBFloat16, {E, I, H});
-    args.w_up = TensorView::contiguous(w_up.data(), DType::kBFloat16, {E, I, H});
-    args.w_down = TensorView::contiguous(w_down.data(), DType::kBFloat16, {E, H, I});
-    if (Is > 0) {
-      args.w_shared_gate = TensorView::contiguous(w_shared_gate.data(), DType::kBFloat16, {Is, H});
-      args.w_shared_up = TensorView::contiguous(w_shared_up.data(), DType::kBFloat16, {Is, H});
-      args.w_shared_down = TensorView::contiguous(w_shared_down.data(), DType::kBFloat16, {H, Is});
-    }
-    args.out = TensorView::contiguous(out.data(), DType::kBFloat16, {T, H});
-    return args;
+  LayerPointers pointers() {
+    LayerPointers p;
+    p.x = x.data();
+    p.top_experts = top_experts.data();
+    p.router_weights = router_weights.data();
+    p.w_gate = w_gate.data();
+    p.w_up = w_up.data();
+    p.w_down = w_down.data();
+    p.w_shared_gate = w_shared_gate.data();
+    p.w_shared_up = w_shared_up.data();
+    p.w_shared_down = w_shared_down.data();
+    p.out = out.data();
+    p.d_out = d_out.data();
+    p.d_x = d_x.data();
+    p.d_router_weights = d_router_weights.data();
+    p.d_w_gate = d_w_gate.data();
+    p.d_w_up = d_w_up.data();
+    p.d_w_down = d_w_down.data();
+    p.d_w_shared_gate = d_w_shared_gate.data();
+    p.d_w_shared_up = d_w_shared_up.data();
+    p.d_w_shared_down = d_w_shared_down.data();
+    return p;
   }
-
-  BackwardArgs backward_args() {
-    const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
-                  E = shape.num_local_experts(), Is = shape.shared_intermediate;
-    BackwardArgs args;
-    args.forward = forward_args();
-    args.forward.out = TensorView();
-    args.d_out = TensorView::contiguous(d_out.data(), DType::kBFloat16, {T, H});
-    args.d_x = TensorView::contiguous(d_x.data(), DType::kBFloat16, {T, H});
-    args.d_router_weights =
-        TensorView::contiguous(d_router_weights.data(), DType::kFloat32, {T, K});
-    args.d_w_gate = TensorView::contiguous(d_w_gate.data(), DType::kBFloat16, {E, I, H});
-    args.d_w_up = TensorView::contiguous(d_w_up.data(), DType::kBFloat16, {E, I, H});
-    args.d_w_down = TensorView::contiguous(d_w_down.data(), DType::kBFloat16, {E, H, I});
-    if (Is > 0) {
-      args.d_w_shared_gate =
-          TensorView::contiguous(d_w_shared_gate.data(), DType::kBFloat16, {Is, H});
-      args.d_w_shared_up = TensorView::contiguous(d_w_shared_up.data(), DType::kBFloat16, {Is, H});
-      args.d_w_shared_down =
-          TensorView::contiguous(d_w_shared_down.data(), DType::kBFloat16, {H, Is});
-    }
-    return args;
-  }
+  ForwardArgs forward_args() { return make_forward_args(shape, pointers(), DeviceType::kCPU); }
+  BackwardArgs backward_args() { return make_backward_args(shape, pointers(), DeviceType::kCPU); }
 };
 
 void expect_error(const Status& status, ErrorCode code, const std::vector<std::string>& fragments) {
