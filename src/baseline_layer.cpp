@@ -122,6 +122,30 @@ BaselineLayer::BaselineLayer(const MoeShape& shape) : state_(std::make_unique<St
 
 BaselineLayer::~BaselineLayer() = default;
 
+// Sorts the routed pairs by expert (the schedule), reads the split sizes on the host (the
+// synchronization the user's pipeline pays) and permutes x into expert order.
+static void sort_and_permute(BaselineLayer::State& s, const ForwardArgs& args,
+                             cudaStream_t stream) {
+  const int64_t E = s.shape.num_experts;
+  launch_build_schedule(s.layout, args.top_experts.data, args.top_experts.dtype,
+                        s.schedule->pointer, stream)
+      .throw_if_error();
+  const ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
+  s.offsets.resize(E + 1);
+  s.counts.resize(E);
+  cuda_check(cudaMemcpyAsync(s.offsets.data(), view.expert_offsets, (E + 1) * 4,
+                             cudaMemcpyDeviceToHost, stream),
+             "read offsets");
+  cuda_check(
+      cudaMemcpyAsync(s.counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
+      "read counts");
+  cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, s.shape.hidden,
+                                         s.shape.top_k, s.rows->pointer, s.layout.params.max_rows(),
+                                         stream),
+             "permute x");
+}
+
 void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   State& s = *state_;
   const MoeShape& shape = s.shape;
@@ -130,26 +154,10 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
                 E = shape.num_experts;
   cublas_check(cublasSetStream(s.handle, stream), "cublasSetStream");
 
-  // Sort by expert and read the split sizes on the host (the synchronization users pay).
-  launch_build_schedule(s.layout, args.top_experts.data, args.top_experts.dtype,
-                        s.schedule->pointer, stream)
-      .throw_if_error();
-  ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
-  std::vector<int32_t>& offsets = s.offsets;
-  std::vector<int32_t>& counts = s.counts;
-  offsets.resize(E + 1);
-  counts.resize(E);
-  cuda_check(cudaMemcpyAsync(offsets.data(), view.expert_offsets, (E + 1) * 4,
-                             cudaMemcpyDeviceToHost, stream),
-             "read offsets");
-  cuda_check(
-      cudaMemcpyAsync(counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
-      "read counts");
-  cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
-
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
-                                         s.rows->pointer, s.layout.params.max_rows(), stream),
-             "permute");
+  sort_and_permute(s, args, stream);
+  const ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
+  const std::vector<int32_t>& offsets = s.offsets;
+  const std::vector<int32_t>& counts = s.counts;
   const char* w_gate = static_cast<const char*>(args.w_gate.data);
   const char* w_up = static_cast<const char*>(args.w_up.data);
   const char* w_down = static_cast<const char*>(args.w_down.data);
@@ -220,21 +228,7 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
   ScheduleView view = ScheduleView::at(s.schedule->pointer, s.layout);
   if (!saved_activations || s.offsets.empty()) {
     saved_activations = false;
-    launch_build_schedule(s.layout, fwd.top_experts.data, fwd.top_experts.dtype,
-                          s.schedule->pointer, stream)
-        .throw_if_error();
-    s.offsets.resize(E + 1);
-    s.counts.resize(E);
-    cuda_check(cudaMemcpyAsync(s.offsets.data(), view.expert_offsets, (E + 1) * 4,
-                               cudaMemcpyDeviceToHost, stream),
-               "read offsets");
-    cuda_check(
-        cudaMemcpyAsync(s.counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
-        "read counts");
-    cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
-    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
-                                           s.rows->pointer, max_rows, stream),
-               "permute x");
+    sort_and_permute(s, fwd, stream);
   }
   const std::vector<int32_t>& offsets = s.offsets;
   const std::vector<int32_t>& counts = s.counts;
