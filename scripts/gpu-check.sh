@@ -65,6 +65,13 @@ cmake_version="$(cmake --version 2>/dev/null | head -n 1 || echo missing)"
 echo "$cmake_version"
 
 # --- Configure and build -------------------------------------------------------------------------
+# Build against the NCCL that PyTorch loads (its nvidia-nccl wheel), so a process never holds
+# two NCCL versions; CMake falls back to the CUDA toolkit's, or leaves the comm layer out.
+if [ -z "${MOK_NCCL_HOME:-}" ]; then
+  nccl_home="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
+  if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi
+fi
+echo "NCCL home: ${MOK_NCCL_HOME:-(CUDA toolkit)}"
 : >"$OUT/build.log"
 cmake_args=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DMOK_PTXAS_VERBOSE=ON)
 if command -v ninja >/dev/null 2>&1; then
