@@ -1,0 +1,157 @@
+// The order of work of the persistent forward kernel (DESIGN.md §2.7), as plain arithmetic that
+// host and device share: ticket t of a launch names one task, and every task waits only on
+// tasks with smaller tickets, so the kernel progresses with any number of resident CTAs.
+//
+// Tasks, per minibatch b of `minibatch_tiles` 128-row tiles (the last one may be short):
+//   gather(b, m)        copy the routed x rows of row tile m                     (memory-bound)
+//   gate_up(b, m, n)    128 x (128 gate + 128 up) tile with the SwiGLU epilogue  waits: gather(m)
+//   down(b, m, n)       128 x 256 tile with the scatter epilogue                  waits: all
+//   gate_up(m, *) combine(k)          the fixed-order sum of token block k waits: every down
+// Order (a software pipeline over minibatches, so gathers of b+1 overlap the GEMMs of b):
+//   gather(0) gate_up(0) | gather(1) down(0) gate_up(1) | gather(2) down(1) gate_up(2) | ...
+//   ... down(last) | combine(*)
+// Inside a GEMM stage, tiles go in groups of up to 8 row tiles (about one expert) swept n-major,
+// as the standalone GEMM kernel does, so CTAs running together share weight tiles in L2.
+// The plan's num_m_tiles comes from the schedule header on the device: the order is computed
+// on the fly, never stored.
+#pragma once
+
+#include <stdint.h>
+
+#include "mok/dtype.h"
+
+namespace mok::kernels {
+
+enum class TaskKind : int32_t { kGather = 0, kGateUp = 1, kDown = 2, kCombine = 3 };
+
+struct ForwardPlan {
+  int32_t num_m_tiles;      // 128-row tiles of the schedule (header.num_tiles)
+  int32_t minibatch_tiles;  // MoeConfig::minibatch_size / 128
+  int32_t gate_up_n_tiles;  // ceil(I / 128)
+  int32_t down_n_tiles;     // ceil(H / 256)
+  int32_t combine_blocks;   // token blocks of the combine
+};
+
+struct Task {
+  TaskKind kind;
+  int32_t minibatch;  // -1 for combine
+  int32_t m_tile;     // row tile (gather, gate_up, down), -1 for combine
+  int32_t n_tile;     // column tile (gate_up, down), -1 otherwise
+  int32_t block;      // combine block, -1 otherwise
+};
+
+// What a task waits for before it starts: a counter reaching a target. Producers add 1 to the
+// counter when they finish (release), the waiter acquires it. kNone: starts at once.
+enum class CounterKind : int32_t { kNone = 0, kRowsGathered = 1, kGateUpDone = 2, kDownDone = 3 };
+struct Dependency {
+  CounterKind counter;
+  int32_t index;   // row tile for kRowsGathered / kGateUpDone; 0 for kDownDone
+  int64_t target;  // number of producer tasks
+};
+
+constexpr int32_t kTileGroupM = 8;
+
+MOK_HOST_DEVICE inline int32_t num_minibatches(const ForwardPlan& plan) {
+  return (plan.num_m_tiles + plan.minibatch_tiles - 1) / plan.minibatch_tiles;
+}
+
+MOK_HOST_DEVICE inline int32_t minibatch_first_tile(const ForwardPlan& plan, int32_t b) {
+  return b * plan.minibatch_tiles;
+}
+
+MOK_HOST_DEVICE inline int32_t minibatch_tiles(const ForwardPlan& plan, int32_t b) {
+  const int32_t first = minibatch_first_tile(plan, b);
+  const int32_t rest = plan.num_m_tiles - first;
+  return rest < plan.minibatch_tiles ? rest : plan.minibatch_tiles;
+}
+
+// The segments of the order: segment s is (kind, minibatch). Segment 0 is gather(0), 1 is
+// gate_up(0); then three per minibatch b >= 0: gather(b+1), down(b), gate_up(b+1) (the gather
+// and gate_up of a minibatch past the last are empty); then one combine segment.
+MOK_HOST_DEVICE inline int32_t num_segments(const ForwardPlan& plan) {
+  return 2 + 3 * num_minibatches(plan) + 1;
+}
+
+MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment, TaskKind* kind,
+                                       int32_t* minibatch) {
+  const int32_t batches = num_minibatches(plan);
+  if (segment < 2) {
+    *kind = segment == 0 ? TaskKind::kGather : TaskKind::kGateUp;
+    *minibatch = 0;
+  } else if (segment < 2 + 3 * batches) {
+    const int32_t b = (segment - 2) / 3, which = (segment - 2) % 3;
+    *kind = which == 0 ? TaskKind::kGather : which == 1 ? TaskKind::kDown : TaskKind::kGateUp;
+    *minibatch = which == 1 ? b : b + 1;
+  } else {
+    *kind = TaskKind::kCombine;
+    *minibatch = -1;
+  }
+}
+
+MOK_HOST_DEVICE inline int64_t segment_size(const ForwardPlan& plan, TaskKind kind, int32_t b) {
+  if (kind == TaskKind::kCombine) return plan.combine_blocks;
+  if (b >= num_minibatches(plan)) return 0;
+  const int64_t tiles = minibatch_tiles(plan, b);
+  if (kind == TaskKind::kGather) return tiles;
+  return tiles * (kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles);
+}
+
+MOK_HOST_DEVICE inline int64_t num_tasks(const ForwardPlan& plan) {
+  int64_t total = 0;
+  for (int32_t s = 0; s < num_segments(plan); ++s) {
+    TaskKind kind;
+    int32_t b;
+    segment_at(plan, s, &kind, &b);
+    total += segment_size(plan, kind, b);
+  }
+  return total;
+}
+
+// The task of `ticket` (0 <= ticket < num_tasks). Walks the segments: O(minibatches).
+MOK_HOST_DEVICE inline Task task_at(const ForwardPlan& plan, int64_t ticket) {
+  for (int32_t s = 0; s < num_segments(plan); ++s) {
+    TaskKind kind;
+    int32_t b;
+    segment_at(plan, s, &kind, &b);
+    const int64_t size = segment_size(plan, kind, b);
+    if (ticket >= size) {
+      ticket -= size;
+      continue;
+    }
+    Task task{kind, b, -1, -1, -1};
+    if (kind == TaskKind::kCombine) {
+      task.block = static_cast<int32_t>(ticket);
+    } else if (kind == TaskKind::kGather) {
+      task.m_tile = minibatch_first_tile(plan, b) + static_cast<int32_t>(ticket);
+    } else {
+      const int32_t n_tiles = kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles;
+      const int32_t tiles = minibatch_tiles(plan, b);
+      const int32_t local = static_cast<int32_t>(ticket);
+      const int32_t group = local / (kTileGroupM * n_tiles);
+      const int32_t first_m = group * kTileGroupM;
+      const int32_t group_m = tiles - first_m < kTileGroupM ? tiles - first_m : kTileGroupM;
+      const int32_t in_group = local - group * kTileGroupM * n_tiles;
+      task.m_tile = minibatch_first_tile(plan, b) + first_m + in_group % group_m;
+      task.n_tile = in_group / group_m;
+    }
+    return task;
+  }
+  return Task{TaskKind::kCombine, -1, -1, -1, -1};  // past the end: callers stop before
+}
+
+MOK_HOST_DEVICE inline Dependency dependency_of(const ForwardPlan& plan, const Task& task) {
+  switch (task.kind) {
+    case TaskKind::kGather:
+      return {CounterKind::kNone, 0, 0};
+    case TaskKind::kGateUp:
+      return {CounterKind::kRowsGathered, task.m_tile, 1};
+    case TaskKind::kDown:
+      return {CounterKind::kGateUpDone, task.m_tile, plan.gate_up_n_tiles};
+    case TaskKind::kCombine:
+      return {CounterKind::kDownDone, 0,
+              static_cast<int64_t>(plan.num_m_tiles) * plan.down_n_tiles};
+  }
+  return {CounterKind::kNone, 0, 0};
+}
+
+}  // namespace mok::kernels

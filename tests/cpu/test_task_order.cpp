@@ -1,0 +1,121 @@
+// The persistent forward's task order (src/kernels/task_order.h): every task exactly once,
+// every dependency satisfied by tasks with smaller tickets (so any number of resident CTAs
+// makes progress), counter targets equal to the number of producers, and the minibatch
+// pipeline (the gathers of b+1 come before the down tiles of b).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "kernels/task_order.h"
+#include "mok/routing.h"
+
+namespace mok::kernels {
+namespace {
+
+using Key = std::tuple<int, int, int, int>;  // kind, m_tile, n_tile, block
+
+Key key_of(const Task& task) {
+  return {static_cast<int>(task.kind), task.m_tile, task.n_tile, task.block};
+}
+
+std::vector<ForwardPlan> plans() {
+  std::vector<ForwardPlan> result = {
+      {1, 1, 1, 1, 1},    {0, 32, 16, 28, 4}, {272, 32, 16, 28, 64}, {7, 3, 2, 5, 3},
+      {64, 64, 6, 8, 16}, {65, 64, 6, 8, 16}, {9, 1, 3, 2, 2},       {17, 8, 9, 1, 1},
+  };
+  SplitMix64 rng(7);
+  for (int i = 0; i < 40; ++i)
+    result.push_back({static_cast<int32_t>(rng.below(300)), static_cast<int32_t>(1 + rng.below(40)),
+                      static_cast<int32_t>(1 + rng.below(20)),
+                      static_cast<int32_t>(1 + rng.below(30)),
+                      static_cast<int32_t>(1 + rng.below(50))});
+  return result;
+}
+
+TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
+  for (const ForwardPlan& plan : plans()) {
+    SCOPED_TRACE(testing::Message()
+                 << "m_tiles " << plan.num_m_tiles << " minibatch " << plan.minibatch_tiles
+                 << " gate_up_n " << plan.gate_up_n_tiles << " down_n " << plan.down_n_tiles
+                 << " combine " << plan.combine_blocks);
+    const int64_t total = num_tasks(plan);
+    const int64_t expected =
+        static_cast<int64_t>(plan.num_m_tiles) * (1 + plan.gate_up_n_tiles + plan.down_n_tiles) +
+        plan.combine_blocks;
+    ASSERT_EQ(total, expected);
+    std::map<Key, int64_t> ticket_of;
+    std::vector<Task> tasks;
+    for (int64_t ticket = 0; ticket < total; ++ticket) {
+      const Task task = task_at(plan, ticket);
+      ASSERT_TRUE(ticket_of.emplace(key_of(task), ticket).second)
+          << "ticket " << ticket << " repeats a task";
+      tasks.push_back(task);
+      if (task.kind != TaskKind::kCombine) {
+        ASSERT_GE(task.m_tile, 0);
+        ASSERT_LT(task.m_tile, plan.num_m_tiles);
+        ASSERT_EQ(task.minibatch, task.m_tile / plan.minibatch_tiles);
+      }
+    }
+    // Producers of every counter, and the last ticket among them.
+    std::map<std::pair<int, int>, std::pair<int64_t, int64_t>>
+        producers;  // (counter, index) -> (count, last)
+    for (int64_t ticket = 0; ticket < total; ++ticket) {
+      const Task& task = tasks[ticket];
+      std::pair<int, int> counter{-1, 0};
+      if (task.kind == TaskKind::kGather)
+        counter = {static_cast<int>(CounterKind::kRowsGathered), task.m_tile};
+      if (task.kind == TaskKind::kGateUp)
+        counter = {static_cast<int>(CounterKind::kGateUpDone), task.m_tile};
+      if (task.kind == TaskKind::kDown) counter = {static_cast<int>(CounterKind::kDownDone), 0};
+      if (counter.first < 0) continue;
+      auto& [count, last] = producers[counter];
+      ++count;
+      last = ticket;
+    }
+    for (int64_t ticket = 0; ticket < total; ++ticket) {
+      const Dependency dependency = dependency_of(plan, tasks[ticket]);
+      if (dependency.counter == CounterKind::kNone) continue;
+      const auto found = producers.find({static_cast<int>(dependency.counter), dependency.index});
+      const int64_t count = found == producers.end() ? 0 : found->second.first;
+      EXPECT_EQ(dependency.target, count)
+          << "ticket " << ticket << ": the target is not the producer count";
+      if (count > 0)
+        EXPECT_LT(found->second.second, ticket) << "ticket " << ticket << " waits on a later task";
+    }
+  }
+}
+
+TEST(TaskOrder, GathersOfTheNextMinibatchComeBeforeThisMinibatchsDownTiles) {
+  const ForwardPlan plan{96, 32, 16, 28, 8};
+  int64_t first_down_of_0 = -1, last_gather_of_1 = -1, first_gate_up_of_1 = -1;
+  for (int64_t ticket = 0; ticket < num_tasks(plan); ++ticket) {
+    const Task task = task_at(plan, ticket);
+    if (task.kind == TaskKind::kDown && task.minibatch == 0 && first_down_of_0 < 0)
+      first_down_of_0 = ticket;
+    if (task.kind == TaskKind::kGather && task.minibatch == 1) last_gather_of_1 = ticket;
+    if (task.kind == TaskKind::kGateUp && task.minibatch == 1 && first_gate_up_of_1 < 0)
+      first_gate_up_of_1 = ticket;
+  }
+  EXPECT_LT(last_gather_of_1, first_down_of_0);
+  EXPECT_LT(first_down_of_0, first_gate_up_of_1);
+}
+
+TEST(TaskOrder, TilesOfAGroupShareWeightTiles) {
+  // Within a gate/up segment, consecutive tickets walk up to 8 row tiles at one n before the
+  // next n: CTAs that run together read the same weight tile.
+  const ForwardPlan plan{16, 16, 4, 2, 1};
+  const int64_t start = 16;  // after gather(0)
+  for (int64_t i = 0; i < 8; ++i) {
+    const Task task = task_at(plan, start + i);
+    EXPECT_EQ(task.kind, TaskKind::kGateUp);
+    EXPECT_EQ(task.n_tile, 0);
+    EXPECT_EQ(task.m_tile, i);
+  }
+  EXPECT_EQ(task_at(plan, start + 8).n_tile, 1);
+}
+
+}  // namespace
+}  // namespace mok::kernels
