@@ -101,6 +101,32 @@ TEST(BackwardGpu, MatchesReference) {
   check_backward("wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform, ++seed);
 }
 
+// Every tuning knob leaves the bits alone (DESIGN.md §7): forward and backward outputs are
+// bitwise identical across minibatch / macrobatch sizes and the fused local dispatch.
+TEST(BackwardGpu, BitwiseInvariantToConfig) {
+  const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 41);
+  DeviceProblem device(problem, 0);
+  GpuLayer reference_layer(shape, MoeConfig{});
+  const HostRank want = gpu_backward(reference_layer, device, problem, /*with_context=*/true);
+  std::vector<MoeConfig> configs(3);
+  configs[0].minibatch_size = 128;
+  configs[0].macrobatch_size = 256;
+  configs[1].minibatch_size = 1024;
+  configs[1].macrobatch_size = 4096;
+  configs[2].fuse_local_dispatch = true;
+  for (const MoeConfig& config : configs) {
+    SCOPED_TRACE(testing::Message()
+                 << "minibatch " << config.minibatch_size << " macrobatch "
+                 << config.macrobatch_size << " fused dispatch " << config.fuse_local_dispatch);
+    GpuLayer layer(shape, config);
+    const HostRank got = gpu_backward(layer, device, problem, /*with_context=*/true);
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+    });
+  }
+}
+
 TEST(BackwardGpu, StaleContextIsRejected) {
   const MoeShape shape = named_shape("tiny");
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 9);
