@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_buffer.h"
 #include "kernels/launchers.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
@@ -16,26 +17,11 @@ namespace mok {
 
 namespace {
 
-void cuda_check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw Error(ErrorCode::kCudaError,
-                std::string("baseline: ") + what + ": " + cudaGetErrorString(status));
-}
-
 void cublas_check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
     throw Error(ErrorCode::kCudaError,
                 std::string("baseline: ") + what + ": cuBLAS status " + std::to_string(status));
 }
-
-struct Buffer {
-  void* pointer = nullptr;
-  explicit Buffer(int64_t bytes) {
-    cuda_check(cudaMalloc(&pointer, std::max<int64_t>(bytes, 16)), "cudaMalloc");
-  }
-  ~Buffer() { cudaFree(pointer); }
-  char* bytes() const { return static_cast<char*>(pointer); }
-};
 
 constexpr float kOne = 1.0f, kZero = 0.0f;
 
@@ -79,11 +65,11 @@ struct BaselineLayer::State {
   MoeShape shape;
   cublasHandle_t handle = nullptr;
   ScheduleLayout layout;
-  std::unique_ptr<Buffer> schedule, rows, gate, up, hidden, expert_out, shared_gate, shared_up,
-      shared_hidden, shared_out;
+  std::unique_ptr<DeviceBuffer> schedule, rows, gate, up, hidden, expert_out, shared_gate,
+      shared_up, shared_hidden, shared_out;
   std::vector<int32_t> offsets, counts;  // split sizes read by the last forward
   // Backward only (allocated on first use).
-  std::unique_ptr<Buffer> d_out_rows, dh_raw, d_gate, d_up, shared_dh_raw, shared_d_gate,
+  std::unique_ptr<DeviceBuffer> d_out_rows, dh_raw, d_gate, d_up, shared_dh_raw, shared_d_gate,
       shared_d_up;
   ~State() {
     if (handle != nullptr) cublasDestroy(handle);
@@ -105,18 +91,18 @@ BaselineLayer::BaselineLayer(const MoeShape& shape) : state_(std::make_unique<St
   s.layout = ScheduleLayout::make(params);
   const int64_t max_rows = params.max_rows(), H = shape.hidden, I = shape.intermediate,
                 T = shape.num_tokens;
-  s.schedule = std::make_unique<Buffer>(s.layout.total_bytes);
-  s.rows = std::make_unique<Buffer>(max_rows * H * 2);
-  s.gate = std::make_unique<Buffer>(max_rows * I * 2);
-  s.up = std::make_unique<Buffer>(max_rows * I * 2);
-  s.hidden = std::make_unique<Buffer>(max_rows * I * 2);
-  s.expert_out = std::make_unique<Buffer>(max_rows * H * 2);
+  s.schedule = std::make_unique<DeviceBuffer>(s.layout.total_bytes, "baseline buffer");
+  s.rows = std::make_unique<DeviceBuffer>(max_rows * H * 2, "baseline buffer");
+  s.gate = std::make_unique<DeviceBuffer>(max_rows * I * 2, "baseline buffer");
+  s.up = std::make_unique<DeviceBuffer>(max_rows * I * 2, "baseline buffer");
+  s.hidden = std::make_unique<DeviceBuffer>(max_rows * I * 2, "baseline buffer");
+  s.expert_out = std::make_unique<DeviceBuffer>(max_rows * H * 2, "baseline buffer");
   if (shape.has_shared_expert()) {
     const int64_t Is = shape.shared_intermediate;
-    s.shared_gate = std::make_unique<Buffer>(T * Is * 2);
-    s.shared_up = std::make_unique<Buffer>(T * Is * 2);
-    s.shared_hidden = std::make_unique<Buffer>(T * Is * 2);
-    s.shared_out = std::make_unique<Buffer>(T * H * 2);
+    s.shared_gate = std::make_unique<DeviceBuffer>(T * Is * 2, "baseline buffer");
+    s.shared_up = std::make_unique<DeviceBuffer>(T * Is * 2, "baseline buffer");
+    s.shared_hidden = std::make_unique<DeviceBuffer>(T * Is * 2, "baseline buffer");
+    s.shared_out = std::make_unique<DeviceBuffer>(T * H * 2, "baseline buffer");
   }
 }
 
@@ -139,7 +125,7 @@ static void sort_and_permute(BaselineLayer::State& s, const ForwardArgs& args,
   cuda_check(
       cudaMemcpyAsync(s.counts.data(), view.expert_counts, E * 4, cudaMemcpyDeviceToHost, stream),
       "read counts");
-  cuda_check(cudaStreamSynchronize(stream), "host sync for split sizes");
+  cuda_check(cudaStreamSynchronize(stream), "baseline: host sync for split sizes");
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, s.shape.hidden,
                                          s.shape.top_k, s.rows->pointer, s.layout.params.max_rows(),
                                          stream),
@@ -165,9 +151,9 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
     if (counts[e] == 0) continue;
     const int64_t row = offsets[e];
     gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2,
-                           s.rows->bytes() + row * H * 2, s.gate->bytes() + row * I * 2);
+                           s.rows->as<char>() + row * H * 2, s.gate->as<char>() + row * I * 2);
     gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2,
-                           s.rows->bytes() + row * H * 2, s.up->bytes() + row * I * 2);
+                           s.rows->as<char>() + row * H * 2, s.up->as<char>() + row * I * 2);
   }
   cuda_check(kernels::launch_baseline_swiglu(offsets[E], s.gate->pointer, s.up->pointer, I,
                                              shape.swiglu_limit, s.hidden->pointer, stream),
@@ -176,7 +162,8 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
     if (counts[e] == 0) continue;
     const int64_t row = offsets[e];
     gemm_rows_by_weights_t(s.handle, counts[e], H, I, w_down + e * H * I * 2,
-                           s.hidden->bytes() + row * I * 2, s.expert_out->bytes() + row * H * 2);
+                           s.hidden->as<char>() + row * I * 2,
+                           s.expert_out->as<char>() + row * H * 2);
   }
   if (shape.has_shared_expert() && T > 0) {
     const int64_t Is = shape.shared_intermediate;
@@ -213,15 +200,15 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                 E = shape.num_experts;
   const int64_t max_rows = s.layout.params.max_rows();
   if (!s.d_out_rows) {
-    s.d_out_rows = std::make_unique<Buffer>(max_rows * H * 2);
-    s.dh_raw = std::make_unique<Buffer>(max_rows * I * 2);
-    s.d_gate = std::make_unique<Buffer>(max_rows * I * 2);
-    s.d_up = std::make_unique<Buffer>(max_rows * I * 2);
+    s.d_out_rows = std::make_unique<DeviceBuffer>(max_rows * H * 2, "baseline buffer");
+    s.dh_raw = std::make_unique<DeviceBuffer>(max_rows * I * 2, "baseline buffer");
+    s.d_gate = std::make_unique<DeviceBuffer>(max_rows * I * 2, "baseline buffer");
+    s.d_up = std::make_unique<DeviceBuffer>(max_rows * I * 2, "baseline buffer");
     if (shape.has_shared_expert()) {
       const int64_t Is = shape.shared_intermediate;
-      s.shared_dh_raw = std::make_unique<Buffer>(T * Is * 2);
-      s.shared_d_gate = std::make_unique<Buffer>(T * Is * 2);
-      s.shared_d_up = std::make_unique<Buffer>(T * Is * 2);
+      s.shared_dh_raw = std::make_unique<DeviceBuffer>(T * Is * 2, "baseline buffer");
+      s.shared_d_gate = std::make_unique<DeviceBuffer>(T * Is * 2, "baseline buffer");
+      s.shared_d_up = std::make_unique<DeviceBuffer>(T * Is * 2, "baseline buffer");
     }
   }
   cublas_check(cublasSetStream(s.handle, stream), "cublasSetStream");
@@ -248,12 +235,12 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
     const int64_t row = offsets[e];
     if (!saved_activations) {
       gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_gate + e * I * H * 2,
-                             s.rows->bytes() + row * H * 2, s.gate->bytes() + row * I * 2);
+                             s.rows->as<char>() + row * H * 2, s.gate->as<char>() + row * I * 2);
       gemm_rows_by_weights_t(s.handle, counts[e], I, H, w_up + e * I * H * 2,
-                             s.rows->bytes() + row * H * 2, s.up->bytes() + row * I * 2);
+                             s.rows->as<char>() + row * H * 2, s.up->as<char>() + row * I * 2);
     }
     gemm_rows_by_weights(s.handle, counts[e], I, H, w_down + e * H * I * 2,
-                         s.d_out_rows->bytes() + row * H * 2, s.dh_raw->bytes() + row * I * 2,
+                         s.d_out_rows->as<char>() + row * H * 2, s.dh_raw->as<char>() + row * I * 2,
                          &kZero);
   }
   cuda_check(
@@ -266,28 +253,30 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
     if (counts[e] == 0) {
       for (char* grad :
            {d_w_gate + e * I * H * 2, d_w_up + e * I * H * 2, d_w_down + e * H * I * 2})
-        cuda_check(cudaMemsetAsync(grad, 0, I * H * 2, stream), "zero empty expert gradient");
+        cuda_check(cudaMemsetAsync(grad, 0, I * H * 2, stream),
+                   "baseline: zero empty expert gradient");
       continue;
     }
     const int64_t row = offsets[e];
-    char* dx = s.expert_out->bytes() + row * H * 2;
+    char* dx = s.expert_out->as<char>() + row * H * 2;
     gemm_rows_by_weights(s.handle, counts[e], H, I, w_gate + e * I * H * 2,
-                         s.d_gate->bytes() + row * I * 2, dx, &kZero);
+                         s.d_gate->as<char>() + row * I * 2, dx, &kZero);
     gemm_rows_by_weights(s.handle, counts[e], H, I, w_up + e * I * H * 2,
-                         s.d_up->bytes() + row * I * 2, dx, &kOne);
-    gemm_weight_grad(s.handle, counts[e], I, H, s.d_gate->bytes() + row * I * 2,
-                     s.rows->bytes() + row * H * 2, d_w_gate + e * I * H * 2);
-    gemm_weight_grad(s.handle, counts[e], I, H, s.d_up->bytes() + row * I * 2,
-                     s.rows->bytes() + row * H * 2, d_w_up + e * I * H * 2);
-    gemm_weight_grad(s.handle, counts[e], H, I, s.d_out_rows->bytes() + row * H * 2,
-                     s.hidden->bytes() + row * I * 2, d_w_down + e * H * I * 2);
+                         s.d_up->as<char>() + row * I * 2, dx, &kOne);
+    gemm_weight_grad(s.handle, counts[e], I, H, s.d_gate->as<char>() + row * I * 2,
+                     s.rows->as<char>() + row * H * 2, d_w_gate + e * I * H * 2);
+    gemm_weight_grad(s.handle, counts[e], I, H, s.d_up->as<char>() + row * I * 2,
+                     s.rows->as<char>() + row * H * 2, d_w_up + e * I * H * 2);
+    gemm_weight_grad(s.handle, counts[e], H, I, s.d_out_rows->as<char>() + row * H * 2,
+                     s.hidden->as<char>() + row * I * 2, d_w_down + e * H * I * 2);
   }
   if (shape.has_shared_expert()) {
     const int64_t Is = shape.shared_intermediate;
     if (T == 0) {
       for (const TensorView* grad :
            {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
-        cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream), "zero shared gradients");
+        cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream),
+                   "baseline: zero shared gradients");
     } else {
       if (!saved_activations) {
         gemm_rows_by_weights_t(s.handle, T, Is, H, fwd.w_shared_gate.data, fwd.x.data,

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_buffer.h"
 #include "kernels/launchers.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
@@ -27,29 +28,6 @@
 namespace mok {
 
 namespace {
-
-void cuda_check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw Error(
-        status == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError,
-        std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-struct DeviceBuffer {
-  void* pointer = nullptr;
-  int64_t bytes = 0;
-  void allocate(int64_t size, const char* what) {
-    bytes = size;
-    cuda_check(cudaMalloc(&pointer, static_cast<size_t>(std::max<int64_t>(size, 16))), what);
-  }
-  ~DeviceBuffer() {
-    if (pointer != nullptr) cudaFree(pointer);
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(pointer);
-  }
-};
 
 int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
