@@ -4,7 +4,8 @@
 # compute-sanitizer on the schedule GPU tests, then writes a summary.
 #
 # Outputs under $OUT (default ./out; the device tool returns at most 8 files): build.log,
-# ctest.log, run.log (mok run on tiny and the benchmark shapes), sass.log, sanitizer.log and
+# ctest.log, run.log (mok run on tiny and the benchmark shapes), clocks.log (SM clock and power
+# during the default run), sass.log, sanitizer.log and
 # results.json (device, pass or fail per step, ctest counts, schedule timing, and every
 # `mok run --json` result). MOK_BENCH_SHAPES picks the extra benchmark shapes (default: qwen3;
 # `mok run` with no arguments covers dsv3_local); MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is recorded and the script goes on
@@ -155,7 +156,16 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
     add_bench_json "$shape" "$OUT/tmp_bench.json"
   done
   # The main job as a newcomer runs it: no arguments (dsv3_local on a GPU).
+  # SM clock, power and temperature every 100 ms during the default run (does the card hold its
+  # clock under a sustained GEMM load? the timings depend on it).
+  monitor_pid=""
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 100 >"$OUT/clocks.log" 2>&1 &
+    monitor_pid=$!
+  fi
   run_step mok_run_default "$OUT/run.log" timeout 300 "./$build_dir/mok" run --json "$OUT/tmp_default.json"
+  [ -n "$monitor_pid" ] && kill "$monitor_pid" 2>/dev/null || true
   add_bench_json default "$OUT/tmp_default.json"
   # Optional hardware-counter profile of the expert GEMMs (MOK_NCU=1): clocks left alone.
   if [ "${MOK_NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
@@ -186,7 +196,7 @@ fi
 sanitizer="$(command -v compute-sanitizer || true)"
 if [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" ]; then
   : >"$OUT/sanitizer.log"
-  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:-ScheduleGpu.Timing}"
+  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:-ScheduleGpu.Timing}"
   race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize}"
   run_step sanitizer_memcheck "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$memcheck_filter"

@@ -66,6 +66,27 @@ const char* precision_name(Precision precision) {
   return "unknown";
 }
 
+const char* local_dispatch_name(LocalDispatch dispatch) {
+  switch (dispatch) {
+    case LocalDispatch::kGatherKernel:
+      return "gather-kernel";
+    case LocalDispatch::kProducerWarps:
+      return "producer-warps";
+    case LocalDispatch::kTmaRows:
+      return "tma-rows";
+  }
+  return "unknown";
+}
+
+LocalDispatch local_dispatch_from_name(const std::string& name) {
+  for (LocalDispatch mode :
+       {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps, LocalDispatch::kTmaRows})
+    if (name == local_dispatch_name(mode)) return mode;
+  throw Error(ErrorCode::kInvalidArgument,
+              "local dispatch '" + name + "' is unknown; valid: gather-kernel, producer-warps, "
+                                          "tma-rows");
+}
+
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
                                   DeviceType device_type, int32_t device_id) {
   if (shape.size() < 1 || shape.size() > static_cast<size_t>(kMaxDims))

@@ -76,6 +76,7 @@ struct GpuLayer::State {
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds
+  bool rows_hold_x = false;  // `rows` holds the gathered x rows of the current schedule
 
   ~State() {
     if (diagnosis != nullptr) cudaFreeHost(diagnosis);
@@ -205,13 +206,17 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
 
 // Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T), then y = h Wd^T scattered to
 // out + row_pair[row] * H. `rows` holds `rows_in_map` rows of width H.
+// With `tma_gather_top_k` > 0, `rows` is x itself [rows_in_map = T, H] and the GEMM loads each
+// schedule row from its token (the TMA row gather).
 void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                     void* out, const kernels::FusedGather& gather, cudaStream_t stream,
-                     const StageMarker& mark) {
+                     void* out, const kernels::FusedGather& gather, int32_t tma_gather_top_k,
+                     cudaStream_t stream, const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   kernels::ExpertGemmMaps maps;
-  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.a0 = maps.a1 = tma_gather_top_k > 0
+                          ? make_tensor_map_2d(rows, H, rows_in_map, 64, 1, "x (one-row boxes)")
+                          : k_major_rows(rows, H, rows_in_map, "expert rows");
   maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
   maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
   kernels::ExpertGemmParams params = base_params(s, set);
@@ -222,11 +227,14 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.out3 = set.up.as<__nv_bfloat16>();
   params.out_ld = I;
   params.gather = gather;
+  params.tma_gather_top_k = tma_gather_top_k;
   launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
   if (gather.x != nullptr) {
     cuda_check(kernels::launch_advance_gather_epoch(gather.epoch, stream),
                "advance the gather epoch");
     mark("gather + gate/up GEMM + SwiGLU");
+  } else if (tma_gather_top_k > 0) {
+    mark("gate/up GEMM (TMA row gather) + SwiGLU");
   } else {
     mark("gate/up GEMM + SwiGLU");
   }
@@ -238,6 +246,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.out = static_cast<__nv_bfloat16*>(out);
   params.out2 = params.out3 = nullptr;
   params.gather = kernels::FusedGather{};
+  params.tma_gather_top_k = 0;
   params.out_ld = H;
   launch(s, kernels::ExpertGemmForm::kDownScatter, maps, params, stream, "down GEMM");
   mark("down GEMM + scatter");
@@ -339,11 +348,13 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
                         s.routed.schedule.pointer, stream)
       .throw_if_error();
   mark("schedule");
-  // The local dispatch: its own kernel, or inside the gate/up GEMM (its producer warpgroup's
-  // spare warps) with config.fuse_local_dispatch.
+  // The local dispatch (config.local_dispatch): its own kernel, or inside the gate/up GEMM
+  // (the producer warpgroup's spare warps, or the producer warp's one-row TMA loads).
   const int64_t max_rows = s.routed.capacity_rows;
+  const LocalDispatch dispatch = T > 0 ? s.config.local_dispatch : LocalDispatch::kGatherKernel;
+  s.rows_hold_x = dispatch != LocalDispatch::kTmaRows;
   kernels::FusedGather gather{};
-  if (!s.config.fuse_local_dispatch) {
+  if (dispatch == LocalDispatch::kGatherKernel) {
     const ScheduleView view = s.routed.view();
     cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
                                            s.rows.pointer, max_rows, stream),
@@ -351,19 +362,24 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
     mark("gather");
   }
   unsigned long long* counters = s.gather_state.as<unsigned long long>();
-  gather.x = s.config.fuse_local_dispatch ? args.x.data_as<const __nv_bfloat16>() : nullptr;
+  gather.x = dispatch == LocalDispatch::kProducerWarps ? args.x.data_as<const __nv_bfloat16>()
+                                                       : nullptr;
   gather.rows = s.rows.as<__nv_bfloat16>();
   gather.hidden = static_cast<int32_t>(H);
   gather.top_k = shape.top_k;
   gather.ticket = counters;
   gather.epoch = counters + 1;
   gather.tile_rows_done = counters + 2;
-  forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
-                  args.w_down.data, s.slots.pointer, gather, stream, mark);
+  if (dispatch == LocalDispatch::kTmaRows)
+    forward_experts(s, s.routed, args.x.data, T, args.w_gate.data, args.w_up.data,
+                    args.w_down.data, s.slots.pointer, gather, shape.top_k, stream, mark);
+  else
+    forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
+                    args.w_down.data, s.slots.pointer, gather, 0, stream, mark);
   if (shape.has_shared_expert() && T > 0) {
     forward_experts(s, s.shared, args.x.data, T, args.w_shared_gate.data, args.w_shared_up.data,
-                    args.w_shared_down.data, s.shared_out.pointer, kernels::FusedGather{}, stream,
-                    [](const char*) {});
+                    args.w_shared_down.data, s.shared_out.pointer, kernels::FusedGather{}, 0,
+                    stream, [](const char*) {});
     mark("shared expert");
   }
   cuda_check(kernels::launch_combine(s.slots.pointer,
@@ -375,9 +391,9 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
   mark("combine");
 }
 
-// With `use_context`, the forward that ran last on this layer left the schedule, the gathered x
-// rows and g, u of every row (routed and shared) in the workspace: the backward starts from
-// them instead of rebuilding and recomputing.
+// With `use_context`, the forward that ran last on this layer left the schedule, g, u of every
+// row (routed and shared) and, unless it gathered by TMA, the gathered x rows in the workspace:
+// the backward starts from them instead of rebuilding and recomputing.
 static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
                          cudaStream_t stream, const StageMarker& mark) {
   const MoeShape& shape = s.shape;
@@ -391,17 +407,20 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
   }
   const ScheduleView view = s.routed.view();
   const int64_t max_rows = s.routed.capacity_rows;
-  if (!use_context)
+  const bool gathers_x = !use_context || !s.rows_hold_x;
+  if (gathers_x) {
     cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
                                            s.rows.pointer, max_rows, stream),
                "gather launch");
+    s.rows_hold_x = true;
+  }
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H,
                                          shape.top_k, s.d_out_rows.pointer, max_rows, stream),
              "gather d_out launch");
   // Pairs not routed here (expert -1) keep 0; the SwiGLU backward writes the routed ones.
   cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream),
              "zero d_router_weights");
-  mark(use_context ? "gather d_out" : "gather x, d_out");
+  mark(gathers_x ? "gather x, d_out" : "gather d_out");
   backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data,
                    fwd.w_up.data, fwd.w_down.data, fwd.router_weights.data_as<const float>(),
                    args.d_router_weights.data_as<float>(), s.slots.pointer,
@@ -448,9 +467,11 @@ bool context_is_current(const GpuLayer::State& s, const ForwardContext* context)
   if (context == nullptr) return false;
   if (context->generation == 0 || context->generation != s.generation)
     throw Error(ErrorCode::kInvalidArgument,
-                "backward: context = forward #" + std::to_string(context->generation) +
-                    ", but the layer's workspace holds forward #" + std::to_string(s.generation) +
-                    "; pass the context of the latest forward on this layer, or none to recompute");
+                "backward: context #" + std::to_string(context->generation) +
+                    " is stale: the layer's workspace holds context #" +
+                    std::to_string(s.generation) +
+                    " (each forward, and each backward without a context, replaces it); pass the "
+                    "context of the latest forward on this layer, or none to recompute");
   return true;
 }
 
@@ -464,7 +485,9 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
     throw Error(ErrorCode::kInvalidArgument,
                 "backward: tensors are on cuda:" + std::to_string(args.d_out.device_id) +
                     " but the layer's workspace is on cuda:" + std::to_string(s.device));
-  run_backward(s, args, context_is_current(s, context), stream, [](const char*) {});
+  const bool use_context = context_is_current(s, context);
+  if (!use_context) ++s.generation;  // the recompute overwrites the latest forward's context
+  run_backward(s, args, use_context, stream, [](const char*) {});
 }
 
 namespace {
@@ -533,6 +556,7 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   const bool use_context = context_is_current(s, context);
+  if (!use_context) ++s.generation;
   return profile_stages(stream, iterations, [&](const StageMarker& mark) {
     run_backward(s, args, use_context, stream, mark);
   });

@@ -22,6 +22,7 @@ struct RunOptions {
   int64_t check_tokens = -1;
   float clamp = 0;
   std::string routing = "uniform";
+  std::string local_dispatch;  // empty: MoeConfig's default
   uint64_t seed = 1;
   std::string json_path;
   bool cpu_only = false;

@@ -38,6 +38,8 @@ mok run options:
   --seed S                     random seed of inputs and routing (default 1)
   --threads N                  CPU threads of the reference (default: all)
   --check-tokens N             tokens the fp64 oracle checks (default: all that fit a budget)
+  --local-dispatch MODE        GPU: gather-kernel, producer-warps or tma-rows (default: the
+                               library's; every mode gives the same bits, the run times all)
   --json FILE                  also write the results as JSON
   --cpu                        run the CPU reference even where a GPU is present
 
@@ -72,7 +74,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     static const char* const kValueOptions[] = {
         "--shape", "--tokens",  "--experts", "--ranks",   "--top-k",        "--shared-intermediate",
-        "--clamp", "--routing", "--seed",    "--threads", "--check-tokens", "--json"};
+        "--clamp", "--routing", "--seed",    "--threads", "--check-tokens", "--json",
+        "--local-dispatch"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -104,6 +107,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.check_tokens = parse_int(flag, value);
     else if (flag == "--json")
       options.json_path = value;
+    else if (flag == "--local-dispatch")
+      options.local_dispatch = value;
     else
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
   }

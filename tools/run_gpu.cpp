@@ -44,6 +44,24 @@ double median_ms(const std::function<void()>& body, cudaStream_t stream, int war
   return times[times.size() / 2];
 }
 
+// Time per call when `calls` calls are queued back to back (the host runs ahead of the GPU, as
+// in a training loop): median over `repeats` batches.
+double back_to_back_ms(const std::function<void()>& body, cudaStream_t stream, int calls,
+                       int repeats) {
+  body();
+  CLI_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> per_call;
+  for (int repeat = 0; repeat < repeats; ++repeat)
+    per_call.push_back(median_ms(
+                           [&] {
+                             for (int call = 0; call < calls; ++call) body();
+                           },
+                           stream, 0, 1) /
+                       calls);
+  std::sort(per_call.begin(), per_call.end());
+  return per_call[per_call.size() / 2];
+}
+
 // Relative error of a whole output (for gradients compared between two GPU runs).
 template <typename T>
 Comparison compare_all(const std::string& name, const std::vector<T>& got,
@@ -70,7 +88,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double backward_flop = 2 * forward_flop;
 
   mok::DeviceProblem device(problem, 0);
-  mok::GpuLayer layer(shape, mok::MoeConfig{});
+  mok::MoeConfig config;
+  if (!options.local_dispatch.empty())
+    config.local_dispatch = mok::local_dispatch_from_name(options.local_dispatch);
+  mok::GpuLayer layer(shape, config);
   mok::BaselineLayer baseline(shape);
   cudaStream_t stream;
   CLI_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -170,6 +191,20 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         baseline.backward(backward_args, stream, true);
       },
       stream, 3, 20);
+  const double mok_forward_queued_ms =
+      back_to_back_ms([&] { layer.forward(args, stream); }, stream, 10, 3);
+  const double base_forward_queued_ms =
+      back_to_back_ms([&] { baseline.forward(args, stream); }, stream, 10, 3);
+  // The forward with each local dispatch mode, each on its own layer (same bits, see the tests).
+  std::vector<std::pair<mok::LocalDispatch, double>> dispatch_forward_ms;
+  for (mok::LocalDispatch mode : {mok::LocalDispatch::kGatherKernel,
+                                  mok::LocalDispatch::kProducerWarps, mok::LocalDispatch::kTmaRows}) {
+    mok::MoeConfig mode_config = config;
+    mode_config.local_dispatch = mode;
+    mok::GpuLayer mode_layer(shape, mode_config);
+    dispatch_forward_ms.emplace_back(
+        mode, median_ms([&] { mode_layer.forward(args, stream); }, stream, 3, 20));
+  }
   const double mok_backward_ms = mok_step_ms - mok_forward_ms;
   const double base_backward_ms = base_step_ms - base_forward_ms;
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -177,7 +212,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   bool passed = deterministic;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
-  std::printf("mok run: forward and backward on %s (EP = 1)\n", device_name.c_str());
+  std::printf("mok run: forward and backward on %s (EP = 1), local dispatch %s\n",
+              device_name.c_str(), mok::local_dispatch_name(config.local_dispatch));
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
               shape.to_string().c_str(), options.routing.c_str(),
               static_cast<unsigned long long>(options.seed));
@@ -196,6 +232,15 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       "  (backward = forward+backward minus forward, both from saved activations; mok's backward\n"
       "   recomputing the forward instead: %.3f ms, %.1f TFLOP/s)\n",
       mok_recompute_ms, backward_flop / mok_recompute_ms / 1e9);
+  std::printf(
+      "  forward, 10 calls queued back to back: mok %.3f ms (%.1f TFLOP/s), baseline %.3f ms "
+      "(its host sync on the split sizes stops it running ahead)\n",
+      mok_forward_queued_ms, forward_flop / mok_forward_queued_ms / 1e9, base_forward_queued_ms);
+  std::printf("  forward by local dispatch mode:");
+  for (const auto& [mode, ms] : dispatch_forward_ms)
+    std::printf(" %s %.3f ms (%.1f TFLOP/s)", mok::local_dispatch_name(mode), ms,
+                forward_flop / ms / 1e9);
+  std::printf("\n");
   for (const auto* stages : {&forward_stages, &backward_stages}) {
     std::printf("  mok %s stages (median of 10, events between stages):\n",
                 stages == &forward_stages ? "forward" : "backward");
@@ -219,14 +264,16 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     std::ofstream json(options.json_path);
     json << "{\n  \"device\": \"" << json_escape(device_name) << "\", \"shape_name\": \""
          << options.shape_name << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \""
-         << options.routing << "\",\n"
+         << options.routing << "\", \"local_dispatch\": \""
+         << mok::local_dispatch_name(config.local_dispatch) << "\",\n"
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
          << ", \"backward\": " << mok_backward_ms << ", \"forward_backward\": " << mok_step_ms
-         << ", \"backward_recompute\": " << mok_recompute_ms << "},\n"
+         << ", \"backward_recompute\": " << mok_recompute_ms
+         << ", \"forward_queued\": " << mok_forward_queued_ms << "},\n"
          << "  \"baseline_ms\": {\"forward\": " << base_forward_ms
          << ", \"backward\": " << base_backward_ms << ", \"forward_backward\": " << base_step_ms
-         << "},\n"
+         << ", \"forward_queued\": " << base_forward_queued_ms << "},\n"
          << "  \"mok_tflops\": {\"forward\": " << forward_flop / mok_forward_ms / 1e9
          << ", \"forward_backward\": " << 3 * forward_flop / mok_step_ms / 1e9
          << "},\n  \"speedup\": {\"forward\": " << base_forward_ms / mok_forward_ms
@@ -238,7 +285,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
              << name << "\": " << ms;
         first_stage = false;
       }
-    json << "},\n  \"errors\": {";
+      json << "},\n  \"forward_ms_by_local_dispatch\": {";
+    for (size_t i = 0; i < dispatch_forward_ms.size(); ++i)
+      json << (i ? ", " : "") << "\"" << mok::local_dispatch_name(dispatch_forward_ms[i].first)
+           << "\": " << dispatch_forward_ms[i].second;
+  json << "},\n  \"errors\": {";
     bool first_error = true;
     for (const auto* list : {&errors, &grad_errors})
       for (const Comparison& error : *list) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "mok/error.h"
 #include "mok/shape.h"
@@ -16,6 +17,24 @@ enum class Precision : int32_t {
 
 const char* precision_name(Precision precision);
 
+// The forward's local dispatch (the routed x rows in expert-grouped order, the gate/up GEMM's
+// A operand).
+enum class LocalDispatch : int32_t {
+  // A memory-bound kernel copies the rows into a row buffer before the gate/up GEMM.
+  kGatherKernel = 0,
+  // The gate/up GEMM's producer warpgroup copies them (spare warps, generic loads/stores)
+  // while its TMA thread waits per tile: the copy overlaps the GEMM.
+  kProducerWarps = 1,
+  // The gate/up GEMM's producer warp loads each row straight from x into the swizzled stage
+  // with one-row TMA boxes: no row buffer is written (the backward gathers x when it needs it).
+  kTmaRows = 2,
+};
+
+const char* local_dispatch_name(LocalDispatch dispatch);
+// The mode named `name` (as local_dispatch_name spells it); throws mok::Error naming the valid
+// names otherwise.
+LocalDispatch local_dispatch_from_name(const std::string& name);
+
 struct MoeConfig {
   int32_t fwd_num_comm_sms = 24;     // SMs that run dispatch/combine in the forward kernel
   int32_t bwd_num_comm_sms = 24;     // likewise in the backward kernel
@@ -23,10 +42,9 @@ struct MoeConfig {
   int64_t macrobatch_size = 131072;  // rows of the ring token buffer
   Precision precision = Precision::kBF16;
   double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
-  // Run the forward's local dispatch (the gather of routed x rows) inside the gate/up GEMM, on
-  // the producer warpgroup's spare warps, instead of as its own kernel before it. Same bits
-  // either way; off by default because it measured slower at dsv3 shapes (docs/perf.md, v5).
-  bool fuse_local_dispatch = false;
+  // How the forward gathers the routed x rows for the gate/up GEMM. Same bits every way
+  // (docs/perf.md v5 and v6 measure them).
+  LocalDispatch local_dispatch = LocalDispatch::kGatherKernel;
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

@@ -10,9 +10,16 @@
 //                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
 //                   together share the B tiles of one expert and the A rows of the group in L2.
 //   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
-// Fused local dispatch (kGateUpSwiGLU with params.gather.x set): the producer warpgroup's warps
-// 1-3 gather the routed x rows while warp 0's TMA thread waits per tile for its rows
-// (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it.
+// Local dispatch inside the gate/up GEMM (kGateUpSwiGLU), two optional ways:
+//   TMA row gather (params.tma_gather_top_k > 0): the A map is x itself with [1 row x 64]
+//     boxes; all 32 lanes of the producer warp load 4 rows each per K-block, straight from
+//     the token rows the schedule names into the swizzled stage (the 128B swizzle is a
+//     function of the shared-memory address, so 128 one-row boxes at 128-byte steps land
+//     exactly as one 128-row box would). Lane 0 alone waits for the free stage, arms it and
+//     loads B.
+//   Fused generic gather (params.gather.x set): the producer warpgroup's warps 1-3 copy the
+//     routed x rows into the row buffer while warp 0's TMA thread waits per tile for its rows
+//     (dispatch_local.cuh).
 // Producer loads per K-block of 64 (tensor maps a0, a1, b0, b1; K-major boxes are
 // [rows x 64 K], MN-major boxes [64 K-rows x 64 MN], four of them for a 256-wide B):
 //   kGateUpSwiGLU, kGateUpStore  A rows (a0), B gate rows (b0) then up rows (b1), 128 each
@@ -141,6 +148,54 @@ using FormStorage =
     GemmSharedStorage<kForm == ExpertGemmForm::kWeightGrad ? kWeightGradStages : kNumStages,
                       kForm == ExpertGemmForm::kWeightGrad>;
 
+// The producer warp of kGateUpSwiGLU with the TMA row gather (see the map at the top): lane l
+// owns rows l, l + 32, l + 64, l + 96 of every tile and keeps their token indices in registers.
+template <typename Storage>
+__device__ __forceinline__ void produce_tiles_gathering_rows(const CUtensorMap& tmap_x,
+                                                             const CUtensorMap& tmap_b0,
+                                                             const CUtensorMap& tmap_b1,
+                                                             const ExpertGemmParams& params,
+                                                             const TileSpace& space,
+                                                             Storage& smem) {
+  constexpr int kRowsPerLane = BLOCK_M / 32;
+  constexpr int32_t kPaddingRow = -1;  // out of bounds: TMA fills the row with zeros
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) {
+    ptx::prefetch_tensor_map(&tmap_x);
+    ptx::prefetch_tensor_map(&tmap_b0);
+    ptx::prefetch_tensor_map(&tmap_b1);
+  }
+  PipelineState<Storage::kNumStagesHere> state;
+  for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
+    const TileCoord coord = tile_coord<ExpertGemmForm::kGateUpSwiGLU>(params, space, tile);
+    int32_t token[kRowsPerLane];
+#pragma unroll
+    for (int j = 0; j < kRowsPerLane; ++j) {
+      const int32_t pair = params.row_pair[coord.m_tile * BLOCK_M + lane + 32 * j];
+      token[j] = pair >= 0 ? pair / params.tma_gather_top_k : kPaddingRow;
+    }
+    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
+      const int k = k_block * BLOCK_K;
+      uint64_t* full = &smem.full[state.stage];
+      if (lane == 0) {
+        mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[state.stage],
+                      state.phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(full, kTileABytes + kTileBBytes);
+        __nv_bfloat16* b_dst = smem.b[state.stage];
+        ptx::tma_load_3d(b_dst, &tmap_b0, full, k, coord.n_tile * 128, coord.expert);
+        ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &tmap_b1, full, k, coord.n_tile * 128,
+                         coord.expert);
+      }
+      __syncwarp();
+      __nv_bfloat16* a_dst = smem.a[state.stage];
+#pragma unroll
+      for (int j = 0; j < kRowsPerLane; ++j)
+        ptx::tma_load_2d(a_dst + (lane + 32 * j) * BLOCK_K, &tmap_x, full, k, token[j]);
+      state.advance();
+    }
+  }
+}
+
 template <ExpertGemmForm kForm>
 __global__ void __launch_bounds__(kNumThreads, 1)
     expert_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a0,
@@ -162,7 +217,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_dec<kProducerRegisters>();
     constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU;
     const bool gathers = kCanGather && params.gather.x != nullptr;
-    if (threadIdx.x == 0) {
+    const bool tma_gathers = kCanGather && params.tma_gather_top_k > 0;
+    if (tma_gathers) {
+      if constexpr (kCanGather)
+        if (threadIdx.x < 32)
+          produce_tiles_gathering_rows(tmap_a0, tmap_b0, tmap_b1, params, space, smem);
+    } else if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&tmap_a0);
       ptx::prefetch_tensor_map(&tmap_b0);
       const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;

@@ -66,6 +66,10 @@ struct ExpertGemmParams {
   int64_t out_ld;      // elements between output rows (all outputs of the form)
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
+  // kGateUpSwiGLU only: > 0 = the A map is x [T, H] itself with one-row boxes, and the
+  // producer warp loads row r of a tile from token row_pair[r] / tma_gather_top_k (padding
+  // rows: out of bounds, filled with zeros), so no gathered copy of x is ever written.
+  int32_t tma_gather_top_k;
   WaitContext wait;
 };
 

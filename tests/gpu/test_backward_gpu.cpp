@@ -109,16 +109,18 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   DeviceProblem device(problem, 0);
   GpuLayer reference_layer(shape, MoeConfig{});
   const HostRank want = gpu_backward(reference_layer, device, problem, /*with_context=*/true);
-  std::vector<MoeConfig> configs(3);
+  std::vector<MoeConfig> configs(4);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
   configs[1].macrobatch_size = 4096;
-  configs[2].fuse_local_dispatch = true;
+  configs[2].local_dispatch = LocalDispatch::kProducerWarps;
+  configs[3].local_dispatch = LocalDispatch::kTmaRows;
   for (const MoeConfig& config : configs) {
     SCOPED_TRACE(testing::Message()
                  << "minibatch " << config.minibatch_size << " macrobatch "
-                 << config.macrobatch_size << " fused dispatch " << config.fuse_local_dispatch);
+                 << config.macrobatch_size << " local dispatch "
+                 << local_dispatch_name(config.local_dispatch));
     GpuLayer layer(shape, config);
     const HostRank got = gpu_backward(layer, device, problem, /*with_context=*/true);
     test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
@@ -139,10 +141,14 @@ TEST(BackwardGpu, StaleContextIsRejected) {
     FAIL() << "a stale context was accepted";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what())
-                  .find("context = forward #1, but the layer's workspace holds forward #2"),
+                  .find("context #1 is stale: the layer's workspace holds context #2"),
               std::string::npos)
         << error.what();
   }
+  // A backward without a context recomputes into the workspace: the context before it is stale.
+  const ForwardContext latest = layer.forward(device.forward_args(), nullptr);
+  layer.backward(device.backward_args(), nullptr);
+  EXPECT_THROW(layer.backward(device.backward_args(), nullptr, &latest), Error);
 }
 
 }  // namespace

@@ -83,34 +83,41 @@ TEST(ForwardGpu, FreshInputsEachRun) {
   for (uint64_t seed : {7, 8, 9}) check_case({"fresh", shape, RoutingKind::kUniform}, seed);
 }
 
-// The local dispatch fused into the gate/up GEMM gives the same bits as its own kernel, on
-// every routing, across repeated launches (its counters carry epochs, nothing is reset).
-TEST(ForwardGpu, FusedLocalDispatchIsBitwiseEqual) {
+// Every way of the local dispatch (its own kernel, the GEMM's producer warps, the producer
+// warp's one-row TMA loads) gives the same bits, on every routing, across repeated launches
+// (the producer-warps counters carry epochs, nothing is reset).
+TEST(ForwardGpu, LocalDispatchModesAreBitwiseEqual) {
   for (RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kOneExpert, RoutingKind::kHoles,
-                              RoutingKind::kNoRoutes}) {
+                              RoutingKind::kNoRoutes, RoutingKind::kSkewed}) {
     SCOPED_TRACE(routing_kind_name(routing));
     const MoeShape shape = make_shape(333, 1024, 384, 16, 4, 1, 128);
     HostProblem problem = HostProblem::make(shape, routing, 31);
     DeviceProblem device(problem, 0);
-    MoeConfig fused_config;
-    fused_config.fuse_local_dispatch = true;
-    GpuLayer plain(shape, MoeConfig{}), fused(shape, fused_config);
+    GpuLayer plain(shape, MoeConfig{});
     const std::vector<bf16> want = gpu_forward(plain, device, problem);
-    for (int repeat = 0; repeat < 3; ++repeat)
-      EXPECT_TRUE(test::bitwise_equal(gpu_forward(fused, device, problem), want))
-          << "launch " << repeat;
+    for (LocalDispatch mode : {LocalDispatch::kProducerWarps, LocalDispatch::kTmaRows}) {
+      SCOPED_TRACE(local_dispatch_name(mode));
+      MoeConfig config;
+      config.local_dispatch = mode;
+      GpuLayer layer(shape, config);
+      for (int repeat = 0; repeat < 3; ++repeat)
+        EXPECT_TRUE(test::bitwise_equal(gpu_forward(layer, device, problem), want))
+            << "launch " << repeat;
+    }
   }
 }
 
 // The whole forward captured once in a CUDA graph and replayed with new routing contents: the
 // schedule and the fused dispatch's epochs live in device memory, so every replay is a fresh,
 // correct forward.
-TEST(ForwardGpu, GraphReplayWithNewRouting) {
+class ForwardGraphReplay : public testing::TestWithParam<LocalDispatch> {};
+
+TEST_P(ForwardGraphReplay, NewRoutingEachReplay) {
   const MoeShape shape = make_shape(300, 512, 256, 16, 4, 1, 128);
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 21);
   DeviceProblem device(problem, 0);
   MoeConfig config;
-  config.fuse_local_dispatch = true;  // the fused dispatch's epochs must survive graph replays
+  config.local_dispatch = GetParam();  // e.g. the producer warps' epochs must survive replays
   GpuLayer layer(shape, config);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
@@ -143,6 +150,16 @@ TEST(ForwardGpu, GraphReplayWithNewRouting) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
+
+INSTANTIATE_TEST_SUITE_P(LocalDispatch, ForwardGraphReplay,
+                         testing::Values(LocalDispatch::kGatherKernel,
+                                         LocalDispatch::kProducerWarps, LocalDispatch::kTmaRows),
+                         [](const testing::TestParamInfo<LocalDispatch>& info) {
+                           std::string name = local_dispatch_name(info.param);
+                           for (char& c : name)
+                             if (c == '-') c = '_';
+                           return name;
+                         });
 
 TEST(ForwardGpu, BadExpertIdIsReportedAtSynchronize) {
   const MoeShape shape = named_shape("tiny");
