@@ -179,7 +179,7 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
                            s.shared_out->pointer);
   }
   cuda_check(
-      kernels::launch_baseline_unpermute(
+      kernels::launch_combine(
           s.expert_out->pointer, view.pair_row,
           shape.has_shared_expert() ? s.shared_out->pointer : nullptr,
           args.router_weights.data_as<const float>(), T, H, shape.top_k, args.out.data, stream),
@@ -304,7 +304,7 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                        args.d_w_shared_down.data);
     }
   }
-  cuda_check(kernels::launch_baseline_unpermute(
+  cuda_check(kernels::launch_combine(
                  s.expert_out->pointer, view.pair_row,
                  shape.has_shared_expert() && T > 0 ? s.shared_out->pointer : nullptr, nullptr, T,
                  H, shape.top_k, args.d_x.data, stream),

@@ -72,19 +72,15 @@ const char* local_dispatch_name(LocalDispatch dispatch) {
       return "gather-kernel";
     case LocalDispatch::kProducerWarps:
       return "producer-warps";
-    case LocalDispatch::kTmaRows:
-      return "tma-rows";
   }
   return "unknown";
 }
 
 LocalDispatch local_dispatch_from_name(const std::string& name) {
-  for (LocalDispatch mode :
-       {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps, LocalDispatch::kTmaRows})
+  for (LocalDispatch mode : {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps})
     if (name == local_dispatch_name(mode)) return mode;
   throw Error(ErrorCode::kInvalidArgument,
-              "local dispatch '" + name + "' is unknown; valid: gather-kernel, producer-warps, "
-                                          "tma-rows");
+              "local dispatch '" + name + "' is unknown; valid: gather-kernel, producer-warps");
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,

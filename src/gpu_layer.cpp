@@ -4,7 +4,8 @@
 //   schedule     ScheduleLayout of the routing (rank 0 of 1)
 //   rows         [max_rows, H] bf16: routed x rows in schedule order (padding rows zero)
 //   hidden       [max_rows, I] bf16: h = swiglu(gate, up) per row
-//   slots        [T*K, H] bf16: expert output row of each (token, k), read by the combine
+//   expert_out   [max_rows, H] bf16: the down GEMM's output rows (backward: the dx rows) in
+//                schedule order; the combine reads pair p's row pair_row[p]
 //   shared_*     the shared expert's own "schedule" (one expert, T rows, identity row map),
 //                its hidden [ceil128(T), Is] and output [T, H]
 // Diagnosis: a WaitDiagnosis in mapped pinned host memory (kernels/wait.cuh).
@@ -68,7 +69,7 @@ struct GpuLayer::State {
   ExpertSet routed, shared;
   DeviceBuffer rows;        // [max_rows, H]: routed x rows in schedule order (padding rows zero)
   DeviceBuffer d_out_rows;  // [max_rows, H]: routed d_out rows (backward)
-  DeviceBuffer slots;       // [T*K, H]: forward expert outputs / backward dx rows per (token, k)
+  DeviceBuffer expert_out;  // [max_rows, H]: expert output rows / backward dx rows, schedule order
   DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
   // The fused local dispatch's counters (dispatch_local.cuh): [0] ticket, [1] epoch,
   // [2 .. 2 + max_tiles) per-tile row counts; zeroed once, never reset (epochs).
@@ -76,7 +77,6 @@ struct GpuLayer::State {
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds
-  bool rows_hold_x = false;  // `rows` holds the gathered x rows of the current schedule
 
   ~State() {
     if (diagnosis != nullptr) cudaFreeHost(diagnosis);
@@ -109,7 +109,7 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config)
                                              " has compute capability " + std::to_string(major) +
                                              ".x; mok's kernels need Hopper (9.0, sm_90a)");
 
-  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k;
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
   ScheduleParams params;
   params.num_ranks = 1;
   params.tokens_per_rank = static_cast<int32_t>(T);
@@ -121,7 +121,7 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config)
   s.routed.allocate(max_rows, I, shape.num_local_experts());
   s.rows.allocate(max_rows * H * 2, "routed rows buffer");
   s.d_out_rows.allocate(max_rows * H * 2, "routed d_out rows buffer");
-  s.slots.allocate(T * K * H * 2, "combine slots buffer");
+  s.expert_out.allocate(max_rows * H * 2, "expert output rows buffer");
   s.gather_state.allocate((2 + params.max_tiles()) * 8, "gather counters");
   cuda_check(cudaMemset(s.gather_state.pointer, 0, s.gather_state.bytes), "zero gather counters");
 
@@ -160,7 +160,7 @@ const MoeShape& GpuLayer::shape() const { return state_->shape; }
 
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
-  return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes + s.slots.bytes +
+  return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes + s.expert_out.bytes +
          s.shared_out.bytes + s.gather_state.bytes;
 }
 
@@ -179,6 +179,11 @@ CUtensorMap mn_major_rows(const void* base, int64_t width, int64_t rows, const c
 CUtensorMap k_major_weights(const void* base, int64_t k, int64_t n, int64_t experts, int32_t box_n,
                             const char* what) {
   return make_tensor_map_3d(base, k, n, experts, 64, box_n, what);
+}
+// The staging-tile epilogue's store map of [rows, width] outputs: [128 rows x 64] boxes (3-D
+// with one batch, like the weight gradients' maps).
+CUtensorMap output_rows(void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_3d(base, width, rows, 1, 64, 128, what);
 }
 CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t experts,
                              const char* what) {
@@ -206,17 +211,15 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
 
 // Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T), then y = h Wd^T scattered to
 // out + row_pair[row] * H. `rows` holds `rows_in_map` rows of width H.
-// With `tma_gather_top_k` > 0, `rows` is x itself [rows_in_map = T, H] and the GEMM loads each
-// schedule row from its token (the TMA row gather).
+// `out` [out_rows, H] receives the output rows in schedule order (the map clips rows past
+// out_rows: the shared expert's output has exactly T rows).
 void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                     void* out, const kernels::FusedGather& gather, int32_t tma_gather_top_k,
+                     void* out, int64_t out_rows, const kernels::FusedGather& gather,
                      cudaStream_t stream, const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   kernels::ExpertGemmMaps maps;
-  maps.a0 = maps.a1 = tma_gather_top_k > 0
-                          ? make_tensor_map_2d(rows, H, rows_in_map, 64, 1, "x (one-row boxes)")
-                          : k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
   maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
   maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
   kernels::ExpertGemmParams params = base_params(s, set);
@@ -227,14 +230,11 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.out3 = set.up.as<__nv_bfloat16>();
   params.out_ld = I;
   params.gather = gather;
-  params.tma_gather_top_k = tma_gather_top_k;
   launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
   if (gather.x != nullptr) {
     cuda_check(kernels::launch_advance_gather_epoch(gather.epoch, stream),
                "advance the gather epoch");
     mark("gather + gate/up GEMM + SwiGLU");
-  } else if (tma_gather_top_k > 0) {
-    mark("gate/up GEMM (TMA row gather) + SwiGLU");
   } else {
     mark("gate/up GEMM + SwiGLU");
   }
@@ -246,10 +246,10 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.out = static_cast<__nv_bfloat16*>(out);
   params.out2 = params.out3 = nullptr;
   params.gather = kernels::FusedGather{};
-  params.tma_gather_top_k = 0;
   params.out_ld = H;
-  launch(s, kernels::ExpertGemmForm::kDownScatter, maps, params, stream, "down GEMM");
-  mark("down GEMM + scatter");
+  maps.out = output_rows(out, H, out_rows, "expert output rows");
+  launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
+  mark("down GEMM");
 }
 
 struct WeightGrads {
@@ -259,13 +259,14 @@ struct WeightGrads {
 };
 
 // Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down
-// with SwiGLU backward (d_g, d_u, h_w, d_router_weights of routed pairs); dx rows scattered to
-// dx_out + row_pair[row] * H; the three weight gradients. router_weights null = weight 1 (the
-// shared expert).
+// with SwiGLU backward (d_g, d_u, h_w, d_router_weights of routed pairs); dx rows in schedule
+// order into dx_out [dx_rows, H]; the three weight gradients. router_weights null = weight 1
+// (the shared expert).
 void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                       const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
                       const void* w_up, const void* w_down, const float* router_weights,
-                      float* d_router_weights, void* dx_out, const WeightGrads& grads,
+                      float* d_router_weights, void* dx_out, int64_t dx_rows,
+                      const WeightGrads& grads,
                       bool recompute, cudaStream_t stream, const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
@@ -309,9 +310,10 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   params.k_extent = static_cast<int32_t>(I);
   params.out = static_cast<__nv_bfloat16*>(dx_out);
   params.out_ld = H;
-  launch(s, kernels::ExpertGemmForm::kGateUpGradScatter, maps, params, stream,
+  maps.out = output_rows(dx_out, H, dx_rows, "dx rows");
+  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, params, stream,
          "gate/up dgrad GEMM");
-  mark("gate/up dgrad + scatter");
+  mark("gate/up dgrad");
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
   const CUtensorMap x_rows = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
@@ -352,7 +354,6 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
   // (the producer warpgroup's spare warps, or the producer warp's one-row TMA loads).
   const int64_t max_rows = s.routed.capacity_rows;
   const LocalDispatch dispatch = T > 0 ? s.config.local_dispatch : LocalDispatch::kGatherKernel;
-  s.rows_hold_x = dispatch != LocalDispatch::kTmaRows;
   kernels::FusedGather gather{};
   if (dispatch == LocalDispatch::kGatherKernel) {
     const ScheduleView view = s.routed.view();
@@ -370,30 +371,25 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
   gather.ticket = counters;
   gather.epoch = counters + 1;
   gather.tile_rows_done = counters + 2;
-  if (dispatch == LocalDispatch::kTmaRows)
-    forward_experts(s, s.routed, args.x.data, T, args.w_gate.data, args.w_up.data,
-                    args.w_down.data, s.slots.pointer, gather, shape.top_k, stream, mark);
-  else
-    forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
-                    args.w_down.data, s.slots.pointer, gather, 0, stream, mark);
+  forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
+                  args.w_down.data, s.expert_out.pointer, max_rows, gather, stream, mark);
   if (shape.has_shared_expert() && T > 0) {
     forward_experts(s, s.shared, args.x.data, T, args.w_shared_gate.data, args.w_shared_up.data,
-                    args.w_shared_down.data, s.shared_out.pointer, kernels::FusedGather{}, 0,
+                    args.w_shared_down.data, s.shared_out.pointer, T, kernels::FusedGather{},
                     stream, [](const char*) {});
     mark("shared expert");
   }
-  cuda_check(kernels::launch_combine(s.slots.pointer,
+  cuda_check(kernels::launch_combine(s.expert_out.pointer, s.routed.view().pair_row,
                                      shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
-                                     args.top_experts.data, args.top_experts.dtype,
                                      args.router_weights.data_as<const float>(), T, H, shape.top_k,
-                                     shape.num_experts, args.out.data, stream),
+                                     args.out.data, stream),
              "combine launch");
   mark("combine");
 }
 
-// With `use_context`, the forward that ran last on this layer left the schedule, g, u of every
-// row (routed and shared) and, unless it gathered by TMA, the gathered x rows in the workspace:
-// the backward starts from them instead of rebuilding and recomputing.
+// With `use_context`, the forward that ran last on this layer left the schedule, the gathered x
+// rows and g, u of every row (routed and shared) in the workspace: the backward starts from
+// them instead of rebuilding and recomputing.
 static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
                          cudaStream_t stream, const StageMarker& mark) {
   const MoeShape& shape = s.shape;
@@ -407,30 +403,27 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
   }
   const ScheduleView view = s.routed.view();
   const int64_t max_rows = s.routed.capacity_rows;
-  const bool gathers_x = !use_context || !s.rows_hold_x;
-  if (gathers_x) {
+  if (!use_context)
     cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
                                            s.rows.pointer, max_rows, stream),
                "gather launch");
-    s.rows_hold_x = true;
-  }
   cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H,
                                          shape.top_k, s.d_out_rows.pointer, max_rows, stream),
              "gather d_out launch");
   // Pairs not routed here (expert -1) keep 0; the SwiGLU backward writes the routed ones.
   cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream),
              "zero d_router_weights");
-  mark(gathers_x ? "gather x, d_out" : "gather d_out");
+  mark(use_context ? "gather d_out" : "gather x, d_out");
   backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data,
                    fwd.w_up.data, fwd.w_down.data, fwd.router_weights.data_as<const float>(),
-                   args.d_router_weights.data_as<float>(), s.slots.pointer,
+                   args.d_router_weights.data_as<float>(), s.expert_out.pointer, max_rows,
                    {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, !use_context, stream,
                    mark);
   if (shape.has_shared_expert()) {
     if (T > 0) {
       backward_experts(
           s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,
-          fwd.w_shared_down.data, nullptr, nullptr, s.shared_out.pointer,
+          fwd.w_shared_down.data, nullptr, nullptr, s.shared_out.pointer, T,
           {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data},
           !use_context, stream, [](const char*) {});
     } else {
@@ -441,10 +434,9 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
     }
     mark("shared expert");
   }
-  cuda_check(kernels::launch_combine(s.slots.pointer,
+  cuda_check(kernels::launch_combine(s.expert_out.pointer, view.pair_row,
                                      shape.has_shared_expert() ? s.shared_out.pointer : nullptr,
-                                     fwd.top_experts.data, fwd.top_experts.dtype, nullptr, T, H,
-                                     shape.top_k, shape.num_experts, args.d_x.data, stream),
+                                     nullptr, T, H, shape.top_k, args.d_x.data, stream),
              "d_x combine launch");
   mark("d_x combine");
 }

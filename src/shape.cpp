@@ -138,10 +138,9 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
                "; valid: a positive, finite number of seconds");
   if (config.local_dispatch != LocalDispatch::kGatherKernel &&
-      config.local_dispatch != LocalDispatch::kProducerWarps &&
-      config.local_dispatch != LocalDispatch::kTmaRows)
+      config.local_dispatch != LocalDispatch::kProducerWarps)
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +
-               "; valid: 0 (gather-kernel), 1 (producer-warps), 2 (tma-rows)");
+               "; valid: 0 (gather-kernel), 1 (producer-warps)");
   return Status::Ok();
 }
 

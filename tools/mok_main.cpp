@@ -38,8 +38,8 @@ mok run options:
   --seed S                     random seed of inputs and routing (default 1)
   --threads N                  CPU threads of the reference (default: all)
   --check-tokens N             tokens the fp64 oracle checks (default: all that fit a budget)
-  --local-dispatch MODE        GPU: gather-kernel, producer-warps or tma-rows (default: the
-                               library's; every mode gives the same bits, the run times all)
+  --local-dispatch MODE        GPU: gather-kernel or producer-warps (default: the library's;
+                               both give the same bits, the run times both)
   --json FILE                  also write the results as JSON
   --cpu                        run the CPU reference even where a GPU is present
 

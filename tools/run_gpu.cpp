@@ -44,22 +44,21 @@ double median_ms(const std::function<void()>& body, cudaStream_t stream, int war
   return times[times.size() / 2];
 }
 
-// Time per call when `calls` calls are queued back to back (the host runs ahead of the GPU, as
-// in a training loop): median over `repeats` batches.
-double back_to_back_ms(const std::function<void()>& body, cudaStream_t stream, int calls,
-                       int repeats) {
-  body();
-  CLI_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> per_call;
-  for (int repeat = 0; repeat < repeats; ++repeat)
-    per_call.push_back(median_ms(
-                           [&] {
-                             for (int call = 0; call < calls; ++call) body();
-                           },
-                           stream, 0, 1) /
-                       calls);
-  std::sort(per_call.begin(), per_call.end());
-  return per_call[per_call.size() / 2];
+// Median milliseconds of each body, timed in `rounds` rounds that visit every body in turn
+// (one warm-up call, then `per_round` timed calls, each synchronized).
+std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& bodies,
+                                          cudaStream_t stream, int rounds, int per_round) {
+  std::vector<std::vector<double>> samples(bodies.size());
+  for (int round = 0; round < rounds; ++round)
+    for (size_t body = 0; body < bodies.size(); ++body)
+      for (int call = 0; call < per_round; ++call)
+        samples[body].push_back(median_ms(bodies[body], stream, call == 0 ? 1 : 0, 1));
+  std::vector<double> medians;
+  for (std::vector<double>& values : samples) {
+    std::sort(values.begin(), values.end());
+    medians.push_back(values[values.size() / 2]);
+  }
+  return medians;
 }
 
 // Relative error of a whole output (for gradients compared between two GPU runs).
@@ -175,36 +174,33 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const auto forward_stages = layer.profile_forward(args, stream, 10);
   const mok::ForwardContext context = layer.forward(args, stream);
   const auto backward_stages = layer.profile_backward(backward_args, stream, 10, &context);
-  const double mok_forward_ms = median_ms([&] { layer.forward(args, stream); }, stream, 3, 20);
-  const double mok_step_ms = median_ms(
-      [&] {
-        const mok::ForwardContext step = layer.forward(args, stream);
-        layer.backward(backward_args, stream, &step);
-      },
-      stream, 3, 20);
-  const double mok_recompute_ms =
-      median_ms([&] { layer.backward(backward_args, stream); }, stream, 3, 20);
-  const double base_forward_ms = median_ms([&] { baseline.forward(args, stream); }, stream, 3, 20);
-  const double base_step_ms = median_ms(
-      [&] {
-        baseline.forward(args, stream);
-        baseline.backward(backward_args, stream, true);
-      },
-      stream, 3, 20);
-  const double mok_forward_queued_ms =
-      back_to_back_ms([&] { layer.forward(args, stream); }, stream, 10, 3);
-  const double base_forward_queued_ms =
-      back_to_back_ms([&] { baseline.forward(args, stream); }, stream, 10, 3);
-  // The forward with each local dispatch mode, each on its own layer (same bits, see the tests).
-  std::vector<std::pair<mok::LocalDispatch, double>> dispatch_forward_ms;
-  for (mok::LocalDispatch mode : {mok::LocalDispatch::kGatherKernel,
-                                  mok::LocalDispatch::kProducerWarps, mok::LocalDispatch::kTmaRows}) {
-    mok::MoeConfig mode_config = config;
-    mode_config.local_dispatch = mode;
-    mok::GpuLayer mode_layer(shape, mode_config);
-    dispatch_forward_ms.emplace_back(
-        mode, median_ms([&] { mode_layer.forward(args, stream); }, stream, 3, 20));
-  }
+  // The other local dispatch mode on its own layer (same bits, see the tests).
+  mok::MoeConfig other_config = config;
+  other_config.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
+                                    ? mok::LocalDispatch::kProducerWarps
+                                    : mok::LocalDispatch::kGatherKernel;
+  mok::GpuLayer other_layer(shape, other_config);
+  // Interleaved rounds: the card runs into its power limit within a second of GEMM load and
+  // lowers its clock (clocks.log of scripts/gpu-check.sh), so timing one side after the other
+  // would hand the later one a slower card.
+  const std::vector<double> medians = interleaved_median_ms(
+      {[&] { layer.forward(args, stream); }, [&] { baseline.forward(args, stream); },
+       [&] {
+         const mok::ForwardContext step = layer.forward(args, stream);
+         layer.backward(backward_args, stream, &step);
+       },
+       [&] {
+         baseline.forward(args, stream);
+         baseline.backward(backward_args, stream, true);
+       },
+       [&] { layer.backward(backward_args, stream); },
+       [&] { other_layer.forward(args, stream); }},
+      stream, 5, 4);
+  const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
+  const double mok_step_ms = medians[2], base_step_ms = medians[3];
+  const double mok_recompute_ms = medians[4];
+  const std::vector<std::pair<mok::LocalDispatch, double>> dispatch_forward_ms = {
+      {config.local_dispatch, mok_forward_ms}, {other_config.local_dispatch, medians[5]}};
   const double mok_backward_ms = mok_step_ms - mok_forward_ms;
   const double base_backward_ms = base_step_ms - base_forward_ms;
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -219,6 +215,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
               static_cast<unsigned long long>(options.seed));
   std::printf("  work      %lld routed pairs, %.1f GFLOP forward, %.1f GFLOP backward\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9, backward_flop / 1e9);
+  std::printf("  times: median of 20 calls, mok and baseline interleaved in 5 rounds\n");
   std::printf("  %-22s %10s %10s %10s %10s %9s\n", "", "mok ms", "TFLOP/s", "base ms", "TFLOP/s",
               "speedup");
   auto row = [&](const char* name, double flop, double mok_ms, double base_ms) {
@@ -232,10 +229,6 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       "  (backward = forward+backward minus forward, both from saved activations; mok's backward\n"
       "   recomputing the forward instead: %.3f ms, %.1f TFLOP/s)\n",
       mok_recompute_ms, backward_flop / mok_recompute_ms / 1e9);
-  std::printf(
-      "  forward, 10 calls queued back to back: mok %.3f ms (%.1f TFLOP/s), baseline %.3f ms "
-      "(its host sync on the split sizes stops it running ahead)\n",
-      mok_forward_queued_ms, forward_flop / mok_forward_queued_ms / 1e9, base_forward_queued_ms);
   std::printf("  forward by local dispatch mode:");
   for (const auto& [mode, ms] : dispatch_forward_ms)
     std::printf(" %s %.3f ms (%.1f TFLOP/s)", mok::local_dispatch_name(mode), ms,
@@ -270,10 +263,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
          << ", \"backward\": " << mok_backward_ms << ", \"forward_backward\": " << mok_step_ms
          << ", \"backward_recompute\": " << mok_recompute_ms
-         << ", \"forward_queued\": " << mok_forward_queued_ms << "},\n"
+         << "},\n"
          << "  \"baseline_ms\": {\"forward\": " << base_forward_ms
          << ", \"backward\": " << base_backward_ms << ", \"forward_backward\": " << base_step_ms
-         << ", \"forward_queued\": " << base_forward_queued_ms << "},\n"
+         << "},\n"
          << "  \"mok_tflops\": {\"forward\": " << forward_flop / mok_forward_ms / 1e9
          << ", \"forward_backward\": " << 3 * forward_flop / mok_step_ms / 1e9
          << "},\n  \"speedup\": {\"forward\": " << base_forward_ms / mok_forward_ms

@@ -25,9 +25,6 @@ enum class LocalDispatch : int32_t {
   // The gate/up GEMM's producer warpgroup copies them (spare warps, generic loads/stores)
   // while its TMA thread waits per tile: the copy overlaps the GEMM.
   kProducerWarps = 1,
-  // The gate/up GEMM's producer warp loads each row straight from x into the swizzled stage
-  // with one-row TMA boxes: no row buffer is written (the backward gathers x when it needs it).
-  kTmaRows = 2,
 };
 
 const char* local_dispatch_name(LocalDispatch dispatch);
@@ -42,8 +39,8 @@ struct MoeConfig {
   int64_t macrobatch_size = 131072;  // rows of the ring token buffer
   Precision precision = Precision::kBF16;
   double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
-  // How the forward gathers the routed x rows for the gate/up GEMM. Same bits every way
-  // (docs/perf.md v5 and v6 measure them).
+  // How the forward gathers the routed x rows for the gate/up GEMM. Same bits either way
+  // (docs/perf.md v5 measures both; v6 a third way, one-row TMA loads, 3x slower, removed).
   LocalDispatch local_dispatch = LocalDispatch::kGatherKernel;
 };
 

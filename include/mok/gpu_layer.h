@@ -20,8 +20,8 @@
 
 namespace mok {
 
-// Names the intermediates a forward left in the layer's workspace (the routing schedule, bf16 g
-// and u of every row, and the gathered x rows unless the forward gathered by TMA), which a
+// Names the intermediates a forward left in the layer's workspace (the routing schedule, the
+// gathered x rows, and bf16 g and u of every row), which a
 // backward of the same inputs can start from instead of recomputing them. Valid until the next
 // forward, or the next backward without a context (it recomputes into the same workspace), on
 // the same layer.

@@ -1,8 +1,10 @@
 // Combine: the fixed-order sum at the source rank. For each token, the shared expert's output
-// (if any) and then the K routed expert rows (combine slots t*K + k), weighted by the router
-// weights with fmaf, in k order, summed in fp32 and rounded once to bf16 (docs/design.md).
+// (if any) and then its K routed expert output rows, weighted by the router weights with fmaf,
+// in k order, summed in fp32 and rounded once to bf16 (docs/design.md). The expert GEMM left
+// its output rows in schedule order; pair t*K + k reads row pair_row[t*K + k] (-1: the slot is
+// not routed, it adds nothing).
 //
-// Roles: one thread per (token, 8 columns): 16-byte loads of each slot, 8 fp32 accumulators.
+// Roles: one thread per (token, 8 columns): 16-byte loads of each row, 8 fp32 accumulators.
 #include <cuda_bf16.h>
 
 #include "kernels/launchers.h"
@@ -11,11 +13,9 @@ namespace mok::kernels {
 
 namespace {
 
-template <typename ExpertId>
-__global__ void combine_kernel(const uint4* slots, const uint4* shared, const ExpertId* top_experts,
+__global__ void combine_kernel(const uint4* expert_rows, const int32_t* pair_row, const uint4* shared,
                                const float* router_weights, int64_t num_tokens,
-                               int64_t vectors_per_row, int32_t top_k, int64_t num_experts,
-                               uint4* out) {
+                               int64_t vectors_per_row, int32_t top_k, uint4* out) {
   const int64_t total = num_tokens * vectors_per_row;
   for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -35,10 +35,10 @@ __global__ void combine_kernel(const uint4* slots, const uint4* shared, const Ex
       for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
     }
     for (int k = 0; k < top_k; ++k) {
-      const int64_t expert = static_cast<int64_t>(top_experts[token * top_k + k]);
-      if (expert < 0 || expert >= num_experts) continue;
+      const int32_t row = pair_row[token * top_k + k];
+      if (row < 0) continue;
       const float weight = router_weights != nullptr ? router_weights[token * top_k + k] : 1.0f;
-      const uint4 packed = slots[(token * top_k + k) * vectors_per_row + vector];
+      const uint4 packed = expert_rows[row * vectors_per_row + vector];
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
@@ -57,24 +57,16 @@ __global__ void combine_kernel(const uint4* slots, const uint4* shared, const Ex
 
 }  // namespace
 
-cudaError_t launch_combine(const void* slots, const void* shared, const void* top_experts,
-                           DType expert_dtype, const float* router_weights, int64_t num_tokens,
-                           int64_t hidden, int32_t top_k, int64_t num_experts, void* out,
-                           cudaStream_t stream) {
+cudaError_t launch_combine(const void* expert_rows, const int32_t* pair_row, const void* shared,
+                           const float* router_weights, int64_t num_tokens, int64_t hidden,
+                           int32_t top_k, void* out, cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
   const int64_t vectors_per_row = hidden / 8;
   const int64_t total = num_tokens * vectors_per_row;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16));
-  if (expert_dtype == DType::kInt64)
-    combine_kernel<<<blocks, 256, 0, stream>>>(
-        static_cast<const uint4*>(slots), static_cast<const uint4*>(shared),
-        static_cast<const int64_t*>(top_experts), router_weights, num_tokens, vectors_per_row,
-        top_k, num_experts, static_cast<uint4*>(out));
-  else
-    combine_kernel<<<blocks, 256, 0, stream>>>(
-        static_cast<const uint4*>(slots), static_cast<const uint4*>(shared),
-        static_cast<const int32_t*>(top_experts), router_weights, num_tokens, vectors_per_row,
-        top_k, num_experts, static_cast<uint4*>(out));
+  combine_kernel<<<blocks, 256, 0, stream>>>(
+      static_cast<const uint4*>(expert_rows), pair_row, static_cast<const uint4*>(shared),
+      router_weights, num_tokens, vectors_per_row, top_k, static_cast<uint4*>(out));
   return cudaGetLastError();
 }
 

@@ -1,17 +1,18 @@
-// Epilogues of the expert grouped GEMMs: they read the fp32 accumulators straight from the
-// consumer warpgroup's registers (fragment layout in gemm_mainloop.cuh) and write bf16 outputs
-// with 4-byte stores. One function per form; the rounding points are docs/design.md's.
+// Epilogues of the expert grouped GEMMs: the fp32 accumulators in the consumer warpgroups'
+// registers (fragment layout in gemm_mainloop.cuh) become bf16 outputs. One rounding point per
+// output, as docs/design.md lists them.
 //
+// Register epilogues (4-byte stores straight from the fragments):
 //   kGateUpSwiGLU      register j (gate column) pairs with j + 16 (the up column 128 further):
 //                      h = swiglu(g, u) is thread-local; with out2/out3 set it also keeps
 //                      bf16(g) and bf16(u) (the forward context).
 //   kGateUpStore       the same pairing, storing bf16(g) and bf16(u) for the backward.
-//   kDownScatter,      row r goes to out + row_pair[r] * out_ld (a combine slot); padding rows
-//   kGateUpGradScatter are dropped.
 //   kDownGrad          dh_raw = bf16(acc) rows, stored as they are.
-//   kWeightGrad        through a 128x256 shared-memory staging tile and a TMA store into
-//                      out[e] [M, N] (weight_grad_store below): the store runs in the background
-//                      while the consumers start the next tile's mainloop.
+// Staging-tile epilogues (store_tile below: a 128x256 shared-memory tile and a TMA store that
+// runs in the background while the consumers start the next tile's mainloop):
+//   kDownStore, kGateUpGradStore  rows in schedule order into out [rows, N] (the map clips rows
+//                                 past its extent, e.g. the shared expert's last tile)
+//   kWeightGrad                   out[e] [M, N]; an expert without rows stores zeros
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,18 +46,7 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = row_base + fragment_row(i);
-    if constexpr (kForm == ExpertGemmForm::kDownScatter ||
-                  kForm == ExpertGemmForm::kGateUpGradScatter) {
-      const int pair = params.row_pair[row];
-      if (pair < 0) continue;
-      __nv_bfloat16* out_row = params.out + static_cast<int64_t>(pair) * params.out_ld;
-#pragma unroll
-      for (int j = 0; j < kColumnGroups; ++j) {
-        const int col = col_base + fragment_col(j);
-        if (col < params.n_extent)
-          store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
-      }
-    } else if constexpr (kPairedGateUp) {
+    if constexpr (kPairedGateUp) {
       const int64_t offset = static_cast<int64_t>(row) * params.out_ld;
       const bool keeps_gate_up = params.out2 != nullptr;
 #pragma unroll
@@ -90,16 +80,16 @@ __device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const T
   }
 }
 
-// The weight gradient's epilogue. Consumer threads write their fragments into the staging tile
+// The staging-tile epilogue. Consumer threads write their fragments into the staging tile
 // (four chunks of [128 rows x 64 columns], 128-byte rows swizzled as TMA expects: 16-byte unit
 // u of row r sits at u ^ (r % 8), which also makes each warp's writes bank-conflict free), then
-// one thread stores the chunks with TMA. Before overwriting the tile, that thread waits until
-// the previous tile's store has read it. An expert without rows stores zeros.
-template <typename Storage>
-__device__ __forceinline__ void weight_grad_store(const CUtensorMap* out_map, Storage& smem,
-                                                  const ExpertGemmParams& params,
-                                                  const TileCoord& coord, int consumer_idx,
-                                                  const float (&acc)[128]) {
+// one thread stores the chunks with TMA: to (column, tile row, expert) of out[e] [M, N] for the
+// weight gradient, to (column, tile row, 0) of [rows, N] for the row forms. Before overwriting
+// the tile, that thread waits until the previous tile's store has read it.
+template <ExpertGemmForm kForm, typename Storage>
+__device__ __forceinline__ void store_tile(const CUtensorMap* out_map, Storage& smem,
+                                           const ExpertGemmParams& params, const TileCoord& coord,
+                                           int consumer_idx, const float (&acc)[128]) {
   constexpr int kChunkBytes = BLOCK_M * 128;
   const bool issuer = threadIdx.x == 128;
   if (issuer) ptx::bulk_wait_group_read<0>();
@@ -125,7 +115,8 @@ __device__ __forceinline__ void weight_grad_store(const CUtensorMap* out_map, St
     for (int chunk = 0; chunk < 4; ++chunk)
       if (col_base + chunk * 64 < params.n_extent)
         ptx::tma_store_3d(out_map, tile + chunk * kChunkBytes, col_base + chunk * 64,
-                          coord.m_tile * BLOCK_M, coord.expert);
+                          coord.m_tile * BLOCK_M,
+                          kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
     ptx::bulk_commit_group();
   }
 }

@@ -10,22 +10,15 @@
 //                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
 //                   together share the B tiles of one expert and the A rows of the group in L2.
 //   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
-// Local dispatch inside the gate/up GEMM (kGateUpSwiGLU), two optional ways:
-//   TMA row gather (params.tma_gather_top_k > 0): the A map is x itself with [1 row x 64]
-//     boxes; all 32 lanes of the producer warp load 4 rows each per K-block, straight from
-//     the token rows the schedule names into the swizzled stage (the 128B swizzle is a
-//     function of the shared-memory address, so 128 one-row boxes at 128-byte steps land
-//     exactly as one 128-row box would). Lane 0 alone waits for the free stage, arms it and
-//     loads B.
-//   Fused generic gather (params.gather.x set): the producer warpgroup's warps 1-3 copy the
-//     routed x rows into the row buffer while warp 0's TMA thread waits per tile for its rows
-//     (dispatch_local.cuh).
+// Fused local dispatch (kGateUpSwiGLU with params.gather.x set): the producer warpgroup's warps
+// 1-3 gather the routed x rows while warp 0's TMA thread waits per tile for its rows
+// (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it.
 // Producer loads per K-block of 64 (tensor maps a0, a1, b0, b1; K-major boxes are
 // [rows x 64 K], MN-major boxes [64 K-rows x 64 MN], four of them for a 256-wide B):
 //   kGateUpSwiGLU, kGateUpStore  A rows (a0), B gate rows (b0) then up rows (b1), 128 each
-//   kDownScatter                 A = h rows (a0), B = Wd rows (b0), 256
+//   kDownStore                   A = h rows (a0), B = Wd rows (b0), 256
 //   kDownGrad                    A = d_out rows (a0), B = Wd MN-major (b0)
-//   kGateUpGradScatter           K < I: A = d_g (a0), B = Wg MN-major (b0); then d_u (a1), Wu (b1)
+//   kGateUpGradStore             K < I: A = d_g (a0), B = Wg MN-major (b0); then d_u (a1), Wu (b1)
 //   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0);
 //                                3 stages, the output leaves through a staging tile and `out`
 #include <cuda.h>
@@ -47,7 +40,7 @@ template <ExpertGemmForm kForm>
 struct FormTraits {
   static constexpr bool kAMnMajor = kForm == ExpertGemmForm::kWeightGrad;
   static constexpr bool kBMnMajor = kForm == ExpertGemmForm::kDownGrad ||
-                                    kForm == ExpertGemmForm::kGateUpGradScatter ||
+                                    kForm == ExpertGemmForm::kGateUpGradStore ||
                                     kForm == ExpertGemmForm::kWeightGrad;
   static constexpr bool kRowTiles = kForm != ExpertGemmForm::kWeightGrad;
   static constexpr int kTileN = tile_n_columns(kForm);
@@ -88,7 +81,7 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
     coord.expert = params.tile_expert[coord.m_tile];
     coord.k_row0 = 0;
     const int k_total =
-        kForm == ExpertGemmForm::kGateUpGradScatter ? 2 * params.k_extent : params.k_extent;
+        kForm == ExpertGemmForm::kGateUpGradStore ? 2 * params.k_extent : params.k_extent;
     coord.num_k_blocks = k_total / BLOCK_K;
   } else {
     const int per_expert = space.num_m_tiles * space.num_n_tiles;
@@ -116,7 +109,7 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
     ptx::tma_load_2d(a_dst, a0, full, k, row);
     ptx::tma_load_3d(b_dst, b0, full, k, coord.n_tile * 128, coord.expert);
     ptx::tma_load_3d(b_dst + 128 * BLOCK_K, b1, full, k, coord.n_tile * 128, coord.expert);
-  } else if constexpr (kForm == ExpertGemmForm::kDownScatter) {
+  } else if constexpr (kForm == ExpertGemmForm::kDownStore) {
     ptx::tma_load_2d(a_dst, a0, full, k, row);
     ptx::tma_load_3d(b_dst, b0, full, k, coord.n_tile * 256, coord.expert);
   } else if constexpr (kForm == ExpertGemmForm::kDownGrad) {
@@ -124,7 +117,7 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
 #pragma unroll
     for (int c = 0; c < 4; ++c)
       ptx::tma_load_3d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k, coord.expert);
-  } else if constexpr (kForm == ExpertGemmForm::kGateUpGradScatter) {
+  } else if constexpr (kForm == ExpertGemmForm::kGateUpGradStore) {
     const bool first_half = k < params.k_extent;
     const int k_half = first_half ? k : k - params.k_extent;
     ptx::tma_load_2d(a_dst, first_half ? a0 : a1, full, k_half, row);
@@ -143,58 +136,10 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
   }
 }
 
+// Forms whose epilogue leaves through the staging tile and a TMA store trade one stage for it.
 template <ExpertGemmForm kForm>
-using FormStorage =
-    GemmSharedStorage<kForm == ExpertGemmForm::kWeightGrad ? kWeightGradStages : kNumStages,
-                      kForm == ExpertGemmForm::kWeightGrad>;
-
-// The producer warp of kGateUpSwiGLU with the TMA row gather (see the map at the top): lane l
-// owns rows l, l + 32, l + 64, l + 96 of every tile and keeps their token indices in registers.
-template <typename Storage>
-__device__ __forceinline__ void produce_tiles_gathering_rows(const CUtensorMap& tmap_x,
-                                                             const CUtensorMap& tmap_b0,
-                                                             const CUtensorMap& tmap_b1,
-                                                             const ExpertGemmParams& params,
-                                                             const TileSpace& space,
-                                                             Storage& smem) {
-  constexpr int kRowsPerLane = BLOCK_M / 32;
-  constexpr int32_t kPaddingRow = -1;  // out of bounds: TMA fills the row with zeros
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) {
-    ptx::prefetch_tensor_map(&tmap_x);
-    ptx::prefetch_tensor_map(&tmap_b0);
-    ptx::prefetch_tensor_map(&tmap_b1);
-  }
-  PipelineState<Storage::kNumStagesHere> state;
-  for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
-    const TileCoord coord = tile_coord<ExpertGemmForm::kGateUpSwiGLU>(params, space, tile);
-    int32_t token[kRowsPerLane];
-#pragma unroll
-    for (int j = 0; j < kRowsPerLane; ++j) {
-      const int32_t pair = params.row_pair[coord.m_tile * BLOCK_M + lane + 32 * j];
-      token[j] = pair >= 0 ? pair / params.tma_gather_top_k : kPaddingRow;
-    }
-    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
-      const int k = k_block * BLOCK_K;
-      uint64_t* full = &smem.full[state.stage];
-      if (lane == 0) {
-        mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[state.stage],
-                      state.phase ^ 1);
-        ptx::mbarrier_arrive_expect_tx(full, kTileABytes + kTileBBytes);
-        __nv_bfloat16* b_dst = smem.b[state.stage];
-        ptx::tma_load_3d(b_dst, &tmap_b0, full, k, coord.n_tile * 128, coord.expert);
-        ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &tmap_b1, full, k, coord.n_tile * 128,
-                         coord.expert);
-      }
-      __syncwarp();
-      __nv_bfloat16* a_dst = smem.a[state.stage];
-#pragma unroll
-      for (int j = 0; j < kRowsPerLane; ++j)
-        ptx::tma_load_2d(a_dst + (lane + 32 * j) * BLOCK_K, &tmap_x, full, k, token[j]);
-      state.advance();
-    }
-  }
-}
+using FormStorage = GemmSharedStorage<stores_through_tile(kForm) ? kStoreTileStages : kNumStages,
+                                      stores_through_tile(kForm)>;
 
 template <ExpertGemmForm kForm>
 __global__ void __launch_bounds__(kNumThreads, 1)
@@ -217,12 +162,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_dec<kProducerRegisters>();
     constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU;
     const bool gathers = kCanGather && params.gather.x != nullptr;
-    const bool tma_gathers = kCanGather && params.tma_gather_top_k > 0;
-    if (tma_gathers) {
-      if constexpr (kCanGather)
-        if (threadIdx.x < 32)
-          produce_tiles_gathering_rows(tmap_a0, tmap_b0, tmap_b1, params, space, smem);
-    } else if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&tmap_a0);
       ptx::prefetch_tensor_map(&tmap_b0);
       const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
@@ -250,13 +190,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const TileCoord coord = tile_coord<kForm>(params, space, tile);
       consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(params.wait, smem, state,
                                                          coord.num_k_blocks, consumer_idx, acc);
-      if constexpr (kForm == ExpertGemmForm::kWeightGrad)
-        weight_grad_store(&tmap_out, smem, params, coord, consumer_idx, acc);
+      if constexpr (stores_through_tile(kForm))
+        store_tile<kForm>(&tmap_out, smem, params, coord, consumer_idx, acc);
       else
         epilogue<kForm>(params, coord, consumer_idx, acc);
     }
     // Outstanding TMA stores read the staging tile: it must outlive them.
-    if constexpr (kForm == ExpertGemmForm::kWeightGrad)
+    if constexpr (stores_through_tile(kForm))
       if (threadIdx.x == 128) ptx::bulk_wait_group<0>();
   }
 }
@@ -281,14 +221,14 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
   switch (form) {
     case ExpertGemmForm::kGateUpSwiGLU:
       return launch_form<ExpertGemmForm::kGateUpSwiGLU>(maps, params, num_ctas, stream);
-    case ExpertGemmForm::kDownScatter:
-      return launch_form<ExpertGemmForm::kDownScatter>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kDownStore:
+      return launch_form<ExpertGemmForm::kDownStore>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kGateUpStore:
       return launch_form<ExpertGemmForm::kGateUpStore>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kDownGrad:
       return launch_form<ExpertGemmForm::kDownGrad>(maps, params, num_ctas, stream);
-    case ExpertGemmForm::kGateUpGradScatter:
-      return launch_form<ExpertGemmForm::kGateUpGradScatter>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kGateUpGradStore:
+      return launch_form<ExpertGemmForm::kGateUpGradStore>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kWeightGrad:
       return launch_form<ExpertGemmForm::kWeightGrad>(maps, params, num_ctas, stream);
   }

@@ -17,9 +17,10 @@ enum class ExpertGemmForm : int32_t {
   // rows x (128 gate + 128 up) columns; out = h = swiglu(g, u) [rows, I]; when out2 is set it
   // also keeps bf16(g) in out2 and bf16(u) in out3 (the forward context of the backward).
   kGateUpSwiGLU = 0,
-  // Forward down: A = h [rows, I]; B = Wd [E_loc, H, I]; y = bf16 rows scattered to combine
-  // slot row_pair[row] of out [pairs, H]; padding rows dropped.
-  kDownScatter = 1,
+  // Forward down: A = h [rows, I]; B = Wd [E_loc, H, I]; y = bf16 rows in schedule order,
+  // stored through the staging tile with TMA (ExpertGemmMaps::out over [rows, H]); the combine
+  // reads each pair's row through the schedule's pair_row.
+  kDownStore = 1,
   // Backward recompute of gate/up: like kGateUpSwiGLU but stores bf16(g) to out and bf16(u) to
   // out2 (both [rows, I], before the clamp).
   kGateUpStore = 2,
@@ -28,8 +29,8 @@ enum class ExpertGemmForm : int32_t {
   // SwiGLU backward runs after it as its own memory-bound kernel (swiglu_backward.cu).
   kDownGrad = 3,
   // Backward dgrad of gate/up: A = [d_g | d_u] (two maps, K = 2I); B = [Wg ; Wu] read MN-major
-  // (K = I rows of each, N = H contiguous); dx rows scattered like kDownScatter.
-  kGateUpGradScatter = 4,
+  // (K = I rows of each, N = H contiguous); dx rows stored in schedule order like kDownStore.
+  kGateUpGradStore = 4,
   // Weight gradient of one expert per tile: out[e] [M, N] = A^T B over the expert's rows
   // (K = rows in schedule order, one CTA per output tile, fixed order): A = [rows, M] and
   // B = [rows, N], both MN-major. dWg = d_g^T x, dWu = d_u^T x, dWd = d_out^T h_w.
@@ -59,19 +60,22 @@ struct ExpertGemmParams {
   int32_t num_experts;            // E_loc (kWeightGrad)
   int32_t m_extent;               // output rows M (kWeightGrad)
   int32_t n_extent;               // output columns N
-  int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradScatter: I of one half)
+  int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
   __nv_bfloat16* out;  // see the form
   __nv_bfloat16* out2;
   __nv_bfloat16* out3;
   int64_t out_ld;      // elements between output rows (all outputs of the form)
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
-  // kGateUpSwiGLU only: > 0 = the A map is x [T, H] itself with one-row boxes, and the
-  // producer warp loads row r of a tile from token row_pair[r] / tma_gather_top_k (padding
-  // rows: out of bounds, filled with zeros), so no gathered copy of x is ever written.
-  int32_t tma_gather_top_k;
   WaitContext wait;
 };
+
+// Forms whose output tile leaves through a shared-memory staging tile and a TMA store (which then
+// overlaps the next tile's mainloop) instead of register stores.
+constexpr bool stores_through_tile(ExpertGemmForm form) {
+  return form == ExpertGemmForm::kDownStore || form == ExpertGemmForm::kGateUpGradStore ||
+         form == ExpertGemmForm::kWeightGrad;
+}
 
 constexpr int tile_n_columns(ExpertGemmForm form) {
   return form == ExpertGemmForm::kGateUpSwiGLU || form == ExpertGemmForm::kGateUpStore ? 128 : 256;

@@ -30,7 +30,7 @@ constexpr int BLOCK_M = 128;
 constexpr int BLOCK_N = 256;
 constexpr int BLOCK_K = 64;
 constexpr int kNumStages = 4;         // stages of the row-tile forms
-constexpr int kWeightGradStages = 3;  // the weight gradient trades one stage for its store tile
+constexpr int kStoreTileStages = 3;  // forms with a TMA-store epilogue trade a stage for the tile
 constexpr int kNumThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kProducerRegisters = 56;
@@ -52,7 +52,7 @@ struct alignas(1024) GemmSharedStorage {
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(GemmSharedStorage<kNumStages, false>) + 1024 <= 227 * 1024,
               "fits the SM's shared memory");
-static_assert(sizeof(GemmSharedStorage<kWeightGradStages, true>) + 1024 <= 227 * 1024,
+static_assert(sizeof(GemmSharedStorage<kStoreTileStages, true>) + 1024 <= 227 * 1024,
               "fits the SM's shared memory");
 
 // Position in the stage ring; the phase bit flips each time the ring wraps.

@@ -33,23 +33,20 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
 // (dispatch_local.cuh): one thread, stream-ordered, CUDA-graph capturable.
 cudaError_t launch_advance_gather_epoch(unsigned long long* epoch, cudaStream_t stream);
 
-// Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], slots[t*K + k])) over the
-// slots whose expert id is in [0, num_experts), in k order. `shared` may be null;
-// `router_weights` null means weight 1 (the d_x sum: fmaf(1, y, acc) == acc + y exactly).
-cudaError_t launch_combine(const void* slots, const void* shared, const void* top_experts,
-                           DType expert_dtype, const float* router_weights, int64_t num_tokens,
-                           int64_t hidden, int32_t top_k, int64_t num_experts, void* out,
-                           cudaStream_t stream);
+// Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], expert_rows[pair_row[p]]))
+// with p = t*K + k, over the pairs with pair_row[p] >= 0, in k order. `expert_rows` [rows, H]
+// holds the expert outputs in schedule order; `shared` may be null; `router_weights` null
+// means weight 1 (the d_x sum: fmaf(1, y, acc) == acc + y exactly).
+cudaError_t launch_combine(const void* expert_rows, const int32_t* pair_row, const void* shared,
+                           const float* router_weights, int64_t num_tokens, int64_t hidden,
+                           int32_t top_k, void* out, cudaStream_t stream);
 
-// Unfused baseline (baseline.cu). SwiGLU over rows [0, num_rows) of [rows, I] buffers;
-// unpermute: out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], expert_rows[pair_row[t*K + k]])).
+// Unfused baseline (baseline.cu): SwiGLU over rows [0, num_rows) of [rows, I] buffers. (Its
+// unpermute is launch_combine over its own permutation's pair_row.)
 cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up,
                                    int64_t intermediate, float limit, void* hidden,
                                    cudaStream_t stream);
-cudaError_t launch_baseline_unpermute(const void* expert_rows, const int32_t* pair_row,
-                                      const void* shared, const float* router_weights,
-                                      int64_t num_tokens, int64_t hidden, int32_t top_k, void* out,
-                                      cudaStream_t stream);
+
 
 // SwiGLU backward (swiglu_backward.cu), one warp per row, over rows [0, header->total_rows) (or
 // [0, num_rows) when header is null): from bf16 g, u and dh_raw rows, d_g, d_up and

@@ -109,13 +109,12 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   DeviceProblem device(problem, 0);
   GpuLayer reference_layer(shape, MoeConfig{});
   const HostRank want = gpu_backward(reference_layer, device, problem, /*with_context=*/true);
-  std::vector<MoeConfig> configs(4);
+  std::vector<MoeConfig> configs(3);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
   configs[1].macrobatch_size = 4096;
   configs[2].local_dispatch = LocalDispatch::kProducerWarps;
-  configs[3].local_dispatch = LocalDispatch::kTmaRows;
   for (const MoeConfig& config : configs) {
     SCOPED_TRACE(testing::Message()
                  << "minibatch " << config.minibatch_size << " macrobatch "

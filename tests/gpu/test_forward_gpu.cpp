@@ -95,7 +95,7 @@ TEST(ForwardGpu, LocalDispatchModesAreBitwiseEqual) {
     DeviceProblem device(problem, 0);
     GpuLayer plain(shape, MoeConfig{});
     const std::vector<bf16> want = gpu_forward(plain, device, problem);
-    for (LocalDispatch mode : {LocalDispatch::kProducerWarps, LocalDispatch::kTmaRows}) {
+    for (LocalDispatch mode : {LocalDispatch::kProducerWarps}) {
       SCOPED_TRACE(local_dispatch_name(mode));
       MoeConfig config;
       config.local_dispatch = mode;
@@ -153,7 +153,7 @@ TEST_P(ForwardGraphReplay, NewRoutingEachReplay) {
 
 INSTANTIATE_TEST_SUITE_P(LocalDispatch, ForwardGraphReplay,
                          testing::Values(LocalDispatch::kGatherKernel,
-                                         LocalDispatch::kProducerWarps, LocalDispatch::kTmaRows),
+                                         LocalDispatch::kProducerWarps),
                          [](const testing::TestParamInfo<LocalDispatch>& info) {
                            std::string name = local_dispatch_name(info.param);
                            for (char& c : name)
