@@ -178,12 +178,11 @@ void BaselineLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
     gemm_rows_by_weights_t(s.handle, T, H, Is, args.w_shared_down.data, s.shared_hidden->pointer,
                            s.shared_out->pointer);
   }
-  cuda_check(
-      kernels::launch_combine(
-          s.expert_out->pointer, view.pair_row,
-          shape.has_shared_expert() ? s.shared_out->pointer : nullptr,
-          args.router_weights.data_as<const float>(), T, H, shape.top_k, args.out.data, stream),
-      "unpermute");
+  cuda_check(kernels::launch_combine(s.expert_out->pointer, view.pair_row,
+                                     shape.has_shared_expert() ? s.shared_out->pointer : nullptr,
+                                     args.router_weights.data_as<const float>(), T, H, shape.top_k,
+                                     args.out.data, stream),
+             "unpermute");
 }
 
 }  // namespace mok
@@ -304,11 +303,11 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                        args.d_w_shared_down.data);
     }
   }
-  cuda_check(kernels::launch_combine(
-                 s.expert_out->pointer, view.pair_row,
-                 shape.has_shared_expert() && T > 0 ? s.shared_out->pointer : nullptr, nullptr, T,
-                 H, shape.top_k, args.d_x.data, stream),
-             "unpermute d_x");
+  cuda_check(
+      kernels::launch_combine(s.expert_out->pointer, view.pair_row,
+                              shape.has_shared_expert() && T > 0 ? s.shared_out->pointer : nullptr,
+                              nullptr, T, H, shape.top_k, args.d_x.data, stream),
+      "unpermute d_x");
 }
 
 }  // namespace mok

@@ -160,8 +160,8 @@ const MoeShape& GpuLayer::shape() const { return state_->shape; }
 
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
-  return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes + s.expert_out.bytes +
-         s.shared_out.bytes + s.gather_state.bytes;
+  return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes +
+         s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes;
 }
 
 namespace {
@@ -209,26 +209,26 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
   cuda_check(kernels::launch_expert_gemm(form, maps, params, s.sm_count, stream), what);
 }
 
-// Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T), then y = h Wd^T scattered to
-// out + row_pair[row] * H. `rows` holds `rows_in_map` rows of width H.
-// `out` [out_rows, H] receives the output rows in schedule order (the map clips rows past
-// out_rows: the shared expert's output has exactly T rows).
+// Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T) (keeping g and u, the forward
+// context), then y = h Wd^T. `rows` holds `rows_in_map` rows of width H; `out` [out_rows, H]
+// receives y in schedule order (the map clips rows past out_rows: the shared expert's output
+// has exactly T rows).
 void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
                      void* out, int64_t out_rows, const kernels::FusedGather& gather,
                      cudaStream_t stream, const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
-  kernels::ExpertGemmMaps maps;
+  const int64_t R = set.capacity_rows;
+  kernels::ExpertGemmMaps maps{};
   maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
   maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
   maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.out = output_rows(set.hidden.pointer, I, R, "hidden");
+  maps.out2 = output_rows(set.gate.pointer, I, R, "gate (forward context)");
+  maps.out3 = output_rows(set.up.pointer, I, R, "up (forward context)");
   kernels::ExpertGemmParams params = base_params(s, set);
   params.n_extent = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
-  params.out = set.hidden.as<__nv_bfloat16>();
-  params.out2 = set.gate.as<__nv_bfloat16>();  // the forward context: g and u for the backward
-  params.out3 = set.up.as<__nv_bfloat16>();
-  params.out_ld = I;
   params.gather = gather;
   launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
   if (gather.x != nullptr) {
@@ -239,15 +239,12 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
     mark("gate/up GEMM + SwiGLU");
   }
 
-  maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, set.capacity_rows, "hidden");
+  maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
   maps.b0 = maps.b1 = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.out = output_rows(out, H, out_rows, "expert output rows");
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
-  params.out = static_cast<__nv_bfloat16*>(out);
-  params.out2 = params.out3 = nullptr;
   params.gather = kernels::FusedGather{};
-  params.out_ld = H;
-  maps.out = output_rows(out, H, out_rows, "expert output rows");
   launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
   mark("down GEMM");
 }
@@ -266,21 +263,20 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
                       const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
                       const void* w_up, const void* w_down, const float* router_weights,
                       float* d_router_weights, void* dx_out, int64_t dx_rows,
-                      const WeightGrads& grads,
-                      bool recompute, cudaStream_t stream, const StageMarker& mark) {
+                      const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                      const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
   kernels::ExpertGemmParams params = base_params(s, set);
 
-  kernels::ExpertGemmMaps maps;
+  kernels::ExpertGemmMaps maps{};
   maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
   maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
   maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
+  maps.out2 = output_rows(set.up.pointer, I, R, "up (recomputed)");
   params.n_extent = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
-  params.out = set.gate.as<__nv_bfloat16>();
-  params.out2 = set.up.as<__nv_bfloat16>();
-  params.out_ld = I;
   if (recompute) {
     launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream,
            "gate/up recompute GEMM");
@@ -290,8 +286,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
-  params.out = set.hidden.as<__nv_bfloat16>();
-  params.out2 = params.out3 = nullptr;
+  maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
   launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
   mark("down dgrad");
   const ScheduleView view = set.view();
@@ -308,11 +303,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   maps.b1 = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
-  params.out = static_cast<__nv_bfloat16*>(dx_out);
-  params.out_ld = H;
   maps.out = output_rows(dx_out, H, dx_rows, "dx rows");
-  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, params, stream,
-         "gate/up dgrad GEMM");
+  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, params, stream, "gate/up dgrad GEMM");
   mark("gate/up dgrad");
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
@@ -321,15 +313,13 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   // TMA fills the rest of the last tile with zeros).
   auto weight_grad = [&](const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b, int64_t n,
                          void* out, const char* what) {
-    kernels::ExpertGemmMaps wgrad_maps;
+    kernels::ExpertGemmMaps wgrad_maps{};
     wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
     wgrad_maps.b0 = wgrad_maps.b1 = b;
     wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what);
     kernels::ExpertGemmParams wgrad = base_params(s, set);
     wgrad.m_extent = static_cast<int32_t>(m);
     wgrad.n_extent = static_cast<int32_t>(n);
-    wgrad.out = static_cast<__nv_bfloat16*>(out);
-    wgrad.out_ld = n;
     launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
   };
   weight_grad(set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
@@ -363,8 +353,8 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
     mark("gather");
   }
   unsigned long long* counters = s.gather_state.as<unsigned long long>();
-  gather.x = dispatch == LocalDispatch::kProducerWarps ? args.x.data_as<const __nv_bfloat16>()
-                                                       : nullptr;
+  gather.x =
+      dispatch == LocalDispatch::kProducerWarps ? args.x.data_as<const __nv_bfloat16>() : nullptr;
   gather.rows = s.rows.as<__nv_bfloat16>();
   gather.hidden = static_cast<int32_t>(H);
   gather.top_k = shape.top_k;

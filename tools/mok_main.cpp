@@ -73,8 +73,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       continue;
     }
     static const char* const kValueOptions[] = {
-        "--shape", "--tokens",  "--experts", "--ranks",   "--top-k",        "--shared-intermediate",
-        "--clamp", "--routing", "--seed",    "--threads", "--check-tokens", "--json",
+        "--shape",         "--tokens",       "--experts",
+        "--ranks",         "--top-k",        "--shared-intermediate",
+        "--clamp",         "--routing",      "--seed",
+        "--threads",       "--check-tokens", "--json",
         "--local-dispatch"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))

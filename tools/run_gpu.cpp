@@ -193,8 +193,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          baseline.forward(args, stream);
          baseline.backward(backward_args, stream, true);
        },
-       [&] { layer.backward(backward_args, stream); },
-       [&] { other_layer.forward(args, stream); }},
+       [&] { layer.backward(backward_args, stream); }, [&] { other_layer.forward(args, stream); }},
       stream, 5, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
@@ -262,8 +261,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
          << ", \"backward\": " << mok_backward_ms << ", \"forward_backward\": " << mok_step_ms
-         << ", \"backward_recompute\": " << mok_recompute_ms
-         << "},\n"
+         << ", \"backward_recompute\": " << mok_recompute_ms << "},\n"
          << "  \"baseline_ms\": {\"forward\": " << base_forward_ms
          << ", \"backward\": " << base_backward_ms << ", \"forward_backward\": " << base_step_ms
          << "},\n"
@@ -278,11 +276,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
              << name << "\": " << ms;
         first_stage = false;
       }
-      json << "},\n  \"forward_ms_by_local_dispatch\": {";
+    json << "},\n  \"forward_ms_by_local_dispatch\": {";
     for (size_t i = 0; i < dispatch_forward_ms.size(); ++i)
       json << (i ? ", " : "") << "\"" << mok::local_dispatch_name(dispatch_forward_ms[i].first)
            << "\": " << dispatch_forward_ms[i].second;
-  json << "},\n  \"errors\": {";
+    json << "},\n  \"errors\": {";
     bool first_error = true;
     for (const auto* list : {&errors, &grad_errors})
       for (const Comparison& error : *list) {

@@ -13,8 +13,8 @@ namespace mok::kernels {
 
 namespace {
 
-__global__ void combine_kernel(const uint4* expert_rows, const int32_t* pair_row, const uint4* shared,
-                               const float* router_weights, int64_t num_tokens,
+__global__ void combine_kernel(const uint4* expert_rows, const int32_t* pair_row,
+                               const uint4* shared, const float* router_weights, int64_t num_tokens,
                                int64_t vectors_per_row, int32_t top_k, uint4* out) {
   const int64_t total = num_tokens * vectors_per_row;
   for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;

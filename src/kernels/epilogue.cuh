@@ -1,20 +1,27 @@
 // Epilogues of the expert grouped GEMMs: the fp32 accumulators in the consumer warpgroups'
-// registers (fragment layout in gemm_mainloop.cuh) become bf16 outputs. One rounding point per
-// output, as docs/design.md lists them.
+// registers (fragment layout in gemm_mainloop.cuh) become bf16 outputs, with one rounding point
+// per output as docs/design.md lists them.
 //
-// Register epilogues (4-byte stores straight from the fragments):
-//   kGateUpSwiGLU      register j (gate column) pairs with j + 16 (the up column 128 further):
-//                      h = swiglu(g, u) is thread-local; with out2/out3 set it also keeps
-//                      bf16(g) and bf16(u) (the forward context).
-//   kGateUpStore       the same pairing, storing bf16(g) and bf16(u) for the backward.
-//   kDownGrad          dh_raw = bf16(acc) rows, stored as they are.
-// Staging-tile epilogues (store_tile below: a 128x256 shared-memory tile and a TMA store that
-// runs in the background while the consumers start the next tile's mainloop):
-//   kDownStore, kGateUpGradStore  rows in schedule order into out [rows, N] (the map clips rows
-//                                 past its extent, e.g. the shared expert's last tile)
-//   kWeightGrad                   out[e] [M, N]; an expert without rows stores zeros
+// Every form leaves through the same path: the consumer threads write bf16 values into a
+// 128 x 256 shared-memory staging tile, then one thread stores it with TMA, and the store runs
+// in the background while the consumers start the next tile's mainloop. Before the tile is
+// written again, that thread waits until the previous store has read it. The staging tile is
+// four chunks of [128 rows x 64 columns] with 128-byte rows swizzled as TMA expects (16-byte unit
+// u of row r sits at u ^ (r % 8), which also makes each warp's writes bank-conflict free); the
+// fragment of column group j (8 columns) lands in chunk j / 8.
+//
+// What each form stores (column group j < 16: gate columns, j >= 16: the up columns 128 further,
+// for the 128 + 128 gate/up tiles):
+//   kGateUpSwiGLU     bf16(g) to out2 (chunks 0-1) and bf16(u) to out3 (chunks 2-3), the
+//                     forward context; then h = bf16(swiglu(g, u)) over chunks 0-1, to out
+//   kGateUpStore      bf16(g) to out (chunks 0-1), bf16(u) to out2 (chunks 2-3)
+//   kDownStore, kDownGrad, kGateUpGradStore  the 256 columns to out [rows, N]
+//   kWeightGrad       the 256 columns to out[e] [M, N]; an expert without rows stores zeros
+// Row forms store at (column, tile row, 0) of [rows, N] maps, which clip rows past their extent
+// (the shared expert's outputs have exactly T rows).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include "kernels/expert_gemm_params.h"
@@ -31,93 +38,131 @@ struct TileCoord {
   int num_k_blocks;
 };
 
-__device__ __forceinline__ void store_pair(__nv_bfloat16* address, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(address) = __floats2bfloat162_rn(x, y);
-}
+struct OutputMaps {
+  const CUtensorMap* out;
+  const CUtensorMap* out2;
+  const CUtensorMap* out3;
+};
 
-template <ExpertGemmForm kForm>
-__device__ __forceinline__ void epilogue(const ExpertGemmParams& params, const TileCoord& coord,
-                                         int consumer_idx, const float (&acc)[128]) {
-  constexpr int kTileN = tile_n_columns(kForm);
-  constexpr bool kPairedGateUp = kTileN == 128;
-  constexpr int kColumnGroups = kPairedGateUp ? 16 : 32;
-  const int row_base = coord.m_tile * BLOCK_M + consumer_idx * 64;
-  const int col_base = coord.n_tile * kTileN;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = row_base + fragment_row(i);
-    if constexpr (kPairedGateUp) {
-      const int64_t offset = static_cast<int64_t>(row) * params.out_ld;
-      const bool keeps_gate_up = params.out2 != nullptr;
-#pragma unroll
-      for (int j = 0; j < kColumnGroups; ++j) {
-        const int col = col_base + fragment_col(j);
-        if (col >= params.n_extent) continue;
-        const float g0 = acc[j * 4 + i * 2], g1 = acc[j * 4 + i * 2 + 1];
-        const float u0 = acc[(j + 16) * 4 + i * 2], u1 = acc[(j + 16) * 4 + i * 2 + 1];
-        if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
-          store_pair(params.out + offset + col, swiglu_forward(g0, u0, params.swiglu_limit),
-                     swiglu_forward(g1, u1, params.swiglu_limit));
-          if (keeps_gate_up) {  // the forward context: g, u kept for the backward
-            store_pair(params.out2 + offset + col, g0, g1);
-            store_pair(params.out3 + offset + col, u0, u1);
-          }
-        } else {
-          store_pair(params.out + offset + col, g0, g1);
-          store_pair(params.out2 + offset + col, u0, u1);
-        }
-      }
-    } else {
-      static_assert(kForm == ExpertGemmForm::kDownGrad, "unhandled form");
-      __nv_bfloat16* out_row = params.out + static_cast<int64_t>(row) * params.out_ld;
-#pragma unroll
-      for (int j = 0; j < kColumnGroups; ++j) {
-        const int col = col_base + fragment_col(j);
-        if (col < params.n_extent)
-          store_pair(out_row + col, acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
-      }
-    }
-  }
-}
+constexpr int kStageChunkBytes = BLOCK_M * 128;  // one [128 rows x 64 columns] bf16 chunk
 
-// The staging-tile epilogue. Consumer threads write their fragments into the staging tile
-// (four chunks of [128 rows x 64 columns], 128-byte rows swizzled as TMA expects: 16-byte unit
-// u of row r sits at u ^ (r % 8), which also makes each warp's writes bank-conflict free), then
-// one thread stores the chunks with TMA: to (column, tile row, expert) of out[e] [M, N] for the
-// weight gradient, to (column, tile row, 0) of [rows, N] for the row forms. Before overwriting
-// the tile, that thread waits until the previous tile's store has read it.
-template <ExpertGemmForm kForm, typename Storage>
-__device__ __forceinline__ void store_tile(const CUtensorMap* out_map, Storage& smem,
-                                           const ExpertGemmParams& params, const TileCoord& coord,
-                                           int consumer_idx, const float (&acc)[128]) {
-  constexpr int kChunkBytes = BLOCK_M * 128;
-  const bool issuer = threadIdx.x == 128;
-  if (issuer) ptx::bulk_wait_group_read<0>();
-  ptx::named_barrier_sync(1, kConsumerThreads);
-  char* tile = reinterpret_cast<char*>(smem.store_tile);
-  const bool empty = coord.num_k_blocks == 0;
+// Writes value(i, j) (two floats, rounded to a bf16 pair) for fragment row i and column groups
+// j in [kFirst, kLast) of this consumer warpgroup into the staging tile.
+template <int kFirst, int kLast, typename Value>
+__device__ __forceinline__ void stage_fragments(char* tile, int consumer_idx, Value value) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = consumer_idx * 64 + fragment_row(i);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int offset =
-          (j / 8) * kChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
-      *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(
-          empty ? 0.0f : acc[j * 4 + i * 2], empty ? 0.0f : acc[j * 4 + i * 2 + 1]);
+    for (int j = kFirst; j < kLast; ++j) {
+      const int offset = (j / 8) * kStageChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) +
+                         (threadIdx.x % 4) * 4;
+      const float2 pair = value(i, j);
+      *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(pair.x, pair.y);
     }
   }
+}
+
+// The issuing thread (the first consumer thread) waits until the previous store has read the
+// staging tile; then every consumer thread may write it.
+__device__ __forceinline__ void acquire_staging_tile(bool issuer) {
+  if (issuer) ptx::bulk_wait_group_read<0>();
+  ptx::named_barrier_sync(1, kConsumerThreads);
+}
+
+// Makes the consumers' writes visible to TMA and lets the issuer go on.
+__device__ __forceinline__ void publish_staging_tile() {
   ptx::fence_proxy_async_shared();
   ptx::named_barrier_sync(1, kConsumerThreads);
-  if (issuer) {
-    const int col_base = coord.n_tile * BLOCK_N;
+}
+
+// Issuer: stores chunks [first_chunk, first_chunk + num_chunks) to `map` at columns
+// col_base + 64 * c (skipping chunks past n_extent), tile row `row`, batch `batch`.
+__device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char* tile,
+                                             int first_chunk, int num_chunks, int col_base,
+                                             int n_extent, int row, int batch) {
+  for (int c = 0; c < num_chunks; ++c)
+    if (col_base + c * 64 < n_extent)
+      ptx::tma_store_3d(map, tile + (first_chunk + c) * kStageChunkBytes, col_base + c * 64, row,
+                        batch);
+}
+
+// kGateUpSwiGLU after g and u are staged (bf16): once their store has read the tile, each
+// thread turns its 16-byte units of g (chunks 0-1) into h = swiglu(g, u) in place, reading u
+// from chunks 2-3, and the issuer stores h to `out`. h depends only on bf16(g) and bf16(u), so
+// the bits are those of computing it from the accumulators; doing it from shared memory, one
+// unit at a time, keeps the division's slow path from spilling the accumulators.
+// Thread t handles the units t + 256 q of chunks 0-1 (eight columns each).
+__device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
+                                             const ExpertGemmParams& params, int col_base, int row,
+                                             bool issuer) {
+  constexpr int kUnitsPerThread = 2 * BLOCK_M * 8 / kConsumerThreads;
+  const int thread = threadIdx.x - BLOCK_M;
+  acquire_staging_tile(issuer);
+#pragma unroll 1
+  for (int q = 0; q < kUnitsPerThread; ++q) {
+    const int unit = thread + kConsumerThreads * q;
+    const int chunk = unit / (BLOCK_M * 8), tile_row = (unit / 8) % BLOCK_M;
+    uint4* gate_unit = reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + tile_row * 128 +
+                                                (((unit % 8) ^ (tile_row % 8)) << 4));
+    const uint4 gate = *gate_unit;
+    const uint4 up = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(gate_unit) +
+                                                     2 * kStageChunkBytes);
+    const __nv_bfloat162* gate_pairs = reinterpret_cast<const __nv_bfloat162*>(&gate);
+    const __nv_bfloat162* up_pairs = reinterpret_cast<const __nv_bfloat162*>(&up);
+    uint4 h;
+    __nv_bfloat162* h_pairs = reinterpret_cast<__nv_bfloat162*>(&h);
 #pragma unroll
-    for (int chunk = 0; chunk < 4; ++chunk)
-      if (col_base + chunk * 64 < params.n_extent)
-        ptx::tma_store_3d(out_map, tile + chunk * kChunkBytes, col_base + chunk * 64,
-                          coord.m_tile * BLOCK_M,
-                          kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
+    for (int p = 0; p < 4; ++p) {
+      const float2 g = __bfloat1622float2(gate_pairs[p]), u = __bfloat1622float2(up_pairs[p]);
+      h_pairs[p] = __floats2bfloat162_rn(swiglu_forward(g.x, u.x, params.swiglu_limit),
+                                         swiglu_forward(g.y, u.y, params.swiglu_limit));
+    }
+    *gate_unit = h;
+  }
+  publish_staging_tile();
+  if (issuer) {
+    store_chunks(out, tile, 0, 2, col_base, params.n_extent, row, 0);
     ptx::bulk_commit_group();
+  }
+}
+
+template <ExpertGemmForm kForm, typename Storage>
+__device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem,
+                                           const ExpertGemmParams& params, const TileCoord& coord,
+                                           int consumer_idx, const float (&acc)[128]) {
+  const bool issuer = threadIdx.x == BLOCK_M;  // first consumer thread
+  char* tile = reinterpret_cast<char*>(smem.store_tile);
+  const int row = coord.m_tile * BLOCK_M;
+  auto fragment = [&](int i, int j) {
+    return make_float2(acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
+  };
+
+  acquire_staging_tile(issuer);
+  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
+    // bf16(g) to chunks 0-1, bf16(u) to chunks 2-3, stored to out / out2 (kGateUpStore) or
+    // out2 / out3 (kGateUpSwiGLU, the forward context).
+    const int col_base = coord.n_tile * 128;
+    stage_fragments<0, 32>(tile, consumer_idx, fragment);
+    publish_staging_tile();
+    constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
+    if (issuer) {
+      store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 2, col_base, params.n_extent, row, 0);
+      store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 2, 2, col_base, params.n_extent, row, 0);
+      ptx::bulk_commit_group();
+    }
+    if constexpr (kSwiGLU) stage_swiglu(maps.out, tile, params, col_base, row, issuer);
+  } else {
+    const bool empty = coord.num_k_blocks == 0;  // kWeightGrad: an expert without rows
+    stage_fragments<0, 32>(tile, consumer_idx, [&](int i, int j) {
+      return empty ? make_float2(0.0f, 0.0f) : fragment(i, j);
+    });
+    publish_staging_tile();
+    if (issuer) {
+      store_chunks(maps.out, tile, 0, 4, coord.n_tile * BLOCK_N, params.n_extent, row,
+                   kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
+      ptx::bulk_commit_group();
+    }
   }
 }
 

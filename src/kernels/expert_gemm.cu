@@ -19,8 +19,9 @@
 //   kDownStore                   A = h rows (a0), B = Wd rows (b0), 256
 //   kDownGrad                    A = d_out rows (a0), B = Wd MN-major (b0)
 //   kGateUpGradStore             K < I: A = d_g (a0), B = Wg MN-major (b0); then d_u (a1), Wu (b1)
-//   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0);
-//                                3 stages, the output leaves through a staging tile and `out`
+//   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0)
+// Every form's output leaves through the shared-memory staging tile and TMA stores
+// (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -136,21 +137,17 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
   }
 }
 
-// Forms whose epilogue leaves through the staging tile and a TMA store trade one stage for it.
-template <ExpertGemmForm kForm>
-using FormStorage = GemmSharedStorage<stores_through_tile(kForm) ? kStoreTileStages : kNumStages,
-                                      stores_through_tile(kForm)>;
+// Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
+using FormStorage = GemmSharedStorage<kNumStages>;
 
 template <ExpertGemmForm kForm>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    expert_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a0,
-                       const __grid_constant__ CUtensorMap tmap_a1,
-                       const __grid_constant__ CUtensorMap tmap_b0,
-                       const __grid_constant__ CUtensorMap tmap_b1,
-                       const __grid_constant__ CUtensorMap tmap_out,
-                       const ExpertGemmParams params) {
+__global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
+    const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
+    const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
+    const __grid_constant__ CUtensorMap tmap_out, const __grid_constant__ CUtensorMap tmap_out2,
+    const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
-  using Storage = FormStorage<kForm>;
+  using Storage = FormStorage;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
@@ -190,27 +187,24 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const TileCoord coord = tile_coord<kForm>(params, space, tile);
       consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(params.wait, smem, state,
                                                          coord.num_k_blocks, consumer_idx, acc);
-      if constexpr (stores_through_tile(kForm))
-        store_tile<kForm>(&tmap_out, smem, params, coord, consumer_idx, acc);
-      else
-        epilogue<kForm>(params, coord, consumer_idx, acc);
+      store_tile<kForm>({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
+                        acc);
     }
     // Outstanding TMA stores read the staging tile: it must outlive them.
-    if constexpr (stores_through_tile(kForm))
-      if (threadIdx.x == 128) ptx::bulk_wait_group<0>();
+    if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
   }
 }
 
 template <ExpertGemmForm kForm>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
-  const size_t smem_bytes = sizeof(FormStorage<kForm>) + 1024;
+  const size_t smem_bytes = sizeof(FormStorage) + 1024;
   cudaError_t status =
       cudaFuncSetAttribute(expert_gemm_kernel<kForm>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
   expert_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(
-      maps.a0, maps.a1, maps.b0, maps.b1, maps.out, params);
+      maps.a0, maps.a1, maps.b0, maps.b1, maps.out, maps.out2, maps.out3, params);
   return cudaGetLastError();
 }
 

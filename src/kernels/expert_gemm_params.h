@@ -1,5 +1,6 @@
 // Parameters of the expert grouped GEMMs, shared by the host launcher and the kernels (plain
-// data: included by host C++ too).
+// data: included by host C++ too). Outputs ("out", "out2", "out3" below) are TMA tensor maps
+// (ExpertGemmMaps in launchers.h), written through the staging-tile epilogue (epilogue.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,12 +15,11 @@ namespace mok::kernels {
 // "rows" are the expert-grouped rows of the schedule (128-row tiles, one expert each).
 enum class ExpertGemmForm : int32_t {
   // Forward gate/up: A = rows [rows, H]; B = gate and up weights [E_loc, I, H]; a tile is 128
-  // rows x (128 gate + 128 up) columns; out = h = swiglu(g, u) [rows, I]; when out2 is set it
-  // also keeps bf16(g) in out2 and bf16(u) in out3 (the forward context of the backward).
+  // rows x (128 gate + 128 up) columns; out = h = swiglu(g, u) [rows, I]; it also keeps bf16(g)
+  // in out2 and bf16(u) in out3 (the forward context of the backward).
   kGateUpSwiGLU = 0,
-  // Forward down: A = h [rows, I]; B = Wd [E_loc, H, I]; y = bf16 rows in schedule order,
-  // stored through the staging tile with TMA (ExpertGemmMaps::out over [rows, H]); the combine
-  // reads each pair's row through the schedule's pair_row.
+  // Forward down: A = h [rows, I]; B = Wd [E_loc, H, I]; y = bf16 rows in schedule order to
+  // out [rows, H]; the combine reads each pair's row through the schedule's pair_row.
   kDownStore = 1,
   // Backward recompute of gate/up: like kGateUpSwiGLU but stores bf16(g) to out and bf16(u) to
   // out2 (both [rows, I], before the clamp).
@@ -61,21 +61,10 @@ struct ExpertGemmParams {
   int32_t m_extent;               // output rows M (kWeightGrad)
   int32_t n_extent;               // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
-  __nv_bfloat16* out;  // see the form
-  __nv_bfloat16* out2;
-  __nv_bfloat16* out3;
-  int64_t out_ld;      // elements between output rows (all outputs of the form)
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
   WaitContext wait;
 };
-
-// Forms whose output tile leaves through a shared-memory staging tile and a TMA store (which then
-// overlaps the next tile's mainloop) instead of register stores.
-constexpr bool stores_through_tile(ExpertGemmForm form) {
-  return form == ExpertGemmForm::kDownStore || form == ExpertGemmForm::kGateUpGradStore ||
-         form == ExpertGemmForm::kWeightGrad;
-}
 
 constexpr int tile_n_columns(ExpertGemmForm form) {
   return form == ExpertGemmForm::kGateUpSwiGLU || form == ExpertGemmForm::kGateUpStore ? 128 : 256;

@@ -29,8 +29,7 @@ namespace mok::kernels {
 constexpr int BLOCK_M = 128;
 constexpr int BLOCK_N = 256;
 constexpr int BLOCK_K = 64;
-constexpr int kNumStages = 4;         // stages of the row-tile forms
-constexpr int kStoreTileStages = 3;  // forms with a TMA-store epilogue trade a stage for the tile
+constexpr int kNumStages = 3;  // the staging tile of the epilogue takes a fourth stage's memory
 constexpr int kNumThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kProducerRegisters = 56;
@@ -38,21 +37,19 @@ constexpr int kConsumerRegisters = 224;
 constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 
-// Shared memory of one CTA: the stage ring, and for forms with a TMA-store epilogue a staging
-// tile of 128 x 256 bf16 (four 128B-swizzled chunks of 64 columns).
-template <int kStages, bool kStoreTile>
+// Shared memory of one CTA: the stage ring and the epilogue's staging tile of 128 x 256 bf16
+// (four 128B-swizzled chunks of 64 columns, epilogue.cuh).
+template <int kStages>
 struct alignas(1024) GemmSharedStorage {
   static constexpr int kNumStagesHere = kStages;
   __nv_bfloat16 a[kStages][BLOCK_M * BLOCK_K];
   __nv_bfloat16 b[kStages][BLOCK_N * BLOCK_K];
-  __nv_bfloat16 store_tile[kStoreTile ? BLOCK_M * BLOCK_N : 8];
+  __nv_bfloat16 store_tile[BLOCK_M * BLOCK_N];
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
-static_assert(sizeof(GemmSharedStorage<kNumStages, false>) + 1024 <= 227 * 1024,
-              "fits the SM's shared memory");
-static_assert(sizeof(GemmSharedStorage<kStoreTileStages, true>) + 1024 <= 227 * 1024,
+static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 <= 227 * 1024,
               "fits the SM's shared memory");
 
 // Position in the stage ring; the phase bit flips each time the ring wraps.

@@ -18,7 +18,10 @@ namespace mok::kernels {
 // of expert_gemm.cu; unused maps may be any valid map.
 struct ExpertGemmMaps {
   CUtensorMap a0, a1, b0, b1;
-  CUtensorMap out;  // kWeightGrad: the gradient [E_loc, M, N], boxes of [128 rows x 64 columns]
+  // Outputs of the form (expert_gemm_params.h), 3-D maps with boxes of [128 rows x 64 columns]:
+  // [1, rows, N] for the row forms, [E_loc, M, N] for kWeightGrad. out2/out3 only where the
+  // form has them.
+  CUtensorMap out, out2, out3;
 };
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
                                const ExpertGemmParams& params, int num_ctas, cudaStream_t stream);
@@ -46,7 +49,6 @@ cudaError_t launch_combine(const void* expert_rows, const int32_t* pair_row, con
 cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up,
                                    int64_t intermediate, float limit, void* hidden,
                                    cudaStream_t stream);
-
 
 // SwiGLU backward (swiglu_backward.cu), one warp per row, over rows [0, header->total_rows) (or
 // [0, num_rows) when header is null): from bf16 g, u and dh_raw rows, d_g, d_up and

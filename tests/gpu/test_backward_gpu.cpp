@@ -116,10 +116,9 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[1].macrobatch_size = 4096;
   configs[2].local_dispatch = LocalDispatch::kProducerWarps;
   for (const MoeConfig& config : configs) {
-    SCOPED_TRACE(testing::Message()
-                 << "minibatch " << config.minibatch_size << " macrobatch "
-                 << config.macrobatch_size << " local dispatch "
-                 << local_dispatch_name(config.local_dispatch));
+    SCOPED_TRACE(testing::Message() << "minibatch " << config.minibatch_size << " macrobatch "
+                                    << config.macrobatch_size << " local dispatch "
+                                    << local_dispatch_name(config.local_dispatch));
     GpuLayer layer(shape, config);
     const HostRank got = gpu_backward(layer, device, problem, /*with_context=*/true);
     test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
