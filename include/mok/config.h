@@ -39,9 +39,10 @@ struct MoeConfig {
   int64_t macrobatch_size = 131072;  // rows of the ring token buffer
   Precision precision = Precision::kBF16;
   double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
-  // How the forward gathers the routed x rows for the gate/up GEMM. Same bits either way
-  // (docs/perf.md v5 measures both; v6 a third way, one-row TMA loads, 3x slower, removed).
-  LocalDispatch local_dispatch = LocalDispatch::kGatherKernel;
+  // How the forward gathers the routed x rows for the gate/up GEMM. Same bits either way; the
+  // producer warps measured 3-5% faster at dsv3 and qwen3 shapes since the TMA-store
+  // epilogues (docs/perf.md v8; v6 measured a third way, one-row TMA loads, 3x slower).
+  LocalDispatch local_dispatch = LocalDispatch::kProducerWarps;
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

@@ -162,6 +162,23 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   config = good;
   config.wait_timeout_s = -1;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"wait_timeout_s"});
+  config = good;
+  config.local_dispatch = static_cast<LocalDispatch>(7);
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"local_dispatch = 7", "gather-kernel", "producer-warps"});
+}
+
+TEST(ConfigValidation, LocalDispatchNamesRoundTrip) {
+  for (LocalDispatch mode : {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps})
+    EXPECT_EQ(local_dispatch_from_name(local_dispatch_name(mode)), mode);
+  try {
+    local_dispatch_from_name("tma");
+    FAIL() << "an unknown name was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("'tma' is unknown; valid: gather-kernel"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(ArgsValidation, ValidArgsPass) {

@@ -114,7 +114,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
   configs[1].macrobatch_size = 4096;
-  configs[2].local_dispatch = LocalDispatch::kProducerWarps;
+  configs[2].local_dispatch = LocalDispatch::kGatherKernel;
   for (const MoeConfig& config : configs) {
     SCOPED_TRACE(testing::Message() << "minibatch " << config.minibatch_size << " macrobatch "
                                     << config.macrobatch_size << " local dispatch "

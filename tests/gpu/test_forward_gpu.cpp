@@ -93,7 +93,9 @@ TEST(ForwardGpu, LocalDispatchModesAreBitwiseEqual) {
     const MoeShape shape = make_shape(333, 1024, 384, 16, 4, 1, 128);
     HostProblem problem = HostProblem::make(shape, routing, 31);
     DeviceProblem device(problem, 0);
-    GpuLayer plain(shape, MoeConfig{});
+    MoeConfig plain_config;
+    plain_config.local_dispatch = LocalDispatch::kGatherKernel;
+    GpuLayer plain(shape, plain_config);
     const std::vector<bf16> want = gpu_forward(plain, device, problem);
     for (LocalDispatch mode : {LocalDispatch::kProducerWarps}) {
       SCOPED_TRACE(local_dispatch_name(mode));
