@@ -45,14 +45,18 @@ double median_ms(const std::function<void()>& body, cudaStream_t stream, int war
 }
 
 // Median milliseconds of each body, timed in `rounds` rounds that visit every body in turn
-// (one warm-up call, then `per_round` timed calls, each synchronized).
+// (one warm-up call, then `per_round` timed calls, each synchronized). Round r starts at body
+// r: a body's place in the round changes its time by ~2% (the card's power state), so every
+// body takes every place once when rounds = bodies.size().
 std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& bodies,
                                           cudaStream_t stream, int rounds, int per_round) {
   std::vector<std::vector<double>> samples(bodies.size());
   for (int round = 0; round < rounds; ++round)
-    for (size_t body = 0; body < bodies.size(); ++body)
+    for (size_t place = 0; place < bodies.size(); ++place) {
+      const size_t body = (place + round) % bodies.size();
       for (int call = 0; call < per_round; ++call)
         samples[body].push_back(median_ms(bodies[body], stream, call == 0 ? 1 : 0, 1));
+    }
   std::vector<double> medians;
   for (std::vector<double>& values : samples) {
     std::sort(values.begin(), values.end());
@@ -194,7 +198,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          baseline.backward(backward_args, stream, true);
        },
        [&] { layer.backward(backward_args, stream); }, [&] { other_layer.forward(args, stream); }},
-      stream, 5, 4);
+      stream, 6, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4];
@@ -214,7 +218,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
               static_cast<unsigned long long>(options.seed));
   std::printf("  work      %lld routed pairs, %.1f GFLOP forward, %.1f GFLOP backward\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9, backward_flop / 1e9);
-  std::printf("  times: median of 20 calls, mok and baseline interleaved in 5 rounds\n");
+  std::printf("  times: median of 24 calls, mok and baseline interleaved in 6 rotated rounds\n");
   std::printf("  %-22s %10s %10s %10s %10s %9s\n", "", "mok ms", "TFLOP/s", "base ms", "TFLOP/s",
               "speedup");
   auto row = [&](const char* name, double flop, double mok_ms, double base_ms) {

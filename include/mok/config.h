@@ -40,8 +40,8 @@ struct MoeConfig {
   Precision precision = Precision::kBF16;
   double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
   // How the forward gathers the routed x rows for the gate/up GEMM. Same bits either way; the
-  // producer warps measured 3-5% faster at dsv3 and qwen3 shapes since the TMA-store
-  // epilogues (docs/perf.md v8; v6 measured a third way, one-row TMA loads, 3x slower).
+  // producer warps measured ~2.5% faster at dsv3_local and qwen3 once every epilogue stored
+  // through TMA (docs/perf.md v8; v6 measured a third way, one-row TMA loads, 3x slower).
   LocalDispatch local_dispatch = LocalDispatch::kProducerWarps;
 };
 
