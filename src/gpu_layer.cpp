@@ -263,8 +263,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
                       const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
                       const void* w_up, const void* w_down, const float* router_weights,
                       float* d_router_weights, void* dx_out, int64_t dx_rows,
-                      const WeightGrads& grads, const kernels::FusedGather& d_out_gather,
-                      bool recompute, cudaStream_t stream, const StageMarker& mark) {
+                      const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                      const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
   kernels::ExpertGemmParams params = base_params(s, set);
@@ -287,16 +287,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
-  params.gather = d_out_gather;
   launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
-  params.gather = kernels::FusedGather{};
-  if (d_out_gather.x != nullptr) {
-    cuda_check(kernels::launch_advance_gather_epoch(d_out_gather.epoch, stream),
-               "advance the gather epoch");
-    mark("gather d_out + down dgrad");
-  } else {
-    mark("down dgrad");
-  }
+  mark("down dgrad");
   const ScheduleView view = set.view();
   cuda_check(kernels::launch_swiglu_backward(
                  view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
@@ -405,39 +397,25 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
     cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
                                            s.rows.pointer, max_rows, stream),
                "gather launch");
-  // The d_out gather: its own kernel, or inside the down dgrad GEMM (config.local_dispatch).
-  kernels::FusedGather d_out_gather{};
-  if (s.config.local_dispatch == LocalDispatch::kProducerWarps && T > 0) {
-    unsigned long long* counters = s.gather_state.as<unsigned long long>();
-    d_out_gather.x = args.d_out.data_as<const __nv_bfloat16>();
-    d_out_gather.rows = s.d_out_rows.as<__nv_bfloat16>();
-    d_out_gather.hidden = static_cast<int32_t>(H);
-    d_out_gather.top_k = shape.top_k;
-    d_out_gather.ticket = counters;
-    d_out_gather.epoch = counters + 1;
-    d_out_gather.tile_rows_done = counters + 2;
-  } else {
-    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H,
-                                           shape.top_k, s.d_out_rows.pointer, max_rows, stream),
-               "gather d_out launch");
-  }
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H,
+                                         shape.top_k, s.d_out_rows.pointer, max_rows, stream),
+             "gather d_out launch");
   // Pairs not routed here (expert -1) keep 0; the SwiGLU backward writes the routed ones.
   cuda_check(cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream),
              "zero d_router_weights");
-  mark(d_out_gather.x != nullptr ? (use_context ? "zero d_router_weights" : "gather x")
-                                 : (use_context ? "gather d_out" : "gather x, d_out"));
+  mark(use_context ? "gather d_out" : "gather x, d_out");
   backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data,
                    fwd.w_up.data, fwd.w_down.data, fwd.router_weights.data_as<const float>(),
                    args.d_router_weights.data_as<float>(), s.expert_out.pointer, max_rows,
-                   {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, d_out_gather,
-                   !use_context, stream, mark);
+                   {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, !use_context, stream,
+                   mark);
   if (shape.has_shared_expert()) {
     if (T > 0) {
       backward_experts(
           s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,
           fwd.w_shared_down.data, nullptr, nullptr, s.shared_out.pointer, T,
           {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data},
-          kernels::FusedGather{}, !use_context, stream, [](const char*) {});
+          !use_context, stream, [](const char*) {});
     } else {
       for (const TensorView* grad :
            {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})

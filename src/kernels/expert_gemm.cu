@@ -10,10 +10,9 @@
 //                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
 //                   together share the B tiles of one expert and the A rows of the group in L2.
 //   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
-// Fused local dispatch (kGateUpSwiGLU or kDownGrad with params.gather.x set): the producer
-// warpgroup's warps 1-3 gather the routed x (or d_out) rows while warp 0's TMA thread waits per
-// tile for its rows (dispatch_local.cuh), so the gather overlaps the GEMM instead of running
-// before it.
+// Fused local dispatch (kGateUpSwiGLU with params.gather.x set): the producer warpgroup's warps
+// 1-3 gather the routed x rows while warp 0's TMA thread waits per tile for its rows
+// (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it.
 // Producer loads per K-block of 64 (tensor maps a0, a1, b0, b1; K-major boxes are
 // [rows x 64 K], MN-major boxes [64 K-rows x 64 MN], four of them for a 256-wide B):
 //   kGateUpSwiGLU, kGateUpStore  A rows (a0), B gate rows (b0) then up rows (b1), 128 each
@@ -158,9 +157,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
-    // The forward gate/up GEMM gathers x rows, the backward down dgrad d_out rows.
-    constexpr bool kCanGather =
-        kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kDownGrad;
+    constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU;
     const bool gathers = kCanGather && params.gather.x != nullptr;
     if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&tmap_a0);

@@ -37,9 +37,8 @@ enum class ExpertGemmForm : int32_t {
   kWeightGrad = 5,
 };
 
-// The local dispatch fused into the forward gate/up GEMM, or the d_out gather fused into the
-// backward down dgrad (dispatch_local.cuh): the producer warpgroup's spare warps copy routed
-// rows of x (d_out) into the row buffer the GEMM reads, claiming rows
+// The local dispatch fused into the forward gate/up GEMM (dispatch_local.cuh): the producer
+// warpgroup's spare warps copy routed x rows into the row buffer the GEMM reads, claiming rows
 // with a ticket, and count each 128-row tile's rows; the TMA thread waits for a tile's count.
 // Counters carry the launch's epoch (no reset pass): ticket = epoch << 32 | next row,
 // tile count = epoch * kTileCountStride + rows gathered.
@@ -63,7 +62,7 @@ struct ExpertGemmParams {
   int32_t n_extent;               // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
   float swiglu_limit;  // infinity = no clamp
-  FusedGather gather;  // kGateUpSwiGLU, kDownGrad: the fused local dispatch (x null = off)
+  FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
   WaitContext wait;
 };
 
