@@ -196,8 +196,8 @@ fi
 sanitizer="$(command -v compute-sanitizer || true)"
 if [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" ]; then
   : >"$OUT/sanitizer.log"
-  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:BackwardGpu.StaleContextIsRejected:-ScheduleGpu.Timing}"
-  race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize}"
+  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:BackwardGpu.StaleContextIsRejected:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:-ScheduleGpu.Timing}"
+  race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward}"
   run_step sanitizer_memcheck "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$memcheck_filter"
   run_step sanitizer_racecheck "$OUT/sanitizer.log" timeout 90 "$sanitizer" --tool racecheck \

@@ -74,6 +74,9 @@ struct GpuLayer::State {
   // The fused local dispatch's counters (dispatch_local.cuh): [0] ticket, [1] epoch,
   // [2 .. 2 + max_tiles) per-tile row counts; zeroed once, never reset (epochs).
   DeviceBuffer gather_state;
+  // The persistent forward's counters (forward_gemms.cu): [0] ticket, [1] epoch,
+  // [2 .. 2 + max_tiles) gate/up tiles done per row tile; zeroed once, never reset (epochs).
+  DeviceBuffer persistent_state;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds
@@ -124,6 +127,9 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config)
   s.expert_out.allocate(max_rows * H * 2, "expert output rows buffer");
   s.gather_state.allocate((2 + params.max_tiles()) * 8, "gather counters");
   cuda_check(cudaMemset(s.gather_state.pointer, 0, s.gather_state.bytes), "zero gather counters");
+  s.persistent_state.allocate((2 + params.max_tiles()) * 8, "persistent forward counters");
+  cuda_check(cudaMemset(s.persistent_state.pointer, 0, s.persistent_state.bytes),
+             "zero persistent forward counters");
 
   if (shape.has_shared_expert()) {
     // The shared expert runs through the same kernels as one expert that every token visits:
@@ -161,7 +167,7 @@ const MoeShape& GpuLayer::shape() const { return state_->shape; }
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
   return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes +
-         s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes;
+         s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes + s.persistent_state.bytes;
 }
 
 namespace {
@@ -232,8 +238,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.gather = gather;
   launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
   if (gather.x != nullptr) {
-    cuda_check(kernels::launch_advance_gather_epoch(gather.epoch, stream),
-               "advance the gather epoch");
+    cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
     mark("gather + gate/up GEMM + SwiGLU");
   } else {
     mark("gate/up GEMM + SwiGLU");
@@ -247,6 +252,48 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.gather = kernels::FusedGather{};
   launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
   mark("down GEMM");
+}
+
+// The routed experts' forward as one persistent kernel (forward_gemms.cu): the same GEMMs and
+// epilogues as forward_experts, with the fused local dispatch when `gather.x` is set.
+void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                                int64_t rows_in_map, const void* w_gate, const void* w_up,
+                                const void* w_down, void* out, int64_t out_rows,
+                                const kernels::FusedGather& gather, cudaStream_t stream,
+                                const StageMarker& mark) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows;
+  kernels::ForwardGemmsMaps maps{};
+  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
+  maps.w_down = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
+  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
+  maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
+  maps.y_out = output_rows(out, H, out_rows, "expert output rows");
+  kernels::ForwardGemmsParams params{};
+  params.gate_up = base_params(s, set);
+  params.gate_up.n_extent = static_cast<int32_t>(I);
+  params.gate_up.k_extent = static_cast<int32_t>(H);
+  params.gate_up.gather = gather;
+  params.down = base_params(s, set);
+  params.down.n_extent = static_cast<int32_t>(H);
+  params.down.k_extent = static_cast<int32_t>(I);
+  params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
+  unsigned long long* counters = s.persistent_state.as<unsigned long long>();
+  params.ticket = counters;
+  params.epoch = counters + 1;
+  params.gate_up_done = counters + 2;
+  cuda_check(kernels::launch_forward_gemms(maps, params, s.sm_count, stream),
+             "persistent forward GEMM kernel");
+  cuda_check(kernels::launch_advance_epoch(params.epoch, stream),
+             "advance the persistent forward's epoch");
+  if (gather.x != nullptr)
+    cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
+  mark(gather.x != nullptr ? "gather + gate/up + down (persistent)"
+                           : "gate/up + down (persistent)");
 }
 
 struct WeightGrads {
@@ -361,8 +408,13 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
   gather.ticket = counters;
   gather.epoch = counters + 1;
   gather.tile_rows_done = counters + 2;
-  forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
-                  args.w_down.data, s.expert_out.pointer, max_rows, gather, stream, mark);
+  if (s.config.persistent_forward)
+    forward_experts_persistent(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data,
+                               args.w_up.data, args.w_down.data, s.expert_out.pointer, max_rows,
+                               gather, stream, mark);
+  else
+    forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
+                    args.w_down.data, s.expert_out.pointer, max_rows, gather, stream, mark);
   if (shape.has_shared_expert() && T > 0) {
     forward_experts(s, s.shared, args.x.data, T, args.w_shared_gate.data, args.w_shared_up.data,
                     args.w_shared_down.data, s.shared_out.pointer, T, kernels::FusedGather{},

@@ -16,6 +16,13 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kGatheredRows:
       return "GEMM producer waiting for the rows of a row tile to be gathered (fused local "
              "dispatch)";
+    case kernels::WaitSite::kTaskQueueSlot:
+      return "persistent forward scheduler waiting for a free slot of its CTA's task queue";
+    case kernels::WaitSite::kQueuedTask:
+      return "persistent forward consumer waiting for its next task";
+    case kernels::WaitSite::kGateUpDone:
+      return "persistent forward down tile waiting for every gate/up tile of its row tile "
+             "(expected and seen count tiles)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

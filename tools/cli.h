@@ -26,6 +26,7 @@ struct RunOptions {
   uint64_t seed = 1;
   std::string json_path;
   bool cpu_only = false;
+  bool persistent_forward = false;  // GPU: MoeConfig::persistent_forward
 };
 
 struct Comparison {

@@ -40,6 +40,8 @@ mok run options:
   --check-tokens N             tokens the fp64 oracle checks (default: all that fit a budget)
   --local-dispatch MODE        GPU: gather-kernel or producer-warps (default: the library's;
                                both give the same bits, the run times both)
+  --persistent-forward         GPU: run the forward GEMMs as one persistent kernel (the run
+                               times both ways either way)
   --json FILE                  also write the results as JSON
   --cpu                        run the CPU reference even where a GPU is present
 
@@ -70,6 +72,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--cpu") {
       options.cpu_only = true;
+      continue;
+    }
+    if (flag == "--persistent-forward") {
+      options.persistent_forward = true;
       continue;
     }
     static const char* const kValueOptions[] = {

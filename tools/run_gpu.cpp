@@ -65,6 +65,13 @@ std::vector<double> interleaved_median_ms(const std::vector<std::function<void()
   return medians;
 }
 
+// "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)".
+std::string variant_name(const mok::MoeConfig& config) {
+  return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
+         (config.persistent_forward ? ", persistent forward GEMM kernel"
+                                    : ", two forward GEMM kernels");
+}
+
 // Relative error of a whole output (for gradients compared between two GPU runs).
 template <typename T>
 Comparison compare_all(const std::string& name, const std::vector<T>& got,
@@ -94,6 +101,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   mok::MoeConfig config;
   if (!options.local_dispatch.empty())
     config.local_dispatch = mok::local_dispatch_from_name(options.local_dispatch);
+  if (options.persistent_forward) config.persistent_forward = true;
   mok::GpuLayer layer(shape, config);
   mok::BaselineLayer baseline(shape);
   cudaStream_t stream;
@@ -178,12 +186,15 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const auto forward_stages = layer.profile_forward(args, stream, 10);
   const mok::ForwardContext context = layer.forward(args, stream);
   const auto backward_stages = layer.profile_backward(backward_args, stream, 10, &context);
-  // The other local dispatch mode on its own layer (same bits, see the tests).
-  mok::MoeConfig other_config = config;
-  other_config.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
-                                    ? mok::LocalDispatch::kProducerWarps
-                                    : mok::LocalDispatch::kGatherKernel;
-  mok::GpuLayer other_layer(shape, other_config);
+  // Forward variants on their own layers (same bits, see the tests): the other local dispatch
+  // mode, and the GEMMs as one persistent kernel or as two.
+  mok::MoeConfig other_dispatch = config, other_gemms = config;
+  other_dispatch.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
+                                      ? mok::LocalDispatch::kProducerWarps
+                                      : mok::LocalDispatch::kGatherKernel;
+  other_gemms.persistent_forward = !config.persistent_forward;
+  other_gemms.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
+  mok::GpuLayer other_dispatch_layer(shape, other_dispatch), other_gemms_layer(shape, other_gemms);
   // Interleaved rounds: the card runs into its power limit within a second of GEMM load and
   // lowers its clock (clocks.log of scripts/gpu-check.sh), so timing one side after the other
   // would hand the later one a slower card.
@@ -197,13 +208,17 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          baseline.forward(args, stream);
          baseline.backward(backward_args, stream, true);
        },
-       [&] { layer.backward(backward_args, stream); }, [&] { other_layer.forward(args, stream); }},
-      stream, 6, 4);
+       [&] { layer.backward(backward_args, stream); },
+       [&] { other_dispatch_layer.forward(args, stream); },
+       [&] { other_gemms_layer.forward(args, stream); }},
+      stream, 7, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4];
-  const std::vector<std::pair<mok::LocalDispatch, double>> dispatch_forward_ms = {
-      {config.local_dispatch, mok_forward_ms}, {other_config.local_dispatch, medians[5]}};
+  const std::vector<std::pair<std::string, double>> forward_variants_ms = {
+      {variant_name(config), mok_forward_ms},
+      {variant_name(other_dispatch), medians[5]},
+      {variant_name(other_gemms), medians[6]}};
   const double mok_backward_ms = mok_step_ms - mok_forward_ms;
   const double base_backward_ms = base_step_ms - base_forward_ms;
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -211,14 +226,14 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   bool passed = deterministic;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
-  std::printf("mok run: forward and backward on %s (EP = 1), local dispatch %s\n",
-              device_name.c_str(), mok::local_dispatch_name(config.local_dispatch));
+  std::printf("mok run: forward and backward on %s (EP = 1), %s\n", device_name.c_str(),
+              variant_name(config).c_str());
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
               shape.to_string().c_str(), options.routing.c_str(),
               static_cast<unsigned long long>(options.seed));
   std::printf("  work      %lld routed pairs, %.1f GFLOP forward, %.1f GFLOP backward\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9, backward_flop / 1e9);
-  std::printf("  times: median of 24 calls, mok and baseline interleaved in 6 rotated rounds\n");
+  std::printf("  times: median of 28 calls, mok and baseline interleaved in 7 rotated rounds\n");
   std::printf("  %-22s %10s %10s %10s %10s %9s\n", "", "mok ms", "TFLOP/s", "base ms", "TFLOP/s",
               "speedup");
   auto row = [&](const char* name, double flop, double mok_ms, double base_ms) {
@@ -232,11 +247,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       "  (backward = forward+backward minus forward, both from saved activations; mok's backward\n"
       "   recomputing the forward instead: %.3f ms, %.1f TFLOP/s)\n",
       mok_recompute_ms, backward_flop / mok_recompute_ms / 1e9);
-  std::printf("  forward by local dispatch mode:");
-  for (const auto& [mode, ms] : dispatch_forward_ms)
-    std::printf(" %s %.3f ms (%.1f TFLOP/s)", mok::local_dispatch_name(mode), ms,
-                forward_flop / ms / 1e9);
-  std::printf("\n");
+  std::printf("  forward variants (same bits):\n");
+  for (const auto& [name, ms] : forward_variants_ms)
+    std::printf("    %-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, forward_flop / ms / 1e9);
   for (const auto* stages : {&forward_stages, &backward_stages}) {
     std::printf("  mok %s stages (median of 10, events between stages):\n",
                 stages == &forward_stages ? "forward" : "backward");
@@ -261,7 +274,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     json << "{\n  \"device\": \"" << json_escape(device_name) << "\", \"shape_name\": \""
          << options.shape_name << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \""
          << options.routing << "\", \"local_dispatch\": \""
-         << mok::local_dispatch_name(config.local_dispatch) << "\",\n"
+         << mok::local_dispatch_name(config.local_dispatch)
+         << "\", \"persistent_forward\": " << (config.persistent_forward ? "true" : "false")
+         << ",\n"
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
          << ", \"backward\": " << mok_backward_ms << ", \"forward_backward\": " << mok_step_ms
@@ -280,10 +295,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
              << name << "\": " << ms;
         first_stage = false;
       }
-    json << "},\n  \"forward_ms_by_local_dispatch\": {";
-    for (size_t i = 0; i < dispatch_forward_ms.size(); ++i)
-      json << (i ? ", " : "") << "\"" << mok::local_dispatch_name(dispatch_forward_ms[i].first)
-           << "\": " << dispatch_forward_ms[i].second;
+    json << "},\n  \"forward_ms_by_variant\": {";
+    for (size_t i = 0; i < forward_variants_ms.size(); ++i)
+      json << (i ? ", " : "") << "\"" << forward_variants_ms[i].first
+           << "\": " << forward_variants_ms[i].second;
     json << "},\n  \"errors\": {";
     bool first_error = true;
     for (const auto* list : {&errors, &grad_errors})

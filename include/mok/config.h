@@ -43,6 +43,10 @@ struct MoeConfig {
   // producer warps measured ~2.5% faster at dsv3_local and qwen3 once every epilogue stored
   // through TMA (docs/perf.md v8; v6 measured a third way, one-row TMA loads, 3x slower).
   LocalDispatch local_dispatch = LocalDispatch::kProducerWarps;
+  // Run the forward's gate/up and down GEMMs as one persistent kernel (a task queue over both
+  // GEMMs' tiles, the minibatch pipeline of task_order.h, dependency counters with epochs)
+  // instead of two kernels. Same bits either way.
+  bool persistent_forward = false;
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

@@ -37,7 +37,7 @@ __global__ void advance_epoch_kernel(unsigned long long* epoch) { *epoch += 1; }
 
 }  // namespace
 
-cudaError_t launch_advance_gather_epoch(unsigned long long* epoch, cudaStream_t stream) {
+cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream) {
   advance_epoch_kernel<<<1, 1, 0, stream>>>(epoch);
   return cudaGetLastError();
 }

@@ -66,6 +66,20 @@ struct ExpertGemmParams {
   WaitContext wait;
 };
 
+// The persistent forward GEMM kernel (forward_gemms.cu): both GEMMs' parameters and the state
+// of its task order (task_order.h, GEMM tiles only). Counters carry the launch's epoch, like
+// the fused dispatch's: ticket = epoch << 32 | next ticket, gate_up_done[m] = epoch *
+// kGateUpDoneStride + gate/up tiles of row tile m finished (TMA stores complete).
+struct ForwardGemmsParams {
+  ExpertGemmParams gate_up;  // form kGateUpSwiGLU (its gather: the fused local dispatch)
+  ExpertGemmParams down;     // form kDownStore
+  int32_t minibatch_tiles;   // MoeConfig::minibatch_size / 128
+  unsigned long long* ticket;
+  unsigned long long* epoch;         // this launch's epoch - 1 (advanced after each launch)
+  unsigned long long* gate_up_done;  // [max_tiles]
+};
+constexpr unsigned long long kGateUpDoneStride = 1ull << 20;  // > gate/up tiles per row tile
+
 constexpr int tile_n_columns(ExpertGemmForm form) {
   return form == ExpertGemmForm::kGateUpSwiGLU || form == ExpertGemmForm::kGateUpStore ? 128 : 256;
 }

@@ -16,6 +16,22 @@ namespace mok::kernels {
 
 // Expert grouped GEMM (expert_gemm.cu): the tensor maps each form reads are listed at the top
 // of expert_gemm.cu; unused maps may be any valid map.
+// The persistent forward GEMM kernel (forward_gemms.cu): every gate/up and down tile of the
+// forward in one launch of num_ctas CTAs; `epoch` = params.epoch must be advanced after it.
+struct ForwardGemmsMaps {
+  CUtensorMap x_rows;      // A of gate/up: the gathered x rows [rows, H], [128 x 64] boxes
+  CUtensorMap w_gate;      // [E_loc, I, H], [128 x 64] boxes
+  CUtensorMap w_up;        // likewise
+  CUtensorMap hidden_in;   // A of down: h [rows, I], [128 x 64] boxes
+  CUtensorMap w_down;      // [E_loc, H, I], [256 x 64] boxes
+  CUtensorMap hidden_out;  // stores, [1, rows, N] maps with [128 rows x 64] boxes: h,
+  CUtensorMap gate_out;    // bf16(g), bf16(u) (the forward context),
+  CUtensorMap up_out;
+  CUtensorMap y_out;  // and the expert output rows [rows, H]
+};
+cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemmsParams& params,
+                                 int num_ctas, cudaStream_t stream);
+
 struct ExpertGemmMaps {
   CUtensorMap a0, a1, b0, b1;
   // Outputs of the form (expert_gemm_params.h), 3-D maps with boxes of [128 rows x 64 columns]:
@@ -32,9 +48,10 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
                                cudaStream_t stream);
 
-// Advances the epoch of the fused local dispatch after each gate/up GEMM that used it
-// (dispatch_local.cuh): one thread, stream-ordered, CUDA-graph capturable.
-cudaError_t launch_advance_gather_epoch(unsigned long long* epoch, cudaStream_t stream);
+// Advances an epoch word by one (the fused local dispatch's after each gate/up GEMM that used
+// it, the persistent forward's after each launch): one thread, stream-ordered, CUDA-graph
+// capturable.
+cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream);
 
 // Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], expert_rows[pair_row[p]]))
 // with p = t*K + k, over the pairs with pair_row[p] >= 0, in k order. `expert_rows` [rows, H]

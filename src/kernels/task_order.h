@@ -5,11 +5,15 @@
 // Tasks, per minibatch b of `minibatch_tiles` 128-row tiles (the last one may be short):
 //   gather(b, m)        copy the routed x rows of row tile m                     (memory-bound)
 //   gate_up(b, m, n)    128 x (128 gate + 128 up) tile with the SwiGLU epilogue  waits: gather(m)
-//   down(b, m, n)       128 x 256 tile with the scatter epilogue                  waits: all
-//   gate_up(m, *) combine(k)          the fixed-order sum of token block k waits: every down
-// Order (a software pipeline over minibatches, so gathers of b+1 overlap the GEMMs of b):
-//   gather(0) gate_up(0) | gather(1) down(0) gate_up(1) | gather(2) down(1) gate_up(2) | ...
+//   down(b, m, n)       128 x 256 tile of the expert output rows      waits: all gate_up(m, *)
+//   combine(k)          the fixed-order sum of token block k                waits: every down
+// Order (a software pipeline over minibatches: the gate/up tiles of b+1 run between the gate/up
+// and the down tiles of b, so a down tile rarely waits for a gate/up tile still in flight):
+//   gather(0) gate_up(0) | gather(1) gate_up(1) down(0) | gather(2) gate_up(2) down(1) | ...
 //   ... down(last) | combine(*)
+// With plan.memory_tasks = 0 the order holds the GEMM tiles only (the persistent GEMM kernel:
+// the gather runs beside it on the producer warps or before it, the combine after it), and a
+// gate/up tile depends on nothing in the order.
 // Inside a GEMM stage, tiles go in groups of up to 8 row tiles (about one expert) swept n-major,
 // as the standalone GEMM kernel does, so CTAs running together share weight tiles in L2.
 // The plan's num_m_tiles comes from the schedule header on the device: the order is computed
@@ -25,11 +29,12 @@ namespace mok::kernels {
 enum class TaskKind : int32_t { kGather = 0, kGateUp = 1, kDown = 2, kCombine = 3 };
 
 struct ForwardPlan {
-  int32_t num_m_tiles;      // 128-row tiles of the schedule (header.num_tiles)
-  int32_t minibatch_tiles;  // MoeConfig::minibatch_size / 128
-  int32_t gate_up_n_tiles;  // ceil(I / 128)
-  int32_t down_n_tiles;     // ceil(H / 256)
-  int32_t combine_blocks;   // token blocks of the combine
+  int32_t num_m_tiles;       // 128-row tiles of the schedule (header.num_tiles)
+  int32_t minibatch_tiles;   // MoeConfig::minibatch_size / 128
+  int32_t gate_up_n_tiles;   // ceil(I / 128)
+  int32_t down_n_tiles;      // ceil(H / 256)
+  int32_t combine_blocks;    // token blocks of the combine
+  int32_t memory_tasks = 1;  // 0: gather and combine are not in the order (GEMM tiles only)
 };
 
 struct Task {
@@ -66,7 +71,7 @@ MOK_HOST_DEVICE inline int32_t minibatch_tiles(const ForwardPlan& plan, int32_t 
 }
 
 // The segments of the order: segment s is (kind, minibatch). Segment 0 is gather(0), 1 is
-// gate_up(0); then three per minibatch b >= 0: gather(b+1), down(b), gate_up(b+1) (the gather
+// gate_up(0); then three per minibatch b >= 0: gather(b+1), gate_up(b+1), down(b) (the gather
 // and gate_up of a minibatch past the last are empty); then one combine segment.
 MOK_HOST_DEVICE inline int32_t num_segments(const ForwardPlan& plan) {
   return 2 + 3 * num_minibatches(plan) + 1;
@@ -80,8 +85,8 @@ MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment,
     *minibatch = 0;
   } else if (segment < 2 + 3 * batches) {
     const int32_t b = (segment - 2) / 3, which = (segment - 2) % 3;
-    *kind = which == 0 ? TaskKind::kGather : which == 1 ? TaskKind::kDown : TaskKind::kGateUp;
-    *minibatch = which == 1 ? b : b + 1;
+    *kind = which == 0 ? TaskKind::kGather : which == 1 ? TaskKind::kGateUp : TaskKind::kDown;
+    *minibatch = which == 2 ? b : b + 1;
   } else {
     *kind = TaskKind::kCombine;
     *minibatch = -1;
@@ -89,6 +94,7 @@ MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment,
 }
 
 MOK_HOST_DEVICE inline int64_t segment_size(const ForwardPlan& plan, TaskKind kind, int32_t b) {
+  if ((kind == TaskKind::kCombine || kind == TaskKind::kGather) && plan.memory_tasks == 0) return 0;
   if (kind == TaskKind::kCombine) return plan.combine_blocks;
   if (b >= num_minibatches(plan)) return 0;
   const int64_t tiles = minibatch_tiles(plan, b);
@@ -144,6 +150,7 @@ MOK_HOST_DEVICE inline Dependency dependency_of(const ForwardPlan& plan, const T
     case TaskKind::kGather:
       return {CounterKind::kNone, 0, 0};
     case TaskKind::kGateUp:
+      if (plan.memory_tasks == 0) return {CounterKind::kNone, 0, 0};
       return {CounterKind::kRowsGathered, task.m_tile, 1};
     case TaskKind::kDown:
       return {CounterKind::kGateUpDone, task.m_tile, plan.gate_up_n_tiles};

@@ -14,6 +14,9 @@ enum class WaitSite : int32_t {
   kCounter = 3,          // a dependency counter in global memory
   kTestNeverReady = 4,   // the deliberately unsatisfiable wait of the timeout test
   kGatheredRows = 5,     // GEMM producer waiting for a row tile's rows to be gathered
+  kTaskQueueSlot = 6,    // persistent scheduler waiting for a free slot of the CTA's task queue
+  kQueuedTask = 7,       // persistent consumer waiting for its next task
+  kGateUpDone = 8,       // persistent scheduler: a down tile waiting for its row tile's gate/up
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

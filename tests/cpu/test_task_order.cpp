@@ -1,7 +1,8 @@
 // The persistent forward's task order (src/kernels/task_order.h): every task exactly once,
 // every dependency satisfied by tasks with smaller tickets (so any number of resident CTAs
 // makes progress), counter targets equal to the number of producers, and the minibatch
-// pipeline (the gathers of b+1 come before the down tiles of b).
+// pipeline (the gate/up tiles of b+1 come between the gate/up and the down tiles of b); the
+// same with the GEMM tiles only (memory_tasks = 0, the persistent GEMM kernel).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -32,6 +33,12 @@ std::vector<ForwardPlan> plans() {
                       static_cast<int32_t>(1 + rng.below(20)),
                       static_cast<int32_t>(1 + rng.below(30)),
                       static_cast<int32_t>(1 + rng.below(50))});
+  const size_t with_memory_tasks = result.size();
+  for (size_t i = 0; i < with_memory_tasks; ++i) {
+    ForwardPlan gemm_only = result[i];
+    gemm_only.memory_tasks = 0;
+    result.push_back(gemm_only);
+  }
   return result;
 }
 
@@ -40,11 +47,13 @@ TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
     SCOPED_TRACE(testing::Message()
                  << "m_tiles " << plan.num_m_tiles << " minibatch " << plan.minibatch_tiles
                  << " gate_up_n " << plan.gate_up_n_tiles << " down_n " << plan.down_n_tiles
-                 << " combine " << plan.combine_blocks);
+                 << " combine " << plan.combine_blocks << " memory tasks " << plan.memory_tasks);
     const int64_t total = num_tasks(plan);
+    const int64_t memory = plan.memory_tasks != 0;
     const int64_t expected =
-        static_cast<int64_t>(plan.num_m_tiles) * (1 + plan.gate_up_n_tiles + plan.down_n_tiles) +
-        plan.combine_blocks;
+        static_cast<int64_t>(plan.num_m_tiles) *
+            (memory + plan.gate_up_n_tiles + plan.down_n_tiles) +
+        memory * plan.combine_blocks;
     ASSERT_EQ(total, expected);
     std::map<Key, int64_t> ticket_of;
     std::vector<Task> tasks;
@@ -53,6 +62,9 @@ TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
       ASSERT_TRUE(ticket_of.emplace(key_of(task), ticket).second)
           << "ticket " << ticket << " repeats a task";
       tasks.push_back(task);
+      if (plan.memory_tasks == 0)
+        ASSERT_TRUE(task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown)
+            << "ticket " << ticket << " is a memory task in a GEMM-only order";
       if (task.kind != TaskKind::kCombine) {
         ASSERT_GE(task.m_tile, 0);
         ASSERT_LT(task.m_tile, plan.num_m_tiles);
@@ -88,19 +100,30 @@ TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
   }
 }
 
-TEST(TaskOrder, GathersOfTheNextMinibatchComeBeforeThisMinibatchsDownTiles) {
-  const ForwardPlan plan{96, 32, 16, 28, 8};
-  int64_t first_down_of_0 = -1, last_gather_of_1 = -1, first_gate_up_of_1 = -1;
-  for (int64_t ticket = 0; ticket < num_tasks(plan); ++ticket) {
-    const Task task = task_at(plan, ticket);
-    if (task.kind == TaskKind::kDown && task.minibatch == 0 && first_down_of_0 < 0)
-      first_down_of_0 = ticket;
-    if (task.kind == TaskKind::kGather && task.minibatch == 1) last_gather_of_1 = ticket;
-    if (task.kind == TaskKind::kGateUp && task.minibatch == 1 && first_gate_up_of_1 < 0)
-      first_gate_up_of_1 = ticket;
+TEST(TaskOrder, NextMinibatchsGateUpTilesSeparateAMinibatchsGateUpAndDownTiles) {
+  for (int32_t memory_tasks : {1, 0}) {
+    ForwardPlan plan{96, 32, 16, 28, 8};
+    plan.memory_tasks = memory_tasks;
+    for (int32_t b = 0; b + 1 < num_minibatches(plan); ++b) {
+      int64_t last_gate_up_of_b = -1, first_gate_up_of_next = -1, last_gate_up_of_next = -1,
+              first_down_of_b = -1, last_gather_of_next = -1;
+      for (int64_t ticket = 0; ticket < num_tasks(plan); ++ticket) {
+        const Task task = task_at(plan, ticket);
+        if (task.kind == TaskKind::kGateUp && task.minibatch == b) last_gate_up_of_b = ticket;
+        if (task.kind == TaskKind::kGateUp && task.minibatch == b + 1) {
+          if (first_gate_up_of_next < 0) first_gate_up_of_next = ticket;
+          last_gate_up_of_next = ticket;
+        }
+        if (task.kind == TaskKind::kDown && task.minibatch == b && first_down_of_b < 0)
+          first_down_of_b = ticket;
+        if (task.kind == TaskKind::kGather && task.minibatch == b + 1) last_gather_of_next = ticket;
+      }
+      EXPECT_LT(last_gate_up_of_b, first_gate_up_of_next) << "minibatch " << b;
+      EXPECT_LT(last_gate_up_of_next, first_down_of_b) << "minibatch " << b;
+      EXPECT_LT(last_gather_of_next, first_gate_up_of_next) << "minibatch " << b;
+      if (memory_tasks == 0) EXPECT_EQ(last_gather_of_next, -1);
+    }
   }
-  EXPECT_LT(last_gather_of_1, first_down_of_0);
-  EXPECT_LT(first_down_of_0, first_gate_up_of_1);
 }
 
 TEST(TaskOrder, TilesOfAGroupShareWeightTiles) {

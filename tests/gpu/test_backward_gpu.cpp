@@ -109,16 +109,19 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   DeviceProblem device(problem, 0);
   GpuLayer reference_layer(shape, MoeConfig{});
   const HostRank want = gpu_backward(reference_layer, device, problem, /*with_context=*/true);
-  std::vector<MoeConfig> configs(3);
+  std::vector<MoeConfig> configs(4);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
   configs[1].macrobatch_size = 4096;
   configs[2].local_dispatch = LocalDispatch::kGatherKernel;
+  configs[3].persistent_forward = true;
+  configs[3].minibatch_size = 256;
   for (const MoeConfig& config : configs) {
     SCOPED_TRACE(testing::Message() << "minibatch " << config.minibatch_size << " macrobatch "
                                     << config.macrobatch_size << " local dispatch "
-                                    << local_dispatch_name(config.local_dispatch));
+                                    << local_dispatch_name(config.local_dispatch)
+                                    << " persistent forward " << config.persistent_forward);
     GpuLayer layer(shape, config);
     const HostRank got = gpu_backward(layer, device, problem, /*with_context=*/true);
     test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mok/device_problem.h"
@@ -112,14 +113,18 @@ TEST(ForwardGpu, LocalDispatchModesAreBitwiseEqual) {
 // The whole forward captured once in a CUDA graph and replayed with new routing contents: the
 // schedule and the fused dispatch's epochs live in device memory, so every replay is a fresh,
 // correct forward.
-class ForwardGraphReplay : public testing::TestWithParam<LocalDispatch> {};
+// Parameters: the local dispatch mode, and whether the GEMMs run as the persistent kernel.
+class ForwardGraphReplay : public testing::TestWithParam<std::tuple<LocalDispatch, bool>> {};
 
 TEST_P(ForwardGraphReplay, NewRoutingEachReplay) {
   const MoeShape shape = make_shape(300, 512, 256, 16, 4, 1, 128);
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 21);
   DeviceProblem device(problem, 0);
   MoeConfig config;
-  config.local_dispatch = GetParam();  // e.g. the producer warps' epochs must survive replays
+  // The producer warps' and the persistent kernel's epochs must survive replays.
+  config.local_dispatch = std::get<0>(GetParam());
+  config.persistent_forward = std::get<1>(GetParam());
+  config.wait_timeout_s = 10;
   GpuLayer layer(shape, config);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
@@ -154,13 +159,14 @@ TEST_P(ForwardGraphReplay, NewRoutingEachReplay) {
 }
 
 INSTANTIATE_TEST_SUITE_P(LocalDispatch, ForwardGraphReplay,
-                         testing::Values(LocalDispatch::kGatherKernel,
-                                         LocalDispatch::kProducerWarps),
-                         [](const testing::TestParamInfo<LocalDispatch>& info) {
-                           std::string name = local_dispatch_name(info.param);
+                         testing::Combine(testing::Values(LocalDispatch::kGatherKernel,
+                                                          LocalDispatch::kProducerWarps),
+                                          testing::Bool()),
+                         [](const testing::TestParamInfo<std::tuple<LocalDispatch, bool>>& info) {
+                           std::string name = local_dispatch_name(std::get<0>(info.param));
                            for (char& c : name)
                              if (c == '-') c = '_';
-                           return name;
+                           return name + (std::get<1>(info.param) ? "_persistent" : "_two_kernels");
                          });
 
 TEST(ForwardGpu, BadExpertIdIsReportedAtSynchronize) {

@@ -1,0 +1,246 @@
+// The persistent forward GEMM kernel: every gate/up tile and every down tile of the forward in
+// one launch, in the order of task_order.h (GEMM tiles only), with dependency counters instead
+// of a kernel boundary between the two GEMMs (DESIGN.md §2.7).
+//
+// Grid: persistent, one 384-thread CTA per SM (or fewer resident: see Progress).
+// Warp roles (the mainloop and epilogues are the expert GEMM's, gemm_mainloop.cuh and
+// epilogue.cuh):
+//   warpgroup 0, thread 0  the scheduler and TMA thread. Per task: takes the next ticket from
+//                the global counter, maps it to a task (task_at), waits for the task's
+//                dependency (a down tile: all gate/up tiles of its row tile; a gate/up tile
+//                with the fused local dispatch: its rows gathered), publishes the task in a
+//                4-slot shared-memory queue (task_full / task_empty mbarriers), then issues the
+//                task's K-block loads into the 3-stage ring. After the last ticket it publishes
+//                a stop task.
+//   warpgroup 0, warps 1-3 the fused local dispatch's gatherers when it is on
+//                (dispatch_local.cuh), as in the standalone gate/up GEMM.
+//   warpgroups 1, 2        consumers: read the task from the queue, run the mainloop, and the
+//                form's staging-tile epilogue: gate/up stores g, u and h; down stores the
+//                expert output rows. After a gate/up tile, the first consumer thread waits for
+//                its TMA stores to complete, fences the async proxy, and release-adds the row
+//                tile's gate_up_done counter.
+// Ordering of h: the TMA stores complete (cp.async.bulk.wait_group 0) -> fence.proxy.async ->
+// red.release.gpu on the counter -> the scheduler's ld.acquire.gpu -> fence.proxy.async.global
+// -> its TMA loads of h.
+// Progress: a ticket is taken only by a running scheduler, and a task waits only on tasks with
+// smaller tickets, whose loads were all issued before their scheduler took its next ticket; so
+// the kernel finishes with any number of resident CTAs (e.g. while another stream holds SMs).
+// Epochs: the ticket and the counters only grow (see ForwardGemmsParams); nothing is reset.
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "kernels/dispatch_local.cuh"
+#include "kernels/epilogue.cuh"
+#include "kernels/expert_gemm_params.h"
+#include "kernels/gemm_mainloop.cuh"
+#include "kernels/launchers.h"
+#include "kernels/task_order.h"
+
+namespace mok::kernels {
+
+namespace {
+
+constexpr int kQueueSlots = 4;
+constexpr int kStopTask = -1;
+
+// A task as the consumers need it: kind (TaskKind, or kStopTask), row tile, column tile.
+struct QueuedTask {
+  int32_t kind;
+  int32_t m_tile;
+  int32_t n_tile;
+  int32_t unused;
+};
+
+struct TaskQueue {
+  QueuedTask slot[kQueueSlots];
+  uint64_t full[kQueueSlots];
+  uint64_t empty[kQueueSlots];
+};
+
+using Storage = GemmSharedStorage<kNumStages>;
+
+__device__ __forceinline__ void release_add(unsigned long long* address) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(address) : "memory");
+}
+
+// Run by the thread that issued a gate/up tile's TMA stores: once they are complete, h of the
+// tile is in global memory and the row tile's down tiles may load it.
+__device__ __forceinline__ void signal_gate_up_done(const ForwardGemmsParams& params, int m_tile) {
+  ptx::bulk_wait_group<0>();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  const unsigned long long epoch =
+      *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
+  unsigned long long* done = params.gate_up_done + m_tile;
+  atomicMax(done, epoch * kGateUpDoneStride);
+  release_add(done);
+}
+
+__device__ __forceinline__ TileCoord coord_of(const ForwardGemmsParams& params,
+                                              const QueuedTask& task) {
+  TileCoord coord;
+  coord.m_tile = task.m_tile;
+  coord.n_tile = task.n_tile;
+  coord.expert = params.gate_up.tile_expert[task.m_tile];
+  coord.k_row0 = 0;
+  const bool gate_up = task.kind == static_cast<int32_t>(TaskKind::kGateUp);
+  coord.num_k_blocks = (gate_up ? params.gate_up.k_extent : params.down.k_extent) / BLOCK_K;
+  return coord;
+}
+
+__device__ __forceinline__ ForwardPlan plan_of(const ForwardGemmsParams& params) {
+  ForwardPlan plan;
+  plan.num_m_tiles = params.gate_up.header->num_tiles;
+  plan.minibatch_tiles = params.minibatch_tiles;
+  plan.gate_up_n_tiles = (params.gate_up.n_extent + 127) / 128;
+  plan.down_n_tiles = (params.down.n_extent + BLOCK_N - 1) / BLOCK_N;
+  plan.combine_blocks = 0;
+  plan.memory_tasks = 0;
+  return plan;
+}
+
+__device__ __forceinline__ void schedule_and_load(
+    const CUtensorMap& x_rows, const CUtensorMap& w_gate, const CUtensorMap& w_up,
+    const CUtensorMap& hidden_in, const CUtensorMap& w_down, const ForwardGemmsParams& params,
+    Storage& smem, TaskQueue& queue) {
+  const WaitContext& wait = params.gate_up.wait;
+  const ForwardPlan plan = plan_of(params);
+  const int64_t num_tasks_here = num_tasks(plan);
+  const unsigned long long epoch =
+      *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
+  const unsigned long long ticket_base = epoch << 32;
+  const bool gathers = params.gate_up.gather.x != nullptr;
+  const unsigned long long gather_epoch_here = gathers ? gather_epoch(params.gate_up.gather) : 0;
+  PipelineState<kNumStages> state;
+  int slot = 0;
+  uint32_t slot_phase = 0;
+  for (;;) {
+    atomicMax(params.ticket, ticket_base);
+    const long long ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
+    QueuedTask queued{kStopTask, 0, 0, 0};
+    if (ticket < num_tasks_here) {
+      const Task task = task_at(plan, ticket);
+      queued = {static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, 0};
+      if (task.kind == TaskKind::kDown) {
+        const unsigned long long target = epoch * kGateUpDoneStride + plan.gate_up_n_tiles;
+        const unsigned long long* done = params.gate_up_done + task.m_tile;
+        wait_until(
+            wait, WaitSite::kGateUpDone, [&] { return acquire_load_u64(done) >= target; },
+            [&] {
+              return static_cast<long long>(acquire_load_u64(done) - epoch * kGateUpDoneStride);
+            },
+            plan.gate_up_n_tiles);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      } else if (gathers) {
+        wait_for_gathered_tile(wait, params.gate_up.gather, task.m_tile, gather_epoch_here);
+      }
+    }
+    mbarrier_wait(wait, WaitSite::kTaskQueueSlot, &queue.empty[slot], slot_phase ^ 1);
+    queue.slot[slot] = queued;
+    ptx::mbarrier_arrive(&queue.full[slot]);
+    if (++slot == kQueueSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
+    if (queued.kind == kStopTask) return;
+    const TileCoord coord = coord_of(params, queued);
+    const bool gate_up = queued.kind == static_cast<int32_t>(TaskKind::kGateUp);
+    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+      produce_stage(wait, smem, state, kTileABytes + kTileBBytes,
+                    [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+                      const int k = k_block * BLOCK_K, row = coord.m_tile * BLOCK_M;
+                      if (gate_up) {
+                        ptx::tma_load_2d(a_dst, &x_rows, full, k, row);
+                        ptx::tma_load_3d(b_dst, &w_gate, full, k, coord.n_tile * 128, coord.expert);
+                        ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &w_up, full, k, coord.n_tile * 128,
+                                         coord.expert);
+                      } else {
+                        ptx::tma_load_2d(a_dst, &hidden_in, full, k, row);
+                        ptx::tma_load_3d(b_dst, &w_down, full, k, coord.n_tile * BLOCK_N,
+                                         coord.expert);
+                      }
+                    });
+  }
+}
+
+__global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
+    const __grid_constant__ CUtensorMap x_rows, const __grid_constant__ CUtensorMap w_gate,
+    const __grid_constant__ CUtensorMap w_up, const __grid_constant__ CUtensorMap hidden_in,
+    const __grid_constant__ CUtensorMap w_down, const __grid_constant__ CUtensorMap hidden_out,
+    const __grid_constant__ CUtensorMap gate_out, const __grid_constant__ CUtensorMap up_out,
+    const __grid_constant__ CUtensorMap y_out, const ForwardGemmsParams params) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                              ~uintptr_t{1023});
+  TaskQueue& queue =
+      *reinterpret_cast<TaskQueue*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kQueueSlots; ++s) {
+      ptx::mbarrier_init(&queue.full[s], 1);
+      ptx::mbarrier_init(&queue.empty[s], kConsumerThreads / 32);  // one arrive per consumer warp
+    }
+  }
+  init_pipeline(smem);  // also fences the barrier inits and syncs the CTA
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<kProducerRegisters>();
+    const FusedGather& gather = params.gate_up.gather;
+    if (threadIdx.x == 0) {
+      for (const CUtensorMap* map : {&x_rows, &w_gate, &w_up, &hidden_in, &w_down})
+        ptx::prefetch_tensor_map(map);
+      schedule_and_load(x_rows, w_gate, w_up, hidden_in, w_down, params, smem, queue);
+    } else if (gather.x != nullptr && threadIdx.x >= 32) {
+      gather_rows_into_tiles(gather, params.gate_up.header, params.gate_up.row_pair,
+                             gather_epoch(gather));
+    }
+  } else {
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    const int consumer_idx = warpgroup - 1;
+    PipelineState<kNumStages> state;
+    // Registers are tight here (128 accumulators of 168): keep little else live across tiles.
+    uint32_t queued_count = 0;  // tasks read so far: slot = count % 4, phase = (count / 4) & 1
+    float acc[128];
+    for (;;) {
+      const int slot = static_cast<int>(queued_count % kQueueSlots);
+      mbarrier_wait(params.gate_up.wait, WaitSite::kQueuedTask, &queue.full[slot],
+                    (queued_count / kQueueSlots) & 1);
+      const QueuedTask task = queue.slot[slot];
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&queue.empty[slot]);
+      ++queued_count;
+      if (task.kind == kStopTask) break;
+      const bool gate_up = task.kind == static_cast<int32_t>(TaskKind::kGateUp);
+      consume_tile<false, false>(
+          params.gate_up.wait, smem, state,
+          (gate_up ? params.gate_up.k_extent : params.down.k_extent) / BLOCK_K, consumer_idx, acc);
+      const TileCoord coord = coord_of(params, task);  // after the mainloop: fewer live registers
+      if (gate_up) {
+        store_tile<ExpertGemmForm::kGateUpSwiGLU>({&hidden_out, &gate_out, &up_out}, smem,
+                                                  params.gate_up, coord, consumer_idx, acc);
+        if (threadIdx.x == BLOCK_M) signal_gate_up_done(params, coord.m_tile);
+      } else {
+        store_tile<ExpertGemmForm::kDownStore>({&y_out, nullptr, nullptr}, smem, params.down, coord,
+                                               consumer_idx, acc);
+      }
+    }
+    // Outstanding TMA stores read the staging tile: it must outlive them.
+    if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemmsParams& params,
+                                 int num_ctas, cudaStream_t stream) {
+  const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue) + 1024;
+  cudaError_t status =
+      cudaFuncSetAttribute(forward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  forward_gemms_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(
+      maps.x_rows, maps.w_gate, maps.w_up, maps.hidden_in, maps.w_down, maps.hidden_out,
+      maps.gate_out, maps.up_out, maps.y_out, params);
+  return cudaGetLastError();
+}
+
+}  // namespace mok::kernels

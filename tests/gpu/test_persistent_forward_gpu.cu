@@ -1,0 +1,161 @@
+// The persistent forward GEMM kernel (MoeConfig::persistent_forward): bitwise equal to the
+// two-kernel forward on every routing, minibatch size and local dispatch mode, across repeated
+// launches and CUDA-graph replays (its counters carry epochs); correct against the CPU
+// reference; and it finishes while another stream holds most SMs (a task only waits on tasks
+// with smaller tickets, taken by CTAs that are running).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "mok/device_problem.h"
+#include "mok/gpu_layer.h"
+#include "mok/host_problem.h"
+#include "mok/reference.h"
+#include "test_util.h"
+
+namespace mok {
+namespace {
+
+using test::make_shape;
+
+std::vector<bf16> run_forward(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem,
+                              cudaStream_t stream = nullptr) {
+  device.poison_outputs();
+  layer.forward(device.forward_args(), stream);
+  const Status status = layer.synchronize(stream);
+  EXPECT_TRUE(status.ok()) << status.message;
+  HostRank result = problem.ranks[0];
+  device.download_outputs(result);
+  return result.out;
+}
+
+MoeConfig persistent_config(LocalDispatch dispatch, int64_t minibatch_size) {
+  MoeConfig config;
+  config.persistent_forward = true;
+  config.local_dispatch = dispatch;
+  config.minibatch_size = minibatch_size;
+  config.macrobatch_size = minibatch_size * 32;
+  config.wait_timeout_s = 10;  // a lost dependency ends the test in seconds, with a diagnosis
+  return config;
+}
+
+TEST(PersistentForwardGpu, BitwiseEqualToTwoKernelForward) {
+  struct Case {
+    const char* name;
+    MoeShape shape;
+    RoutingKind routing;
+  };
+  const std::vector<Case> cases = {
+      {"uniform", make_shape(333, 1024, 384, 16, 4, 1, 128), RoutingKind::kUniform},
+      {"skewed", make_shape(700, 1024, 384, 16, 4), RoutingKind::kSkewed},
+      {"one expert", make_shape(300, 512, 256, 8, 4), RoutingKind::kOneExpert},
+      {"holes", make_shape(333, 1024, 384, 16, 4), RoutingKind::kHoles},
+      {"no routes", make_shape(130, 512, 256, 8, 4, 1, 64), RoutingKind::kNoRoutes},
+      {"one token", make_shape(1, 256, 128, 8, 2), RoutingKind::kUniform},
+  };
+  uint64_t seed = 500;
+  for (const Case& test_case : cases) {
+    SCOPED_TRACE(std::string(test_case.name) + " " + test_case.shape.to_string());
+    HostProblem problem = HostProblem::make(test_case.shape, test_case.routing, ++seed);
+    DeviceProblem device(problem, 0);
+    MoeConfig two_kernels;
+    two_kernels.local_dispatch = LocalDispatch::kGatherKernel;
+    GpuLayer reference_layer(test_case.shape, two_kernels);
+    const std::vector<bf16> want = run_forward(reference_layer, device, problem);
+    for (LocalDispatch dispatch : {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps})
+      for (int64_t minibatch : {128, 512, 4096}) {
+        SCOPED_TRACE(testing::Message()
+                     << local_dispatch_name(dispatch) << ", minibatch " << minibatch);
+        GpuLayer layer(test_case.shape, persistent_config(dispatch, minibatch));
+        for (int launch = 0; launch < 3; ++launch)
+          ASSERT_TRUE(test::bitwise_equal(run_forward(layer, device, problem), want))
+              << "launch " << launch;
+      }
+  }
+}
+
+TEST(PersistentForwardGpu, MatchesReferenceAndFeedsTheBackward) {
+  const MoeShape shape = make_shape(257, 768, 256, 32, 8, 1, 128, 0.5f);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 77);
+  problem.poison_outputs();
+  reference::forward(problem.shape, problem.forward_args(0));
+  reference::backward(problem.shape, problem.backward_args(0));
+  DeviceProblem device(problem, 0);
+  GpuLayer layer(shape, persistent_config(LocalDispatch::kProducerWarps, 256));
+  device.poison_outputs();
+  const ForwardContext context = layer.forward(device.forward_args(), nullptr);
+  layer.backward(device.backward_args(), nullptr, &context);
+  const Status status = layer.synchronize(nullptr);
+  ASSERT_TRUE(status.ok()) << status.message;
+  HostRank got = problem.ranks[0];
+  device.download_outputs(got);
+  test::for_each_output(got, problem.ranks[0],
+                        [&](const char* output, const auto& a, const auto& b) {
+                          if (b.empty()) return;
+                          EXPECT_TRUE(test::all_finite(a)) << output;
+                          EXPECT_LE(test::relative_error(a, b), 1e-2) << output;
+                        });
+}
+
+// Holds `blocks` SMs (one block each: its shared memory leaves no room for a persistent CTA)
+// for `hold_ns`, then exits.
+__global__ void hold_sms_kernel(uint64_t hold_ns) {
+  extern __shared__ unsigned char hog[];
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (threadIdx.x == 0) hog[now & 1023] = 1;
+  } while (now - start < hold_ns);
+}
+
+TEST(PersistentForwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
+  int device_id = 0, sm_count = 0;
+  ASSERT_EQ(cudaGetDevice(&device_id), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_id),
+            cudaSuccess);
+  const MoeShape shape = make_shape(1500, 1024, 512, 16, 4);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 91);
+  DeviceProblem device(problem, 0);
+  MoeConfig two_kernels;
+  two_kernels.local_dispatch = LocalDispatch::kGatherKernel;
+  GpuLayer reference_layer(shape, two_kernels);
+  const std::vector<bf16> want = run_forward(reference_layer, device, problem);
+
+  GpuLayer layer(shape, persistent_config(LocalDispatch::kProducerWarps, 512));
+  run_forward(layer, device, problem);  // warm-up: kernel attributes, module load
+  cudaStream_t hog_stream, layer_stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&hog_stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
+  constexpr int kHogSharedBytes = 120 * 1024;
+  ASSERT_EQ(cudaFuncSetAttribute(hold_sms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kHogSharedBytes),
+            cudaSuccess);
+  cudaEvent_t hog_done;
+  ASSERT_EQ(cudaEventCreate(&hog_done), cudaSuccess);
+  device.poison_outputs();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the memsets ran on the legacy stream
+  const int held = sm_count - 8;                    // the forward gets 8 SMs until the hog exits
+  hold_sms_kernel<<<held, 128, kHogSharedBytes, hog_stream>>>(2'000'000'000ull);  // 2 s
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(hog_done, hog_stream), cudaSuccess);
+  layer.forward(device.forward_args(), layer_stream);
+  const Status status = layer.synchronize(layer_stream);
+  ASSERT_TRUE(status.ok()) << status.message;
+  // The forward finished on the SMs left to it, before the hog let go of the others.
+  EXPECT_EQ(cudaEventQuery(hog_done), cudaErrorNotReady)
+      << "the forward only finished after the SM-holding kernel exited";
+  HostRank result = problem.ranks[0];
+  device.download_outputs(result);
+  const std::vector<bf16>& got = result.out;
+  EXPECT_TRUE(test::bitwise_equal(got, want));
+  ASSERT_EQ(cudaStreamSynchronize(hog_stream), cudaSuccess);
+  cudaEventDestroy(hog_done);
+  cudaStreamDestroy(hog_stream);
+  cudaStreamDestroy(layer_stream);
+}
+
+}  // namespace
+}  // namespace mok
