@@ -6,7 +6,9 @@
 // Warp roles (the mainloop and epilogues are the expert GEMM's, gemm_mainloop.cuh and
 // epilogue.cuh):
 //   warpgroup 0, thread 0  the scheduler and TMA thread. Per task: takes the next ticket from
-//                the global counter, maps it to a task (task_at), waits for the task's
+//                the global counter (before issuing the current task's loads, so the atomic's
+//                latency hides behind them), maps it to a task (task_at with a cursor: this
+//                CTA's tickets only grow), waits for the task's
 //                dependency (a down tile: all gate/up tiles of its row tile; a gate/up tile
 //                with the fused local dispatch: its rows gathered), publishes the task in a
 //                4-slot shared-memory queue (task_full / task_empty mbarriers), then issues the
@@ -16,13 +18,10 @@
 //                (dispatch_local.cuh), as in the standalone gate/up GEMM.
 //   warpgroups 1, 2        consumers: read the task from the queue, run the mainloop, and the
 //                form's staging-tile epilogue: gate/up stores g, u and h; down stores the
-//                expert output rows. Once a gate/up tile's TMA stores are complete, the first
-//                consumer thread (their issuer) fences the async proxy and release-adds the row
-//                tile's gate_up_done counter. It does so after issuing the next tile's stores
-//                (by then the earlier ones are long done, so the wait costs nothing), or
-//                before it would block on an empty task queue (its own scheduler may be waiting
-//                for that signal); waiting right after issuing them stalled the warpgroup by
-//                ~1-2 us per tile (8% at qwen3).
+//                expert output rows. After a gate/up tile, the first consumer thread (the
+//                issuer of its TMA stores) waits for them to complete, fences the async proxy
+//                and release-adds the row tile's gate_up_done counter. (Deferring that wait
+//                until the next tile's stores were issued measured no faster: docs/perf.md.)
 // Ordering of h: the TMA stores complete (cp.async.bulk.wait_group 0) -> fence.proxy.async ->
 // red.release.gpu on the counter -> the scheduler's ld.acquire.gpu -> fence.proxy.async.global
 // -> its TMA loads of h.
@@ -67,10 +66,10 @@ __device__ __forceinline__ void release_add(unsigned long long* address) {
   asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(address) : "memory");
 }
 
-// Run by the thread that issued a gate/up tile's TMA stores, once they are complete (its
-// caller waited for their bulk groups): h of the tile is in global memory, and the row tile's
-// down tiles may load it.
+// Run by the thread that issued a gate/up tile's TMA stores: once they are complete, h of the
+// tile is in global memory and the row tile's down tiles may load it.
 __device__ __forceinline__ void signal_gate_up_done(const ForwardGemmsParams& params, int m_tile) {
+  ptx::bulk_wait_group<0>();
   asm volatile("fence.proxy.async.global;" ::: "memory");
   const unsigned long long epoch =
       *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
@@ -117,12 +116,14 @@ __device__ __forceinline__ void schedule_and_load(
   PipelineState<kNumStages> state;
   int slot = 0;
   uint32_t slot_phase = 0;
+  SegmentCursor cursor;  // this CTA's tickets only grow
+  atomicMax(params.ticket, ticket_base);
+  long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
   for (;;) {
-    atomicMax(params.ticket, ticket_base);
-    const long long ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
+    const long long ticket = next_ticket;
     QueuedTask queued{kStopTask, 0, 0, 0};
     if (ticket < num_tasks_here) {
-      const Task task = task_at(plan, ticket);
+      const Task task = task_at(plan, ticket, &cursor);
       queued = {static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, 0};
       if (task.kind == TaskKind::kDown) {
         const unsigned long long target = epoch * kGateUpDoneStride + plan.gate_up_n_tiles;
@@ -146,6 +147,9 @@ __device__ __forceinline__ void schedule_and_load(
       slot_phase ^= 1;
     }
     if (queued.kind == kStopTask) return;
+    // The next ticket now: the atomic's round trip overlaps this task's loads. (Its dependency
+    // is waited for only after them: it may be this very task.)
+    next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     const TileCoord coord = coord_of(params, queued);
     const bool gate_up = queued.kind == static_cast<int32_t>(TaskKind::kGateUp);
     for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
@@ -203,22 +207,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
     PipelineState<kNumStages> state;
     // Registers are tight here (128 accumulators of 168): keep little else live across tiles.
     uint32_t queued_count = 0;  // tasks read so far: slot = count % 4, phase = (count / 4) & 1
-    // The issuer defers a gate/up tile's done-signal until its stores are complete anyway: after
-    // the next tile's stores are issued (bulk groups: 2 per gate/up tile, 1 per down tile), or
-    // before it would block on an empty task queue, where its own scheduler may be waiting for
-    // that very signal.
-    int pending_m_tile = -1;
-    const bool issuer = threadIdx.x == BLOCK_M;
     float acc[128];
     for (;;) {
       const int slot = static_cast<int>(queued_count % kQueueSlots);
-      const uint32_t parity = (queued_count / kQueueSlots) & 1;
-      if (issuer && pending_m_tile >= 0 && !ptx::mbarrier_try_wait(&queue.full[slot], parity)) {
-        ptx::bulk_wait_group<0>();
-        signal_gate_up_done(params, pending_m_tile);
-        pending_m_tile = -1;
-      }
-      mbarrier_wait(params.gate_up.wait, WaitSite::kQueuedTask, &queue.full[slot], parity);
+      mbarrier_wait(params.gate_up.wait, WaitSite::kQueuedTask, &queue.full[slot],
+                    (queued_count / kQueueSlots) & 1);
       const QueuedTask task = queue.slot[slot];
       __syncwarp();
       if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&queue.empty[slot]);
@@ -232,29 +225,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
       if (gate_up) {
         store_tile<ExpertGemmForm::kGateUpSwiGLU>({&hidden_out, &gate_out, &up_out}, smem,
                                                   params.gate_up, coord, consumer_idx, acc);
-        if (issuer) {
-          if (pending_m_tile >= 0) {
-            ptx::bulk_wait_group<2>();  // all but this tile's two groups are complete
-            signal_gate_up_done(params, pending_m_tile);
-          }
-          pending_m_tile = coord.m_tile;
-        }
+        if (threadIdx.x == BLOCK_M) signal_gate_up_done(params, coord.m_tile);
       } else {
         store_tile<ExpertGemmForm::kDownStore>({&y_out, nullptr, nullptr}, smem, params.down, coord,
                                                consumer_idx, acc);
-        if (issuer && pending_m_tile >= 0) {
-          ptx::bulk_wait_group<1>();
-          signal_gate_up_done(params, pending_m_tile);
-          pending_m_tile = -1;
-        }
       }
     }
-    if (issuer && pending_m_tile >= 0) {
-      ptx::bulk_wait_group<0>();
-      signal_gate_up_done(params, pending_m_tile);
-    }
     // Outstanding TMA stores read the staging tile: it must outlive them.
-    if (issuer) ptx::bulk_wait_group<0>();
+    if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
   }
 }
 

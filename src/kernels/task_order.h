@@ -113,36 +113,59 @@ MOK_HOST_DEVICE inline int64_t num_tasks(const ForwardPlan& plan) {
   return total;
 }
 
-// The task of `ticket` (0 <= ticket < num_tasks). Walks the segments: O(minibatches).
-MOK_HOST_DEVICE inline Task task_at(const ForwardPlan& plan, int64_t ticket) {
-  for (int32_t s = 0; s < num_segments(plan); ++s) {
+// Where a walk over the segments stands: segment `segment` starts at ticket `first_ticket`.
+// A caller whose tickets only grow (a persistent CTA's scheduler) keeps one and never rewalks.
+struct SegmentCursor {
+  int32_t segment = 0;
+  int64_t first_ticket = 0;
+};
+
+// The task at offset `local` of segment `segment`.
+MOK_HOST_DEVICE inline Task task_in_segment(const ForwardPlan& plan, int32_t segment,
+                                            int64_t local_ticket) {
+  TaskKind kind;
+  int32_t b;
+  segment_at(plan, segment, &kind, &b);
+  Task task{kind, b, -1, -1, -1};
+  if (kind == TaskKind::kCombine) {
+    task.block = static_cast<int32_t>(local_ticket);
+  } else if (kind == TaskKind::kGather) {
+    task.m_tile = minibatch_first_tile(plan, b) + static_cast<int32_t>(local_ticket);
+  } else {
+    const int32_t n_tiles = kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles;
+    const int32_t tiles = minibatch_tiles(plan, b);
+    const int32_t local = static_cast<int32_t>(local_ticket);
+    const int32_t group = local / (kTileGroupM * n_tiles);
+    const int32_t first_m = group * kTileGroupM;
+    const int32_t group_m = tiles - first_m < kTileGroupM ? tiles - first_m : kTileGroupM;
+    const int32_t in_group = local - group * kTileGroupM * n_tiles;
+    task.m_tile = minibatch_first_tile(plan, b) + first_m + in_group % group_m;
+    task.n_tile = in_group / group_m;
+  }
+  return task;
+}
+
+// The task of `ticket` (0 <= ticket < num_tasks, and not below the cursor's first ticket),
+// moving the cursor forward to the ticket's segment: O(segments skipped).
+MOK_HOST_DEVICE inline Task task_at(const ForwardPlan& plan, int64_t ticket,
+                                    SegmentCursor* cursor) {
+  const int32_t segments = num_segments(plan);
+  for (; cursor->segment < segments; ++cursor->segment) {
     TaskKind kind;
     int32_t b;
-    segment_at(plan, s, &kind, &b);
+    segment_at(plan, cursor->segment, &kind, &b);
     const int64_t size = segment_size(plan, kind, b);
-    if (ticket >= size) {
-      ticket -= size;
-      continue;
-    }
-    Task task{kind, b, -1, -1, -1};
-    if (kind == TaskKind::kCombine) {
-      task.block = static_cast<int32_t>(ticket);
-    } else if (kind == TaskKind::kGather) {
-      task.m_tile = minibatch_first_tile(plan, b) + static_cast<int32_t>(ticket);
-    } else {
-      const int32_t n_tiles = kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles;
-      const int32_t tiles = minibatch_tiles(plan, b);
-      const int32_t local = static_cast<int32_t>(ticket);
-      const int32_t group = local / (kTileGroupM * n_tiles);
-      const int32_t first_m = group * kTileGroupM;
-      const int32_t group_m = tiles - first_m < kTileGroupM ? tiles - first_m : kTileGroupM;
-      const int32_t in_group = local - group * kTileGroupM * n_tiles;
-      task.m_tile = minibatch_first_tile(plan, b) + first_m + in_group % group_m;
-      task.n_tile = in_group / group_m;
-    }
-    return task;
+    if (ticket < cursor->first_ticket + size)
+      return task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket);
+    cursor->first_ticket += size;
   }
   return Task{TaskKind::kCombine, -1, -1, -1, -1};  // past the end: callers stop before
+}
+
+// The task of `ticket` (0 <= ticket < num_tasks). Walks the segments: O(minibatches).
+MOK_HOST_DEVICE inline Task task_at(const ForwardPlan& plan, int64_t ticket) {
+  SegmentCursor cursor;
+  return task_at(plan, ticket, &cursor);
 }
 
 MOK_HOST_DEVICE inline Dependency dependency_of(const ForwardPlan& plan, const Task& task) {

@@ -126,6 +126,21 @@ TEST(TaskOrder, NextMinibatchsGateUpTilesSeparateAMinibatchsGateUpAndDownTiles) 
   }
 }
 
+// A scheduler whose tickets only grow keeps a cursor: the same tasks as the walk from the start,
+// for any increasing sequence of tickets (here: every third ticket, with random skips).
+TEST(TaskOrder, CursorWalkGivesTheSameTasks) {
+  SplitMix64 rng(11);
+  for (const ForwardPlan& plan : plans()) {
+    SegmentCursor cursor;
+    for (int64_t ticket = static_cast<int64_t>(rng.below(3)); ticket < num_tasks(plan);
+         ticket += 1 + static_cast<int64_t>(rng.below(5))) {
+      const Task want = task_at(plan, ticket), got = task_at(plan, ticket, &cursor);
+      ASSERT_EQ(key_of(got), key_of(want)) << "ticket " << ticket;
+      ASSERT_EQ(got.minibatch, want.minibatch) << "ticket " << ticket;
+    }
+  }
+}
+
 TEST(TaskOrder, TilesOfAGroupShareWeightTiles) {
   // Within a gate/up segment, consecutive tickets walk up to 8 row tiles at one n before the
   // next n: CTAs that run together read the same weight tile.
