@@ -26,6 +26,8 @@ const char* error_code_name(ErrorCode code) {
       return "timeout";
     case ErrorCode::kInternal:
       return "internal error";
+    case ErrorCode::kCommError:
+      return "communication error";
   }
   return "unknown error";
 }

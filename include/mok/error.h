@@ -20,6 +20,7 @@ enum class ErrorCode {
   kDeviceFault,      // the GPU reported bad input data at a synchronization point
   kTimeout,          // a device-side wait timed out (see wait_until)
   kInternal,         // a bug in mok
+  kCommError,        // an NCCL call failed (the message names the call and NCCL's reason)
 };
 
 const char* error_code_name(ErrorCode code);

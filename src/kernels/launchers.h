@@ -61,6 +61,19 @@ cudaError_t launch_combine(const void* expert_rows, const int32_t* pair_row, con
                            const float* router_weights, int64_t num_tokens, int64_t hidden,
                            int32_t top_k, void* out, cudaStream_t stream);
 
+// The routing all-gather (routing_exchange.cu): this rank's top_experts into block `rank` of
+// every rank's routing_all [R, T, K], then one signal per peer pair. Advance `epoch` after it.
+struct RoutingExchangeArgs {
+  const void* top_experts;      // this rank's [T, K] (int32 or int64)
+  int64_t bytes_per_rank;       // T * K * element size (a multiple of 4)
+  void* const* routing_peers;   // [R] device array: each rank's routing_all, as this GPU sees it
+  uint64_t* const* flag_peers;  // [R] device array: each rank's flags [R] (symmetric)
+  int32_t rank, num_ranks;
+  const unsigned long long* epoch;  // this exchange's epoch - 1, in this rank's device memory
+  WaitContext wait;
+};
+cudaError_t launch_routing_exchange(const RoutingExchangeArgs& args, cudaStream_t stream);
+
 // Unfused baseline (baseline.cu): SwiGLU over rows [0, num_rows) of [rows, I] buffers. (Its
 // unpermute is launch_combine over its own permutation's pair_row.)
 cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up,

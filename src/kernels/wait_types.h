@@ -17,6 +17,7 @@ enum class WaitSite : int32_t {
   kTaskQueueSlot = 6,    // persistent scheduler waiting for a free slot of the CTA's task queue
   kQueuedTask = 7,       // persistent consumer waiting for its next task
   kGateUpDone = 8,       // persistent scheduler: a down tile waiting for its row tile's gate/up
+  kPeerSignal = 9,       // a rank waiting for another rank's signal (peer_barrier.cuh)
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host
