@@ -74,6 +74,45 @@ struct RoutingExchangeArgs {
 };
 cudaError_t launch_routing_exchange(const RoutingExchangeArgs& args, cudaStream_t stream);
 
+// Pull dispatch (dispatch_ep.cu): received[e] = row recv_tokens[e] of source rank s's buffer for
+// every receive entry e (entries of rank s: [recv_offsets[s], recv_offsets[s + 1])).
+struct PullRowsArgs {
+  const ScheduleHeader* header;  // total_recv
+  const int32_t* recv_offsets;   // [R + 1]
+  const int32_t* recv_tokens;    // [R*T]
+  void* const* source_peers;     // [R] device array: each rank's symmetric [T, H] source
+  int64_t vectors_per_row;       // H / 8
+  int32_t num_ranks;
+  void* received;  // [R*T, H] local
+};
+cudaError_t launch_pull_rows(const PullRowsArgs& args, int num_ctas, cudaStream_t stream);
+
+// Push combine (combine_ep.cu): row r of `rows` (schedule order) goes to slot pair % (T*K) of
+// rank pair / (T*K)'s symmetric slot buffer, pair = row_pair[r]; then the launch's last CTA
+// signals every rank. Advance `epoch` after the matching launch_wait_for_peers.
+struct PushRowsArgs {
+  const ScheduleHeader* header;  // total_rows
+  const int32_t* row_pair;
+  const void* rows;  // [rows, H] local
+  int64_t vectors_per_row;
+  int32_t pairs_per_rank;       // T * K
+  void* const* slot_peers;      // [R] device array: each rank's symmetric [T*K, H] slots
+  uint64_t* const* flag_peers;  // [R] device array: each rank's flags of this barrier
+  int32_t rank, num_ranks;
+  unsigned long long* done;         // local counter, zeroed once (epochs)
+  const unsigned long long* epoch;  // this call's epoch - 1
+};
+cudaError_t launch_push_rows(const PushRowsArgs& args, int num_ctas, cudaStream_t stream);
+// Waits until every rank signaled this rank's flags with this call's epoch (then the slots
+// pushed to this rank are complete).
+cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,
+                                  const unsigned long long* epoch, const WaitContext& wait,
+                                  cudaStream_t stream);
+// slot_index[i] = i where top_experts[i] is in [0, num_experts), else -1: the combine's row
+// index over a slot buffer [T*K, H] (launch_combine).
+cudaError_t launch_slot_index(const void* top_experts, DType expert_dtype, int64_t count,
+                              int64_t num_experts, int32_t* slot_index, cudaStream_t stream);
+
 // Unfused baseline (baseline.cu): SwiGLU over rows [0, num_rows) of [rows, I] buffers. (Its
 // unpermute is launch_combine over its own permutation's pair_row.)
 cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const void* up,

@@ -1,0 +1,47 @@
+// Pull dispatch across GPUs (DESIGN.md §2.2): the expert-owning rank reads the rows its experts
+// need straight out of the peers' symmetric buffers over NVLink, one row per (source rank,
+// token) of the schedule's receive list, so a token routed to several experts of this rank
+// crosses NVLink once; launch_gather_rows then expands the received rows into the
+// expert-grouped row buffer (its index is the schedule's row_recv, divisor 1). Forward: x rows;
+// backward: d_out rows (the reverse of the combine).
+//
+// Roles: a grid-stride loop over receive entries, one warp per entry (copy_row_warp, 16-byte
+// loads from the peer, 4 in flight per lane). The entries of source rank s are
+// [recv_offsets[s], recv_offsets[s + 1]); a warp finds s by a walk over the R + 1 offsets.
+// Ordering: the caller's routing exchange (routing_exchange.cu) ran first on this stream, and
+// every rank publishes its source buffer before signaling it, so the rows are there to read.
+#include <cuda_bf16.h>
+
+#include "kernels/launchers.h"
+#include "kernels/row_copy.cuh"
+
+namespace mok::kernels {
+
+namespace {
+
+__global__ void pull_rows_kernel(PullRowsArgs args) {
+  const int32_t total = args.header->total_recv;
+  const int warps_total = gridDim.x * blockDim.x / 32;
+  int32_t source_rank = 0;
+  for (int32_t entry = (blockIdx.x * blockDim.x + threadIdx.x) / 32; entry < total;
+       entry += warps_total) {
+    while (source_rank + 1 < args.num_ranks && entry >= args.recv_offsets[source_rank + 1])
+      ++source_rank;
+    const int32_t token = args.recv_tokens[entry];
+    const uint4* src = static_cast<const uint4*>(args.source_peers[source_rank]) +
+                       static_cast<int64_t>(token) * args.vectors_per_row;
+    copy_row_warp(
+        static_cast<uint4*>(args.received) + static_cast<int64_t>(entry) * args.vectors_per_row,
+        src, args.vectors_per_row);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_pull_rows(const PullRowsArgs& args, int num_ctas, cudaStream_t stream) {
+  if (num_ctas < 1 || args.num_ranks < 1) return cudaErrorInvalidValue;
+  pull_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace mok::kernels
