@@ -242,12 +242,12 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                          s.d_out_rows->as<char>() + row * H * 2, s.dh_raw->as<char>() + row * I * 2,
                          &kZero);
   }
-  cuda_check(
-      kernels::launch_swiglu_backward(
-          nullptr, offsets[E], s.gate->pointer, s.up->pointer, s.dh_raw->pointer, view.row_pair,
-          fwd.router_weights.data_as<const float>(), I, shape.swiglu_limit, s.d_gate->pointer,
-          s.d_up->pointer, s.hidden->pointer, args.d_router_weights.data_as<float>(), stream),
-      "swiglu backward");
+  cuda_check(kernels::launch_swiglu_backward(
+                 nullptr, offsets[E], s.gate->pointer, s.up->pointer, s.dh_raw->pointer,
+                 view.row_pair, fwd.router_weights.data_as<const float>(), I, shape.swiglu_limit,
+                 s.d_gate->pointer, s.d_up->pointer, s.hidden->pointer,
+                 args.d_router_weights.data_as<float>(), nullptr, 0, stream),
+             "swiglu backward");
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] == 0) {
       for (char* grad :
@@ -285,12 +285,12 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
       }
       gemm_rows_by_weights(s.handle, T, Is, H, fwd.w_shared_down.data, args.d_out.data,
                            s.shared_dh_raw->pointer, &kZero);
-      cuda_check(kernels::launch_swiglu_backward(nullptr, T, s.shared_gate->pointer,
-                                                 s.shared_up->pointer, s.shared_dh_raw->pointer,
-                                                 nullptr, nullptr, Is, shape.swiglu_limit,
-                                                 s.shared_d_gate->pointer, s.shared_d_up->pointer,
-                                                 s.shared_hidden->pointer, nullptr, stream),
-                 "shared swiglu backward");
+      cuda_check(
+          kernels::launch_swiglu_backward(
+              nullptr, T, s.shared_gate->pointer, s.shared_up->pointer, s.shared_dh_raw->pointer,
+              nullptr, nullptr, Is, shape.swiglu_limit, s.shared_d_gate->pointer,
+              s.shared_d_up->pointer, s.shared_hidden->pointer, nullptr, nullptr, 0, stream),
+          "shared swiglu backward");
       gemm_rows_by_weights(s.handle, T, H, Is, fwd.w_shared_gate.data, s.shared_d_gate->pointer,
                            s.shared_out->pointer, &kZero);
       gemm_rows_by_weights(s.handle, T, H, Is, fwd.w_shared_up.data, s.shared_d_up->pointer,

@@ -20,6 +20,9 @@
 
 namespace mok {
 
+struct EpRank;
+class EpLayer;
+
 // Names the intermediates a forward left in the layer's workspace (the routing schedule, the
 // gathered x rows, and bf16 g and u of every row), which a
 // backward of the same inputs can start from instead of recomputing them. Valid until the next
@@ -66,9 +69,12 @@ class GpuLayer {
   // Bytes of device memory the workspace holds.
   int64_t workspace_bytes() const;
 
-  struct State;  // opaque: workspace, tensor maps, diagnosis record (src/gpu_layer.cpp)
+  struct State;  // opaque: workspace, tensor maps, diagnosis record (src/gpu_layer_state.h)
 
  private:
+  friend class EpLayer;
+  // Rank `rank` of an expert-parallel group whose buffers `ep` describes (EpLayer builds it).
+  GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank, EpRank* ep);
   std::unique_ptr<State> state_;
 };
 

@@ -71,7 +71,7 @@ __global__ void slot_index_kernel(const ExpertId* top_experts, int64_t count, in
 
 cudaError_t launch_push_rows(const PushRowsArgs& args, int num_ctas, cudaStream_t stream) {
   if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kPushDoneStride ||
-      args.num_ranks < 1 || args.pairs_per_rank < 1)
+      args.num_ranks < 1 || args.pairs_per_rank < 0)
     return cudaErrorInvalidValue;
   push_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
   return cudaGetLastError();

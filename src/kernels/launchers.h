@@ -64,10 +64,13 @@ cudaError_t launch_combine(const void* expert_rows, const int32_t* pair_row, con
 // The routing all-gather (routing_exchange.cu): this rank's top_experts into block `rank` of
 // every rank's routing_all [R, T, K], then one signal per peer pair. Advance `epoch` after it.
 struct RoutingExchangeArgs {
-  const void* top_experts;      // this rank's [T, K] (int32 or int64)
-  int64_t bytes_per_rank;       // T * K * element size (a multiple of 4)
-  void* const* routing_peers;   // [R] device array: each rank's routing_all, as this GPU sees it
-  uint64_t* const* flag_peers;  // [R] device array: each rank's flags [R] (symmetric)
+  const void* top_experts;     // this rank's [T, K] (int32 or int64); null with 0 bytes: a barrier
+  int64_t bytes_per_rank;      // T * K * element size (a multiple of 4)
+  void* const* routing_peers;  // [R] device array: each rank's routing_all, as this GPU sees it
+  const float* weights = nullptr;       // optional second payload: router weights [T, K]
+  int64_t weight_bytes_per_rank = 0;    // T * K * 4
+  void* const* weight_peers = nullptr;  // [R] each rank's weights_all [R, T, K]
+  uint64_t* const* flag_peers;          // [R] device array: each rank's flags [R] (symmetric)
   int32_t rank, num_ranks;
   const unsigned long long* epoch;  // this exchange's epoch - 1, in this rank's device memory
   WaitContext wait;
@@ -95,7 +98,7 @@ struct PushRowsArgs {
   const int32_t* row_pair;
   const void* rows;  // [rows, H] local
   int64_t vectors_per_row;
-  int32_t pairs_per_rank;       // T * K
+  int32_t pairs_per_rank;       // T * K (0 with no tokens: the launch only signals)
   void* const* slot_peers;      // [R] device array: each rank's symmetric [T*K, H] slots
   uint64_t* const* flag_peers;  // [R] device array: each rank's flags of this barrier
   int32_t rank, num_ranks;
@@ -125,11 +128,14 @@ cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const voi
 // one thread), and d_router_weights[row_pair[row]] = <dh_raw, h> of the row (lanes in fixed
 // order, then a fixed xor tree). Row r's pair is row_pair[r] (identity when null; -1 = padding,
 // weight 0, nothing written to d_router_weights); router_weights null = weight 1;
-// d_router_weights may be null (the shared expert).
+// d_router_weights may be null (the shared expert). Expert parallel: with
+// d_router_weights_peers set, pair p's gradient goes to d_router_weights_peers[p / pairs_per_rank]
+// [p % pairs_per_rank] (its source rank's buffer) instead.
 cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate,
                                    const void* up, const void* dh_raw, const int32_t* row_pair,
                                    const float* router_weights, int64_t intermediate, float limit,
                                    void* d_gate, void* d_up, void* weighted_hidden,
-                                   float* d_router_weights, cudaStream_t stream);
+                                   float* d_router_weights, float* const* d_router_weights_peers,
+                                   int32_t pairs_per_rank, cudaStream_t stream);
 
 }  // namespace mok::kernels

@@ -18,8 +18,9 @@ __global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num
                                        const uint4* gate, const uint4* up, const uint4* dh_raw,
                                        const int32_t* row_pair, const float* router_weights,
                                        int64_t vectors_per_row, float limit, uint4* d_gate,
-                                       uint4* d_up, uint4* weighted_hidden,
-                                       float* d_router_weights) {
+                                       uint4* d_up, uint4* weighted_hidden, float* d_router_weights,
+                                       float* const* d_router_weights_peers,
+                                       int32_t pairs_per_rank) {
   const int64_t rows = header != nullptr ? header->total_rows : num_rows;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -55,7 +56,12 @@ __global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num
       weighted_hidden[at] = hw_out;
     }
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (lane == 0 && pair >= 0 && d_router_weights != nullptr) d_router_weights[pair] = dot;
+    if (lane == 0 && pair >= 0) {
+      if (d_router_weights_peers != nullptr)  // expert parallel: into the source rank's buffer
+        d_router_weights_peers[pair / pairs_per_rank][pair % pairs_per_rank] = dot;
+      else if (d_router_weights != nullptr)
+        d_router_weights[pair] = dot;
+    }
   }
 }
 
@@ -65,7 +71,8 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
                                    const void* up, const void* dh_raw, const int32_t* row_pair,
                                    const float* router_weights, int64_t intermediate, float limit,
                                    void* d_gate, void* d_up, void* weighted_hidden,
-                                   float* d_router_weights, cudaStream_t stream) {
+                                   float* d_router_weights, float* const* d_router_weights_peers,
+                                   int32_t pairs_per_rank, cudaStream_t stream) {
   if (header == nullptr && num_rows == 0) return cudaSuccess;
   int device = 0, sm_count = 0;
   cudaGetDevice(&device);
@@ -74,7 +81,7 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
       header, num_rows, static_cast<const uint4*>(gate), static_cast<const uint4*>(up),
       static_cast<const uint4*>(dh_raw), row_pair, router_weights, intermediate / 8, limit,
       static_cast<uint4*>(d_gate), static_cast<uint4*>(d_up), static_cast<uint4*>(weighted_hidden),
-      d_router_weights);
+      d_router_weights, d_router_weights_peers, pairs_per_rank);
   return cudaGetLastError();
 }
 

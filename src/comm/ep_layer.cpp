@@ -1,0 +1,347 @@
+// The expert-parallel layer (include/mok/ep_layer.h; built with NCCL): the group's symmetric
+// buffers, one GpuLayer per local rank, and the steps run_forward / run_backward call for each rank
+// (gpu_layer_state.h, namespace ep).
+//
+// Symmetric buffers (one per rank, every rank's addressable from every GPU; SymmetricMemory):
+//   x, d_out          [T, H] bf16   published by their rank before its exchange; peers pull rows
+//   routing_all       [R, T, K]     every rank's top_experts (int32 or int64), by the exchange
+//   weights_all       [R, T, K] f32 every rank's router weights, by the same exchange
+//   slots             [T*K, H] bf16 expert outputs (backward: dx rows) pushed by the expert ranks
+//   d_router_weights  [T*K] f32     router-weight gradients written by the expert ranks
+//   exchange / push flags [R] u64   the two signal families (peer_barrier.cuh), with epochs
+// Ordering across ranks, per layer call and rank r: r publishes its inputs, then the exchange
+// (or, in a backward with a context, the same kernel without payload as a barrier) signals
+// every rank and waits for every rank: after it, every rank's inputs of this call are
+// published and every rank has finished the previous call's combine (which read its slots), so
+// pulls and pushes that follow are safe. The push's last CTA signals every rank once all rows
+// are stored; the combine waits for every rank's push before it reads its slots. A rank
+// publishes its next inputs only after that wait, by which time every rank finished pulling
+// from the current ones.
+#include "mok/ep_layer.h"
+
+#include <algorithm>
+#include <string>
+
+#include "cuda_buffer.h"
+#include "gpu_layer_state.h"
+#include "mok/schedule_gpu.h"
+
+namespace mok {
+
+// One rank's view of the group's buffers (pointers into the EpLayer's SymmetricMemory) and its
+// local communication state.
+struct EpRank {
+  int32_t rank = 0, num_ranks = 1;
+  int comm_ctas = 24;
+  void* x_local = nullptr;
+  void* const* x_peers = nullptr;
+  void* d_out_local = nullptr;
+  void* const* d_out_peers = nullptr;
+  void* routing_local = nullptr;
+  void* const* routing_peers = nullptr;
+  float* weights_local = nullptr;
+  void* const* weights_peers = nullptr;
+  void* slots_local = nullptr;
+  void* const* slot_peers = nullptr;
+  float* d_rw_local = nullptr;
+  float* const* d_rw_peers = nullptr;
+  uint64_t* exchange_flags_local = nullptr;
+  uint64_t* const* exchange_flag_peers = nullptr;
+  uint64_t* push_flags_local = nullptr;
+  uint64_t* const* push_flag_peers = nullptr;
+  DeviceBuffer received;    // [R*T, H] bf16: pulled rows, one per receive entry
+  DeviceBuffer slot_index;  // int32 [T*K]: the combine's index over the slots
+  DeviceBuffer counters;    // [0] exchange epoch, [1] push epoch, [2] push CTAs done
+};
+
+struct EpLayer::Impl {
+  MoeShape shape;
+  std::vector<Communicator*> ranks_here;
+  std::unique_ptr<SymmetricMemory> x, d_out, routing, weights, slots, d_rw, exchange_flags,
+      push_flags;
+  std::vector<std::unique_ptr<EpRank>> ranks;
+  std::vector<std::unique_ptr<GpuLayer>> layers;
+};
+
+namespace {
+
+// Switches to `device` for the lifetime of the object.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    cuda_check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+unsigned long long* counter(EpRank& ep, int index) {
+  return ep.counters.as<unsigned long long>() + index;
+}
+
+void check_local_count(const char* call, size_t got, size_t want) {
+  if (got != want)
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("EpLayer::") + call + ": " + std::to_string(got) +
+                    " entries; valid: one per local rank (" + std::to_string(want) + ")");
+}
+
+}  // namespace
+
+EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
+                 const std::vector<Communicator*>& ranks_here)
+    : impl_(std::make_unique<Impl>()) {
+  can_implement(config, shape).throw_if_error();
+  if (ranks_here.empty())
+    throw Error(ErrorCode::kInvalidArgument,
+                "EpLayer: ranks_here is empty; pass the group's ranks this process drives");
+  for (Communicator* communicator : ranks_here)
+    if (communicator->num_ranks() != shape.num_ranks)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "EpLayer: shape.num_ranks = " + std::to_string(shape.num_ranks) +
+                      " but the communicator of rank " + std::to_string(communicator->rank()) +
+                      " has " + std::to_string(communicator->num_ranks()) +
+                      " ranks; valid: the group size");
+  Impl& m = *impl_;
+  m.shape = shape;
+  m.ranks_here = ranks_here;
+  const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k, R = shape.num_ranks;
+  auto symmetric = [&](int64_t bytes, const char* what, bool zero) {
+    return std::make_unique<SymmetricMemory>(ranks_here, std::max<int64_t>(bytes, 16), what, zero);
+  };
+  m.x = symmetric(T * H * 2, "published x", false);
+  m.d_out = symmetric(T * H * 2, "published d_out", false);
+  m.routing = symmetric(R * T * K * 8, "routing of every rank", false);
+  m.weights = symmetric(R * T * K * 4, "router weights of every rank", false);
+  m.slots = symmetric(T * K * H * 2, "combine slots", false);
+  m.d_rw = symmetric(T * K * 4, "router-weight gradients", false);
+  m.exchange_flags = symmetric(R * 8, "exchange flags", true);
+  m.push_flags = symmetric(R * 8, "push flags", true);
+  for (int32_t i = 0; i < static_cast<int32_t>(ranks_here.size()); ++i) {
+    DeviceScope scope(ranks_here[i]->device());
+    auto ep = std::make_unique<EpRank>();
+    ep->rank = ranks_here[i]->rank();
+    ep->num_ranks = static_cast<int32_t>(R);
+    ep->comm_ctas = std::max(config.fwd_num_comm_sms, 1);
+    ep->x_local = m.x->local(i);
+    ep->x_peers = m.x->device_peers(i);
+    ep->d_out_local = m.d_out->local(i);
+    ep->d_out_peers = m.d_out->device_peers(i);
+    ep->routing_local = m.routing->local(i);
+    ep->routing_peers = m.routing->device_peers(i);
+    ep->weights_local = static_cast<float*>(m.weights->local(i));
+    ep->weights_peers = m.weights->device_peers(i);
+    ep->slots_local = m.slots->local(i);
+    ep->slot_peers = m.slots->device_peers(i);
+    ep->d_rw_local = static_cast<float*>(m.d_rw->local(i));
+    ep->d_rw_peers = reinterpret_cast<float* const*>(m.d_rw->device_peers(i));
+    ep->exchange_flags_local = static_cast<uint64_t*>(m.exchange_flags->local(i));
+    ep->exchange_flag_peers = reinterpret_cast<uint64_t* const*>(m.exchange_flags->device_peers(i));
+    ep->push_flags_local = static_cast<uint64_t*>(m.push_flags->local(i));
+    ep->push_flag_peers = reinterpret_cast<uint64_t* const*>(m.push_flags->device_peers(i));
+    ep->received.allocate(R * T * H * 2, "pulled rows");
+    ep->slot_index.allocate(T * K * 4, "slot index");
+    ep->counters.allocate(3 * 8, "expert-parallel counters");
+    cuda_check(cudaMemset(ep->counters.pointer, 0, ep->counters.bytes), "zero EP counters");
+    m.layers.push_back(std::unique_ptr<GpuLayer>(new GpuLayer(shape, config, ep->rank, ep.get())));
+    m.ranks.push_back(std::move(ep));
+  }
+}
+
+EpLayer::~EpLayer() = default;
+
+int32_t EpLayer::num_local_ranks() const { return static_cast<int32_t>(impl_->layers.size()); }
+
+GpuLayer& EpLayer::rank_layer(int32_t i) { return *impl_->layers.at(i); }
+
+int EpLayer::rank_device(int32_t i) const { return impl_->ranks_here.at(i)->device(); }
+
+std::vector<ForwardContext> EpLayer::forward(const std::vector<ForwardArgs>& args,
+                                             const std::vector<cudaStream_t>& streams) {
+  check_local_count("forward (args)", args.size(), impl_->layers.size());
+  check_local_count("forward (streams)", streams.size(), impl_->layers.size());
+  std::vector<ForwardContext> contexts;
+  for (int32_t i = 0; i < num_local_ranks(); ++i) {
+    DeviceScope scope(rank_device(i));
+    contexts.push_back(impl_->layers[i]->forward(args[i], streams[i]));
+  }
+  return contexts;
+}
+
+void EpLayer::backward(const std::vector<BackwardArgs>& args,
+                       const std::vector<cudaStream_t>& streams,
+                       const std::vector<ForwardContext>* contexts) {
+  check_local_count("backward (args)", args.size(), impl_->layers.size());
+  check_local_count("backward (streams)", streams.size(), impl_->layers.size());
+  if (contexts != nullptr) check_local_count("backward (contexts)", contexts->size(), args.size());
+  for (int32_t i = 0; i < num_local_ranks(); ++i) {
+    DeviceScope scope(rank_device(i));
+    impl_->layers[i]->backward(args[i], streams[i], contexts ? &(*contexts)[i] : nullptr);
+  }
+}
+
+Status EpLayer::synchronize(const std::vector<cudaStream_t>& streams) {
+  check_local_count("synchronize (streams)", streams.size(), impl_->layers.size());
+  Status first = Status::Ok();
+  for (int32_t i = 0; i < num_local_ranks(); ++i) {
+    DeviceScope scope(rank_device(i));
+    Status status = impl_->layers[i]->synchronize(streams[i]);
+    if (!status.ok() && first.ok())
+      first = Status{status.code, "rank " + std::to_string(impl_->ranks_here[i]->rank()) + ": " +
+                                      status.message};
+  }
+  return first;
+}
+
+int64_t EpLayer::workspace_bytes_per_rank() const {
+  const Impl& m = *impl_;
+  int64_t bytes = m.layers.front()->workspace_bytes() + m.ranks.front()->received.bytes +
+                  m.ranks.front()->slot_index.bytes + m.ranks.front()->counters.bytes;
+  for (const auto* memory : {&m.x, &m.d_out, &m.routing, &m.weights, &m.slots, &m.d_rw,
+                             &m.exchange_flags, &m.push_flags})
+    bytes += (*memory)->bytes();
+  return bytes;
+}
+
+namespace ep {
+
+namespace {
+
+// The exchange kernel: the routing and router weights of this call when `top_experts` is set,
+// else no payload (a barrier of the group).
+void exchange(GpuLayer::State& s, const TensorView* top_experts, const float* router_weights,
+              cudaStream_t stream) {
+  EpRank& ep = *s.ep;
+  const int64_t pairs = s.shape.num_tokens * s.shape.top_k;
+  kernels::RoutingExchangeArgs args;
+  args.top_experts = top_experts != nullptr ? top_experts->data : nullptr;
+  args.bytes_per_rank = top_experts != nullptr ? pairs * dtype_size(top_experts->dtype) : 0;
+  args.routing_peers = ep.routing_peers;
+  args.weights = router_weights;
+  args.weight_bytes_per_rank = router_weights != nullptr ? pairs * 4 : 0;
+  args.weight_peers = ep.weights_peers;
+  args.flag_peers = ep.exchange_flag_peers;
+  args.rank = ep.rank;
+  args.num_ranks = ep.num_ranks;
+  args.epoch = counter(ep, 0);
+  args.wait = s.wait_context();
+  cuda_check(kernels::launch_routing_exchange(args, stream), "routing exchange launch");
+  cuda_check(kernels::launch_advance_epoch(counter(ep, 0), stream), "advance the exchange epoch");
+}
+
+// Pulls the routed rows of `source_peers` (every rank's published [T, H]) and expands them into
+// `rows` in schedule order.
+void pull_and_expand(GpuLayer::State& s, void* const* source_peers, void* rows,
+                     cudaStream_t stream) {
+  EpRank& ep = *s.ep;
+  const ScheduleView view = s.routed.view();
+  kernels::PullRowsArgs pull;
+  pull.header = view.header;
+  pull.recv_offsets = view.recv_offsets;
+  pull.recv_tokens = view.recv_tokens;
+  pull.source_peers = source_peers;
+  pull.vectors_per_row = s.shape.hidden / 8;
+  pull.num_ranks = ep.num_ranks;
+  pull.received = ep.received.pointer;
+  cuda_check(kernels::launch_pull_rows(pull, ep.comm_ctas, stream), "pull dispatch launch");
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, ep.received.pointer,
+                                         s.shape.hidden, 1, rows, s.routed.capacity_rows, stream),
+             "expand pulled rows");
+}
+
+void publish(void* destination, const TensorView& source, cudaStream_t stream, const char* what) {
+  cuda_check(cudaMemcpyAsync(destination, source.data, static_cast<size_t>(source.nbytes()),
+                             cudaMemcpyDeviceToDevice, stream),
+             std::string("publish ") + what);
+}
+
+}  // namespace
+
+void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
+                      const StageMarker& mark) {
+  EpRank& ep = *s.ep;
+  publish(ep.x_local, args.x, stream, "x");
+  exchange(s, &args.top_experts, args.router_weights.data_as<const float>(), stream);
+  launch_build_schedule(s.routed.layout, ep.routing_local, args.top_experts.dtype,
+                        s.routed.schedule.pointer, stream)
+      .throw_if_error();
+  mark("routing exchange + schedule");
+  pull_and_expand(s, ep.x_peers, s.rows.pointer, stream);
+  mark("pull dispatch");
+}
+
+void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
+                       cudaStream_t stream, const StageMarker& mark) {
+  EpRank& ep = *s.ep;
+  const ForwardArgs& fwd = args.forward;
+  // Pairs not routed anywhere keep 0; the expert ranks write the routed ones after the barrier.
+  cuda_check(cudaMemsetAsync(ep.d_rw_local, 0,
+                             static_cast<size_t>(s.shape.num_tokens * s.shape.top_k * 4), stream),
+             "zero router-weight gradients");
+  publish(ep.d_out_local, args.d_out, stream, "d_out");
+  if (use_context) {
+    exchange(s, nullptr, nullptr, stream);  // a barrier: every rank's d_out is published
+  } else {
+    publish(ep.x_local, fwd.x, stream, "x");
+    exchange(s, &fwd.top_experts, fwd.router_weights.data_as<const float>(), stream);
+    launch_build_schedule(s.routed.layout, ep.routing_local, fwd.top_experts.dtype,
+                          s.routed.schedule.pointer, stream)
+        .throw_if_error();
+  }
+  pull_and_expand(s, ep.d_out_peers, s.d_out_rows.pointer, stream);
+  if (!use_context) pull_and_expand(s, ep.x_peers, s.rows.pointer, stream);
+  mark(use_context ? "barrier + pull d_out" : "routing exchange + schedule + pull d_out, x");
+}
+
+void push_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark, const char* name) {
+  EpRank& ep = *s.ep;
+  const ScheduleView view = s.routed.view();
+  kernels::PushRowsArgs push;
+  push.header = view.header;
+  push.row_pair = view.row_pair;
+  push.rows = s.expert_out.pointer;
+  push.vectors_per_row = s.shape.hidden / 8;
+  push.pairs_per_rank = static_cast<int32_t>(s.shape.num_tokens * s.shape.top_k);
+  push.slot_peers = ep.slot_peers;
+  push.flag_peers = ep.push_flag_peers;
+  push.rank = ep.rank;
+  push.num_ranks = ep.num_ranks;
+  push.done = counter(ep, 2);
+  push.epoch = counter(ep, 1);
+  cuda_check(kernels::launch_push_rows(push, ep.comm_ctas, stream), "push combine launch");
+  cuda_check(kernels::launch_wait_for_peers(ep.push_flags_local, ep.num_ranks, counter(ep, 1),
+                                            s.wait_context(), stream),
+             "wait for every rank's push");
+  cuda_check(kernels::launch_advance_epoch(counter(ep, 1), stream), "advance the push epoch");
+  mark(name);
+}
+
+void combine_slots(GpuLayer::State& s, const TensorView& top_experts, const void* shared,
+                   const float* weights, void* out, cudaStream_t stream) {
+  EpRank& ep = *s.ep;
+  const int64_t T = s.shape.num_tokens, K = s.shape.top_k;
+  cuda_check(kernels::launch_slot_index(top_experts.data, top_experts.dtype, T * K,
+                                        s.shape.num_experts, ep.slot_index.as<int32_t>(), stream),
+             "slot index launch");
+  cuda_check(kernels::launch_combine(ep.slots_local, ep.slot_index.as<int32_t>(), shared, weights,
+                                     T, s.shape.hidden, s.shape.top_k, out, stream),
+             "combine launch");
+}
+
+const float* gathered_router_weights(const GpuLayer::State& s) { return s.ep->weights_local; }
+
+float* const* router_weight_grad_peers(const GpuLayer::State& s) { return s.ep->d_rw_peers; }
+
+void copy_router_weight_grads(GpuLayer::State& s, const TensorView& d_router_weights,
+                              cudaStream_t stream) {
+  cuda_check(cudaMemcpyAsync(d_router_weights.data, s.ep->d_rw_local,
+                             static_cast<size_t>(d_router_weights.nbytes()),
+                             cudaMemcpyDeviceToDevice, stream),
+             "copy router-weight gradients");
+}
+
+}  // namespace ep
+}  // namespace mok

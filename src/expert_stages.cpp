@@ -1,0 +1,217 @@
+// The GEMM stages of one expert set (the routed experts or the shared expert): tensor maps and
+// launches of the expert GEMM forms, forward and backward. See gpu_layer_state.h.
+#include <cuda.h>
+
+#include <string>
+
+#include "gpu_layer_state.h"
+#include "tma.h"
+
+namespace mok {
+
+namespace {
+
+// Tensor maps: K-major operands are read in [128 rows x 64] boxes (A) or [128|256 x 64] (B);
+// MN-major ones in [64 K-rows x 64] boxes.
+CUtensorMap k_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_2d(base, width, rows, 64, 128, what);
+}
+CUtensorMap mn_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_2d(base, width, rows, 64, 64, what);
+}
+CUtensorMap k_major_weights(const void* base, int64_t k, int64_t n, int64_t experts, int32_t box_n,
+                            const char* what) {
+  return make_tensor_map_3d(base, k, n, experts, 64, box_n, what);
+}
+// The staging-tile epilogue's store map of [rows, width] outputs: [128 rows x 64] boxes (3-D
+// with one batch, like the weight gradients' maps).
+CUtensorMap output_rows(void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_3d(base, width, rows, 1, 64, 128, what);
+}
+CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t experts,
+                             const char* what) {
+  return make_tensor_map_3d(base, n, k, experts, 64, 64, what);
+}
+
+kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet& set) {
+  kernels::ExpertGemmParams params{};
+  const ScheduleView view = set.view();
+  params.header = view.header;
+  params.tile_expert = view.tile_expert;
+  params.row_pair = view.row_pair;
+  params.expert_offsets = view.expert_offsets;
+  params.num_experts = static_cast<int32_t>(set.num_experts);
+  params.swiglu_limit = s.shape.swiglu_limit;
+  params.wait = s.wait_context();
+  return params;
+}
+
+void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
+            const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
+            cudaStream_t stream, const char* what) {
+  cuda_check(kernels::launch_expert_gemm(form, maps, params, s.sm_count, stream), what);
+}
+
+}  // namespace
+
+namespace stages {
+
+// Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T) (keeping g and u, the forward
+// context), then y = h Wd^T. `rows` holds `rows_in_map` rows of width H; `out` [out_rows, H]
+// receives y in schedule order (the map clips rows past out_rows: the shared expert's output
+// has exactly T rows).
+void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                     int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
+                     void* out, int64_t out_rows, const kernels::FusedGather& gather,
+                     cudaStream_t stream, const StageMarker& mark) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows;
+  kernels::ExpertGemmMaps maps{};
+  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.out = output_rows(set.hidden.pointer, I, R, "hidden");
+  maps.out2 = output_rows(set.gate.pointer, I, R, "gate (forward context)");
+  maps.out3 = output_rows(set.up.pointer, I, R, "up (forward context)");
+  kernels::ExpertGemmParams params = base_params(s, set);
+  params.n_extent = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  params.gather = gather;
+  launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
+  if (gather.x != nullptr) {
+    cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
+    mark("gather + gate/up GEMM + SwiGLU");
+  } else {
+    mark("gate/up GEMM + SwiGLU");
+  }
+
+  maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
+  maps.b0 = maps.b1 = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.out = output_rows(out, H, out_rows, "expert output rows");
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(I);
+  params.gather = kernels::FusedGather{};
+  launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
+  mark("down GEMM");
+}
+
+// The routed experts' forward as one persistent kernel (forward_gemms.cu): the same GEMMs and
+// epilogues as forward_experts, with the fused local dispatch when `gather.x` is set.
+void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                                int64_t rows_in_map, const void* w_gate, const void* w_up,
+                                const void* w_down, void* out, int64_t out_rows,
+                                const kernels::FusedGather& gather, cudaStream_t stream,
+                                const StageMarker& mark) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows;
+  kernels::ForwardGemmsMaps maps{};
+  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
+  maps.w_down = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
+  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
+  maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
+  maps.y_out = output_rows(out, H, out_rows, "expert output rows");
+  kernels::ForwardGemmsParams params{};
+  params.gate_up = base_params(s, set);
+  params.gate_up.n_extent = static_cast<int32_t>(I);
+  params.gate_up.k_extent = static_cast<int32_t>(H);
+  params.gate_up.gather = gather;
+  params.down = base_params(s, set);
+  params.down.n_extent = static_cast<int32_t>(H);
+  params.down.k_extent = static_cast<int32_t>(I);
+  params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
+  unsigned long long* counters = s.persistent_state.as<unsigned long long>();
+  params.ticket = counters;
+  params.epoch = counters + 1;
+  params.gate_up_done = counters + 2;
+  cuda_check(kernels::launch_forward_gemms(maps, params, s.sm_count, stream),
+             "persistent forward GEMM kernel");
+  cuda_check(kernels::launch_advance_epoch(params.epoch, stream),
+             "advance the persistent forward's epoch");
+  if (gather.x != nullptr)
+    cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
+  mark(gather.x != nullptr ? "gather + gate/up + down (persistent)"
+                           : "gate/up + down (persistent)");
+}
+
+// Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down
+// with SwiGLU backward (d_g, d_u, h_w, d_router_weights of routed pairs); dx rows in schedule
+// order into dx_out [dx_rows, H]; the three weight gradients. router_weights null = weight 1
+// (the shared expert).
+void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                      const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
+                      const void* w_up, const void* w_down, const float* router_weights,
+                      float* d_router_weights, float* const* d_router_weights_peers,
+                      int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
+                      const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                      const StageMarker& mark) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
+                R = set.capacity_rows;
+  kernels::ExpertGemmParams params = base_params(s, set);
+
+  kernels::ExpertGemmMaps maps{};
+  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
+  maps.out2 = output_rows(set.up.pointer, I, R, "up (recomputed)");
+  params.n_extent = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  if (recompute) {
+    launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream,
+           "gate/up recompute GEMM");
+    mark("gate/up recompute");
+  }
+
+  // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
+  maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
+  maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
+  launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
+  mark("down dgrad");
+  const ScheduleView view = set.view();
+  cuda_check(kernels::launch_swiglu_backward(view.header, 0, set.gate.pointer, set.up.pointer,
+                                             set.hidden.pointer, view.row_pair, router_weights, I,
+                                             s.shape.swiglu_limit, set.d_gate.pointer,
+                                             set.d_up.pointer, set.hidden.pointer, d_router_weights,
+                                             d_router_weights_peers, pairs_per_rank, stream),
+             "SwiGLU backward launch");
+  mark("SwiGLU backward + router weight gradient");
+
+  maps.a0 = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
+  maps.a1 = k_major_rows(set.d_up.pointer, I, R, "d_up");
+  maps.b0 = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
+  maps.b1 = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(I);
+  maps.out = output_rows(dx_out, H, dx_rows, "dx rows");
+  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, params, stream, "gate/up dgrad GEMM");
+  mark("gate/up dgrad");
+
+  // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
+  const CUtensorMap x_rows = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
+  // `a_rows`: rows the A operand's memory holds (d_out of the shared expert has only T rows;
+  // TMA fills the rest of the last tile with zeros).
+  auto weight_grad = [&](const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b, int64_t n,
+                         void* out, const char* what) {
+    kernels::ExpertGemmMaps wgrad_maps{};
+    wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
+    wgrad_maps.b0 = wgrad_maps.b1 = b;
+    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what);
+    kernels::ExpertGemmParams wgrad = base_params(s, set);
+    wgrad.m_extent = static_cast<int32_t>(m);
+    wgrad.n_extent = static_cast<int32_t>(n);
+    launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
+  };
+  weight_grad(set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
+  weight_grad(set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, "weight gradient of up");
+  weight_grad(d_out_rows, rows_in_map, H, mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"),
+              I, grads.d_w_down, "weight gradient of down");
+  mark("weight gradients");
+}
+
+}  // namespace stages
+}  // namespace mok

@@ -1,0 +1,144 @@
+// The GPU layer's internal state and its expert stages, shared by gpu_layer.cpp (the
+// single-GPU sequence and the API), expert_stages.cpp (the GEMM launches of one expert set)
+// and ep_layer.cpp (the expert-parallel group). Not a public header.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <functional>
+
+#include "cuda_buffer.h"
+#include "kernels/launchers.h"
+#include "mok/gpu_layer.h"
+#include "mok/layer_args.h"
+#include "mok/schedule.h"
+
+namespace mok {
+
+inline int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+struct EpRank;  // one rank's share of an expert-parallel group (ep_layer.cpp)
+
+// One set of experts that runs through the GEMM kernels: the routed experts (schedule built on
+// every call) or the shared expert (a fixed one-expert schedule over the rank's tokens).
+struct ExpertSet {
+  ScheduleLayout layout;
+  DeviceBuffer schedule;
+  int64_t num_experts = 0;
+  int64_t intermediate = 0;
+  int64_t capacity_rows = 0;  // rows of the [rows, I] buffers (a multiple of 128)
+  DeviceBuffer hidden;        // forward h; backward dh_raw, then h_w in place
+  DeviceBuffer gate, up;      // backward: recomputed bf16 g, u
+  DeviceBuffer d_gate, d_up;  // backward
+
+  void allocate(int64_t rows, int64_t inter, int64_t experts) {
+    capacity_rows = rows;
+    intermediate = inter;
+    num_experts = experts;
+    for (DeviceBuffer* buffer : {&hidden, &gate, &up, &d_gate, &d_up})
+      buffer->allocate(rows * inter * 2, "expert buffer");
+  }
+  ScheduleView view() const { return ScheduleView::at(schedule.pointer, layout); }
+  int64_t bytes() const {
+    return schedule.bytes + hidden.bytes + gate.bytes + up.bytes + d_gate.bytes + d_up.bytes;
+  }
+};
+
+struct GpuLayer::State {
+  MoeShape shape;
+  MoeConfig config;
+  int device = 0;
+  int sm_count = 0;
+  ExpertSet routed, shared;
+  DeviceBuffer rows;        // [max_rows, H]: routed x rows in schedule order (padding rows zero)
+  DeviceBuffer d_out_rows;  // [max_rows, H]: routed d_out rows (backward)
+  DeviceBuffer expert_out;  // [max_rows, H]: expert output rows / backward dx rows, schedule order
+  DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
+  // The fused local dispatch's counters (dispatch_local.cuh): [0] ticket, [1] epoch,
+  // [2 .. 2 + max_tiles) per-tile row counts; zeroed once, never reset (epochs).
+  DeviceBuffer gather_state;
+  // The persistent forward's counters (forward_gemms.cu): [0] ticket, [1] epoch,
+  // [2 .. 2 + max_tiles) gate/up tiles done per row tile; zeroed once, never reset (epochs).
+  DeviceBuffer persistent_state;
+  kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
+  kernels::WaitDiagnosis* diagnosis_device = nullptr;
+  uint64_t generation = 0;  // forwards run so far: names the context the workspace holds
+  int32_t rank = 0;         // in the expert-parallel group (0 of 1 on its own)
+  EpRank* ep = nullptr;     // the group's buffers when num_ranks > 1 (owned by the EpLayer)
+
+  ~State() {
+    if (diagnosis != nullptr) cudaFreeHost(diagnosis);
+  }
+
+  kernels::WaitContext wait_context() const {
+    return {static_cast<uint64_t>(config.wait_timeout_s * 1e9), rank, diagnosis_device};
+  }
+};
+
+using StageMarker = std::function<void(const char*)>;
+
+struct WeightGrads {
+  void* d_w_gate;
+  void* d_w_up;
+  void* d_w_down;
+};
+
+namespace stages {
+
+// Forward of one expert set (expert_stages.cpp): h = swiglu(rows Wg^T, rows Wu^T) (keeping g
+// and u, the forward context), then y = h Wd^T in schedule order into `out` [out_rows, H].
+void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                     int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
+                     void* out, int64_t out_rows, const kernels::FusedGather& gather,
+                     cudaStream_t stream, const StageMarker& mark);
+// The same as one persistent kernel (MoeConfig::persistent_forward).
+void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                                int64_t rows_in_map, const void* w_gate, const void* w_up,
+                                const void* w_down, void* out, int64_t out_rows,
+                                const kernels::FusedGather& gather, cudaStream_t stream,
+                                const StageMarker& mark);
+// Backward of one expert set; see expert_stages.cpp. `d_router_weights_peers` (optional, with
+// pairs_per_rank): the SwiGLU backward writes each pair's router-weight gradient to its source
+// rank's buffer instead of d_router_weights.
+void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                      const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
+                      const void* w_up, const void* w_down, const float* router_weights,
+                      float* d_router_weights, float* const* d_router_weights_peers,
+                      int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
+                      const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                      const StageMarker& mark);
+
+}  // namespace stages
+
+// The expert-parallel steps of the layer (ep_layer.cpp), called by run_forward / run_backward
+// when s.ep is set. Every rank of the group must run the same sequence of layer calls: the
+// steps signal and wait for every other rank.
+namespace ep {
+
+// Publishes x, all-gathers the routing and router weights, builds this rank's schedule, pulls
+// the routed x rows (one NVLink crossing per (token, rank)) and expands them into s.rows.
+void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
+                      const StageMarker& mark);
+// Zeroes this rank's router-weight gradients, publishes d_out (and x without a context),
+// exchanges the routing again without a context (else a plain barrier), pulls and expands
+// d_out rows (and x rows) into s.d_out_rows (s.rows).
+void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
+                       cudaStream_t stream, const StageMarker& mark);
+// Pushes s.expert_out's rows into their source ranks' slots and waits for every rank's pushes.
+void push_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark, const char* name);
+// The fixed-order sum of this rank's slots (weights null = 1) with the shared expert's rows.
+void combine_slots(GpuLayer::State& s, const TensorView& top_experts, const void* shared,
+                   const float* weights, void* out, cudaStream_t stream);
+// The router weights of every rank's pairs [R*T*K] (gathered by the forward's exchange).
+const float* gathered_router_weights(const GpuLayer::State& s);
+// Each rank's router-weight gradient buffer [T*K] (symmetric), for the SwiGLU backward.
+float* const* router_weight_grad_peers(const GpuLayer::State& s);
+// Copies this rank's gathered router-weight gradients into the caller's tensor.
+void copy_router_weight_grads(GpuLayer::State& s, const TensorView& d_router_weights,
+                              cudaStream_t stream);
+
+}  // namespace ep
+}  // namespace mok

@@ -1,0 +1,146 @@
+// The expert-parallel layer on every GPU of the machine, one process driving them (a group of 1
+// on a one-GPU machine still runs the whole expert-parallel path through its own peer
+// pointers): forward and backward against the CPU reference's R-rank emulation on the
+// adversarial routings of DESIGN.md §4, outputs poisoned first, bitwise identical across
+// repeated steps and with or without the forward context.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#if MOK_HAS_NCCL
+#include "mok/comm.h"
+#include "mok/device_problem.h"
+#include "mok/ep_layer.h"
+#include "mok/host_problem.h"
+#include "mok/reference.h"
+#include "test_util.h"
+#endif
+
+namespace mok {
+namespace {
+
+#if MOK_HAS_NCCL
+
+using test::make_shape;
+
+struct Group {
+  std::vector<int> devices;
+  std::vector<std::unique_ptr<Communicator>> communicators;
+  std::vector<Communicator*> ranks;
+};
+
+Group make_group() {
+  int count = 0;
+  EXPECT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  Group group;
+  for (int device = 0; device < count; ++device) group.devices.push_back(device);
+  group.communicators = Communicator::create_all(group.devices);
+  for (auto& communicator : group.communicators) group.ranks.push_back(communicator.get());
+  return group;
+}
+
+// One training step of every rank (forward, then backward with or without the context); the
+// outputs of every rank.
+std::vector<HostRank> ep_step(EpLayer& layer, std::vector<std::unique_ptr<DeviceProblem>>& device,
+                              const HostProblem& problem, bool with_context) {
+  const int32_t ranks = layer.num_local_ranks();
+  std::vector<ForwardArgs> forward_args;
+  std::vector<BackwardArgs> backward_args;
+  std::vector<cudaStream_t> streams(static_cast<size_t>(ranks), nullptr);
+  for (int32_t rank = 0; rank < ranks; ++rank) {
+    EXPECT_EQ(cudaSetDevice(layer.rank_device(rank)), cudaSuccess);
+    device[rank]->poison_outputs();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    forward_args.push_back(device[rank]->forward_args());
+    backward_args.push_back(device[rank]->backward_args());
+  }
+  const std::vector<ForwardContext> contexts = layer.forward(forward_args, streams);
+  layer.backward(backward_args, streams, with_context ? &contexts : nullptr);
+  const Status status = layer.synchronize(streams);
+  EXPECT_TRUE(status.ok()) << status.message;
+  std::vector<HostRank> results;
+  for (int32_t rank = 0; rank < ranks; ++rank) {
+    EXPECT_EQ(cudaSetDevice(layer.rank_device(rank)), cudaSuccess);
+    HostRank result = problem.ranks[rank];
+    device[rank]->download_outputs(result);
+    results.push_back(std::move(result));
+  }
+  return results;
+}
+
+void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing, uint64_t seed) {
+  Group group = make_group();
+  MoeShape shape = base_shape;
+  shape.num_ranks = static_cast<int32_t>(group.devices.size());
+  shape.num_experts = base_shape.num_experts * shape.num_ranks;
+  SCOPED_TRACE(std::string(name) + " " + shape.to_string() + " routing " +
+               routing_kind_name(routing));
+  HostProblem problem = HostProblem::make(shape, routing, seed);
+  problem.poison_outputs();
+  reference::forward_ep(shape, problem.all_forward_args());
+  reference::backward_ep(shape, problem.all_backward_args());
+  std::vector<std::unique_ptr<DeviceProblem>> device;
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+    device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+  }
+  MoeConfig config;
+  config.wait_timeout_s = 20;
+  EpLayer layer(shape, config, group.ranks);
+  const std::vector<HostRank> first = ep_step(layer, device, problem, true);
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    std::printf("  %-14s %-44s %-11s rank %d:", name, shape.to_string().c_str(),
+                routing_kind_name(routing), rank);
+    test::for_each_output(first[rank], problem.ranks[rank],
+                          [&](const char* output, const auto& got, const auto& want) {
+                            if (want.empty()) return;
+                            const double error = test::relative_error(got, want);
+                            std::printf(" %s %.1e", output, error);
+                            EXPECT_TRUE(test::all_finite(got)) << "rank " << rank << " " << output;
+                            EXPECT_LE(error, 1e-2) << "rank " << rank << " " << output;
+                          });
+    std::printf("\n");
+  }
+  const std::vector<HostRank> again = ep_step(layer, device, problem, true);
+  const std::vector<HostRank> recomputed = ep_step(layer, device, problem, false);
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    test::for_each_output(again[rank], first[rank],
+                          [&](const char* output, const auto& a, const auto& b) {
+                            EXPECT_TRUE(test::bitwise_equal(a, b))
+                                << "rank " << rank << " " << output << " differs between steps";
+                          });
+    test::for_each_output(
+        recomputed[rank], first[rank], [&](const char* output, const auto& a, const auto& b) {
+          EXPECT_TRUE(test::bitwise_equal(a, b))
+              << "rank " << rank << " " << output << " differs without the forward context";
+        });
+  }
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    cudaSetDevice(group.devices[rank]);
+    device[rank].reset();
+  }
+}
+
+// Experts per rank are given; the group size is the machine's GPU count.
+TEST(EpLayerGpu, MatchesReferenceEmulation) {
+  uint64_t seed = 900;
+  check_ep("uniform", make_shape(257, 768, 256, 8, 4, 1, 128, 0.5f), RoutingKind::kUniform, ++seed);
+  check_ep("one rank", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneRank, ++seed);
+  check_ep("empty rank", make_shape(200, 512, 256, 8, 4, 1, 64), RoutingKind::kEmptyRank, ++seed);
+  check_ep("holes", make_shape(333, 1024, 384, 4, 4), RoutingKind::kHoles, ++seed);
+  check_ep("skewed", make_shape(300, 512, 256, 8, 8), RoutingKind::kSkewed, ++seed);
+  check_ep("no routes", make_shape(130, 512, 256, 4, 4, 1, 64), RoutingKind::kNoRoutes, ++seed);
+  check_ep("one token", make_shape(1, 256, 128, 4, 2), RoutingKind::kUniform, ++seed);
+}
+
+#else
+
+TEST(EpLayerGpu, NotBuilt) { GTEST_SKIP() << "mok was built without NCCL (set MOK_NCCL_HOME)"; }
+
+#endif
+
+}  // namespace
+}  // namespace mok
