@@ -27,6 +27,7 @@ struct RunOptions {
   std::string json_path;
   bool cpu_only = false;
   bool persistent_forward = false;  // GPU: MoeConfig::persistent_forward
+  int32_t gpus = 0;                 // > 0: the expert-parallel layer on this many GPUs
 };
 
 struct Comparison {
@@ -71,5 +72,7 @@ std::string cuda_device_name();
 int run_cpu(const RunOptions& options, const mok::MoeShape& shape);
 // `mok run` on one GPU: mok's layer against the unfused baseline, checked against the reference.
 int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::string& device_name);
+// `mok run --gpus N`: the expert-parallel layer on N GPUs, one process (tools/run_ep.cpp).
+int run_ep(const RunOptions& options, const mok::MoeShape& shape);
 
 }  // namespace mok::cli

@@ -40,6 +40,8 @@ mok run options:
   --check-tokens N             tokens the fp64 oracle checks (default: all that fit a budget)
   --local-dispatch MODE        GPU: gather-kernel or producer-warps (default: the library's;
                                both give the same bits, the run times both)
+  --gpus N                     the expert-parallel layer on GPUs 0..N-1 of this machine, one
+                               process (default shape kimi_slice: E = 8 per GPU); N ranks
   --persistent-forward         GPU: run the forward GEMMs as one persistent kernel (the run
                                times both ways either way)
   --json FILE                  also write the results as JSON
@@ -79,11 +81,11 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       continue;
     }
     static const char* const kValueOptions[] = {
-        "--shape",         "--tokens",       "--experts",
-        "--ranks",         "--top-k",        "--shared-intermediate",
-        "--clamp",         "--routing",      "--seed",
-        "--threads",       "--check-tokens", "--json",
-        "--local-dispatch"};
+        "--shape",          "--tokens",       "--experts",
+        "--ranks",          "--top-k",        "--shared-intermediate",
+        "--clamp",          "--routing",      "--seed",
+        "--threads",        "--check-tokens", "--json",
+        "--local-dispatch", "--gpus"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -117,6 +119,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.json_path = value;
     else if (flag == "--local-dispatch")
       options.local_dispatch = value;
+    else if (flag == "--gpus")
+      options.gpus = static_cast<int32_t>(parse_int(flag, value));
     else
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
   }
@@ -138,6 +142,18 @@ mok::MoeShape shape_from_options(const RunOptions& options) {
 }
 
 int run_command(RunOptions options) {
+  if (options.gpus < 0)
+    throw Error(ErrorCode::kInvalidArgument,
+                "--gpus " + std::to_string(options.gpus) + "; valid: at least 1");
+  if (options.gpus > 0) {
+    if (options.ranks != 1 && options.ranks != options.gpus)
+      throw Error(ErrorCode::kInvalidArgument, "--ranks " + std::to_string(options.ranks) +
+                                                   " with --gpus " + std::to_string(options.gpus) +
+                                                   "; valid: one rank per GPU (omit --ranks)");
+    options.ranks = options.gpus;
+    if (options.shape_name.empty()) options.shape_name = "kimi_slice";
+    return run_ep(options, shape_from_options(options));
+  }
   const std::string device_name = options.cpu_only ? "" : cuda_device_name();
   if (options.shape_name.empty())
     options.shape_name = device_name.empty() || options.ranks > 1 ? "tiny" : "dsv3_local";
