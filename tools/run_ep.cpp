@@ -19,6 +19,7 @@
 #include "mok/reference.h"
 #if MOK_HAS_NCCL
 #include "mok/comm.h"
+#include "mok/ep_baseline.h"
 #include "mok/ep_layer.h"
 #endif
 
@@ -82,6 +83,8 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   }
   mok::MoeConfig config;
   mok::EpLayer layer(shape, config, ranks_here);
+  std::unique_ptr<mok::EpBaseline> baseline;
+  if (!shape.has_shared_expert()) baseline = std::make_unique<mok::EpBaseline>(shape, ranks_here);
   std::vector<cudaStream_t> streams;
   std::vector<mok::ForwardArgs> forward_args;
   std::vector<mok::BackwardArgs> backward_args;
@@ -98,16 +101,33 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   };
   auto synchronize = [&] { layer.synchronize(streams).throw_if_error(); };
 
-  // Correctness: a step with the context and one recomputing, outputs poisoned before each.
-  std::vector<std::vector<mok::HostRank>> results(2);
-  for (int run = 0; run < 2; ++run) {
+  auto synchronize_all = [&] {
+    for (RankRun& run : runs) {
+      CLI_CUDA_CHECK(cudaSetDevice(run.device));
+      CLI_CUDA_CHECK(cudaStreamSynchronize(run.stream));
+    }
+  };
+  auto baseline_forward = [&] { baseline->forward(forward_args, streams); };
+  auto baseline_step = [&] {
+    baseline->forward(forward_args, streams);
+    baseline->backward(backward_args, streams);
+  };
+  // Correctness: a step with the context, one recomputing, and the baseline's, outputs
+  // poisoned before each.
+  std::vector<std::vector<mok::HostRank>> results(3);
+  for (int run = 0; run < (baseline ? 3 : 2); ++run) {
     for (RankRun& rank_run : runs) {
       CLI_CUDA_CHECK(cudaSetDevice(rank_run.device));
       rank_run.problem->poison_outputs();
       CLI_CUDA_CHECK(cudaDeviceSynchronize());
     }
-    step(run == 0);
-    synchronize();
+    if (run < 2) {
+      step(run == 0);
+      synchronize();
+    } else {
+      baseline_step();
+      synchronize_all();
+    }
     for (int32_t rank = 0; rank < num_ranks; ++rank) {
       CLI_CUDA_CHECK(cudaSetDevice(runs[rank].device));
       results[run].push_back(problem.ranks[rank]);
@@ -124,22 +144,28 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
                      same(a.d_router_weights, b.d_router_weights) && same(a.d_w_gate, b.d_w_gate) &&
                      same(a.d_w_up, b.d_w_up) && same(a.d_w_down, b.d_w_down);
   }
-  ErrorAccumulator out_error, dx_error, drw_error;
-  const mok::HostRank& want = slice.ranks[0];
-  const int64_t H = shape.hidden, K = shape.top_k;
-  for (size_t i = 0; i < slice_tokens.size(); ++i) {
-    const int64_t rank = slice_tokens[i] / shape.num_tokens;
-    const int64_t token = slice_tokens[i] % shape.num_tokens;
-    const mok::HostRank& got = results[0][rank];
-    for (int64_t c = 0; c < H; ++c) {
-      out_error.add(value_of(got.out[token * H + c]), value_of(want.out[i * H + c]));
-      dx_error.add(value_of(got.d_x[token * H + c]), value_of(want.d_x[i * H + c]));
+  // Token-local outputs of `got` (one entry per rank) against the reference slice.
+  auto slice_errors = [&](const std::vector<mok::HostRank>& got, const std::string& who) {
+    ErrorAccumulator out_error, dx_error, drw_error;
+    const mok::HostRank& want = slice.ranks[0];
+    const int64_t H = shape.hidden, K = shape.top_k;
+    for (size_t i = 0; i < slice_tokens.size(); ++i) {
+      const int64_t rank = slice_tokens[i] / shape.num_tokens;
+      const int64_t token = slice_tokens[i] % shape.num_tokens;
+      const mok::HostRank& mine = got[rank];
+      for (int64_t c = 0; c < H; ++c) {
+        out_error.add(value_of(mine.out[token * H + c]), value_of(want.out[i * H + c]));
+        dx_error.add(value_of(mine.d_x[token * H + c]), value_of(want.d_x[i * H + c]));
+      }
+      for (int64_t k = 0; k < K; ++k)
+        drw_error.add(mine.d_router_weights[token * K + k], want.d_router_weights[i * K + k]);
     }
-    for (int64_t k = 0; k < K; ++k)
-      drw_error.add(got.d_router_weights[token * K + k], want.d_router_weights[i * K + k]);
-  }
-  const std::vector<Comparison> errors = {out_error.result("out"), dx_error.result("d_x"),
-                                          drw_error.result("d_router_weights")};
+    return std::vector<Comparison>{out_error.result(who + " out"), dx_error.result(who + " d_x"),
+                                   drw_error.result(who + " d_router_weights")};
+  };
+  std::vector<Comparison> errors = slice_errors(results[0], "mok");
+  if (baseline)
+    for (const Comparison& error : slice_errors(results[2], "baseline")) errors.push_back(error);
 
   // Timing: every rank's calls launched, then all synchronized; median of 20 after 3.
   auto median_ms = [&](const std::function<void()>& body) {
@@ -147,19 +173,17 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));
     CLI_CUDA_CHECK(cudaEventCreate(&start));
     CLI_CUDA_CHECK(cudaEventCreate(&stop));
-    for (int i = 0; i < 3; ++i) {
-      body();
-      synchronize();
-    }
+    body();
+    synchronize_all();
     std::vector<float> times;
-    for (int i = 0; i < 20; ++i) {
-      synchronize();
+    for (int i = 0; i < 5; ++i) {
+      synchronize_all();
       CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));
       CLI_CUDA_CHECK(cudaEventRecord(start, runs[0].stream));
       body();
       CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));
       CLI_CUDA_CHECK(cudaEventRecord(stop, runs[0].stream));
-      synchronize();
+      synchronize_all();
       float ms = 0;
       CLI_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
       times.push_back(ms);
@@ -169,8 +193,26 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     std::sort(times.begin(), times.end());
     return static_cast<double>(times[times.size() / 2]);
   };
-  const double forward_ms = median_ms(forward);
-  const double step_ms = median_ms([&] { step(true); });
+  // Interleaved rotated rounds (the cards run into their power limit: docs/perf.md).
+  std::vector<std::function<void()>> bodies = {forward, [&] { step(true); }};
+  if (baseline) {
+    bodies.push_back(baseline_forward);
+    bodies.push_back(baseline_step);
+  }
+  std::vector<std::vector<double>> samples(bodies.size());
+  for (size_t round = 0; round < bodies.size(); ++round)
+    for (size_t place = 0; place < bodies.size(); ++place) {
+      const size_t body = (place + round) % bodies.size();
+      samples[body].push_back(median_ms(bodies[body]));
+    }
+  std::vector<double> medians;
+  for (std::vector<double>& values : samples) {
+    std::sort(values.begin(), values.end());
+    medians.push_back(values[values.size() / 2]);
+  }
+  const double forward_ms = medians[0], step_ms = medians[1];
+  const double base_forward_ms = baseline ? medians[2] : 0,
+               base_step_ms = baseline ? medians[3] : 0;
 
   bool passed = deterministic;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kTolerance;
@@ -181,12 +223,24 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
               static_cast<unsigned long long>(options.seed));
   std::printf("  work      %lld routed pairs in the group, %.1f GFLOP forward per GPU\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9);
-  std::printf("  times (rank 0's stream, every rank launched; median of 20):\n");
-  std::printf("    forward            %9.3f ms %8.1f TFLOP/s per GPU\n", forward_ms,
-              forward_flop / forward_ms / 1e9);
-  std::printf("    forward+backward   %9.3f ms %8.1f TFLOP/s per GPU\n", step_ms,
-              3 * forward_flop / step_ms / 1e9);
-  std::printf("  baseline (NCCL all-to-all around the same GEMMs): not written yet, no ratio\n");
+  std::printf(
+      "  times on rank 0's stream, every rank launched, median of %zu rounds x 5, rotated:\n",
+      bodies.size());
+  std::printf("    %-18s %10s %9s %10s %9s %8s\n", "", "mok ms", "TFLOP/s", "base ms", "TFLOP/s",
+              "speedup");
+  auto row = [&](const char* name, double flop, double mok_ms, double base_ms) {
+    if (baseline)
+      std::printf("    %-18s %10.3f %9.1f %10.3f %9.1f %7.2fx\n", name, mok_ms, flop / mok_ms / 1e9,
+                  base_ms, flop / base_ms / 1e9, base_ms / mok_ms);
+    else
+      std::printf("    %-18s %10.3f %9.1f   (no baseline with a shared expert)\n", name, mok_ms,
+                  flop / mok_ms / 1e9);
+  };
+  row("forward", forward_flop, forward_ms, base_forward_ms);
+  row("forward+backward", 3 * forward_flop, step_ms, base_step_ms);
+  std::printf(
+      "  (TFLOP/s per GPU: the group's useful FLOPs / GPUs; baseline = NCCL all-to-all with "
+      "host split sizes around mok's single-GPU GEMMs)\n");
   std::printf("  against the CPU reference on %lld tokens of each rank (tolerance %.0e):\n",
               static_cast<long long>(per_rank), kTolerance);
   for (const Comparison& error : errors)
@@ -200,10 +254,13 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     json << "{\"gpus\": " << num_ranks << ", \"shape_name\": \"" << options.shape_name
          << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \"" << options.routing
          << "\", \"forward_ms\": " << forward_ms << ", \"forward_backward_ms\": " << step_ms
+         << ", \"baseline_forward_ms\": " << base_forward_ms
+         << ", \"baseline_forward_backward_ms\": " << base_step_ms
          << ", \"forward_tflops_per_gpu\": " << forward_flop / forward_ms / 1e9
-         << ", \"errors\": {\"out\": " << errors[0].rel << ", \"d_x\": " << errors[1].rel
-         << ", \"d_router_weights\": " << errors[2].rel
-         << "}, \"deterministic\": " << (deterministic ? "true" : "false")
+         << ", \"errors\": {";
+    for (size_t i = 0; i < errors.size(); ++i)
+      json << (i ? ", " : "") << "\"" << errors[i].name << "\": " << errors[i].rel;
+    json << "}, \"deterministic\": " << (deterministic ? "true" : "false")
          << ", \"passed\": " << (passed ? "true" : "false") << "}\n";
   }
   for (RankRun& run : runs) {
