@@ -362,6 +362,11 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const Forwa
                                                                      int iterations) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  if (s.ep != nullptr)
+    throw Error(ErrorCode::kUnsupported,
+                "profile_forward: this layer is rank " + std::to_string(s.rank) +
+                    " of an expert-parallel group, whose calls wait for every rank; profile a "
+                    "single-GPU layer (num_ranks = 1)");
   return profile_stages(stream, iterations,
                         [&](const StageMarker& mark) { run_forward(s, args, stream, mark); });
 }
@@ -370,6 +375,11 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(
     const BackwardArgs& args, cudaStream_t stream, int iterations, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  if (s.ep != nullptr)
+    throw Error(ErrorCode::kUnsupported,
+                "profile_backward: this layer is rank " + std::to_string(s.rank) +
+                    " of an expert-parallel group, whose calls wait for every rank; profile a "
+                    "single-GPU layer (num_ranks = 1)");
   const bool use_context = context_is_current(s, context);
   if (!use_context) ++s.generation;
   return profile_stages(stream, iterations, [&](const StageMarker& mark) {

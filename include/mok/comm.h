@@ -61,7 +61,7 @@ class SymmetricMemory {
   SymmetricMemory(const SymmetricMemory&) = delete;
   SymmetricMemory& operator=(const SymmetricMemory&) = delete;
 
-  int64_t bytes() const { return bytes_; }
+  int64_t bytes() const { return bytes_; }  // rounded up to whole 2 MiB pages
   // Pieces of this process, in the order of ranks_here.
   int32_t num_pieces() const { return static_cast<int32_t>(pieces_.size()); }
   const Communicator& communicator(int32_t piece) const { return *pieces_.at(piece).communicator; }

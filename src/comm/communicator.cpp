@@ -36,6 +36,13 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// Symmetric buffers are allocated and registered in whole 2 MiB pages (the granularity of the
+// CUDA virtual-memory allocations NCCL maps across the group), the same size on every rank.
+int64_t round_up_to_granularity(int64_t bytes) {
+  constexpr int64_t kGranularity = int64_t{2} << 20;
+  return (bytes + kGranularity - 1) / kGranularity * kGranularity;
+}
+
 void check_group_size(int32_t num_ranks, const char* where) {
   if (num_ranks < 1)
     throw Error(ErrorCode::kInvalidArgument, std::string(where) + ": the group has " +
@@ -94,7 +101,7 @@ std::unique_ptr<Communicator> Communicator::create_rank(const UniqueId& id, int3
 
 SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, int64_t bytes,
                                  const char* what, bool zero_fill)
-    : bytes_(bytes), what_(what) {
+    : bytes_(round_up_to_granularity(bytes)), what_(what) {
   if (bytes <= 0)
     throw Error(ErrorCode::kInvalidArgument, "SymmetricMemory (" + what_ + "): bytes = " +
                                                  std::to_string(bytes) + "; valid: positive");
@@ -114,12 +121,12 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
       Piece piece;
       piece.communicator = communicator;
       DeviceGuard guard(communicator->device());
-      nccl_check(ncclMemAlloc(&piece.local, static_cast<size_t>(bytes)),
+      nccl_check(ncclMemAlloc(&piece.local, static_cast<size_t>(bytes_)),
                  "ncclMemAlloc of " + std::to_string(bytes) + " bytes for " + what_,
                  static_cast<ncclComm_t>(communicator->nccl_handle()));
       pieces_.push_back(std::move(piece));
       if (zero_fill) {
-        cuda_check(cudaMemset(pieces_.back().local, 0, static_cast<size_t>(bytes)),
+        cuda_check(cudaMemset(pieces_.back().local, 0, static_cast<size_t>(bytes_)),
                    "zeroing " + what_);
         cuda_check(cudaDeviceSynchronize(), "zeroing " + what_);
       }
@@ -131,7 +138,7 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
       DeviceGuard guard(piece.communicator->device());
       ncclWindow_t window = nullptr;
       result = ncclCommWindowRegister(static_cast<ncclComm_t>(piece.communicator->nccl_handle()),
-                                      piece.local, static_cast<size_t>(bytes), &window,
+                                      piece.local, static_cast<size_t>(bytes_), &window,
                                       NCCL_WIN_COLL_SYMMETRIC);
       if (result != ncclSuccess) break;
       piece.window = window;

@@ -63,6 +63,9 @@ __global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num
         d_router_weights[pair] = dot;
     }
   }
+  // Expert parallel: the stores above went to other GPUs; make them visible at system scope
+  // before the push kernel's signal (which only orders its own CTAs' stores) tells the source.
+  if (d_router_weights_peers != nullptr) __threadfence_system();
 }
 
 }  // namespace
