@@ -1,5 +1,6 @@
-// The host runtime's two CUDA helpers: a checked call that names what failed, and an owning
-// device allocation. Used by every host file that touches device memory.
+// The host runtime's CUDA helpers: a checked call that names what failed, an owning device
+// allocation, and a scoped switch of the current device (for code driving several GPUs). Used
+// by every host file that touches device memory.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -46,6 +47,21 @@ class DeviceBuffer {
 
   void* pointer = nullptr;
   int64_t bytes = 0;
+};
+
+// Makes `device` current for the lifetime of the object, then restores the previous one.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    cuda_check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
 };
 
 }  // namespace mok

@@ -23,19 +23,6 @@ void nccl_check(ncclResult_t result, const std::string& what, ncclComm_t comm = 
   throw Error(ErrorCode::kCommError, message);
 }
 
-// Switches to `device` for the lifetime of the object, then back.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    cuda_check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 // Symmetric buffers are allocated and registered in whole 2 MiB pages (the granularity of the
 // CUDA virtual-memory allocations NCCL maps across the group), the same size on every rank.
 int64_t round_up_to_granularity(int64_t bytes) {
@@ -88,7 +75,7 @@ std::unique_ptr<Communicator> Communicator::create_rank(const UniqueId& id, int3
     throw Error(ErrorCode::kInvalidArgument,
                 "Communicator::create_rank: rank = " + std::to_string(rank) + "; valid: [0, " +
                     std::to_string(num_ranks) + ")");
-  DeviceGuard guard(device);
+  DeviceScope guard(device);
   ncclUniqueId nccl_id;
   static_assert(sizeof(nccl_id) == sizeof(id.bytes), "ncclUniqueId size changed");
   std::memcpy(&nccl_id, id.bytes.data(), sizeof(nccl_id));
@@ -120,7 +107,7 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
                         "one NVLink domain");
       Piece piece;
       piece.communicator = communicator;
-      DeviceGuard guard(communicator->device());
+      DeviceScope guard(communicator->device());
       nccl_check(ncclMemAlloc(&piece.local, static_cast<size_t>(bytes_)),
                  "ncclMemAlloc of " + std::to_string(bytes) + " bytes for " + what_,
                  static_cast<ncclComm_t>(communicator->nccl_handle()));
@@ -135,7 +122,7 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
     nccl_check(ncclGroupStart(), "ncclGroupStart");
     ncclResult_t result = ncclSuccess;
     for (Piece& piece : pieces_) {
-      DeviceGuard guard(piece.communicator->device());
+      DeviceScope guard(piece.communicator->device());
       ncclWindow_t window = nullptr;
       result = ncclCommWindowRegister(static_cast<ncclComm_t>(piece.communicator->nccl_handle()),
                                       piece.local, static_cast<size_t>(bytes_), &window,
@@ -148,7 +135,7 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
     nccl_check(end, "ncclGroupEnd after registering " + what_);
     for (Piece& piece : pieces_) {
       const int32_t num_ranks = piece.communicator->num_ranks();
-      DeviceGuard guard(piece.communicator->device());
+      DeviceScope guard(piece.communicator->device());
       cuda_check(
           cudaMalloc(reinterpret_cast<void**>(&piece.device_peers), sizeof(void*) * num_ranks),
           "peer pointer table for " + what_);

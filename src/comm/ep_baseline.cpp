@@ -23,18 +23,6 @@ void nccl_check(ncclResult_t result, const std::string& what) {
     throw Error(ErrorCode::kCommError, what + " failed: " + ncclGetErrorString(result));
 }
 
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    cuda_check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 }  // namespace
 
 struct EpBaseline::Impl {

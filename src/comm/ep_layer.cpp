@@ -65,19 +65,6 @@ struct EpLayer::Impl {
 
 namespace {
 
-// Switches to `device` for the lifetime of the object.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    cuda_check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 unsigned long long* counter(EpRank& ep, int index) {
   return ep.counters.as<unsigned long long>() + index;
 }
