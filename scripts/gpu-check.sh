@@ -7,9 +7,9 @@
 # ctest.log, run.log (mok run on tiny and the benchmark shapes), clocks.log (SM clock and power
 # during the default run), sass.log, sanitizer.log and
 # results.json (device, pass or fail per step, ctest counts, schedule timing, and every
-# `mok run --json` result). On a machine with 2 or more GPUs it also runs `mok run --gpus N` (the
-# expert-parallel layer; MOK_EP_SHAPES, default kimi_slice) and the multi-GPU tests run on all of
-# them. MOK_BENCH_SHAPES picks the extra benchmark shapes (default: qwen3;
+# `mok run --json` result). It also runs `mok run --gpus N` on all N GPUs of the machine (the
+# expert-parallel layer against the all-to-all baseline; MOK_EP_SHAPES, default kimi_slice), and
+# the multi-GPU tests run on all of them. MOK_BENCH_SHAPES picks the extra benchmark shapes (default: qwen3;
 # `mok run` with no arguments covers dsv3_local); MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is recorded and the script goes on
 # to the summary; it exits non-zero if any step failed.
 #
@@ -171,8 +171,10 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   add_bench_json default "$OUT/tmp_default.json"
   # The expert-parallel layer on every GPU of the machine when it has more than one
   # (MOK_EP_SHAPES picks the shapes; default kimi_slice, E = 8 per GPU).
+  # With one GPU, `--gpus 1` still runs the whole expert-parallel path (a group of one, through
+  # its own peer pointers) and the all-to-all baseline.
   gpu_count="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
-  if [ "${gpu_count:-0}" -ge 2 ]; then
+  if [ "${gpu_count:-0}" -ge 1 ]; then
     for shape in ${MOK_EP_SHAPES:-kimi_slice}; do
       run_step "ep_${shape}_${gpu_count}gpus" "$OUT/run.log" timeout 300 "./$build_dir/mok" run \
         --gpus "$gpu_count" --shape "$shape" --json "$OUT/tmp_ep.json"
