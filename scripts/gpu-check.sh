@@ -181,6 +181,13 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
       add_bench_json "ep_${shape}_${gpu_count}gpus" "$OUT/tmp_ep.json"
     done
   fi
+  # Dispatch / combine alone against a copy ceiling and NCCL all-to-all, balanced and skewed.
+  if [ "${gpu_count:-0}" -ge 2 ]; then
+    for routing in uniform skewed; do
+      run_step "comm_bench_${routing}" "$OUT/run.log" timeout 300 "./$build_dir/mok" comm-bench \
+        --gpus "$gpu_count" --routing "$routing"
+    done
+  fi
   # Optional hardware-counter profile of the expert GEMMs (MOK_NCU=1): clocks left alone.
   if [ "${MOK_NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
     run_step ncu_expert_gemm "$OUT/run.log" timeout 300 ncu --clock-control none --section SpeedOfLight \

@@ -162,6 +162,17 @@ int run_command(RunOptions options) {
   return run_cpu(options, shape);
 }
 
+// `mok comm-bench`: the data movement of the expert-parallel layer on --gpus N GPUs (default
+// shape kimi_slice).
+int comm_bench_command(RunOptions options) {
+  if (options.gpus < 1)
+    throw Error(ErrorCode::kInvalidArgument,
+                "comm-bench needs --gpus N (N >= 1): the GPUs of this machine to use");
+  options.ranks = options.gpus;
+  if (options.shape_name.empty()) options.shape_name = "kimi_slice";
+  return run_comm_bench(options, shape_from_options(options));
+}
+
 void list_shapes() {
   std::printf("%-12s %6s %6s %5s %3s %8s\n", "name", "H", "I", "E", "K", "tokens");
   for (const std::string& name : mok::named_shape_names()) {
@@ -195,8 +206,12 @@ int main(int argc, char** argv) {
     }
     if (args[0] == "run")
       return mok::cli::run_command(mok::cli::parse_run_options({args.begin() + 1, args.end()}));
-    throw mok::Error(mok::ErrorCode::kInvalidArgument,
-                     "unknown command '" + args[0] + "'; valid: run, shapes (see mok --help)");
+    if (args[0] == "comm-bench")
+      return mok::cli::comm_bench_command(
+          mok::cli::parse_run_options({args.begin() + 1, args.end()}));
+    throw mok::Error(
+        mok::ErrorCode::kInvalidArgument,
+        "unknown command '" + args[0] + "'; valid: run, comm-bench, shapes (see mok --help)");
   } catch (const mok::Error& error) {
     std::fprintf(stderr, "mok: error (%s): %s\n", mok::error_code_name(error.code()), error.what());
     return 2;

@@ -36,7 +36,23 @@ __global__ void pull_rows_kernel(PullRowsArgs args) {
   }
 }
 
+// The ceiling of a pull: one contiguous range through a peer pointer, 16-byte accesses.
+__global__ void copy_contiguous_kernel(const uint4* source, uint4* destination, int64_t vectors) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    destination[i] = source[i];
+}
+
 }  // namespace
+
+cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_t bytes,
+                                   int num_ctas, cudaStream_t stream) {
+  if (num_ctas < 1 || bytes % 16 != 0) return cudaErrorInvalidValue;
+  if (bytes == 0) return cudaSuccess;
+  copy_contiguous_kernel<<<num_ctas, 256, 0, stream>>>(
+      static_cast<const uint4*>(source), static_cast<uint4*>(destination), bytes / 16);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_pull_rows(const PullRowsArgs& args, int num_ctas, cudaStream_t stream) {
   if (num_ctas < 1 || args.num_ranks < 1) return cudaErrorInvalidValue;

@@ -89,6 +89,10 @@ struct PullRowsArgs {
   void* received;  // [R*T, H] local
 };
 cudaError_t launch_pull_rows(const PullRowsArgs& args, int num_ctas, cudaStream_t stream);
+// A contiguous copy of `bytes` (a multiple of 16) with num_ctas CTAs: the ceiling the pull is
+// measured against (source may be a peer pointer).
+cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_t bytes,
+                                   int num_ctas, cudaStream_t stream);
 
 // Push combine (combine_ep.cu): row r of `rows` (schedule order) goes to slot pair % (T*K) of
 // rank pair / (T*K)'s symmetric slot buffer, pair = row_pair[r]; then the launch's last CTA
