@@ -5,18 +5,25 @@
 // routing), and a rank that never arrives ending in a diagnosed timeout (needs 2 GPUs).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if MOK_HAS_NCCL
 #include "kernels/launchers.h"
 #include "kernels/peer_barrier.cuh"
+#include "mok/bootstrap.h"
 #include "mok/comm.h"
 #include "mok/dtype.h"
 #include "mok/routing.h"
@@ -371,6 +378,91 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
           static_cast<void*>(state.counters)})
       cudaFree(pointer);
   }
+}
+
+// One process per GPU (Communicator::create_rank from the bootstrap file): the parent test
+// starts one copy of this binary per GPU, running DISABLED_RankProcess with its rank in the
+// environment; each joins the group, allocates symmetric memory, stores into every rank and
+// checks what every rank stored into it.
+TEST(CommGpu, DISABLED_RankProcess) {
+  const char* rank_text = std::getenv("MOK_TEST_RANK");
+  const char* ranks_text = std::getenv("MOK_TEST_RANKS");
+  const char* path = std::getenv("MOK_TEST_ID_PATH");
+  ASSERT_TRUE(rank_text != nullptr && ranks_text != nullptr && path != nullptr)
+      << "run by CommGpu.OneProcessPerGpu only";
+  const int32_t rank = std::atoi(rank_text), num_ranks = std::atoi(ranks_text);
+  const UniqueId id = exchange_unique_id(path, rank, num_ranks, 60.0);
+  auto communicator = Communicator::create_rank(id, num_ranks, rank, rank);
+  ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
+  SymmetricMemory data({communicator.get()}, int64_t{4} * kWordsPerPair * num_ranks, "data");
+  SymmetricMemory flags({communicator.get()}, int64_t{8} * num_ranks, "flags", true);
+  for (uint64_t epoch = 1; epoch <= 2; ++epoch) {
+    peer_store_kernel<<<num_ranks, 128>>>(reinterpret_cast<int32_t* const*>(data.device_peers(0)),
+                                          reinterpret_cast<uint64_t* const*>(flags.device_peers(0)),
+                                          rank, epoch,
+                                          kernels::WaitContext{20'000'000'000ull, rank, nullptr});
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<int32_t> got(static_cast<size_t>(kWordsPerPair) * num_ranks);
+    ASSERT_EQ(cudaMemcpy(got.data(), data.local(0), got.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int32_t source = 0; source < num_ranks; ++source)
+      for (int i = 0; i < kWordsPerPair; ++i)
+        ASSERT_EQ(got[source * kWordsPerPair + i],
+                  static_cast<int32_t>(epoch) * 1000000 + source * 1000 + rank * 10 + i % 7)
+            << "rank " << rank << " from rank " << source << ", word " << i;
+  }
+}
+
+TEST(CommGpu, OneProcessPerGpu) {
+  const int ranks = device_count();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("mok_comm_test_" + std::to_string(::getpid())))
+          .string();
+  std::filesystem::remove(path);
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const std::string filter = "--gtest_filter=CommGpu.DISABLED_RankProcess";
+    const std::string also = "--gtest_also_run_disabled_tests";
+    std::vector<std::string> environment = {"MOK_TEST_RANK=" + std::to_string(rank),
+                                            "MOK_TEST_RANKS=" + std::to_string(ranks),
+                                            "MOK_TEST_ID_PATH=" + path};
+    for (char** variable = environ; *variable != nullptr; ++variable)
+      environment.push_back(*variable);
+    std::vector<char*> env_pointers;
+    for (std::string& variable : environment) env_pointers.push_back(variable.data());
+    env_pointers.push_back(nullptr);
+    char self[] = "/proc/self/exe";
+    std::vector<char*> argv = {self, const_cast<char*>(filter.c_str()),
+                               const_cast<char*>(also.c_str()), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(
+        ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), env_pointers.data()),
+        0);
+    children.push_back(pid);
+  }
+  // Bounded wait: a rank stuck in NCCL's init must fail the test, not hang it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
+  std::vector<int> status(children.size(), -1);
+  size_t finished = 0;
+  while (finished < children.size() && std::chrono::steady_clock::now() < deadline) {
+    for (size_t i = 0; i < children.size(); ++i) {
+      if (status[i] != -1) continue;
+      int child_status = 0;
+      if (::waitpid(children[i], &child_status, WNOHANG) == children[i]) {
+        status[i] = WIFEXITED(child_status) ? WEXITSTATUS(child_status) : 128;
+        ++finished;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (size_t i = 0; i < children.size(); ++i) {
+    if (status[i] == -1) {
+      ::kill(children[i], SIGKILL);
+      ::waitpid(children[i], nullptr, 0);
+    }
+    EXPECT_EQ(status[i], 0) << "rank " << i << (status[i] == -1 ? " did not finish in 180 s" : "");
+  }
+  std::filesystem::remove(path);
 }
 
 // Child process: a group of 2 where only rank 0 runs the exchange; rank 0's wait for rank 1 must
