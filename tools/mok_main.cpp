@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "mok/config.h"
 
 namespace mok::cli {
 
@@ -118,7 +119,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     else if (flag == "--json")
       options.json_path = value;
     else if (flag == "--local-dispatch")
-      options.local_dispatch = value;
+      options.local_dispatch = mok::local_dispatch_name(mok::local_dispatch_from_name(value));
     else if (flag == "--gpus")
       options.gpus = static_cast<int32_t>(parse_int(flag, value));
     else
