@@ -50,10 +50,9 @@ TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
                  << " combine " << plan.combine_blocks << " memory tasks " << plan.memory_tasks);
     const int64_t total = num_tasks(plan);
     const int64_t memory = plan.memory_tasks != 0;
-    const int64_t expected =
-        static_cast<int64_t>(plan.num_m_tiles) *
-            (memory + plan.gate_up_n_tiles + plan.down_n_tiles) +
-        memory * plan.combine_blocks;
+    const int64_t expected = static_cast<int64_t>(plan.num_m_tiles) *
+                                 (memory + plan.gate_up_n_tiles + plan.down_n_tiles) +
+                             memory * plan.combine_blocks;
     ASSERT_EQ(total, expected);
     std::map<Key, int64_t> ticket_of;
     std::vector<Task> tasks;
