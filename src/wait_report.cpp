@@ -26,6 +26,8 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kPeerSignal:
       return "a signal from another GPU of the expert-parallel group (is every rank running "
              "the same layer call?; expected and seen are epochs)";
+    case kernels::WaitSite::kBulkRow:
+      return "a bulk row copy waiting for its row to arrive in shared memory";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

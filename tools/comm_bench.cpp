@@ -3,8 +3,10 @@
 // built, then each variant moves the same rows, all ranks at once, and the table gives time and
 // the bytes that cross NVLink per GPU and direction (rows whose source and destination ranks
 // differ), median of 20:
-//   pull dispatch    launch_pull_rows with C communication CTAs (one row per (token, rank))
-//   push combine     launch_push_rows of the expert rows into the source ranks' slots + wait
+//   pull dispatch    launch_pull_rows / launch_pull_rows_bulk with C communication CTAs (one row
+//                    per (token, rank)): warp copies, and the bulk-copy engine
+//   push combine     launch_push_rows / _bulk of the expert rows into the source ranks' slots,
+//                    + the wait for every rank
 //   copy ceiling     a contiguous 16-byte copy through the same peer pointers, same bytes
 //   NCCL all-to-all  grouped ncclSend / ncclRecv of the same per-peer byte counts
 #include <algorithm>
@@ -173,30 +175,54 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
       pull.received = bench.received;
       check(kernels::launch_pull_rows(pull, ctas, bench.stream), "pull");
     });
-    report("pull dispatch", ctas, pull_ms, bytes_in);
-    const double push_ms = median_ms([&](int32_t rank) {
+    report("pull dispatch (warp copies)", ctas, pull_ms, bytes_in);
+    const double pull_bulk_ms = median_ms([&](int32_t rank) {
       BenchRank& bench = ranks[rank];
       const ScheduleView view = ScheduleView::at(bench.schedule, bench.layout);
-      kernels::PushRowsArgs push;
-      push.header = view.header;
-      push.row_pair = view.row_pair;
-      push.rows = bench.rows;
-      push.vectors_per_row = H / 8;
-      push.pairs_per_rank = static_cast<int32_t>(T * K);
-      push.slot_peers = slots.device_peers(rank);
-      push.flag_peers = reinterpret_cast<uint64_t* const*>(flags.device_peers(rank));
-      push.rank = rank;
-      push.num_ranks = R;
-      push.done = bench.counters + 1;
-      push.epoch = bench.counters;
-      check(kernels::launch_push_rows(push, ctas, bench.stream), "push");
-      check(kernels::launch_wait_for_peers(
-                static_cast<const uint64_t*>(flags.local(rank)), R, bench.counters,
-                kernels::WaitContext{20'000'000'000ull, rank, nullptr}, bench.stream),
-            "wait");
-      check(kernels::launch_advance_epoch(bench.counters, bench.stream), "epoch");
+      kernels::PullRowsArgs pull;
+      pull.header = view.header;
+      pull.recv_offsets = view.recv_offsets;
+      pull.recv_tokens = view.recv_tokens;
+      pull.source_peers = x.device_peers(rank);
+      pull.vectors_per_row = H / 8;
+      pull.num_ranks = R;
+      pull.received = bench.received;
+      check(kernels::launch_pull_rows_bulk(
+                pull, kernels::WaitContext{20'000'000'000ull, rank, nullptr}, ctas, bench.stream),
+            "pull (bulk)");
     });
-    report("push combine (+ wait)", ctas, push_ms, bytes_out);
+    report("pull dispatch (bulk copies)", ctas, pull_bulk_ms, bytes_in);
+    for (const bool bulk_push : {false, true}) {
+      const double push_ms = median_ms([&](int32_t rank) {
+        BenchRank& bench = ranks[rank];
+        const ScheduleView view = ScheduleView::at(bench.schedule, bench.layout);
+        kernels::PushRowsArgs push;
+        push.header = view.header;
+        push.row_pair = view.row_pair;
+        push.rows = bench.rows;
+        push.vectors_per_row = H / 8;
+        push.pairs_per_rank = static_cast<int32_t>(T * K);
+        push.slot_peers = slots.device_peers(rank);
+        push.flag_peers = reinterpret_cast<uint64_t* const*>(flags.device_peers(rank));
+        push.rank = rank;
+        push.num_ranks = R;
+        push.done = bench.counters + 1;
+        push.epoch = bench.counters;
+        check(bulk_push ? kernels::launch_push_rows_bulk(
+                              push, kernels::WaitContext{20'000'000'000ull, rank, nullptr}, ctas,
+                              bench.stream)
+                        : kernels::launch_push_rows(push, ctas, bench.stream),
+              "push");
+        check(kernels::launch_wait_for_peers(
+                  static_cast<const uint64_t*>(flags.local(rank)), R, bench.counters,
+                  kernels::WaitContext{20'000'000'000ull, rank, nullptr}, bench.stream),
+              "wait");
+        check(kernels::launch_advance_epoch(bench.counters, bench.stream), "epoch");
+      });
+      report(
+          bulk_push ? "push combine, bulk copies (+ wait)" : "push combine, warp copies (+ wait)",
+          ctas, push_ms, bytes_out);
+    }
     const double copy_ms = median_ms([&](int32_t rank) {
       BenchRank& bench = ranks[rank];
       const int32_t peer = (rank + 1) % R;

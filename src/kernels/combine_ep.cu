@@ -5,14 +5,16 @@
 // rows go back the same way (the reverse of the pull dispatch).
 //
 // Roles of the push: a grid-stride loop over the schedule's rows, one warp per row
-// (copy_row_warp, 16-byte stores to the peer). Completion: after its rows, each CTA fences at
-// system scope and counts itself done on a local counter (epoch * kPushDoneStride + CTAs
-// done); the last CTA of the launch signals every rank (peer_barrier.cuh). The source side runs
-// launch_wait_for_peers before it reads its slots.
+// (copy_row_warp, 16-byte stores to the peer); the bulk variant (launch_push_rows_bulk) moves
+// them with the bulk-copy engine, one thread per CTA (bulk_rows.cuh). Completion: after its rows,
+// each CTA fences at system scope and counts itself done on a local counter (epoch *
+// kPushDoneStride + CTAs done); the last CTA of the launch signals every rank (peer_barrier.cuh).
+// The source side runs launch_wait_for_peers before it reads its slots.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 
+#include "kernels/bulk_rows.cuh"
 #include "kernels/launchers.h"
 #include "kernels/peer_barrier.cuh"
 #include "kernels/row_copy.cuh"
@@ -22,6 +24,16 @@ namespace mok::kernels {
 namespace {
 
 constexpr unsigned long long kPushDoneStride = 1ull << 24;  // > CTAs of one launch
+
+// The last CTA of a push launch to count itself done signals every rank (all rows stored).
+__device__ __forceinline__ void count_push_done(const PushRowsArgs& args, uint64_t epoch) {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  atomicMax(args.done, epoch * kPushDoneStride);
+  const unsigned long long before = atomicAdd(args.done, 1ull);
+  if (before - epoch * kPushDoneStride == gridDim.x - 1)
+    for (int32_t peer = 0; peer < args.num_ranks; ++peer)
+      signal_peer(args.flag_peers[peer], args.rank, epoch);
+}
 
 __global__ void push_rows_kernel(PushRowsArgs args) {
   const uint64_t epoch = *reinterpret_cast<const volatile unsigned long long*>(args.epoch) + 1;
@@ -40,14 +52,32 @@ __global__ void push_rows_kernel(PushRowsArgs args) {
         args.vectors_per_row);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-    atomicMax(args.done, epoch * kPushDoneStride);
-    const unsigned long long before = atomicAdd(args.done, 1ull);
-    if (before - epoch * kPushDoneStride == gridDim.x - 1)  // the last CTA: all rows pushed
-      for (int32_t peer = 0; peer < args.num_ranks; ++peer)
-        signal_peer(args.flag_peers[peer], args.rank, epoch);
-  }
+  if (threadIdx.x == 0) count_push_done(args, epoch);
+}
+
+// The bulk-copy variant: one thread per CTA streams its rows (rows blockIdx.x + i * gridDim.x
+// with a pair) through shared memory into the source ranks' slots (bulk_rows.cuh).
+__global__ void push_rows_bulk_kernel(PushRowsArgs args, WaitContext wait) {
+  if (threadIdx.x != 0) return;
+  extern __shared__ __align__(16) char smem[];
+  const uint64_t epoch = *reinterpret_cast<const volatile unsigned long long*>(args.epoch) + 1;
+  const int32_t total_rows = args.header->total_rows;
+  const uint32_t row_bytes = static_cast<uint32_t>(args.vectors_per_row * 16);
+  int64_t row = blockIdx.x;  // the next candidate row of this CTA
+  move_rows_bulk(wait, smem, row_bytes, [&](int64_t, const void** source, void** destination) {
+    for (; row < total_rows; row += gridDim.x) {
+      const int32_t pair = args.row_pair[row];
+      if (pair < 0) continue;
+      const int32_t source_rank = pair / args.pairs_per_rank, slot = pair % args.pairs_per_rank;
+      *source = static_cast<const char*>(args.rows) + row * row_bytes;
+      *destination =
+          static_cast<char*>(args.slot_peers[source_rank]) + static_cast<int64_t>(slot) * row_bytes;
+      row += gridDim.x;
+      return true;
+    }
+    return false;
+  });
+  count_push_done(args, epoch);
 }
 
 __global__ void wait_for_peers_kernel(const uint64_t* own_flags, int32_t num_ranks,
@@ -74,6 +104,20 @@ cudaError_t launch_push_rows(const PushRowsArgs& args, int num_ctas, cudaStream_
       args.num_ranks < 1 || args.pairs_per_rank < 0)
     return cudaErrorInvalidValue;
   push_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_push_rows_bulk(const PushRowsArgs& args, const WaitContext& wait, int num_ctas,
+                                  cudaStream_t stream) {
+  if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kPushDoneStride ||
+      args.num_ranks < 1 || args.pairs_per_rank < 0)
+    return cudaErrorInvalidValue;
+  const size_t smem_bytes = bulk_rows_smem_bytes(args.vectors_per_row * 16);
+  const cudaError_t status =
+      cudaFuncSetAttribute(push_rows_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  push_rows_bulk_kernel<<<num_ctas, 32, smem_bytes, stream>>>(args, wait);
   return cudaGetLastError();
 }
 

@@ -6,12 +6,15 @@
 // backward: d_out rows (the reverse of the combine).
 //
 // Roles: a grid-stride loop over receive entries, one warp per entry (copy_row_warp, 16-byte
-// loads from the peer, 4 in flight per lane). The entries of source rank s are
+// loads from the peer, 4 in flight per lane). The bulk variant (launch_pull_rows_bulk) moves the
+// same rows with the bulk-copy engine instead, one thread per CTA (bulk_rows.cuh); which is
+// faster on NVLink is measured by `mok comm-bench`. The entries of source rank s are
 // [recv_offsets[s], recv_offsets[s + 1]); a warp finds s by a walk over the R + 1 offsets.
 // Ordering: the caller's routing exchange (routing_exchange.cu) ran first on this stream, and
 // every rank publishes its source buffer before signaling it, so the rows are there to read.
 #include <cuda_bf16.h>
 
+#include "kernels/bulk_rows.cuh"
 #include "kernels/launchers.h"
 #include "kernels/row_copy.cuh"
 
@@ -36,6 +39,24 @@ __global__ void pull_rows_kernel(PullRowsArgs args) {
   }
 }
 
+__global__ void pull_rows_bulk_kernel(PullRowsArgs args, WaitContext wait) {
+  if (threadIdx.x != 0) return;
+  extern __shared__ __align__(16) char smem[];
+  const int32_t total = args.header->total_recv;
+  const uint32_t row_bytes = static_cast<uint32_t>(args.vectors_per_row * 16);
+  int32_t source_rank = 0;
+  move_rows_bulk(wait, smem, row_bytes, [&](int64_t i, const void** source, void** destination) {
+    const int64_t entry = blockIdx.x + i * gridDim.x;
+    if (entry >= total) return false;
+    while (source_rank + 1 < args.num_ranks && entry >= args.recv_offsets[source_rank + 1])
+      ++source_rank;
+    *source = static_cast<const char*>(args.source_peers[source_rank]) +
+              static_cast<int64_t>(args.recv_tokens[entry]) * row_bytes;
+    *destination = static_cast<char*>(args.received) + entry * row_bytes;
+    return true;
+  });
+}
+
 // The ceiling of a pull: one contiguous range through a peer pointer, 16-byte accesses.
 __global__ void copy_contiguous_kernel(const uint4* source, uint4* destination, int64_t vectors) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
@@ -51,6 +72,18 @@ cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_
   if (bytes == 0) return cudaSuccess;
   copy_contiguous_kernel<<<num_ctas, 256, 0, stream>>>(
       static_cast<const uint4*>(source), static_cast<uint4*>(destination), bytes / 16);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_pull_rows_bulk(const PullRowsArgs& args, const WaitContext& wait, int num_ctas,
+                                  cudaStream_t stream) {
+  if (num_ctas < 1 || args.num_ranks < 1) return cudaErrorInvalidValue;
+  const size_t smem_bytes = bulk_rows_smem_bytes(args.vectors_per_row * 16);
+  const cudaError_t status =
+      cudaFuncSetAttribute(pull_rows_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  pull_rows_bulk_kernel<<<num_ctas, 32, smem_bytes, stream>>>(args, wait);
   return cudaGetLastError();
 }
 

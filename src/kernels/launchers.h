@@ -89,6 +89,9 @@ struct PullRowsArgs {
   void* received;  // [R*T, H] local
 };
 cudaError_t launch_pull_rows(const PullRowsArgs& args, int num_ctas, cudaStream_t stream);
+// The same rows moved by the bulk-copy engine (one thread per CTA, a 4-row shared-memory ring).
+cudaError_t launch_pull_rows_bulk(const PullRowsArgs& args, const WaitContext& wait, int num_ctas,
+                                  cudaStream_t stream);
 // A contiguous copy of `bytes` (a multiple of 16) with num_ctas CTAs: the ceiling the pull is
 // measured against (source may be a peer pointer).
 cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_t bytes,
@@ -110,6 +113,9 @@ struct PushRowsArgs {
   const unsigned long long* epoch;  // this call's epoch - 1
 };
 cudaError_t launch_push_rows(const PushRowsArgs& args, int num_ctas, cudaStream_t stream);
+// The same with the bulk-copy engine (one thread per CTA).
+cudaError_t launch_push_rows_bulk(const PushRowsArgs& args, const WaitContext& wait, int num_ctas,
+                                  cudaStream_t stream);
 // Waits until every rank signaled this rank's flags with this call's epoch (then the slots
 // pushed to this rank are complete).
 cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,

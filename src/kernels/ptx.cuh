@@ -87,6 +87,25 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
       : "memory");
 }
 
+// 1-D bulk copies (no tensor map): global (local or a peer's, 16-byte aligned) -> shared,
+// completing on an mbarrier; shared -> global in the thread's bulk group. Sizes: multiples of 16.
+__device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* global_src, uint32_t bytes,
+                                             uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(global_src)), "r"(bytes), "r"(smem_addr(barrier))
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_store_1d(void* global_dst, const void* smem_src,
+                                              uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                   reinterpret_cast<uint64_t>(global_dst)),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }

@@ -18,6 +18,7 @@ enum class WaitSite : int32_t {
   kQueuedTask = 7,       // persistent consumer waiting for its next task
   kGateUpDone = 8,       // persistent scheduler: a down tile waiting for its row tile's gate/up
   kPeerSignal = 9,       // a rank waiting for another rank's signal (peer_barrier.cuh)
+  kBulkRow = 10,         // a bulk row copy's load into shared memory (bulk_rows.cuh)
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

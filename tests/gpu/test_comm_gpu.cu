@@ -192,7 +192,8 @@ TEST(CommGpu, RoutingAllGatherThenScheduleOnEveryRank) {
   }
 }
 
-// The data path of the unfused multi-GPU layer with an identity expert (y = x): routing
+// The data path of the unfused multi-GPU layer with an identity expert (y = x), with the warp-copy
+// and the bulk-copy pull / push kernels: routing
 // all-gather, schedule, pull dispatch of x (one NVLink crossing per (token, rank)), expansion
 // into the expert-grouped rows, push of the rows into the source ranks' slots, the wait, and
 // the fixed-order combine. Each rank's rows must hold the routed x rows of every rank, and each
@@ -244,131 +245,142 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
     ASSERT_EQ(cudaMemset(state.counters, 0, 3 * 8), cudaSuccess);
   }
   SplitMix64 rng(5);
-  for (RoutingKind routing :
-       {RoutingKind::kUniform, RoutingKind::kOneRank, RoutingKind::kHoles, RoutingKind::kSkewed}) {
-    SCOPED_TRACE(routing_kind_name(routing));
-    const std::vector<int32_t> all =
-        generate_routing(routing, num_ranks, kTokens, kTopK, num_experts, rng.next());
-    std::vector<std::vector<bf16>> x(static_cast<size_t>(num_ranks));
-    std::vector<std::vector<float>> weights(static_cast<size_t>(num_ranks));
-    for (int32_t rank = 0; rank < num_ranks; ++rank) {
-      for (int64_t i = 0; i < int64_t{kTokens} * kHidden; ++i)
-        x[rank].push_back(float_to_bf16(static_cast<float>(rng.below(2001)) / 1000.0f - 1.0f));
-      for (int64_t i = 0; i < pairs; ++i)
-        weights[rank].push_back(static_cast<float>(rng.below(1000)) / 1000.0f);
-    }
-    for (int32_t rank = 0; rank < num_ranks; ++rank) {
-      ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
-      RankState& state = ranks[rank];
-      ASSERT_EQ(cudaMemcpy(state.top_experts, all.data() + rank * pairs, 4 * pairs,
-                           cudaMemcpyHostToDevice),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(state.weights, weights[rank].data(), 4 * pairs, cudaMemcpyHostToDevice),
-                cudaSuccess);
-      ASSERT_EQ(
-          cudaMemcpy(x_sym.local(rank), x[rank].data(), x[rank].size() * 2, cudaMemcpyHostToDevice),
-          cudaSuccess);
-    }
-    // Every rank's sequence, launched on every GPU before any waits.
-    for (int32_t rank = 0; rank < num_ranks; ++rank) {
-      ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
-      RankState& state = ranks[rank];
-      const kernels::WaitContext wait{10'000'000'000ull, rank, nullptr};
-      kernels::RoutingExchangeArgs exchange;
-      exchange.top_experts = state.top_experts;
-      exchange.bytes_per_rank = 4 * pairs;
-      exchange.routing_peers = routing_all.device_peers(rank);
-      exchange.flag_peers = reinterpret_cast<uint64_t* const*>(exchange_flags.device_peers(rank));
-      exchange.rank = rank;
-      exchange.num_ranks = num_ranks;
-      exchange.epoch = state.counters;
-      exchange.wait = wait;
-      ASSERT_EQ(kernels::launch_routing_exchange(exchange, nullptr), cudaSuccess);
-      ASSERT_EQ(kernels::launch_advance_epoch(state.counters, nullptr), cudaSuccess);
-      ASSERT_TRUE(launch_build_schedule(state.layout, routing_all.local(rank), DType::kInt32,
-                                        state.schedule, nullptr)
-                      .ok());
-      const ScheduleView view = ScheduleView::at(state.schedule, state.layout);
-      kernels::PullRowsArgs pull;
-      pull.header = view.header;
-      pull.recv_offsets = view.recv_offsets;
-      pull.recv_tokens = view.recv_tokens;
-      pull.source_peers = x_sym.device_peers(rank);
-      pull.vectors_per_row = kHidden / 8;
-      pull.num_ranks = num_ranks;
-      pull.received = state.received;
-      ASSERT_EQ(kernels::launch_pull_rows(pull, 24, nullptr), cudaSuccess);
-      ASSERT_EQ(kernels::launch_gather_rows(view.header, view.row_recv, state.received, kHidden, 1,
-                                            state.rows, state.layout.params.max_rows(), nullptr),
-                cudaSuccess);
-      kernels::PushRowsArgs push;
-      push.header = view.header;
-      push.row_pair = view.row_pair;
-      push.rows = state.rows;
-      push.vectors_per_row = kHidden / 8;
-      push.pairs_per_rank = static_cast<int32_t>(pairs);
-      push.slot_peers = slots.device_peers(rank);
-      push.flag_peers = reinterpret_cast<uint64_t* const*>(push_flags.device_peers(rank));
-      push.rank = rank;
-      push.num_ranks = num_ranks;
-      push.done = state.counters + 2;
-      push.epoch = state.counters + 1;
-      ASSERT_EQ(kernels::launch_push_rows(push, 24, nullptr), cudaSuccess);
-      ASSERT_EQ(kernels::launch_wait_for_peers(static_cast<const uint64_t*>(push_flags.local(rank)),
-                                               num_ranks, state.counters + 1, wait, nullptr),
-                cudaSuccess);
-      ASSERT_EQ(kernels::launch_advance_epoch(state.counters + 1, nullptr), cudaSuccess);
-      ASSERT_EQ(kernels::launch_slot_index(state.top_experts, DType::kInt32, pairs, num_experts,
-                                           state.slot_index, nullptr),
-                cudaSuccess);
-      ASSERT_EQ(kernels::launch_combine(slots.local(rank), state.slot_index, nullptr, state.weights,
-                                        kTokens, kHidden, kTopK, state.out, nullptr),
-                cudaSuccess);
-    }
-    for (int32_t rank = 0; rank < num_ranks; ++rank) {
-      ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "rank " << rank;
-      const RankState& state = ranks[rank];
-      // The expert-grouped rows: the routed x rows of every rank, zeros on padding.
-      std::vector<char> schedule(state.layout.output_bytes);
-      build_schedule_host(state.layout, all.data(), DType::kInt32, schedule.data());
-      const ScheduleView view = ScheduleView::at(schedule.data(), state.layout);
-      const int32_t total_rows = view.header->total_rows;
-      std::vector<bf16> rows(static_cast<size_t>(total_rows) * kHidden);
-      ASSERT_EQ(cudaMemcpy(rows.data(), state.rows, rows.size() * 2, cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      for (int32_t row = 0; row < total_rows; ++row) {
-        const int32_t pair = view.row_pair[row];
-        for (int32_t c = 0; c < kHidden; ++c) {
-          const float got = bf16_to_float(rows[static_cast<size_t>(row) * kHidden + c]);
-          const PairCoord coord =
-              pair < 0 ? PairCoord{0, 0, 0} : decode_pair(state.layout.params, pair);
-          const float want =
-              pair < 0 ? 0.0f
-                       : bf16_to_float(
-                             x[coord.src_rank][static_cast<size_t>(coord.token) * kHidden + c]);
-          ASSERT_EQ(got, want) << "rank " << rank << ", row " << row << ", column " << c;
-        }
+  for (const bool bulk : {false, true})
+    for (RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kOneRank, RoutingKind::kHoles,
+                                RoutingKind::kSkewed}) {
+      SCOPED_TRACE(std::string(routing_kind_name(routing)) +
+                   (bulk ? ", bulk-copy kernels" : ", warp-copy kernels"));
+      const std::vector<int32_t> all =
+          generate_routing(routing, num_ranks, kTokens, kTopK, num_experts, rng.next());
+      std::vector<std::vector<bf16>> x(static_cast<size_t>(num_ranks));
+      std::vector<std::vector<float>> weights(static_cast<size_t>(num_ranks));
+      for (int32_t rank = 0; rank < num_ranks; ++rank) {
+        for (int64_t i = 0; i < int64_t{kTokens} * kHidden; ++i)
+          x[rank].push_back(float_to_bf16(static_cast<float>(rng.below(2001)) / 1000.0f - 1.0f));
+        for (int64_t i = 0; i < pairs; ++i)
+          weights[rank].push_back(static_cast<float>(rng.below(1000)) / 1000.0f);
       }
-      // The combine: bf16(sum over routed k of fmaf(w, x[t], acc)), in k order.
-      std::vector<bf16> out(static_cast<size_t>(kTokens) * kHidden);
-      ASSERT_EQ(cudaMemcpy(out.data(), state.out, out.size() * 2, cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      for (int32_t token = 0; token < kTokens; ++token)
-        for (int32_t c = 0; c < kHidden; ++c) {
-          float acc = 0.0f;
-          for (int32_t k = 0; k < kTopK; ++k) {
-            const int32_t expert = all[rank * pairs + token * kTopK + k];
-            if (expert < 0 || expert >= num_experts) continue;
-            acc = std::fmaf(weights[rank][token * kTopK + k],
-                            bf16_to_float(x[rank][static_cast<size_t>(token) * kHidden + c]), acc);
+      for (int32_t rank = 0; rank < num_ranks; ++rank) {
+        ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
+        RankState& state = ranks[rank];
+        ASSERT_EQ(cudaMemcpy(state.top_experts, all.data() + rank * pairs, 4 * pairs,
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpy(state.weights, weights[rank].data(), 4 * pairs, cudaMemcpyHostToDevice),
+            cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(x_sym.local(rank), x[rank].data(), x[rank].size() * 2,
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      }
+      // Every rank's sequence, launched on every GPU before any waits.
+      for (int32_t rank = 0; rank < num_ranks; ++rank) {
+        ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
+        RankState& state = ranks[rank];
+        const kernels::WaitContext wait{10'000'000'000ull, rank, nullptr};
+        kernels::RoutingExchangeArgs exchange;
+        exchange.top_experts = state.top_experts;
+        exchange.bytes_per_rank = 4 * pairs;
+        exchange.routing_peers = routing_all.device_peers(rank);
+        exchange.flag_peers = reinterpret_cast<uint64_t* const*>(exchange_flags.device_peers(rank));
+        exchange.rank = rank;
+        exchange.num_ranks = num_ranks;
+        exchange.epoch = state.counters;
+        exchange.wait = wait;
+        ASSERT_EQ(kernels::launch_routing_exchange(exchange, nullptr), cudaSuccess);
+        ASSERT_EQ(kernels::launch_advance_epoch(state.counters, nullptr), cudaSuccess);
+        ASSERT_TRUE(launch_build_schedule(state.layout, routing_all.local(rank), DType::kInt32,
+                                          state.schedule, nullptr)
+                        .ok());
+        const ScheduleView view = ScheduleView::at(state.schedule, state.layout);
+        kernels::PullRowsArgs pull;
+        pull.header = view.header;
+        pull.recv_offsets = view.recv_offsets;
+        pull.recv_tokens = view.recv_tokens;
+        pull.source_peers = x_sym.device_peers(rank);
+        pull.vectors_per_row = kHidden / 8;
+        pull.num_ranks = num_ranks;
+        pull.received = state.received;
+        ASSERT_EQ(bulk ? kernels::launch_pull_rows_bulk(pull, wait, 24, nullptr)
+                       : kernels::launch_pull_rows(pull, 24, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(
+            kernels::launch_gather_rows(view.header, view.row_recv, state.received, kHidden, 1,
+                                        state.rows, state.layout.params.max_rows(), nullptr),
+            cudaSuccess);
+        kernels::PushRowsArgs push;
+        push.header = view.header;
+        push.row_pair = view.row_pair;
+        push.rows = state.rows;
+        push.vectors_per_row = kHidden / 8;
+        push.pairs_per_rank = static_cast<int32_t>(pairs);
+        push.slot_peers = slots.device_peers(rank);
+        push.flag_peers = reinterpret_cast<uint64_t* const*>(push_flags.device_peers(rank));
+        push.rank = rank;
+        push.num_ranks = num_ranks;
+        push.done = state.counters + 2;
+        push.epoch = state.counters + 1;
+        ASSERT_EQ(bulk ? kernels::launch_push_rows_bulk(push, wait, 24, nullptr)
+                       : kernels::launch_push_rows(push, 24, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(
+            kernels::launch_wait_for_peers(static_cast<const uint64_t*>(push_flags.local(rank)),
+                                           num_ranks, state.counters + 1, wait, nullptr),
+            cudaSuccess);
+        ASSERT_EQ(kernels::launch_advance_epoch(state.counters + 1, nullptr), cudaSuccess);
+        ASSERT_EQ(kernels::launch_slot_index(state.top_experts, DType::kInt32, pairs, num_experts,
+                                             state.slot_index, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(
+            kernels::launch_combine(slots.local(rank), state.slot_index, nullptr, state.weights,
+                                    kTokens, kHidden, kTopK, state.out, nullptr),
+            cudaSuccess);
+      }
+      for (int32_t rank = 0; rank < num_ranks; ++rank) {
+        ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "rank " << rank;
+        const RankState& state = ranks[rank];
+        // The expert-grouped rows: the routed x rows of every rank, zeros on padding.
+        std::vector<char> schedule(state.layout.output_bytes);
+        build_schedule_host(state.layout, all.data(), DType::kInt32, schedule.data());
+        const ScheduleView view = ScheduleView::at(schedule.data(), state.layout);
+        const int32_t total_rows = view.header->total_rows;
+        std::vector<bf16> rows(static_cast<size_t>(total_rows) * kHidden);
+        ASSERT_EQ(cudaMemcpy(rows.data(), state.rows, rows.size() * 2, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        for (int32_t row = 0; row < total_rows; ++row) {
+          const int32_t pair = view.row_pair[row];
+          for (int32_t c = 0; c < kHidden; ++c) {
+            const float got = bf16_to_float(rows[static_cast<size_t>(row) * kHidden + c]);
+            const PairCoord coord =
+                pair < 0 ? PairCoord{0, 0, 0} : decode_pair(state.layout.params, pair);
+            const float want =
+                pair < 0 ? 0.0f
+                         : bf16_to_float(
+                               x[coord.src_rank][static_cast<size_t>(coord.token) * kHidden + c]);
+            ASSERT_EQ(got, want) << "rank " << rank << ", row " << row << ", column " << c;
           }
-          ASSERT_EQ(bf16_to_float(out[static_cast<size_t>(token) * kHidden + c]),
-                    round_to_bf16(acc))
-              << "rank " << rank << ", token " << token << ", column " << c;
         }
+        // The combine: bf16(sum over routed k of fmaf(w, x[t], acc)), in k order.
+        std::vector<bf16> out(static_cast<size_t>(kTokens) * kHidden);
+        ASSERT_EQ(cudaMemcpy(out.data(), state.out, out.size() * 2, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        for (int32_t token = 0; token < kTokens; ++token)
+          for (int32_t c = 0; c < kHidden; ++c) {
+            float acc = 0.0f;
+            for (int32_t k = 0; k < kTopK; ++k) {
+              const int32_t expert = all[rank * pairs + token * kTopK + k];
+              if (expert < 0 || expert >= num_experts) continue;
+              acc =
+                  std::fmaf(weights[rank][token * kTopK + k],
+                            bf16_to_float(x[rank][static_cast<size_t>(token) * kHidden + c]), acc);
+            }
+            ASSERT_EQ(bf16_to_float(out[static_cast<size_t>(token) * kHidden + c]),
+                      round_to_bf16(acc))
+                << "rank " << rank << ", token " << token << ", column " << c;
+          }
+      }
     }
-  }
   for (int32_t rank = 0; rank < num_ranks; ++rank) {
     cudaSetDevice(devices[rank]);
     RankState& state = ranks[rank];
