@@ -194,7 +194,12 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     return static_cast<double>(times[times.size() / 2]);
   };
   // Interleaved rotated rounds (the cards run into their power limit: docs/perf.md).
-  std::vector<std::function<void()>> bodies = {forward, [&] { step(true); }};
+  // The layer with the bulk-copy data movement (same bits, see the tests), timed beside it.
+  mok::MoeConfig bulk_config = config;
+  bulk_config.ep_bulk_copies = true;
+  mok::EpLayer bulk_layer(shape, bulk_config, ranks_here);
+  std::vector<std::function<void()>> bodies = {forward, [&] { step(true); },
+                                               [&] { bulk_layer.forward(forward_args, streams); }};
   if (baseline) {
     bodies.push_back(baseline_forward);
     bodies.push_back(baseline_step);
@@ -211,8 +216,9 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     medians.push_back(values[values.size() / 2]);
   }
   const double forward_ms = medians[0], step_ms = medians[1];
-  const double base_forward_ms = baseline ? medians[2] : 0,
-               base_step_ms = baseline ? medians[3] : 0;
+  const double bulk_forward_ms = medians[2];
+  const double base_forward_ms = baseline ? medians[3] : 0,
+               base_step_ms = baseline ? medians[4] : 0;
 
   bool passed = deterministic;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kTolerance;
@@ -238,6 +244,8 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   };
   row("forward", forward_flop, forward_ms, base_forward_ms);
   row("forward+backward", 3 * forward_flop, step_ms, base_step_ms);
+  std::printf("    forward with bulk-copy dispatch/combine: %.3f ms (%.1f TFLOP/s per GPU)\n",
+              bulk_forward_ms, forward_flop / bulk_forward_ms / 1e9);
   std::printf(
       "  (TFLOP/s per GPU: the group's useful FLOPs / GPUs; baseline = NCCL all-to-all with "
       "host split sizes around mok's single-GPU GEMMs)\n");
@@ -254,6 +262,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     json << "{\"gpus\": " << num_ranks << ", \"shape_name\": \"" << options.shape_name
          << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \"" << options.routing
          << "\", \"forward_ms\": " << forward_ms << ", \"forward_backward_ms\": " << step_ms
+         << ", \"bulk_forward_ms\": " << bulk_forward_ms
          << ", \"baseline_forward_ms\": " << base_forward_ms
          << ", \"baseline_forward_backward_ms\": " << base_step_ms
          << ", \"forward_tflops_per_gpu\": " << forward_flop / forward_ms / 1e9

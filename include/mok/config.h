@@ -47,6 +47,9 @@ struct MoeConfig {
   // GEMMs' tiles, the minibatch pipeline of task_order.h, dependency counters with epochs)
   // instead of two kernels. Same bits either way.
   bool persistent_forward = false;
+  // Expert parallel: move dispatch / combine rows with the bulk-copy engine (cp.async.bulk, one
+  // thread per communication CTA) instead of warp copies. Same bits either way.
+  bool ep_bulk_copies = false;
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

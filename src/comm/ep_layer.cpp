@@ -33,6 +33,7 @@ namespace mok {
 struct EpRank {
   int32_t rank = 0, num_ranks = 1;
   int comm_ctas = 24;
+  bool bulk_copies = false;  // MoeConfig::ep_bulk_copies
   void* x_local = nullptr;
   void* const* x_peers = nullptr;
   void* d_out_local = nullptr;
@@ -113,6 +114,7 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
     ep->rank = ranks_here[i]->rank();
     ep->num_ranks = static_cast<int32_t>(R);
     ep->comm_ctas = std::max(config.fwd_num_comm_sms, 1);
+    ep->bulk_copies = config.ep_bulk_copies;
     ep->x_local = m.x->local(i);
     ep->x_peers = m.x->device_peers(i);
     ep->d_out_local = m.d_out->local(i);
@@ -233,7 +235,10 @@ void pull_and_expand(GpuLayer::State& s, void* const* source_peers, void* rows,
   pull.vectors_per_row = s.shape.hidden / 8;
   pull.num_ranks = ep.num_ranks;
   pull.received = ep.received.pointer;
-  cuda_check(kernels::launch_pull_rows(pull, ep.comm_ctas, stream), "pull dispatch launch");
+  cuda_check(ep.bulk_copies
+                 ? kernels::launch_pull_rows_bulk(pull, s.wait_context(), ep.comm_ctas, stream)
+                 : kernels::launch_pull_rows(pull, ep.comm_ctas, stream),
+             "pull dispatch launch");
   cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, ep.received.pointer,
                                          s.shape.hidden, 1, rows, s.routed.capacity_rows, stream),
              "expand pulled rows");
@@ -298,7 +303,10 @@ void push_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark,
   push.num_ranks = ep.num_ranks;
   push.done = counter(ep, 2);
   push.epoch = counter(ep, 1);
-  cuda_check(kernels::launch_push_rows(push, ep.comm_ctas, stream), "push combine launch");
+  cuda_check(ep.bulk_copies
+                 ? kernels::launch_push_rows_bulk(push, s.wait_context(), ep.comm_ctas, stream)
+                 : kernels::launch_push_rows(push, ep.comm_ctas, stream),
+             "push combine launch");
   cuda_check(kernels::launch_wait_for_peers(ep.push_flags_local, ep.num_ranks, counter(ep, 1),
                                             s.wait_context(), stream),
              "wait for every rank's push");

@@ -91,6 +91,19 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   config.wait_timeout_s = 20;
   EpLayer layer(shape, config, group.ranks);
   const std::vector<HostRank> first = ep_step(layer, device, problem, true);
+  // The bulk-copy data movement gives the same bits.
+  {
+    MoeConfig bulk_config = config;
+    bulk_config.ep_bulk_copies = true;
+    EpLayer bulk_layer(shape, bulk_config, group.ranks);
+    const std::vector<HostRank> bulk = ep_step(bulk_layer, device, problem, true);
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+      test::for_each_output(
+          bulk[rank], first[rank], [&](const char* output, const auto& a, const auto& b) {
+            EXPECT_TRUE(test::bitwise_equal(a, b))
+                << "rank " << rank << " " << output << " differs with the bulk-copy kernels";
+          });
+  }
   for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
     std::printf("  %-14s %-44s %-11s rank %d:", name, shape.to_string().c_str(),
                 routing_kind_name(routing), rank);
