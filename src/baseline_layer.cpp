@@ -84,10 +84,7 @@ BaselineLayer::BaselineLayer(const MoeShape& shape) : state_(std::make_unique<St
   State& s = *state_;
   s.shape = shape;
   cublas_check(cublasCreate(&s.handle), "cublasCreate");
-  ScheduleParams params;
-  params.tokens_per_rank = static_cast<int32_t>(shape.num_tokens);
-  params.top_k = shape.top_k;
-  params.num_experts = static_cast<int32_t>(shape.num_experts);
+  const ScheduleParams params = schedule_params(shape);
   s.layout = ScheduleLayout::make(params);
   const int64_t max_rows = params.max_rows(), H = shape.hidden, I = shape.intermediate,
                 T = shape.num_tokens;

@@ -57,12 +57,7 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
                                              ".x; mok's kernels need Hopper (9.0, sm_90a)");
 
   const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
-  ScheduleParams params;
-  params.num_ranks = shape.num_ranks;
-  params.local_rank = rank;
-  params.tokens_per_rank = static_cast<int32_t>(T);
-  params.top_k = shape.top_k;
-  params.num_experts = static_cast<int32_t>(shape.num_experts);
+  const ScheduleParams params = schedule_params(shape, rank);
   s.routed.layout = ScheduleLayout::make(params);
   const int64_t max_rows = params.max_rows();
   s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
@@ -308,8 +303,16 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
 namespace {
 
 // Runs `run(mark)` `iterations` times with events at every mark; the median of each stage.
+// Refuses a rank of an expert-parallel group: its calls wait for every rank, so one rank's
+// synchronizing profile loop would wait for the others until the device timeout.
 std::vector<std::pair<std::string, float>> profile_stages(
-    cudaStream_t stream, int iterations, const std::function<void(const StageMarker&)>& run) {
+    const GpuLayer::State& s, const char* who, cudaStream_t stream, int iterations,
+    const std::function<void(const StageMarker&)>& run) {
+  if (s.ep != nullptr)
+    throw Error(ErrorCode::kUnsupported,
+                std::string(who) + ": this layer is rank " + std::to_string(s.rank) +
+                    " of an expert-parallel group, whose calls wait for every rank; profile a "
+                    "single-GPU layer (num_ranks = 1)");
   std::vector<std::string> names;
   std::vector<std::vector<float>> samples;
   std::vector<cudaEvent_t> events;
@@ -362,12 +365,7 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const Forwa
                                                                      int iterations) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
-  if (s.ep != nullptr)
-    throw Error(ErrorCode::kUnsupported,
-                "profile_forward: this layer is rank " + std::to_string(s.rank) +
-                    " of an expert-parallel group, whose calls wait for every rank; profile a "
-                    "single-GPU layer (num_ranks = 1)");
-  return profile_stages(stream, iterations,
+  return profile_stages(s, "profile_forward", stream, iterations,
                         [&](const StageMarker& mark) { run_forward(s, args, stream, mark); });
 }
 
@@ -375,14 +373,9 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(
     const BackwardArgs& args, cudaStream_t stream, int iterations, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
-  if (s.ep != nullptr)
-    throw Error(ErrorCode::kUnsupported,
-                "profile_backward: this layer is rank " + std::to_string(s.rank) +
-                    " of an expert-parallel group, whose calls wait for every rank; profile a "
-                    "single-GPU layer (num_ranks = 1)");
   const bool use_context = context_is_current(s, context);
   if (!use_context) ++s.generation;
-  return profile_stages(stream, iterations, [&](const StageMarker& mark) {
+  return profile_stages(s, "profile_backward", stream, iterations, [&](const StageMarker& mark) {
     run_backward(s, args, use_context, stream, mark);
   });
 }

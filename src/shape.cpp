@@ -62,13 +62,18 @@ Status can_implement(const MoeShape& shape) {
   if (!(shape.swiglu_limit > 0.0f))
     return Status::invalid("shape: swiglu_limit = " + std::to_string(shape.swiglu_limit) +
                            "; valid: a positive number, or infinity for no clamp");
+  MOK_RETURN_IF_ERROR(validate_schedule_params(schedule_params(shape)));
+  return Status::Ok();
+}
+
+ScheduleParams schedule_params(const MoeShape& shape, int32_t local_rank) {
   ScheduleParams params;
   params.num_ranks = shape.num_ranks;
   params.tokens_per_rank = static_cast<int32_t>(shape.num_tokens);
   params.top_k = shape.top_k;
   params.num_experts = static_cast<int32_t>(shape.num_experts);
-  MOK_RETURN_IF_ERROR(validate_schedule_params(params));
-  return Status::Ok();
+  params.local_rank = local_rank;
+  return params;
 }
 
 MoeShape named_shape(std::string_view name, int32_t num_ranks) {

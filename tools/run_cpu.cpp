@@ -187,12 +187,7 @@ GpuScheduleCheck check_gpu_schedule(const mok::HostProblem& problem) {
   check.identical = true;
   std::vector<double> times_us;
   for (int32_t rank = 0; rank < shape.num_ranks && check.identical; ++rank) {
-    mok::ScheduleParams params;
-    params.num_ranks = shape.num_ranks;
-    params.tokens_per_rank = static_cast<int32_t>(shape.num_tokens);
-    params.top_k = shape.top_k;
-    params.num_experts = static_cast<int32_t>(shape.num_experts);
-    params.local_rank = rank;
+    const mok::ScheduleParams params = mok::schedule_params(shape, rank);
     const mok::ScheduleLayout layout = mok::ScheduleLayout::make(params);
     std::vector<char> host(layout.output_bytes), from_device(layout.output_bytes);
     mok::build_schedule_host(layout, routing.data(), mok::DType::kInt32, host.data());

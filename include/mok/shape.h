@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mok/error.h"
+#include "mok/schedule.h"
 
 namespace mok {
 
@@ -39,6 +40,9 @@ inline constexpr int64_t kMaxTokensPerRank = 1 << 20;
 
 // Checks every field of the shape; the message names the field, its value and the valid range.
 Status can_implement(const MoeShape& shape);
+
+// The routing schedule's parameters of `shape` for expert-parallel rank `local_rank`.
+ScheduleParams schedule_params(const MoeShape& shape, int32_t local_rank = 0);
 
 // Named shapes of DESIGN.md: dsv3, dsv3_local, qwen3, kimi_slice, tiny. `kimi_slice` has 8
 // experts per rank, so its num_experts is 8 * num_ranks; pass the rank count you will run.

@@ -57,11 +57,11 @@ struct EpBaseline::Impl {
     return pointers;
   }
 
-  // Grouped ncclSend / ncclRecv over every rank: rank i sends its `send` rows for peer p (at
-  // send_offsets) and receives peer p's rows for it (at recv_offsets); `reverse` swaps the
-  // directions (the way back). `row_elements` elements of `type` per row.
-  void all_to_all(const std::vector<const void*>& send, const std::vector<void*>& receive,
-                  int64_t row_elements, ncclDataType_t type, size_t element_bytes, bool reverse,
+  // Grouped ncclSend / ncclRecv over every rank: rank i sends its `send` buffer's rows for peer
+  // p (at send_offsets) and receives peer p's rows into its `receive` buffer (at recv_offsets);
+  // `reverse` swaps the directions (the way back). `row_elements` elements of `type` per row.
+  void all_to_all(DeviceBuffer Rank::*send, DeviceBuffer Rank::*receive, int64_t row_elements,
+                  ncclDataType_t type, size_t element_bytes, bool reverse,
                   const std::vector<cudaStream_t>& streams, const char* what) {
     nccl_check(ncclGroupStart(), "ncclGroupStart");
     for (size_t i = 0; i < ranks.size(); ++i) {
@@ -69,11 +69,11 @@ struct EpBaseline::Impl {
       ncclComm_t comm = static_cast<ncclComm_t>(rank.communicator->nccl_handle());
       const std::vector<int64_t>& out_offsets = reverse ? rank.recv_offsets : rank.send_offsets;
       const std::vector<int64_t>& in_offsets = reverse ? rank.send_offsets : rank.recv_offsets;
+      const char* send_base = static_cast<const char*>((rank.*send).pointer);
+      char* receive_base = static_cast<char*>((rank.*receive).pointer);
       for (int32_t peer = 0; peer < static_cast<int32_t>(ranks.size()); ++peer) {
         const int64_t out_rows = out_offsets[peer + 1] - out_offsets[peer];
         const int64_t in_rows = in_offsets[peer + 1] - in_offsets[peer];
-        const char* send_base = static_cast<const char*>(send[i]);
-        char* receive_base = static_cast<char*>(receive[i]);
         if (out_rows > 0)
           nccl_check(
               ncclSend(send_base + out_offsets[peer] * row_elements * element_bytes,
@@ -179,8 +179,6 @@ void EpBaseline::forward(const std::vector<ForwardArgs>& args,
     }
     rank.received = static_cast<int32_t>(rank.recv_offsets[R]);
   }
-  std::vector<const void*> send_rows, send_expert, send_weight, inner_out;
-  std::vector<void*> recv_rows, recv_expert, recv_weight, back_rows;
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());
@@ -201,18 +199,13 @@ void EpBaseline::forward(const std::vector<ForwardArgs>& args,
                                                 experts_per_rank, rank.send_expert.as<int32_t>(),
                                                 rank.send_weight.as<float>(), streams[i]),
                "gather send metadata");
-    send_rows.push_back(rank.send_rows.pointer);
-    send_expert.push_back(rank.send_expert.pointer);
-    send_weight.push_back(rank.send_weight.pointer);
-    recv_rows.push_back(rank.recv_rows.pointer);
-    recv_expert.push_back(rank.recv_expert.pointer);
-    recv_weight.push_back(rank.recv_weight.pointer);
-    inner_out.push_back(rank.inner_out.pointer);
-    back_rows.push_back(rank.back_rows.pointer);
   }
-  m.all_to_all(send_rows, recv_rows, H, ncclBfloat16, 2, false, streams, "rows");
-  m.all_to_all(send_expert, recv_expert, 1, ncclInt32, 4, false, streams, "expert ids");
-  m.all_to_all(send_weight, recv_weight, 1, ncclFloat32, 4, false, streams, "router weights");
+  using Rank = Impl::Rank;
+  m.all_to_all(&Rank::send_rows, &Rank::recv_rows, H, ncclBfloat16, 2, false, streams, "rows");
+  m.all_to_all(&Rank::send_expert, &Rank::recv_expert, 1, ncclInt32, 4, false, streams,
+               "expert ids");
+  m.all_to_all(&Rank::send_weight, &Rank::recv_weight, 1, ncclFloat32, 4, false, streams,
+               "router weights");
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());
@@ -225,7 +218,8 @@ void EpBaseline::forward(const std::vector<ForwardArgs>& args,
                           rank.communicator->device());
     rank.inner_context = rank.inner->forward(inner_args, streams[i]);
   }
-  m.all_to_all(inner_out, back_rows, H, ncclBfloat16, 2, true, streams, "expert outputs");
+  m.all_to_all(&Rank::inner_out, &Rank::back_rows, H, ncclBfloat16, 2, true, streams,
+               "expert outputs");
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());
@@ -243,8 +237,6 @@ void EpBaseline::backward(const std::vector<BackwardArgs>& args,
   const int32_t R = shape.num_ranks;
   const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k, pairs = T * K;
   // The forward's buckets and received rows are this step's (saved activations).
-  std::vector<const void*> send_rows, inner_dx, inner_drw;
-  std::vector<void*> recv_rows, back_rows, back_drw;
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());
@@ -253,18 +245,11 @@ void EpBaseline::backward(const std::vector<BackwardArgs>& args,
                                                 static_cast<int32_t>(K), args[i].d_out.data, H,
                                                 rank.send_rows.pointer, streams[i]),
                "gather d_out rows");
-    send_rows.push_back(rank.send_rows.pointer);
-    recv_rows.push_back(rank.recv_rows.pointer);
-    inner_dx.push_back(rank.inner_dx.pointer);
-    inner_drw.push_back(rank.inner_drw.pointer);
-    back_rows.push_back(rank.back_rows.pointer);
-    back_drw.push_back(rank.back_drw.pointer);
   }
   // Buffer reuse (the forward's outputs went back already): received d_out rows go to inner_dx,
   // the inner backward's dx rows to inner_out; the received x rows stay for the inner layer.
-  std::vector<void*> recv_dout;
-  for (int32_t i = 0; i < R; ++i) recv_dout.push_back(m.ranks[i]->inner_dx.pointer);
-  m.all_to_all(send_rows, recv_dout, H, ncclBfloat16, 2, false, streams, "d_out rows");
+  using Rank = Impl::Rank;
+  m.all_to_all(&Rank::send_rows, &Rank::inner_dx, H, ncclBfloat16, 2, false, streams, "d_out rows");
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());
@@ -279,10 +264,9 @@ void EpBaseline::backward(const std::vector<BackwardArgs>& args,
         make_backward_args(m.inner_shape, pointers, DeviceType::kCUDA, rank.communicator->device());
     rank.inner->backward(inner_args, streams[i], &rank.inner_context);
   }
-  std::vector<const void*> inner_dx_rows;
-  for (int32_t i = 0; i < R; ++i) inner_dx_rows.push_back(m.ranks[i]->inner_out.pointer);
-  m.all_to_all(inner_dx_rows, back_rows, H, ncclBfloat16, 2, true, streams, "dx rows");
-  m.all_to_all(inner_drw, back_drw, 1, ncclFloat32, 4, true, streams, "router-weight gradients");
+  m.all_to_all(&Rank::inner_out, &Rank::back_rows, H, ncclBfloat16, 2, true, streams, "dx rows");
+  m.all_to_all(&Rank::inner_drw, &Rank::back_drw, 1, ncclFloat32, 4, true, streams,
+               "router-weight gradients");
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());

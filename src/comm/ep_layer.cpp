@@ -33,7 +33,7 @@ namespace mok {
 struct EpRank {
   int32_t rank = 0, num_ranks = 1;
   int comm_ctas = 24;
-  bool bulk_copies = false;  // MoeConfig::ep_bulk_copies
+  kernels::RowCopy row_copy = kernels::RowCopy::kWarp;  // MoeConfig::ep_bulk_copies
   void* x_local = nullptr;
   void* const* x_peers = nullptr;
   void* d_out_local = nullptr;
@@ -114,7 +114,7 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
     ep->rank = ranks_here[i]->rank();
     ep->num_ranks = static_cast<int32_t>(R);
     ep->comm_ctas = std::max(config.fwd_num_comm_sms, 1);
-    ep->bulk_copies = config.ep_bulk_copies;
+    ep->row_copy = config.ep_bulk_copies ? kernels::RowCopy::kBulk : kernels::RowCopy::kWarp;
     ep->x_local = m.x->local(i);
     ep->x_peers = m.x->device_peers(i);
     ep->d_out_local = m.d_out->local(i);
@@ -227,17 +227,9 @@ void pull_and_expand(GpuLayer::State& s, void* const* source_peers, void* rows,
                      cudaStream_t stream) {
   EpRank& ep = *s.ep;
   const ScheduleView view = s.routed.view();
-  kernels::PullRowsArgs pull;
-  pull.header = view.header;
-  pull.recv_offsets = view.recv_offsets;
-  pull.recv_tokens = view.recv_tokens;
-  pull.source_peers = source_peers;
-  pull.vectors_per_row = s.shape.hidden / 8;
-  pull.num_ranks = ep.num_ranks;
-  pull.received = ep.received.pointer;
-  cuda_check(ep.bulk_copies
-                 ? kernels::launch_pull_rows_bulk(pull, s.wait_context(), ep.comm_ctas, stream)
-                 : kernels::launch_pull_rows(pull, ep.comm_ctas, stream),
+  const kernels::PullRowsArgs pull = kernels::pull_rows_args(view, source_peers, s.shape.hidden,
+                                                             ep.num_ranks, ep.received.pointer);
+  cuda_check(kernels::launch_pull_rows(pull, ep.row_copy, ep.comm_ctas, s.wait_context(), stream),
              "pull dispatch launch");
   cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, ep.received.pointer,
                                          s.shape.hidden, 1, rows, s.routed.capacity_rows, stream),
@@ -291,21 +283,11 @@ void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_co
 void push_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark, const char* name) {
   EpRank& ep = *s.ep;
   const ScheduleView view = s.routed.view();
-  kernels::PushRowsArgs push;
-  push.header = view.header;
-  push.row_pair = view.row_pair;
-  push.rows = s.expert_out.pointer;
-  push.vectors_per_row = s.shape.hidden / 8;
-  push.pairs_per_rank = static_cast<int32_t>(s.shape.num_tokens * s.shape.top_k);
-  push.slot_peers = ep.slot_peers;
-  push.flag_peers = ep.push_flag_peers;
-  push.rank = ep.rank;
-  push.num_ranks = ep.num_ranks;
-  push.done = counter(ep, 2);
-  push.epoch = counter(ep, 1);
-  cuda_check(ep.bulk_copies
-                 ? kernels::launch_push_rows_bulk(push, s.wait_context(), ep.comm_ctas, stream)
-                 : kernels::launch_push_rows(push, ep.comm_ctas, stream),
+  const kernels::PushRowsArgs push = kernels::push_rows_args(
+      view, s.expert_out.pointer, s.shape.hidden,
+      static_cast<int32_t>(s.shape.num_tokens * s.shape.top_k), ep.slot_peers, ep.push_flag_peers,
+      ep.rank, ep.num_ranks, counter(ep, 1));
+  cuda_check(kernels::launch_push_rows(push, ep.row_copy, ep.comm_ctas, s.wait_context(), stream),
              "push combine launch");
   cuda_check(kernels::launch_wait_for_peers(ep.push_flags_local, ep.num_ranks, counter(ep, 1),
                                             s.wait_context(), stream),

@@ -84,4 +84,18 @@ __device__ __forceinline__ void move_rows_bulk(const WaitContext& wait, char* sm
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// Launches a bulk-row kernel `kernel(args, wait)`: one 32-thread CTA each (its first thread
+// works), with the slot ring as dynamic shared memory.
+template <typename Args>
+inline cudaError_t launch_bulk_rows(void (*kernel)(Args, WaitContext), const Args& args,
+                                    const WaitContext& wait, int64_t row_bytes, int num_ctas,
+                                    cudaStream_t stream) {
+  const size_t smem_bytes = bulk_rows_smem_bytes(row_bytes);
+  const cudaError_t status = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  kernel<<<num_ctas, 32, smem_bytes, stream>>>(args, wait);
+  return cudaGetLastError();
+}
+
 }  // namespace mok::kernels

@@ -5,7 +5,7 @@
 // rows go back the same way (the reverse of the pull dispatch).
 //
 // Roles of the push: a grid-stride loop over the schedule's rows, one warp per row
-// (copy_row_warp, 16-byte stores to the peer); the bulk variant (launch_push_rows_bulk) moves
+// (copy_row_warp, 16-byte stores to the peer); with RowCopy::kBulk the launch moves
 // them with the bulk-copy engine, one thread per CTA (bulk_rows.cuh). Completion: after its rows,
 // each CTA fences at system scope and counts itself done on a local counter (epoch *
 // kPushDoneStride + CTAs done); the last CTA of the launch signals every rank (peer_barrier.cuh).
@@ -99,25 +99,15 @@ __global__ void slot_index_kernel(const ExpertId* top_experts, int64_t count, in
 
 }  // namespace
 
-cudaError_t launch_push_rows(const PushRowsArgs& args, int num_ctas, cudaStream_t stream) {
+cudaError_t launch_push_rows(const PushRowsArgs& args, RowCopy copy, int num_ctas,
+                             const WaitContext& wait, cudaStream_t stream) {
   if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kPushDoneStride ||
       args.num_ranks < 1 || args.pairs_per_rank < 0)
     return cudaErrorInvalidValue;
+  if (copy == RowCopy::kBulk)
+    return launch_bulk_rows(push_rows_bulk_kernel, args, wait, args.vectors_per_row * 16, num_ctas,
+                            stream);
   push_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_push_rows_bulk(const PushRowsArgs& args, const WaitContext& wait, int num_ctas,
-                                  cudaStream_t stream) {
-  if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kPushDoneStride ||
-      args.num_ranks < 1 || args.pairs_per_rank < 0)
-    return cudaErrorInvalidValue;
-  const size_t smem_bytes = bulk_rows_smem_bytes(args.vectors_per_row * 16);
-  const cudaError_t status =
-      cudaFuncSetAttribute(push_rows_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem_bytes));
-  if (status != cudaSuccess) return status;
-  push_rows_bulk_kernel<<<num_ctas, 32, smem_bytes, stream>>>(args, wait);
   return cudaGetLastError();
 }
 

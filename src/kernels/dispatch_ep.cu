@@ -6,7 +6,7 @@
 // backward: d_out rows (the reverse of the combine).
 //
 // Roles: a grid-stride loop over receive entries, one warp per entry (copy_row_warp, 16-byte
-// loads from the peer, 4 in flight per lane). The bulk variant (launch_pull_rows_bulk) moves the
+// loads from the peer, 4 in flight per lane). With RowCopy::kBulk the launch moves the
 // same rows with the bulk-copy engine instead, one thread per CTA (bulk_rows.cuh); which is
 // faster on NVLink is measured by `mok comm-bench`. The entries of source rank s are
 // [recv_offsets[s], recv_offsets[s + 1]); a warp finds s by a walk over the R + 1 offsets.
@@ -75,20 +75,12 @@ cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_
   return cudaGetLastError();
 }
 
-cudaError_t launch_pull_rows_bulk(const PullRowsArgs& args, const WaitContext& wait, int num_ctas,
-                                  cudaStream_t stream) {
+cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_ctas,
+                             const WaitContext& wait, cudaStream_t stream) {
   if (num_ctas < 1 || args.num_ranks < 1) return cudaErrorInvalidValue;
-  const size_t smem_bytes = bulk_rows_smem_bytes(args.vectors_per_row * 16);
-  const cudaError_t status =
-      cudaFuncSetAttribute(pull_rows_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem_bytes));
-  if (status != cudaSuccess) return status;
-  pull_rows_bulk_kernel<<<num_ctas, 32, smem_bytes, stream>>>(args, wait);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_pull_rows(const PullRowsArgs& args, int num_ctas, cudaStream_t stream) {
-  if (num_ctas < 1 || args.num_ranks < 1) return cudaErrorInvalidValue;
+  if (copy == RowCopy::kBulk)
+    return launch_bulk_rows(pull_rows_bulk_kernel, args, wait, args.vectors_per_row * 16, num_ctas,
+                            stream);
   pull_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
   return cudaGetLastError();
 }

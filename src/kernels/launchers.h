@@ -88,10 +88,18 @@ struct PullRowsArgs {
   int32_t num_ranks;
   void* received;  // [R*T, H] local
 };
-cudaError_t launch_pull_rows(const PullRowsArgs& args, int num_ctas, cudaStream_t stream);
-// The same rows moved by the bulk-copy engine (one thread per CTA, a 4-row shared-memory ring).
-cudaError_t launch_pull_rows_bulk(const PullRowsArgs& args, const WaitContext& wait, int num_ctas,
-                                  cudaStream_t stream);
+// The pull of a rank's schedule (its receive list) from `source_peers` into `received`.
+inline PullRowsArgs pull_rows_args(const ScheduleView& view, void* const* source_peers,
+                                   int64_t hidden, int32_t num_ranks, void* received) {
+  return {view.header, view.recv_offsets, view.recv_tokens, source_peers,
+          hidden / 8,  num_ranks,         received};
+}
+// How the communication kernels move rows: warp copies (16-byte loads and stores, 4 in flight
+// per lane) or the bulk-copy engine (one thread per CTA, a 4-row shared-memory ring;
+// bulk_rows.cuh). Same bytes land either way; `wait` times the bulk loads.
+enum class RowCopy : int32_t { kWarp = 0, kBulk = 1 };
+cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_ctas,
+                             const WaitContext& wait, cudaStream_t stream);
 // A contiguous copy of `bytes` (a multiple of 16) with num_ctas CTAs: the ceiling the pull is
 // measured against (source may be a peer pointer).
 cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_t bytes,
@@ -112,10 +120,17 @@ struct PushRowsArgs {
   unsigned long long* done;         // local counter, zeroed once (epochs)
   const unsigned long long* epoch;  // this call's epoch - 1
 };
-cudaError_t launch_push_rows(const PushRowsArgs& args, int num_ctas, cudaStream_t stream);
-// The same with the bulk-copy engine (one thread per CTA).
-cudaError_t launch_push_rows_bulk(const PushRowsArgs& args, const WaitContext& wait, int num_ctas,
-                                  cudaStream_t stream);
+// The push of a rank's `rows` (schedule order) into the slots of their source ranks; the
+// barrier's counters are this rank's [0] epoch and [1] done count.
+inline PushRowsArgs push_rows_args(const ScheduleView& view, const void* rows, int64_t hidden,
+                                   int32_t pairs_per_rank, void* const* slot_peers,
+                                   uint64_t* const* flag_peers, int32_t rank, int32_t num_ranks,
+                                   unsigned long long* counters) {
+  return {view.header, view.row_pair, rows,      hidden / 8,   pairs_per_rank, slot_peers,
+          flag_peers,  rank,          num_ranks, counters + 1, counters};
+}
+cudaError_t launch_push_rows(const PushRowsArgs& args, RowCopy copy, int num_ctas,
+                             const WaitContext& wait, cudaStream_t stream);
 // Waits until every rank signaled this rank's flags with this call's epoch (then the slots
 // pushed to this rank are complete).
 cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,

@@ -29,6 +29,7 @@
 #include "mok/routing.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
+#include "test_util.h"
 #include "wait_report.h"
 #endif
 
@@ -129,12 +130,8 @@ TEST(CommGpu, RoutingAllGatherThenScheduleOnEveryRank) {
   for (int32_t rank = 0; rank < num_ranks; ++rank) {
     ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
     RankState& state = ranks[rank];
-    ScheduleParams params;
-    params.num_ranks = num_ranks;
-    params.tokens_per_rank = kTokens;
-    params.top_k = kTopK;
-    params.num_experts = num_experts;
-    params.local_rank = rank;
+    const ScheduleParams params =
+        schedule_params(test::make_shape(kTokens, 64, 64, num_experts, kTopK, num_ranks), rank);
     state.layout = ScheduleLayout::make(params);
     ASSERT_EQ(cudaMalloc(&state.top_experts, bytes_per_rank), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&state.epoch, 8), cudaSuccess);
@@ -226,12 +223,8 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
   for (int32_t rank = 0; rank < num_ranks; ++rank) {
     ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
     RankState& state = ranks[rank];
-    ScheduleParams params;
-    params.num_ranks = num_ranks;
-    params.tokens_per_rank = kTokens;
-    params.top_k = kTopK;
-    params.num_experts = num_experts;
-    params.local_rank = rank;
+    const ScheduleParams params = schedule_params(
+        test::make_shape(kTokens, kHidden, 64, num_experts, kTopK, num_ranks), rank);
     state.layout = ScheduleLayout::make(params);
     const int64_t max_rows = params.max_rows();
     ASSERT_EQ(cudaMalloc(&state.schedule, state.layout.total_bytes), cudaSuccess);
@@ -293,36 +286,19 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
                                           state.schedule, nullptr)
                         .ok());
         const ScheduleView view = ScheduleView::at(state.schedule, state.layout);
-        kernels::PullRowsArgs pull;
-        pull.header = view.header;
-        pull.recv_offsets = view.recv_offsets;
-        pull.recv_tokens = view.recv_tokens;
-        pull.source_peers = x_sym.device_peers(rank);
-        pull.vectors_per_row = kHidden / 8;
-        pull.num_ranks = num_ranks;
-        pull.received = state.received;
-        ASSERT_EQ(bulk ? kernels::launch_pull_rows_bulk(pull, wait, 24, nullptr)
-                       : kernels::launch_pull_rows(pull, 24, nullptr),
-                  cudaSuccess);
+        const kernels::RowCopy copy = bulk ? kernels::RowCopy::kBulk : kernels::RowCopy::kWarp;
+        const kernels::PullRowsArgs pull = kernels::pull_rows_args(
+            view, x_sym.device_peers(rank), kHidden, num_ranks, state.received);
+        ASSERT_EQ(kernels::launch_pull_rows(pull, copy, 24, wait, nullptr), cudaSuccess);
         ASSERT_EQ(
             kernels::launch_gather_rows(view.header, view.row_recv, state.received, kHidden, 1,
                                         state.rows, state.layout.params.max_rows(), nullptr),
             cudaSuccess);
-        kernels::PushRowsArgs push;
-        push.header = view.header;
-        push.row_pair = view.row_pair;
-        push.rows = state.rows;
-        push.vectors_per_row = kHidden / 8;
-        push.pairs_per_rank = static_cast<int32_t>(pairs);
-        push.slot_peers = slots.device_peers(rank);
-        push.flag_peers = reinterpret_cast<uint64_t* const*>(push_flags.device_peers(rank));
-        push.rank = rank;
-        push.num_ranks = num_ranks;
-        push.done = state.counters + 2;
-        push.epoch = state.counters + 1;
-        ASSERT_EQ(bulk ? kernels::launch_push_rows_bulk(push, wait, 24, nullptr)
-                       : kernels::launch_push_rows(push, 24, nullptr),
-                  cudaSuccess);
+        const kernels::PushRowsArgs push = kernels::push_rows_args(
+            view, state.rows, kHidden, static_cast<int32_t>(pairs), slots.device_peers(rank),
+            reinterpret_cast<uint64_t* const*>(push_flags.device_peers(rank)), rank, num_ranks,
+            state.counters + 1);
+        ASSERT_EQ(kernels::launch_push_rows(push, copy, 24, wait, nullptr), cudaSuccess);
         ASSERT_EQ(
             kernels::launch_wait_for_peers(static_cast<const uint64_t*>(push_flags.local(rank)),
                                            num_ranks, state.counters + 1, wait, nullptr),
