@@ -6,7 +6,7 @@
 // the producer and both consumers walk the same sequence, so no tile handoff is needed.
 // Tiles:
 //   row-tile forms  (m, n) with m over the schedule's 128-row tiles (each inside one expert
-//                   segment) and n over output columns; tile t maps to a group of kGroupM
+//                   segment) and n over output columns; tile t maps to a group of kTileGroupM
 //                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
 //                   together share the B tiles of one expert and the A rows of the group in L2.
 //   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
@@ -30,12 +30,11 @@
 #include "kernels/expert_gemm_params.h"
 #include "kernels/gemm_mainloop.cuh"
 #include "kernels/launchers.h"
+#include "kernels/task_order.h"
 
 namespace mok::kernels {
 
 namespace {
-
-constexpr int kGroupM = 8;
 
 template <ExpertGemmForm kForm>
 struct FormTraits {
@@ -73,12 +72,7 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
                                                 const TileSpace& space, int tile) {
   TileCoord coord;
   if constexpr (FormTraits<kForm>::kRowTiles) {
-    const int group = tile / (kGroupM * space.num_n_tiles);
-    const int first_m = group * kGroupM;
-    const int group_m = min(kGroupM, space.num_m_tiles - first_m);
-    const int local = tile - group * kGroupM * space.num_n_tiles;
-    coord.m_tile = first_m + local % group_m;
-    coord.n_tile = local / group_m;
+    grouped_tile(tile, space.num_m_tiles, space.num_n_tiles, &coord.m_tile, &coord.n_tile);
     coord.expert = params.tile_expert[coord.m_tile];
     coord.k_row0 = 0;
     const int k_total =

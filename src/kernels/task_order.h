@@ -56,6 +56,18 @@ struct Dependency {
 
 constexpr int32_t kTileGroupM = 8;
 
+// Tile `local` of a GEMM over m_tiles x n_tiles tiles, walked in groups of up to kTileGroupM row
+// tiles (about one expert) swept n-major, so CTAs running together read the same weight tile.
+MOK_HOST_DEVICE inline void grouped_tile(int32_t local, int32_t m_tiles, int32_t n_tiles,
+                                         int32_t* m_tile, int32_t* n_tile) {
+  const int32_t group = local / (kTileGroupM * n_tiles);
+  const int32_t first_m = group * kTileGroupM;
+  const int32_t group_m = m_tiles - first_m < kTileGroupM ? m_tiles - first_m : kTileGroupM;
+  const int32_t in_group = local - group * kTileGroupM * n_tiles;
+  *m_tile = first_m + in_group % group_m;
+  *n_tile = in_group / group_m;
+}
+
 MOK_HOST_DEVICE inline int32_t num_minibatches(const ForwardPlan& plan) {
   return (plan.num_m_tiles + plan.minibatch_tiles - 1) / plan.minibatch_tiles;
 }
@@ -133,14 +145,9 @@ MOK_HOST_DEVICE inline Task task_in_segment(const ForwardPlan& plan, int32_t seg
     task.m_tile = minibatch_first_tile(plan, b) + static_cast<int32_t>(local_ticket);
   } else {
     const int32_t n_tiles = kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles;
-    const int32_t tiles = minibatch_tiles(plan, b);
-    const int32_t local = static_cast<int32_t>(local_ticket);
-    const int32_t group = local / (kTileGroupM * n_tiles);
-    const int32_t first_m = group * kTileGroupM;
-    const int32_t group_m = tiles - first_m < kTileGroupM ? tiles - first_m : kTileGroupM;
-    const int32_t in_group = local - group * kTileGroupM * n_tiles;
-    task.m_tile = minibatch_first_tile(plan, b) + first_m + in_group % group_m;
-    task.n_tile = in_group / group_m;
+    grouped_tile(static_cast<int32_t>(local_ticket), minibatch_tiles(plan, b), n_tiles,
+                 &task.m_tile, &task.n_tile);
+    task.m_tile += minibatch_first_tile(plan, b);
   }
   return task;
 }
