@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "mok/dtype.h"
 #include "mok/error.h"
@@ -64,6 +65,8 @@ inline double value_of(float value) { return value; }
   } while (0)
 
 std::string json_escape(const std::string& text);
+// One line per comparison: name (padded to name_width), max |err|, rel err, NOT FINITE.
+void print_comparisons(const std::vector<Comparison>& comparisons, int name_width);
 // The name of CUDA device 0, or "" when there is no usable GPU.
 std::string cuda_device_name();
 

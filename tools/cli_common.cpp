@@ -1,7 +1,15 @@
 // Helpers of the `mok` CLI shared by its CPU and GPU paths (tools/cli.h).
+#include <cstdio>
+
 #include "cli.h"
 
 namespace mok::cli {
+
+void print_comparisons(const std::vector<Comparison>& comparisons, int name_width) {
+  for (const Comparison& error : comparisons)
+    std::printf("    %-*s max |err| %.3e  rel err %.3e%s\n", name_width, error.name.c_str(),
+                error.max_abs, error.rel, error.finite ? "" : "  NOT FINITE");
+}
 
 std::string json_escape(const std::string& text) {
   std::string out;

@@ -251,9 +251,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
       "host split sizes around mok's single-GPU GEMMs)\n");
   std::printf("  against the CPU reference on %lld tokens of each rank (tolerance %.0e):\n",
               static_cast<long long>(per_rank), kTolerance);
-  for (const Comparison& error : errors)
-    std::printf("    %-18s max |err| %.3e  rel err %.3e%s\n", error.name.c_str(), error.max_abs,
-                error.rel, error.finite ? "" : "  NOT FINITE");
+  print_comparisons(errors, 18);
   std::printf("  bitwise identical with and without the forward context, every rank: %s\n",
               deterministic ? "yes" : "NO");
   std::printf("%s\n", passed ? "PASS" : "FAIL");

@@ -258,13 +258,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   std::printf("  against the CPU reference on %lld of %lld tokens (tolerance %.0e):\n",
               static_cast<long long>(check_count), static_cast<long long>(total_tokens),
               kGpuTolerance);
-  for (const Comparison& error : errors)
-    std::printf("    %-22s max |err| %.3e  rel err %.3e%s\n", error.name.c_str(), error.max_abs,
-                error.rel, error.finite ? "" : "  NOT FINITE");
+  print_comparisons(errors, 22);
   std::printf("  mok weight gradients against the baseline's, whole shape:\n");
-  for (const Comparison& error : grad_errors)
-    std::printf("    %-22s max |err| %.3e  rel err %.3e%s\n", error.name.c_str(), error.max_abs,
-                error.rel, error.finite ? "" : "  NOT FINITE");
+  print_comparisons(grad_errors, 22);
   std::printf("  mok bitwise identical across runs, with and without the forward context: %s\n",
               deterministic ? "yes" : "NO");
   std::printf("%s\n", passed ? "PASS" : "FAIL");

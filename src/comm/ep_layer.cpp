@@ -28,38 +28,39 @@
 
 namespace mok {
 
-// One rank's view of the group's buffers (pointers into the EpLayer's SymmetricMemory) and its
-// local communication state.
+// The group's symmetric buffers (one SymmetricMemory each, over the ranks of this process).
+struct EpSymmetric {
+  std::unique_ptr<SymmetricMemory> x, d_out, routing, weights, slots, d_rw, exchange_flags,
+      push_flags;
+};
+
+// One rank's share of the group: its piece of every symmetric buffer and its local
+// communication state.
 struct EpRank {
   int32_t rank = 0, num_ranks = 1;
   int comm_ctas = 24;
   kernels::RowCopy row_copy = kernels::RowCopy::kWarp;  // MoeConfig::ep_bulk_copies
-  void* x_local = nullptr;
-  void* const* x_peers = nullptr;
-  void* d_out_local = nullptr;
-  void* const* d_out_peers = nullptr;
-  void* routing_local = nullptr;
-  void* const* routing_peers = nullptr;
-  float* weights_local = nullptr;
-  void* const* weights_peers = nullptr;
-  void* slots_local = nullptr;
-  void* const* slot_peers = nullptr;
-  float* d_rw_local = nullptr;
-  float* const* d_rw_peers = nullptr;
-  uint64_t* exchange_flags_local = nullptr;
-  uint64_t* const* exchange_flag_peers = nullptr;
-  uint64_t* push_flags_local = nullptr;
-  uint64_t* const* push_flag_peers = nullptr;
+  const EpSymmetric* memory = nullptr;
+  int32_t piece = 0;        // this rank's index among the process's pieces
   DeviceBuffer received;    // [R*T, H] bf16: pulled rows, one per receive entry
   DeviceBuffer slot_index;  // int32 [T*K]: the combine's index over the slots
   DeviceBuffer counters;    // [0] exchange epoch, [1] push epoch, [2] push CTAs done
+
+  // This rank's buffer of `buffer`, and the table of every rank's, as this GPU addresses them.
+  template <typename T = void>
+  T* local(const std::unique_ptr<SymmetricMemory>& buffer) const {
+    return static_cast<T*>(buffer->local(piece));
+  }
+  template <typename T = void>
+  T* const* peers(const std::unique_ptr<SymmetricMemory>& buffer) const {
+    return reinterpret_cast<T* const*>(buffer->device_peers(piece));
+  }
 };
 
 struct EpLayer::Impl {
   MoeShape shape;
   std::vector<Communicator*> ranks_here;
-  std::unique_ptr<SymmetricMemory> x, d_out, routing, weights, slots, d_rw, exchange_flags,
-      push_flags;
+  EpSymmetric memory;
   std::vector<std::unique_ptr<EpRank>> ranks;
   std::vector<std::unique_ptr<GpuLayer>> layers;
 };
@@ -100,14 +101,14 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
   auto symmetric = [&](int64_t bytes, const char* what, bool zero) {
     return std::make_unique<SymmetricMemory>(ranks_here, std::max<int64_t>(bytes, 16), what, zero);
   };
-  m.x = symmetric(T * H * 2, "published x", false);
-  m.d_out = symmetric(T * H * 2, "published d_out", false);
-  m.routing = symmetric(R * T * K * 8, "routing of every rank", false);
-  m.weights = symmetric(R * T * K * 4, "router weights of every rank", false);
-  m.slots = symmetric(T * K * H * 2, "combine slots", false);
-  m.d_rw = symmetric(T * K * 4, "router-weight gradients", false);
-  m.exchange_flags = symmetric(R * 8, "exchange flags", true);
-  m.push_flags = symmetric(R * 8, "push flags", true);
+  m.memory.x = symmetric(T * H * 2, "published x", false);
+  m.memory.d_out = symmetric(T * H * 2, "published d_out", false);
+  m.memory.routing = symmetric(R * T * K * 8, "routing of every rank", false);
+  m.memory.weights = symmetric(R * T * K * 4, "router weights of every rank", false);
+  m.memory.slots = symmetric(T * K * H * 2, "combine slots", false);
+  m.memory.d_rw = symmetric(T * K * 4, "router-weight gradients", false);
+  m.memory.exchange_flags = symmetric(R * 8, "exchange flags", true);
+  m.memory.push_flags = symmetric(R * 8, "push flags", true);
   for (int32_t i = 0; i < static_cast<int32_t>(ranks_here.size()); ++i) {
     DeviceScope scope(ranks_here[i]->device());
     auto ep = std::make_unique<EpRank>();
@@ -115,22 +116,8 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
     ep->num_ranks = static_cast<int32_t>(R);
     ep->comm_ctas = std::max(config.fwd_num_comm_sms, 1);
     ep->row_copy = config.ep_bulk_copies ? kernels::RowCopy::kBulk : kernels::RowCopy::kWarp;
-    ep->x_local = m.x->local(i);
-    ep->x_peers = m.x->device_peers(i);
-    ep->d_out_local = m.d_out->local(i);
-    ep->d_out_peers = m.d_out->device_peers(i);
-    ep->routing_local = m.routing->local(i);
-    ep->routing_peers = m.routing->device_peers(i);
-    ep->weights_local = static_cast<float*>(m.weights->local(i));
-    ep->weights_peers = m.weights->device_peers(i);
-    ep->slots_local = m.slots->local(i);
-    ep->slot_peers = m.slots->device_peers(i);
-    ep->d_rw_local = static_cast<float*>(m.d_rw->local(i));
-    ep->d_rw_peers = reinterpret_cast<float* const*>(m.d_rw->device_peers(i));
-    ep->exchange_flags_local = static_cast<uint64_t*>(m.exchange_flags->local(i));
-    ep->exchange_flag_peers = reinterpret_cast<uint64_t* const*>(m.exchange_flags->device_peers(i));
-    ep->push_flags_local = static_cast<uint64_t*>(m.push_flags->local(i));
-    ep->push_flag_peers = reinterpret_cast<uint64_t* const*>(m.push_flags->device_peers(i));
+    ep->memory = &m.memory;
+    ep->piece = i;
     ep->received.allocate(R * T * H * 2, "pulled rows");
     ep->slot_index.allocate(T * K * 4, "slot index");
     ep->counters.allocate(3 * 8, "expert-parallel counters");
@@ -189,8 +176,9 @@ int64_t EpLayer::workspace_bytes_per_rank() const {
   const Impl& m = *impl_;
   int64_t bytes = m.layers.front()->workspace_bytes() + m.ranks.front()->received.bytes +
                   m.ranks.front()->slot_index.bytes + m.ranks.front()->counters.bytes;
-  for (const auto* memory : {&m.x, &m.d_out, &m.routing, &m.weights, &m.slots, &m.d_rw,
-                             &m.exchange_flags, &m.push_flags})
+  const EpSymmetric& b = m.memory;
+  for (const auto* memory : {&b.x, &b.d_out, &b.routing, &b.weights, &b.slots, &b.d_rw,
+                             &b.exchange_flags, &b.push_flags})
     bytes += (*memory)->bytes();
   return bytes;
 }
@@ -208,11 +196,11 @@ void exchange(GpuLayer::State& s, const TensorView* top_experts, const float* ro
   kernels::RoutingExchangeArgs args;
   args.top_experts = top_experts != nullptr ? top_experts->data : nullptr;
   args.bytes_per_rank = top_experts != nullptr ? pairs * dtype_size(top_experts->dtype) : 0;
-  args.routing_peers = ep.routing_peers;
+  args.routing_peers = ep.peers(ep.memory->routing);
   args.weights = router_weights;
   args.weight_bytes_per_rank = router_weights != nullptr ? pairs * 4 : 0;
-  args.weight_peers = ep.weights_peers;
-  args.flag_peers = ep.exchange_flag_peers;
+  args.weight_peers = ep.peers(ep.memory->weights);
+  args.flag_peers = ep.peers<uint64_t>(ep.memory->exchange_flags);
   args.rank = ep.rank;
   args.num_ranks = ep.num_ranks;
   args.epoch = counter(ep, 0);
@@ -247,13 +235,13 @@ void publish(void* destination, const TensorView& source, cudaStream_t stream, c
 void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
                       const StageMarker& mark) {
   EpRank& ep = *s.ep;
-  publish(ep.x_local, args.x, stream, "x");
+  publish(ep.local(ep.memory->x), args.x, stream, "x");
   exchange(s, &args.top_experts, args.router_weights.data_as<const float>(), stream);
-  launch_build_schedule(s.routed.layout, ep.routing_local, args.top_experts.dtype,
+  launch_build_schedule(s.routed.layout, ep.local(ep.memory->routing), args.top_experts.dtype,
                         s.routed.schedule.pointer, stream)
       .throw_if_error();
   mark("routing exchange + schedule");
-  pull_and_expand(s, ep.x_peers, s.rows.pointer, stream);
+  pull_and_expand(s, ep.peers(ep.memory->x), s.rows.pointer, stream);
   mark("pull dispatch");
 }
 
@@ -262,21 +250,21 @@ void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_co
   EpRank& ep = *s.ep;
   const ForwardArgs& fwd = args.forward;
   // Pairs not routed anywhere keep 0; the expert ranks write the routed ones after the barrier.
-  cuda_check(cudaMemsetAsync(ep.d_rw_local, 0,
+  cuda_check(cudaMemsetAsync(ep.local<float>(ep.memory->d_rw), 0,
                              static_cast<size_t>(s.shape.num_tokens * s.shape.top_k * 4), stream),
              "zero router-weight gradients");
-  publish(ep.d_out_local, args.d_out, stream, "d_out");
+  publish(ep.local(ep.memory->d_out), args.d_out, stream, "d_out");
   if (use_context) {
     exchange(s, nullptr, nullptr, stream);  // a barrier: every rank's d_out is published
   } else {
-    publish(ep.x_local, fwd.x, stream, "x");
+    publish(ep.local(ep.memory->x), fwd.x, stream, "x");
     exchange(s, &fwd.top_experts, fwd.router_weights.data_as<const float>(), stream);
-    launch_build_schedule(s.routed.layout, ep.routing_local, fwd.top_experts.dtype,
+    launch_build_schedule(s.routed.layout, ep.local(ep.memory->routing), fwd.top_experts.dtype,
                           s.routed.schedule.pointer, stream)
         .throw_if_error();
   }
-  pull_and_expand(s, ep.d_out_peers, s.d_out_rows.pointer, stream);
-  if (!use_context) pull_and_expand(s, ep.x_peers, s.rows.pointer, stream);
+  pull_and_expand(s, ep.peers(ep.memory->d_out), s.d_out_rows.pointer, stream);
+  if (!use_context) pull_and_expand(s, ep.peers(ep.memory->x), s.rows.pointer, stream);
   mark(use_context ? "barrier + pull d_out" : "routing exchange + schedule + pull d_out, x");
 }
 
@@ -285,12 +273,12 @@ void push_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark,
   const ScheduleView view = s.routed.view();
   const kernels::PushRowsArgs push = kernels::push_rows_args(
       view, s.expert_out.pointer, s.shape.hidden,
-      static_cast<int32_t>(s.shape.num_tokens * s.shape.top_k), ep.slot_peers, ep.push_flag_peers,
-      ep.rank, ep.num_ranks, counter(ep, 1));
+      static_cast<int32_t>(s.shape.num_tokens * s.shape.top_k), ep.peers(ep.memory->slots),
+      ep.peers<uint64_t>(ep.memory->push_flags), ep.rank, ep.num_ranks, counter(ep, 1));
   cuda_check(kernels::launch_push_rows(push, ep.row_copy, ep.comm_ctas, s.wait_context(), stream),
              "push combine launch");
-  cuda_check(kernels::launch_wait_for_peers(ep.push_flags_local, ep.num_ranks, counter(ep, 1),
-                                            s.wait_context(), stream),
+  cuda_check(kernels::launch_wait_for_peers(ep.local<uint64_t>(ep.memory->push_flags), ep.num_ranks,
+                                            counter(ep, 1), s.wait_context(), stream),
              "wait for every rank's push");
   cuda_check(kernels::launch_advance_epoch(counter(ep, 1), stream), "advance the push epoch");
   mark(name);
@@ -303,18 +291,23 @@ void combine_slots(GpuLayer::State& s, const TensorView& top_experts, const void
   cuda_check(kernels::launch_slot_index(top_experts.data, top_experts.dtype, T * K,
                                         s.shape.num_experts, ep.slot_index.as<int32_t>(), stream),
              "slot index launch");
-  cuda_check(kernels::launch_combine(ep.slots_local, ep.slot_index.as<int32_t>(), shared, weights,
-                                     T, s.shape.hidden, s.shape.top_k, out, stream),
-             "combine launch");
+  cuda_check(
+      kernels::launch_combine(ep.local(ep.memory->slots), ep.slot_index.as<int32_t>(), shared,
+                              weights, T, s.shape.hidden, s.shape.top_k, out, stream),
+      "combine launch");
 }
 
-const float* gathered_router_weights(const GpuLayer::State& s) { return s.ep->weights_local; }
+const float* gathered_router_weights(const GpuLayer::State& s) {
+  return s.ep->local<float>(s.ep->memory->weights);
+}
 
-float* const* router_weight_grad_peers(const GpuLayer::State& s) { return s.ep->d_rw_peers; }
+float* const* router_weight_grad_peers(const GpuLayer::State& s) {
+  return s.ep->peers<float>(s.ep->memory->d_rw);
+}
 
 void copy_router_weight_grads(GpuLayer::State& s, const TensorView& d_router_weights,
                               cudaStream_t stream) {
-  cuda_check(cudaMemcpyAsync(d_router_weights.data, s.ep->d_rw_local,
+  cuda_check(cudaMemcpyAsync(d_router_weights.data, s.ep->local<float>(s.ep->memory->d_rw),
                              static_cast<size_t>(d_router_weights.nbytes()),
                              cudaMemcpyDeviceToDevice, stream),
              "copy router-weight gradients");
