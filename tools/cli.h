@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,16 @@ inline double value_of(float value) { return value; }
   } while (0)
 
 std::string json_escape(const std::string& text);
+// Median milliseconds of `iterations` calls of `body` timed with events on `stream` after
+// `warmup` calls; `settle` (optional) runs before each timed call (e.g. waits for other GPUs).
+double median_ms(const std::function<void()>& body, cudaStream_t stream, int warmup, int iterations,
+                 const std::function<void()>& settle = {});
+// Median milliseconds of each body, in `rounds` rounds that visit every body in turn, the
+// round's first body rotating (a body's place in a round moves its time by ~2% on a
+// power-capped card): one warm-up, then `per_round` timed calls each.
+std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& bodies,
+                                          cudaStream_t stream, int rounds, int per_round,
+                                          const std::function<void()>& settle = {});
 // One line per comparison: name (padded to name_width), max |err|, rel err, NOT FINITE.
 void print_comparisons(const std::vector<Comparison>& comparisons, int name_width);
 // The name of CUDA device 0, or "" when there is no usable GPU.

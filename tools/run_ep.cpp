@@ -167,32 +167,6 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   if (baseline)
     for (const Comparison& error : slice_errors(results[2], "baseline")) errors.push_back(error);
 
-  // Timing: every rank's calls launched, then all synchronized; median of 20 after 3.
-  auto median_ms = [&](const std::function<void()>& body) {
-    cudaEvent_t start, stop;
-    CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));
-    CLI_CUDA_CHECK(cudaEventCreate(&start));
-    CLI_CUDA_CHECK(cudaEventCreate(&stop));
-    body();
-    synchronize_all();
-    std::vector<float> times;
-    for (int i = 0; i < 5; ++i) {
-      synchronize_all();
-      CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));
-      CLI_CUDA_CHECK(cudaEventRecord(start, runs[0].stream));
-      body();
-      CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));
-      CLI_CUDA_CHECK(cudaEventRecord(stop, runs[0].stream));
-      synchronize_all();
-      float ms = 0;
-      CLI_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      times.push_back(ms);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    std::sort(times.begin(), times.end());
-    return static_cast<double>(times[times.size() / 2]);
-  };
   // Interleaved rotated rounds (the cards run into their power limit: docs/perf.md).
   // The layer with the bulk-copy data movement (same bits, see the tests), timed beside it.
   mok::MoeConfig bulk_config = config;
@@ -204,17 +178,10 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     bodies.push_back(baseline_forward);
     bodies.push_back(baseline_step);
   }
-  std::vector<std::vector<double>> samples(bodies.size());
-  for (size_t round = 0; round < bodies.size(); ++round)
-    for (size_t place = 0; place < bodies.size(); ++place) {
-      const size_t body = (place + round) % bodies.size();
-      samples[body].push_back(median_ms(bodies[body]));
-    }
-  std::vector<double> medians;
-  for (std::vector<double>& values : samples) {
-    std::sort(values.begin(), values.end());
-    medians.push_back(values[values.size() / 2]);
-  }
+  // Timed on rank 0's stream; every rank finishes before each timed call.
+  CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));
+  const std::vector<double> medians = interleaved_median_ms(
+      bodies, runs[0].stream, static_cast<int>(bodies.size()), 5, synchronize_all);
   const double forward_ms = medians[0], step_ms = medians[1];
   const double bulk_forward_ms = medians[2];
   const double base_forward_ms = baseline ? medians[3] : 0,
