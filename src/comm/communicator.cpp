@@ -6,6 +6,7 @@
 
 #include "comm/nccl_glue.h"
 #include "cuda_buffer.h"
+#include "kernels/kernel_preload.h"
 #include "mok/comm.h"
 #include "mok/error.h"
 
@@ -37,10 +38,29 @@ void check_group_size(int32_t num_ranks, const char* where) {
                                                  " ranks; valid: at least 1");
 }
 
+// Loads every mok kernel on `device` (kernel_preload.h: a lazy load while a peer-waiting kernel
+// runs could deadlock a process that drives several GPUs).
+void preload_kernels_on(int device) {
+  DeviceScope guard(device);
+  const char* failed_file = "";
+  const cudaError_t status = kernels::preload_kernels(&failed_file);
+  if (status != cudaSuccess)
+    throw Error(ErrorCode::kCudaError, "loading the kernels of " + std::string(failed_file) +
+                                           " on device " + std::to_string(device) + ": " +
+                                           cudaGetErrorString(status));
+}
+
 }  // namespace
 
 Communicator::Communicator(void* comm, int32_t rank, int32_t num_ranks, int device)
-    : comm_(comm), rank_(rank), num_ranks_(num_ranks), device_(device) {}
+    : comm_(comm), rank_(rank), num_ranks_(num_ranks), device_(device) {
+  try {
+    preload_kernels_on(device);
+  } catch (...) {
+    ncclCommDestroy(static_cast<ncclComm_t>(comm));
+    throw;
+  }
+}
 
 Communicator::~Communicator() {
   if (comm_ != nullptr) ncclCommDestroy(static_cast<ncclComm_t>(comm_));
@@ -118,21 +138,27 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
         cuda_check(cudaDeviceSynchronize(), "zeroing " + what_);
       }
     }
-    // Registration is collective: one group call for the ranks of this process.
+    // Registration is collective: one group call for the ranks of this process. Inside a group
+    // NCCL writes the window handle at ncclGroupEnd, so it must be given the handle's final home
+    // (pieces_ does not grow from here on), never a local that is gone by then.
     nccl_check(ncclGroupStart(), "ncclGroupStart");
     ncclResult_t result = ncclSuccess;
     for (Piece& piece : pieces_) {
       DeviceScope guard(piece.communicator->device());
-      ncclWindow_t window = nullptr;
       result = ncclCommWindowRegister(static_cast<ncclComm_t>(piece.communicator->nccl_handle()),
-                                      piece.local, static_cast<size_t>(bytes_), &window,
+                                      piece.local, static_cast<size_t>(bytes_),
+                                      reinterpret_cast<ncclWindow_t*>(&piece.window),
                                       NCCL_WIN_COLL_SYMMETRIC);
       if (result != ncclSuccess) break;
-      piece.window = window;
     }
     const ncclResult_t end = ncclGroupEnd();
     nccl_check(result, "ncclCommWindowRegister for " + what_);
     nccl_check(end, "ncclGroupEnd after registering " + what_);
+    for (const Piece& piece : pieces_)
+      if (piece.window == nullptr)
+        throw Error(ErrorCode::kCommError, "ncclCommWindowRegister for " + what_ + " on rank " +
+                                               std::to_string(piece.communicator->rank()) +
+                                               " returned success but no window");
     for (Piece& piece : pieces_) {
       const int32_t num_ranks = piece.communicator->num_ranks();
       DeviceScope guard(piece.communicator->device());

@@ -25,6 +25,7 @@
 #include "cuda_buffer.h"
 #include "gpu_layer_state.h"
 #include "mok/schedule_gpu.h"
+#include "wait_report.h"
 
 namespace mok {
 
@@ -140,11 +141,26 @@ std::vector<ForwardContext> EpLayer::forward(const std::vector<ForwardArgs>& arg
   check_local_count("forward (args)", args.size(), impl_->layers.size());
   check_local_count("forward (streams)", streams.size(), impl_->layers.size());
   std::vector<ForwardContext> contexts;
-  for (int32_t i = 0; i < num_local_ranks(); ++i) {
-    DeviceScope scope(rank_device(i));
-    contexts.push_back(impl_->layers[i]->forward(args[i], streams[i]));
+  try {
+    for (int32_t i = 0; i < num_local_ranks(); ++i) {
+      DeviceScope scope(rank_device(i));
+      contexts.push_back(impl_->layers[i]->forward(args[i], streams[i]));
+    }
+  } catch (const Error& error) {
+    rethrow_with_wait_diagnosis(error);
   }
   return contexts;
+}
+
+void EpLayer::rethrow_with_wait_diagnosis(const Error& error) const {
+  if (error.code() == ErrorCode::kCudaError)
+    for (size_t i = 0; i < impl_->layers.size(); ++i) {
+      const kernels::WaitDiagnosis& record = *impl_->layers[i]->state_->diagnosis;
+      if (record.timed_out != 0)
+        throw Error(ErrorCode::kTimeout,
+                    std::string(error.what()) + "; " + describe_wait_diagnosis(record));
+    }
+  throw error;
 }
 
 void EpLayer::backward(const std::vector<BackwardArgs>& args,
@@ -153,9 +169,13 @@ void EpLayer::backward(const std::vector<BackwardArgs>& args,
   check_local_count("backward (args)", args.size(), impl_->layers.size());
   check_local_count("backward (streams)", streams.size(), impl_->layers.size());
   if (contexts != nullptr) check_local_count("backward (contexts)", contexts->size(), args.size());
-  for (int32_t i = 0; i < num_local_ranks(); ++i) {
-    DeviceScope scope(rank_device(i));
-    impl_->layers[i]->backward(args[i], streams[i], contexts ? &(*contexts)[i] : nullptr);
+  try {
+    for (int32_t i = 0; i < num_local_ranks(); ++i) {
+      DeviceScope scope(rank_device(i));
+      impl_->layers[i]->backward(args[i], streams[i], contexts ? &(*contexts)[i] : nullptr);
+    }
+  } catch (const Error& error) {
+    rethrow_with_wait_diagnosis(error);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <nccl_device.h>
 
 #include "comm/nccl_glue.h"
+#include "kernels/kernel_preload.h"
 
 namespace mok::comm_detail {
 
@@ -28,5 +29,11 @@ cudaError_t launch_resolve_peer_pointers(void* window, int32_t num_ranks, void**
       static_cast<ncclWindow_t>(window), num_ranks, out);
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const kernels::KernelPreloadList kPreload("nccl_device_glue.cu",
+                                          {kernels::kernel_symbol(&resolve_peer_pointers_kernel)});
+}  // namespace
 
 }  // namespace mok::comm_detail

@@ -2,6 +2,7 @@
 // user's MoE layer runs between its grouped GEMMs. Plain grid-stride loops, 16-byte accesses.
 #include <cuda_bf16.h>
 
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/swiglu.cuh"
 
@@ -46,5 +47,10 @@ cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const voi
       limit, static_cast<uint4*>(hidden));
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("baseline.cu", {kernel_symbol(&baseline_swiglu_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

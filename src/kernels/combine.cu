@@ -7,6 +7,7 @@
 // Roles: one thread per (token, 8 columns): 16-byte loads of each row, 8 fp32 accumulators.
 #include <cuda_bf16.h>
 
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 
 namespace mok::kernels {
@@ -69,5 +70,10 @@ cudaError_t launch_combine(const void* expert_rows, const int32_t* pair_row, con
       router_weights, num_tokens, vectors_per_row, top_k, static_cast<uint4*>(out));
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("combine.cu", {kernel_symbol(&combine_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

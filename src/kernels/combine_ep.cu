@@ -15,6 +15,7 @@
 #include <algorithm>
 
 #include "kernels/bulk_rows.cuh"
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/peer_barrier.cuh"
 #include "kernels/row_copy.cuh"
@@ -132,5 +133,14 @@ cudaError_t launch_slot_index(const void* top_experts, DType expert_dtype, int64
                                                   num_experts, slot_index);
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("combine_ep.cu", {kernel_symbol(&push_rows_kernel),
+                                                   kernel_symbol(&push_rows_bulk_kernel),
+                                                   kernel_symbol(&wait_for_peers_kernel),
+                                                   kernel_symbol(&slot_index_kernel<int32_t>),
+                                                   kernel_symbol(&slot_index_kernel<int64_t>)});
+}  // namespace
 
 }  // namespace mok::kernels

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/bulk_rows.cuh"
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/row_copy.cuh"
 
@@ -84,5 +85,12 @@ cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_cta
   pull_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("dispatch_ep.cu", {kernel_symbol(&pull_rows_kernel),
+                                                    kernel_symbol(&pull_rows_bulk_kernel),
+                                                    kernel_symbol(&copy_contiguous_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

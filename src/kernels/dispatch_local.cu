@@ -8,6 +8,7 @@
 // them). Rows past header.total_rows are left alone.
 #include <cuda_bf16.h>
 
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 
 namespace mok::kernels {
@@ -53,5 +54,11 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
       header, row_pair, static_cast<const uint4*>(x), hidden / 8, top_k, static_cast<uint4*>(rows));
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("dispatch_local.cu", {kernel_symbol(&gather_rows_kernel),
+                                                       kernel_symbol(&advance_epoch_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

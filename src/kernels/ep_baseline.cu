@@ -7,6 +7,7 @@
 // per-chunk scan of warp counts), so buckets are stable and the result deterministic.
 #include <cuda_runtime.h>
 
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/row_copy.cuh"
 
@@ -157,5 +158,15 @@ cudaError_t launch_scatter_by_pair(const int32_t* pos, int32_t pairs, const floa
   scatter_by_pair_kernel<<<blocks_for(pairs), 256, 0, stream>>>(pos, pairs, values, out);
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload(
+    "ep_baseline.cu",
+    {kernel_symbol(&bucket_pairs_kernel<int32_t>), kernel_symbol(&bucket_pairs_kernel<int64_t>),
+     kernel_symbol(&gather_pair_rows_kernel), kernel_symbol(&gather_pair_meta_kernel<int32_t>),
+     kernel_symbol(&gather_pair_meta_kernel<int64_t>), kernel_symbol(&inner_routing_kernel),
+     kernel_symbol(&scatter_by_pair_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

@@ -29,6 +29,7 @@
 #include "kernels/epilogue.cuh"
 #include "kernels/expert_gemm_params.h"
 #include "kernels/gemm_mainloop.cuh"
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/task_order.h"
 
@@ -222,5 +223,16 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
   }
   return cudaErrorInvalidValue;
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload(
+    "expert_gemm.cu", {kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad>)});
+}  // namespace
 
 }  // namespace mok::kernels

@@ -36,6 +36,7 @@
 #include "kernels/epilogue.cuh"
 #include "kernels/expert_gemm_params.h"
 #include "kernels/gemm_mainloop.cuh"
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/task_order.h"
 
@@ -250,5 +251,10 @@ cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemm
       maps.gate_out, maps.up_out, maps.y_out, params);
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("forward_gemms.cu", {kernel_symbol(&forward_gemms_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

@@ -13,6 +13,7 @@
 // kernel is a plain barrier of the group.
 #include <cuda_runtime_api.h>
 
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/peer_barrier.cuh"
 
@@ -57,5 +58,10 @@ cudaError_t launch_routing_exchange(const RoutingExchangeArgs& args, cudaStream_
   routing_exchange_kernel<<<args.num_ranks, 256, 0, stream>>>(args);
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("routing_exchange.cu", {kernel_symbol(&routing_exchange_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

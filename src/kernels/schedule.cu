@@ -43,6 +43,7 @@
 #include <cub/block/block_scan.cuh>
 #include <string>
 
+#include "kernels/kernel_preload.h"
 #include "mok/schedule_gpu.h"
 
 namespace mok {
@@ -588,5 +589,17 @@ Status launch_build_schedule(const ScheduleLayout& layout, const void* top_exper
     return launch_pipeline(args, params, static_cast<const int64_t*>(top_experts_all), stream);
   return launch_pipeline(args, params, static_cast<const int32_t*>(top_experts_all), stream);
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const kernels::KernelPreloadList kPreload(
+    "schedule.cu", {kernels::kernel_symbol(&schedule_walk_kernel<int32_t, WalkPass::kCount>),
+                    kernels::kernel_symbol(&schedule_walk_kernel<int32_t, WalkPass::kPlace>),
+                    kernels::kernel_symbol(&schedule_walk_kernel<int64_t, WalkPass::kCount>),
+                    kernels::kernel_symbol(&schedule_walk_kernel<int64_t, WalkPass::kPlace>),
+                    kernels::kernel_symbol(&schedule_scan_kernel),
+                    kernels::kernel_symbol(&schedule_offsets_kernel<int32_t>),
+                    kernels::kernel_symbol(&schedule_offsets_kernel<int64_t>)});
+}  // namespace
 
 }  // namespace mok

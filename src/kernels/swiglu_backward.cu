@@ -7,6 +7,7 @@
 // lanes with a fixed xor tree: one producer, one order, deterministic.
 #include <cuda_bf16.h>
 
+#include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/swiglu.cuh"
 
@@ -87,5 +88,10 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
       d_router_weights, d_router_weights_peers, pairs_per_rank);
   return cudaGetLastError();
 }
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("swiglu_backward.cu", {kernel_symbol(&swiglu_backward_kernel)});
+}  // namespace
 
 }  // namespace mok::kernels

@@ -401,6 +401,53 @@ TEST(CommGpu, DISABLED_RankProcess) {
   }
 }
 
+// Starts this test binary again with one test filter and extra environment variables.
+pid_t spawn_self(const std::string& test_name, const std::vector<std::string>& extra_environment) {
+  const std::string filter = "--gtest_filter=" + test_name;
+  const std::string also = "--gtest_also_run_disabled_tests";
+  std::vector<std::string> environment = extra_environment;
+  for (char** variable = environ; *variable != nullptr; ++variable)
+    environment.push_back(*variable);
+  std::vector<char*> env_pointers;
+  for (std::string& variable : environment) env_pointers.push_back(variable.data());
+  env_pointers.push_back(nullptr);
+  char self[] = "/proc/self/exe";
+  std::vector<char*> argv = {self, const_cast<char*>(filter.c_str()),
+                             const_cast<char*>(also.c_str()), nullptr};
+  pid_t pid = 0;
+  if (::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), env_pointers.data()) !=
+      0)
+    return -1;
+  return pid;
+}
+
+// Waits for the children at most `seconds` (a child stuck in NCCL's init or a spin must fail the
+// test, not hang it); returns their exit codes, -1 for one killed at the deadline.
+std::vector<int> wait_for_children(const std::vector<pid_t>& children, int seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  std::vector<int> status(children.size(), -1);
+  std::vector<bool> done(children.size(), false);
+  size_t finished = 0;
+  while (finished < children.size() && std::chrono::steady_clock::now() < deadline) {
+    for (size_t i = 0; i < children.size(); ++i) {
+      if (done[i]) continue;
+      int child_status = 0;
+      if (::waitpid(children[i], &child_status, WNOHANG) == children[i]) {
+        status[i] = WIFEXITED(child_status) ? WEXITSTATUS(child_status) : 128;
+        done[i] = true;
+        ++finished;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (size_t i = 0; i < children.size(); ++i) {
+    if (done[i]) continue;
+    ::kill(children[i], SIGKILL);
+    ::waitpid(children[i], nullptr, 0);
+  }
+  return status;
+}
+
 TEST(CommGpu, OneProcessPerGpu) {
   const int ranks = device_count();
   const std::string path =
@@ -409,48 +456,34 @@ TEST(CommGpu, OneProcessPerGpu) {
   std::filesystem::remove(path);
   std::vector<pid_t> children;
   for (int rank = 0; rank < ranks; ++rank) {
-    const std::string filter = "--gtest_filter=CommGpu.DISABLED_RankProcess";
-    const std::string also = "--gtest_also_run_disabled_tests";
-    std::vector<std::string> environment = {"MOK_TEST_RANK=" + std::to_string(rank),
-                                            "MOK_TEST_RANKS=" + std::to_string(ranks),
-                                            "MOK_TEST_ID_PATH=" + path};
-    for (char** variable = environ; *variable != nullptr; ++variable)
-      environment.push_back(*variable);
-    std::vector<char*> env_pointers;
-    for (std::string& variable : environment) env_pointers.push_back(variable.data());
-    env_pointers.push_back(nullptr);
-    char self[] = "/proc/self/exe";
-    std::vector<char*> argv = {self, const_cast<char*>(filter.c_str()),
-                               const_cast<char*>(also.c_str()), nullptr};
-    pid_t pid = 0;
-    ASSERT_EQ(
-        ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), env_pointers.data()),
-        0);
+    const pid_t pid =
+        spawn_self("CommGpu.DISABLED_RankProcess",
+                   {"MOK_TEST_RANK=" + std::to_string(rank),
+                    "MOK_TEST_RANKS=" + std::to_string(ranks), "MOK_TEST_ID_PATH=" + path});
+    ASSERT_GT(pid, 0) << "posix_spawn failed";
     children.push_back(pid);
   }
-  // Bounded wait: a rank stuck in NCCL's init must fail the test, not hang it.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
-  std::vector<int> status(children.size(), -1);
-  size_t finished = 0;
-  while (finished < children.size() && std::chrono::steady_clock::now() < deadline) {
-    for (size_t i = 0; i < children.size(); ++i) {
-      if (status[i] != -1) continue;
-      int child_status = 0;
-      if (::waitpid(children[i], &child_status, WNOHANG) == children[i]) {
-        status[i] = WIFEXITED(child_status) ? WEXITSTATUS(child_status) : 128;
-        ++finished;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  for (size_t i = 0; i < children.size(); ++i) {
-    if (status[i] == -1) {
-      ::kill(children[i], SIGKILL);
-      ::waitpid(children[i], nullptr, 0);
-    }
+  const std::vector<int> status = wait_for_children(children, 180);
+  for (size_t i = 0; i < children.size(); ++i)
     EXPECT_EQ(status[i], 0) << "rank " << i << (status[i] == -1 ? " did not finish in 180 s" : "");
-  }
   std::filesystem::remove(path);
+}
+
+// One process driving every GPU, in a fresh process with CUDA's lazy kernel loading: no kernel
+// of the group has been launched before, so each first launch would load it. Without the
+// communicator's preload (kernel_preload.h) the host thread's launch on rank 0 waits for rank
+// 0's spinning exchange kernel, which waits for rank 1's launch: the spin times out (seen on
+// 2 x H200). Each test runs in its own fresh process.
+TEST(CommGpu, FreshProcessWithLazyLoadingNeverDeadlocks) {
+  if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (one GPU has no peer to wait for)";
+  for (const char* test_name : {"CommGpu.RoutingAllGatherThenScheduleOnEveryRank",
+                                "CommGpu.PullDispatchAndPushCombineAcrossRanks"}) {
+    const pid_t pid = spawn_self(test_name, {"CUDA_MODULE_LOADING=LAZY"});
+    ASSERT_GT(pid, 0) << "posix_spawn failed";
+    const int status = wait_for_children({pid}, 120)[0];
+    EXPECT_EQ(status, 0) << test_name << " in a fresh process"
+                         << (status == -1 ? " did not finish in 120 s" : " failed");
+  }
 }
 
 // Child process: a group of 2 where only rank 0 runs the exchange; rank 0's wait for rank 1 must
