@@ -191,6 +191,8 @@ void list_shapes() {
 }  // namespace mok::cli
 
 int main(int argc, char** argv) {
+  // Line-buffered even into a pipe or a log: a run killed by a timeout keeps what it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {

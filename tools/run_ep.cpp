@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "cuda_buffer.h"
 #include "mok/device_problem.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
@@ -102,6 +103,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   auto synchronize = [&] { layer.synchronize(streams).throw_if_error(); };
 
   auto synchronize_all = [&] {
+    DeviceScope keep_device(runs[0].device);  // the timing's events live on rank 0's device
     for (RankRun& run : runs) {
       CLI_CUDA_CHECK(cudaSetDevice(run.device));
       CLI_CUDA_CHECK(cudaStreamSynchronize(run.stream));
