@@ -205,8 +205,10 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
         if (peer == r) continue;
         const size_t to_peer = static_cast<size_t>(ranks[peer].rows_from[r] * H);
         const size_t from_peer = static_cast<size_t>(ranks[r].rows_from[peer] * H);
+        // From plain device memory, as a user's all-to-all sends its activations (a send out of
+        // the registered symmetric window never completed on 2 x H200, NCCL 2.28.3).
         if (to_peer > 0)
-          ncclSend(static_cast<const char*>(x.local(r)), to_peer, ncclBfloat16, peer, comm,
+          ncclSend(ranks[r].copy_target.pointer, to_peer, ncclBfloat16, peer, comm,
                    ranks[r].stream);
         if (from_peer > 0)
           ncclRecv(ranks[r].received.pointer, from_peer, ncclBfloat16, peer, comm, ranks[r].stream);
