@@ -3,7 +3,8 @@
 // pairs by destination rank on the GPU, read the bucket sizes on the host (a synchronization,
 // as torch's .tolist() of the split sizes), exchange rows, local expert ids and router weights
 // with grouped ncclSend / ncclRecv, run the received rows through mok's single-GPU layer as
-// tokens with one route each, send the outputs back the same way, and sum them per token in k
+// tokens with one route each (a layer sized by the received count, rounded up to 128 rows, made
+// on first use of that count), send the outputs back the same way, and sum them per token in k
 // order with the router weights. The backward sends d_out rows, runs the inner layer's
 // backward, and sends dx rows and router-weight gradients back. One process driving every rank
 // (Communicator::create_all); no shared expert. Built with NCCL (MOK_HAS_NCCL).
@@ -31,6 +32,7 @@ class EpBaseline {
   // One call per layer step for the whole group (args[r], streams[r] of rank r). Synchronizes
   // the host with every rank's stream once per direction (the split sizes).
   void forward(const std::vector<ForwardArgs>& args, const std::vector<cudaStream_t>& streams);
+  // After a forward (it reuses that forward's buckets and received rows).
   void backward(const std::vector<BackwardArgs>& args, const std::vector<cudaStream_t>& streams);
 
  private:

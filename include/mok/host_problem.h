@@ -2,10 +2,11 @@
 // rank's inputs and output buffers), filled with deterministic random values. Tests and the
 // CLI build one, hand its views to the CPU reference (or copy them to GPUs), and compare.
 //
-// Values, from the project's splitmix64 stream (a (shape, routing, seed) triple gives the same
-// problem on every machine): x and d_out ~ U(-1, 1), weights ~ U(-1, 1) / sqrt(fan_in), all
-// rounded to bf16; router weights ~ U(0, 1) in fp32 (tests may overwrite some); routing from
-// generate_routing. The shared expert is replicated: every rank holds the same values.
+// Values, from the project's splitmix64 streams, one per tensor, rank and block of 2^20 values (a
+// (shape, routing, seed) triple gives the same problem on every machine, with any thread count): x
+// and d_out ~ U(-1, 1), weights ~ U(-1, 1) / sqrt(fan_in), all rounded to bf16; router weights ~
+// U(0, 1) in fp32 (tests may overwrite some); routing from generate_routing. The shared expert is
+// replicated: every rank holds the same values.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +69,12 @@ struct HostProblem {
   // allocated, not filled. Each token's out, d_x and d_router_weights depend on that token
   // only, so checks on a slice of a large problem are exact checks of those outputs.
   HostProblem token_slice(const std::vector<int64_t>& tokens) const;
+
+  // Any R: the R = 1 problem of `group_tokens` (rank * num_tokens + token, in that order) with
+  // only the experts they route to, renumbered 0, 1, ... in id order (E' of them). Its out, d_x
+  // and d_router_weights equal those of single_rank_equivalent().token_slice() bit for bit,
+  // without copying every expert's weights: the CLI checks `dsv3` slices with it.
+  HostProblem reference_slice(const std::vector<int64_t>& group_tokens) const;
 
   // Fills every output buffer with NaN (a recognizable payload), so that an element a run
   // fails to write shows up in any comparison.

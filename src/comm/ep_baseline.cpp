@@ -1,13 +1,18 @@
 // The expert-parallel baseline: NCCL all-to-all around the same grouped GEMMs (see
 // include/mok/ep_baseline.h). The expert compute of each rank is a single-GPU GpuLayer whose
-// "tokens" are the rows the rank received (capacity R*T*K, the worst case), each with one
-// route: its local expert, router weight 1 in the forward (the outputs go back unweighted and
-// the source applies the weights, as mok does) and the pair's router weight in the backward
-// (which scales the SwiGLU backward, as mok's does).
+// "tokens" are the rows the rank received, each with one route: its local expert, router
+// weight 1 in the forward (the outputs go back unweighted and the source applies the weights,
+// as mok does) and the pair's router weight in the backward (which scales the SwiGLU backward,
+// as mok's does). The inner layer is sized by the received count the host already read (rounded
+// up to 128 rows), as a user's grouped GEMM over the received rows would be: a layer sized for
+// the worst case (R*T*K rows) would spend its dispatch and combine on empty rows.
 #include "mok/ep_baseline.h"
 
 #include <nccl.h>
 
+#include <algorithm>
+#include <iterator>
+#include <map>
 #include <string>
 
 #include "cuda_buffer.h"
@@ -28,7 +33,10 @@ void nccl_check(ncclResult_t result, const std::string& what) {
 struct EpBaseline::Impl {
   struct Rank {
     Communicator* communicator = nullptr;
-    std::unique_ptr<GpuLayer> inner;
+    // Inner layers by token count (a few distinct counts in practice: the routing of a run).
+    std::map<int64_t, std::unique_ptr<GpuLayer>> inner_layers;
+    GpuLayer* inner = nullptr;  // the one the last forward used (its context feeds the backward)
+    MoeShape inner_shape;       // and its shape
     DeviceBuffer counts, perm, pos;                                // bucketing
     DeviceBuffer send_rows, send_expert, send_weight;              // [T*K] in bucket order
     DeviceBuffer recv_rows, recv_expert, recv_weight;              // [R*T*K] received
@@ -42,8 +50,31 @@ struct EpBaseline::Impl {
       if (host_counts != nullptr) cudaFreeHost(host_counts);
     }
   };
-  MoeShape shape, inner_shape;
+  MoeShape shape, inner_shape;  // inner_shape: the worst case (R*T*K tokens, one route each)
   std::vector<std::unique_ptr<Rank>> ranks;
+
+  // Selects (creating it on first use) the inner layer for `received` rows on `rank`'s device.
+  void select_inner_layer(Rank& rank) {
+    constexpr int64_t kRowsRounding = 128;
+    constexpr size_t kMaxInnerLayers = 4;
+    const int64_t tokens = std::min(inner_shape.num_tokens, (rank.received + kRowsRounding - 1) /
+                                                                kRowsRounding * kRowsRounding);
+    auto found = rank.inner_layers.find(tokens);
+    if (found == rank.inner_layers.end()) {
+      // Bound the memory when the routing keeps changing: drop every layer but the current one.
+      if (rank.inner_layers.size() >= kMaxInnerLayers)
+        for (auto it = rank.inner_layers.begin(); it != rank.inner_layers.end();)
+          it = it->second.get() == rank.inner ? std::next(it) : rank.inner_layers.erase(it);
+      MoeShape layer_shape = inner_shape;
+      layer_shape.num_tokens = tokens;
+      found =
+          rank.inner_layers.emplace(tokens, std::make_unique<GpuLayer>(layer_shape, MoeConfig{}))
+              .first;
+    }
+    rank.inner = found->second.get();
+    rank.inner_shape = inner_shape;
+    rank.inner_shape.num_tokens = tokens;
+  }
 
   LayerPointers inner_pointers(Rank& rank, const ForwardArgs& outer, bool backward) const {
     LayerPointers pointers;
@@ -115,7 +146,6 @@ EpBaseline::EpBaseline(const MoeShape& shape, const std::vector<Communicator*>& 
     DeviceScope scope(communicator->device());
     auto rank = std::make_unique<Impl::Rank>();
     rank->communicator = communicator;
-    rank->inner = std::make_unique<GpuLayer>(m.inner_shape, MoeConfig{});
     rank->counts.allocate(R * 4, "bucket counts");
     rank->perm.allocate(pairs * 4, "bucket order");
     rank->pos.allocate(pairs * 4, "bucket places");
@@ -209,13 +239,14 @@ void EpBaseline::forward(const std::vector<ForwardArgs>& args,
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());
+    m.select_inner_layer(rank);
     cuda_check(kernels::launch_inner_routing(rank.recv_expert.as<int32_t>(), rank.received,
-                                             static_cast<int32_t>(m.inner_shape.num_tokens),
+                                             static_cast<int32_t>(rank.inner_shape.num_tokens),
                                              rank.inner_top.as<int32_t>(), streams[i]),
                "inner routing");
     const ForwardArgs inner_args =
-        make_forward_args(m.inner_shape, m.inner_pointers(rank, args[i], false), DeviceType::kCUDA,
-                          rank.communicator->device());
+        make_forward_args(rank.inner_shape, m.inner_pointers(rank, args[i], false),
+                          DeviceType::kCUDA, rank.communicator->device());
     rank.inner_context = rank.inner->forward(inner_args, streams[i]);
   }
   m.all_to_all(&Rank::inner_out, &Rank::back_rows, H, ncclBfloat16, 2, true, streams,
@@ -237,6 +268,10 @@ void EpBaseline::backward(const std::vector<BackwardArgs>& args,
   const int32_t R = shape.num_ranks;
   const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k, pairs = T * K;
   // The forward's buckets and received rows are this step's (saved activations).
+  for (const auto& rank : m.ranks)
+    if (rank->inner == nullptr)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "EpBaseline::backward: no forward ran; valid: a backward after a forward");
   for (int32_t i = 0; i < R; ++i) {
     Impl::Rank& rank = *m.ranks[i];
     DeviceScope scope(rank.communicator->device());
@@ -260,8 +295,8 @@ void EpBaseline::backward(const std::vector<BackwardArgs>& args,
     pointers.d_w_gate = args[i].d_w_gate.data;
     pointers.d_w_up = args[i].d_w_up.data;
     pointers.d_w_down = args[i].d_w_down.data;
-    const BackwardArgs inner_args =
-        make_backward_args(m.inner_shape, pointers, DeviceType::kCUDA, rank.communicator->device());
+    const BackwardArgs inner_args = make_backward_args(
+        rank.inner_shape, pointers, DeviceType::kCUDA, rank.communicator->device());
     rank.inner->backward(inner_args, streams[i], &rank.inner_context);
   }
   m.all_to_all(&Rank::inner_out, &Rank::back_rows, H, ncclBfloat16, 2, true, streams, "dx rows");

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "mok/error.h"
@@ -34,11 +35,33 @@ SplitMix64 stream(uint64_t seed, Stream tensor, int64_t rank) {
   return SplitMix64(mixer.next());
 }
 
-// `count` values U(-scale, scale), rounded to bf16.
+// `count` values U(-scale, scale), rounded to bf16. Blocks of kBlockValues values each draw from
+// their own stream (derived from `rng` and the block index), so the blocks fill in parallel and
+// the values do not depend on the number of threads: the `dsv3` weights of two ranks are 11 G
+// values, minutes on one core.
 std::vector<bf16> uniform_bf16(SplitMix64 rng, int64_t count, double scale) {
+  constexpr int64_t kBlockValues = int64_t{1} << 20;
   std::vector<bf16> values(static_cast<size_t>(count));
-  for (bf16& value : values)
-    value = float_to_bf16(static_cast<float>((2.0 * rng.uniform() - 1.0) * scale));
+  const int64_t blocks = (count + kBlockValues - 1) / kBlockValues;
+  auto fill_block = [&](int64_t block) {
+    SplitMix64 block_rng(rng.state ^ (static_cast<uint64_t>(block + 1) * 0x9fb21c651e98df25ull));
+    block_rng = SplitMix64(block_rng.next());
+    const int64_t end = std::min(count, (block + 1) * kBlockValues);
+    for (int64_t i = block * kBlockValues; i < end; ++i)
+      values[i] = float_to_bf16(static_cast<float>((2.0 * block_rng.uniform() - 1.0) * scale));
+  };
+  const int64_t workers =
+      std::min<int64_t>(blocks, std::max(1u, std::min(64u, std::thread::hardware_concurrency())));
+  if (workers <= 1) {
+    for (int64_t block = 0; block < blocks; ++block) fill_block(block);
+    return values;
+  }
+  std::vector<std::thread> threads;
+  for (int64_t worker = 0; worker < workers; ++worker)
+    threads.emplace_back([&, worker] {
+      for (int64_t block = worker; block < blocks; block += workers) fill_block(block);
+    });
+  for (std::thread& thread : threads) thread.join();
   return values;
 }
 
@@ -251,6 +274,71 @@ HostProblem HostProblem::token_slice(const std::vector<int64_t>& tokens) const {
   rank.d_w_shared_gate.resize(full.d_w_shared_gate.size());
   rank.d_w_shared_up.resize(full.d_w_shared_up.size());
   rank.d_w_shared_down.resize(full.d_w_shared_down.size());
+  slice.ranks.push_back(std::move(rank));
+  return slice;
+}
+
+HostProblem HostProblem::reference_slice(const std::vector<int64_t>& group_tokens) const {
+  const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k;
+  const int64_t I = shape.intermediate, E = shape.num_experts, E_loc = shape.num_local_experts();
+  for (int64_t token : group_tokens)
+    if (token < 0 || token >= T * shape.num_ranks)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "HostProblem::reference_slice: token " + std::to_string(token) +
+                      " is out of range; valid: [0, " + std::to_string(T * shape.num_ranks) +
+                      ") (rank * num_tokens + token)");
+  // The experts the slice routes to, in id order; the slice numbers them 0, 1, ...
+  std::vector<int32_t> compact(static_cast<size_t>(E), -1);
+  std::vector<int32_t> used;
+  for (int64_t token : group_tokens) {
+    const HostRank& source = ranks[token / T];
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t expert = source.top_experts[(token % T) * K + k];
+      if (expert >= 0 && expert < E && compact[expert] < 0) {
+        compact[expert] = 0;
+        used.push_back(expert);
+      }
+    }
+  }
+  std::sort(used.begin(), used.end());
+  for (size_t i = 0; i < used.size(); ++i) compact[used[i]] = static_cast<int32_t>(i);
+  HostProblem slice;
+  slice.shape = shape;
+  slice.shape.num_ranks = 1;
+  slice.shape.num_tokens = static_cast<int64_t>(group_tokens.size());
+  // At least one expert (a slice of unrouted tokens); the extra experts stay unused.
+  slice.shape.num_experts = std::max<int64_t>(1, static_cast<int64_t>(used.size()));
+  HostRank rank;
+  for (int64_t token : group_tokens) {
+    const HostRank& source = ranks[token / T];
+    const int64_t t = token % T;
+    rank.x.insert(rank.x.end(), source.x.begin() + t * H, source.x.begin() + (t + 1) * H);
+    rank.d_out.insert(rank.d_out.end(), source.d_out.begin() + t * H,
+                      source.d_out.begin() + (t + 1) * H);
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t expert = source.top_experts[t * K + k];
+      // Ids outside [0, E) stay outside the slice's range: -1 stays -1, others become E'.
+      rank.top_experts.push_back(expert < 0   ? expert
+                                 : expert < E ? compact[expert]
+                                              : static_cast<int32_t>(slice.shape.num_experts));
+      rank.router_weights.push_back(source.router_weights[t * K + k]);
+    }
+  }
+  const int64_t per_expert = I * H;
+  rank.w_gate.assign(slice.shape.num_experts * per_expert, bf16{});
+  rank.w_up.assign(slice.shape.num_experts * per_expert, bf16{});
+  rank.w_down.assign(slice.shape.num_experts * per_expert, bf16{});
+  for (size_t i = 0; i < used.size(); ++i) {
+    const HostRank& owner = ranks[used[i] / E_loc];
+    const int64_t from = (used[i] % E_loc) * per_expert, to = static_cast<int64_t>(i) * per_expert;
+    std::copy_n(owner.w_gate.begin() + from, per_expert, rank.w_gate.begin() + to);
+    std::copy_n(owner.w_up.begin() + from, per_expert, rank.w_up.begin() + to);
+    std::copy_n(owner.w_down.begin() + from, per_expert, rank.w_down.begin() + to);
+  }
+  rank.w_shared_gate = ranks[0].w_shared_gate;
+  rank.w_shared_up = ranks[0].w_shared_up;
+  rank.w_shared_down = ranks[0].w_shared_down;
+  allocate_outputs(slice.shape, rank);
   slice.ranks.push_back(std::move(rank));
   return slice;
 }

@@ -101,5 +101,40 @@ TEST(EpEmulationDeterminism, ThreadCountDoesNotMatter) {
                           });
 }
 
+// The compact reference slice (only the experts the slice routes to) gives the token outputs of
+// the slice of the single-rank equivalent, bit for bit, on routings with holes and skew.
+TEST(ReferenceSlice, EqualsTokenSliceOfTheSingleRankEquivalent) {
+  for (const int32_t num_ranks : {1, 2, 4})
+    for (const RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kHoles,
+                                      RoutingKind::kSkewed, RoutingKind::kNoRoutes}) {
+      SCOPED_TRACE(std::string("R=") + std::to_string(num_ranks) + ", " +
+                   routing_kind_name(routing));
+      const MoeShape shape = test::make_shape(24, 128, 64, 16, 3, num_ranks, 64, 0.4f);
+      const HostProblem problem = HostProblem::make(shape, routing, 11);
+      std::vector<int64_t> tokens;
+      for (int64_t token = 0; token < shape.num_tokens * num_ranks; token += 5)
+        tokens.push_back(token);
+      tokens.push_back(shape.num_tokens * num_ranks - 1);
+      HostProblem compact = problem.reference_slice(tokens);
+      HostProblem full = problem.single_rank_equivalent().token_slice(tokens);
+      EXPECT_LE(compact.shape.num_experts, shape.num_experts);
+      for (HostProblem* slice : {&compact, &full}) {
+        reference::forward(slice->shape, slice->forward_args(0));
+        reference::backward(slice->shape, slice->backward_args(0));
+      }
+      expect_bitwise("out", 0, compact.ranks[0].out, full.ranks[0].out);
+      expect_bitwise("d_x", 0, compact.ranks[0].d_x, full.ranks[0].d_x);
+      expect_bitwise("d_router_weights", 0, compact.ranks[0].d_router_weights,
+                     full.ranks[0].d_router_weights);
+    }
+}
+
+TEST(ReferenceSlice, RejectsTokensOutsideTheGroup) {
+  const MoeShape shape = test::make_shape(8, 128, 64, 8, 2, 2);
+  const HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 1);
+  EXPECT_THROW(problem.reference_slice({16}), Error);
+  EXPECT_THROW(problem.reference_slice({-1}), Error);
+}
+
 }  // namespace
 }  // namespace mok

@@ -13,6 +13,7 @@
 #if MOK_HAS_NCCL
 #include "mok/comm.h"
 #include "mok/device_problem.h"
+#include "mok/ep_baseline.h"
 #include "mok/ep_layer.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
@@ -147,6 +148,76 @@ TEST(EpLayerGpu, MatchesReferenceEmulation) {
   check_ep("skewed", make_shape(300, 512, 256, 8, 8), RoutingKind::kSkewed, ++seed);
   check_ep("no routes", make_shape(130, 512, 256, 4, 4, 1, 64), RoutingKind::kNoRoutes, ++seed);
   check_ep("one token", make_shape(1, 256, 128, 4, 2), RoutingKind::kUniform, ++seed);
+}
+
+// The all-to-all baseline of `mok run --gpus` against the same emulation: it is what mok is
+// timed against, so it must compute the same layer. Two routings in turn on one baseline: the
+// second has other received counts, so its inner layer is another one (made on first use).
+TEST(EpBaselineGpu, MatchesReferenceEmulation) {
+  Group group = make_group();
+  MoeShape shape = make_shape(300, 512, 256, 8, 4);
+  shape.num_ranks = static_cast<int32_t>(group.devices.size());
+  shape.num_experts = 8 * shape.num_ranks;
+  EpBaseline baseline(shape, group.ranks);
+  {
+    std::vector<BackwardArgs> none;
+    std::vector<cudaStream_t> streams(group.devices.size(), nullptr);
+    HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 5);
+    std::vector<std::unique_ptr<DeviceProblem>> device;
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+      device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+      none.push_back(device.back()->backward_args());
+    }
+    EXPECT_THROW(baseline.backward(none, streams), Error) << "a backward before any forward";
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      cudaSetDevice(group.devices[rank]);
+      device[rank].reset();
+    }
+  }
+  uint64_t seed = 40;
+  for (const RoutingKind routing :
+       {RoutingKind::kUniform, RoutingKind::kSkewed, RoutingKind::kHoles, RoutingKind::kOneRank}) {
+    SCOPED_TRACE(std::string("routing ") + routing_kind_name(routing));
+    HostProblem problem = HostProblem::make(shape, routing, ++seed);
+    problem.poison_outputs();
+    reference::forward_ep(shape, problem.all_forward_args());
+    reference::backward_ep(shape, problem.all_backward_args());
+    std::vector<std::unique_ptr<DeviceProblem>> device;
+    std::vector<ForwardArgs> forward_args;
+    std::vector<BackwardArgs> backward_args;
+    std::vector<cudaStream_t> streams(static_cast<size_t>(shape.num_ranks), nullptr);
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+      device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+      device.back()->poison_outputs();
+      forward_args.push_back(device.back()->forward_args());
+      backward_args.push_back(device.back()->backward_args());
+    }
+    baseline.forward(forward_args, streams);
+    baseline.backward(backward_args, streams);
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      HostRank got = problem.ranks[rank];
+      device[rank]->download_outputs(got);
+      std::printf("  baseline %-44s %-11s rank %d:", shape.to_string().c_str(),
+                  routing_kind_name(routing), rank);
+      test::for_each_output(
+          got, problem.ranks[rank], [&](const char* output, const auto& value, const auto& want) {
+            if (want.empty()) return;
+            const double error = test::relative_error(value, want);
+            std::printf(" %s %.1e", output, error);
+            EXPECT_TRUE(test::all_finite(value)) << "rank " << rank << " " << output;
+            EXPECT_LE(error, 1e-2) << "rank " << rank << " " << output;
+          });
+      std::printf("\n");
+    }
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      cudaSetDevice(group.devices[rank]);
+      device[rank].reset();
+    }
+  }
 }
 
 #else
