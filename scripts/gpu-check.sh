@@ -8,7 +8,8 @@
 # during the default run), sass.log, sanitizer.log and
 # results.json (device, pass or fail per step, ctest counts, schedule timing, and every
 # `mok run --json` result). It also runs `mok run --gpus N` on all N GPUs of the machine (the
-# expert-parallel layer against the all-to-all baseline; MOK_EP_SHAPES, default kimi_slice), and
+# expert-parallel layer against the all-to-all baseline; MOK_EP_SHAPES, default kimi_slice, and
+# dsv3 with 2+ GPUs), and
 # the multi-GPU tests run on all of them. To save device time: MOK_SKIP_DEFAULT_RUN=1,
 # MOK_SKIP_SANITIZERS=1, MOK_BENCH_SHAPES="" (no extra shapes), MOK_SKIP_TESTS=1 (no ctest). MOK_BENCH_SHAPES picks the extra
 # benchmark shapes (default: qwen3;
@@ -179,22 +180,27 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   fi
   [ -n "$monitor_pid" ] && kill "$monitor_pid" 2>/dev/null || true
   # The expert-parallel layer on every GPU of the machine when it has more than one
-  # (MOK_EP_SHAPES picks the shapes; default kimi_slice, E = 8 per GPU).
+  # (MOK_EP_SHAPES picks the shapes; default kimi_slice (E = 8 per GPU) and dsv3 (E = 256)).
   # With one GPU, `--gpus 1` still runs the whole expert-parallel path (a group of one, through
   # its own peer pointers) and the all-to-all baseline.
   gpu_count="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
   if [ "${gpu_count:-0}" -ge 1 ]; then
-    for shape in ${MOK_EP_SHAPES:-kimi_slice}; do
-      run_step "ep_${shape}_${gpu_count}gpus" "$OUT/run.log" timeout 180 "./$build_dir/mok" run \
+    # dsv3 only with 2+ GPUs: as a group of one it holds all 256 experts on one GPU and ~110 GB
+    # of host memory for the problem and its results.
+    default_ep_shapes="kimi_slice"
+    [ "$gpu_count" -ge 2 ] && default_ep_shapes="kimi_slice dsv3"
+    for shape in ${MOK_EP_SHAPES:-$default_ep_shapes}; do
+      run_step "ep_${shape}_${gpu_count}gpus" "$OUT/run.log" timeout 240 "./$build_dir/mok" run \
         --gpus "$gpu_count" --shape "$shape" --json "$OUT/tmp_ep.json"
       add_bench_json "ep_${shape}_${gpu_count}gpus" "$OUT/tmp_ep.json"
     done
   fi
   # Dispatch / combine alone against a copy ceiling and NCCL all-to-all, balanced and skewed.
+  # kimi_slice balanced and skewed; dsv3 (E = 256) for the exchange + schedule build's share.
   if [ "${gpu_count:-0}" -ge 2 ]; then
-    for routing in uniform skewed; do
-      run_step "comm_bench_${routing}" "$OUT/run.log" timeout 120 "./$build_dir/mok" comm-bench \
-        --gpus "$gpu_count" --routing "$routing"
+    for case in kimi_slice:uniform kimi_slice:skewed dsv3:uniform; do
+      run_step "comm_bench_${case/:/_}" "$OUT/run.log" timeout 120 "./$build_dir/mok" comm-bench \
+        --gpus "$gpu_count" --shape "${case%%:*}" --routing "${case##*:}"
     done
   fi
   # Optional hardware-counter profile of the expert GEMMs (MOK_NCU=1): clocks left alone.

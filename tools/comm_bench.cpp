@@ -7,8 +7,12 @@
 //                    with warp copies and with the bulk-copy engine
 //   push combine     launch_push_rows of the expert rows into the source ranks' slots (both
 //                    copy ways), + the wait for every rank
-//   copy ceiling     a contiguous 16-byte copy through the same peer pointers, same bytes
+//   copy ceilings    a contiguous 16-byte copy through the same peer pointers, same bytes:
+//                    pull (read from the peer) and push (write to the peer)
 //   NCCL all-to-all  grouped ncclSend / ncclRecv of the same per-peer byte counts
+//   exchange + schedule  the routing and router-weight all-gather, then this rank's schedule
+//                    build: what the layer runs before its dispatch (its share of the forward
+//                    at `dsv3` is one of the targets)
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -42,7 +46,10 @@ struct BenchRank {
   mok::DeviceBuffer received;      // [R*T, H]
   mok::DeviceBuffer rows;          // [max_rows, H] expert rows (push source)
   mok::DeviceBuffer copy_target;   // [R*T, H]
-  mok::DeviceBuffer counters;      // [0] push epoch, [1] push done
+  mok::DeviceBuffer counters;      // [0] push epoch, [1] push done, [2] exchange epoch
+  mok::DeviceBuffer top_experts;   // this rank's [T, K] routing
+  mok::DeviceBuffer weights;       // this rank's [T, K] router weights
+  mok::DeviceBuffer built;         // the schedule the timed build writes
   int64_t remote_rows_in = 0;      // rows pulled from other ranks
   int64_t remote_rows_out = 0;     // rows pushed to other ranks
   std::vector<int64_t> rows_from;  // per source rank
@@ -64,6 +71,9 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   mok::SymmetricMemory x(group, T * H * 2, "x");
   mok::SymmetricMemory slots(group, T * K * H * 2, "slots");
   mok::SymmetricMemory flags(group, R * 8, "push flags", true);
+  mok::SymmetricMemory routing_all(group, R * T * K * 4, "routing of every rank");
+  mok::SymmetricMemory weights_all(group, R * T * K * 4, "router weights of every rank");
+  mok::SymmetricMemory exchange_flags(group, R * 8, "exchange flags", true);
   std::vector<BenchRank> ranks(static_cast<size_t>(R));
   for (int32_t rank = 0; rank < R; ++rank) {
     BenchRank& bench = ranks[rank];
@@ -89,8 +99,14 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     bench.rows.allocate(params.max_rows() * H * 2, "expert rows");
     CLI_CUDA_CHECK(cudaMemset(bench.rows.pointer, 0, bench.rows.bytes));
     bench.copy_target.allocate(R * T * H * 2, "copy target");
-    bench.counters.allocate(16, "push counters");
-    CLI_CUDA_CHECK(cudaMemset(bench.counters.pointer, 0, 16));
+    bench.counters.allocate(24, "epochs and counters");
+    CLI_CUDA_CHECK(cudaMemset(bench.counters.pointer, 0, 24));
+    bench.top_experts.allocate(T * K * 4, "routing");
+    CLI_CUDA_CHECK(cudaMemcpy(bench.top_experts.pointer, routing.data() + rank * T * K, T * K * 4,
+                              cudaMemcpyHostToDevice));
+    bench.weights.allocate(T * K * 4, "router weights");
+    CLI_CUDA_CHECK(cudaMemset(bench.weights.pointer, 0, T * K * 4));
+    bench.built.allocate(bench.layout.total_bytes, "timed schedule");
   }
   auto synchronize = [&] {
     for (BenchRank& bench : ranks) {
@@ -194,7 +210,56 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     });
     report("copy ceiling (contiguous, pull)", ctas, copy_ms,
            static_cast<double>(std::min<int64_t>(max_in, T)) * H * 2);
+    const int64_t push_bytes = std::min<int64_t>(max_out, T * K) * H * 2;
+    const double push_copy_ms = median_ms([&](int32_t rank) {
+      BenchRank& bench = ranks[rank];
+      const int32_t peer = (rank + 1) % R;
+      CLI_CUDA_CHECK(kernels::launch_copy_contiguous(
+          bench.rows.pointer, slots.peer(rank, peer),
+          std::min<int64_t>(push_bytes, bench.rows.bytes), ctas, bench.stream));
+    });
+    report("copy ceiling (contiguous, push)", ctas, push_copy_ms,
+           static_cast<double>(std::min<int64_t>(push_bytes, ranks[0].rows.bytes)));
   }
+  const double exchange_ms = median_ms([&](int32_t rank) {
+    BenchRank& bench = ranks[rank];
+    kernels::RoutingExchangeArgs args;
+    args.top_experts = bench.top_experts.pointer;
+    args.bytes_per_rank = T * K * 4;
+    args.routing_peers = routing_all.device_peers(rank);
+    args.weights = bench.weights.as<float>();
+    args.weight_bytes_per_rank = T * K * 4;
+    args.weight_peers = weights_all.device_peers(rank);
+    args.flag_peers = reinterpret_cast<uint64_t* const*>(exchange_flags.device_peers(rank));
+    args.rank = rank;
+    args.num_ranks = R;
+    args.epoch = bench.counters.as<unsigned long long>() + 2;
+    args.wait = wait_of(rank);
+    CLI_CUDA_CHECK(kernels::launch_routing_exchange(args, bench.stream));
+    CLI_CUDA_CHECK(
+        kernels::launch_advance_epoch(bench.counters.as<unsigned long long>() + 2, bench.stream));
+    launch_build_schedule(bench.layout, routing_all.local(rank), DType::kInt32, bench.built.pointer,
+                          bench.stream)
+        .throw_if_error();
+  });
+  // The timed build must be the real one: every rank's schedule equals the host's.
+  for (int32_t rank = 0; rank < R; ++rank) {
+    BenchRank& bench = ranks[rank];
+    std::vector<char> want(bench.layout.output_bytes), got(bench.layout.output_bytes);
+    CLI_CUDA_CHECK(cudaSetDevice(bench.device));
+    CLI_CUDA_CHECK(
+        cudaMemcpy(want.data(), bench.schedule.pointer, want.size(), cudaMemcpyDeviceToHost));
+    CLI_CUDA_CHECK(cudaMemcpy(got.data(), bench.built.pointer, got.size(), cudaMemcpyDeviceToHost));
+    const Status same = compare_schedules(bench.layout, want.data(), got.data());
+    if (!same.ok())
+      throw Error(ErrorCode::kInternal, "comm-bench: rank " + std::to_string(rank) +
+                                            "'s schedule after the exchange differs from the "
+                                            "host's: " +
+                                            same.message);
+  }
+  std::printf("  routing exchange + schedule build: %.1f us (T=%lld K=%lld per rank, E=%lld)\n",
+              exchange_ms * 1e3, static_cast<long long>(T), static_cast<long long>(K),
+              static_cast<long long>(shape.num_experts));
   const double nccl_ms = median_ms([&](int32_t rank) {
     if (rank != 0) return;  // one group call launches every rank
     ncclGroupStart();

@@ -47,7 +47,7 @@ __global__ void push_rows_kernel(PushRowsArgs args) {
     const int32_t source_rank = pair / args.pairs_per_rank, slot = pair % args.pairs_per_rank;
     uint4* dst = static_cast<uint4*>(args.slot_peers[source_rank]) +
                  static_cast<int64_t>(slot) * args.vectors_per_row;
-    copy_row_warp(
+    copy_row_warp<kNvlinkLoadsInFlight>(
         dst,
         static_cast<const uint4*>(args.rows) + static_cast<int64_t>(row) * args.vectors_per_row,
         args.vectors_per_row);

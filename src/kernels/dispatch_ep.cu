@@ -23,10 +23,6 @@ namespace mok::kernels {
 
 namespace {
 
-// Loads in flight per lane of a pull: reads across NVLink are latency-bound, so a CTA's bytes in
-// flight set its speed (4 per lane measured 184 GB/s per GPU with 24 CTAs on 2 x H200).
-constexpr int kPullLoadsInFlight = 16;
-
 __global__ void pull_rows_kernel(PullRowsArgs args) {
   const int32_t total = args.header->total_recv;
   const int warps_total = gridDim.x * blockDim.x / 32;
@@ -38,7 +34,7 @@ __global__ void pull_rows_kernel(PullRowsArgs args) {
     const int32_t token = args.recv_tokens[entry];
     const uint4* src = static_cast<const uint4*>(args.source_peers[source_rank]) +
                        static_cast<int64_t>(token) * args.vectors_per_row;
-    copy_row_warp<kPullLoadsInFlight>(
+    copy_row_warp<kNvlinkLoadsInFlight>(
         static_cast<uint4*>(args.received) + static_cast<int64_t>(entry) * args.vectors_per_row,
         src, args.vectors_per_row);
   }
@@ -68,13 +64,13 @@ __global__ void pull_rows_bulk_kernel(PullRowsArgs args, WaitContext wait) {
 __global__ void copy_contiguous_kernel(const uint4* source, uint4* destination, int64_t vectors) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; base < vectors;
-       base += stride * kPullLoadsInFlight) {
-    uint4 values[kPullLoadsInFlight];
+       base += stride * kNvlinkLoadsInFlight) {
+    uint4 values[kNvlinkLoadsInFlight];
 #pragma unroll
-    for (int u = 0; u < kPullLoadsInFlight; ++u)
+    for (int u = 0; u < kNvlinkLoadsInFlight; ++u)
       if (base + u * stride < vectors) values[u] = source[base + u * stride];
 #pragma unroll
-    for (int u = 0; u < kPullLoadsInFlight; ++u)
+    for (int u = 0; u < kNvlinkLoadsInFlight; ++u)
       if (base + u * stride < vectors) destination[base + u * stride] = values[u];
   }
 }

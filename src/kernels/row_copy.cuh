@@ -8,6 +8,13 @@
 
 namespace mok::kernels {
 
+// Loads in flight per lane for row copies that cross NVLink. A pull reads across the link
+// (~2 us a round trip) and a push stores there but reads its rows from local memory first, each
+// batch of loads waiting for the last: with 4 per lane a 14 KB row took 7 dependent batches, and
+// the pull reached 184 GB/s per GPU with 24 CTAs on 2 x H200; 16 per lane gave the pull 232
+// (docs/perf.md). 16 uint4 are 64 registers, no spill at 256 threads.
+constexpr int kNvlinkLoadsInFlight = 16;
+
 template <int kLoadsInFlight = 4>
 __device__ __forceinline__ void copy_row_warp(uint4* dst, const uint4* src, int64_t vectors) {
   const int lane = threadIdx.x % 32;
