@@ -5,16 +5,15 @@
 #
 # Outputs under $OUT (default ./out; the device tool returns at most 8 files): build.log,
 # ctest.log, run.log (mok run on tiny and the benchmark shapes), clocks.log (SM clock and power
-# during the default run), sass.log, sanitizer.log and
-# results.json (device, pass or fail per step, ctest counts, schedule timing, and every
-# `mok run --json` result). It also runs `mok run --gpus N` on all N GPUs of the machine (the
-# expert-parallel layer against the all-to-all baseline; MOK_EP_SHAPES, default kimi_slice, and
-# dsv3 with 2+ GPUs), and
-# the multi-GPU tests run on all of them. To save device time: MOK_SKIP_DEFAULT_RUN=1,
-# MOK_SKIP_SANITIZERS=1, MOK_BENCH_SHAPES="" (no extra shapes), MOK_SKIP_TESTS=1 (no ctest). MOK_BENCH_SHAPES picks the extra
-# benchmark shapes (default: qwen3;
-# `mok run` with no arguments covers dsv3_local); MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is recorded and the script goes on
-# to the summary; it exits non-zero if any step failed.
+# during the default run), sass.log, sanitizer.log and results.json (device, pass or fail per
+# step, ctest counts, schedule timing, and every `mok run --json` result). It also runs
+# `mok run --gpus N` on all N GPUs of the machine (the expert-parallel layer against the
+# all-to-all baseline; MOK_EP_SHAPES, default kimi_slice, and dsv3 with 2+ GPUs) and, with 2+
+# GPUs, `mok comm-bench`; the multi-GPU tests run on all of them.
+# To save device time: MOK_SKIP_DEFAULT_RUN=1, MOK_SKIP_SANITIZERS=1, MOK_BENCH_SHAPES="" (no
+# extra shapes; default qwen3, while `mok run` with no arguments covers dsv3_local),
+# MOK_SKIP_TESTS=1 (no ctest). MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is
+# recorded and the script goes on to the summary; it exits non-zero if any step failed.
 #
 # GoogleTest: the device machine may lack it and cannot download it. Run scripts/fetch-gtest.sh
 # on the development machine first and carry .deps (git-ignored) with the working tree.
