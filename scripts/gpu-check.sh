@@ -227,7 +227,7 @@ if [ "$built" = 1 ] && command -v cuobjdump >/dev/null 2>&1; then
   } >"$OUT/sass.log" 2>&1 || true
 fi
 
-# --- compute-sanitizer on the schedule GPU tests ---------------------------------------------------
+# --- compute-sanitizer on the schedule, single-GPU and expert-parallel GPU tests -------------------
 sanitizer="$(command -v compute-sanitizer || true)"
 if [ "${MOK_SKIP_SANITIZERS:-0}" = 1 ]; then
   record sanitizer skipped
@@ -241,6 +241,11 @@ elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" 
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$race_filter"
   run_step sanitizer_synccheck "$OUT/sanitizer.log" timeout 60 "$sanitizer" --tool synccheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$race_filter"
+  # The expert-parallel data path and layer on every GPU of the machine (a group of one on a
+  # one-GPU machine): peer loads and stores through the NCCL windows' mappings.
+  ep_filter="${MOK_EP_SANITIZER_FILTER:-CommGpu.RoutingAllGatherThenScheduleOnEveryRank:CommGpu.PullDispatchAndPushCombineAcrossRanks:EpLayerGpu.*}"
+  run_step sanitizer_memcheck_ep "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
+    --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$ep_filter"
 else
   echo "compute-sanitizer or the GPU test binary is missing: skipping the sanitizer runs"
   record sanitizer skipped
