@@ -5,16 +5,16 @@
 // expert-grouped row buffer (its index is the schedule's row_recv, divisor 1). Forward: x rows;
 // backward: d_out rows (the reverse of the combine).
 //
-// Roles: a grid-stride loop over receive entries, one warp per entry (copy_row_warp, 16-byte
-// loads from the peer, 4 in flight per lane). With RowCopy::kBulk the launch moves the
-// same rows with the bulk-copy engine instead, one thread per CTA (bulk_rows.cuh); which is
-// faster on NVLink is measured by `mok comm-bench`. The entries of source rank s are
-// [recv_offsets[s], recv_offsets[s + 1]); a warp finds s by a walk over the R + 1 offsets.
+// Roles: the whole grid runs the device functions of dispatch_ep.cuh (which a persistent kernel
+// calls from its communication warps): one warp per receive entry with 16-byte loads from the
+// peer, 16 in flight per lane, or with RowCopy::kBulk one thread per CTA streaming rows with the
+// bulk-copy engine (bulk_rows.cuh). `mok comm-bench` measured the warp copies faster.
 // Ordering: the caller's routing exchange (routing_exchange.cu) ran first on this stream, and
 // every rank publishes its source buffer before signaling it, so the rows are there to read.
 #include <cuda_bf16.h>
 
 #include "kernels/bulk_rows.cuh"
+#include "kernels/dispatch_ep.cuh"
 #include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/row_copy.cuh"
@@ -24,38 +24,14 @@ namespace mok::kernels {
 namespace {
 
 __global__ void pull_rows_kernel(PullRowsArgs args) {
-  const int32_t total = args.header->total_recv;
-  const int warps_total = gridDim.x * blockDim.x / 32;
-  int32_t source_rank = 0;
-  for (int32_t entry = (blockIdx.x * blockDim.x + threadIdx.x) / 32; entry < total;
-       entry += warps_total) {
-    while (source_rank + 1 < args.num_ranks && entry >= args.recv_offsets[source_rank + 1])
-      ++source_rank;
-    const int32_t token = args.recv_tokens[entry];
-    const uint4* src = static_cast<const uint4*>(args.source_peers[source_rank]) +
-                       static_cast<int64_t>(token) * args.vectors_per_row;
-    copy_row_warp<kNvlinkLoadsInFlight>(
-        static_cast<uint4*>(args.received) + static_cast<int64_t>(entry) * args.vectors_per_row,
-        src, args.vectors_per_row);
-  }
+  pull_rows_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
+                 gridDim.x * static_cast<int64_t>(blockDim.x) / 32);
 }
 
 __global__ void pull_rows_bulk_kernel(PullRowsArgs args, WaitContext wait) {
   if (threadIdx.x != 0) return;
   extern __shared__ __align__(16) char smem[];
-  const int32_t total = args.header->total_recv;
-  const uint32_t row_bytes = static_cast<uint32_t>(args.vectors_per_row * 16);
-  int32_t source_rank = 0;
-  move_rows_bulk(wait, smem, row_bytes, [&](int64_t i, const void** source, void** destination) {
-    const int64_t entry = blockIdx.x + i * gridDim.x;
-    if (entry >= total) return false;
-    while (source_rank + 1 < args.num_ranks && entry >= args.recv_offsets[source_rank + 1])
-      ++source_rank;
-    *source = static_cast<const char*>(args.source_peers[source_rank]) +
-              static_cast<int64_t>(args.recv_tokens[entry]) * row_bytes;
-    *destination = static_cast<char*>(args.received) + entry * row_bytes;
-    return true;
-  });
+  pull_rows_bulk_cta(args, wait, smem, blockIdx.x, gridDim.x);
 }
 
 // The ceiling of a pull: one contiguous range through a peer pointer, 16-byte accesses, as many
