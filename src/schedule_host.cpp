@@ -27,6 +27,31 @@ int64_t read_id(const void* data, DType dtype, int64_t index) {
 
 }  // namespace
 
+void build_send_entries_host(const ScheduleParams& p, const void* top_experts_all,
+                             DType expert_dtype, int32_t* send_entry) {
+  if (expert_dtype != DType::kInt32 && expert_dtype != DType::kInt64)
+    throw Error(ErrorCode::kInvalidArgument, std::string("build_send_entries_host: expert dtype ") +
+                                                 dtype_name(expert_dtype) +
+                                                 " is not supported; valid: int32, int64");
+  const int32_t R = p.num_ranks, T = p.tokens_per_rank, K = p.top_k;
+  const int64_t local_experts = p.num_local_experts();
+  std::vector<int32_t> next_entry(static_cast<size_t>(R), 0);
+  std::vector<char> routed(static_cast<size_t>(R));
+  for (int32_t source = 0; source <= p.local_rank; ++source)
+    for (int32_t token = 0; token < T; ++token) {
+      std::fill(routed.begin(), routed.end(), 0);
+      for (int32_t k = 0; k < K; ++k) {
+        const int64_t expert = read_id(top_experts_all, expert_dtype,
+                                       (static_cast<int64_t>(source) * T + token) * K + k);
+        if (expert >= 0 && expert < p.num_experts) routed[expert / local_experts] = 1;
+      }
+      for (int32_t d = 0; d < R; ++d) {
+        const int32_t entry = routed[d] ? next_entry[d]++ : -1;
+        if (source == p.local_rank) send_entry[static_cast<int64_t>(d) * T + token] = entry;
+      }
+    }
+}
+
 Status validate_schedule_params(const ScheduleParams& p) {
   auto bad = [](const std::string& what) { return Status::invalid("schedule: " + what); };
   if (p.num_ranks < 1 || p.num_ranks > 1024)

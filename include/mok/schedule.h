@@ -178,6 +178,15 @@ MOK_HOST_DEVICE inline PairCoord decode_pair(const ScheduleParams& params, int32
 void build_schedule_host(const ScheduleLayout& layout, const void* top_experts_all,
                          DType expert_dtype, void* buffer);
 
+// The send side of the receive lists, for a push dispatch (the source writes each row into the
+// destination's receive buffer): for source rank params.local_rank, send_entry[d * T + t] is the
+// entry token t takes in destination rank d's receive list, or -1 when t routes to no expert of
+// d. By the receive list's order that entry is (tokens of ranks s < local_rank routed to d) +
+// (tokens t' < t of local_rank routed to d). Ids outside [0, E) count as unrouted, as in the
+// schedule. `send_entry` holds R * T entries.
+void build_send_entries_host(const ScheduleParams& params, const void* top_experts_all,
+                             DType expert_dtype, int32_t* send_entry);
+
 // Compares the defined parts of two built schedules of the same layout (header, counts, offsets,
 // tile_expert below num_tiles, row arrays below total_rows, pair_row, the receive list); ok when
 // bit-identical, else names the first difference.

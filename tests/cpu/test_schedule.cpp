@@ -433,6 +433,49 @@ TEST(ScheduleAcrossRanks, EveryRoutedPairLandsOnExactlyOneRank) {
   }
 }
 
+// The send side agrees with every destination's receive list: source s's token t sits at
+// entry send_entry[d * T + t] of d's list exactly when it routes to d, and every entry of d's
+// list from s is some token's send entry.
+TEST(SendEntries, MatchEveryDestinationsReceiveList) {
+  for (RoutingKind kind : all_routing_kinds()) {
+    const int32_t ranks = 4, tokens = 130, top_k = 6, local_experts = 8;
+    std::vector<int32_t> routing =
+        generate_routing(kind, ranks, tokens, top_k, ranks * local_experts, 7);
+    routing[5] = ranks * local_experts + 3;  // a bad id counts as unrouted
+    std::vector<HostSchedule> schedules;
+    for (int32_t d = 0; d < ranks; ++d)
+      schedules.push_back(build(make_params(ranks, tokens, top_k, local_experts, d, 128), routing));
+    for (int32_t source = 0; source < ranks; ++source) {
+      std::vector<int32_t> send(static_cast<size_t>(ranks) * tokens, -2);
+      build_send_entries_host(make_params(ranks, tokens, top_k, local_experts, source, 128),
+                              routing.data(), DType::kInt32, send.data());
+      for (int32_t d = 0; d < ranks; ++d) {
+        const ScheduleView view = schedules[d].view();
+        int32_t matched = 0;
+        for (int32_t token = 0; token < tokens; ++token) {
+          const int32_t entry = send[static_cast<size_t>(d) * tokens + token];
+          bool routes_to_d = false;
+          for (int32_t k = 0; k < top_k; ++k) {
+            const int32_t expert =
+                routing[(static_cast<size_t>(source) * tokens + token) * top_k + k];
+            routes_to_d |=
+                expert >= 0 && expert < ranks * local_experts && expert / local_experts == d;
+          }
+          ASSERT_EQ(entry >= 0, routes_to_d) << routing_kind_name(kind) << " source " << source
+                                             << " token " << token << " destination " << d;
+          if (entry < 0) continue;
+          ++matched;
+          ASSERT_GE(entry, view.recv_offsets[source]);
+          ASSERT_LT(entry, view.recv_offsets[source + 1]);
+          ASSERT_EQ(view.recv_tokens[entry], token)
+              << routing_kind_name(kind) << " source " << source << " destination " << d;
+        }
+        EXPECT_EQ(matched, view.recv_offsets[source + 1] - view.recv_offsets[source]);
+      }
+    }
+  }
+}
+
 TEST(ScheduleDeterminism, OutputDoesNotDependOnPriorBufferContents) {
   const ScheduleParams params = make_params(3, 200, 6, 8, 1, 128);
   const std::vector<int32_t> routing = generate_routing(RoutingKind::kSkewed, 3, 200, 6, 24, 5);
