@@ -5,6 +5,10 @@
 // differ), median of 20:
 //   pull dispatch    launch_pull_rows with C communication CTAs (one row per (token, rank)),
 //                    with warp copies and with the bulk-copy engine
+//   push dispatch    launch_push_dispatch: the source writes the same rows into the
+//                    destinations' (symmetric) receive buffers at their receive-list entries
+//                    (launch_send_entries, timed once), + the wait for every rank; checked to
+//                    leave the same bytes as the pull
 //   push combine     launch_push_rows of the expert rows into the source ranks' slots (both
 //                    copy ways), + the wait for every rank
 //   copy ceilings    a contiguous 16-byte copy through the same peer pointers, same bytes:
@@ -46,7 +50,11 @@ struct BenchRank {
   mok::DeviceBuffer received;      // [R*T, H]
   mok::DeviceBuffer rows;          // [max_rows, H] expert rows (push source)
   mok::DeviceBuffer copy_target;   // [R*T, H]
-  mok::DeviceBuffer counters;      // [0] push epoch, [1] push done, [2] exchange epoch
+  mok::DeviceBuffer counters;      // [0] push epoch, [1] push done, [2] exchange epoch,
+                                   // [3] dispatch epoch, [4] dispatch done
+  mok::DeviceBuffer routing_all;   // [R, T, K] every rank's routing (for the send entries)
+  mok::DeviceBuffer send_entry;    // [R, T] this rank's send entries
+  int64_t remote_rows_sent = 0;    // rows a push dispatch sends to other ranks
   mok::DeviceBuffer top_experts;   // this rank's [T, K] routing
   mok::DeviceBuffer weights;       // this rank's [T, K] router weights
   mok::DeviceBuffer built;         // the schedule the timed build writes
@@ -74,6 +82,8 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   mok::SymmetricMemory routing_all(group, R * T * K * 4, "routing of every rank");
   mok::SymmetricMemory weights_all(group, R * T * K * 4, "router weights of every rank");
   mok::SymmetricMemory exchange_flags(group, R * 8, "exchange flags", true);
+  mok::SymmetricMemory received_sym(group, R * T * H * 2, "push-dispatch receive buffers");
+  mok::SymmetricMemory dispatch_flags(group, R * 8, "dispatch flags", true);
   std::vector<BenchRank> ranks(static_cast<size_t>(R));
   for (int32_t rank = 0; rank < R; ++rank) {
     BenchRank& bench = ranks[rank];
@@ -99,8 +109,24 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     bench.rows.allocate(params.max_rows() * H * 2, "expert rows");
     CLI_CUDA_CHECK(cudaMemset(bench.rows.pointer, 0, bench.rows.bytes));
     bench.copy_target.allocate(R * T * H * 2, "copy target");
-    bench.counters.allocate(24, "epochs and counters");
-    CLI_CUDA_CHECK(cudaMemset(bench.counters.pointer, 0, 24));
+    bench.counters.allocate(40, "epochs and counters");
+    CLI_CUDA_CHECK(cudaMemset(bench.counters.pointer, 0, 40));
+    std::vector<int32_t> send_host(static_cast<size_t>(R * T));
+    build_send_entries_host(params, routing.data(), DType::kInt32, send_host.data());
+    for (int64_t i = 0; i < R * T; ++i)
+      if (send_host[i] >= 0 && i / T != rank) ++bench.remote_rows_sent;
+    bench.routing_all.allocate(R * T * K * 4, "routing of every rank");
+    CLI_CUDA_CHECK(cudaMemcpy(bench.routing_all.pointer, routing.data(), R * T * K * 4,
+                              cudaMemcpyHostToDevice));
+    bench.send_entry.allocate(R * T * 4, "send entries");
+    CLI_CUDA_CHECK(kernels::launch_send_entries(params, bench.routing_all.pointer, DType::kInt32,
+                                                bench.send_entry.as<int32_t>(), nullptr));
+    std::vector<int32_t> send_device(send_host.size());
+    CLI_CUDA_CHECK(cudaMemcpy(send_device.data(), bench.send_entry.pointer, send_device.size() * 4,
+                              cudaMemcpyDeviceToHost));
+    if (send_device != send_host)
+      throw Error(ErrorCode::kInternal, "comm-bench: rank " + std::to_string(rank) +
+                                            "'s send entries from the GPU differ from the host's");
     bench.top_experts.allocate(T * K * 4, "routing");
     CLI_CUDA_CHECK(cudaMemcpy(bench.top_experts.pointer, routing.data() + rank * T * K, T * K * 4,
                               cudaMemcpyHostToDevice));
@@ -160,11 +186,17 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   }
   const double bytes_in = static_cast<double>(max_in) * H * 2;
   const double bytes_out = static_cast<double>(max_out) * H * 2;
+  int64_t max_sent = 0;
+  for (const BenchRank& bench : ranks) max_sent = std::max(max_sent, bench.remote_rows_sent);
+  const double bytes_sent = static_cast<double>(max_sent) * H * 2;
   std::printf("mok comm-bench: %d GPUs, T=%lld H=%lld K=%lld E=%lld, routing %s\n", R,
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(K),
               static_cast<long long>(shape.num_experts), options.routing.c_str());
-  std::printf("  NVLink rows per GPU (the busiest): %lld pulled in, %lld pushed out\n",
-              static_cast<long long>(max_in), static_cast<long long>(max_out));
+  std::printf(
+      "  NVLink rows per GPU (the busiest): %lld pulled in (or sent by a push dispatch: %lld), "
+      "%lld pushed out\n",
+      static_cast<long long>(max_in), static_cast<long long>(max_sent),
+      static_cast<long long>(max_out));
   std::printf("  %-34s %8s %10s %12s\n", "variant", "CTAs", "us", "GB/s per GPU");
   auto wait_of = [](int32_t rank) {
     return kernels::WaitContext{20'000'000'000ull, rank, nullptr};
@@ -201,6 +233,27 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
       report(bulk ? "push combine, bulk copies (+ wait)" : "push combine, warp copies (+ wait)",
              ctas, push_ms, bytes_out);
     }
+    const double push_dispatch_ms = median_ms([&](int32_t rank) {
+      BenchRank& bench = ranks[rank];
+      kernels::PushDispatchArgs push;
+      push.send_entry = bench.send_entry.as<int32_t>();
+      push.source = x.local(rank);
+      push.received_peers = received_sym.device_peers(rank);
+      push.vectors_per_row = H / 8;
+      push.num_tokens = static_cast<int32_t>(T);
+      push.rank = rank;
+      push.num_ranks = R;
+      push.flag_peers = reinterpret_cast<uint64_t* const*>(dispatch_flags.device_peers(rank));
+      push.done = bench.counters.as<unsigned long long>() + 4;
+      push.epoch = bench.counters.as<unsigned long long>() + 3;
+      CLI_CUDA_CHECK(kernels::launch_push_dispatch(push, ctas, bench.stream));
+      CLI_CUDA_CHECK(kernels::launch_wait_for_peers(
+          static_cast<const uint64_t*>(dispatch_flags.local(rank)), R,
+          bench.counters.as<unsigned long long>() + 3, wait_of(rank), bench.stream));
+      CLI_CUDA_CHECK(
+          kernels::launch_advance_epoch(bench.counters.as<unsigned long long>() + 3, bench.stream));
+    });
+    report("push dispatch (warp copies, + wait)", ctas, push_dispatch_ms, bytes_sent);
     const double copy_ms = median_ms([&](int32_t rank) {
       BenchRank& bench = ranks[rank];
       const int32_t peer = (rank + 1) % R;
@@ -242,6 +295,25 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
                           bench.stream)
         .throw_if_error();
   });
+  // The push dispatch left every rank's receive buffer as the pull did (the same rows at the
+  // same entries).
+  for (int32_t rank = 0; rank < R; ++rank) {
+    BenchRank& bench = ranks[rank];
+    CLI_CUDA_CHECK(cudaSetDevice(bench.device));
+    const ScheduleView view = ScheduleView::at(bench.schedule.pointer, bench.layout);
+    ScheduleHeader header{};
+    CLI_CUDA_CHECK(cudaMemcpy(&header, view.header, sizeof(header), cudaMemcpyDeviceToHost));
+    const size_t bytes = static_cast<size_t>(header.total_recv) * H * 2;
+    std::vector<char> pulled(bytes), pushed(bytes);
+    CLI_CUDA_CHECK(
+        cudaMemcpy(pulled.data(), bench.received.pointer, bytes, cudaMemcpyDeviceToHost));
+    CLI_CUDA_CHECK(
+        cudaMemcpy(pushed.data(), received_sym.local(rank), bytes, cudaMemcpyDeviceToHost));
+    if (pulled != pushed)
+      throw Error(ErrorCode::kInternal, "comm-bench: rank " + std::to_string(rank) +
+                                            "'s rows after the push dispatch differ from the "
+                                            "pull's");
+  }
   // The timed build must be the real one: every rank's schedule equals the host's.
   for (int32_t rank = 0; rank < R; ++rank) {
     BenchRank& bench = ranks[rank];

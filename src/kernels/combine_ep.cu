@@ -8,7 +8,7 @@
 // persistent kernel calls from its communication warps): one warp per row (16-byte stores to the
 // peer, 16 loads in flight per lane), or with RowCopy::kBulk one thread per CTA with the
 // bulk-copy engine (bulk_rows.cuh). Completion: after its rows, each CTA fences at system scope
-// and counts itself done on a local counter (epoch * kPushDoneStride + CTAs done); the last CTA
+// and counts itself done on a local counter (epoch * kDoneStride + CTAs done); the last CTA
 // of the launch signals every rank (peer_barrier.cuh). The source side runs
 // launch_wait_for_peers before it reads its slots.
 #include <cuda_bf16.h>
@@ -62,7 +62,7 @@ __global__ void slot_index_kernel(const ExpertId* top_experts, int64_t count, in
 
 cudaError_t launch_push_rows(const PushRowsArgs& args, RowCopy copy, int num_ctas,
                              const WaitContext& wait, cudaStream_t stream) {
-  if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kPushDoneStride ||
+  if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kDoneStride ||
       args.num_ranks < 1 || args.pairs_per_rank < 0)
     return cudaErrorInvalidValue;
   if (copy == RowCopy::kBulk)

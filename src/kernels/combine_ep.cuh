@@ -12,8 +12,7 @@
 //                        `num_ctas` to count itself signals every rank (peer_barrier.cuh)
 //   wait_for_all_pushes  the source side: waits for every rank's signal before reading its slots
 //
-// The done counter holds epoch * kPushDoneStride + CTAs done (raised with atomicMax first), so
-// nothing is reset between calls and a changing CTA count is fine.
+// The done counter holds epoch * kDoneStride + CTAs done (peer_barrier.cuh).
 #pragma once
 
 #include <stdint.h>
@@ -24,8 +23,6 @@
 #include "kernels/row_copy.cuh"
 
 namespace mok::kernels {
-
-constexpr unsigned long long kPushDoneStride = 1ull << 24;  // > CTAs of one push
 
 __device__ __forceinline__ uint64_t push_epoch(const unsigned long long* epoch_word) {
   return *reinterpret_cast<const volatile unsigned long long*>(epoch_word) + 1;
@@ -70,12 +67,7 @@ __device__ __forceinline__ void push_rows_bulk_cta(const PushRowsArgs& args,
 
 __device__ __forceinline__ void count_push_done(const PushRowsArgs& args, uint64_t epoch,
                                                 int64_t num_ctas) {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-  atomicMax(args.done, epoch * kPushDoneStride);
-  const unsigned long long before = atomicAdd(args.done, 1ull);
-  if (before - epoch * kPushDoneStride == static_cast<unsigned long long>(num_ctas - 1))
-    for (int32_t peer = 0; peer < args.num_ranks; ++peer)
-      signal_peer(args.flag_peers[peer], args.rank, epoch);
+  count_done_and_signal(args.done, args.flag_peers, args.rank, args.num_ranks, epoch, num_ctas);
 }
 
 // Thread `peer` (< num_ranks) of the calling group waits for rank `peer`'s signal.

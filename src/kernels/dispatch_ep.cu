@@ -11,17 +11,32 @@
 // bulk-copy engine (bulk_rows.cuh). `mok comm-bench` measured the warp copies faster.
 // Ordering: the caller's routing exchange (routing_exchange.cu) ran first on this stream, and
 // every rank publishes its source buffer before signaling it, so the rows are there to read.
+//
+// Push dispatch (measured beside the pull by `mok comm-bench`): send_entries_kernel, one CTA per
+// destination, computes where each of this rank's tokens lands in the destination's receive
+// list (a block reduction over the earlier ranks' tokens, then a block scan over this rank's);
+// push_dispatch_kernel writes each (token, destination) row there, one warp per item, and its
+// last CTA signals every rank (peer_barrier.cuh count_done_and_signal). Reads are local and the
+// NVLink traffic is stores, which measured faster than loads across the link. The receive
+// buffer must then be symmetric, and the caller must know every destination finished reading the
+// previous call's rows before pushing (the routing exchange of the call is that barrier).
 #include <cuda_bf16.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/bulk_rows.cuh"
 #include "kernels/dispatch_ep.cuh"
 #include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
+#include "kernels/peer_barrier.cuh"
 #include "kernels/row_copy.cuh"
 
 namespace mok::kernels {
 
 namespace {
+
+constexpr int kSendEntriesThreads = 256;
 
 __global__ void pull_rows_kernel(PullRowsArgs args) {
   pull_rows_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
@@ -32,6 +47,59 @@ __global__ void pull_rows_bulk_kernel(PullRowsArgs args, WaitContext wait) {
   if (threadIdx.x != 0) return;
   extern __shared__ __align__(16) char smem[];
   pull_rows_bulk_cta(args, wait, smem, blockIdx.x, gridDim.x);
+}
+
+// One CTA per destination rank d: the tokens of ranks before this one routed to d (a block
+// reduction), then this rank's tokens in order with a block scan, so entry = that count + the
+// routed tokens before t (build_send_entries_host's contract, the receive list's order).
+template <typename ExpertId>
+__global__ void __launch_bounds__(kSendEntriesThreads)
+    send_entries_kernel(ScheduleParams params, const ExpertId* routing, int32_t* send_entry) {
+  using Scan = cub::BlockScan<int32_t, kSendEntriesThreads>;
+  using Reduce = cub::BlockReduce<int32_t, kSendEntriesThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } temp;
+  __shared__ int32_t routed_before;
+  const int32_t destination = static_cast<int32_t>(blockIdx.x);
+  const int64_t local_experts = params.num_local_experts();
+  auto routes_here = [&](int64_t global_token) -> int32_t {
+    for (int32_t k = 0; k < params.top_k; ++k) {
+      const int64_t expert = static_cast<int64_t>(routing[global_token * params.top_k + k]);
+      if (expert >= 0 && expert < params.num_experts && expert / local_experts == destination)
+        return 1;
+    }
+    return 0;
+  };
+  const int64_t first_token = static_cast<int64_t>(params.local_rank) * params.tokens_per_rank;
+  int32_t count = 0;
+  for (int64_t token = threadIdx.x; token < first_token; token += blockDim.x)
+    count += routes_here(token);
+  const int32_t total_before = Reduce(temp.reduce).Sum(count);
+  if (threadIdx.x == 0) routed_before = total_before;
+  __syncthreads();
+  int32_t next_entry = routed_before;
+  for (int32_t chunk = 0; chunk < params.tokens_per_rank; chunk += blockDim.x) {
+    const int32_t token = chunk + static_cast<int32_t>(threadIdx.x);
+    const int32_t routed = token < params.tokens_per_rank ? routes_here(first_token + token) : 0;
+    int32_t before = 0, chunk_routed = 0;
+    Scan(temp.scan).ExclusiveSum(routed, before, chunk_routed);
+    if (token < params.tokens_per_rank)
+      send_entry[static_cast<int64_t>(destination) * params.tokens_per_rank + token] =
+          routed ? next_entry + before : -1;
+    next_entry += chunk_routed;
+    __syncthreads();  // the scan's storage is reused by the next chunk
+  }
+}
+
+__global__ void push_dispatch_kernel(PushDispatchArgs args) {
+  const uint64_t epoch = *reinterpret_cast<const volatile unsigned long long*>(args.epoch) + 1;
+  push_dispatch_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
+                     gridDim.x * static_cast<int64_t>(blockDim.x) / 32);
+  __syncthreads();
+  if (threadIdx.x == 0)
+    count_done_and_signal(args.done, args.flag_peers, args.rank, args.num_ranks, epoch, gridDim.x);
 }
 
 // The ceiling of a pull: one contiguous range through a peer pointer, 16-byte accesses, as many
@@ -62,6 +130,31 @@ cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_
   return cudaGetLastError();
 }
 
+cudaError_t launch_send_entries(const ScheduleParams& params, const void* top_experts_all,
+                                DType expert_dtype, int32_t* send_entry, cudaStream_t stream) {
+  if (params.num_ranks < 1 || params.tokens_per_rank < 0 || params.top_k < 1 ||
+      params.num_experts < params.num_ranks)
+    return cudaErrorInvalidValue;
+  if (params.tokens_per_rank == 0) return cudaSuccess;
+  if (expert_dtype == DType::kInt64)
+    send_entries_kernel<<<params.num_ranks, kSendEntriesThreads, 0, stream>>>(
+        params, static_cast<const int64_t*>(top_experts_all), send_entry);
+  else if (expert_dtype == DType::kInt32)
+    send_entries_kernel<<<params.num_ranks, kSendEntriesThreads, 0, stream>>>(
+        params, static_cast<const int32_t*>(top_experts_all), send_entry);
+  else
+    return cudaErrorInvalidValue;
+  return cudaGetLastError();
+}
+
+cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cudaStream_t stream) {
+  if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kDoneStride ||
+      args.num_ranks < 1 || args.num_tokens < 0)
+    return cudaErrorInvalidValue;
+  push_dispatch_kernel<<<num_ctas, 256, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_ctas,
                              const WaitContext& wait, cudaStream_t stream) {
   if (num_ctas < 1 || args.num_ranks < 1) return cudaErrorInvalidValue;
@@ -76,7 +169,10 @@ cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_cta
 namespace {
 const KernelPreloadList kPreload("dispatch_ep.cu", {kernel_symbol(&pull_rows_kernel),
                                                     kernel_symbol(&pull_rows_bulk_kernel),
-                                                    kernel_symbol(&copy_contiguous_kernel)});
+                                                    kernel_symbol(&copy_contiguous_kernel),
+                                                    kernel_symbol(&send_entries_kernel<int32_t>),
+                                                    kernel_symbol(&send_entries_kernel<int64_t>),
+                                                    kernel_symbol(&push_dispatch_kernel)});
 }  // namespace
 
 }  // namespace mok::kernels

@@ -8,6 +8,10 @@
 //   pull_rows_bulk_cta  one thread of a CTA streams entries cta, cta + num_ctas, ... through a
 //                       shared-memory ring with the bulk-copy engine (bulk_rows.cuh)
 //
+//   push_dispatch_warp  the push alternative, on the source rank: item i = (token i / R,
+//                       destination i % R), one warp per item with a send entry; the row lands
+//                       at that entry of the destination's receive buffer (same place as a pull)
+//
 // The entries of source rank s are [recv_offsets[s], recv_offsets[s + 1]); a caller finds s by a
 // walk over the R + 1 offsets (entries only grow within one call).
 #pragma once
@@ -53,6 +57,22 @@ __device__ __forceinline__ void pull_rows_bulk_cta(const PullRowsArgs& args,
     *destination = static_cast<char*>(args.received) + entry * row_bytes;
     return true;
   });
+}
+
+__device__ __forceinline__ void push_dispatch_warp(const PushDispatchArgs& args, int64_t warp,
+                                                   int64_t num_warps) {
+  const int64_t items = static_cast<int64_t>(args.num_tokens) * args.num_ranks;
+  for (int64_t item = warp; item < items; item += num_warps) {
+    const int32_t token = static_cast<int32_t>(item / args.num_ranks);
+    const int32_t destination = static_cast<int32_t>(item % args.num_ranks);
+    const int32_t entry =
+        args.send_entry[static_cast<int64_t>(destination) * args.num_tokens + token];
+    if (entry < 0) continue;
+    copy_row_warp<kNvlinkLoadsInFlight>(
+        static_cast<uint4*>(args.received_peers[destination]) + entry * args.vectors_per_row,
+        static_cast<const uint4*>(args.source) + token * args.vectors_per_row,
+        args.vectors_per_row);
+  }
 }
 
 }  // namespace mok::kernels

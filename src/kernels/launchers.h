@@ -94,12 +94,33 @@ inline PullRowsArgs pull_rows_args(const ScheduleView& view, void* const* source
   return {view.header, view.recv_offsets, view.recv_tokens, source_peers,
           hidden / 8,  num_ranks,         received};
 }
-// How the communication kernels move rows: warp copies (16-byte loads and stores, 4 in flight
+// How the communication kernels move rows: warp copies (16-byte loads and stores, 16 in flight
 // per lane) or the bulk-copy engine (one thread per CTA, a 4-row shared-memory ring;
 // bulk_rows.cuh). Same bytes land either way; `wait` times the bulk loads.
 enum class RowCopy : int32_t { kWarp = 0, kBulk = 1 };
 cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_ctas,
                              const WaitContext& wait, cudaStream_t stream);
+// Push dispatch (dispatch_ep.cu), the alternative to the pull that `mok comm-bench` measures
+// beside it: the source rank writes each routed row into every destination's receive buffer, at
+// the entry the destination's receive list gives it, so the destination finds the same rows at
+// the same entries as after a pull. launch_send_entries computes those entries on the GPU
+// (build_send_entries_host's contract) from the gathered routing; launch_push_dispatch writes
+// the rows, then its last CTA signals every rank; the destination runs launch_wait_for_peers on
+// the dispatch flags before it reads, and advances `epoch` after.
+cudaError_t launch_send_entries(const ScheduleParams& params, const void* top_experts_all,
+                                DType expert_dtype, int32_t* send_entry, cudaStream_t stream);
+struct PushDispatchArgs {
+  const int32_t* send_entry;    // [R*T] this rank's send entries
+  const void* source;           // this rank's [T, H] rows (x or d_out), local
+  void* const* received_peers;  // [R] device array: each rank's symmetric [R*T, H] receive buffer
+  int64_t vectors_per_row;      // H / 8
+  int32_t num_tokens;           // T
+  int32_t rank, num_ranks;
+  uint64_t* const* flag_peers;      // [R] device array: each rank's dispatch flags
+  unsigned long long* done;         // local counter, zeroed once (epochs)
+  const unsigned long long* epoch;  // this call's epoch - 1
+};
+cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cudaStream_t stream);
 // A contiguous copy of `bytes` (a multiple of 16) with num_ctas CTAs: the ceiling the pull is
 // measured against (source may be a peer pointer).
 cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_t bytes,

@@ -37,4 +37,22 @@ __device__ __forceinline__ void wait_for_peer(const WaitContext& wait, const uin
       [&] { return static_cast<long long>(load_flag(flag)); }, static_cast<long long>(epoch));
 }
 
+// Launches of a one-directional transfer (push combine, push dispatch) end with one signal
+// per rank: each CTA, after all of its stores, counts itself done on a local counter holding
+// epoch * kDoneStride + CTAs done (raised with atomicMax first, so nothing is reset between
+// calls and the CTA count may change); the last of `num_ctas` signals every rank. Called by one
+// thread per CTA.
+constexpr unsigned long long kDoneStride = 1ull << 24;  // > CTAs of one launch
+
+__device__ __forceinline__ void count_done_and_signal(unsigned long long* done,
+                                                      uint64_t* const* flag_peers, int32_t rank,
+                                                      int32_t num_ranks, uint64_t epoch,
+                                                      int64_t num_ctas) {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  atomicMax(done, epoch * kDoneStride);
+  const unsigned long long before = atomicAdd(done, 1ull);
+  if (before - epoch * kDoneStride == static_cast<unsigned long long>(num_ctas - 1))
+    for (int32_t peer = 0; peer < num_ranks; ++peer) signal_peer(flag_peers[peer], rank, epoch);
+}
+
 }  // namespace mok::kernels

@@ -401,6 +401,120 @@ TEST(CommGpu, DISABLED_RankProcess) {
   }
 }
 
+// The push dispatch: every rank's send entries from the GPU equal the host's, and after every
+// rank pushed its x rows (and waited for every rank), each rank's receive buffer holds x row
+// recv_tokens[e] of the entry's source rank at every entry e of its receive list: where a pull
+// would have put it. Two calls per routing, so the second runs on grown epochs.
+TEST(CommGpu, PushDispatchLandsWhereThePullWould) {
+  const std::vector<int> devices = all_devices();
+  auto group = Communicator::create_all(devices);
+  const int32_t num_ranks = static_cast<int32_t>(group.size());
+  constexpr int32_t kTokens = 257, kTopK = 4, kHidden = 256;
+  const int32_t num_experts = 4 * num_ranks;
+  const MoeShape shape = test::make_shape(kTokens, kHidden, 64, num_experts, kTopK, num_ranks);
+  SymmetricMemory received(raw(group), int64_t{2} * num_ranks * kTokens * kHidden, "received");
+  SymmetricMemory flags(raw(group), int64_t{8} * num_ranks, "dispatch flags", true);
+  struct RankState {
+    int32_t* routing_all = nullptr;
+    int32_t* send_entry = nullptr;
+    void* x = nullptr;
+    unsigned long long* counters = nullptr;  // [0] epoch, [1] done
+  };
+  std::vector<RankState> ranks(static_cast<size_t>(num_ranks));
+  const int64_t all_pairs = int64_t{num_ranks} * kTokens * kTopK;
+  for (int32_t rank = 0; rank < num_ranks; ++rank) {
+    ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&ranks[rank].routing_all, 4 * all_pairs), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&ranks[rank].send_entry, int64_t{4} * num_ranks * kTokens), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&ranks[rank].x, int64_t{2} * kTokens * kHidden), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&ranks[rank].counters, 16), cudaSuccess);
+    ASSERT_EQ(cudaMemset(ranks[rank].counters, 0, 16), cudaSuccess);
+  }
+  SplitMix64 rng(23);
+  for (RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kHoles, RoutingKind::kOneRank,
+                              RoutingKind::kEmptyRank, RoutingKind::kSkewed})
+    for (int call = 0; call < 2; ++call) {
+      SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", call " + std::to_string(call));
+      const std::vector<int32_t> all =
+          generate_routing(routing, num_ranks, kTokens, kTopK, num_experts, rng.next());
+      std::vector<std::vector<bf16>> x(static_cast<size_t>(num_ranks));
+      for (int32_t rank = 0; rank < num_ranks; ++rank) {
+        for (int64_t i = 0; i < int64_t{kTokens} * kHidden; ++i)
+          x[rank].push_back(float_to_bf16(static_cast<float>(rng.below(2001)) / 1000.0f - 1.0f));
+        ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpy(ranks[rank].routing_all, all.data(), 4 * all_pairs, cudaMemcpyHostToDevice),
+            cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpy(ranks[rank].x, x[rank].data(), x[rank].size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+        ASSERT_EQ(cudaMemset(received.local(rank), 0xFF, received.bytes()), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      }
+      for (int32_t rank = 0; rank < num_ranks; ++rank) {
+        ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
+        RankState& state = ranks[rank];
+        ASSERT_EQ(kernels::launch_send_entries(schedule_params(shape, rank), state.routing_all,
+                                               DType::kInt32, state.send_entry, nullptr),
+                  cudaSuccess);
+        kernels::PushDispatchArgs push;
+        push.send_entry = state.send_entry;
+        push.source = state.x;
+        push.received_peers = received.device_peers(rank);
+        push.vectors_per_row = kHidden / 8;
+        push.num_tokens = kTokens;
+        push.rank = rank;
+        push.num_ranks = num_ranks;
+        push.flag_peers = reinterpret_cast<uint64_t* const*>(flags.device_peers(rank));
+        push.done = state.counters + 1;
+        push.epoch = state.counters;
+        ASSERT_EQ(kernels::launch_push_dispatch(push, 24, nullptr), cudaSuccess);
+        ASSERT_EQ(kernels::launch_wait_for_peers(
+                      static_cast<const uint64_t*>(flags.local(rank)), num_ranks, state.counters,
+                      kernels::WaitContext{10'000'000'000ull, rank, nullptr}, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(kernels::launch_advance_epoch(state.counters, nullptr), cudaSuccess);
+      }
+      for (int32_t rank = 0; rank < num_ranks; ++rank) {
+        ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "rank " << rank;
+        const ScheduleParams params = schedule_params(shape, rank);
+        std::vector<int32_t> want_entries(static_cast<size_t>(num_ranks) * kTokens);
+        build_send_entries_host(params, all.data(), DType::kInt32, want_entries.data());
+        std::vector<int32_t> got_entries(want_entries.size());
+        ASSERT_EQ(cudaMemcpy(got_entries.data(), ranks[rank].send_entry, got_entries.size() * 4,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        ASSERT_EQ(got_entries, want_entries) << "rank " << rank << "'s send entries";
+        const ScheduleLayout layout = ScheduleLayout::make(params);
+        std::vector<char> schedule(layout.output_bytes);
+        build_schedule_host(layout, all.data(), DType::kInt32, schedule.data());
+        const ScheduleView view = ScheduleView::at(schedule.data(), layout);
+        const int32_t total = view.header->total_recv;
+        std::vector<uint16_t> got(static_cast<size_t>(total) * kHidden);
+        ASSERT_EQ(
+            cudaMemcpy(got.data(), received.local(rank), got.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+        for (int32_t source = 0; source < num_ranks; ++source)
+          for (int32_t entry = view.recv_offsets[source]; entry < view.recv_offsets[source + 1];
+               ++entry)
+            for (int32_t c = 0; c < kHidden; ++c)
+              ASSERT_EQ(got[static_cast<size_t>(entry) * kHidden + c],
+                        x[source][static_cast<size_t>(view.recv_tokens[entry]) * kHidden + c].bits)
+                  << "rank " << rank << " entry " << entry << " (source " << source << ", token "
+                  << view.recv_tokens[entry] << ") column " << c;
+      }
+    }
+  for (int32_t rank = 0; rank < num_ranks; ++rank) {
+    RankState& state = ranks[rank];
+    cudaSetDevice(devices[rank]);
+    cudaFree(state.routing_all);
+    cudaFree(state.send_entry);
+    cudaFree(state.x);
+    cudaFree(state.counters);
+  }
+}
+
 // Starts this test binary again with one test filter and extra environment variables.
 pid_t spawn_self(const std::string& test_name, const std::vector<std::string>& extra_environment) {
   const std::string filter = "--gtest_filter=" + test_name;
