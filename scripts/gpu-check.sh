@@ -243,7 +243,7 @@ elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" 
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$race_filter"
   # The expert-parallel data path and layer on every GPU of the machine (a group of one on a
   # one-GPU machine): peer loads and stores through the NCCL windows' mappings.
-  ep_filter="${MOK_EP_SANITIZER_FILTER:-CommGpu.RoutingAllGatherThenScheduleOnEveryRank:CommGpu.PullDispatchAndPushCombineAcrossRanks:EpLayerGpu.*}"
+  ep_filter="${MOK_EP_SANITIZER_FILTER:-CommGpu.RoutingAllGatherThenScheduleOnEveryRank:CommGpu.PullDispatchAndPushCombineAcrossRanks:CommGpu.PushDispatchLandsWhereThePullWould:EpLayerGpu.*}"
   run_step sanitizer_memcheck_ep "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$ep_filter"
 else

@@ -190,11 +190,16 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
 
   // Interleaved rotated rounds (the cards run into their power limit: docs/perf.md).
   // The layer with the bulk-copy data movement (same bits, see the tests), timed beside it.
+  // And the push dispatch (measured against the pull before it becomes the default).
   mok::MoeConfig bulk_config = config;
   bulk_config.ep_bulk_copies = true;
   mok::EpLayer bulk_layer(shape, bulk_config, ranks_here);
+  mok::MoeConfig push_config = config;
+  push_config.ep_push_dispatch = true;
+  mok::EpLayer push_layer(shape, push_config, ranks_here);
   std::vector<std::function<void()>> bodies = {forward, [&] { step(true); },
-                                               [&] { bulk_layer.forward(forward_args, streams); }};
+                                               [&] { bulk_layer.forward(forward_args, streams); },
+                                               [&] { push_layer.forward(forward_args, streams); }};
   if (baseline) {
     bodies.push_back(baseline_forward);
     bodies.push_back(baseline_step);
@@ -204,9 +209,9 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   const std::vector<double> medians = interleaved_median_ms(
       bodies, runs[0].stream, static_cast<int>(bodies.size()), 5, synchronize_all);
   const double forward_ms = medians[0], step_ms = medians[1];
-  const double bulk_forward_ms = medians[2];
-  const double base_forward_ms = baseline ? medians[3] : 0,
-               base_step_ms = baseline ? medians[4] : 0;
+  const double bulk_forward_ms = medians[2], push_forward_ms = medians[3];
+  const double base_forward_ms = baseline ? medians[4] : 0,
+               base_step_ms = baseline ? medians[5] : 0;
 
   bool passed = deterministic;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kTolerance;
@@ -234,6 +239,8 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   row("forward+backward", 3 * forward_flop, step_ms, base_step_ms);
   std::printf("    forward with bulk-copy dispatch/combine: %.3f ms (%.1f TFLOP/s per GPU)\n",
               bulk_forward_ms, forward_flop / bulk_forward_ms / 1e9);
+  std::printf("    forward with push dispatch:              %.3f ms (%.1f TFLOP/s per GPU)\n",
+              push_forward_ms, forward_flop / push_forward_ms / 1e9);
   std::printf(
       "  (TFLOP/s per GPU: the group's useful FLOPs / GPUs; baseline = NCCL all-to-all with "
       "host split sizes around mok's single-GPU GEMMs)\n");
@@ -249,6 +256,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
          << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \"" << options.routing
          << "\", \"forward_ms\": " << forward_ms << ", \"forward_backward_ms\": " << step_ms
          << ", \"bulk_forward_ms\": " << bulk_forward_ms
+         << ", \"push_dispatch_forward_ms\": " << push_forward_ms
          << ", \"baseline_forward_ms\": " << base_forward_ms
          << ", \"baseline_forward_backward_ms\": " << base_step_ms
          << ", \"forward_tflops_per_gpu\": " << forward_flop / forward_ms / 1e9

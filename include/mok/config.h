@@ -50,6 +50,12 @@ struct MoeConfig {
   // Expert parallel: move dispatch / combine rows with the bulk-copy engine (cp.async.bulk, one
   // thread per communication CTA) instead of warp copies. Same bits either way.
   bool ep_bulk_copies = false;
+  // Expert parallel: dispatch by push (every rank writes its routed rows into the receivers'
+  // symmetric buffers at their receive-list entries) instead of pull (the receivers read them
+  // from the senders' published inputs). Same bits either way; NVLink writes measured faster
+  // than reads on 2 x H200 (docs/perf.md), the push is measured beside the pull before it
+  // becomes the default.
+  bool ep_push_dispatch = false;
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

@@ -9,6 +9,10 @@
 //   slots             [T*K, H] bf16 expert outputs (backward: dx rows) pushed by the expert ranks
 //   d_router_weights  [T*K] f32     router-weight gradients written by the expert ranks
 //   exchange / push flags [R] u64   the two signal families (peer_barrier.cuh), with epochs
+// With MoeConfig::ep_push_dispatch, x and d_out are not published; instead
+//   received_x, received_d_out  [R*T, H] bf16  rows pushed by their source ranks at the entries
+//                                              of this rank's receive list
+//   dispatch flags    [R] u64       the push dispatch's signals
 // Ordering across ranks, per layer call and rank r: r publishes its inputs, then the exchange
 // (or, in a backward with a context, the same kernel without payload as a barrier) signals
 // every rank and waits for every rank: after it, every rank's inputs of this call are
@@ -16,7 +20,10 @@
 // pulls and pushes that follow are safe. The push's last CTA signals every rank once all rows
 // are stored; the combine waits for every rank's push before it reads its slots. A rank
 // publishes its next inputs only after that wait, by which time every rank finished pulling
-// from the current ones.
+// from the current ones. The push dispatch writes into a rank's receive buffer only after the
+// call's exchange, which that rank entered after it expanded the previous call's rows; x and
+// d_out have a receive buffer each, so a backward without context pushes both after one
+// exchange.
 #include "mok/ep_layer.h"
 
 #include <algorithm>
@@ -33,6 +40,8 @@ namespace mok {
 struct EpSymmetric {
   std::unique_ptr<SymmetricMemory> x, d_out, routing, weights, slots, d_rw, exchange_flags,
       push_flags;
+  // Push dispatch only (MoeConfig::ep_push_dispatch).
+  std::unique_ptr<SymmetricMemory> received_x, received_d_out, dispatch_flags;
 };
 
 // One rank's share of the group: its piece of every symmetric buffer and its local
@@ -41,11 +50,15 @@ struct EpRank {
   int32_t rank = 0, num_ranks = 1;
   int comm_ctas = 24;
   kernels::RowCopy row_copy = kernels::RowCopy::kWarp;  // MoeConfig::ep_bulk_copies
+  bool push_dispatch = false;                           // MoeConfig::ep_push_dispatch
   const EpSymmetric* memory = nullptr;
   int32_t piece = 0;        // this rank's index among the process's pieces
-  DeviceBuffer received;    // [R*T, H] bf16: pulled rows, one per receive entry
+  DeviceBuffer received;    // [R*T, H] bf16: pulled rows, one per receive entry (pull only)
+  DeviceBuffer send_entry;  // int32 [R*T]: this rank's tokens' receive entries (push only)
   DeviceBuffer slot_index;  // int32 [T*K]: the combine's index over the slots
-  DeviceBuffer counters;    // [0] exchange epoch, [1] push epoch, [2] push CTAs done
+  // [0] exchange epoch, [1] push epoch, [2] push CTAs done, [3] dispatch epoch, [4] dispatch
+  // CTAs done
+  DeviceBuffer counters;
 
   // This rank's buffer of `buffer`, and the table of every rank's, as this GPU addresses them.
   template <typename T = void>
@@ -102,8 +115,14 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
   auto symmetric = [&](int64_t bytes, const char* what, bool zero) {
     return std::make_unique<SymmetricMemory>(ranks_here, std::max<int64_t>(bytes, 16), what, zero);
   };
-  m.memory.x = symmetric(T * H * 2, "published x", false);
-  m.memory.d_out = symmetric(T * H * 2, "published d_out", false);
+  if (config.ep_push_dispatch) {
+    m.memory.received_x = symmetric(R * T * H * 2, "pushed x rows", false);
+    m.memory.received_d_out = symmetric(R * T * H * 2, "pushed d_out rows", false);
+    m.memory.dispatch_flags = symmetric(R * 8, "dispatch flags", true);
+  } else {
+    m.memory.x = symmetric(T * H * 2, "published x", false);
+    m.memory.d_out = symmetric(T * H * 2, "published d_out", false);
+  }
   m.memory.routing = symmetric(R * T * K * 8, "routing of every rank", false);
   m.memory.weights = symmetric(R * T * K * 4, "router weights of every rank", false);
   m.memory.slots = symmetric(T * K * H * 2, "combine slots", false);
@@ -117,11 +136,15 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
     ep->num_ranks = static_cast<int32_t>(R);
     ep->comm_ctas = std::max(config.fwd_num_comm_sms, 1);
     ep->row_copy = config.ep_bulk_copies ? kernels::RowCopy::kBulk : kernels::RowCopy::kWarp;
+    ep->push_dispatch = config.ep_push_dispatch;
     ep->memory = &m.memory;
     ep->piece = i;
-    ep->received.allocate(R * T * H * 2, "pulled rows");
+    if (config.ep_push_dispatch)
+      ep->send_entry.allocate(std::max<int64_t>(R * T * 4, 4), "send entries");
+    else
+      ep->received.allocate(R * T * H * 2, "pulled rows");
     ep->slot_index.allocate(T * K * 4, "slot index");
-    ep->counters.allocate(3 * 8, "expert-parallel counters");
+    ep->counters.allocate(5 * 8, "expert-parallel counters");
     cuda_check(cudaMemset(ep->counters.pointer, 0, ep->counters.bytes), "zero EP counters");
     m.layers.push_back(std::unique_ptr<GpuLayer>(new GpuLayer(shape, config, ep->rank, ep.get())));
     m.ranks.push_back(std::move(ep));
@@ -194,12 +217,14 @@ Status EpLayer::synchronize(const std::vector<cudaStream_t>& streams) {
 
 int64_t EpLayer::workspace_bytes_per_rank() const {
   const Impl& m = *impl_;
-  int64_t bytes = m.layers.front()->workspace_bytes() + m.ranks.front()->received.bytes +
-                  m.ranks.front()->slot_index.bytes + m.ranks.front()->counters.bytes;
+  const EpRank& rank = *m.ranks.front();
+  int64_t bytes = m.layers.front()->workspace_bytes() + rank.received.bytes +
+                  rank.send_entry.bytes + rank.slot_index.bytes + rank.counters.bytes;
   const EpSymmetric& b = m.memory;
-  for (const auto* memory : {&b.x, &b.d_out, &b.routing, &b.weights, &b.slots, &b.d_rw,
-                             &b.exchange_flags, &b.push_flags})
-    bytes += (*memory)->bytes();
+  for (const auto* memory :
+       {&b.x, &b.d_out, &b.routing, &b.weights, &b.slots, &b.d_rw, &b.exchange_flags, &b.push_flags,
+        &b.received_x, &b.received_d_out, &b.dispatch_flags})
+    if (*memory != nullptr) bytes += (*memory)->bytes();
   return bytes;
 }
 
@@ -229,19 +254,58 @@ void exchange(GpuLayer::State& s, const TensorView* top_experts, const float* ro
   cuda_check(kernels::launch_advance_epoch(counter(ep, 0), stream), "advance the exchange epoch");
 }
 
-// Pulls the routed rows of `source_peers` (every rank's published [T, H]) and expands them into
-// `rows` in schedule order.
-void pull_and_expand(GpuLayer::State& s, void* const* source_peers, void* rows,
-                     cudaStream_t stream) {
+// The routed rows of every rank's `source` (x or d_out), expanded into `rows` in schedule order.
+// Pull: read from the peers' published copies (`published`, filled before the exchange) into
+// the local receive buffer. Push: every rank writes its own rows into the receivers' `pushed`
+// buffers (send entries from this call's routing), then waits for every rank's signal.
+void dispatch_rows(GpuLayer::State& s, const TensorView& source,
+                   const std::unique_ptr<SymmetricMemory>& published,
+                   const std::unique_ptr<SymmetricMemory>& pushed, void* rows,
+                   cudaStream_t stream) {
   EpRank& ep = *s.ep;
   const ScheduleView view = s.routed.view();
-  const kernels::PullRowsArgs pull = kernels::pull_rows_args(view, source_peers, s.shape.hidden,
-                                                             ep.num_ranks, ep.received.pointer);
-  cuda_check(kernels::launch_pull_rows(pull, ep.row_copy, ep.comm_ctas, s.wait_context(), stream),
-             "pull dispatch launch");
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, ep.received.pointer,
-                                         s.shape.hidden, 1, rows, s.routed.capacity_rows, stream),
-             "expand pulled rows");
+  const void* received = nullptr;
+  if (ep.push_dispatch) {
+    kernels::PushDispatchArgs push;
+    push.send_entry = ep.send_entry.as<int32_t>();
+    push.source = source.data;
+    push.received_peers = ep.peers(pushed);
+    push.vectors_per_row = s.shape.hidden / 8;
+    push.num_tokens = static_cast<int32_t>(s.shape.num_tokens);
+    push.rank = ep.rank;
+    push.num_ranks = ep.num_ranks;
+    push.flag_peers = ep.peers<uint64_t>(ep.memory->dispatch_flags);
+    push.done = counter(ep, 4);
+    push.epoch = counter(ep, 3);
+    cuda_check(kernels::launch_push_dispatch(push, ep.comm_ctas, stream), "push dispatch launch");
+    cuda_check(
+        kernels::launch_wait_for_peers(ep.local<uint64_t>(ep.memory->dispatch_flags), ep.num_ranks,
+                                       counter(ep, 3), s.wait_context(), stream),
+        "wait for every rank's dispatch");
+    cuda_check(kernels::launch_advance_epoch(counter(ep, 3), stream), "advance the dispatch epoch");
+    received = ep.local(pushed);
+  } else {
+    const kernels::PullRowsArgs pull = kernels::pull_rows_args(
+        view, ep.peers(published), s.shape.hidden, ep.num_ranks, ep.received.pointer);
+    cuda_check(kernels::launch_pull_rows(pull, ep.row_copy, ep.comm_ctas, s.wait_context(), stream),
+               "pull dispatch launch");
+    received = ep.received.pointer;
+  }
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, received, s.shape.hidden, 1,
+                                         rows, s.routed.capacity_rows, stream),
+             "expand received rows");
+}
+
+// After the exchange: the schedule and, for a push dispatch, this rank's send entries.
+void build_schedule(GpuLayer::State& s, const TensorView& top_experts, cudaStream_t stream) {
+  EpRank& ep = *s.ep;
+  launch_build_schedule(s.routed.layout, ep.local(ep.memory->routing), top_experts.dtype,
+                        s.routed.schedule.pointer, stream)
+      .throw_if_error();
+  if (ep.push_dispatch)
+    cuda_check(kernels::launch_send_entries(s.routed.layout.params, ep.local(ep.memory->routing),
+                                            top_experts.dtype, ep.send_entry.as<int32_t>(), stream),
+               "send entries launch");
 }
 
 void publish(void* destination, const TensorView& source, cudaStream_t stream, const char* what) {
@@ -255,14 +319,12 @@ void publish(void* destination, const TensorView& source, cudaStream_t stream, c
 void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
                       const StageMarker& mark) {
   EpRank& ep = *s.ep;
-  publish(ep.local(ep.memory->x), args.x, stream, "x");
+  if (!ep.push_dispatch) publish(ep.local(ep.memory->x), args.x, stream, "x");
   exchange(s, &args.top_experts, args.router_weights.data_as<const float>(), stream);
-  launch_build_schedule(s.routed.layout, ep.local(ep.memory->routing), args.top_experts.dtype,
-                        s.routed.schedule.pointer, stream)
-      .throw_if_error();
+  build_schedule(s, args.top_experts, stream);
   mark("routing exchange + schedule");
-  pull_and_expand(s, ep.peers(ep.memory->x), s.rows.pointer, stream);
-  mark("pull dispatch");
+  dispatch_rows(s, args.x, ep.memory->x, ep.memory->received_x, s.rows.pointer, stream);
+  mark(ep.push_dispatch ? "push dispatch" : "pull dispatch");
 }
 
 void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
@@ -273,19 +335,22 @@ void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_co
   cuda_check(cudaMemsetAsync(ep.local<float>(ep.memory->d_rw), 0,
                              static_cast<size_t>(s.shape.num_tokens * s.shape.top_k * 4), stream),
              "zero router-weight gradients");
-  publish(ep.local(ep.memory->d_out), args.d_out, stream, "d_out");
+  if (!ep.push_dispatch) publish(ep.local(ep.memory->d_out), args.d_out, stream, "d_out");
   if (use_context) {
-    exchange(s, nullptr, nullptr, stream);  // a barrier: every rank's d_out is published
+    // A barrier: every rank published its d_out (pull), or finished reading its receive buffers
+    // (push).
+    exchange(s, nullptr, nullptr, stream);
   } else {
-    publish(ep.local(ep.memory->x), fwd.x, stream, "x");
+    if (!ep.push_dispatch) publish(ep.local(ep.memory->x), fwd.x, stream, "x");
     exchange(s, &fwd.top_experts, fwd.router_weights.data_as<const float>(), stream);
-    launch_build_schedule(s.routed.layout, ep.local(ep.memory->routing), fwd.top_experts.dtype,
-                          s.routed.schedule.pointer, stream)
-        .throw_if_error();
+    build_schedule(s, fwd.top_experts, stream);
   }
-  pull_and_expand(s, ep.peers(ep.memory->d_out), s.d_out_rows.pointer, stream);
-  if (!use_context) pull_and_expand(s, ep.peers(ep.memory->x), s.rows.pointer, stream);
-  mark(use_context ? "barrier + pull d_out" : "routing exchange + schedule + pull d_out, x");
+  dispatch_rows(s, args.d_out, ep.memory->d_out, ep.memory->received_d_out, s.d_out_rows.pointer,
+                stream);
+  if (!use_context)
+    dispatch_rows(s, fwd.x, ep.memory->x, ep.memory->received_x, s.rows.pointer, stream);
+  mark(use_context ? "barrier + d_out dispatch"
+                   : "routing exchange + schedule + d_out, x dispatch");
 }
 
 void push_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark, const char* name) {

@@ -2,7 +2,8 @@
 // on a one-GPU machine still runs the whole expert-parallel path through its own peer
 // pointers): forward and backward against the CPU reference's R-rank emulation on the
 // adversarial routings of DESIGN.md §4, outputs poisoned first, bitwise identical across
-// repeated steps and with or without the forward context.
+// repeated steps, with or without the forward context, and with the bulk-copy and push-dispatch
+// data movement.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -92,18 +93,25 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   config.wait_timeout_s = 20;
   EpLayer layer(shape, config, group.ranks);
   const std::vector<HostRank> first = ep_step(layer, device, problem, true);
-  // The bulk-copy data movement gives the same bits.
-  {
-    MoeConfig bulk_config = config;
-    bulk_config.ep_bulk_copies = true;
-    EpLayer bulk_layer(shape, bulk_config, group.ranks);
-    const std::vector<HostRank> bulk = ep_step(bulk_layer, device, problem, true);
-    for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
-      test::for_each_output(
-          bulk[rank], first[rank], [&](const char* output, const auto& a, const auto& b) {
-            EXPECT_TRUE(test::bitwise_equal(a, b))
-                << "rank " << rank << " " << output << " differs with the bulk-copy kernels";
-          });
+  // The bulk-copy data movement and the push dispatch give the same bits (the push dispatch
+  // with and without the forward context: the backward recomputing pushes x and d_out).
+  for (const char* variant : {"bulk copies", "push dispatch"}) {
+    MoeConfig variant_config = config;
+    const bool push = std::string(variant) == "push dispatch";
+    variant_config.ep_bulk_copies = !push;
+    variant_config.ep_push_dispatch = push;
+    EpLayer variant_layer(shape, variant_config, group.ranks);
+    for (const bool with_context : {true, false}) {
+      if (!push && !with_context) continue;
+      const std::vector<HostRank> got = ep_step(variant_layer, device, problem, with_context);
+      for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+        test::for_each_output(got[rank], first[rank],
+                              [&](const char* output, const auto& a, const auto& b) {
+                                EXPECT_TRUE(test::bitwise_equal(a, b))
+                                    << "rank " << rank << " " << output << " differs with "
+                                    << variant << (with_context ? "" : " (no forward context)");
+                              });
+    }
   }
   for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
     std::printf("  %-14s %-44s %-11s rank %d:", name, shape.to_string().c_str(),
