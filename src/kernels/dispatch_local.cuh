@@ -2,7 +2,8 @@
 // producer warpgroup (see expert_gemm.cu).
 //
 // Roles inside the producer warpgroup:
-//   warps 1-3  gatherers: claim rows of the schedule one at a time with a global ticket (any
+//   warps 1-3  gatherers: claim rows of the schedule (of the launch's window: a macrobatch) one
+//              at a time with a global ticket (any
 //              resident CTA can take any row, so the kernel progresses with however many CTAs
 //              are resident), copy x[token of the row] (or zeros for a padding row) into the row
 //              buffer with 16-byte accesses, and count the row into its 128-row tile.
@@ -49,7 +50,11 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
                                                        unsigned long long epoch) {
   const int lane = threadIdx.x % 32;
   const unsigned long long ticket_base = epoch << 32;
-  const unsigned long long total_rows = static_cast<unsigned long long>(header->total_rows);
+  const int64_t end = gather.row_end < header->total_rows
+                          ? gather.row_end
+                          : static_cast<int64_t>(header->total_rows);
+  const unsigned long long window_rows =
+      end > gather.row_begin ? static_cast<unsigned long long>(end - gather.row_begin) : 0ull;
   const int64_t vectors_per_row = gather.hidden / 8;
   const uint4* x = reinterpret_cast<const uint4*>(gather.x);
   uint4* rows = reinterpret_cast<uint4*>(gather.rows);
@@ -60,10 +65,10 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
       claimed = atomicAdd(gather.ticket, 1ull) - ticket_base;
     }
     claimed = __shfl_sync(0xffffffffu, claimed, 0);
-    if (claimed >= total_rows) return;
-    const int row = static_cast<int>(claimed);
+    if (claimed >= window_rows) return;
+    const int64_t row = gather.row_begin + static_cast<int64_t>(claimed);
     const int pair = row_pair[row];
-    uint4* dst = rows + row * vectors_per_row;
+    uint4* dst = rows + (row - gather.row_begin) * vectors_per_row;
     if (pair < 0) {
       for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
     } else {

@@ -34,8 +34,13 @@ struct TileCoord {
   int expert;
   int m_tile;  // 128-row tile (of the schedule's rows, or of M for kWeightGrad)
   int n_tile;
-  int k_row0;  // first K row (kWeightGrad: the expert's first row)
+  int k_row0;  // first K row (kWeightGrad: the expert's first row, in the ring's rows)
   int num_k_blocks;
+  // kWeightGrad with macrobatches (macrobatch.h): no rows here (skip), resume from an fp32
+  // partial slot (load_slot), leave one (store_slot) instead of the bf16 output; -1 = none.
+  bool skip = false;
+  int load_slot = -1;
+  int store_slot = -1;
 };
 
 struct OutputMaps {
@@ -133,7 +138,9 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
                                            int consumer_idx, const float (&acc)[128]) {
   const bool issuer = threadIdx.x == BLOCK_M;  // first consumer thread
   char* tile = reinterpret_cast<char*>(smem.store_tile);
-  const int row = coord.m_tile * BLOCK_M;
+  // Row forms: outputs in a macrobatch's ring sit at row - out_row_base (full-size ones: base 0).
+  const int row = coord.m_tile * BLOCK_M -
+                  (kForm == ExpertGemmForm::kWeightGrad ? 0 : params.macrobatch.out_row_base);
   auto fragment = [&](int i, int j) {
     return make_float2(acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
   };

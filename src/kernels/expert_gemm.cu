@@ -31,6 +31,7 @@
 #include "kernels/gemm_mainloop.cuh"
 #include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
+#include "kernels/macrobatch.h"
 #include "kernels/task_order.h"
 
 namespace mok::kernels {
@@ -48,6 +49,7 @@ struct FormTraits {
 };
 
 struct TileSpace {
+  int m_begin;  // row-tile forms: the first row tile of the launch's macrobatch
   int num_m_tiles;
   int num_n_tiles;
   int num_tiles;
@@ -59,9 +61,13 @@ __device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) 
   TileSpace space;
   space.num_n_tiles = (params.n_extent + Traits::kTileN - 1) / Traits::kTileN;
   if constexpr (Traits::kRowTiles) {
-    space.num_m_tiles = params.header->num_tiles;
+    const int filled = params.header->num_tiles;
+    const int begin = min(params.macrobatch.tile_begin, filled);
+    space.m_begin = begin;
+    space.num_m_tiles = min(params.macrobatch.tile_end, filled) - begin;
     space.num_tiles = space.num_m_tiles * space.num_n_tiles;
   } else {
+    space.m_begin = 0;
     space.num_m_tiles = (params.m_extent + BLOCK_M - 1) / BLOCK_M;
     space.num_tiles = params.num_experts * space.num_m_tiles * space.num_n_tiles;
   }
@@ -74,6 +80,7 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
   TileCoord coord;
   if constexpr (FormTraits<kForm>::kRowTiles) {
     grouped_tile(tile, space.num_m_tiles, space.num_n_tiles, &coord.m_tile, &coord.n_tile);
+    coord.m_tile += space.m_begin;
     coord.expert = params.tile_expert[coord.m_tile];
     coord.k_row0 = 0;
     const int k_total =
@@ -85,8 +92,22 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
     const int local = tile - coord.expert * per_expert;
     coord.n_tile = local / space.num_m_tiles;
     coord.m_tile = local % space.num_m_tiles;
-    coord.k_row0 = params.expert_offsets[coord.expert];
-    coord.num_k_blocks = (params.expert_offsets[coord.expert + 1] - coord.k_row0) / BLOCK_K;
+    const int segment_begin = params.expert_offsets[coord.expert];
+    const int segment_end = params.expert_offsets[coord.expert + 1];
+    if (params.macrobatch.rows > 0) {
+      // This macrobatch's share of the expert's rows, read from the ring (macrobatch.h).
+      const WeightGradSlice slice = weight_grad_slice(
+          segment_begin, segment_end, params.macrobatch.index, params.macrobatch.rows);
+      coord.skip = !slice.active;
+      coord.k_row0 = static_cast<int>(slice.k_begin) - params.macrobatch.ring_row_base;
+      coord.num_k_blocks =
+          slice.active ? static_cast<int>(slice.k_end - slice.k_begin) / BLOCK_K : 0;
+      coord.load_slot = slice.load_partial ? slice.load_slot : -1;
+      coord.store_slot = slice.store_final ? -1 : slice.store_slot;
+    } else {
+      coord.k_row0 = segment_begin;
+      coord.num_k_blocks = (segment_end - segment_begin) / BLOCK_K;
+    }
   }
   return coord;
 }
@@ -100,7 +121,7 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
                                             uint64_t* full) {
   constexpr int kChunk = 64 * BLOCK_K;  // elements of one [64 x 64] box
   const int k = k_block * BLOCK_K;
-  const int row = coord.m_tile * BLOCK_M;
+  const int row = coord.m_tile * BLOCK_M - params.macrobatch.ring_row_base;  // row-tile forms
   if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
     ptx::tma_load_2d(a_dst, a0, full, k, row);
     ptx::tma_load_3d(b_dst, b0, full, k, coord.n_tile * 128, coord.expert);
@@ -130,6 +151,30 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
     for (int c = 0; c < 4; ++c)
       ptx::tma_load_2d(b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k_row);
   }
+}
+
+// A weight-gradient tile's fp32 accumulator between two macrobatches: each consumer thread's 128
+// values, contiguous (this layout is private to the store and the load of the same tile).
+__device__ __forceinline__ float* partial_tile(float* slot, const TileCoord& coord,
+                                               const TileSpace& space) {
+  const int64_t tile = static_cast<int64_t>(coord.n_tile) * space.num_m_tiles + coord.m_tile;
+  return slot + (tile * kConsumerThreads + (threadIdx.x - BLOCK_M)) * 128;
+}
+__device__ __forceinline__ void load_partial(float (&acc)[128], const float* values) {
+#pragma unroll
+  for (int q = 0; q < 32; ++q) {
+    const float4 v = reinterpret_cast<const float4*>(values)[q];
+    acc[4 * q] = v.x;
+    acc[4 * q + 1] = v.y;
+    acc[4 * q + 2] = v.z;
+    acc[4 * q + 3] = v.w;
+  }
+}
+__device__ __forceinline__ void store_partial(const float (&acc)[128], float* values) {
+#pragma unroll
+  for (int q = 0; q < 32; ++q)
+    reinterpret_cast<float4*>(values)[q] =
+        make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
 }
 
 // Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
@@ -180,10 +225,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     float acc[128];
     for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
       const TileCoord coord = tile_coord<kForm>(params, space, tile);
-      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(params.wait, smem, state,
-                                                         coord.num_k_blocks, consumer_idx, acc);
-      store_tile<kForm>({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
-                        acc);
+      if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
+      const bool resumes = coord.load_slot >= 0;  // kWeightGrad across a macrobatch boundary
+      if (resumes)
+        load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
+      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(
+          params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
+      if (coord.store_slot >= 0)
+        store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
+      else
+        store_tile<kForm>({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
+                          acc);
     }
     // Outstanding TMA stores read the staging tile: it must outlive them.
     if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();

@@ -44,12 +44,29 @@ enum class ExpertGemmForm : int32_t {
 // tile count = epoch * kTileCountStride + rows gathered.
 struct FusedGather {
   const __nv_bfloat16* x;              // [T, H]; null = no fused gather
-  __nv_bfloat16* rows;                 // [max_rows, H], the A operand of the GEMM
+  __nv_bfloat16* rows;                 // the A operand of the GEMM: row r at r - row_begin
   int32_t hidden;                      // H
   int32_t top_k;                       // K: pair index / K = token
   unsigned long long* ticket;          // one word
   unsigned long long* tile_rows_done;  // [max_tiles]
   unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
+  int64_t row_begin, row_end;          // the schedule rows to gather (a macrobatch's window)
+};
+
+// A macrobatch of a launch (kernels/macrobatch.h). Row-tile forms run the schedule's tiles
+// [tile_begin, min(tile_end, num_tiles)); their A rows live in a ring buffer at row -
+// ring_row_base, and so does the output unless it is a full-size one (out_row_base 0: the
+// expert output or dx rows). kWeightGrad reduces each expert's rows of macrobatch `index`
+// (weight_grad_slice) from ring rows, continuing from and leaving fp32 accumulators in the
+// partial slots. The defaults are one macrobatch over everything.
+struct MacrobatchParams {
+  int32_t tile_begin = 0;
+  int32_t tile_end = 0x7fffffff;
+  int32_t ring_row_base = 0;
+  int32_t out_row_base = 0;
+  int32_t index = 0;
+  int64_t rows = 0;                        // M; 0 = one pass (no slicing, no partials)
+  float* partial[2] = {nullptr, nullptr};  // kWeightGrad: [n_tiles of M x N][256 threads][128]
 };
 
 struct ExpertGemmParams {
@@ -64,6 +81,7 @@ struct ExpertGemmParams {
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
   WaitContext wait;
+  MacrobatchParams macrobatch;
 };
 
 // The persistent forward GEMM kernel (forward_gemms.cu): both GEMMs' parameters and the state

@@ -113,10 +113,12 @@ constexpr uint64_t k16_step() {
 // K-blocks into `acc`, releasing each stage once the wgmma that read it has completed. With no
 // K-blocks (an expert without rows) it returns at once; zeroing 128 registers here would make
 // ptxas spill, so the epilogue handles that case.
+// With `accumulate`, acc already holds a partial sum (a weight gradient resumed across a
+// macrobatch boundary) and the first wgmma adds to it instead of overwriting it.
 template <bool kAMnMajor, bool kBMnMajor, typename Storage, typename State>
 __device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& smem, State& state,
-                                             int num_k_blocks, int consumer_idx,
-                                             float (&acc)[128]) {
+                                             int num_k_blocks, int consumer_idx, float (&acc)[128],
+                                             bool accumulate = false) {
   const bool releases = (threadIdx.x % 32) == 0;
   if (num_k_blocks == 0) return;  // acc is left undefined: the epilogue writes zeros instead
   int previous_stage = -1;
@@ -132,7 +134,7 @@ __device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& s
     for (int k = 0; k < BLOCK_K / 16; ++k)
       ptx::wgmma_m64n256k16_bf16<kAMnMajor, kBMnMajor>(acc, desc_a + k * k16_step<kAMnMajor>(),
                                                        desc_b + k * k16_step<kBMnMajor>(),
-                                                       k_block > 0 || k > 0);
+                                                       k_block > 0 || k > 0 || accumulate);
     ptx::wgmma_commit();
     ptx::fence_registers(acc);
     ptx::wgmma_wait<1>();

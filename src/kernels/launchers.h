@@ -42,11 +42,13 @@ struct ExpertGemmMaps {
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
                                const ExpertGemmParams& params, int num_ctas, cudaStream_t stream);
 
-// Local dispatch (dispatch_local.cu): rows [0, header.total_rows) of `rows` [max_rows, hidden]
-// get x[token of row_pair[row]]; padding rows get zeros. `top_k` decodes the pair index.
+// Local dispatch (dispatch_local.cu): schedule rows [row_begin, row_begin + max_rows), clipped to
+// header.total_rows, get x[token of row_pair[row]] (padding rows get zeros), stored at row -
+// row_begin of `rows` [max_rows, hidden] (a macrobatch's ring buffer; row_begin 0 and max_rows
+// the schedule's max_rows: the whole schedule). `top_k` decodes the pair index.
 cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair, const void* x,
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
-                               cudaStream_t stream);
+                               cudaStream_t stream, int64_t row_begin = 0);
 
 // Advances an epoch word by one (the fused local dispatch's after each gate/up GEMM that used
 // it, the persistent forward's after each launch): one thread, stream-ordered, CUDA-graph
@@ -200,11 +202,15 @@ cudaError_t launch_baseline_swiglu(int64_t num_rows, const void* gate, const voi
 // d_router_weights may be null (the shared expert). Expert parallel: with
 // d_router_weights_peers set, pair p's gradient goes to d_router_weights_peers[p / pairs_per_rank]
 // [p % pairs_per_rank] (its source rank's buffer) instead.
+// Macrobatch: only rows [row_begin, row_begin + row_count) run, and the row buffers (gate, up,
+// dh_raw, d_gate, d_up, weighted_hidden) hold them at row - row_begin (row_pair stays indexed by
+// the schedule row).
 cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate,
                                    const void* up, const void* dh_raw, const int32_t* row_pair,
                                    const float* router_weights, int64_t intermediate, float limit,
                                    void* d_gate, void* d_up, void* weighted_hidden,
                                    float* d_router_weights, float* const* d_router_weights_peers,
-                                   int32_t pairs_per_rank, cudaStream_t stream);
+                                   int32_t pairs_per_rank, cudaStream_t stream,
+                                   int64_t row_begin = 0, int64_t row_count = INT64_MAX);
 
 }  // namespace mok::kernels

@@ -20,18 +20,19 @@ __global__ void swiglu_backward_kernel(const ScheduleHeader* header, int64_t num
                                        const int32_t* row_pair, const float* router_weights,
                                        int64_t vectors_per_row, float limit, uint4* d_gate,
                                        uint4* d_up, uint4* weighted_hidden, float* d_router_weights,
-                                       float* const* d_router_weights_peers,
-                                       int32_t pairs_per_rank) {
+                                       float* const* d_router_weights_peers, int32_t pairs_per_rank,
+                                       int64_t row_begin, int64_t row_count) {
   const int64_t rows = header != nullptr ? header->total_rows : num_rows;
+  const int64_t end = row_count < rows - row_begin ? row_begin + row_count : rows;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32; row < rows;
-       row += warps) {
+  for (int64_t row = row_begin + (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+       row < end; row += warps) {
     const int pair = row_pair != nullptr ? row_pair[row] : static_cast<int>(row);
     const float weight = pair < 0 ? 0.0f : router_weights != nullptr ? router_weights[pair] : 1.0f;
     float dot = 0.0f;
     for (int64_t v = lane; v < vectors_per_row; v += 32) {
-      const int64_t at = row * vectors_per_row + v;
+      const int64_t at = (row - row_begin) * vectors_per_row + v;
       const uint4 g = gate[at], u = up[at], dh = dh_raw[at];
       const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g);
       const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
@@ -76,8 +77,10 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
                                    const float* router_weights, int64_t intermediate, float limit,
                                    void* d_gate, void* d_up, void* weighted_hidden,
                                    float* d_router_weights, float* const* d_router_weights_peers,
-                                   int32_t pairs_per_rank, cudaStream_t stream) {
+                                   int32_t pairs_per_rank, cudaStream_t stream, int64_t row_begin,
+                                   int64_t row_count) {
   if (header == nullptr && num_rows == 0) return cudaSuccess;
+  if (row_begin < 0 || row_count < 0) return cudaErrorInvalidValue;
   int device = 0, sm_count = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
@@ -85,7 +88,7 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
       header, num_rows, static_cast<const uint4*>(gate), static_cast<const uint4*>(up),
       static_cast<const uint4*>(dh_raw), row_pair, router_weights, intermediate / 8, limit,
       static_cast<uint4*>(d_gate), static_cast<uint4*>(d_up), static_cast<uint4*>(weighted_hidden),
-      d_router_weights, d_router_weights_peers, pairs_per_rank);
+      d_router_weights, d_router_weights_peers, pairs_per_rank, row_begin, row_count);
   return cudaGetLastError();
 }
 
