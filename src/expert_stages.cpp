@@ -2,6 +2,7 @@
 // launches of the expert GEMM forms, forward and backward. See gpu_layer_state.h.
 #include <cuda.h>
 
+#include <cstdint>
 #include <string>
 
 #include "gpu_layer_state.h"
@@ -63,7 +64,8 @@ namespace stages {
 void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
                      void* out, int64_t out_rows, const kernels::FusedGather& gather,
-                     cudaStream_t stream, const StageMarker& mark) {
+                     cudaStream_t stream, const StageMarker& mark,
+                     const kernels::MacrobatchParams& macrobatch) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::ExpertGemmMaps maps{};
@@ -77,6 +79,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.n_extent = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
   params.gather = gather;
+  params.macrobatch = macrobatch;
   launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
   if (gather.x != nullptr) {
     cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
@@ -91,6 +94,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
   params.gather = kernels::FusedGather{};
+  params.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
   launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
   mark("down GEMM");
 }
@@ -147,10 +151,15 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
                       float* d_router_weights, float* const* d_router_weights_peers,
                       int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
                       const WeightGrads& grads, bool recompute, cudaStream_t stream,
-                      const StageMarker& mark) {
+                      const StageMarker& mark, int32_t macrobatch_index) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
+  auto macrobatch = [&](int matrix) {
+    return macrobatch_index < 0 ? kernels::MacrobatchParams{}
+                                : s.macrobatch(macrobatch_index, matrix);
+  };
   kernels::ExpertGemmParams params = base_params(s, set);
+  params.macrobatch = macrobatch(0);
 
   kernels::ExpertGemmMaps maps{};
   maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
@@ -173,11 +182,13 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
   mark("down dgrad");
   const ScheduleView view = set.view();
-  cuda_check(kernels::launch_swiglu_backward(view.header, 0, set.gate.pointer, set.up.pointer,
-                                             set.hidden.pointer, view.row_pair, router_weights, I,
-                                             s.shape.swiglu_limit, set.d_gate.pointer,
-                                             set.d_up.pointer, set.hidden.pointer, d_router_weights,
-                                             d_router_weights_peers, pairs_per_rank, stream),
+  const int64_t window_begin = params.macrobatch.ring_row_base;
+  const int64_t window_rows = params.macrobatch.rows > 0 ? params.macrobatch.rows : INT64_MAX;
+  cuda_check(kernels::launch_swiglu_backward(
+                 view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
+                 view.row_pair, router_weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
+                 set.d_up.pointer, set.hidden.pointer, d_router_weights, d_router_weights_peers,
+                 pairs_per_rank, stream, window_begin, window_rows),
              "SwiGLU backward launch");
   mark("SwiGLU backward + router weight gradient");
 
@@ -188,15 +199,18 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
   maps.out = output_rows(dx_out, H, dx_rows, "dx rows");
-  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, params, stream, "gate/up dgrad GEMM");
+  kernels::ExpertGemmParams dx_params = params;
+  dx_params.macrobatch.out_row_base = 0;  // dx rows are full size, in schedule rows
+  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, dx_params, stream,
+         "gate/up dgrad GEMM");
   mark("gate/up dgrad");
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
   const CUtensorMap x_rows = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
   // `a_rows`: rows the A operand's memory holds (d_out of the shared expert has only T rows;
   // TMA fills the rest of the last tile with zeros).
-  auto weight_grad = [&](const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b, int64_t n,
-                         void* out, const char* what) {
+  auto weight_grad = [&](int matrix, const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b,
+                         int64_t n, void* out, const char* what) {
     kernels::ExpertGemmMaps wgrad_maps{};
     wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
     wgrad_maps.b0 = wgrad_maps.b1 = b;
@@ -204,12 +218,14 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
     kernels::ExpertGemmParams wgrad = base_params(s, set);
     wgrad.m_extent = static_cast<int32_t>(m);
     wgrad.n_extent = static_cast<int32_t>(n);
+    wgrad.macrobatch = macrobatch(matrix);
     launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
   };
-  weight_grad(set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
-  weight_grad(set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, "weight gradient of up");
-  weight_grad(d_out_rows, rows_in_map, H, mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"),
-              I, grads.d_w_down, "weight gradient of down");
+  weight_grad(0, set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
+  weight_grad(1, set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, "weight gradient of up");
+  weight_grad(2, d_out_rows, rows_in_map, H,
+              mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"), I, grads.d_w_down,
+              "weight gradient of down");
   mark("weight gradients");
 }
 

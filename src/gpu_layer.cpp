@@ -60,11 +60,28 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
   const ScheduleParams params = schedule_params(shape, rank);
   s.routed.layout = ScheduleLayout::make(params);
   const int64_t max_rows = params.max_rows();
+  // The macrobatch ring: one macrobatch when macrobatch_size covers the worst case.
+  s.ring_rows = std::min<int64_t>(config.macrobatch_size, max_rows);
+  s.num_macrobatches = static_cast<int32_t>((max_rows + s.ring_rows - 1) / s.ring_rows);
+  if (s.num_macrobatches > 1 && config.persistent_forward)
+    throw Error(ErrorCode::kUnsupported,
+                "GpuLayer: persistent_forward = true runs one macrobatch, but this shape's "
+                "worst case is " +
+                    std::to_string(max_rows) +
+                    " rows > macrobatch_size = " + std::to_string(config.macrobatch_size) +
+                    "; valid: macrobatch_size >= " + std::to_string(max_rows) +
+                    ", or persistent_forward = false");
   s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
-  s.routed.allocate(max_rows, I, shape.num_local_experts());
-  s.rows.allocate(max_rows * H * 2, "routed rows buffer");
-  s.d_out_rows.allocate(max_rows * H * 2, "routed d_out rows buffer");
+  s.routed.allocate(s.ring_rows, I, shape.num_local_experts());
+  s.rows.allocate(s.ring_rows * H * 2, "routed rows buffer (one macrobatch)");
+  s.d_out_rows.allocate(s.ring_rows * H * 2, "routed d_out rows buffer (one macrobatch)");
   s.expert_out.allocate(max_rows * H * 2, "expert output rows buffer");
+  if (s.num_macrobatches > 1) {
+    // One [M x N] fp32 weight gradient per slot, in 128 x 256 tiles (expert_gemm.cu).
+    s.partial_floats =
+        std::max(round_up(I, 128) * round_up(H, 256), round_up(H, 128) * round_up(I, 256));
+    s.wgrad_partials.allocate(3 * 2 * s.partial_floats * 4, "weight-gradient partial sums");
+  }
   s.gather_state.allocate((2 + params.max_tiles()) * 8, "gather counters");
   cuda_check(cudaMemset(s.gather_state.pointer, 0, s.gather_state.bytes), "zero gather counters");
   s.persistent_state.allocate((2 + params.max_tiles()) * 8, "persistent forward counters");
@@ -118,8 +135,11 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
                         const StageMarker& mark) {
   const MoeShape& shape = s.shape;
   const int64_t T = shape.num_tokens, H = shape.hidden;
-  const int64_t max_rows = s.routed.capacity_rows;
-  kernels::FusedGather gather{};
+  const int64_t max_rows = s.routed.layout.params.max_rows();
+  const int64_t ring_rows = s.ring_rows;
+  // The local dispatch (config.local_dispatch): its own kernel, or inside the gate/up GEMM on
+  // the producer warpgroup's spare warps. Expert parallel: the received rows are expanded.
+  const LocalDispatch dispatch = T > 0 ? s.config.local_dispatch : LocalDispatch::kGatherKernel;
   if (s.ep != nullptr) {
 #if MOK_HAS_NCCL
     ep::dispatch_forward(s, args, stream, mark);
@@ -129,33 +149,44 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
                           s.routed.schedule.pointer, stream)
         .throw_if_error();
     mark("schedule");
-    // The local dispatch (config.local_dispatch): its own kernel, or inside the gate/up GEMM
-    // on the producer warpgroup's spare warps.
-    const LocalDispatch dispatch = T > 0 ? s.config.local_dispatch : LocalDispatch::kGatherKernel;
-    if (dispatch == LocalDispatch::kGatherKernel) {
-      const ScheduleView view = s.routed.view();
-      cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H,
-                                             shape.top_k, s.rows.pointer, max_rows, stream),
-                 "gather launch");
-      mark("gather");
-    }
-    unsigned long long* counters = s.gather_state.as<unsigned long long>();
-    gather.x =
-        dispatch == LocalDispatch::kProducerWarps ? args.x.data_as<const __nv_bfloat16>() : nullptr;
-    gather.rows = s.rows.as<__nv_bfloat16>();
-    gather.hidden = static_cast<int32_t>(H);
-    gather.top_k = shape.top_k;
-    gather.ticket = counters;
-    gather.epoch = counters + 1;
-    gather.tile_rows_done = counters + 2;
   }
-  if (s.config.persistent_forward)
-    stages::forward_experts_persistent(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data,
-                                       args.w_up.data, args.w_down.data, s.expert_out.pointer,
-                                       max_rows, gather, stream, mark);
-  else
-    stages::forward_experts(s, s.routed, s.rows.pointer, max_rows, args.w_gate.data, args.w_up.data,
-                            args.w_down.data, s.expert_out.pointer, max_rows, gather, stream, mark);
+  // Macrobatches from the last to 0: macrobatch 0's rows, g and u stay in the ring for the
+  // backward (kernels/macrobatch.h). A macrobatch past the filled rows does nothing.
+  for (int32_t m = s.num_macrobatches - 1; m >= 0; --m) {
+    const int64_t row_begin = m * ring_rows;
+    kernels::FusedGather gather{};
+    if (s.ep != nullptr) {
+#if MOK_HAS_NCCL
+      ep::expand_received(s, false, s.rows.pointer, row_begin, ring_rows, stream);
+#endif
+    } else if (dispatch == LocalDispatch::kGatherKernel) {
+      const ScheduleView view = s.routed.view();
+      cuda_check(
+          kernels::launch_gather_rows(view.header, view.row_pair, args.x.data, H, shape.top_k,
+                                      s.rows.pointer, ring_rows, stream, row_begin),
+          "gather launch");
+      mark("gather");
+    } else {
+      unsigned long long* counters = s.gather_state.as<unsigned long long>();
+      gather.x = args.x.data_as<const __nv_bfloat16>();
+      gather.rows = s.rows.as<__nv_bfloat16>();
+      gather.hidden = static_cast<int32_t>(H);
+      gather.top_k = shape.top_k;
+      gather.ticket = counters;
+      gather.epoch = counters + 1;
+      gather.tile_rows_done = counters + 2;
+      gather.row_begin = row_begin;
+      gather.row_end = row_begin + ring_rows;
+    }
+    if (s.config.persistent_forward)  // one macrobatch (checked at construction)
+      stages::forward_experts_persistent(s, s.routed, s.rows.pointer, ring_rows, args.w_gate.data,
+                                         args.w_up.data, args.w_down.data, s.expert_out.pointer,
+                                         max_rows, gather, stream, mark);
+    else
+      stages::forward_experts(s, s.routed, s.rows.pointer, ring_rows, args.w_gate.data,
+                              args.w_up.data, args.w_down.data, s.expert_out.pointer, max_rows,
+                              gather, stream, mark, s.macrobatch(m));
+  }
 #if MOK_HAS_NCCL
   if (s.ep != nullptr) ep::push_rows(s, stream, mark, "push combine");
 #endif
@@ -188,7 +219,8 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
   const MoeShape& shape = s.shape;
   const ForwardArgs& fwd = args.forward;
   const int64_t T = shape.num_tokens, H = shape.hidden;
-  const int64_t max_rows = s.routed.capacity_rows;
+  const int64_t max_rows = s.routed.layout.params.max_rows();
+  const int64_t ring_rows = s.ring_rows;
   const float* weights = fwd.router_weights.data_as<const float>();
   float* d_router_weights = args.d_router_weights.data_as<float>();
   float* const* d_router_weights_peers = nullptr;
@@ -208,25 +240,42 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
           .throw_if_error();
       mark("schedule");
     }
-    const ScheduleView view = s.routed.view();
-    if (!use_context)
-      cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
-                                             s.rows.pointer, max_rows, stream),
-                 "gather launch");
-    cuda_check(kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H,
-                                           shape.top_k, s.d_out_rows.pointer, max_rows, stream),
-               "gather d_out launch");
     // Pairs not routed here (expert -1) keep 0; the SwiGLU backward writes the routed ones.
     cuda_check(
         cudaMemsetAsync(args.d_router_weights.data, 0, args.d_router_weights.nbytes(), stream),
         "zero d_router_weights");
-    mark(use_context ? "gather d_out" : "gather x, d_out");
   }
-  stages::backward_experts(
-      s, s.routed, s.rows.pointer, s.d_out_rows.pointer, max_rows, fwd.w_gate.data, fwd.w_up.data,
-      fwd.w_down.data, weights, d_router_weights, d_router_weights_peers, pairs_per_rank,
-      s.expert_out.pointer, max_rows, {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data},
-      !use_context, stream, mark);
+  // Macrobatches from 0 to the last (the weight gradients' row order); the ring holds macrobatch
+  // 0's x rows, g and u from the forward when the context is used, every other macrobatch is
+  // gathered and recomputed (kernels/macrobatch.h).
+  const ScheduleView view = s.routed.view();
+  for (int32_t m = 0; m < s.num_macrobatches; ++m) {
+    const int64_t row_begin = m * ring_rows;
+    const bool recompute = m > 0 || !use_context;
+    if (s.ep != nullptr) {
+#if MOK_HAS_NCCL
+      ep::expand_received(s, true, s.d_out_rows.pointer, row_begin, ring_rows, stream);
+      if (recompute) ep::expand_received(s, false, s.rows.pointer, row_begin, ring_rows, stream);
+#endif
+    } else {
+      if (recompute)
+        cuda_check(
+            kernels::launch_gather_rows(view.header, view.row_pair, fwd.x.data, H, shape.top_k,
+                                        s.rows.pointer, ring_rows, stream, row_begin),
+            "gather launch");
+      cuda_check(
+          kernels::launch_gather_rows(view.header, view.row_pair, args.d_out.data, H, shape.top_k,
+                                      s.d_out_rows.pointer, ring_rows, stream, row_begin),
+          "gather d_out launch");
+      mark(recompute ? "gather x, d_out" : "gather d_out");
+    }
+    stages::backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, ring_rows,
+                             fwd.w_gate.data, fwd.w_up.data, fwd.w_down.data, weights,
+                             d_router_weights, d_router_weights_peers, pairs_per_rank,
+                             s.expert_out.pointer, max_rows,
+                             {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute,
+                             stream, mark, s.num_macrobatches > 1 ? m : -1);
+  }
 #if MOK_HAS_NCCL
   if (s.ep != nullptr) ep::push_rows(s, stream, mark, "push dx");
 #endif

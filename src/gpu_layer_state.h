@@ -53,8 +53,17 @@ struct GpuLayer::State {
   int device = 0;
   int sm_count = 0;
   ExpertSet routed, shared;
-  DeviceBuffer rows;        // [max_rows, H]: routed x rows in schedule order (padding rows zero)
-  DeviceBuffer d_out_rows;  // [max_rows, H]: routed d_out rows (backward)
+  // The macrobatch ring (kernels/macrobatch.h): the routed rows, g, u, h, d_out rows, d_g and d_u
+  // of one macrobatch of ring_rows schedule rows at a time (routed.capacity_rows = ring_rows);
+  // with ring_rows = max_rows (MoeConfig::macrobatch_size >= max_rows) one macrobatch is all.
+  int64_t ring_rows = 0;
+  int32_t num_macrobatches = 1;  // launched by the host: ceil(max_rows / ring_rows)
+  // Weight-gradient accumulators across macrobatch boundaries: 3 matrices x 2 slots x
+  // partial_floats fp32 (only with more than one macrobatch).
+  DeviceBuffer wgrad_partials;
+  int64_t partial_floats = 0;
+  DeviceBuffer rows;        // [ring_rows, H]: routed x rows in schedule order (padding rows zero)
+  DeviceBuffer d_out_rows;  // [ring_rows, H]: routed d_out rows (backward)
   DeviceBuffer expert_out;  // [max_rows, H]: expert output rows / backward dx rows, schedule order
   DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
   // The fused local dispatch's counters (dispatch_local.cuh): [0] ticket, [1] epoch,
@@ -76,6 +85,23 @@ struct GpuLayer::State {
   kernels::WaitContext wait_context() const {
     return {static_cast<uint64_t>(config.wait_timeout_s * 1e9), rank, diagnosis_device};
   }
+
+  // Macrobatch m of the routed experts: its tiles, its ring base; `matrix` (0 gate, 1 up,
+  // 2 down) picks the weight-gradient partial slots. With one macrobatch: everything, no slices.
+  kernels::MacrobatchParams macrobatch(int32_t m, int matrix = 0) const {
+    kernels::MacrobatchParams params;
+    if (num_macrobatches == 1) return params;
+    params.tile_begin = static_cast<int32_t>(m * ring_rows / kDefaultRowAlign);
+    params.tile_end = static_cast<int32_t>((m + 1) * ring_rows / kDefaultRowAlign);
+    params.ring_row_base = static_cast<int32_t>(m * ring_rows);
+    params.out_row_base = params.ring_row_base;
+    params.index = m;
+    params.rows = ring_rows;
+    float* slots = wgrad_partials.as<float>() + static_cast<int64_t>(matrix) * 2 * partial_floats;
+    params.partial[0] = slots;
+    params.partial[1] = slots + partial_floats;
+    return params;
+  }
 };
 
 using StageMarker = std::function<void(const char*)>;
@@ -90,10 +116,13 @@ namespace stages {
 
 // Forward of one expert set (expert_stages.cpp): h = swiglu(rows Wg^T, rows Wu^T) (keeping g
 // and u, the forward context), then y = h Wd^T in schedule order into `out` [out_rows, H].
+// `macrobatch` (the routed experts' State::macrobatch(m); default: all rows) picks the tiles;
+// `rows` and the set's buffers then hold that macrobatch's rows, `out` stays full size.
 void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                      int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
                      void* out, int64_t out_rows, const kernels::FusedGather& gather,
-                     cudaStream_t stream, const StageMarker& mark);
+                     cudaStream_t stream, const StageMarker& mark,
+                     const kernels::MacrobatchParams& macrobatch = {});
 // The same as one persistent kernel (MoeConfig::persistent_forward).
 void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                                 int64_t rows_in_map, const void* w_gate, const void* w_up,
@@ -103,13 +132,15 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, 
 // Backward of one expert set; see expert_stages.cpp. `d_router_weights_peers` (optional, with
 // pairs_per_rank): the SwiGLU backward writes each pair's router-weight gradient to its source
 // rank's buffer instead of d_router_weights.
+// `macrobatch_index` < 0: one pass over all rows; else macrobatch m of the routed experts (the
+// weight gradients continue across macrobatches through the partial slots).
 void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                       const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
                       const void* w_up, const void* w_down, const float* router_weights,
                       float* d_router_weights, float* const* d_router_weights_peers,
                       int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
                       const WeightGrads& grads, bool recompute, cudaStream_t stream,
-                      const StageMarker& mark);
+                      const StageMarker& mark, int32_t macrobatch_index = -1);
 
 }  // namespace stages
 
@@ -118,13 +149,18 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
 // steps signal and wait for every other rank.
 namespace ep {
 
-// Publishes x, all-gathers the routing and router weights, builds this rank's schedule, pulls
-// the routed x rows (one NVLink crossing per (token, rank)) and expands them into s.rows.
+// All-gathers the routing and router weights, builds this rank's schedule, and brings every
+// rank's routed x rows here (one NVLink crossing per (token, rank)): pulled from the published
+// inputs, or pushed by their ranks (MoeConfig::ep_push_dispatch).
 void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
                       const StageMarker& mark);
-// Zeroes this rank's router-weight gradients, publishes d_out (and x without a context),
-// exchanges the routing again without a context (else a plain barrier), pulls and expands
-// d_out rows (and x rows) into s.d_out_rows (s.rows).
+// Expands the received x rows (d_out rows with `d_out`) of schedule rows [row_begin, row_begin +
+// row_count) into `rows` (a macrobatch's ring buffer; the whole schedule with one macrobatch).
+void expand_received(GpuLayer::State& s, bool d_out, void* rows, int64_t row_begin,
+                     int64_t row_count, cudaStream_t stream);
+// Zeroes this rank's router-weight gradients, exchanges the routing again without a context
+// (else a plain barrier), and brings the d_out rows here (and the x rows without a context;
+// with one, the forward's received x rows are kept).
 void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
                        cudaStream_t stream, const StageMarker& mark);
 // Pushes s.expert_out's rows into their source ranks' slots and waits for every rank's pushes.

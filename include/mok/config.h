@@ -33,10 +33,14 @@ const char* local_dispatch_name(LocalDispatch dispatch);
 LocalDispatch local_dispatch_from_name(const std::string& name);
 
 struct MoeConfig {
-  int32_t fwd_num_comm_sms = 24;     // SMs that run dispatch/combine in the forward kernel
-  int32_t bwd_num_comm_sms = 24;     // likewise in the backward kernel
-  int64_t minibatch_size = 4096;     // rows of the expert-grouped buffer per overlap step
-  int64_t macrobatch_size = 131072;  // rows of the ring token buffer
+  int32_t fwd_num_comm_sms = 24;  // SMs that run dispatch/combine in the forward kernel
+  int32_t bwd_num_comm_sms = 24;  // likewise in the backward kernel
+  int64_t minibatch_size = 4096;  // rows of the expert-grouped buffer per overlap step
+  // Rows of the ring buffers that hold the routed intermediates (x rows, g, u, h, d_out rows,
+  // d_g, d_u) of one macrobatch at a time. The layer walks the schedule's worst case (max_rows)
+  // in macrobatches of this many rows; the backward recomputes all but the first. Same bits for
+  // any size; memory of those buffers scales with min(macrobatch_size, max_rows).
+  int64_t macrobatch_size = 131072;
   Precision precision = Precision::kBF16;
   double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
   // How the forward gathers the routed x rows for the gate/up GEMM. Same bits either way; the

@@ -52,10 +52,11 @@ struct EpRank {
   kernels::RowCopy row_copy = kernels::RowCopy::kWarp;  // MoeConfig::ep_bulk_copies
   bool push_dispatch = false;                           // MoeConfig::ep_push_dispatch
   const EpSymmetric* memory = nullptr;
-  int32_t piece = 0;        // this rank's index among the process's pieces
-  DeviceBuffer received;    // [R*T, H] bf16: pulled rows, one per receive entry (pull only)
-  DeviceBuffer send_entry;  // int32 [R*T]: this rank's tokens' receive entries (push only)
-  DeviceBuffer slot_index;  // int32 [T*K]: the combine's index over the slots
+  int32_t piece = 0;            // this rank's index among the process's pieces
+  DeviceBuffer received;        // [R*T, H] bf16: pulled x rows, one per receive entry (pull only)
+  DeviceBuffer received_d_out;  // [R*T, H] bf16: pulled d_out rows (pull only)
+  DeviceBuffer send_entry;      // int32 [R*T]: this rank's tokens' receive entries (push only)
+  DeviceBuffer slot_index;      // int32 [T*K]: the combine's index over the slots
   // [0] exchange epoch, [1] push epoch, [2] push CTAs done, [3] dispatch epoch, [4] dispatch
   // CTAs done
   DeviceBuffer counters;
@@ -141,8 +142,10 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
     ep->piece = i;
     if (config.ep_push_dispatch)
       ep->send_entry.allocate(std::max<int64_t>(R * T * 4, 4), "send entries");
-    else
-      ep->received.allocate(R * T * H * 2, "pulled rows");
+    else {
+      ep->received.allocate(R * T * H * 2, "pulled x rows");
+      ep->received_d_out.allocate(R * T * H * 2, "pulled d_out rows");
+    }
     ep->slot_index.allocate(T * K * 4, "slot index");
     ep->counters.allocate(5 * 8, "expert-parallel counters");
     cuda_check(cudaMemset(ep->counters.pointer, 0, ep->counters.bytes), "zero EP counters");
@@ -219,7 +222,8 @@ int64_t EpLayer::workspace_bytes_per_rank() const {
   const Impl& m = *impl_;
   const EpRank& rank = *m.ranks.front();
   int64_t bytes = m.layers.front()->workspace_bytes() + rank.received.bytes +
-                  rank.send_entry.bytes + rank.slot_index.bytes + rank.counters.bytes;
+                  rank.received_d_out.bytes + rank.send_entry.bytes + rank.slot_index.bytes +
+                  rank.counters.bytes;
   const EpSymmetric& b = m.memory;
   for (const auto* memory :
        {&b.x, &b.d_out, &b.routing, &b.weights, &b.slots, &b.d_rw, &b.exchange_flags, &b.push_flags,
@@ -254,17 +258,14 @@ void exchange(GpuLayer::State& s, const TensorView* top_experts, const float* ro
   cuda_check(kernels::launch_advance_epoch(counter(ep, 0), stream), "advance the exchange epoch");
 }
 
-// The routed rows of every rank's `source` (x or d_out), expanded into `rows` in schedule order.
-// Pull: read from the peers' published copies (`published`, filled before the exchange) into
-// the local receive buffer. Push: every rank writes its own rows into the receivers' `pushed`
-// buffers (send entries from this call's routing), then waits for every rank's signal.
-void dispatch_rows(GpuLayer::State& s, const TensorView& source,
-                   const std::unique_ptr<SymmetricMemory>& published,
-                   const std::unique_ptr<SymmetricMemory>& pushed, void* rows,
-                   cudaStream_t stream) {
+// Brings the routed rows of every rank's `source` (x or d_out) to this rank, one per receive
+// entry. Pull: read from the peers' published copies (`published`, filled before the exchange)
+// into the local `pulled` buffer. Push: every rank writes its own rows into the receivers'
+// `pushed` buffers (send entries from this call's routing), then waits for every rank's signal.
+void receive_rows(GpuLayer::State& s, const TensorView& source,
+                  const std::unique_ptr<SymmetricMemory>& published, DeviceBuffer& pulled,
+                  const std::unique_ptr<SymmetricMemory>& pushed, cudaStream_t stream) {
   EpRank& ep = *s.ep;
-  const ScheduleView view = s.routed.view();
-  const void* received = nullptr;
   if (ep.push_dispatch) {
     kernels::PushDispatchArgs push;
     push.send_entry = ep.send_entry.as<int32_t>();
@@ -283,17 +284,12 @@ void dispatch_rows(GpuLayer::State& s, const TensorView& source,
                                        counter(ep, 3), s.wait_context(), stream),
         "wait for every rank's dispatch");
     cuda_check(kernels::launch_advance_epoch(counter(ep, 3), stream), "advance the dispatch epoch");
-    received = ep.local(pushed);
   } else {
     const kernels::PullRowsArgs pull = kernels::pull_rows_args(
-        view, ep.peers(published), s.shape.hidden, ep.num_ranks, ep.received.pointer);
+        s.routed.view(), ep.peers(published), s.shape.hidden, ep.num_ranks, pulled.pointer);
     cuda_check(kernels::launch_pull_rows(pull, ep.row_copy, ep.comm_ctas, s.wait_context(), stream),
                "pull dispatch launch");
-    received = ep.received.pointer;
   }
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, received, s.shape.hidden, 1,
-                                         rows, s.routed.capacity_rows, stream),
-             "expand received rows");
 }
 
 // After the exchange: the schedule and, for a push dispatch, this rank's send entries.
@@ -323,8 +319,20 @@ void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t 
   exchange(s, &args.top_experts, args.router_weights.data_as<const float>(), stream);
   build_schedule(s, args.top_experts, stream);
   mark("routing exchange + schedule");
-  dispatch_rows(s, args.x, ep.memory->x, ep.memory->received_x, s.rows.pointer, stream);
+  receive_rows(s, args.x, ep.memory->x, ep.received, ep.memory->received_x, stream);
   mark(ep.push_dispatch ? "push dispatch" : "pull dispatch");
+}
+
+void expand_received(GpuLayer::State& s, bool d_out, void* rows, int64_t row_begin,
+                     int64_t row_count, cudaStream_t stream) {
+  EpRank& ep = *s.ep;
+  const void* received = ep.push_dispatch
+                             ? ep.local(d_out ? ep.memory->received_d_out : ep.memory->received_x)
+                             : (d_out ? ep.received_d_out : ep.received).pointer;
+  const ScheduleView view = s.routed.view();
+  cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, received, s.shape.hidden, 1,
+                                         rows, row_count, stream, row_begin),
+             "expand received rows");
 }
 
 void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
@@ -345,10 +353,12 @@ void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_co
     exchange(s, &fwd.top_experts, fwd.router_weights.data_as<const float>(), stream);
     build_schedule(s, fwd.top_experts, stream);
   }
-  dispatch_rows(s, args.d_out, ep.memory->d_out, ep.memory->received_d_out, s.d_out_rows.pointer,
-                stream);
+  receive_rows(s, args.d_out, ep.memory->d_out, ep.received_d_out, ep.memory->received_d_out,
+               stream);
+  // With the context, the forward's received x rows are still here: the macrobatches the
+  // backward recomputes expand them again.
   if (!use_context)
-    dispatch_rows(s, fwd.x, ep.memory->x, ep.memory->received_x, s.rows.pointer, stream);
+    receive_rows(s, fwd.x, ep.memory->x, ep.received, ep.memory->received_x, stream);
   mark(use_context ? "barrier + d_out dispatch"
                    : "routing exchange + schedule + d_out, x dispatch");
 }

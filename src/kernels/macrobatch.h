@@ -1,6 +1,6 @@
 // The macrobatch ring (DESIGN.md §2.6) as plain arithmetic that host and device share, like
-// task_order.h. Not yet wired into the kernels: the layer still sizes its row buffers for the
-// schedule's max_rows (one macrobatch); this file fixes the contract the ring will follow.
+// task_order.h: the layer (gpu_layer.cpp), the GEMM kernels (expert_gemm.cu) and the CPU test
+// (tests/cpu/test_macrobatch.cpp) follow it.
 //
 // Rows of the schedule are cut into macrobatches of M rows (a multiple of the 128-row tile), and
 // the routed intermediates of one macrobatch (gathered x rows, g, u, h, d_out rows, d_g, d_u)

@@ -103,13 +103,15 @@ TEST(BackwardGpu, MatchesReference) {
 
 // Every tuning knob leaves the bits alone (DESIGN.md §7): forward and backward outputs are
 // bitwise identical across minibatch / macrobatch sizes and the fused local dispatch.
+// Every output, bit for bit, whatever the minibatch and macrobatch sizes, the local dispatch
+// and the forward kernel. Macrobatches of 256 rows cut this shape's worst case (4864 rows) into
+// 19: the ring buffers hold one at a time, the backward recomputes all but macrobatch 0, and the
+// weight gradients cross macrobatch boundaries through their fp32 partials. Routings: skewed
+// (expert 0's segment spans several macrobatches), everything to one expert (one segment spans
+// all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 41);
-  DeviceProblem device(problem, 0);
-  GpuLayer reference_layer(shape, MoeConfig{});
-  const HostRank want = gpu_backward(reference_layer, device, problem, /*with_context=*/true);
-  std::vector<MoeConfig> configs(4);
+  std::vector<MoeConfig> configs(5);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -117,16 +119,48 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[2].local_dispatch = LocalDispatch::kGatherKernel;
   configs[3].persistent_forward = true;
   configs[3].minibatch_size = 256;
-  for (const MoeConfig& config : configs) {
-    SCOPED_TRACE(testing::Message() << "minibatch " << config.minibatch_size << " macrobatch "
-                                    << config.macrobatch_size << " local dispatch "
-                                    << local_dispatch_name(config.local_dispatch)
-                                    << " persistent forward " << config.persistent_forward);
+  configs[4].minibatch_size = 128;
+  configs[4].macrobatch_size = 384;
+  configs[4].local_dispatch = LocalDispatch::kGatherKernel;
+  uint64_t seed = 41;
+  for (const RoutingKind routing :
+       {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
+    HostProblem problem = HostProblem::make(shape, routing, seed++);
+    DeviceProblem device(problem, 0);
+    GpuLayer reference_layer(shape, MoeConfig{});
+    const HostRank want = gpu_backward(reference_layer, device, problem, /*with_context=*/true);
+    for (const MoeConfig& config : configs) {
+      GpuLayer layer(shape, config);
+      for (const bool with_context : {true, false}) {
+        SCOPED_TRACE(testing::Message()
+                     << routing_kind_name(routing) << ", minibatch " << config.minibatch_size
+                     << " macrobatch " << config.macrobatch_size << " local dispatch "
+                     << local_dispatch_name(config.local_dispatch) << " persistent forward "
+                     << config.persistent_forward << (with_context ? "" : ", no context"));
+        const HostRank got = gpu_backward(layer, device, problem, with_context);
+        test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+          EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+        });
+      }
+    }
+  }
+}
+
+// persistent_forward runs one macrobatch: a config that cuts the shape into several is refused
+// with the sizes named.
+TEST(BackwardGpu, PersistentForwardNeedsOneMacrobatch) {
+  const MoeShape shape = make_shape(700, 1024, 384, 16, 4);
+  MoeConfig config;
+  config.persistent_forward = true;
+  config.minibatch_size = 128;
+  config.macrobatch_size = 256;
+  try {
     GpuLayer layer(shape, config);
-    const HostRank got = gpu_backward(layer, device, problem, /*with_context=*/true);
-    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-    });
+    FAIL() << "persistent_forward with 19 macrobatches was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(error.what()).find("macrobatch_size = 256"), std::string::npos)
+        << error.what();
   }
 }
 

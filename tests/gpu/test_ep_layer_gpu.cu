@@ -2,8 +2,8 @@
 // on a one-GPU machine still runs the whole expert-parallel path through its own peer
 // pointers): forward and backward against the CPU reference's R-rank emulation on the
 // adversarial routings of DESIGN.md §4, outputs poisoned first, bitwise identical across
-// repeated steps, with or without the forward context, and with the bulk-copy and push-dispatch
-// data movement.
+// repeated steps, with or without the forward context, with the bulk-copy and push-dispatch
+// data movement, and with macrobatches.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -95,14 +95,22 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   const std::vector<HostRank> first = ep_step(layer, device, problem, true);
   // The bulk-copy data movement and the push dispatch give the same bits (the push dispatch
   // with and without the forward context: the backward recomputing pushes x and d_out).
-  for (const char* variant : {"bulk copies", "push dispatch"}) {
+  // Macrobatches of 128 rows: the ring, the recompute from the kept received rows, the weight
+  // gradients' partials across boundaries (pull and push dispatch).
+  for (const std::string variant :
+       {"bulk copies", "push dispatch", "macrobatches", "push dispatch + macrobatches"}) {
     MoeConfig variant_config = config;
-    const bool push = std::string(variant) == "push dispatch";
-    variant_config.ep_bulk_copies = !push;
+    const bool push = variant.find("push") != std::string::npos;
+    const bool macrobatches = variant.find("macrobatches") != std::string::npos;
+    variant_config.ep_bulk_copies = variant == "bulk copies";
     variant_config.ep_push_dispatch = push;
+    if (macrobatches) {
+      variant_config.minibatch_size = 128;
+      variant_config.macrobatch_size = 128;
+    }
     EpLayer variant_layer(shape, variant_config, group.ranks);
     for (const bool with_context : {true, false}) {
-      if (!push && !with_context) continue;
+      if (variant == "bulk copies" && !with_context) continue;
       const std::vector<HostRank> got = ep_step(variant_layer, device, problem, with_context);
       for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
         test::for_each_output(got[rank], first[rank],
