@@ -124,7 +124,8 @@ const MoeShape& GpuLayer::shape() const { return state_->shape; }
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
   return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes +
-         s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes + s.persistent_state.bytes;
+         s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes + s.persistent_state.bytes +
+         s.wgrad_partials.bytes;
 }
 
 // The forward as a sequence of stages; `mark(name)` is called after each one (profiling).

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -144,6 +145,25 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
       }
     }
   }
+}
+
+// The ring bounds the routed intermediates: with 256-row macrobatches the workspace holds 256
+// rows of x, d_out (H each) and g, u, h, d_g, d_u (I each) instead of the worst case's 4864, plus
+// the weight gradients' fp32 partial slots.
+TEST(BackwardGpu, MacrobatchesBoundTheWorkspace) {
+  const MoeShape shape = make_shape(700, 1024, 384, 16, 4);
+  MoeConfig ring;
+  ring.minibatch_size = 128;
+  ring.macrobatch_size = 256;
+  const int64_t whole = GpuLayer(shape, MoeConfig{}).workspace_bytes();
+  const int64_t bounded = GpuLayer(shape, ring).workspace_bytes();
+  const int64_t H = shape.hidden, I = shape.intermediate;
+  const int64_t row_bytes = (2 * H + 5 * I) * 2;
+  const int64_t partials = 3 * 2 *
+                           std::max((I + 127) / 128 * 128 * ((H + 255) / 256 * 256),
+                                    (H + 127) / 128 * 128 * ((I + 255) / 256 * 256)) *
+                           4;
+  EXPECT_EQ(whole - bounded, (4864 - 256) * row_bytes - partials);
 }
 
 // persistent_forward runs one macrobatch: a config that cuts the shape into several is refused
