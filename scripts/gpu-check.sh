@@ -12,8 +12,12 @@
 # GPUs, `mok comm-bench`; the multi-GPU tests run on all of them.
 # To save device time: MOK_SKIP_DEFAULT_RUN=1, MOK_SKIP_SANITIZERS=1, MOK_BENCH_SHAPES="" (no
 # extra shapes; default qwen3, while `mok run` with no arguments covers dsv3_local),
-# MOK_SKIP_TESTS=1 (no ctest). MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is
-# recorded and the script goes on to the summary; it exits non-zero if any step failed.
+# MOK_SKIP_TESTS=1 (no ctest), MOK_SKIP_EP=1 (no `mok run --gpus`), MOK_SKIP_COMM_BENCH=1. A
+# call of the device tool may run 10 minutes: on 2 GPUs run the tests and benchmarks with
+# MOK_SKIP_SANITIZERS=1 in one call and the sanitizers alone (MOK_SKIP_TESTS=1
+# MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_SKIP_EP=1 MOK_SKIP_COMM_BENCH=1) in another.
+# MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is recorded and the script goes on
+# to the summary; it exits non-zero if any step failed.
 #
 # GoogleTest: the device machine may lack it and cannot download it. Run scripts/fetch-gtest.sh
 # on the development machine first and carry .deps (git-ignored) with the working tree.
@@ -183,7 +187,9 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   # With one GPU, `--gpus 1` still runs the whole expert-parallel path (a group of one, through
   # its own peer pointers) and the all-to-all baseline.
   gpu_count="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
-  if [ "${gpu_count:-0}" -ge 1 ]; then
+  if [ "${MOK_SKIP_EP:-0}" = 1 ]; then
+    record ep skipped
+  elif [ "${gpu_count:-0}" -ge 1 ]; then
     # dsv3 only with 2+ GPUs: as a group of one it holds all 256 experts on one GPU and ~110 GB
     # of host memory for the problem and its results.
     default_ep_shapes="kimi_slice"
@@ -196,7 +202,9 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   fi
   # Dispatch / combine alone against a copy ceiling and NCCL all-to-all, balanced and skewed.
   # kimi_slice balanced and skewed; dsv3 (E = 256) for the exchange + schedule build's share.
-  if [ "${gpu_count:-0}" -ge 2 ]; then
+  if [ "${MOK_SKIP_COMM_BENCH:-0}" = 1 ]; then
+    record comm_bench skipped
+  elif [ "${gpu_count:-0}" -ge 2 ]; then
     for case in kimi_slice:uniform kimi_slice:skewed dsv3:uniform; do
       run_step "comm_bench_${case/:/_}" "$OUT/run.log" timeout 120 "./$build_dir/mok" comm-bench \
         --gpus "$gpu_count" --shape "${case%%:*}" --routing "${case##*:}"
