@@ -105,7 +105,8 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, 
                                 int64_t rows_in_map, const void* w_gate, const void* w_up,
                                 const void* w_down, void* out, int64_t out_rows,
                                 const kernels::FusedGather& gather, cudaStream_t stream,
-                                const StageMarker& mark) {
+                                const StageMarker& mark,
+                                const kernels::MacrobatchParams& macrobatch) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::ForwardGemmsMaps maps{};
@@ -126,6 +127,9 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, 
   params.down = base_params(s, set);
   params.down.n_extent = static_cast<int32_t>(H);
   params.down.k_extent = static_cast<int32_t>(I);
+  params.gate_up.macrobatch = macrobatch;
+  params.down.macrobatch = macrobatch;
+  params.down.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
   params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
   unsigned long long* counters = s.persistent_state.as<unsigned long long>();
   params.ticket = counters;

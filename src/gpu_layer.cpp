@@ -63,14 +63,6 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
   // The macrobatch ring: one macrobatch when macrobatch_size covers the worst case.
   s.ring_rows = std::min<int64_t>(config.macrobatch_size, max_rows);
   s.num_macrobatches = static_cast<int32_t>((max_rows + s.ring_rows - 1) / s.ring_rows);
-  if (s.num_macrobatches > 1 && config.persistent_forward)
-    throw Error(ErrorCode::kUnsupported,
-                "GpuLayer: persistent_forward = true runs one macrobatch, but this shape's "
-                "worst case is " +
-                    std::to_string(max_rows) +
-                    " rows > macrobatch_size = " + std::to_string(config.macrobatch_size) +
-                    "; valid: macrobatch_size >= " + std::to_string(max_rows) +
-                    ", or persistent_forward = false");
   s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
   s.routed.allocate(s.ring_rows, I, shape.num_local_experts());
   s.rows.allocate(s.ring_rows * H * 2, "routed rows buffer (one macrobatch)");
@@ -179,10 +171,10 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
       gather.row_begin = row_begin;
       gather.row_end = row_begin + ring_rows;
     }
-    if (s.config.persistent_forward)  // one macrobatch (checked at construction)
+    if (s.config.persistent_forward)
       stages::forward_experts_persistent(s, s.routed, s.rows.pointer, ring_rows, args.w_gate.data,
                                          args.w_up.data, args.w_down.data, s.expert_out.pointer,
-                                         max_rows, gather, stream, mark);
+                                         max_rows, gather, stream, mark, s.macrobatch(m));
     else
       stages::forward_experts(s, s.routed, s.rows.pointer, ring_rows, args.w_gate.data,
                               args.w_up.data, args.w_down.data, s.expert_out.pointer, max_rows,

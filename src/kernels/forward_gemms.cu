@@ -91,9 +91,16 @@ __device__ __forceinline__ TileCoord coord_of(const ForwardGemmsParams& params,
   return coord;
 }
 
+// The launch's row tiles: its macrobatch's [tile_begin, tile_end) clipped to the filled tiles
+// (every tile with one macrobatch); task m_tiles are offsets from the first.
+__device__ __forceinline__ int first_m_tile(const ForwardGemmsParams& params) {
+  return min(params.gate_up.macrobatch.tile_begin, params.gate_up.header->num_tiles);
+}
+
 __device__ __forceinline__ ForwardPlan plan_of(const ForwardGemmsParams& params) {
   ForwardPlan plan;
-  plan.num_m_tiles = params.gate_up.header->num_tiles;
+  plan.num_m_tiles = min(params.gate_up.macrobatch.tile_end, params.gate_up.header->num_tiles) -
+                     first_m_tile(params);
   plan.minibatch_tiles = params.minibatch_tiles;
   plan.gate_up_n_tiles = (params.gate_up.n_extent + 127) / 128;
   plan.down_n_tiles = (params.down.n_extent + BLOCK_N - 1) / BLOCK_N;
@@ -118,6 +125,8 @@ __device__ __forceinline__ void schedule_and_load(
   int slot = 0;
   uint32_t slot_phase = 0;
   SegmentCursor cursor;  // this CTA's tickets only grow
+  const int m_begin = first_m_tile(params);
+  const int ring_row_base = params.gate_up.macrobatch.ring_row_base;
   atomicMax(params.ticket, ticket_base);
   long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
   for (;;) {
@@ -125,10 +134,10 @@ __device__ __forceinline__ void schedule_and_load(
     QueuedTask queued{kStopTask, 0, 0, 0};
     if (ticket < num_tasks_here) {
       const Task task = task_at(plan, ticket, &cursor);
-      queued = {static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, 0};
+      queued = {static_cast<int32_t>(task.kind), m_begin + task.m_tile, task.n_tile, 0};
       if (task.kind == TaskKind::kDown) {
         const unsigned long long target = epoch * kGateUpDoneStride + plan.gate_up_n_tiles;
-        const unsigned long long* done = params.gate_up_done + task.m_tile;
+        const unsigned long long* done = params.gate_up_done + queued.m_tile;
         wait_until(
             wait, WaitSite::kGateUpDone, [&] { return acquire_load_u64(done) >= target; },
             [&] {
@@ -137,7 +146,7 @@ __device__ __forceinline__ void schedule_and_load(
             plan.gate_up_n_tiles);
         asm volatile("fence.proxy.async.global;" ::: "memory");
       } else if (gathers) {
-        wait_for_gathered_tile(wait, params.gate_up.gather, task.m_tile, gather_epoch_here);
+        wait_for_gathered_tile(wait, params.gate_up.gather, queued.m_tile, gather_epoch_here);
       }
     }
     mbarrier_wait(wait, WaitSite::kTaskQueueSlot, &queue.empty[slot], slot_phase ^ 1);
@@ -156,7 +165,8 @@ __device__ __forceinline__ void schedule_and_load(
     for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
       produce_stage(wait, smem, state, kTileABytes + kTileBBytes,
                     [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                      const int k = k_block * BLOCK_K, row = coord.m_tile * BLOCK_M;
+                      // A rows (x rows, h) live in the macrobatch's ring.
+                      const int k = k_block * BLOCK_K, row = coord.m_tile * BLOCK_M - ring_row_base;
                       if (gate_up) {
                         ptx::tma_load_2d(a_dst, &x_rows, full, k, row);
                         ptx::tma_load_3d(b_dst, &w_gate, full, k, coord.n_tile * 128, coord.expert);

@@ -107,12 +107,13 @@ TEST(BackwardGpu, MatchesReference) {
 // Every output, bit for bit, whatever the minibatch and macrobatch sizes, the local dispatch
 // and the forward kernel. Macrobatches of 256 rows cut this shape's worst case (4864 rows) into
 // 19: the ring buffers hold one at a time, the backward recomputes all but macrobatch 0, and the
-// weight gradients cross macrobatch boundaries through their fp32 partials. Routings: skewed
+// weight gradients cross macrobatch boundaries through their fp32 partials; the persistent
+// forward runs once per macrobatch (512-row ones in the last config). Routings: skewed
 // (expert 0's segment spans several macrobatches), everything to one expert (one segment spans
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(5);
+  std::vector<MoeConfig> configs(6);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -123,6 +124,9 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[4].minibatch_size = 128;
   configs[4].macrobatch_size = 384;
   configs[4].local_dispatch = LocalDispatch::kGatherKernel;
+  configs[5].persistent_forward = true;
+  configs[5].minibatch_size = 128;
+  configs[5].macrobatch_size = 512;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -164,24 +168,6 @@ TEST(BackwardGpu, MacrobatchesBoundTheWorkspace) {
                                     (H + 127) / 128 * 128 * ((I + 255) / 256 * 256)) *
                            4;
   EXPECT_EQ(whole - bounded, (4864 - 256) * row_bytes - partials);
-}
-
-// persistent_forward runs one macrobatch: a config that cuts the shape into several is refused
-// with the sizes named.
-TEST(BackwardGpu, PersistentForwardNeedsOneMacrobatch) {
-  const MoeShape shape = make_shape(700, 1024, 384, 16, 4);
-  MoeConfig config;
-  config.persistent_forward = true;
-  config.minibatch_size = 128;
-  config.macrobatch_size = 256;
-  try {
-    GpuLayer layer(shape, config);
-    FAIL() << "persistent_forward with 19 macrobatches was accepted";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
-    EXPECT_NE(std::string(error.what()).find("macrobatch_size = 256"), std::string::npos)
-        << error.what();
-  }
 }
 
 TEST(BackwardGpu, StaleContextIsRejected) {
