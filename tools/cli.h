@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "mok/config.h"
 #include "mok/dtype.h"
 #include "mok/error.h"
 #include "mok/shape.h"
@@ -30,7 +31,15 @@ struct RunOptions {
   bool cpu_only = false;
   bool persistent_forward = false;  // GPU: MoeConfig::persistent_forward
   int32_t gpus = 0;                 // > 0: the expert-parallel layer on this many GPUs
+  int64_t minibatch_size = -1;      // -1: MoeConfig's default
+  int64_t macrobatch_size = -1;     // -1: MoeConfig's default
+  bool push_dispatch = false;       // --gpus: MoeConfig::ep_push_dispatch
+  bool bulk_copies = false;         // --gpus: MoeConfig::ep_bulk_copies
 };
+
+// The layer's config from the options (MoeConfig's defaults where unset); throws mok::Error if
+// can_implement(config, shape) fails, so a bad value is reported on every path, the CPU one too.
+mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShape& shape);
 
 struct Comparison {
   std::string name;

@@ -8,6 +8,19 @@
 
 namespace mok::cli {
 
+mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShape& shape) {
+  mok::MoeConfig config;
+  if (!options.local_dispatch.empty())
+    config.local_dispatch = mok::local_dispatch_from_name(options.local_dispatch);
+  config.persistent_forward = options.persistent_forward;
+  if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
+  if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
+  config.ep_push_dispatch = options.push_dispatch;
+  config.ep_bulk_copies = options.bulk_copies;
+  mok::can_implement(config, shape).throw_if_error();
+  return config;
+}
+
 void print_comparisons(const std::vector<Comparison>& comparisons, int name_width) {
   for (const Comparison& error : comparisons)
     std::printf("    %-*s max |err| %.3e  rel err %.3e%s\n", name_width, error.name.c_str(),

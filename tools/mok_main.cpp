@@ -45,6 +45,14 @@ mok run options:
                                process (default shape kimi_slice: E = 8 per GPU); N ranks
   --persistent-forward         GPU: run the forward GEMMs as one persistent kernel (the run
                                times both ways either way)
+  --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
+                               128; default 4096)
+  --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
+                               the minibatch size; default 131072; fewer rows, less memory, and
+                               the backward recomputes all macrobatches but the first)
+  --push-dispatch              --gpus: dispatch by push instead of pull (same bits; the run
+                               times the other way's forward too)
+  --bulk-copies                --gpus: move dispatch/combine rows with the bulk-copy engine
   --json FILE                  also write the results as JSON
   --cpu                        run the CPU reference even where a GPU is present
 
@@ -81,12 +89,21 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.persistent_forward = true;
       continue;
     }
+    if (flag == "--push-dispatch") {
+      options.push_dispatch = true;
+      continue;
+    }
+    if (flag == "--bulk-copies") {
+      options.bulk_copies = true;
+      continue;
+    }
     static const char* const kValueOptions[] = {
         "--shape",          "--tokens",       "--experts",
         "--ranks",          "--top-k",        "--shared-intermediate",
         "--clamp",          "--routing",      "--seed",
         "--threads",        "--check-tokens", "--json",
-        "--local-dispatch", "--gpus"};
+        "--local-dispatch", "--gpus",         "--minibatch-size",
+        "--macrobatch-size"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -122,6 +139,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.local_dispatch = mok::local_dispatch_name(mok::local_dispatch_from_name(value));
     else if (flag == "--gpus")
       options.gpus = static_cast<int32_t>(parse_int(flag, value));
+    else if (flag == "--minibatch-size")
+      options.minibatch_size = parse_int(flag, value);
+    else if (flag == "--macrobatch-size")
+      options.macrobatch_size = parse_int(flag, value);
     else
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
   }
@@ -159,6 +180,7 @@ int run_command(RunOptions options) {
   if (options.shape_name.empty())
     options.shape_name = device_name.empty() || options.ranks > 1 ? "tiny" : "dsv3_local";
   const mok::MoeShape shape = shape_from_options(options);
+  config_from_options(options, shape);  // a bad value is an error on the CPU path too
   if (!device_name.empty() && shape.num_ranks == 1) return run_gpu(options, shape, device_name);
   return run_cpu(options, shape);
 }

@@ -101,7 +101,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     CLI_CUDA_CHECK(cudaStreamCreate(&runs[rank].stream));
     runs[rank].problem = std::make_unique<mok::DeviceProblem>(problem, rank);
   }
-  mok::MoeConfig config;
+  const mok::MoeConfig config = config_from_options(options, shape);
   mok::EpLayer layer(shape, config, ranks_here);
   std::unique_ptr<mok::EpBaseline> baseline;
   if (!shape.has_shared_expert()) baseline = std::make_unique<mok::EpBaseline>(shape, ranks_here);
@@ -190,12 +190,12 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
 
   // Interleaved rotated rounds (the cards run into their power limit: docs/perf.md).
   // The layer with the bulk-copy data movement (same bits, see the tests), timed beside it.
-  // And the push dispatch (measured against the pull before it becomes the default).
+  // And the other dispatch (push against pull, measured before push becomes the default).
   mok::MoeConfig bulk_config = config;
-  bulk_config.ep_bulk_copies = true;
+  bulk_config.ep_bulk_copies = !config.ep_bulk_copies;
   mok::EpLayer bulk_layer(shape, bulk_config, ranks_here);
   mok::MoeConfig push_config = config;
-  push_config.ep_push_dispatch = true;
+  push_config.ep_push_dispatch = !config.ep_push_dispatch;
   mok::EpLayer push_layer(shape, push_config, ranks_here);
   std::vector<std::function<void()>> bodies = {forward, [&] { step(true); },
                                                [&] { bulk_layer.forward(forward_args, streams); },
@@ -215,8 +215,11 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
 
   bool passed = deterministic;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kTolerance;
-  std::printf("mok run: expert-parallel forward and backward on %d GPUs (one process)\n",
-              num_ranks);
+  std::printf(
+      "mok run: expert-parallel forward and backward on %d GPUs (one process), %s dispatch, %s "
+      "copies\n",
+      num_ranks, config.ep_push_dispatch ? "push" : "pull",
+      config.ep_bulk_copies ? "bulk" : "warp");
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
               shape.to_string().c_str(), options.routing.c_str(),
               static_cast<unsigned long long>(options.seed));
@@ -237,10 +240,12 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   };
   row("forward", forward_flop, forward_ms, base_forward_ms);
   row("forward+backward", 3 * forward_flop, step_ms, base_step_ms);
-  std::printf("    forward with bulk-copy dispatch/combine: %.3f ms (%.1f TFLOP/s per GPU)\n",
-              bulk_forward_ms, forward_flop / bulk_forward_ms / 1e9);
-  std::printf("    forward with push dispatch:              %.3f ms (%.1f TFLOP/s per GPU)\n",
-              push_forward_ms, forward_flop / push_forward_ms / 1e9);
+  std::printf("    forward with %s dispatch/combine: %.3f ms (%.1f TFLOP/s per GPU)\n",
+              bulk_config.ep_bulk_copies ? "bulk-copy" : "warp-copy", bulk_forward_ms,
+              forward_flop / bulk_forward_ms / 1e9);
+  std::printf("    forward with %s dispatch:              %.3f ms (%.1f TFLOP/s per GPU)\n",
+              push_config.ep_push_dispatch ? "push" : "pull", push_forward_ms,
+              forward_flop / push_forward_ms / 1e9);
   std::printf(
       "  (TFLOP/s per GPU: the group's useful FLOPs / GPUs; baseline = NCCL all-to-all with "
       "host split sizes around mok's single-GPU GEMMs)\n");
@@ -255,8 +260,11 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     json << "{\"gpus\": " << num_ranks << ", \"shape_name\": \"" << options.shape_name
          << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \"" << options.routing
          << "\", \"forward_ms\": " << forward_ms << ", \"forward_backward_ms\": " << step_ms
-         << ", \"bulk_forward_ms\": " << bulk_forward_ms
-         << ", \"push_dispatch_forward_ms\": " << push_forward_ms
+         << ", \"push_dispatch\": " << (config.ep_push_dispatch ? "true" : "false")
+         << ", \"bulk_copies\": " << (config.ep_bulk_copies ? "true" : "false")
+         << ", \"macrobatch_size\": " << config.macrobatch_size
+         << ", \"other_copies_forward_ms\": " << bulk_forward_ms
+         << ", \"other_dispatch_forward_ms\": " << push_forward_ms
          << ", \"baseline_forward_ms\": " << base_forward_ms
          << ", \"baseline_forward_backward_ms\": " << base_step_ms
          << ", \"forward_tflops_per_gpu\": " << forward_flop / forward_ms / 1e9

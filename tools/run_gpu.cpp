@@ -55,10 +55,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double backward_flop = 2 * forward_flop;
 
   mok::DeviceProblem device(problem, 0);
-  mok::MoeConfig config;
-  if (!options.local_dispatch.empty())
-    config.local_dispatch = mok::local_dispatch_from_name(options.local_dispatch);
-  if (options.persistent_forward) config.persistent_forward = true;
+  const mok::MoeConfig config = config_from_options(options, shape);
   mok::GpuLayer layer(shape, config);
   mok::BaselineLayer baseline(shape);
   cudaStream_t stream;
