@@ -1,0 +1,292 @@
+// The order of work of the persistent backward kernel (DESIGN.md §2.5, §2.7), as plain arithmetic
+// that host and device share, like the forward's task_order.h: ticket t of a launch names one
+// task, and every task waits only on tasks with smaller tickets, so the kernel progresses with
+// any number of resident CTAs. Not yet run by a kernel: the backward is still a kernel
+// sequence (expert_stages.cpp); this file fixes the order and the dependencies it will follow,
+// and the CPU test checks them.
+//
+// Tasks, per minibatch b of `minibatch_tiles` 128-row tiles (the last one may be short):
+//   rows(m)              gather the d_out rows of row tile m (and its x rows when the
+//                        backward recomputes the forward)                       (memory-bound)
+//   recompute(m, n)      128 x (128 gate + 128 up) tile: bf16 g, u again        waits: rows(m)
+//                        (only without the forward context)
+//   down_dgrad(m, n)     128 x 256 tile of dh_raw = d_out Wd                    waits: rows(m)
+//   swiglu(m)            SwiGLU backward of row tile m: d_g, d_u, h_w, and the router-weight
+//                        gradients of its pairs                   waits: every GEMM tile of m
+//   gate_up_dgrad(m, n)  128 x 256 tile of the dx rows                         waits: swiglu(m)
+//   wgrad(e, matrix, t)  tile t of expert e's gate, up or down weight gradient (K = the expert's
+//                        rows, one CTA per tile, fixed order)   waits: swiglu of every tile of e
+//   combine(k)           the fixed-order d_x sum of token block k     waits: every dx tile
+// Order (a software pipeline over minibatches, as in the forward: the GEMM tiles of b+1 run
+// before the SwiGLU backward of b, which then rarely waits; the weight gradients of an expert
+// come in the minibatch where its rows end):
+//   rows(0) recompute(0) down_dgrad(0) |
+//   rows(b+1) recompute(b+1) down_dgrad(b+1) swiglu(b) gate_up_dgrad(b) wgrad(experts ending in b)
+//   | ... | combine(*)
+// An expert ends in minibatch b when its last row tile is in b; an expert without rows goes
+// where its (empty) segment sits, clamped to the last minibatch, so its zero gradient is still
+// written once; with no row tiles at all, every expert's wgrad tasks form one segment before the
+// combine. The experts of one minibatch are contiguous (segments are in expert order), so a
+// binary search over the segment ends finds them: nothing is stored.
+#pragma once
+
+#include <stdint.h>
+
+#include "kernels/task_order.h"
+#include "mok/dtype.h"
+
+namespace mok::kernels {
+
+enum class BackwardTaskKind : int32_t {
+  kRows = 0,
+  kRecompute = 1,
+  kDownDgrad = 2,
+  kSwiglu = 3,
+  kGateUpDgrad = 4,
+  kWeightGrad = 5,
+  kCombine = 6,
+};
+
+struct BackwardPlan {
+  int32_t num_m_tiles;            // 128-row tiles of the schedule (header.num_tiles)
+  int32_t minibatch_tiles;        // MoeConfig::minibatch_size / 128
+  int32_t recompute;              // 1: no forward context, recompute g and u
+  int32_t gate_up_n_tiles;        // ceil(I / 128): recompute tiles per row tile
+  int32_t down_dgrad_n_tiles;     // ceil(I / 256)
+  int32_t gate_up_dgrad_n_tiles;  // ceil(H / 256)
+  int32_t gate_wgrad_tiles;       // ceil(I / 128) * ceil(H / 256): gate (and up) weight tiles
+  int32_t down_wgrad_tiles;       // ceil(H / 128) * ceil(I / 256)
+  int32_t num_experts;            // E_loc
+  int32_t combine_blocks;         // token blocks of the d_x sum
+  const int32_t* expert_tiles;    // [E_loc + 1]: expert e's row tiles are
+                                  // [expert_tiles[e], expert_tiles[e + 1]) (expert_offsets / 128)
+};
+
+struct BackwardTask {
+  BackwardTaskKind kind;
+  int32_t minibatch;  // -1 for combine and for the no-rows wgrad segment
+  int32_t m_tile;     // row tile (rows .. gate_up_dgrad), or the weight tile's M tile index
+  int32_t n_tile;     // column tile, -1 where none
+  int32_t expert;     // wgrad, -1 otherwise
+  int32_t matrix;     // wgrad: 0 gate, 1 up, 2 down; -1 otherwise
+  int32_t block;      // combine block, -1 otherwise
+};
+
+// What a task waits for: a counter reaching a target (producers release-add 1 when done).
+enum class BackwardCounter : int32_t {
+  kNone = 0,
+  kRowsReady = 1,     // per row tile: rows(m)
+  kRowGemmsDone = 2,  // per row tile: recompute(m, *) and down_dgrad(m, *)
+  kSwigluDone = 3,    // per row tile: swiglu(m)
+  kExpertReady = 4,   // per expert: swiglu(m) of each of its row tiles
+  kDxDone = 5,        // one: every gate_up_dgrad tile
+};
+struct BackwardDependency {
+  BackwardCounter counter;
+  int32_t index;
+  int64_t target;
+};
+
+MOK_HOST_DEVICE inline int32_t num_minibatches(const BackwardPlan& plan) {
+  return (plan.num_m_tiles + plan.minibatch_tiles - 1) / plan.minibatch_tiles;
+}
+
+MOK_HOST_DEVICE inline int32_t minibatch_tiles(const BackwardPlan& plan, int32_t b) {
+  const int32_t rest = plan.num_m_tiles - b * plan.minibatch_tiles;
+  return rest < plan.minibatch_tiles ? rest : plan.minibatch_tiles;
+}
+
+// The minibatch whose segment holds expert e's weight-gradient tasks (see the map above).
+MOK_HOST_DEVICE inline int32_t wgrad_minibatch(const BackwardPlan& plan, int32_t e) {
+  const int32_t batches = num_minibatches(plan);
+  const int32_t begin = plan.expert_tiles[e], end = plan.expert_tiles[e + 1];
+  const int32_t tile = end > begin ? end - 1 : end;
+  const int32_t b = tile / plan.minibatch_tiles;
+  return b < batches ? b : batches - 1;
+}
+
+// Experts [0, result) have their weight gradients in minibatches <= b (wgrad_minibatch never
+// decreases with e).
+MOK_HOST_DEVICE inline int32_t experts_through(const BackwardPlan& plan, int32_t b) {
+  int32_t low = 0, high = plan.num_experts;
+  while (low < high) {
+    const int32_t mid = (low + high) / 2;
+    if (wgrad_minibatch(plan, mid) <= b)
+      low = mid + 1;
+    else
+      high = mid;
+  }
+  return low;
+}
+
+MOK_HOST_DEVICE inline int64_t wgrad_tiles_per_expert(const BackwardPlan& plan) {
+  return 2 * static_cast<int64_t>(plan.gate_wgrad_tiles) + plan.down_wgrad_tiles;
+}
+
+// Segments: 0-2 are rows(0), recompute(0), down_dgrad(0); then six per minibatch b: rows(b+1),
+// recompute(b+1), down_dgrad(b+1), swiglu(b), gate_up_dgrad(b), wgrad(b); then the wgrad segment
+// of a plan without row tiles (empty otherwise), then combine.
+MOK_HOST_DEVICE inline int32_t num_segments(const BackwardPlan& plan) {
+  return 3 + 6 * num_minibatches(plan) + 2;
+}
+
+MOK_HOST_DEVICE inline void segment_at(const BackwardPlan& plan, int32_t segment,
+                                       BackwardTaskKind* kind, int32_t* minibatch) {
+  const int32_t batches = num_minibatches(plan);
+  if (segment < 3) {
+    *kind = static_cast<BackwardTaskKind>(segment);  // rows, recompute, down_dgrad
+    *minibatch = 0;
+  } else if (segment < 3 + 6 * batches) {
+    const int32_t b = (segment - 3) / 6, which = (segment - 3) % 6;
+    // rows, recompute, down_dgrad of b + 1, then swiglu, gate_up_dgrad, wgrad of b.
+    *kind = static_cast<BackwardTaskKind>(which);
+    *minibatch = which < 3 ? b + 1 : b;
+  } else if (segment == 3 + 6 * batches) {
+    *kind = BackwardTaskKind::kWeightGrad;
+    *minibatch = -1;
+  } else {
+    *kind = BackwardTaskKind::kCombine;
+    *minibatch = -1;
+  }
+}
+
+MOK_HOST_DEVICE inline int64_t segment_size(const BackwardPlan& plan, BackwardTaskKind kind,
+                                            int32_t b) {
+  const int32_t batches = num_minibatches(plan);
+  switch (kind) {
+    case BackwardTaskKind::kCombine:
+      return plan.combine_blocks;
+    case BackwardTaskKind::kWeightGrad: {
+      if (b < 0) return batches == 0 ? plan.num_experts * wgrad_tiles_per_expert(plan) : 0;
+      const int32_t first = b == 0 ? 0 : experts_through(plan, b - 1);
+      return static_cast<int64_t>(experts_through(plan, b) - first) * wgrad_tiles_per_expert(plan);
+    }
+    default:
+      break;
+  }
+  if (b >= batches) return 0;
+  const int64_t tiles = minibatch_tiles(plan, b);
+  switch (kind) {
+    case BackwardTaskKind::kRows:
+    case BackwardTaskKind::kSwiglu:
+      return tiles;
+    case BackwardTaskKind::kRecompute:
+      return plan.recompute != 0 ? tiles * plan.gate_up_n_tiles : 0;
+    case BackwardTaskKind::kDownDgrad:
+      return tiles * plan.down_dgrad_n_tiles;
+    default:  // kGateUpDgrad
+      return tiles * plan.gate_up_dgrad_n_tiles;
+  }
+}
+
+MOK_HOST_DEVICE inline int64_t num_tasks(const BackwardPlan& plan) {
+  int64_t total = 0;
+  for (int32_t s = 0; s < num_segments(plan); ++s) {
+    BackwardTaskKind kind;
+    int32_t b;
+    segment_at(plan, s, &kind, &b);
+    total += segment_size(plan, kind, b);
+  }
+  return total;
+}
+
+// The task at offset `local` of segment `segment`.
+MOK_HOST_DEVICE inline BackwardTask backward_task_in_segment(const BackwardPlan& plan,
+                                                             int32_t segment, int64_t local) {
+  BackwardTaskKind kind;
+  int32_t b;
+  segment_at(plan, segment, &kind, &b);
+  BackwardTask task{kind, b, -1, -1, -1, -1, -1};
+  const int32_t first_tile = b * plan.minibatch_tiles;
+  switch (kind) {
+    case BackwardTaskKind::kCombine:
+      task.block = static_cast<int32_t>(local);
+      break;
+    case BackwardTaskKind::kRows:
+    case BackwardTaskKind::kSwiglu:
+      task.m_tile = first_tile + static_cast<int32_t>(local);
+      break;
+    case BackwardTaskKind::kWeightGrad: {
+      const int32_t first_expert = b <= 0 ? 0 : experts_through(plan, b - 1);
+      const int64_t per_expert = wgrad_tiles_per_expert(plan);
+      task.expert = first_expert + static_cast<int32_t>(local / per_expert);
+      const int32_t within = static_cast<int32_t>(local % per_expert);
+      task.matrix = within < plan.gate_wgrad_tiles ? 0 : within < 2 * plan.gate_wgrad_tiles ? 1 : 2;
+      task.m_tile = within - task.matrix * plan.gate_wgrad_tiles;  // the weight tile's index
+      break;
+    }
+    default: {  // the row-tile GEMMs
+      const int32_t n_tiles = kind == BackwardTaskKind::kRecompute   ? plan.gate_up_n_tiles
+                              : kind == BackwardTaskKind::kDownDgrad ? plan.down_dgrad_n_tiles
+                                                                     : plan.gate_up_dgrad_n_tiles;
+      grouped_tile(static_cast<int32_t>(local), minibatch_tiles(plan, b), n_tiles, &task.m_tile,
+                   &task.n_tile);
+      task.m_tile += first_tile;
+      break;
+    }
+  }
+  return task;
+}
+
+// The task of `ticket` (0 <= ticket < num_tasks, not below the cursor's first ticket), moving
+// the cursor forward: O(segments skipped), as the forward's task_at.
+MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlan& plan, int64_t ticket,
+                                                     SegmentCursor* cursor) {
+  const int32_t segments = num_segments(plan);
+  for (; cursor->segment < segments; ++cursor->segment) {
+    BackwardTaskKind kind;
+    int32_t b;
+    segment_at(plan, cursor->segment, &kind, &b);
+    const int64_t size = segment_size(plan, kind, b);
+    if (ticket < cursor->first_ticket + size)
+      return backward_task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket);
+    cursor->first_ticket += size;
+  }
+  return BackwardTask{BackwardTaskKind::kCombine, -1, -1, -1, -1, -1, -1};
+}
+
+MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlan& plan, int64_t ticket) {
+  SegmentCursor cursor;
+  return backward_task_at(plan, ticket, &cursor);
+}
+
+// The expert of row tile m: the one whose tile range holds it (binary search).
+MOK_HOST_DEVICE inline int32_t expert_of_tile(const BackwardPlan& plan, int32_t m_tile) {
+  int32_t low = 0, high = plan.num_experts;  // first e with expert_tiles[e + 1] > m_tile
+  while (low < high) {
+    const int32_t mid = (low + high) / 2;
+    if (plan.expert_tiles[mid + 1] <= m_tile)
+      low = mid + 1;
+    else
+      high = mid;
+  }
+  return low;
+}
+
+MOK_HOST_DEVICE inline BackwardDependency dependency_of(const BackwardPlan& plan,
+                                                        const BackwardTask& task) {
+  switch (task.kind) {
+    case BackwardTaskKind::kRecompute:
+    case BackwardTaskKind::kDownDgrad:
+      return {BackwardCounter::kRowsReady, task.m_tile, 1};
+    case BackwardTaskKind::kSwiglu:
+      return {BackwardCounter::kRowGemmsDone, task.m_tile,
+              plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0)};
+    case BackwardTaskKind::kGateUpDgrad:
+      return {BackwardCounter::kSwigluDone, task.m_tile, 1};
+    case BackwardTaskKind::kWeightGrad: {
+      const int32_t tiles = plan.expert_tiles[task.expert + 1] - plan.expert_tiles[task.expert];
+      if (tiles == 0) return {BackwardCounter::kNone, 0, 0};
+      return {BackwardCounter::kExpertReady, task.expert, tiles};
+    }
+    case BackwardTaskKind::kCombine: {
+      const int64_t dx_tiles = static_cast<int64_t>(plan.num_m_tiles) * plan.gate_up_dgrad_n_tiles;
+      if (dx_tiles == 0) return {BackwardCounter::kNone, 0, 0};  // no rows: nothing to wait for
+      return {BackwardCounter::kDxDone, 0, dx_tiles};
+    }
+    default:  // kRows
+      return {BackwardCounter::kNone, 0, 0};
+  }
+}
+
+}  // namespace mok::kernels
