@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -168,6 +169,24 @@ TEST(BackwardGpu, MacrobatchesBoundTheWorkspace) {
                                     (H + 127) / 128 * 128 * ((I + 255) / 256 * 256)) *
                            4;
   EXPECT_EQ(whole - bounded, (4864 - 256) * row_bytes - partials);
+}
+
+// Ten training steps give the same bits (issue 3's acceptance: repeated runs): alternating the
+// backward from the forward context and recomputing it, every third step on a fresh layer (a
+// fresh workspace and fresh epochs), outputs poisoned before each.
+TEST(BackwardGpu, TenStepsGiveTheSameBits) {
+  const MoeShape shape = make_shape(333, 1024, 384, 16, 4, 1, 128, 0.5f);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 77);
+  DeviceProblem device(problem, 0);
+  auto layer = std::make_unique<GpuLayer>(shape, MoeConfig{});
+  const HostRank first = gpu_backward(*layer, device, problem, /*with_context=*/true);
+  for (int step = 1; step < 10; ++step) {
+    if (step % 3 == 0) layer = std::make_unique<GpuLayer>(shape, MoeConfig{});
+    const HostRank again = gpu_backward(*layer, device, problem, /*with_context=*/step % 2 == 0);
+    test::for_each_output(again, first, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs in step " << step + 1;
+    });
+  }
 }
 
 TEST(BackwardGpu, StaleContextIsRejected) {
