@@ -36,7 +36,9 @@ namespace mok::kernels {
 
 namespace {
 
-constexpr int kSendEntriesThreads = 256;
+// One CTA per destination scans the earlier ranks' tokens: at R = 8 that is 7 T tokens, so a wide
+// CTA.
+constexpr int kSendEntriesThreads = 1024;
 
 __global__ void pull_rows_kernel(PullRowsArgs args) {
   pull_rows_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
