@@ -36,22 +36,6 @@ struct RankRun {
   std::unique_ptr<mok::DeviceProblem> problem;
 };
 
-// A rank with only its output buffers (sized like `rank`'s): what a run downloads. (A copy of
-// the whole rank would copy its weights too, 11 GB per rank at `dsv3` with two GPUs.)
-mok::HostRank outputs_like(const mok::HostRank& rank) {
-  mok::HostRank outputs;
-  outputs.out.resize(rank.out.size());
-  outputs.d_x.resize(rank.d_x.size());
-  outputs.d_router_weights.resize(rank.d_router_weights.size());
-  outputs.d_w_gate.resize(rank.d_w_gate.size());
-  outputs.d_w_up.resize(rank.d_w_up.size());
-  outputs.d_w_down.resize(rank.d_w_down.size());
-  outputs.d_w_shared_gate.resize(rank.d_w_shared_gate.size());
-  outputs.d_w_shared_up.resize(rank.d_w_shared_up.size());
-  outputs.d_w_shared_down.resize(rank.d_w_shared_down.size());
-  return outputs;
-}
-
 }  // namespace
 
 int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
@@ -151,20 +135,13 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     }
     for (int32_t rank = 0; rank < num_ranks; ++rank) {
       CLI_CUDA_CHECK(cudaSetDevice(runs[rank].device));
-      results[run].push_back(outputs_like(problem.ranks[rank]));
+      results[run].push_back(mok::output_buffers(shape));
       runs[rank].problem->download_outputs(results[run].back());
     }
   }
   bool deterministic = true;
-  for (int32_t rank = 0; rank < num_ranks; ++rank) {
-    const mok::HostRank &a = results[0][rank], &b = results[1][rank];
-    auto same = [](const auto& x, const auto& y) {
-      return std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
-    };
-    deterministic &= same(a.out, b.out) && same(a.d_x, b.d_x) &&
-                     same(a.d_router_weights, b.d_router_weights) && same(a.d_w_gate, b.d_w_gate) &&
-                     same(a.d_w_up, b.d_w_up) && same(a.d_w_down, b.d_w_down);
-  }
+  for (int32_t rank = 0; rank < num_ranks; ++rank)
+    deterministic &= mok::outputs_equal(results[0][rank], results[1][rank]);
   // Token-local outputs of `got` (one entry per rank) against the reference slice.
   auto slice_errors = [&](const std::vector<mok::HostRank>& got, const std::string& who) {
     ErrorAccumulator out_error, dx_error, drw_error;

@@ -65,7 +65,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
 
   // Correctness first, outputs poisoned before each run: mok with the forward context, mok
   // recomputing the forward in the backward (must give the same bits), the baseline.
-  std::vector<mok::HostRank> results(3, problem.ranks[0]);
+  std::vector<mok::HostRank> results(3, mok::output_buffers(shape));
   for (int run = 0; run < 3; ++run) {
     device.poison_outputs();
     if (run < 2) {
@@ -81,17 +81,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   }
   const mok::HostRank& first = results[0];
   const mok::HostRank& second = results[1];
-  auto same = [](const auto& a, const auto& b) {
-    return std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
-  };
-  const bool deterministic = same(first.out, second.out) && same(first.d_x, second.d_x) &&
-                             same(first.d_router_weights, second.d_router_weights) &&
-                             same(first.d_w_gate, second.d_w_gate) &&
-                             same(first.d_w_up, second.d_w_up) &&
-                             same(first.d_w_down, second.d_w_down) &&
-                             same(first.d_w_shared_gate, second.d_w_shared_gate) &&
-                             same(first.d_w_shared_up, second.d_w_shared_up) &&
-                             same(first.d_w_shared_down, second.d_w_shared_down);
+  const bool deterministic = mok::outputs_equal(first, second);
 
   // The macrobatch ring (MoeConfig::macrobatch_size) cutting the worst case into about four
   // macrobatches: the same bits, and (timed below) what the backward's recompute of all but the
@@ -105,20 +95,13 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   mok::GpuLayer ring_layer(shape, ring_config);
   bool ring_bitwise = true;
   {
-    mok::HostRank ring_result = problem.ranks[0];
+    mok::HostRank ring_result = mok::output_buffers(shape);
     device.poison_outputs();
     const mok::ForwardContext context = ring_layer.forward(args, stream);
     ring_layer.backward(backward_args, stream, &context);
     ring_layer.synchronize(stream).throw_if_error();
     device.download_outputs(ring_result);
-    ring_bitwise = same(ring_result.out, first.out) && same(ring_result.d_x, first.d_x) &&
-                   same(ring_result.d_router_weights, first.d_router_weights) &&
-                   same(ring_result.d_w_gate, first.d_w_gate) &&
-                   same(ring_result.d_w_up, first.d_w_up) &&
-                   same(ring_result.d_w_down, first.d_w_down) &&
-                   same(ring_result.d_w_shared_gate, first.d_w_shared_gate) &&
-                   same(ring_result.d_w_shared_up, first.d_w_shared_up) &&
-                   same(ring_result.d_w_shared_down, first.d_w_shared_down);
+    ring_bitwise = mok::outputs_equal(ring_result, first);
   }
 
   const int64_t total_tokens = shape.num_tokens;

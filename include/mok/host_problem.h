@@ -84,6 +84,14 @@ struct HostProblem {
   oracle::Inputs to_oracle_inputs() const;
 };
 
+// Sizes (zero-filled) every output buffer of `rank` for one rank of `shape`.
+void allocate_outputs(const MoeShape& shape, HostRank& rank);
+// A rank holding only output buffers, sized for one rank of `shape`: what a run downloads into
+// (copying a whole HostRank would copy its weights too).
+HostRank output_buffers(const MoeShape& shape);
+// True when every output of `a` and `b` holds the same bits.
+bool outputs_equal(const HostRank& a, const HostRank& b);
+
 // The poison values of HostProblem::poison_outputs.
 inline constexpr uint16_t kPoisonBf16Bits = 0xFFC1;
 inline constexpr uint32_t kPoisonF32Bits = 0xFFC0BAD1u;

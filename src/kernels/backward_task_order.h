@@ -179,15 +179,11 @@ MOK_HOST_DEVICE inline int64_t segment_size(const BackwardPlan& plan, BackwardTa
   }
 }
 
-MOK_HOST_DEVICE inline int64_t num_tasks(const BackwardPlan& plan) {
-  int64_t total = 0;
-  for (int32_t s = 0; s < num_segments(plan); ++s) {
-    BackwardTaskKind kind;
-    int32_t b;
-    segment_at(plan, s, &kind, &b);
-    total += segment_size(plan, kind, b);
-  }
-  return total;
+MOK_HOST_DEVICE inline int64_t segment_length(const BackwardPlan& plan, int32_t segment) {
+  BackwardTaskKind kind;
+  int32_t b;
+  segment_at(plan, segment, &kind, &b);
+  return segment_size(plan, kind, b);
 }
 
 // The task at offset `local` of segment `segment`.
@@ -229,20 +225,12 @@ MOK_HOST_DEVICE inline BackwardTask backward_task_in_segment(const BackwardPlan&
 }
 
 // The task of `ticket` (0 <= ticket < num_tasks, not below the cursor's first ticket), moving
-// the cursor forward: O(segments skipped), as the forward's task_at.
+// the cursor forward (seek_segment, task_order.h).
 MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlan& plan, int64_t ticket,
                                                      SegmentCursor* cursor) {
-  const int32_t segments = num_segments(plan);
-  for (; cursor->segment < segments; ++cursor->segment) {
-    BackwardTaskKind kind;
-    int32_t b;
-    segment_at(plan, cursor->segment, &kind, &b);
-    const int64_t size = segment_size(plan, kind, b);
-    if (ticket < cursor->first_ticket + size)
-      return backward_task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket);
-    cursor->first_ticket += size;
-  }
-  return BackwardTask{BackwardTaskKind::kCombine, -1, -1, -1, -1, -1, -1};
+  if (!seek_segment(plan, ticket, cursor))
+    return BackwardTask{BackwardTaskKind::kCombine, -1, -1, -1, -1, -1, -1};
+  return backward_task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket);
 }
 
 MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlan& plan, int64_t ticket) {

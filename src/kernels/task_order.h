@@ -114,14 +114,19 @@ MOK_HOST_DEVICE inline int64_t segment_size(const ForwardPlan& plan, TaskKind ki
   return tiles * (kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles);
 }
 
-MOK_HOST_DEVICE inline int64_t num_tasks(const ForwardPlan& plan) {
+MOK_HOST_DEVICE inline int64_t segment_length(const ForwardPlan& plan, int32_t segment) {
+  TaskKind kind;
+  int32_t b;
+  segment_at(plan, segment, &kind, &b);
+  return segment_size(plan, kind, b);
+}
+
+// The walk over a plan's segments, shared by this order and the backward's
+// (backward_task_order.h): a plan type provides num_segments(plan) and segment_length(plan, s).
+template <typename Plan>
+MOK_HOST_DEVICE inline int64_t num_tasks(const Plan& plan) {
   int64_t total = 0;
-  for (int32_t s = 0; s < num_segments(plan); ++s) {
-    TaskKind kind;
-    int32_t b;
-    segment_at(plan, s, &kind, &b);
-    total += segment_size(plan, kind, b);
-  }
+  for (int32_t s = 0; s < num_segments(plan); ++s) total += segment_length(plan, s);
   return total;
 }
 
@@ -131,6 +136,19 @@ struct SegmentCursor {
   int32_t segment = 0;
   int64_t first_ticket = 0;
 };
+
+// Moves the cursor forward to the segment holding `ticket` (not below the cursor's first
+// ticket): O(segments skipped). False when the ticket is past the last task.
+template <typename Plan>
+MOK_HOST_DEVICE inline bool seek_segment(const Plan& plan, int64_t ticket, SegmentCursor* cursor) {
+  const int32_t segments = num_segments(plan);
+  for (; cursor->segment < segments; ++cursor->segment) {
+    const int64_t size = segment_length(plan, cursor->segment);
+    if (ticket < cursor->first_ticket + size) return true;
+    cursor->first_ticket += size;
+  }
+  return false;
+}
 
 // The task at offset `local` of segment `segment`.
 MOK_HOST_DEVICE inline Task task_in_segment(const ForwardPlan& plan, int32_t segment,
@@ -153,20 +171,12 @@ MOK_HOST_DEVICE inline Task task_in_segment(const ForwardPlan& plan, int32_t seg
 }
 
 // The task of `ticket` (0 <= ticket < num_tasks, and not below the cursor's first ticket),
-// moving the cursor forward to the ticket's segment: O(segments skipped).
+// moving the cursor forward to the ticket's segment.
 MOK_HOST_DEVICE inline Task task_at(const ForwardPlan& plan, int64_t ticket,
                                     SegmentCursor* cursor) {
-  const int32_t segments = num_segments(plan);
-  for (; cursor->segment < segments; ++cursor->segment) {
-    TaskKind kind;
-    int32_t b;
-    segment_at(plan, cursor->segment, &kind, &b);
-    const int64_t size = segment_size(plan, kind, b);
-    if (ticket < cursor->first_ticket + size)
-      return task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket);
-    cursor->first_ticket += size;
-  }
-  return Task{TaskKind::kCombine, -1, -1, -1, -1};  // past the end: callers stop before
+  if (!seek_segment(plan, ticket, cursor))
+    return Task{TaskKind::kCombine, -1, -1, -1, -1};  // past the end: callers stop before
+  return task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket);
 }
 
 // The task of `ticket` (0 <= ticket < num_tasks). Walks the segments: O(minibatches).

@@ -70,19 +70,6 @@ void append(std::vector<T>& dst, const std::vector<T>& src) {
   dst.insert(dst.end(), src.begin(), src.end());
 }
 
-void allocate_outputs(const MoeShape& shape, HostRank& rank) {
-  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
-  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
-  rank.out.assign(T * H, bf16{});
-  rank.d_x.assign(T * H, bf16{});
-  rank.d_router_weights.assign(T * K, 0.0f);
-  rank.d_w_gate.assign(E * I * H, bf16{});
-  rank.d_w_up.assign(E * I * H, bf16{});
-  rank.d_w_down.assign(E * H * I, bf16{});
-  rank.d_w_shared_gate.assign(Is * H, bf16{});
-  rank.d_w_shared_up.assign(Is * H, bf16{});
-  rank.d_w_shared_down.assign(H * Is, bf16{});
-}
 
 // R = 1 problem holding the tokens of `token_ranks` (concatenated in that order) and every
 // expert of the group.
@@ -132,6 +119,38 @@ void check_rank(const HostProblem& problem, int32_t rank) {
 }
 
 }  // namespace
+
+void allocate_outputs(const MoeShape& shape, HostRank& rank) {
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
+  const int64_t K = shape.top_k, E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  rank.out.assign(T * H, bf16{});
+  rank.d_x.assign(T * H, bf16{});
+  rank.d_router_weights.assign(T * K, 0.0f);
+  rank.d_w_gate.assign(E * I * H, bf16{});
+  rank.d_w_up.assign(E * I * H, bf16{});
+  rank.d_w_down.assign(E * H * I, bf16{});
+  rank.d_w_shared_gate.assign(Is * H, bf16{});
+  rank.d_w_shared_up.assign(Is * H, bf16{});
+  rank.d_w_shared_down.assign(H * Is, bf16{});
+}
+
+HostRank output_buffers(const MoeShape& shape) {
+  HostRank rank;
+  allocate_outputs(shape, rank);
+  return rank;
+}
+
+bool outputs_equal(const HostRank& a, const HostRank& b) {
+  auto same = [](const auto& x, const auto& y) {
+    return x.size() == y.size() &&
+           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0);
+  };
+  return same(a.out, b.out) && same(a.d_x, b.d_x) &&
+         same(a.d_router_weights, b.d_router_weights) && same(a.d_w_gate, b.d_w_gate) &&
+         same(a.d_w_up, b.d_w_up) && same(a.d_w_down, b.d_w_down) &&
+         same(a.d_w_shared_gate, b.d_w_shared_gate) && same(a.d_w_shared_up, b.d_w_shared_up) &&
+         same(a.d_w_shared_down, b.d_w_shared_down);
+}
 
 HostProblem HostProblem::make(const MoeShape& shape, RoutingKind routing, uint64_t seed) {
   can_implement(shape).throw_if_error();
@@ -265,15 +284,7 @@ HostProblem HostProblem::token_slice(const std::vector<int64_t>& tokens) const {
   rank.w_shared_gate = full.w_shared_gate;
   rank.w_shared_up = full.w_shared_up;
   rank.w_shared_down = full.w_shared_down;
-  rank.out.resize(tokens.size() * H);
-  rank.d_x.resize(tokens.size() * H);
-  rank.d_router_weights.resize(tokens.size() * K);
-  rank.d_w_gate.resize(full.d_w_gate.size());
-  rank.d_w_up.resize(full.d_w_up.size());
-  rank.d_w_down.resize(full.d_w_down.size());
-  rank.d_w_shared_gate.resize(full.d_w_shared_gate.size());
-  rank.d_w_shared_up.resize(full.d_w_shared_up.size());
-  rank.d_w_shared_down.resize(full.d_w_shared_down.size());
+  allocate_outputs(slice.shape, rank);
   slice.ranks.push_back(std::move(rank));
   return slice;
 }

@@ -66,11 +66,27 @@ std::vector<HostRank> ep_step(EpLayer& layer, std::vector<std::unique_ptr<Device
   std::vector<HostRank> results;
   for (int32_t rank = 0; rank < ranks; ++rank) {
     EXPECT_EQ(cudaSetDevice(layer.rank_device(rank)), cudaSuccess);
-    HostRank result = problem.ranks[rank];
+    HostRank result = output_buffers(problem.shape);
     device[rank]->download_outputs(result);
     results.push_back(std::move(result));
   }
   return results;
+}
+
+// Prints each output's relative error against the emulation and expects it finite and within
+// bf16 tolerance.
+void expect_matches_reference(const std::string& label, int32_t rank, const HostRank& got,
+                              const HostRank& want) {
+  std::printf("  %s rank %d:", label.c_str(), rank);
+  test::for_each_output(got, want,
+                        [&](const char* output, const auto& value, const auto& expected) {
+                          if (expected.empty()) return;
+                          const double error = test::relative_error(value, expected);
+                          std::printf(" %s %.1e", output, error);
+                          EXPECT_TRUE(test::all_finite(value)) << "rank " << rank << " " << output;
+                          EXPECT_LE(error, 1e-2) << "rank " << rank << " " << output;
+                        });
+  std::printf("\n");
 }
 
 void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing, uint64_t seed) {
@@ -121,19 +137,11 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
                               });
     }
   }
-  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
-    std::printf("  %-14s %-44s %-11s rank %d:", name, shape.to_string().c_str(),
-                routing_kind_name(routing), rank);
-    test::for_each_output(first[rank], problem.ranks[rank],
-                          [&](const char* output, const auto& got, const auto& want) {
-                            if (want.empty()) return;
-                            const double error = test::relative_error(got, want);
-                            std::printf(" %s %.1e", output, error);
-                            EXPECT_TRUE(test::all_finite(got)) << "rank " << rank << " " << output;
-                            EXPECT_LE(error, 1e-2) << "rank " << rank << " " << output;
-                          });
-    std::printf("\n");
-  }
+  char label[128];
+  std::snprintf(label, sizeof(label), "%-14s %-44s %-11s", name, shape.to_string().c_str(),
+                routing_kind_name(routing));
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+    expect_matches_reference(label, rank, first[rank], problem.ranks[rank]);
   const std::vector<HostRank> again = ep_step(layer, device, problem, true);
   const std::vector<HostRank> recomputed = ep_step(layer, device, problem, false);
   for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
@@ -215,19 +223,11 @@ TEST(EpBaselineGpu, MatchesReferenceEmulation) {
     for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
       EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      HostRank got = problem.ranks[rank];
+      HostRank got = output_buffers(shape);
       device[rank]->download_outputs(got);
-      std::printf("  baseline %-44s %-11s rank %d:", shape.to_string().c_str(),
-                  routing_kind_name(routing), rank);
-      test::for_each_output(
-          got, problem.ranks[rank], [&](const char* output, const auto& value, const auto& want) {
-            if (want.empty()) return;
-            const double error = test::relative_error(value, want);
-            std::printf(" %s %.1e", output, error);
-            EXPECT_TRUE(test::all_finite(value)) << "rank " << rank << " " << output;
-            EXPECT_LE(error, 1e-2) << "rank " << rank << " " << output;
-          });
-      std::printf("\n");
+      expect_matches_reference(
+          std::string("baseline ") + shape.to_string() + " " + routing_kind_name(routing), rank,
+          got, problem.ranks[rank]);
     }
     for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
       cudaSetDevice(group.devices[rank]);
