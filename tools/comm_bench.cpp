@@ -197,82 +197,94 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
       "%lld pushed out\n",
       static_cast<long long>(max_in), static_cast<long long>(max_sent),
       static_cast<long long>(max_out));
-  std::printf("  %-34s %8s %10s %12s\n", "variant", "CTAs", "us", "GB/s per GPU");
+  std::printf("  %-34s %6s %8s %10s %12s\n", "variant", "CTAs", "threads", "us", "GB/s per GPU");
   auto wait_of = [](int32_t rank) {
     return kernels::WaitContext{20'000'000'000ull, rank, nullptr};
   };
-  auto report = [&](const char* name, int ctas, double ms, double bytes) {
-    std::printf("  %-34s %8d %10.1f %12.1f\n", name, ctas, ms * 1e3, bytes / ms / 1e6);
+  auto report = [&](const char* name, int ctas, int threads, double ms, double bytes) {
+    std::printf("  %-34s %6d %8d %10.1f %12.1f\n", name, ctas, threads, ms * 1e3,
+                bytes / ms / 1e6);
   };
-  for (int ctas : {4, 8, 16, 24, 32, 64}) {
-    for (const kernels::RowCopy copy : {kernels::RowCopy::kWarp, kernels::RowCopy::kBulk}) {
-      const bool bulk = copy == kernels::RowCopy::kBulk;
-      const double pull_ms = median_ms([&](int32_t rank) {
-        BenchRank& bench = ranks[rank];
-        const kernels::PullRowsArgs pull =
-            kernels::pull_rows_args(ScheduleView::at(bench.schedule.pointer, bench.layout),
-                                    x.device_peers(rank), H, R, bench.received.pointer);
-        CLI_CUDA_CHECK(kernels::launch_pull_rows(pull, copy, ctas, wait_of(rank), bench.stream));
-      });
-      report(bulk ? "pull dispatch (bulk copies)" : "pull dispatch (warp copies)", ctas, pull_ms,
-             bytes_in);
-      const double push_ms = median_ms([&](int32_t rank) {
-        BenchRank& bench = ranks[rank];
-        const kernels::PushRowsArgs push = kernels::push_rows_args(
-            ScheduleView::at(bench.schedule.pointer, bench.layout), bench.rows.pointer, H,
-            static_cast<int32_t>(T * K), slots.device_peers(rank),
-            reinterpret_cast<uint64_t* const*>(flags.device_peers(rank)), rank, R,
-            bench.counters.as<unsigned long long>());
-        CLI_CUDA_CHECK(kernels::launch_push_rows(push, copy, ctas, wait_of(rank), bench.stream));
-        CLI_CUDA_CHECK(kernels::launch_wait_for_peers(
-            static_cast<const uint64_t*>(flags.local(rank)), R,
-            bench.counters.as<unsigned long long>(), wait_of(rank), bench.stream));
-        CLI_CUDA_CHECK(
-            kernels::launch_advance_epoch(bench.counters.as<unsigned long long>(), bench.stream));
-      });
-      report(bulk ? "push combine, bulk copies (+ wait)" : "push combine, warp copies (+ wait)",
-             ctas, push_ms, bytes_out);
-    }
-    const double push_dispatch_ms = median_ms([&](int32_t rank) {
+  auto pull_ms = [&](kernels::RowCopy copy, int ctas, int threads) {
+    return median_ms([&](int32_t rank) {
       BenchRank& bench = ranks[rank];
-      kernels::PushDispatchArgs push;
-      push.send_entry = bench.send_entry.as<int32_t>();
-      push.source = x.local(rank);
-      push.received_peers = received_sym.device_peers(rank);
-      push.vectors_per_row = H / 8;
-      push.num_tokens = static_cast<int32_t>(T);
-      push.rank = rank;
-      push.num_ranks = R;
-      push.flag_peers = reinterpret_cast<uint64_t* const*>(dispatch_flags.device_peers(rank));
-      push.done = bench.counters.as<unsigned long long>() + 4;
-      push.epoch = bench.counters.as<unsigned long long>() + 3;
-      CLI_CUDA_CHECK(kernels::launch_push_dispatch(push, ctas, bench.stream));
-      CLI_CUDA_CHECK(kernels::launch_wait_for_peers(
-          static_cast<const uint64_t*>(dispatch_flags.local(rank)), R,
-          bench.counters.as<unsigned long long>() + 3, wait_of(rank), bench.stream));
+      const kernels::PullRowsArgs pull =
+          kernels::pull_rows_args(ScheduleView::at(bench.schedule.pointer, bench.layout),
+                                  x.device_peers(rank), H, R, bench.received.pointer);
       CLI_CUDA_CHECK(
-          kernels::launch_advance_epoch(bench.counters.as<unsigned long long>() + 3, bench.stream));
+          kernels::launch_pull_rows(pull, copy, ctas, wait_of(rank), bench.stream, threads));
     });
-    report("push dispatch (warp copies, + wait)", ctas, push_dispatch_ms, bytes_sent);
-    const double copy_ms = median_ms([&](int32_t rank) {
+  };
+  auto push_ms = [&](kernels::RowCopy copy, int ctas, int threads) {
+    return median_ms([&](int32_t rank) {
       BenchRank& bench = ranks[rank];
-      const int32_t peer = (rank + 1) % R;
-      CLI_CUDA_CHECK(kernels::launch_copy_contiguous(x.peer(rank, peer), bench.copy_target.pointer,
-                                                     std::min<int64_t>(max_in, T) * H * 2, ctas,
+      const kernels::PushRowsArgs push = kernels::push_rows_args(
+          ScheduleView::at(bench.schedule.pointer, bench.layout), bench.rows.pointer, H,
+          static_cast<int32_t>(T * K), slots.device_peers(rank),
+          reinterpret_cast<uint64_t* const*>(flags.device_peers(rank)), rank, R,
+          bench.counters.as<unsigned long long>());
+      CLI_CUDA_CHECK(
+          kernels::launch_push_rows(push, copy, ctas, wait_of(rank), bench.stream, threads));
+      CLI_CUDA_CHECK(kernels::launch_wait_for_peers(
+          static_cast<const uint64_t*>(flags.local(rank)), R,
+          bench.counters.as<unsigned long long>(), wait_of(rank), bench.stream));
+      CLI_CUDA_CHECK(
+          kernels::launch_advance_epoch(bench.counters.as<unsigned long long>(), bench.stream));
+    });
+  };
+  // Warp copies with 256 and 512 threads per CTA (the library's kNvlinkCopyThreads is one of
+  // them), the bulk copies with their one thread per CTA.
+  for (int ctas : {4, 8, 16, 24, 32, 64}) {
+    for (int threads : {256, 512}) {
+      report("pull dispatch (warp copies)", ctas, threads,
+             pull_ms(kernels::RowCopy::kWarp, ctas, threads), bytes_in);
+      report("push combine, warp copies (+ wait)", ctas, threads,
+             push_ms(kernels::RowCopy::kWarp, ctas, threads), bytes_out);
+      const double push_dispatch_ms = median_ms([&](int32_t rank) {
+        BenchRank& bench = ranks[rank];
+        kernels::PushDispatchArgs push;
+        push.send_entry = bench.send_entry.as<int32_t>();
+        push.source = x.local(rank);
+        push.received_peers = received_sym.device_peers(rank);
+        push.vectors_per_row = H / 8;
+        push.num_tokens = static_cast<int32_t>(T);
+        push.rank = rank;
+        push.num_ranks = R;
+        push.flag_peers = reinterpret_cast<uint64_t* const*>(dispatch_flags.device_peers(rank));
+        push.done = bench.counters.as<unsigned long long>() + 4;
+        push.epoch = bench.counters.as<unsigned long long>() + 3;
+        CLI_CUDA_CHECK(kernels::launch_push_dispatch(push, ctas, bench.stream, threads));
+        CLI_CUDA_CHECK(kernels::launch_wait_for_peers(
+            static_cast<const uint64_t*>(dispatch_flags.local(rank)), R,
+            bench.counters.as<unsigned long long>() + 3, wait_of(rank), bench.stream));
+        CLI_CUDA_CHECK(kernels::launch_advance_epoch(bench.counters.as<unsigned long long>() + 3,
                                                      bench.stream));
-    });
-    report("copy ceiling (contiguous, pull)", ctas, copy_ms,
-           static_cast<double>(std::min<int64_t>(max_in, T)) * H * 2);
-    const int64_t push_bytes = std::min<int64_t>(max_out, T * K) * H * 2;
-    const double push_copy_ms = median_ms([&](int32_t rank) {
-      BenchRank& bench = ranks[rank];
-      const int32_t peer = (rank + 1) % R;
-      CLI_CUDA_CHECK(kernels::launch_copy_contiguous(
-          bench.rows.pointer, slots.peer(rank, peer),
-          std::min<int64_t>(push_bytes, bench.rows.bytes), ctas, bench.stream));
-    });
-    report("copy ceiling (contiguous, push)", ctas, push_copy_ms,
-           static_cast<double>(std::min<int64_t>(push_bytes, ranks[0].rows.bytes)));
+      });
+      report("push dispatch (warp copies, + wait)", ctas, threads, push_dispatch_ms, bytes_sent);
+      const double copy_ms = median_ms([&](int32_t rank) {
+        BenchRank& bench = ranks[rank];
+        const int32_t peer = (rank + 1) % R;
+        CLI_CUDA_CHECK(kernels::launch_copy_contiguous(
+            x.peer(rank, peer), bench.copy_target.pointer, std::min<int64_t>(max_in, T) * H * 2,
+            ctas, bench.stream, threads));
+      });
+      report("copy ceiling (contiguous, pull)", ctas, threads, copy_ms,
+             static_cast<double>(std::min<int64_t>(max_in, T)) * H * 2);
+      const int64_t push_bytes = std::min<int64_t>(max_out, T * K) * H * 2;
+      const double push_copy_ms = median_ms([&](int32_t rank) {
+        BenchRank& bench = ranks[rank];
+        const int32_t peer = (rank + 1) % R;
+        CLI_CUDA_CHECK(kernels::launch_copy_contiguous(
+            bench.rows.pointer, slots.peer(rank, peer),
+            std::min<int64_t>(push_bytes, bench.rows.bytes), ctas, bench.stream, threads));
+      });
+      report("copy ceiling (contiguous, push)", ctas, threads, push_copy_ms,
+             static_cast<double>(std::min<int64_t>(push_bytes, ranks[0].rows.bytes)));
+    }
+    report("pull dispatch (bulk copies)", ctas, 1, pull_ms(kernels::RowCopy::kBulk, ctas, 1),
+           bytes_in);
+    report("push combine, bulk copies (+ wait)", ctas, 1,
+           push_ms(kernels::RowCopy::kBulk, ctas, 1), bytes_out);
   }
   const double exchange_ms = median_ms([&](int32_t rank) {
     BenchRank& bench = ranks[rank];
@@ -354,7 +366,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     ncclGroupEnd();
     CLI_CUDA_CHECK(cudaSetDevice(ranks[0].device));
   });
-  report("NCCL all-to-all (send/recv)", 0, nccl_ms, bytes_in);
+  report("NCCL all-to-all (send/recv)", 0, 0, nccl_ms, bytes_in);
   for (BenchRank& bench : ranks) {
     cudaSetDevice(bench.device);
     cudaStreamDestroy(bench.stream);

@@ -26,7 +26,7 @@ namespace mok::kernels {
 
 namespace {
 
-__global__ void push_rows_kernel(PushRowsArgs args) {
+__global__ void __launch_bounds__(kMaxNvlinkCopyThreads) push_rows_kernel(PushRowsArgs args) {
   const uint64_t epoch = push_epoch(args.epoch);
   push_rows_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
                  gridDim.x * static_cast<int64_t>(blockDim.x) / 32);
@@ -61,14 +61,15 @@ __global__ void slot_index_kernel(const ExpertId* top_experts, int64_t count, in
 }  // namespace
 
 cudaError_t launch_push_rows(const PushRowsArgs& args, RowCopy copy, int num_ctas,
-                             const WaitContext& wait, cudaStream_t stream) {
+                             const WaitContext& wait, cudaStream_t stream, int threads_per_cta) {
   if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kDoneStride ||
-      args.num_ranks < 1 || args.pairs_per_rank < 0)
+      args.num_ranks < 1 || args.pairs_per_rank < 0 ||
+      (copy == RowCopy::kWarp && !valid_copy_threads(threads_per_cta)))
     return cudaErrorInvalidValue;
   if (copy == RowCopy::kBulk)
     return launch_bulk_rows(push_rows_bulk_kernel, args, wait, args.vectors_per_row * 16, num_ctas,
                             stream);
-  push_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
+  push_rows_kernel<<<num_ctas, threads_per_cta, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

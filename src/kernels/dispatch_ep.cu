@@ -40,7 +40,7 @@ namespace {
 // CTA.
 constexpr int kSendEntriesThreads = 1024;
 
-__global__ void pull_rows_kernel(PullRowsArgs args) {
+__global__ void __launch_bounds__(kMaxNvlinkCopyThreads) pull_rows_kernel(PullRowsArgs args) {
   pull_rows_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
                  gridDim.x * static_cast<int64_t>(blockDim.x) / 32);
 }
@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kSendEntriesThreads)
   }
 }
 
-__global__ void push_dispatch_kernel(PushDispatchArgs args) {
+__global__ void __launch_bounds__(kMaxNvlinkCopyThreads)
+    push_dispatch_kernel(PushDispatchArgs args) {
   const uint64_t epoch = *reinterpret_cast<const volatile unsigned long long*>(args.epoch) + 1;
   push_dispatch_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
                      gridDim.x * static_cast<int64_t>(blockDim.x) / 32);
@@ -107,7 +108,8 @@ __global__ void push_dispatch_kernel(PushDispatchArgs args) {
 // The ceiling of a pull: one contiguous range through a peer pointer, 16-byte accesses, as many
 // loads in flight per thread as the row pull (a read across NVLink waits ~1-2 us: with one load
 // per thread in flight the "ceiling" measured latency, not the link).
-__global__ void copy_contiguous_kernel(const uint4* source, uint4* destination, int64_t vectors) {
+__global__ void __launch_bounds__(kMaxNvlinkCopyThreads)
+    copy_contiguous_kernel(const uint4* source, uint4* destination, int64_t vectors) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; base < vectors;
        base += stride * kNvlinkLoadsInFlight) {
@@ -124,10 +126,11 @@ __global__ void copy_contiguous_kernel(const uint4* source, uint4* destination, 
 }  // namespace
 
 cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_t bytes,
-                                   int num_ctas, cudaStream_t stream) {
-  if (num_ctas < 1 || bytes % 16 != 0) return cudaErrorInvalidValue;
+                                   int num_ctas, cudaStream_t stream, int threads_per_cta) {
+  if (num_ctas < 1 || bytes % 16 != 0 || !valid_copy_threads(threads_per_cta))
+    return cudaErrorInvalidValue;
   if (bytes == 0) return cudaSuccess;
-  copy_contiguous_kernel<<<num_ctas, 256, 0, stream>>>(
+  copy_contiguous_kernel<<<num_ctas, threads_per_cta, 0, stream>>>(
       static_cast<const uint4*>(source), static_cast<uint4*>(destination), bytes / 16);
   return cudaGetLastError();
 }
@@ -149,21 +152,24 @@ cudaError_t launch_send_entries(const ScheduleParams& params, const void* top_ex
   return cudaGetLastError();
 }
 
-cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cudaStream_t stream) {
+cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cudaStream_t stream,
+                                 int threads_per_cta) {
   if (num_ctas < 1 || static_cast<unsigned long long>(num_ctas) >= kDoneStride ||
-      args.num_ranks < 1 || args.num_tokens < 0)
+      args.num_ranks < 1 || args.num_tokens < 0 || !valid_copy_threads(threads_per_cta))
     return cudaErrorInvalidValue;
-  push_dispatch_kernel<<<num_ctas, 256, 0, stream>>>(args);
+  push_dispatch_kernel<<<num_ctas, threads_per_cta, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
 cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_ctas,
-                             const WaitContext& wait, cudaStream_t stream) {
-  if (num_ctas < 1 || args.num_ranks < 1) return cudaErrorInvalidValue;
+                             const WaitContext& wait, cudaStream_t stream, int threads_per_cta) {
+  if (num_ctas < 1 || args.num_ranks < 1 ||
+      (copy == RowCopy::kWarp && !valid_copy_threads(threads_per_cta)))
+    return cudaErrorInvalidValue;
   if (copy == RowCopy::kBulk)
     return launch_bulk_rows(pull_rows_bulk_kernel, args, wait, args.vectors_per_row * 16, num_ctas,
                             stream);
-  pull_rows_kernel<<<num_ctas, 256, 0, stream>>>(args);
+  pull_rows_kernel<<<num_ctas, threads_per_cta, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

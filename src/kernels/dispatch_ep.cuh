@@ -8,9 +8,12 @@
 //   pull_rows_bulk_cta  one thread of a CTA streams entries cta, cta + num_ctas, ... through a
 //                       shared-memory ring with the bulk-copy engine (bulk_rows.cuh)
 //
-//   push_dispatch_warp  the push alternative, on the source rank: item i = (token i / R,
-//                       destination i % R), one warp per item with a send entry; the row lands
-//                       at that entry of the destination's receive buffer (same place as a pull)
+//   push_dispatch_warp  the push alternative, on the source rank: item i = (destination
+//                       (rank + 1 + i / T) % R, token i % T), one warp per item with a send
+//                       entry; the row lands at that entry of the destination's receive buffer
+//                       (same place as a pull). Destination-major from the next rank on: the
+//                       warps start on rows that cross NVLink and copy their own rank's last
+//                       (token-major with R = 2 gave every other warp only local rows).
 //
 // The entries of source rank s are [recv_offsets[s], recv_offsets[s + 1]); a caller finds s by a
 // walk over the R + 1 offsets (entries only grow within one call).
@@ -63,8 +66,9 @@ __device__ __forceinline__ void push_dispatch_warp(const PushDispatchArgs& args,
                                                    int64_t num_warps) {
   const int64_t items = static_cast<int64_t>(args.num_tokens) * args.num_ranks;
   for (int64_t item = warp; item < items; item += num_warps) {
-    const int32_t token = static_cast<int32_t>(item / args.num_ranks);
-    const int32_t destination = static_cast<int32_t>(item % args.num_ranks);
+    const int32_t token = static_cast<int32_t>(item % args.num_tokens);
+    const int32_t destination =
+        static_cast<int32_t>((args.rank + 1 + item / args.num_tokens) % args.num_ranks);
     const int32_t entry =
         args.send_entry[static_cast<int64_t>(destination) * args.num_tokens + token];
     if (entry < 0) continue;

@@ -100,8 +100,19 @@ inline PullRowsArgs pull_rows_args(const ScheduleView& view, void* const* source
 // per lane) or the bulk-copy engine (one thread per CTA, a 4-row shared-memory ring;
 // bulk_rows.cuh). Same bytes land either way; `wait` times the bulk loads.
 enum class RowCopy : int32_t { kWarp = 0, kBulk = 1 };
+// Threads per CTA of the warp-copy kernels that cross NVLink. A row copy is bound by the bytes
+// in flight (the link's latency is ~1-2 us), and the target caps the SMs, not the threads: 512
+// threads of ~110 registers fit one SM and keep twice the loads of 256 in flight.
+// `threads_per_cta` below: a multiple of 32 in [32, kMaxNvlinkCopyThreads] (unused by bulk copies).
+constexpr int kNvlinkCopyThreads = 512;
+constexpr int kMaxNvlinkCopyThreads = 512;
+inline bool valid_copy_threads(int threads_per_cta) {
+  return threads_per_cta >= 32 && threads_per_cta <= kMaxNvlinkCopyThreads &&
+         threads_per_cta % 32 == 0;
+}
 cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_ctas,
-                             const WaitContext& wait, cudaStream_t stream);
+                             const WaitContext& wait, cudaStream_t stream,
+                             int threads_per_cta = kNvlinkCopyThreads);
 // Push dispatch (dispatch_ep.cu), the alternative to the pull that `mok comm-bench` measures
 // beside it: the source rank writes each routed row into every destination's receive buffer, at
 // the entry the destination's receive list gives it, so the destination finds the same rows at
@@ -122,11 +133,13 @@ struct PushDispatchArgs {
   unsigned long long* done;         // local counter, zeroed once (epochs)
   const unsigned long long* epoch;  // this call's epoch - 1
 };
-cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cudaStream_t stream);
+cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cudaStream_t stream,
+                                 int threads_per_cta = kNvlinkCopyThreads);
 // A contiguous copy of `bytes` (a multiple of 16) with num_ctas CTAs: the ceiling the pull is
 // measured against (source may be a peer pointer).
 cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_t bytes,
-                                   int num_ctas, cudaStream_t stream);
+                                   int num_ctas, cudaStream_t stream,
+                                   int threads_per_cta = kNvlinkCopyThreads);
 
 // Push combine (combine_ep.cu): row r of `rows` (schedule order) goes to slot pair % (T*K) of
 // rank pair / (T*K)'s symmetric slot buffer, pair = row_pair[r]; then the launch's last CTA
@@ -153,7 +166,8 @@ inline PushRowsArgs push_rows_args(const ScheduleView& view, const void* rows, i
           flag_peers,  rank,          num_ranks, counters + 1, counters};
 }
 cudaError_t launch_push_rows(const PushRowsArgs& args, RowCopy copy, int num_ctas,
-                             const WaitContext& wait, cudaStream_t stream);
+                             const WaitContext& wait, cudaStream_t stream,
+                             int threads_per_cta = kNvlinkCopyThreads);
 // Waits until every rank signaled this rank's flags with this call's epoch (then the slots
 // pushed to this rank are complete).
 cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,

@@ -5,19 +5,14 @@
 // routing), and a rank that never arrives ending in a diagnosed timeout (needs 2 GPUs).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if MOK_HAS_NCCL
@@ -29,6 +24,7 @@
 #include "mok/routing.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
+#include "rank_process.h"
 #include "test_util.h"
 #include "wait_report.h"
 #endif
@@ -373,13 +369,10 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
 // environment; each joins the group, allocates symmetric memory, stores into every rank and
 // checks what every rank stored into it.
 TEST(CommGpu, DISABLED_RankProcess) {
-  const char* rank_text = std::getenv("MOK_TEST_RANK");
-  const char* ranks_text = std::getenv("MOK_TEST_RANKS");
-  const char* path = std::getenv("MOK_TEST_ID_PATH");
-  ASSERT_TRUE(rank_text != nullptr && ranks_text != nullptr && path != nullptr)
-      << "run by CommGpu.OneProcessPerGpu only";
-  const int32_t rank = std::atoi(rank_text), num_ranks = std::atoi(ranks_text);
-  const UniqueId id = exchange_unique_id(path, rank, num_ranks, 60.0);
+  const std::optional<test::RankEnvironment> environment = test::rank_environment();
+  ASSERT_TRUE(environment.has_value()) << "run by CommGpu.OneProcessPerGpu only";
+  const int32_t rank = environment->rank, num_ranks = environment->num_ranks;
+  const UniqueId id = exchange_unique_id(environment->id_path, rank, num_ranks, 60.0);
   auto communicator = Communicator::create_rank(id, num_ranks, rank, rank);
   ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
   SymmetricMemory data({communicator.get()}, int64_t{4} * kWordsPerPair * num_ranks, "data");
@@ -515,72 +508,8 @@ TEST(CommGpu, PushDispatchLandsWhereThePullWould) {
   }
 }
 
-// Starts this test binary again with one test filter and extra environment variables.
-pid_t spawn_self(const std::string& test_name, const std::vector<std::string>& extra_environment) {
-  const std::string filter = "--gtest_filter=" + test_name;
-  const std::string also = "--gtest_also_run_disabled_tests";
-  std::vector<std::string> environment = extra_environment;
-  for (char** variable = environ; *variable != nullptr; ++variable)
-    environment.push_back(*variable);
-  std::vector<char*> env_pointers;
-  for (std::string& variable : environment) env_pointers.push_back(variable.data());
-  env_pointers.push_back(nullptr);
-  char self[] = "/proc/self/exe";
-  std::vector<char*> argv = {self, const_cast<char*>(filter.c_str()),
-                             const_cast<char*>(also.c_str()), nullptr};
-  pid_t pid = 0;
-  if (::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), env_pointers.data()) !=
-      0)
-    return -1;
-  return pid;
-}
-
-// Waits for the children at most `seconds` (a child stuck in NCCL's init or a spin must fail the
-// test, not hang it); returns their exit codes, -1 for one killed at the deadline.
-std::vector<int> wait_for_children(const std::vector<pid_t>& children, int seconds) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
-  std::vector<int> status(children.size(), -1);
-  std::vector<bool> done(children.size(), false);
-  size_t finished = 0;
-  while (finished < children.size() && std::chrono::steady_clock::now() < deadline) {
-    for (size_t i = 0; i < children.size(); ++i) {
-      if (done[i]) continue;
-      int child_status = 0;
-      if (::waitpid(children[i], &child_status, WNOHANG) == children[i]) {
-        status[i] = WIFEXITED(child_status) ? WEXITSTATUS(child_status) : 128;
-        done[i] = true;
-        ++finished;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  for (size_t i = 0; i < children.size(); ++i) {
-    if (done[i]) continue;
-    ::kill(children[i], SIGKILL);
-    ::waitpid(children[i], nullptr, 0);
-  }
-  return status;
-}
-
 TEST(CommGpu, OneProcessPerGpu) {
-  const int ranks = device_count();
-  const std::string path =
-      (std::filesystem::temp_directory_path() / ("mok_comm_test_" + std::to_string(::getpid())))
-          .string();
-  std::filesystem::remove(path);
-  std::vector<pid_t> children;
-  for (int rank = 0; rank < ranks; ++rank) {
-    const pid_t pid =
-        spawn_self("CommGpu.DISABLED_RankProcess",
-                   {"MOK_TEST_RANK=" + std::to_string(rank),
-                    "MOK_TEST_RANKS=" + std::to_string(ranks), "MOK_TEST_ID_PATH=" + path});
-    ASSERT_GT(pid, 0) << "posix_spawn failed";
-    children.push_back(pid);
-  }
-  const std::vector<int> status = wait_for_children(children, 180);
-  for (size_t i = 0; i < children.size(); ++i)
-    EXPECT_EQ(status[i], 0) << "rank " << i << (status[i] == -1 ? " did not finish in 180 s" : "");
-  std::filesystem::remove(path);
+  test::run_rank_processes("CommGpu.DISABLED_RankProcess", device_count(), 180);
 }
 
 // One process driving every GPU, in a fresh process with CUDA's lazy kernel loading: no kernel
@@ -592,9 +521,9 @@ TEST(CommGpu, FreshProcessWithLazyLoadingNeverDeadlocks) {
   if (device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (one GPU has no peer to wait for)";
   for (const char* test_name : {"CommGpu.RoutingAllGatherThenScheduleOnEveryRank",
                                 "CommGpu.PullDispatchAndPushCombineAcrossRanks"}) {
-    const pid_t pid = spawn_self(test_name, {"CUDA_MODULE_LOADING=LAZY"});
+    const pid_t pid = test::spawn_self(test_name, {"CUDA_MODULE_LOADING=LAZY"});
     ASSERT_GT(pid, 0) << "posix_spawn failed";
-    const int status = wait_for_children({pid}, 120)[0];
+    const int status = test::wait_for_children({pid}, 120)[0];
     EXPECT_EQ(status, 0) << test_name << " in a fresh process"
                          << (status == -1 ? " did not finish in 120 s" : " failed");
   }

@@ -3,11 +3,13 @@
 // pointers): forward and backward against the CPU reference's R-rank emulation on the
 // adversarial routings of DESIGN.md §4, outputs poisoned first, bitwise identical across
 // repeated steps, with or without the forward context, with the bulk-copy and push-dispatch
-// data movement, and with macrobatches.
+// data movement, and with macrobatches. Then the same layer with one process per GPU
+// (Communicator::create_rank), the form compute-sanitizer checks (rank_process.h).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,7 +19,9 @@
 #include "mok/ep_baseline.h"
 #include "mok/ep_layer.h"
 #include "mok/host_problem.h"
+#include "mok/bootstrap.h"
 #include "mok/reference.h"
+#include "rank_process.h"
 #include "test_util.h"
 #endif
 
@@ -172,6 +176,66 @@ TEST(EpLayerGpu, MatchesReferenceEmulation) {
   check_ep("skewed", make_shape(300, 512, 256, 8, 8), RoutingKind::kSkewed, ++seed);
   check_ep("no routes", make_shape(130, 512, 256, 4, 4, 1, 64), RoutingKind::kNoRoutes, ++seed);
   check_ep("one token", make_shape(1, 256, 128, 4, 2), RoutingKind::kUniform, ++seed);
+}
+
+// One rank of a group of processes (run by EpLayerGpu.OneProcessPerGpu): each process joins the
+// group from the bootstrap file, builds the same problem (every rank's inputs and the
+// emulation), runs its own rank's layer and checks its outputs against the emulation, then a
+// step without the forward context and one with the push dispatch, bitwise equal to the first.
+// Small shapes: under compute-sanitizer every kernel runs many times slower.
+TEST(EpLayerGpu, DISABLED_RankProcess) {
+  const std::optional<test::RankEnvironment> environment = test::rank_environment();
+  ASSERT_TRUE(environment.has_value()) << "run by EpLayerGpu.OneProcessPerGpu only";
+  const int32_t rank = environment->rank;
+  const UniqueId id =
+      exchange_unique_id(environment->id_path, rank, environment->num_ranks, 60.0);
+  std::unique_ptr<Communicator> communicator =
+      Communicator::create_rank(id, environment->num_ranks, rank, rank);
+  ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
+  uint64_t seed = 950;
+  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kEmptyRank}) {
+    MoeShape shape = make_shape(96, 256, 128, 4, 4, 1, routing == RoutingKind::kSkewed ? 64 : 0);
+    shape.num_ranks = environment->num_ranks;
+    shape.num_experts *= shape.num_ranks;
+    SCOPED_TRACE(shape.to_string() + " routing " + routing_kind_name(routing));
+    HostProblem problem = HostProblem::make(shape, routing, ++seed);
+    problem.poison_outputs();
+    reference::forward_ep(shape, problem.all_forward_args());
+    reference::backward_ep(shape, problem.all_backward_args());
+    std::vector<std::unique_ptr<DeviceProblem>> device;
+    device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+    MoeConfig config;
+    config.wait_timeout_s = 120;  // a rank under the sanitizer may start its kernels much later
+    std::vector<HostRank> first;
+    {
+      EpLayer layer(shape, config, {communicator.get()});
+      first = ep_step(layer, device, problem, true);
+      expect_matches_reference(routing_kind_name(routing), rank, first[0], problem.ranks[rank]);
+      const std::vector<HostRank> recomputed = ep_step(layer, device, problem, false);
+      test::for_each_output(recomputed[0], first[0],
+                            [&](const char* output, const auto& a, const auto& b) {
+                              EXPECT_TRUE(test::bitwise_equal(a, b))
+                                  << "rank " << rank << " " << output
+                                  << " differs without the forward context";
+                            });
+    }
+    MoeConfig push_config = config;
+    push_config.ep_push_dispatch = true;
+    EpLayer push_layer(shape, push_config, {communicator.get()});
+    const std::vector<HostRank> pushed = ep_step(push_layer, device, problem, true);
+    test::for_each_output(pushed[0], first[0],
+                          [&](const char* output, const auto& a, const auto& b) {
+                            EXPECT_TRUE(test::bitwise_equal(a, b))
+                                << "rank " << rank << " " << output
+                                << " differs with the push dispatch";
+                          });
+  }
+}
+
+TEST(EpLayerGpu, OneProcessPerGpu) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  test::run_rank_processes("EpLayerGpu.DISABLED_RankProcess", count, 300);
 }
 
 // The all-to-all baseline of `mok run --gpus` against the same emulation: it is what mok is
