@@ -232,7 +232,13 @@ if [ "$built" = 1 ] && command -v cuobjdump >/dev/null 2>&1; then
       END { for (n in hgmma) printf "%-100s HGMMA %d UTMALDG %d USETMAXREG %d LDL/STL %d\n", n, hgmma[n], tma[n], maxreg[n], local[n] }'
     echo
     grep -E "registers|spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -40
+    echo
+    # ptxas C7515: wgmma serialized (the accumulator defined by other instructions in the
+    # pipeline). Expected only for the weight-gradient kernel that resumes fp32 partials.
+    echo "wgmma serialized (ptxas C7515) in:"
+    grep -o "C7515.*function '[^']*'" "$OUT/build.log" | grep -o "'[^']*'" | sort -u || echo "  none"
   } >"$OUT/sass.log" 2>&1 || true
+  grep -c "C7515" "$OUT/build.log" | xargs echo "ptxas C7515 (serialized wgmma) warnings:" || true
 fi
 
 # --- compute-sanitizer on the schedule, single-GPU and expert-parallel GPU tests -------------------

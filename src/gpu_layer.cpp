@@ -150,7 +150,7 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
     kernels::FusedGather gather{};
     if (s.ep != nullptr) {
 #if MOK_HAS_NCCL
-      ep::expand_received(s, false, s.rows.pointer, row_begin, ring_rows, stream);
+      ep::expand_received(s, false, args.x.data, s.rows.pointer, row_begin, ring_rows, stream);
 #endif
     } else if (dispatch == LocalDispatch::kGatherKernel) {
       const ScheduleView view = s.routed.view();
@@ -247,8 +247,10 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
     const bool recompute = m > 0 || !use_context;
     if (s.ep != nullptr) {
 #if MOK_HAS_NCCL
-      ep::expand_received(s, true, s.d_out_rows.pointer, row_begin, ring_rows, stream);
-      if (recompute) ep::expand_received(s, false, s.rows.pointer, row_begin, ring_rows, stream);
+      ep::expand_received(s, true, args.d_out.data, s.d_out_rows.pointer, row_begin, ring_rows,
+                          stream);
+      if (recompute)
+        ep::expand_received(s, false, fwd.x.data, s.rows.pointer, row_begin, ring_rows, stream);
 #endif
     } else {
       if (recompute)

@@ -156,9 +156,10 @@ namespace ep {
 void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
                       const StageMarker& mark);
 // Expands the received x rows (d_out rows with `d_out`) of schedule rows [row_begin, row_begin +
-// row_count) into `rows` (a macrobatch's ring buffer; the whole schedule with one macrobatch).
-void expand_received(GpuLayer::State& s, bool d_out, void* rows, int64_t row_begin,
-                     int64_t row_count, cudaStream_t stream);
+// row_count) into `rows` (a macrobatch's ring buffer; the whole schedule with one macrobatch);
+// this rank's own rows come from `local_source` (its x or d_out), which no dispatch copies.
+void expand_received(GpuLayer::State& s, bool d_out, const void* local_source, void* rows,
+                     int64_t row_begin, int64_t row_count, cudaStream_t stream);
 // Zeroes this rank's router-weight gradients, exchanges the routing again without a context
 // (else a plain barrier), and brings the d_out rows here (and the x rows without a context;
 // with one, the forward's received x rows are kept).

@@ -285,8 +285,9 @@ void receive_rows(GpuLayer::State& s, const TensorView& source,
         "wait for every rank's dispatch");
     cuda_check(kernels::launch_advance_epoch(counter(ep, 3), stream), "advance the dispatch epoch");
   } else {
-    const kernels::PullRowsArgs pull = kernels::pull_rows_args(
-        s.routed.view(), ep.peers(published), s.shape.hidden, ep.num_ranks, pulled.pointer);
+    const kernels::PullRowsArgs pull =
+        kernels::pull_rows_args(s.routed.view(), ep.peers(published), s.shape.hidden, ep.rank,
+                                ep.num_ranks, pulled.pointer);
     cuda_check(kernels::launch_pull_rows(pull, ep.row_copy, ep.comm_ctas, s.wait_context(), stream),
                "pull dispatch launch");
   }
@@ -323,15 +324,16 @@ void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t 
   mark(ep.push_dispatch ? "push dispatch" : "pull dispatch");
 }
 
-void expand_received(GpuLayer::State& s, bool d_out, void* rows, int64_t row_begin,
-                     int64_t row_count, cudaStream_t stream) {
+void expand_received(GpuLayer::State& s, bool d_out, const void* local_source, void* rows,
+                     int64_t row_begin, int64_t row_count, cudaStream_t stream) {
   EpRank& ep = *s.ep;
   const void* received = ep.push_dispatch
                              ? ep.local(d_out ? ep.memory->received_d_out : ep.memory->received_x)
                              : (d_out ? ep.received_d_out : ep.received).pointer;
-  const ScheduleView view = s.routed.view();
-  cuda_check(kernels::launch_gather_rows(view.header, view.row_recv, received, s.shape.hidden, 1,
-                                         rows, row_count, stream, row_begin),
+  cuda_check(kernels::launch_expand_received(
+                 kernels::expand_received_args(s.routed.view(), received, local_source,
+                                               s.shape.hidden, ep.rank, rows, row_begin, row_count),
+                 stream),
              "expand received rows");
 }
 
@@ -383,13 +385,16 @@ void combine_slots(GpuLayer::State& s, const TensorView& top_experts, const void
                    const float* weights, void* out, cudaStream_t stream) {
   EpRank& ep = *s.ep;
   const int64_t T = s.shape.num_tokens, K = s.shape.top_k;
+  // This rank's own pairs are read from the expert rows in place (the push skipped them).
+  const int32_t* own_pair_row = s.routed.view().pair_row + static_cast<int64_t>(ep.rank) * T * K;
   cuda_check(kernels::launch_slot_index(top_experts.data, top_experts.dtype, T * K,
-                                        s.shape.num_experts, ep.slot_index.as<int32_t>(), stream),
+                                        s.shape.num_experts, own_pair_row,
+                                        ep.slot_index.as<int32_t>(), stream),
              "slot index launch");
-  cuda_check(
-      kernels::launch_combine(ep.local(ep.memory->slots), ep.slot_index.as<int32_t>(), shared,
-                              weights, T, s.shape.hidden, s.shape.top_k, out, stream),
-      "combine launch");
+  cuda_check(kernels::launch_combine(ep.local(ep.memory->slots), ep.slot_index.as<int32_t>(),
+                                     shared, weights, T, s.shape.hidden, s.shape.top_k, out,
+                                     stream, s.expert_out.pointer),
+             "combine launch");
 }
 
 const float* gathered_router_weights(const GpuLayer::State& s) {

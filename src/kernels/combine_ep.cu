@@ -1,8 +1,11 @@
-// Push combine across GPUs (DESIGN.md §2.4): each expert output row goes straight into its
-// source rank's symmetric slot buffer [T*K, H] at slot token*K + k, over NVLink; a pair is
-// routed to one expert, so every slot has one writer. The source rank then sums its slots in
-// fixed order (launch_combine, whose row index comes from launch_slot_index). Backward: the dx
-// rows go back the same way (the reverse of the pull dispatch).
+// Push combine across GPUs (DESIGN.md §2.4): each expert output row of another rank's pair goes
+// straight into its source rank's symmetric slot buffer [T*K, H] at slot token*K + k, over
+// NVLink; a pair is routed to one expert, so every slot has one writer. Rows of this rank's own
+// pairs are not copied: the combine reads them where the expert GEMM left them (at R = 2 that
+// is half the rows, which a copy would move through HBM twice and take the copying warps from
+// the link). The source rank then sums in fixed order (launch_combine, whose row index comes
+// from launch_slot_index). Backward: the dx rows go back the same way (the reverse of the pull
+// dispatch).
 //
 // Roles of the push: the whole grid runs the device functions of combine_ep.cuh (which a
 // persistent kernel calls from its communication warps): one warp per row (16-byte stores to the
@@ -50,11 +53,14 @@ __global__ void wait_for_peers_kernel(const uint64_t* own_flags, int32_t num_ran
 
 template <typename ExpertId>
 __global__ void slot_index_kernel(const ExpertId* top_experts, int64_t count, int64_t num_experts,
-                                  int32_t* slot_index) {
+                                  const int32_t* own_pair_row, int32_t* slot_index) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t expert = static_cast<int64_t>(top_experts[i]);
-    slot_index[i] = expert >= 0 && expert < num_experts ? static_cast<int32_t>(i) : -1;
+    const int32_t own_row = own_pair_row[i];
+    slot_index[i] = own_row >= 0                              ? -2 - own_row
+                    : expert >= 0 && expert < num_experts ? static_cast<int32_t>(i)
+                                                          : -1;
   }
 }
 
@@ -83,15 +89,16 @@ cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,
 }
 
 cudaError_t launch_slot_index(const void* top_experts, DType expert_dtype, int64_t count,
-                              int64_t num_experts, int32_t* slot_index, cudaStream_t stream) {
+                              int64_t num_experts, const int32_t* own_pair_row,
+                              int32_t* slot_index, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 1024));
   if (expert_dtype == DType::kInt64)
     slot_index_kernel<<<blocks, 256, 0, stream>>>(static_cast<const int64_t*>(top_experts), count,
-                                                  num_experts, slot_index);
+                                                  num_experts, own_pair_row, slot_index);
   else
     slot_index_kernel<<<blocks, 256, 0, stream>>>(static_cast<const int32_t*>(top_experts), count,
-                                                  num_experts, slot_index);
+                                                  num_experts, own_pair_row, slot_index);
   return cudaGetLastError();
 }
 

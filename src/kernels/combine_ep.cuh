@@ -5,7 +5,8 @@
 //   push_epoch           this call's epoch (the counter's value + 1; the caller advances it after)
 //   push_rows_warp       one warp per expert row: warp `warp` of `num_warps` takes rows warp,
 //                        warp + num_warps, ...; row r with pair p = source * T*K + slot goes to
-//                        slot `slot` of rank `source` (one writer per slot)
+//                        slot `slot` of rank `source` (one writer per slot); rows of this
+//                        rank's own pairs stay (the combine reads them in place)
 //   push_rows_bulk_cta   one thread of a CTA streams rows cta, cta + num_ctas, ... with the
 //                        bulk-copy engine (bulk_rows.cuh)
 //   count_push_done      one thread per pushing CTA, after all of its CTA's stores: the last of
@@ -35,6 +36,7 @@ __device__ __forceinline__ void push_rows_warp(const PushRowsArgs& args, int64_t
     const int32_t pair = args.row_pair[row];
     if (pair < 0) continue;
     const int32_t source_rank = pair / args.pairs_per_rank, slot = pair % args.pairs_per_rank;
+    if (source_rank == args.rank) continue;
     uint4* dst = static_cast<uint4*>(args.slot_peers[source_rank]) +
                  static_cast<int64_t>(slot) * args.vectors_per_row;
     copy_row_warp<kNvlinkLoadsInFlight>(
@@ -55,6 +57,7 @@ __device__ __forceinline__ void push_rows_bulk_cta(const PushRowsArgs& args,
       const int32_t pair = args.row_pair[row];
       if (pair < 0) continue;
       const int32_t source_rank = pair / args.pairs_per_rank, slot = pair % args.pairs_per_rank;
+      if (source_rank == args.rank) continue;
       *source = static_cast<const char*>(args.rows) + row * row_bytes;
       *destination =
           static_cast<char*>(args.slot_peers[source_rank]) + static_cast<int64_t>(slot) * row_bytes;

@@ -11,6 +11,9 @@
 // bulk-copy engine (bulk_rows.cuh). `mok comm-bench` measured the warp copies faster.
 // Ordering: the caller's routing exchange (routing_exchange.cu) ran first on this stream, and
 // every rank publishes its source buffer before signaling it, so the rows are there to read.
+// Only other ranks' rows are copied; expand_received_kernel (one warp per schedule row) fills a
+// macrobatch's rows from the received rows and, for this rank's own entries, from its own x or
+// d_out directly.
 //
 // Push dispatch (measured beside the pull by `mok comm-bench`): send_entries_kernel, one CTA per
 // destination, computes where each of this rank's tokens lands in the destination's receive
@@ -49,6 +52,32 @@ __global__ void pull_rows_bulk_kernel(PullRowsArgs args, WaitContext wait) {
   if (threadIdx.x != 0) return;
   extern __shared__ __align__(16) char smem[];
   pull_rows_bulk_cta(args, wait, smem, blockIdx.x, gridDim.x);
+}
+
+__global__ void expand_received_kernel(ExpandReceivedArgs args) {
+  const int64_t end =
+      min(static_cast<int64_t>(args.header->total_rows), args.row_begin + args.row_count);
+  const int32_t own_begin = args.recv_offsets[args.rank];
+  const int32_t own_end = args.recv_offsets[args.rank + 1];
+  const int64_t warps_total = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t vectors = args.vectors_per_row;
+  for (int64_t row =
+           args.row_begin + (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+       row < end; row += warps_total) {
+    const int32_t entry = args.row_recv[row];
+    uint4* dst = static_cast<uint4*>(args.rows) + (row - args.row_begin) * vectors;
+    if (entry < 0) {
+      for (int64_t v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const uint4* src =
+        entry >= own_begin && entry < own_end
+            ? static_cast<const uint4*>(args.local_source) +
+                  static_cast<int64_t>(args.recv_tokens[entry]) * vectors
+            : static_cast<const uint4*>(args.received) + static_cast<int64_t>(entry) * vectors;
+    for (int64_t v = lane; v < vectors; v += 32) dst[v] = __ldg(src + v);
+  }
 }
 
 // One CTA per destination rank d: the tokens of ranks before this one routed to d (a block
@@ -161,6 +190,16 @@ cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cud
   return cudaGetLastError();
 }
 
+cudaError_t launch_expand_received(const ExpandReceivedArgs& args, cudaStream_t stream) {
+  if (args.row_begin < 0 || args.row_count < 0 || args.rank < 0) return cudaErrorInvalidValue;
+  if (args.row_count == 0) return cudaSuccess;
+  int device = 0, sm_count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  expand_received_kernel<<<sm_count * 4, 256, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_ctas,
                              const WaitContext& wait, cudaStream_t stream, int threads_per_cta) {
   if (num_ctas < 1 || args.num_ranks < 1 ||
@@ -178,6 +217,7 @@ namespace {
 const KernelPreloadList kPreload("dispatch_ep.cu", {kernel_symbol(&pull_rows_kernel),
                                                     kernel_symbol(&pull_rows_bulk_kernel),
                                                     kernel_symbol(&copy_contiguous_kernel),
+                                                    kernel_symbol(&expand_received_kernel),
                                                     kernel_symbol(&send_entries_kernel<int32_t>),
                                                     kernel_symbol(&send_entries_kernel<int64_t>),
                                                     kernel_symbol(&push_dispatch_kernel)});

@@ -55,13 +55,17 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
 // capturable.
 cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream);
 
-// Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], expert_rows[pair_row[p]]))
-// with p = t*K + k, over the pairs with pair_row[p] >= 0, in k order. `expert_rows` [rows, H]
-// holds the expert outputs in schedule order; `shared` may be null; `router_weights` null
-// means weight 1 (the d_x sum: fmaf(1, y, acc) == acc + y exactly).
-cudaError_t launch_combine(const void* expert_rows, const int32_t* pair_row, const void* shared,
+// Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], row(p))) with p = t*K + k,
+// in k order, where row(p) is row index[p] of `expert_rows` for index[p] >= 0, row
+// -index[p] - 2 of `local_rows` for index[p] <= -2 (the expert-parallel combine reads the pairs
+// of this rank's own experts where the expert GEMM left them: launch_slot_index), and nothing
+// for -1. `expert_rows` [rows, H] holds the expert outputs (schedule order, or the slots);
+// `shared` may be null; `router_weights` null means weight 1 (the d_x sum: fmaf(1, y, acc) ==
+// acc + y exactly).
+cudaError_t launch_combine(const void* expert_rows, const int32_t* index, const void* shared,
                            const float* router_weights, int64_t num_tokens, int64_t hidden,
-                           int32_t top_k, void* out, cudaStream_t stream);
+                           int32_t top_k, void* out, cudaStream_t stream,
+                           const void* local_rows = nullptr);
 
 // The routing all-gather (routing_exchange.cu): this rank's top_experts into block `rank` of
 // every rank's routing_all [R, T, K], then one signal per peer pair. Advance `epoch` after it.
@@ -80,22 +84,51 @@ struct RoutingExchangeArgs {
 cudaError_t launch_routing_exchange(const RoutingExchangeArgs& args, cudaStream_t stream);
 
 // Pull dispatch (dispatch_ep.cu): received[e] = row recv_tokens[e] of source rank s's buffer for
-// every receive entry e (entries of rank s: [recv_offsets[s], recv_offsets[s + 1])).
+// every receive entry e of another rank (entries of rank s: [recv_offsets[s],
+// recv_offsets[s + 1])). This rank's own entries are not copied: launch_expand_received reads
+// them from its own source.
 struct PullRowsArgs {
   const ScheduleHeader* header;  // total_recv
   const int32_t* recv_offsets;   // [R + 1]
   const int32_t* recv_tokens;    // [R*T]
   void* const* source_peers;     // [R] device array: each rank's symmetric [T, H] source
   int64_t vectors_per_row;       // H / 8
-  int32_t num_ranks;
+  int32_t rank, num_ranks;
   void* received;  // [R*T, H] local
 };
 // The pull of a rank's schedule (its receive list) from `source_peers` into `received`.
 inline PullRowsArgs pull_rows_args(const ScheduleView& view, void* const* source_peers,
-                                   int64_t hidden, int32_t num_ranks, void* received) {
+                                   int64_t hidden, int32_t rank, int32_t num_ranks,
+                                   void* received) {
   return {view.header, view.recv_offsets, view.recv_tokens, source_peers,
-          hidden / 8,  num_ranks,         received};
+          hidden / 8,  rank,              num_ranks,        received};
 }
+// The receive side's expansion (dispatch_ep.cu): schedule row r of [row_begin, row_begin +
+// row_count) gets the row of receive entry e = row_recv[r], stored at r - row_begin of `rows`
+// (zeros for e < 0, a padding row): from `received` for another rank's entry, from this rank's
+// own `local_source` [T, H] (token recv_tokens[e]) for one of its own entries, which no
+// dispatch copies (at R = 2 they are half of them).
+struct ExpandReceivedArgs {
+  const ScheduleHeader* header;  // total_rows
+  const int32_t* row_recv;
+  const int32_t* recv_offsets;  // [R + 1]
+  const int32_t* recv_tokens;   // [R*T]
+  const void* received;         // [R*T, H]: rows of the other ranks' entries
+  const void* local_source;     // [T, H]: this rank's x or d_out
+  int64_t vectors_per_row;      // H / 8
+  int32_t rank;
+  void* rows;
+  int64_t row_begin, row_count;
+};
+inline ExpandReceivedArgs expand_received_args(const ScheduleView& view, const void* received,
+                                               const void* local_source, int64_t hidden,
+                                               int32_t rank, void* rows, int64_t row_begin,
+                                               int64_t row_count) {
+  return {view.header, view.row_recv,   view.recv_offsets, view.recv_tokens,
+          received,    local_source,    hidden / 8,        rank,
+          rows,        row_begin,       row_count};
+}
+cudaError_t launch_expand_received(const ExpandReceivedArgs& args, cudaStream_t stream);
 // How the communication kernels move rows: warp copies (16-byte loads and stores, 16 in flight
 // per lane) or the bulk-copy engine (one thread per CTA, a 4-row shared-memory ring;
 // bulk_rows.cuh). Same bytes land either way; `wait` times the bulk loads.
@@ -114,9 +147,9 @@ cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_cta
                              const WaitContext& wait, cudaStream_t stream,
                              int threads_per_cta = kNvlinkCopyThreads);
 // Push dispatch (dispatch_ep.cu), the alternative to the pull that `mok comm-bench` measures
-// beside it: the source rank writes each routed row into every destination's receive buffer, at
-// the entry the destination's receive list gives it, so the destination finds the same rows at
-// the same entries as after a pull. launch_send_entries computes those entries on the GPU
+// beside it: the source rank writes each routed row into every other destination's receive
+// buffer, at the entry the destination's receive list gives it, so the destination finds the
+// same rows at the same entries as after a pull (its own entries: launch_expand_received). launch_send_entries computes those entries on the GPU
 // (build_send_entries_host's contract) from the gathered routing; launch_push_dispatch writes
 // the rows, then its last CTA signals every rank; the destination runs launch_wait_for_peers on
 // the dispatch flags before it reads, and advances `epoch` after.
@@ -142,8 +175,9 @@ cudaError_t launch_copy_contiguous(const void* source, void* destination, int64_
                                    int threads_per_cta = kNvlinkCopyThreads);
 
 // Push combine (combine_ep.cu): row r of `rows` (schedule order) goes to slot pair % (T*K) of
-// rank pair / (T*K)'s symmetric slot buffer, pair = row_pair[r]; then the launch's last CTA
-// signals every rank. Advance `epoch` after the matching launch_wait_for_peers.
+// rank pair / (T*K)'s symmetric slot buffer, pair = row_pair[r], for every pair of another rank
+// (this rank's own pairs stay in `rows`, where its combine reads them); then the launch's last
+// CTA signals every rank. Advance `epoch` after the matching launch_wait_for_peers.
 struct PushRowsArgs {
   const ScheduleHeader* header;  // total_rows
   const int32_t* row_pair;
@@ -173,10 +207,14 @@ cudaError_t launch_push_rows(const PushRowsArgs& args, RowCopy copy, int num_cta
 cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,
                                   const unsigned long long* epoch, const WaitContext& wait,
                                   cudaStream_t stream);
-// slot_index[i] = i where top_experts[i] is in [0, num_experts), else -1: the combine's row
-// index over a slot buffer [T*K, H] (launch_combine).
+// The expert-parallel combine's index (launch_combine over the slot buffer [T*K, H], with this
+// rank's expert rows as `local_rows`): slot_index[i] = -(own_pair_row[i] + 2) for a pair routed
+// to one of this rank's experts (own_pair_row = the schedule's pair_row of this rank's pairs:
+// the row the push left in place), i (its slot) for one routed to another rank, -1 for one
+// routed nowhere (top_experts[i] outside [0, num_experts)).
 cudaError_t launch_slot_index(const void* top_experts, DType expert_dtype, int64_t count,
-                              int64_t num_experts, int32_t* slot_index, cudaStream_t stream);
+                              int64_t num_experts, const int32_t* own_pair_row,
+                              int32_t* slot_index, cudaStream_t stream);
 
 // The expert-parallel baseline's kernels (ep_baseline.cu). Bucketing of (token, k) pairs by
 // destination rank (expert / experts_per_rank; ids outside [0, E) go nowhere): with perm null it

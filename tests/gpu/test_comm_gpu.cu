@@ -284,12 +284,15 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
         const ScheduleView view = ScheduleView::at(state.schedule, state.layout);
         const kernels::RowCopy copy = bulk ? kernels::RowCopy::kBulk : kernels::RowCopy::kWarp;
         const kernels::PullRowsArgs pull = kernels::pull_rows_args(
-            view, x_sym.device_peers(rank), kHidden, num_ranks, state.received);
+            view, x_sym.device_peers(rank), kHidden, rank, num_ranks, state.received);
         ASSERT_EQ(kernels::launch_pull_rows(pull, copy, 24, wait, nullptr), cudaSuccess);
-        ASSERT_EQ(
-            kernels::launch_gather_rows(view.header, view.row_recv, state.received, kHidden, 1,
-                                        state.rows, state.layout.params.max_rows(), nullptr),
-            cudaSuccess);
+        // Other ranks' rows from the pulled ones, this rank's own straight from its x.
+        ASSERT_EQ(kernels::launch_expand_received(
+                      kernels::expand_received_args(view, state.received, x_sym.local(rank),
+                                                    kHidden, rank, state.rows, 0,
+                                                    state.layout.params.max_rows()),
+                      nullptr),
+                  cudaSuccess);
         const kernels::PushRowsArgs push = kernels::push_rows_args(
             view, state.rows, kHidden, static_cast<int32_t>(pairs), slots.device_peers(rank),
             reinterpret_cast<uint64_t* const*>(push_flags.device_peers(rank)), rank, num_ranks,
@@ -300,12 +303,14 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
                                            num_ranks, state.counters + 1, wait, nullptr),
             cudaSuccess);
         ASSERT_EQ(kernels::launch_advance_epoch(state.counters + 1, nullptr), cudaSuccess);
+        // This rank's own pairs stay in its expert rows (the push skips them).
         ASSERT_EQ(kernels::launch_slot_index(state.top_experts, DType::kInt32, pairs, num_experts,
+                                             view.pair_row + static_cast<int64_t>(rank) * pairs,
                                              state.slot_index, nullptr),
                   cudaSuccess);
         ASSERT_EQ(
             kernels::launch_combine(slots.local(rank), state.slot_index, nullptr, state.weights,
-                                    kTokens, kHidden, kTopK, state.out, nullptr),
+                                    kTokens, kHidden, kTopK, state.out, nullptr, state.rows),
             cudaSuccess);
       }
       for (int32_t rank = 0; rank < num_ranks; ++rank) {
@@ -396,8 +401,9 @@ TEST(CommGpu, DISABLED_RankProcess) {
 
 // The push dispatch: every rank's send entries from the GPU equal the host's, and after every
 // rank pushed its x rows (and waited for every rank), each rank's receive buffer holds x row
-// recv_tokens[e] of the entry's source rank at every entry e of its receive list: where a pull
-// would have put it. Two calls per routing, so the second runs on grown epochs.
+// recv_tokens[e] of the entry's source rank at every entry e of another rank in its receive
+// list (where a pull would have put it), and nothing at its own entries. Two calls per routing,
+// so the second runs on grown epochs.
 TEST(CommGpu, PushDispatchLandsWhereThePullWould) {
   const std::vector<int> devices = all_devices();
   auto group = Communicator::create_all(devices);
@@ -488,12 +494,17 @@ TEST(CommGpu, PushDispatchLandsWhereThePullWould) {
         ASSERT_EQ(
             cudaMemcpy(got.data(), received.local(rank), got.size() * 2, cudaMemcpyDeviceToHost),
             cudaSuccess);
+        // Another rank's entries hold its rows; this rank's own stay untouched (poisoned): the
+        // expansion reads them from the local x.
         for (int32_t source = 0; source < num_ranks; ++source)
           for (int32_t entry = view.recv_offsets[source]; entry < view.recv_offsets[source + 1];
                ++entry)
             for (int32_t c = 0; c < kHidden; ++c)
               ASSERT_EQ(got[static_cast<size_t>(entry) * kHidden + c],
-                        x[source][static_cast<size_t>(view.recv_tokens[entry]) * kHidden + c].bits)
+                        source == rank
+                            ? uint16_t{0xFFFF}
+                            : x[source][static_cast<size_t>(view.recv_tokens[entry]) * kHidden + c]
+                                  .bits)
                   << "rank " << rank << " entry " << entry << " (source " << source << ", token "
                   << view.recv_tokens[entry] << ") column " << c;
       }

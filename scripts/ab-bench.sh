@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# A/B timing of `mok run` across source trees, in one device call: builds the `mok` CLI of each
+# tree (in parallel) and runs them in turns, so that every version sees the same card and the
+# same power state (METHOD.md: side by side, in one run).
+#
+#   scripts/ab-bench.sh TREE... -- MOK_RUN_ARGS...
+#
+# A TREE is a directory with mok's sources: `.` for the working tree, or an old commit exported
+# on the development machine with `scripts/ab-bench.sh --export REV` (into .ab/REV, git-ignored:
+# carry it to the device with the run tool's `carry`). Rounds: MOK_AB_ROUNDS (default 2). Logs
+# go to $OUT/ab-<tree>-<round>.log and a table of the lines matching MOK_AB_GREP (default: the
+# forward / backward / weight-gradient lines) to $OUT/ab.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+if [ "${1:-}" = --export ]; then
+  rev="${2:?usage: scripts/ab-bench.sh --export REV}"
+  mkdir -p ".ab/$rev"
+  git archive "$rev" | tar -x -C ".ab/$rev"
+  echo "exported $rev into .ab/$rev"
+  exit 0
+fi
+trees=()
+while [ $# -gt 0 ] && [ "$1" != -- ]; do
+  trees+=("$1")
+  shift
+done
+[ "${1:-}" = -- ] && shift
+if [ ${#trees[@]} -eq 0 ]; then
+  echo "usage: scripts/ab-bench.sh TREE... -- MOK_RUN_ARGS..." >&2
+  exit 2
+fi
+OUT="${OUT:-$root/out}"
+mkdir -p "$OUT"
+export PATH="$PATH:/usr/local/cuda/bin"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -z "${MOK_NCCL_HOME:-}" ]; then
+  nccl_home="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
+  if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi
+fi
+jobs_each=$(($(nproc) / ${#trees[@]}))
+[ "$jobs_each" -ge 1 ] || jobs_each=1
+pids=()
+for tree in "${trees[@]}"; do
+  (
+    cd "$tree"
+    cmake -S . -B build-ab -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF >/dev/null
+    cmake --build build-ab --target mok_cli -j "$jobs_each" >/dev/null
+  ) >"$OUT/ab-build-$(basename "$(cd "$tree" && pwd)").log" 2>&1 &
+  pids+=($!)
+done
+for i in "${!pids[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "build of ${trees[$i]} failed:" >&2
+    tail -n 30 "$OUT/ab-build-$(basename "$(cd "${trees[$i]}" && pwd)").log" >&2
+    exit 1
+  fi
+done
+pattern="${MOK_AB_GREP:-^  (forward|backward|forward\+backward) |weight gradients  |training step}"
+: >"$OUT/ab.log"
+for round in $(seq 1 "${MOK_AB_ROUNDS:-2}"); do
+  for tree in "${trees[@]}"; do
+    name="$(basename "$(cd "$tree" && pwd)")"
+    log="$OUT/ab-$name-$round.log"
+    "$tree/build-ab/mok" run "$@" >"$log" 2>&1 || echo "(mok run exited $?)" >>"$log"
+    {
+      echo "== $name, round $round"
+      grep -E "$pattern" "$log" || tail -n 5 "$log"
+    } | tee -a "$OUT/ab.log"
+  done
+done
