@@ -21,6 +21,7 @@
 #include "mok/host_problem.h"
 #include "mok/bootstrap.h"
 #include "mok/reference.h"
+#include "mok/routing.h"
 #include "rank_process.h"
 #include "test_util.h"
 #endif
@@ -176,6 +177,94 @@ TEST(EpLayerGpu, MatchesReferenceEmulation) {
   check_ep("skewed", make_shape(300, 512, 256, 8, 8), RoutingKind::kSkewed, ++seed);
   check_ep("no routes", make_shape(130, 512, 256, 4, 4, 1, 64), RoutingKind::kNoRoutes, ++seed);
   check_ep("one token", make_shape(1, 256, 128, 4, 2), RoutingKind::kUniform, ++seed);
+}
+
+// A whole training step of every rank (forward, then backward from its context) captured once
+// per rank into a CUDA graph and replayed with new routing contents: the routing exchange, the
+// schedule, the dispatch and combine keep their epochs and counts in device memory, so every
+// replay is a fresh, correct step on every rank (checked against the emulation).
+TEST(EpLayerGpu, StepGraphReplayWithNewRouting) {
+  Group group = make_group();
+  MoeShape shape = make_shape(200, 512, 256, 8, 4, 1, 64);
+  shape.num_ranks = static_cast<int32_t>(group.devices.size());
+  shape.num_experts *= shape.num_ranks;
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 970);
+  std::vector<std::unique_ptr<DeviceProblem>> device;
+  std::vector<cudaStream_t> streams(group.devices.size());
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    ASSERT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+    device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[rank], cudaStreamNonBlocking), cudaSuccess);
+  }
+  MoeConfig config;
+  config.wait_timeout_s = 20;
+  EpLayer layer(shape, config, group.ranks);
+  std::vector<ForwardArgs> forward_args;
+  std::vector<BackwardArgs> backward_args;
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    forward_args.push_back(device[rank]->forward_args());
+    backward_args.push_back(device[rank]->backward_args());
+  }
+  // A first step outside the capture sets the kernels' attributes.
+  std::vector<ForwardContext> contexts = layer.forward(forward_args, streams);
+  layer.backward(backward_args, streams, &contexts);
+  ASSERT_TRUE(layer.synchronize(streams).ok());
+  // One host thread captures every rank's stream at once (relaxed: the launches interleave).
+  std::vector<cudaGraph_t> graphs(streams.size());
+  std::vector<cudaGraphExec_t> execs(streams.size());
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    ASSERT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+    ASSERT_EQ(cudaStreamBeginCapture(streams[rank], cudaStreamCaptureModeRelaxed), cudaSuccess);
+  }
+  contexts = layer.forward(forward_args, streams);
+  layer.backward(backward_args, streams, &contexts);
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    ASSERT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+    ASSERT_EQ(cudaStreamEndCapture(streams[rank], &graphs[rank]), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&execs[rank], graphs[rank], 0), cudaSuccess);
+  }
+  uint64_t seed = 980;
+  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kOneRank,
+                                    RoutingKind::kHoles}) {
+    SCOPED_TRACE(routing_kind_name(routing));
+    HostProblem next = problem;
+    const std::vector<int32_t> all =
+        generate_routing(routing, shape.num_ranks, static_cast<int32_t>(shape.num_tokens),
+                         shape.top_k, static_cast<int32_t>(shape.num_experts), ++seed);
+    const size_t per_rank = static_cast<size_t>(shape.num_tokens) * shape.top_k;
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+      next.ranks[rank].top_experts.assign(all.begin() + rank * per_rank,
+                                          all.begin() + (rank + 1) * per_rank);
+    next.poison_outputs();
+    reference::forward_ep(shape, next.all_forward_args());
+    reference::backward_ep(shape, next.all_backward_args());
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      ASSERT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+      device[rank]->upload_routing(next.ranks[rank].top_experts);
+      device[rank]->poison_outputs();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the memsets ran on the legacy stream
+    }
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      ASSERT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(execs[rank], streams[rank]), cudaSuccess);
+    }
+    const Status status = layer.synchronize(streams);
+    ASSERT_TRUE(status.ok()) << status.message;
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      ASSERT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+      HostRank got = output_buffers(shape);
+      device[rank]->download_outputs(got);
+      expect_matches_reference(std::string("graph replay ") + routing_kind_name(routing), rank,
+                               got, next.ranks[rank]);
+    }
+  }
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    cudaSetDevice(group.devices[rank]);
+    cudaGraphExecDestroy(execs[rank]);
+    cudaGraphDestroy(graphs[rank]);
+    cudaStreamDestroy(streams[rank]);
+    device[rank].reset();
+  }
 }
 
 // One rank of a group of processes (run by EpLayerGpu.OneProcessPerGpu): each process joins the
