@@ -233,5 +233,85 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   mark("weight gradients");
 }
 
+// The routed experts' backward as one persistent kernel (backward_gemms.cu): the same GEMM
+// forms, epilogues and SwiGLU backward as backward_experts, one macrobatch.
+void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                                 const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
+                                 const void* w_up, const void* w_down,
+                                 const float* router_weights, float* d_router_weights,
+                                 float* const* d_router_weights_peers, int32_t pairs_per_rank,
+                                 void* dx_out, int64_t dx_rows, const WeightGrads& grads,
+                                 bool recompute, cudaStream_t stream, const StageMarker& mark) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
+                R = set.capacity_rows;
+  kernels::BackwardGemmsMaps maps{};
+  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
+  maps.up_out = output_rows(set.up.pointer, I, R, "up (recomputed)");
+  maps.d_out_rows = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
+  maps.w_down_mn = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  maps.dh_out = output_rows(set.hidden.pointer, I, R, "dh_raw");
+  maps.d_gate = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
+  maps.d_up = k_major_rows(set.d_up.pointer, I, R, "d_up");
+  maps.w_gate_mn = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
+  maps.w_up_mn = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  maps.dx_out = output_rows(dx_out, H, dx_rows, "dx rows");
+  maps.d_gate_mn = mn_major_rows(set.d_gate.pointer, I, R, "d_gate (MN-major)");
+  maps.d_up_mn = mn_major_rows(set.d_up.pointer, I, R, "d_up (MN-major)");
+  maps.d_out_mn = mn_major_rows(d_out_rows, H, rows_in_map, "d_out rows (MN-major)");
+  maps.x_mn = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
+  maps.h_w_mn = mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)");
+  maps.d_w_gate = make_tensor_map_3d(grads.d_w_gate, H, I, E, 64, 128, "weight gradient of gate");
+  maps.d_w_up = make_tensor_map_3d(grads.d_w_up, H, I, E, 64, 128, "weight gradient of up");
+  maps.d_w_down = make_tensor_map_3d(grads.d_w_down, I, H, E, 64, 128, "weight gradient of down");
+
+  kernels::BackwardGemmsParams params{};
+  auto form = [&](int64_t m, int64_t n, int64_t k) {
+    kernels::ExpertGemmParams p = base_params(s, set);
+    p.m_extent = static_cast<int32_t>(m);
+    p.n_extent = static_cast<int32_t>(n);
+    p.k_extent = static_cast<int32_t>(k);
+    return p;
+  };
+  params.recompute = form(0, I, H);
+  params.down_dgrad = form(0, I, H);
+  params.gate_up_dgrad = form(0, H, I);
+  params.wgrad_gate_up = form(I, H, 0);
+  params.wgrad_down = form(H, I, 0);
+  const ScheduleView view = set.view();
+  kernels::SwigluBackwardArgs& swiglu = params.swiglu;
+  swiglu.gate = static_cast<const uint4*>(set.gate.pointer);
+  swiglu.up = static_cast<const uint4*>(set.up.pointer);
+  swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
+  swiglu.row_pair = view.row_pair;
+  swiglu.router_weights = router_weights;
+  swiglu.vectors_per_row = I / 8;
+  swiglu.limit = s.shape.swiglu_limit;
+  swiglu.d_gate = static_cast<uint4*>(set.d_gate.pointer);
+  swiglu.d_up = static_cast<uint4*>(set.d_up.pointer);
+  swiglu.weighted_hidden = static_cast<uint4*>(set.hidden.pointer);
+  swiglu.d_router_weights = d_router_weights;
+  swiglu.d_router_weights_peers = d_router_weights_peers;
+  swiglu.pairs_per_rank = pairs_per_rank;
+  swiglu.row_begin = 0;
+  params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
+  params.recompute_rows = recompute ? 1 : 0;
+  const int64_t max_tiles = set.layout.params.max_tiles();
+  unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>();
+  params.ticket = counters;
+  params.epoch = counters + 1;
+  params.row_gemms_done = counters + 2;
+  params.swiglu_done = counters + 2 + max_tiles;
+  params.expert_ready = counters + 2 + 2 * max_tiles;
+  cuda_check(kernels::launch_backward_gemms(maps, params, s.sm_count, stream),
+             "persistent backward kernel");
+  cuda_check(kernels::launch_advance_epoch(params.epoch, stream),
+             "advance the persistent backward's epoch");
+  mark(recompute ? "recompute + dgrads + SwiGLU + weight gradients (persistent)"
+                 : "dgrads + SwiGLU + weight gradients (persistent)");
+}
+
 }  // namespace stages
 }  // namespace mok

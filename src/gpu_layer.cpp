@@ -79,6 +79,14 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
   s.persistent_state.allocate((2 + params.max_tiles()) * 8, "persistent forward counters");
   cuda_check(cudaMemset(s.persistent_state.pointer, 0, s.persistent_state.bytes),
              "zero persistent forward counters");
+  if (config.persistent_backward) {
+    s.persistent_backward_state.allocate(
+        (2 + 2 * params.max_tiles() + shape.num_local_experts()) * 8,
+        "persistent backward counters");
+    cuda_check(cudaMemset(s.persistent_backward_state.pointer, 0,
+                          s.persistent_backward_state.bytes),
+               "zero persistent backward counters");
+  }
 
   if (shape.has_shared_expert()) {
     // The shared expert runs through the same kernels as one expert that every token visits:
@@ -117,7 +125,7 @@ int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
   return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes +
          s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes + s.persistent_state.bytes +
-         s.wgrad_partials.bytes;
+         s.persistent_backward_state.bytes + s.wgrad_partials.bytes;
 }
 
 // The forward as a sequence of stages; `mark(name)` is called after each one (profiling).
@@ -264,12 +272,19 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
           "gather d_out launch");
       mark(recompute ? "gather x, d_out" : "gather d_out");
     }
-    stages::backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, ring_rows,
-                             fwd.w_gate.data, fwd.w_up.data, fwd.w_down.data, weights,
-                             d_router_weights, d_router_weights_peers, pairs_per_rank,
-                             s.expert_out.pointer, max_rows,
-                             {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute,
-                             stream, mark, s.num_macrobatches > 1 ? m : -1);
+    if (s.config.persistent_backward && s.num_macrobatches == 1)
+      stages::backward_experts_persistent(
+          s, s.routed, s.rows.pointer, s.d_out_rows.pointer, ring_rows, fwd.w_gate.data,
+          fwd.w_up.data, fwd.w_down.data, weights, d_router_weights, d_router_weights_peers,
+          pairs_per_rank, s.expert_out.pointer, max_rows,
+          {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute, stream, mark);
+    else
+      stages::backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, ring_rows,
+                               fwd.w_gate.data, fwd.w_up.data, fwd.w_down.data, weights,
+                               d_router_weights, d_router_weights_peers, pairs_per_rank,
+                               s.expert_out.pointer, max_rows,
+                               {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute,
+                               stream, mark, s.num_macrobatches > 1 ? m : -1);
   }
 #if MOK_HAS_NCCL
   if (s.ep != nullptr) ep::push_rows(s, stream, mark, "push dx");

@@ -28,6 +28,14 @@ const char* wait_site_name(int32_t site) {
              "the same layer call?; expected and seen are epochs)";
     case kernels::WaitSite::kBulkRow:
       return "a bulk row copy waiting for its row to arrive in shared memory";
+    case kernels::WaitSite::kRowGemmsDone:
+      return "persistent backward SwiGLU task waiting for the down dgrad (and recompute) tiles "
+             "of its row tile (expected and seen count tiles)";
+    case kernels::WaitSite::kSwigluDone:
+      return "persistent backward gate/up dgrad tile waiting for the SwiGLU task of its row tile";
+    case kernels::WaitSite::kExpertReady:
+      return "persistent backward weight-gradient tile waiting for the SwiGLU tasks of its "
+             "expert's row tiles (expected and seen count row tiles)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

@@ -45,6 +45,8 @@ mok run options:
                                process (default shape kimi_slice: E = 8 per GPU); N ranks
   --persistent-forward         GPU: run the forward GEMMs as one persistent kernel (the run
                                times both ways either way)
+  --persistent-backward        GPU: run the routed experts' backward as one persistent kernel
+                               (the run checks and times both ways either way)
   --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
                                128; default 4096)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
@@ -87,6 +89,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--persistent-forward") {
       options.persistent_forward = true;
+      continue;
+    }
+    if (flag == "--persistent-backward") {
+      options.persistent_backward = true;
       continue;
     }
     if (flag == "--push-dispatch") {

@@ -93,16 +93,22 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const int64_t ring_macrobatches =
       (max_rows + ring_config.macrobatch_size - 1) / ring_config.macrobatch_size;
   mok::GpuLayer ring_layer(shape, ring_config);
-  bool ring_bitwise = true;
-  {
-    mok::HostRank ring_result = mok::output_buffers(shape);
+  // The backward the other way: one persistent kernel or the kernel sequence (same bits).
+  mok::MoeConfig other_backward = config;
+  other_backward.persistent_backward = !config.persistent_backward;
+  other_backward.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
+  mok::GpuLayer other_backward_layer(shape, other_backward);
+  auto same_bits_as_first = [&](mok::GpuLayer& other) {
+    mok::HostRank result = mok::output_buffers(shape);
     device.poison_outputs();
-    const mok::ForwardContext context = ring_layer.forward(args, stream);
-    ring_layer.backward(backward_args, stream, &context);
-    ring_layer.synchronize(stream).throw_if_error();
-    device.download_outputs(ring_result);
-    ring_bitwise = mok::outputs_equal(ring_result, first);
-  }
+    const mok::ForwardContext context = other.forward(args, stream);
+    other.backward(backward_args, stream, &context);
+    other.synchronize(stream).throw_if_error();
+    device.download_outputs(result);
+    return mok::outputs_equal(result, first);
+  };
+  const bool ring_bitwise = same_bits_as_first(ring_layer);
+  const bool other_backward_bitwise = same_bits_as_first(other_backward_layer);
 
   const int64_t total_tokens = shape.num_tokens;
   const int64_t check_count =
@@ -179,11 +185,16 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
        [&] {
          const mok::ForwardContext step = ring_layer.forward(args, stream);
          ring_layer.backward(backward_args, stream, &step);
+       },
+       [&] {
+         const mok::ForwardContext step = other_backward_layer.forward(args, stream);
+         other_backward_layer.backward(backward_args, stream, &step);
        }},
       stream, 8, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = medians[7];
+  const double other_backward_step_ms = medians[8];
   const std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms},
       {variant_name(other_dispatch), medians[5]},
@@ -192,7 +203,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double base_backward_ms = base_step_ms - base_forward_ms;
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
 
-  bool passed = deterministic && ring_bitwise;
+  bool passed = deterministic && ring_bitwise && other_backward_bitwise;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
   std::printf("mok run: forward and backward on %s (EP = 1), %s\n", device_name.c_str(),
@@ -222,6 +233,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       static_cast<long long>(ring_macrobatches),
       static_cast<long long>(ring_config.macrobatch_size), ring_step_ms,
       (forward_flop + backward_flop) / ring_step_ms / 1e9, ring_bitwise ? "yes" : "NO");
+  std::printf(
+      "  training step with the backward as %s: %.3f ms, %.1f TFLOP/s, bitwise equal: %s\n",
+      other_backward.persistent_backward ? "one persistent kernel" : "a kernel sequence",
+      other_backward_step_ms, (forward_flop + backward_flop) / other_backward_step_ms / 1e9,
+      other_backward_bitwise ? "yes" : "NO");
   std::printf("  forward variants (same bits):\n");
   for (const auto& [name, ms] : forward_variants_ms)
     std::printf("    %-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, forward_flop / ms / 1e9);
@@ -247,6 +263,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          << options.routing << "\", \"local_dispatch\": \""
          << mok::local_dispatch_name(config.local_dispatch)
          << "\", \"persistent_forward\": " << (config.persistent_forward ? "true" : "false")
+         << ", \"persistent_backward\": " << (config.persistent_backward ? "true" : "false")
          << ",\n"
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
@@ -280,6 +297,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     json << "},\n  \"macrobatches\": {\"count\": " << ring_macrobatches
          << ", \"rows\": " << ring_config.macrobatch_size << ", \"step_ms\": " << ring_step_ms
          << ", \"bitwise\": " << (ring_bitwise ? "true" : "false") << "}";
+    json << ",\n  \"other_backward\": {\"persistent\": "
+         << (other_backward.persistent_backward ? "true" : "false")
+         << ", \"step_ms\": " << other_backward_step_ms
+         << ", \"bitwise\": " << (other_backward_bitwise ? "true" : "false") << "}";
     json << ",\n  \"deterministic\": " << (deterministic ? "true" : "false")
          << ", \"passed\": " << (passed ? "true" : "false") << "\n}\n";
   }

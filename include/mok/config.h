@@ -51,6 +51,11 @@ struct MoeConfig {
   // GEMMs' tiles, the minibatch pipeline of task_order.h, dependency counters with epochs)
   // instead of two kernels. Same bits either way.
   bool persistent_forward = false;
+  // Run the routed experts' backward (recompute, down dgrad, SwiGLU backward, gate/up dgrad,
+  // weight gradients) as one persistent kernel: a task queue in the order of
+  // backward_task_order.h with dependency counters instead of seven kernel boundaries. Same bits
+  // either way. With several macrobatches the backward runs its kernel sequence.
+  bool persistent_backward = false;
   // Expert parallel: move dispatch / combine rows with the bulk-copy engine (cp.async.bulk, one
   // thread per communication CTA) instead of warp copies. Same bits either way.
   bool ep_bulk_copies = false;

@@ -98,6 +98,45 @@ struct ForwardGemmsParams {
 };
 constexpr unsigned long long kGateUpDoneStride = 1ull << 20;  // > gate/up tiles per row tile
 
+// The SwiGLU backward of a row (swiglu_backward.cuh): the standalone pass and the persistent
+// backward's SwiGLU task read and write through the same arguments.
+struct SwigluBackwardArgs {
+  const uint4* gate;                     // bf16 g rows (the forward context or the recompute)
+  const uint4* up;                       // bf16 u rows
+  const uint4* dh_raw;                   // bf16 rows of d_out Wd
+  const int32_t* row_pair;               // pair of each schedule row (-1 padding); null = identity
+  const float* router_weights;           // per pair; null = weight 1
+  int64_t vectors_per_row;               // I / 8
+  float limit;                           // the SwiGLU clamp (infinity = none)
+  uint4* d_gate;                         // bf16 rows out
+  uint4* d_up;                           // bf16 rows out
+  uint4* weighted_hidden;                // bf16 h_w rows out (may alias dh_raw: read first)
+  float* d_router_weights;               // per pair, or null (the shared expert)
+  float* const* d_router_weights_peers;  // expert parallel: each source rank's buffer, or null
+  int32_t pairs_per_rank;
+  int64_t row_begin;  // the row buffers hold schedule row r at r - row_begin (a macrobatch)
+};
+
+// The persistent backward kernel (backward_gemms.cu): the parameters of each GEMM form it runs,
+// the SwiGLU task's arguments, and the state of its task order (backward_task_order.h; the rows
+// are gathered before the launch and the d_x combine runs after it). Counters carry the
+// launch's epoch like the forward's: value = epoch * kGateUpDoneStride + tasks done.
+struct BackwardGemmsParams {
+  ExpertGemmParams recompute;      // kGateUpStore: g and u again (without the forward context)
+  ExpertGemmParams down_dgrad;     // kDownGrad: dh_raw
+  ExpertGemmParams gate_up_dgrad;  // kGateUpGradStore: the dx rows
+  ExpertGemmParams wgrad_gate_up;  // kWeightGrad of gate and up: M = I, N = H
+  ExpertGemmParams wgrad_down;     // kWeightGrad of down: M = H, N = I
+  SwigluBackwardArgs swiglu;
+  int32_t minibatch_tiles;  // MoeConfig::minibatch_size / 128
+  int32_t recompute_rows;   // 1: no forward context, the recompute tasks run
+  unsigned long long* ticket;
+  unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
+  unsigned long long* row_gemms_done;  // [max_tiles]: recompute + down dgrad tiles finished
+  unsigned long long* swiglu_done;     // [max_tiles]: the row tile's SwiGLU task finished
+  unsigned long long* expert_ready;    // [E_loc]: SwiGLU tasks of the expert's row tiles
+};
+
 constexpr int tile_n_columns(ExpertGemmForm form) {
   return form == ExpertGemmForm::kGateUpSwiGLU || form == ExpertGemmForm::kGateUpStore ? 128 : 256;
 }

@@ -32,6 +32,34 @@ struct ForwardGemmsMaps {
 cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemmsParams& params,
                                  int num_ctas, cudaStream_t stream);
 
+// The persistent backward kernel (backward_gemms.cu): every recompute, down dgrad, SwiGLU,
+// gate/up dgrad and weight-gradient task of the routed experts' backward in one launch of
+// num_ctas CTAs (one macrobatch; the rows gathered before it, the d_x combine after it);
+// params.epoch must be advanced after it. Maps as the standalone forms read and store them.
+struct BackwardGemmsMaps {
+  CUtensorMap x_rows;          // recompute A: x rows [rows, H], K-major [128 x 64] boxes
+  CUtensorMap w_gate, w_up;    // recompute B: [E_loc, I, H], K-major [128 x 64] boxes
+  CUtensorMap gate_out;        // stores: bf16(g) and bf16(u) [rows, I]
+  CUtensorMap up_out;
+  CUtensorMap d_out_rows;      // down dgrad A: d_out rows [rows, H], K-major
+  CUtensorMap w_down_mn;       // down dgrad B: [E_loc, H, I] read MN-major
+  CUtensorMap dh_out;          // store: dh_raw [rows, I] (the SwiGLU task turns it into h_w)
+  CUtensorMap d_gate, d_up;    // gate/up dgrad A: [rows, I], K-major
+  CUtensorMap w_gate_mn;       // gate/up dgrad B: [E_loc, I, H] read MN-major
+  CUtensorMap w_up_mn;
+  CUtensorMap dx_out;          // store: the dx rows [rows, H]
+  CUtensorMap d_gate_mn;       // weight-gradient A operands [rows, M], MN-major
+  CUtensorMap d_up_mn;
+  CUtensorMap d_out_mn;
+  CUtensorMap x_mn;            // weight-gradient B operands [rows, N], MN-major
+  CUtensorMap h_w_mn;
+  CUtensorMap d_w_gate;        // stores [E_loc, M, N]
+  CUtensorMap d_w_up;
+  CUtensorMap d_w_down;
+};
+cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardGemmsParams& params,
+                                  int num_ctas, cudaStream_t stream);
+
 struct ExpertGemmMaps {
   CUtensorMap a0, a1, b0, b1;
   // Outputs of the form (expert_gemm_params.h), 3-D maps with boxes of [128 rows x 64 columns]:

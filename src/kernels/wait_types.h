@@ -19,6 +19,9 @@ enum class WaitSite : int32_t {
   kGateUpDone = 8,       // persistent scheduler: a down tile waiting for its row tile's gate/up
   kPeerSignal = 9,       // a rank waiting for another rank's signal (peer_barrier.cuh)
   kBulkRow = 10,         // a bulk row copy's load into shared memory (bulk_rows.cuh)
+  kRowGemmsDone = 11,    // persistent backward: a SwiGLU task waiting for its row tile's GEMMs
+  kSwigluDone = 12,      // persistent backward: a gate/up dgrad tile waiting for its SwiGLU task
+  kExpertReady = 13,     // persistent backward: a weight-gradient tile waiting for its expert
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

@@ -114,7 +114,7 @@ TEST(BackwardGpu, MatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(6);
+  std::vector<MoeConfig> configs(9);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -128,6 +128,14 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[5].persistent_forward = true;
   configs[5].minibatch_size = 128;
   configs[5].macrobatch_size = 512;
+  // The persistent backward: the default pipeline (one minibatch here), a deep one, and with
+  // the persistent forward.
+  configs[6].persistent_backward = true;
+  configs[7].persistent_backward = true;
+  configs[7].minibatch_size = 128;
+  configs[8].persistent_backward = true;
+  configs[8].persistent_forward = true;
+  configs[8].minibatch_size = 256;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -142,7 +150,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << routing_kind_name(routing) << ", minibatch " << config.minibatch_size
                      << " macrobatch " << config.macrobatch_size << " local dispatch "
                      << local_dispatch_name(config.local_dispatch) << " persistent forward "
-                     << config.persistent_forward << (with_context ? "" : ", no context"));
+                     << config.persistent_forward << " persistent backward "
+                     << config.persistent_backward << (with_context ? "" : ", no context"));
         const HostRank got = gpu_backward(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

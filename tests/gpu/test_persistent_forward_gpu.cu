@@ -13,6 +13,7 @@
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
+#include "sm_hold.cuh"
 #include "test_util.h"
 
 namespace mok {
@@ -99,18 +100,6 @@ TEST(PersistentForwardGpu, MatchesReferenceAndFeedsTheBackward) {
                         });
 }
 
-// Holds `blocks` SMs (one block each: its shared memory leaves no room for a persistent CTA)
-// for `hold_ns`, then exits.
-__global__ void hold_sms_kernel(uint64_t hold_ns) {
-  extern __shared__ unsigned char hog[];
-  uint64_t start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (threadIdx.x == 0) hog[now & 1023] = 1;
-  } while (now - start < hold_ns);
-}
-
 TEST(PersistentForwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   int device_id = 0, sm_count = 0;
   ASSERT_EQ(cudaGetDevice(&device_id), cudaSuccess);
@@ -130,7 +119,7 @@ TEST(PersistentForwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&hog_stream, cudaStreamNonBlocking), cudaSuccess);
   ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
   constexpr int kHogSharedBytes = 120 * 1024;
-  ASSERT_EQ(cudaFuncSetAttribute(hold_sms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  ASSERT_EQ(cudaFuncSetAttribute(test::hold_sms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  kHogSharedBytes),
             cudaSuccess);
   cudaEvent_t hog_done;
@@ -138,7 +127,7 @@ TEST(PersistentForwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   device.poison_outputs();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the memsets ran on the legacy stream
   const int held = sm_count - 8;                    // the forward gets 8 SMs until the hog exits
-  hold_sms_kernel<<<held, 128, kHogSharedBytes, hog_stream>>>(2'000'000'000ull);  // 2 s
+  test::hold_sms_kernel<<<held, 128, kHogSharedBytes, hog_stream>>>(2'000'000'000ull);  // 2 s
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaEventRecord(hog_done, hog_stream), cudaSuccess);
   layer.forward(device.forward_args(), layer_stream);

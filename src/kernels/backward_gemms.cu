@@ -1,0 +1,406 @@
+// The persistent backward kernel: every task of the routed experts' backward in one launch, in
+// the order of backward_task_order.h, with dependency counters instead of kernel boundaries
+// (DESIGN.md §2.5, §2.7). The rows (d_out, and x for the recompute) are gathered before the
+// launch and the fixed-order d_x combine runs after it, so the rows(m) tasks are skipped and
+// the plan has no combine tasks; one macrobatch (the layer runs the kernel sequence otherwise).
+//
+// Grid: persistent, one 384-thread CTA per SM (or fewer resident: see Progress).
+// Warp roles (the mainloop, the loads and the epilogues are the expert GEMM's:
+// gemm_mainloop.cuh, gemm_loads.cuh, epilogue.cuh):
+//   warpgroup 0, thread 0  the scheduler and TMA thread. Per task: takes a ticket from the
+//                global counter (the next one before issuing the current task's loads), maps it
+//                to a task (backward_task_at with a cursor: this CTA's tickets only grow), waits
+//                for the task's dependency, publishes the task in a 4-slot shared-memory queue
+//                (task_full / task_empty mbarriers), then issues the task's K-block loads into
+//                the 3-stage ring (a SwiGLU task has none). After the last ticket it publishes
+//                a stop task.
+//   warpgroups 1, 2        consumers: read the task from the queue and run it:
+//                recompute(m, n)      mainloop + kGateUpStore epilogue (bf16 g, u)
+//                down_dgrad(m, n)     mainloop + kDownGrad epilogue (dh_raw)
+//                swiglu(m)            the eight consumer warps run the SwiGLU backward of the
+//                                     row tile's 128 rows (swiglu_backward.cuh): d_g, d_u,
+//                                     h_w in place of dh_raw, the router-weight gradients
+//                gate_up_dgrad(m, n)  mainloop + kGateUpGradStore epilogue (the dx rows)
+//                wgrad(e, matrix, t)  mainloop over expert e's rows + kWeightGrad epilogue
+// Dependencies (counters in global memory, epoch * kGateUpDoneStride + count):
+//   swiglu(m)          row_gemms_done[m] = its down dgrad tiles (+ recompute tiles)
+//   gate_up_dgrad(m,n) swiglu_done[m] = 1
+//   wgrad(e, ...)      expert_ready[e] = the number of e's row tiles (none for an empty expert)
+// Ordering: a GEMM tile's output leaves by TMA stores; the first consumer thread waits for them
+// to complete, fences the async proxy and release-adds the counter; the waiting side acquires
+// (the scheduler before it queues the task, and each SwiGLU thread again before its loads) and
+// fences the async proxy before TMA loads. The SwiGLU task's generic stores: the eight warps
+// meet at a named barrier, then one thread release-adds (cumulative over the CTA's stores).
+// Progress: a ticket is taken only by a running scheduler, and a task waits only on tasks with
+// smaller tickets, which were all queued (and their loads issued) before their scheduler took
+// its next ticket; so the kernel finishes with any number of resident CTAs.
+// Epochs: the ticket and the counters only grow; nothing is reset (graph replays work).
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "kernels/backward_task_order.h"
+#include "kernels/dispatch_local.cuh"
+#include "kernels/epilogue.cuh"
+#include "kernels/expert_gemm_params.h"
+#include "kernels/gemm_loads.cuh"
+#include "kernels/gemm_mainloop.cuh"
+#include "kernels/kernel_preload.h"
+#include "kernels/launchers.h"
+#include "kernels/swiglu_backward.cuh"
+
+namespace mok::kernels {
+
+namespace {
+
+constexpr int kQueueSlots = 4;
+constexpr int kStopTask = -1;
+constexpr int kSwigluBarrier = 2;  // named barrier of the consumer warps (1: the staging tile)
+
+// A task as the consumers need it.
+struct QueuedTask {
+  int32_t kind;  // BackwardTaskKind, or kStopTask
+  int32_t m_tile;
+  int32_t n_tile;
+  int32_t expert;  // the row tile's expert, or the weight gradient's
+  int32_t matrix;  // wgrad: 0 gate, 1 up, 2 down
+  int32_t k_row0;  // wgrad: the expert's first row
+  int32_t num_k_blocks;
+  int32_t unused;
+};
+
+struct TaskQueue {
+  QueuedTask slot[kQueueSlots];
+  uint64_t full[kQueueSlots];
+  uint64_t empty[kQueueSlots];
+};
+
+using Storage = GemmSharedStorage<kNumStages>;
+
+__device__ __forceinline__ void release_add(unsigned long long* address) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(address) : "memory");
+}
+
+// Counts one finished task on `counter` for this launch's epoch.
+__device__ __forceinline__ void count_done(unsigned long long* counter,
+                                           unsigned long long epoch) {
+  atomicMax(counter, epoch * kGateUpDoneStride);
+  release_add(counter);
+}
+
+// Run by the thread that issued a tile's TMA stores: once they are complete, the tile is in
+// global memory for the tasks that wait on `counter`.
+__device__ __forceinline__ void count_stored_tile(unsigned long long* counter,
+                                                  unsigned long long epoch) {
+  ptx::bulk_wait_group<0>();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  count_done(counter, epoch);
+}
+
+__device__ __forceinline__ unsigned long long launch_epoch(const BackwardGemmsParams& params) {
+  return *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
+}
+
+// The plan of this launch; `expert_tiles` (shared memory, E_loc + 1 entries) holds each
+// expert's first row tile.
+__device__ __forceinline__ BackwardPlan plan_of(const BackwardGemmsParams& params,
+                                                const int32_t* expert_tiles) {
+  const int32_t I = params.down_dgrad.n_extent, H = params.gate_up_dgrad.n_extent;
+  BackwardPlan plan;
+  plan.num_m_tiles = params.down_dgrad.header->num_tiles;
+  plan.minibatch_tiles = params.minibatch_tiles;
+  plan.recompute = params.recompute_rows;
+  plan.gate_up_n_tiles = (I + 127) / 128;
+  plan.down_dgrad_n_tiles = (I + BLOCK_N - 1) / BLOCK_N;
+  plan.gate_up_dgrad_n_tiles = (H + BLOCK_N - 1) / BLOCK_N;
+  plan.gate_wgrad_tiles = ((I + BLOCK_M - 1) / BLOCK_M) * ((H + BLOCK_N - 1) / BLOCK_N);
+  plan.down_wgrad_tiles = ((H + BLOCK_M - 1) / BLOCK_M) * ((I + BLOCK_N - 1) / BLOCK_N);
+  plan.num_experts = params.down_dgrad.num_experts;
+  plan.combine_blocks = 0;
+  plan.expert_tiles = expert_tiles;
+  return plan;
+}
+
+// What the consumers need of `task`: coordinates, the expert, and the K blocks.
+__device__ __forceinline__ QueuedTask queued_task(const BackwardGemmsParams& params,
+                                                  const BackwardTask& task) {
+  QueuedTask queued{static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, -1, -1, 0, 0, 0};
+  switch (task.kind) {
+    case BackwardTaskKind::kRecompute:
+      queued.expert = params.recompute.tile_expert[task.m_tile];
+      queued.num_k_blocks = params.recompute.k_extent / BLOCK_K;
+      break;
+    case BackwardTaskKind::kDownDgrad:
+      queued.expert = params.down_dgrad.tile_expert[task.m_tile];
+      queued.num_k_blocks = params.down_dgrad.k_extent / BLOCK_K;
+      break;
+    case BackwardTaskKind::kSwiglu:
+      queued.expert = params.down_dgrad.tile_expert[task.m_tile];
+      break;
+    case BackwardTaskKind::kGateUpDgrad:
+      queued.expert = params.gate_up_dgrad.tile_expert[task.m_tile];
+      queued.num_k_blocks = 2 * params.gate_up_dgrad.k_extent / BLOCK_K;
+      break;
+    default: {  // kWeightGrad: weight tile index -> (m, n) as the standalone kernel walks them
+      const ExpertGemmParams& wgrad =
+          task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up;
+      const int num_m_tiles = (wgrad.m_extent + BLOCK_M - 1) / BLOCK_M;
+      queued.expert = task.expert;
+      queued.matrix = task.matrix;
+      queued.n_tile = task.m_tile / num_m_tiles;
+      queued.m_tile = task.m_tile % num_m_tiles;
+      const int32_t begin = wgrad.expert_offsets[task.expert];
+      queued.k_row0 = begin;
+      queued.num_k_blocks = (wgrad.expert_offsets[task.expert + 1] - begin) / BLOCK_K;
+      break;
+    }
+  }
+  return queued;
+}
+
+__device__ __forceinline__ TileCoord coord_of(const QueuedTask& task) {
+  TileCoord coord;
+  coord.expert = task.expert;
+  coord.m_tile = task.m_tile;
+  coord.n_tile = task.n_tile;
+  coord.k_row0 = task.k_row0;
+  coord.num_k_blocks = task.num_k_blocks;
+  return coord;
+}
+
+// The scheduler's wait for `counter` to reach epoch * stride + `count`.
+__device__ __forceinline__ void wait_for_count(const WaitContext& wait, WaitSite site,
+                                               const unsigned long long* counter,
+                                               unsigned long long epoch, int64_t count) {
+  const unsigned long long target = epoch * kGateUpDoneStride + count;
+  wait_until(
+      wait, site, [&] { return acquire_load_u64(counter) >= target; },
+      [&] {
+        return static_cast<long long>(acquire_load_u64(counter) - epoch * kGateUpDoneStride);
+      },
+      count);
+}
+
+__device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
+                                                  const BackwardGemmsParams& params, Storage& smem,
+                                                  TaskQueue& queue, const int32_t* expert_tiles) {
+  const WaitContext& wait = params.down_dgrad.wait;
+  const BackwardPlan plan = plan_of(params, expert_tiles);
+  const int64_t num_tasks_here = num_tasks(plan);
+  const unsigned long long epoch = launch_epoch(params);
+  const unsigned long long ticket_base = epoch << 32;
+  PipelineState<kNumStages> state;
+  int slot = 0;
+  uint32_t slot_phase = 0;
+  SegmentCursor cursor;  // this CTA's tickets only grow
+  atomicMax(params.ticket, ticket_base);
+  long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
+  for (;;) {
+    long long ticket = next_ticket;
+    QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, 0};
+    BackwardTask task{};
+    // The rows were gathered before the launch: their tasks have nothing left to do.
+    while (ticket < num_tasks_here) {
+      task = backward_task_at(plan, ticket, &cursor);
+      if (task.kind != BackwardTaskKind::kRows) break;
+      ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
+    }
+    if (ticket < num_tasks_here) {
+      queued = queued_task(params, task);
+      if (task.kind == BackwardTaskKind::kSwiglu) {
+        wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
+                       plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
+      } else if (task.kind == BackwardTaskKind::kGateUpDgrad) {
+        wait_for_count(wait, WaitSite::kSwigluDone, params.swiglu_done + task.m_tile, epoch, 1);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      } else if (task.kind == BackwardTaskKind::kWeightGrad) {
+        const int32_t tiles = expert_tiles[task.expert + 1] - expert_tiles[task.expert];
+        if (tiles > 0) {
+          wait_for_count(wait, WaitSite::kExpertReady, params.expert_ready + task.expert, epoch,
+                         tiles);
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+        }
+      }
+    }
+    mbarrier_wait(wait, WaitSite::kTaskQueueSlot, &queue.empty[slot], slot_phase ^ 1);
+    queue.slot[slot] = queued;
+    ptx::mbarrier_arrive(&queue.full[slot]);
+    if (++slot == kQueueSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
+    if (queued.kind == kStopTask) return;
+    // The next ticket now: the atomic's round trip overlaps this task's loads.
+    next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
+    const TileCoord coord = coord_of(queued);
+    const auto kind = static_cast<BackwardTaskKind>(queued.kind);
+    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+      produce_stage(wait, smem, state, kTileABytes + kTileBBytes,
+                    [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+                      switch (kind) {
+                        case BackwardTaskKind::kRecompute:
+                          issue_loads<ExpertGemmForm::kGateUpStore>(
+                              &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up,
+                              params.recompute, coord, k_block, a_dst, b_dst, full);
+                          break;
+                        case BackwardTaskKind::kDownDgrad:
+                          issue_loads<ExpertGemmForm::kDownGrad>(
+                              &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn,
+                              &maps.w_down_mn, params.down_dgrad, coord, k_block, a_dst, b_dst,
+                              full);
+                          break;
+                        case BackwardTaskKind::kGateUpDgrad:
+                          issue_loads<ExpertGemmForm::kGateUpGradStore>(
+                              &maps.d_gate, &maps.d_up, &maps.w_gate_mn, &maps.w_up_mn,
+                              params.gate_up_dgrad, coord, k_block, a_dst, b_dst, full);
+                          break;
+                        default: {  // kWeightGrad
+                          const CUtensorMap* a = queued.matrix == 0   ? &maps.d_gate_mn
+                                                 : queued.matrix == 1 ? &maps.d_up_mn
+                                                                      : &maps.d_out_mn;
+                          const CUtensorMap* b = queued.matrix == 2 ? &maps.h_w_mn : &maps.x_mn;
+                          issue_loads<ExpertGemmForm::kWeightGrad>(
+                              a, a, b, b, params.wgrad_gate_up, coord, k_block, a_dst, b_dst,
+                              full);
+                          break;
+                        }
+                      }
+                    });
+  }
+}
+
+// The SwiGLU backward of row tile `m_tile` by the eight consumer warps, then its counters.
+__device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& params, int m_tile,
+                                                int expert, unsigned long long epoch) {
+  // The scheduler acquired the row tile's GEMM outputs; each thread acquires too, so its own
+  // loads below are ordered after their stores.
+  (void)acquire_load_u64(params.row_gemms_done + m_tile);
+  const int warp = (threadIdx.x - BLOCK_M) / 32;
+  const int64_t first_row = static_cast<int64_t>(m_tile) * BLOCK_M;
+  const int64_t end = min(first_row + BLOCK_M,
+                          static_cast<int64_t>(params.down_dgrad.header->total_rows));
+  for (int64_t row = first_row + warp; row < end; row += kConsumerThreads / 32)
+    swiglu_backward_row(params.swiglu, row);
+  // Each thread's stores at device scope (system scope for router-weight gradients that went
+  // to other GPUs, read after the push's signal), and toward the async proxy: the tiles that
+  // wait for this task load d_g, d_u and h_w with TMA.
+  if (params.swiglu.d_router_weights_peers != nullptr)
+    __threadfence_system();
+  else
+    __threadfence();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  ptx::named_barrier_sync(kSwigluBarrier, kConsumerThreads);
+  if (threadIdx.x == BLOCK_M) {
+    count_done(params.swiglu_done + m_tile, epoch);
+    count_done(params.expert_ready + expert, epoch);
+  }
+}
+
+__global__ void __launch_bounds__(kNumThreads, 1)
+    backward_gemms_kernel(const __grid_constant__ BackwardGemmsMaps maps,
+                          const BackwardGemmsParams params) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                              ~uintptr_t{1023});
+  TaskQueue& queue =
+      *reinterpret_cast<TaskQueue*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
+  int32_t* expert_tiles = reinterpret_cast<int32_t*>(&queue + 1);
+  const int32_t num_experts = params.down_dgrad.num_experts;
+  for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
+    expert_tiles[e] = params.down_dgrad.expert_offsets[e] / BLOCK_M;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kQueueSlots; ++s) {
+      ptx::mbarrier_init(&queue.full[s], 1);
+      ptx::mbarrier_init(&queue.empty[s], kConsumerThreads / 32);  // one arrive per consumer warp
+    }
+  }
+  init_pipeline(smem);  // also fences the barrier inits and syncs the CTA
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      for (const CUtensorMap* map : {&maps.x_rows, &maps.d_out_rows, &maps.w_down_mn,
+                                     &maps.d_gate, &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
+        ptx::prefetch_tensor_map(map);
+      schedule_and_load(maps, params, smem, queue, expert_tiles);
+    }
+  } else {
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    const int consumer_idx = warpgroup - 1;
+    const bool issuer = threadIdx.x == BLOCK_M;
+    const unsigned long long epoch = launch_epoch(params);
+    PipelineState<kNumStages> state;
+    uint32_t queued_count = 0;  // tasks read so far: slot = count % 4, phase = (count / 4) & 1
+    // The accumulators stay live across tasks in ptxas's view (the wgmma operands read them),
+    // so the SwiGLU task's registers come on top of them: ptxas spills ~200 bytes here
+    // (docs/perf.md). Zeroing them after the SwiGLU task would end their life there, but made
+    // ptxas serialize every wgmma (C7515).
+    float acc[128];
+    for (;;) {
+      const int slot = static_cast<int>(queued_count % kQueueSlots);
+      mbarrier_wait(params.down_dgrad.wait, WaitSite::kQueuedTask, &queue.full[slot],
+                    (queued_count / kQueueSlots) & 1);
+      const QueuedTask task = queue.slot[slot];
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&queue.empty[slot]);
+      ++queued_count;
+      if (task.kind == kStopTask) break;
+      const auto kind = static_cast<BackwardTaskKind>(task.kind);
+      const WaitContext& wait = params.down_dgrad.wait;
+      if (kind == BackwardTaskKind::kSwiglu) {
+        run_swiglu_task(params, task.m_tile, task.expert, epoch);
+      } else if (kind == BackwardTaskKind::kRecompute) {
+        consume_tile<false, false>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
+        store_tile<ExpertGemmForm::kGateUpStore>({&maps.gate_out, &maps.up_out, nullptr}, smem,
+                                                 params.recompute, coord_of(task), consumer_idx,
+                                                 acc);
+        if (issuer) count_stored_tile(params.row_gemms_done + task.m_tile, epoch);
+      } else if (kind == BackwardTaskKind::kDownDgrad) {
+        consume_tile<false, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
+        store_tile<ExpertGemmForm::kDownGrad>({&maps.dh_out, nullptr, nullptr}, smem,
+                                              params.down_dgrad, coord_of(task), consumer_idx,
+                                              acc);
+        if (issuer) count_stored_tile(params.row_gemms_done + task.m_tile, epoch);
+      } else if (kind == BackwardTaskKind::kGateUpDgrad) {
+        consume_tile<false, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
+        store_tile<ExpertGemmForm::kGateUpGradStore>({&maps.dx_out, nullptr, nullptr}, smem,
+                                                     params.gate_up_dgrad, coord_of(task),
+                                                     consumer_idx, acc);
+      } else {  // kWeightGrad
+        consume_tile<true, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
+        const CUtensorMap* out = task.matrix == 0   ? &maps.d_w_gate
+                                 : task.matrix == 1 ? &maps.d_w_up
+                                                    : &maps.d_w_down;
+        store_tile<ExpertGemmForm::kWeightGrad>(
+            {out, nullptr, nullptr}, smem,
+            task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up, coord_of(task),
+            consumer_idx, acc);
+      }
+    }
+    // Outstanding TMA stores read the staging tile: it must outlive them.
+    if (issuer) ptx::bulk_wait_group<0>();
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardGemmsParams& params,
+                                  int num_ctas, cudaStream_t stream) {
+  if (num_ctas < 1 || params.down_dgrad.num_experts < 0 || params.minibatch_tiles < 1)
+    return cudaErrorInvalidValue;
+  const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue) +
+                            (static_cast<size_t>(params.down_dgrad.num_experts) + 1) * 4 + 1024;
+  cudaError_t status =
+      cudaFuncSetAttribute(backward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  backward_gemms_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
+  return cudaGetLastError();
+}
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload("backward_gemms.cu", {kernel_symbol(&backward_gemms_kernel)});
+}  // namespace
+
+}  // namespace mok::kernels

@@ -1,0 +1,127 @@
+// The persistent backward kernel (MoeConfig::persistent_backward): against the CPU reference and
+// bitwise against the kernel sequence on routings with empty experts, all rows on one expert and
+// -1 slots, with and without the forward context, with a shared expert and the clamp; and it
+// finishes while another stream holds all but 8 SMs (its tasks wait only on earlier tickets).
+// BackwardGpu.BitwiseInvariantToConfig covers it across minibatch sizes too.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "mok/device_problem.h"
+#include "mok/gpu_layer.h"
+#include "mok/host_problem.h"
+#include "mok/reference.h"
+#include "sm_hold.cuh"
+#include "test_util.h"
+
+namespace mok {
+namespace {
+
+using test::make_shape;
+
+MoeConfig persistent_backward_config(int64_t minibatch_size) {
+  MoeConfig config;
+  config.persistent_backward = true;
+  config.minibatch_size = minibatch_size;
+  config.wait_timeout_s = 10;
+  return config;
+}
+
+HostRank run_step(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem,
+                  bool with_context, cudaStream_t stream) {
+  device.poison_outputs();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the memsets ran on the legacy stream
+  const ForwardContext context = layer.forward(device.forward_args(), stream);
+  layer.backward(device.backward_args(), stream, with_context ? &context : nullptr);
+  const Status status = layer.synchronize(stream);
+  EXPECT_TRUE(status.ok()) << status.message;
+  HostRank result = output_buffers(problem.shape);
+  device.download_outputs(result);
+  return result;
+}
+
+TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
+  uint64_t seed = 300;
+  for (const auto& [name, shape, routing] :
+       {std::tuple{"uniform, shared expert, clamp", make_shape(520, 1024, 512, 16, 4, 1, 256, 0.5f),
+                   RoutingKind::kUniform},
+        std::tuple{"one expert", make_shape(300, 512, 384, 8, 4), RoutingKind::kOneExpert},
+        std::tuple{"holes", make_shape(333, 768, 256, 32, 8), RoutingKind::kHoles},
+        std::tuple{"no routes", make_shape(130, 512, 256, 4, 4), RoutingKind::kNoRoutes}}) {
+    SCOPED_TRACE(std::string(name) + " " + shape.to_string());
+    HostProblem problem = HostProblem::make(shape, routing, ++seed);
+    problem.poison_outputs();
+    reference::forward(problem.shape, problem.forward_args(0));
+    reference::backward(problem.shape, problem.backward_args(0));
+    DeviceProblem device(problem, 0);
+    GpuLayer sequence(shape, MoeConfig{});
+    const HostRank want = run_step(sequence, device, problem, true, nullptr);
+    for (const int64_t minibatch : {int64_t{128}, int64_t{4096}}) {
+      GpuLayer layer(shape, persistent_backward_config(minibatch));
+      for (const bool with_context : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "minibatch " << minibatch
+                                        << (with_context ? "" : ", no context"));
+        const HostRank got = run_step(layer, device, problem, with_context, nullptr);
+        test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+          EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs from the kernel sequence";
+        });
+        test::for_each_output(got, problem.ranks[0],
+                              [&](const char* output, const auto& a, const auto& b) {
+                                if (b.empty()) return;
+                                EXPECT_TRUE(test::all_finite(a)) << output;
+                                EXPECT_LE(test::relative_error(a, b), 1e-2) << output;
+                              });
+      }
+    }
+  }
+}
+
+TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
+  int device_id = 0, sm_count = 0;
+  ASSERT_EQ(cudaGetDevice(&device_id), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_id),
+            cudaSuccess);
+  const MoeShape shape = make_shape(1500, 1024, 512, 16, 4);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 92);
+  DeviceProblem device(problem, 0);
+  GpuLayer sequence(shape, MoeConfig{});
+  const HostRank want = run_step(sequence, device, problem, true, nullptr);
+  GpuLayer layer(shape, persistent_backward_config(512));
+  run_step(layer, device, problem, true, nullptr);  // warm-up: kernel attributes, module load
+  cudaStream_t hog_stream, layer_stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&hog_stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
+  constexpr int kHogSharedBytes = 120 * 1024;
+  ASSERT_EQ(cudaFuncSetAttribute(test::hold_sms_kernel,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kHogSharedBytes),
+            cudaSuccess);
+  cudaEvent_t hog_done;
+  ASSERT_EQ(cudaEventCreate(&hog_done), cudaSuccess);
+  // The forward first, on all SMs; then the backward gets 8 SMs until the hog exits.
+  device.poison_outputs();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const ForwardContext context = layer.forward(device.forward_args(), layer_stream);
+  ASSERT_EQ(cudaStreamSynchronize(layer_stream), cudaSuccess);
+  test::hold_sms_kernel<<<sm_count - 8, 128, kHogSharedBytes, hog_stream>>>(3'000'000'000ull);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(hog_done, hog_stream), cudaSuccess);
+  layer.backward(device.backward_args(), layer_stream, &context);
+  const Status status = layer.synchronize(layer_stream);
+  ASSERT_TRUE(status.ok()) << status.message;
+  EXPECT_EQ(cudaEventQuery(hog_done), cudaErrorNotReady)
+      << "the backward only finished after the SM-holding kernel exited";
+  HostRank got = output_buffers(problem.shape);
+  device.download_outputs(got);
+  test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+    EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+  });
+  ASSERT_EQ(cudaStreamSynchronize(hog_stream), cudaSuccess);
+  cudaEventDestroy(hog_done);
+  cudaStreamDestroy(hog_stream);
+  cudaStreamDestroy(layer_stream);
+}
+
+}  // namespace
+}  // namespace mok
