@@ -120,39 +120,40 @@ __device__ __forceinline__ BackwardPlan plan_of(const BackwardGemmsParams& param
   return plan;
 }
 
-// What the consumers need of `task`: coordinates, the expert, and the K blocks.
+// What the consumers need of `task`: coordinates, the expert, and the K blocks. From shared
+// memory only (the plan's expert_tiles): a global load here would sit between two tasks' loads
+// on the scheduler's critical path.
 __device__ __forceinline__ QueuedTask queued_task(const BackwardGemmsParams& params,
+                                                  const BackwardPlan& plan,
                                                   const BackwardTask& task) {
   QueuedTask queued{static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, -1, -1, 0, 0, 0};
+  if (task.kind == BackwardTaskKind::kWeightGrad) {
+    // Weight tile index -> (m, n) as the standalone kernel walks them; K = the expert's rows.
+    const ExpertGemmParams& wgrad = task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up;
+    const int num_m_tiles = (wgrad.m_extent + BLOCK_M - 1) / BLOCK_M;
+    queued.expert = task.expert;
+    queued.matrix = task.matrix;
+    queued.n_tile = task.m_tile / num_m_tiles;
+    queued.m_tile = task.m_tile % num_m_tiles;
+    const int32_t first_tile = plan.expert_tiles[task.expert];
+    queued.k_row0 = first_tile * BLOCK_M;
+    queued.num_k_blocks =
+        (plan.expert_tiles[task.expert + 1] - first_tile) * (BLOCK_M / BLOCK_K);
+    return queued;
+  }
+  queued.expert = expert_of_tile(plan, task.m_tile);
   switch (task.kind) {
     case BackwardTaskKind::kRecompute:
-      queued.expert = params.recompute.tile_expert[task.m_tile];
       queued.num_k_blocks = params.recompute.k_extent / BLOCK_K;
       break;
     case BackwardTaskKind::kDownDgrad:
-      queued.expert = params.down_dgrad.tile_expert[task.m_tile];
       queued.num_k_blocks = params.down_dgrad.k_extent / BLOCK_K;
       break;
-    case BackwardTaskKind::kSwiglu:
-      queued.expert = params.down_dgrad.tile_expert[task.m_tile];
-      break;
     case BackwardTaskKind::kGateUpDgrad:
-      queued.expert = params.gate_up_dgrad.tile_expert[task.m_tile];
       queued.num_k_blocks = 2 * params.gate_up_dgrad.k_extent / BLOCK_K;
       break;
-    default: {  // kWeightGrad: weight tile index -> (m, n) as the standalone kernel walks them
-      const ExpertGemmParams& wgrad =
-          task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up;
-      const int num_m_tiles = (wgrad.m_extent + BLOCK_M - 1) / BLOCK_M;
-      queued.expert = task.expert;
-      queued.matrix = task.matrix;
-      queued.n_tile = task.m_tile / num_m_tiles;
-      queued.m_tile = task.m_tile % num_m_tiles;
-      const int32_t begin = wgrad.expert_offsets[task.expert];
-      queued.k_row0 = begin;
-      queued.num_k_blocks = (wgrad.expert_offsets[task.expert + 1] - begin) / BLOCK_K;
+    default:  // kSwiglu: no loads
       break;
-    }
   }
   return queued;
 }
@@ -192,6 +193,9 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   int slot = 0;
   uint32_t slot_phase = 0;
   SegmentCursor cursor;  // this CTA's tickets only grow
+  // The expert whose SwiGLU tasks this thread last saw finished: its next weight-gradient tiles
+  // (an expert has hundreds, several per CTA in a row) need no second look at the counter.
+  int32_t ready_expert = -1;
   atomicMax(params.ticket, ticket_base);
   long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
   for (;;) {
@@ -205,20 +209,21 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
       ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     }
     if (ticket < num_tasks_here) {
-      queued = queued_task(params, task);
+      queued = queued_task(params, plan, task);
       if (task.kind == BackwardTaskKind::kSwiglu) {
         wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
                        plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
       } else if (task.kind == BackwardTaskKind::kGateUpDgrad) {
         wait_for_count(wait, WaitSite::kSwigluDone, params.swiglu_done + task.m_tile, epoch, 1);
         asm volatile("fence.proxy.async.global;" ::: "memory");
-      } else if (task.kind == BackwardTaskKind::kWeightGrad) {
+      } else if (task.kind == BackwardTaskKind::kWeightGrad && task.expert != ready_expert) {
         const int32_t tiles = expert_tiles[task.expert + 1] - expert_tiles[task.expert];
         if (tiles > 0) {
           wait_for_count(wait, WaitSite::kExpertReady, params.expert_ready + task.expert, epoch,
                          tiles);
           asm volatile("fence.proxy.async.global;" ::: "memory");
         }
+        ready_expert = task.expert;
       }
     }
     mbarrier_wait(wait, WaitSite::kTaskQueueSlot, &queue.empty[slot], slot_phase ^ 1);
