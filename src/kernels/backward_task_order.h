@@ -17,12 +17,17 @@
 //   wgrad(e, matrix, t)  tile t of expert e's gate, up or down weight gradient (K = the expert's
 //                        rows, one CTA per tile, fixed order)   waits: swiglu of every tile of e
 //   combine(k)           the fixed-order d_x sum of token block k     waits: every dx tile
-// Order (a software pipeline over minibatches, as in the forward: the GEMM tiles of b+1 run
-// before the SwiGLU backward of b, which then rarely waits; the weight gradients of an expert
-// come in the minibatch where its rows end):
+// Order (a software pipeline over minibatches, two steps deep: the GEMM tiles of b+1 run before
+// the SwiGLU backward of b, which then rarely waits; the tiles that wait for the SwiGLU backward
+// of b come one step later still, after that of b+1, so that a SwiGLU task, memory-bound on the
+// warps of one SM, has a whole step to finish before its readers look for it; the weight
+// gradients of an expert come in the step after the minibatch where its rows end):
 //   rows(0) recompute(0) down_dgrad(0) |
-//   rows(b+1) recompute(b+1) down_dgrad(b+1) swiglu(b) gate_up_dgrad(b) wgrad(experts ending in b)
-//   | ... | combine(*)
+//   rows(b+1) recompute(b+1) down_dgrad(b+1) swiglu(b) gate_up_dgrad(b-1) wgrad(b-1) | ... |
+//   gate_up_dgrad(last) wgrad(last) | combine(*)
+// (One step deep, gate_up_dgrad(b) right after swiglu(b): the kernel's backward took 4.55 ms at
+// qwen3 with 16 minibatches against 2.91 with one, the likely cause being most CTAs waiting for
+// the 32 SwiGLU tasks queued just before; docs/perf.md. Not yet measured two steps deep.)
 // An expert ends in minibatch b when its last row tile is in b; an expert without rows goes
 // where its (empty) segment sits, clamped to the last minibatch, so its zero gradient is still
 // written once; with no row tiles at all, every expert's wgrad tasks form one segment before the
@@ -123,11 +128,15 @@ MOK_HOST_DEVICE inline int64_t wgrad_tiles_per_expert(const BackwardPlan& plan) 
   return 2 * static_cast<int64_t>(plan.gate_wgrad_tiles) + plan.down_wgrad_tiles;
 }
 
-// Segments: 0-2 are rows(0), recompute(0), down_dgrad(0); then six per minibatch b: rows(b+1),
-// recompute(b+1), down_dgrad(b+1), swiglu(b), gate_up_dgrad(b), wgrad(b); then the wgrad segment
-// of a plan without row tiles (empty otherwise), then combine.
+// Segments: 0-2 are rows(0), recompute(0), down_dgrad(0); then six per step b: rows(b+1),
+// recompute(b+1), down_dgrad(b+1), swiglu(b), gate_up_dgrad(b-1), wgrad(b-1); then
+// gate_up_dgrad and wgrad of the last minibatch; then the wgrad segment of a plan without row
+// tiles (empty otherwise), then combine. A slot whose minibatch does not exist (b-1 < 0, or no
+// minibatches at all) holds kNoMinibatch and is empty.
+constexpr int32_t kNoMinibatch = -2;
+
 MOK_HOST_DEVICE inline int32_t num_segments(const BackwardPlan& plan) {
-  return 3 + 6 * num_minibatches(plan) + 2;
+  return 3 + 6 * num_minibatches(plan) + 4;
 }
 
 MOK_HOST_DEVICE inline void segment_at(const BackwardPlan& plan, int32_t segment,
@@ -138,10 +147,14 @@ MOK_HOST_DEVICE inline void segment_at(const BackwardPlan& plan, int32_t segment
     *minibatch = 0;
   } else if (segment < 3 + 6 * batches) {
     const int32_t b = (segment - 3) / 6, which = (segment - 3) % 6;
-    // rows, recompute, down_dgrad of b + 1, then swiglu, gate_up_dgrad, wgrad of b.
+    // rows, recompute, down_dgrad of b + 1, swiglu of b, then gate_up_dgrad, wgrad of b - 1.
     *kind = static_cast<BackwardTaskKind>(which);
-    *minibatch = which < 3 ? b + 1 : b;
-  } else if (segment == 3 + 6 * batches) {
+    *minibatch = which < 3 ? b + 1 : which == 3 ? b : (b >= 1 ? b - 1 : kNoMinibatch);
+  } else if (segment < 3 + 6 * batches + 2) {  // the last minibatch's readers of its SwiGLU
+    *kind = segment == 3 + 6 * batches ? BackwardTaskKind::kGateUpDgrad
+                                       : BackwardTaskKind::kWeightGrad;
+    *minibatch = batches >= 1 ? batches - 1 : kNoMinibatch;
+  } else if (segment == 3 + 6 * batches + 2) {
     *kind = BackwardTaskKind::kWeightGrad;
     *minibatch = -1;
   } else {
@@ -153,6 +166,7 @@ MOK_HOST_DEVICE inline void segment_at(const BackwardPlan& plan, int32_t segment
 MOK_HOST_DEVICE inline int64_t segment_size(const BackwardPlan& plan, BackwardTaskKind kind,
                                             int32_t b) {
   const int32_t batches = num_minibatches(plan);
+  if (b == kNoMinibatch) return 0;
   switch (kind) {
     case BackwardTaskKind::kCombine:
       return plan.combine_blocks;

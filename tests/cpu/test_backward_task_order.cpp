@@ -1,8 +1,9 @@
 // The persistent backward's task order (src/kernels/backward_task_order.h): every task exactly
 // once, every dependency satisfied by tasks with smaller tickets (so any number of resident CTAs
-// makes progress), counter targets equal to the number of producers, the minibatch pipeline, and
-// each expert's weight-gradient tiles in the minibatch where its rows end; over random expert
-// segments (empty experts included), minibatch sizes, and with and without the recompute.
+// makes progress), counter targets equal to the number of producers, the two-step minibatch
+// pipeline, and each expert's weight-gradient tiles after the minibatch where its rows end; over
+// random expert segments (empty experts included), minibatch sizes, with and without the
+// recompute.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -150,6 +151,14 @@ TEST(BackwardTaskOrder, EveryTaskOnceDependenciesEarlierTargetsExact) {
       const int64_t dgrad_next = ticket_of.at(
           Key{static_cast<int>(BackwardTaskKind::kDownDgrad), next + m_tile, n_tile, -1, -1, -1});
       EXPECT_LT(dgrad_next, swiglu_b) << "minibatch " << b;
+      // Two steps deep: the readers of swiglu(b) come after swiglu(b + 1).
+      const int64_t swiglu_next = ticket_of.at(Key{static_cast<int>(BackwardTaskKind::kSwiglu),
+                                                   next, -1, -1, -1, -1});
+      grouped_tile(0, minibatch_tiles(plan, b), plan.gate_up_dgrad_n_tiles, &m_tile, &n_tile);
+      const int64_t dx_b =
+          ticket_of.at(Key{static_cast<int>(BackwardTaskKind::kGateUpDgrad),
+                           b * plan.minibatch_tiles + m_tile, n_tile, -1, -1, -1});
+      EXPECT_LT(swiglu_next, dx_b) << "minibatch " << b;
     }
   }
 }
