@@ -283,8 +283,20 @@ __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& param
   const int64_t first_row = static_cast<int64_t>(m_tile) * BLOCK_M;
   const int64_t end = min(first_row + BLOCK_M,
                           static_cast<int64_t>(params.down_dgrad.header->total_rows));
+  // Eight warps keep only a few loads each in flight (the accumulators hold most registers), so
+  // a row tile's ~1-3 MB would stream at a fraction of the SM's share of bandwidth: first the
+  // bulk-copy engine prefetches every row of this warp into L2 (three per row, no registers).
+  const SwigluBackwardArgs& args = params.swiglu;
+  const uint32_t row_bytes = static_cast<uint32_t>(args.vectors_per_row * 16);
+  if (threadIdx.x % 32 == 0)
+    for (int64_t row = first_row + warp; row < end; row += kConsumerThreads / 32) {
+      const int64_t at = (row - args.row_begin) * args.vectors_per_row;
+      ptx::bulk_prefetch_l2(args.gate + at, row_bytes);
+      ptx::bulk_prefetch_l2(args.up + at, row_bytes);
+      ptx::bulk_prefetch_l2(args.dh_raw + at, row_bytes);
+    }
   for (int64_t row = first_row + warp; row < end; row += kConsumerThreads / 32)
-    swiglu_backward_row(params.swiglu, row);
+    swiglu_backward_row(args, row);
   // Each thread's stores at device scope (system scope for router-weight gradients that went
   // to other GPUs, read after the push's signal), and toward the async proxy: the tiles that
   // wait for this task load d_g, d_u and h_w with TMA.

@@ -52,6 +52,14 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// Asks the bulk-copy engine to bring `bytes` (a multiple of 16, 16-byte aligned) of global
+// memory into L2, asynchronously: many rows in flight for the cost of one instruction each and
+// no registers (a hint: nothing waits for it, and it changes no value).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* address, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map,
                                             uint64_t* barrier, int32_t coord_inner,
                                             int32_t coord_outer) {
