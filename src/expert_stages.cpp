@@ -237,11 +237,11 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
 // forms, epilogues and SwiGLU backward as backward_experts, one macrobatch.
 void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                                  const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
-                                 const void* w_up, const void* w_down,
-                                 const float* router_weights, float* d_router_weights,
-                                 float* const* d_router_weights_peers, int32_t pairs_per_rank,
-                                 void* dx_out, int64_t dx_rows, const WeightGrads& grads,
-                                 bool recompute, cudaStream_t stream, const StageMarker& mark) {
+                                 const void* w_up, const void* w_down, const float* router_weights,
+                                 float* d_router_weights, float* const* d_router_weights_peers,
+                                 int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
+                                 const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                                 const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
   kernels::BackwardGemmsMaps maps{};

@@ -83,9 +83,9 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
     s.persistent_backward_state.allocate(
         (2 + 2 * params.max_tiles() + shape.num_local_experts()) * 8,
         "persistent backward counters");
-    cuda_check(cudaMemset(s.persistent_backward_state.pointer, 0,
-                          s.persistent_backward_state.bytes),
-               "zero persistent backward counters");
+    cuda_check(
+        cudaMemset(s.persistent_backward_state.pointer, 0, s.persistent_backward_state.bytes),
+        "zero persistent backward counters");
   }
 
   if (shape.has_shared_expert()) {
@@ -283,8 +283,8 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
                                fwd.w_gate.data, fwd.w_up.data, fwd.w_down.data, weights,
                                d_router_weights, d_router_weights_peers, pairs_per_rank,
                                s.expert_out.pointer, max_rows,
-                               {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute,
-                               stream, mark, s.num_macrobatches > 1 ? m : -1);
+                               {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data},
+                               recompute, stream, mark, s.num_macrobatches > 1 ? m : -1);
   }
 #if MOK_HAS_NCCL
   if (s.ep != nullptr) ep::push_rows(s, stream, mark, "push dx");

@@ -150,11 +150,11 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
 // and d_out rows are gathered before it, the d_x combine runs after it.
 void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                                  const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
-                                 const void* w_up, const void* w_down,
-                                 const float* router_weights, float* d_router_weights,
-                                 float* const* d_router_weights_peers, int32_t pairs_per_rank,
-                                 void* dx_out, int64_t dx_rows, const WeightGrads& grads,
-                                 bool recompute, cudaStream_t stream, const StageMarker& mark);
+                                 const void* w_up, const void* w_down, const float* router_weights,
+                                 float* d_router_weights, float* const* d_router_weights_peers,
+                                 int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
+                                 const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                                 const StageMarker& mark);
 
 }  // namespace stages
 

@@ -29,13 +29,13 @@ struct RunOptions {
   uint64_t seed = 1;
   std::string json_path;
   bool cpu_only = false;
-  bool persistent_forward = false;  // GPU: MoeConfig::persistent_forward
+  bool persistent_forward = false;   // GPU: MoeConfig::persistent_forward
   bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward
-  int32_t gpus = 0;                 // > 0: the expert-parallel layer on this many GPUs
-  int64_t minibatch_size = -1;      // -1: MoeConfig's default
-  int64_t macrobatch_size = -1;     // -1: MoeConfig's default
-  bool push_dispatch = false;       // --gpus: MoeConfig::ep_push_dispatch
-  bool bulk_copies = false;         // --gpus: MoeConfig::ep_bulk_copies
+  int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs
+  int64_t minibatch_size = -1;       // -1: MoeConfig's default
+  int64_t macrobatch_size = -1;      // -1: MoeConfig's default
+  bool push_dispatch = false;        // --gpus: MoeConfig::ep_push_dispatch
+  bool bulk_copies = false;          // --gpus: MoeConfig::ep_bulk_copies
 };
 
 // The layer's config from the options (MoeConfig's defaults where unset); throws mok::Error if

@@ -202,8 +202,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     return kernels::WaitContext{20'000'000'000ull, rank, nullptr};
   };
   auto report = [&](const char* name, int ctas, int threads, double ms, double bytes) {
-    std::printf("  %-34s %6d %8d %10.1f %12.1f\n", name, ctas, threads, ms * 1e3,
-                bytes / ms / 1e6);
+    std::printf("  %-34s %6d %8d %10.1f %12.1f\n", name, ctas, threads, ms * 1e3, bytes / ms / 1e6);
   };
   auto pull_ms = [&](kernels::RowCopy copy, int ctas, int threads) {
     return median_ms([&](int32_t rank) {
@@ -225,9 +224,9 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
           bench.counters.as<unsigned long long>());
       CLI_CUDA_CHECK(
           kernels::launch_push_rows(push, copy, ctas, wait_of(rank), bench.stream, threads));
-      CLI_CUDA_CHECK(kernels::launch_wait_for_peers(
-          static_cast<const uint64_t*>(flags.local(rank)), R,
-          bench.counters.as<unsigned long long>(), wait_of(rank), bench.stream));
+      CLI_CUDA_CHECK(kernels::launch_wait_for_peers(static_cast<const uint64_t*>(flags.local(rank)),
+                                                    R, bench.counters.as<unsigned long long>(),
+                                                    wait_of(rank), bench.stream));
       CLI_CUDA_CHECK(
           kernels::launch_advance_epoch(bench.counters.as<unsigned long long>(), bench.stream));
     });
@@ -283,8 +282,8 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     }
     report("pull dispatch (bulk copies)", ctas, 1, pull_ms(kernels::RowCopy::kBulk, ctas, 1),
            bytes_in);
-    report("push combine, bulk copies (+ wait)", ctas, 1,
-           push_ms(kernels::RowCopy::kBulk, ctas, 1), bytes_out);
+    report("push combine, bulk copies (+ wait)", ctas, 1, push_ms(kernels::RowCopy::kBulk, ctas, 1),
+           bytes_out);
   }
   const double exchange_ms = median_ms([&](int32_t rank) {
     BenchRank& bench = ranks[rank];
@@ -322,8 +321,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     CLI_CUDA_CHECK(
         cudaMemcpy(pushed.data(), received_sym.local(rank), bytes, cudaMemcpyDeviceToHost));
     int32_t own[2] = {0, 0};
-    CLI_CUDA_CHECK(
-        cudaMemcpy(own, view.recv_offsets + rank, sizeof(own), cudaMemcpyDeviceToHost));
+    CLI_CUDA_CHECK(cudaMemcpy(own, view.recv_offsets + rank, sizeof(own), cudaMemcpyDeviceToHost));
     const size_t own_begin = static_cast<size_t>(own[0]) * H * 2;
     const size_t own_end = static_cast<size_t>(own[1]) * H * 2;
     if (!std::equal(pulled.begin(), pulled.begin() + own_begin, pushed.begin()) ||

@@ -233,11 +233,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       static_cast<long long>(ring_macrobatches),
       static_cast<long long>(ring_config.macrobatch_size), ring_step_ms,
       (forward_flop + backward_flop) / ring_step_ms / 1e9, ring_bitwise ? "yes" : "NO");
-  std::printf(
-      "  training step with the backward as %s: %.3f ms, %.1f TFLOP/s, bitwise equal: %s\n",
-      other_backward.persistent_backward ? "one persistent kernel" : "a kernel sequence",
-      other_backward_step_ms, (forward_flop + backward_flop) / other_backward_step_ms / 1e9,
-      other_backward_bitwise ? "yes" : "NO");
+  std::printf("  training step with the backward as %s: %.3f ms, %.1f TFLOP/s, bitwise equal: %s\n",
+              other_backward.persistent_backward ? "one persistent kernel" : "a kernel sequence",
+              other_backward_step_ms, (forward_flop + backward_flop) / other_backward_step_ms / 1e9,
+              other_backward_bitwise ? "yes" : "NO");
   std::printf("  forward variants (same bits):\n");
   for (const auto& [name, ms] : forward_variants_ms)
     std::printf("    %-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, forward_flop / ms / 1e9);

@@ -387,13 +387,13 @@ void combine_slots(GpuLayer::State& s, const TensorView& top_experts, const void
   const int64_t T = s.shape.num_tokens, K = s.shape.top_k;
   // This rank's own pairs are read from the expert rows in place (the push skipped them).
   const int32_t* own_pair_row = s.routed.view().pair_row + static_cast<int64_t>(ep.rank) * T * K;
-  cuda_check(kernels::launch_slot_index(top_experts.data, top_experts.dtype, T * K,
-                                        s.shape.num_experts, own_pair_row,
-                                        ep.slot_index.as<int32_t>(), stream),
-             "slot index launch");
+  cuda_check(
+      kernels::launch_slot_index(top_experts.data, top_experts.dtype, T * K, s.shape.num_experts,
+                                 own_pair_row, ep.slot_index.as<int32_t>(), stream),
+      "slot index launch");
   cuda_check(kernels::launch_combine(ep.local(ep.memory->slots), ep.slot_index.as<int32_t>(),
-                                     shared, weights, T, s.shape.hidden, s.shape.top_k, out,
-                                     stream, s.expert_out.pointer),
+                                     shared, weights, T, s.shape.hidden, s.shape.top_k, out, stream,
+                                     s.expert_out.pointer),
              "combine launch");
 }
 

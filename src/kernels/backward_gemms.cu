@@ -81,8 +81,7 @@ __device__ __forceinline__ void release_add(unsigned long long* address) {
 }
 
 // Counts one finished task on `counter` for this launch's epoch.
-__device__ __forceinline__ void count_done(unsigned long long* counter,
-                                           unsigned long long epoch) {
+__device__ __forceinline__ void count_done(unsigned long long* counter, unsigned long long epoch) {
   atomicMax(counter, epoch * kGateUpDoneStride);
   release_add(counter);
 }
@@ -137,8 +136,7 @@ __device__ __forceinline__ QueuedTask queued_task(const BackwardGemmsParams& par
     queued.m_tile = task.m_tile % num_m_tiles;
     const int32_t first_tile = plan.expert_tiles[task.expert];
     queued.k_row0 = first_tile * BLOCK_M;
-    queued.num_k_blocks =
-        (plan.expert_tiles[task.expert + 1] - first_tile) * (BLOCK_M / BLOCK_K);
+    queued.num_k_blocks = (plan.expert_tiles[task.expert + 1] - first_tile) * (BLOCK_M / BLOCK_K);
     return queued;
   }
   queued.expert = expert_of_tile(plan, task.m_tile);
@@ -175,9 +173,7 @@ __device__ __forceinline__ void wait_for_count(const WaitContext& wait, WaitSite
   const unsigned long long target = epoch * kGateUpDoneStride + count;
   wait_until(
       wait, site, [&] { return acquire_load_u64(counter) >= target; },
-      [&] {
-        return static_cast<long long>(acquire_load_u64(counter) - epoch * kGateUpDoneStride);
-      },
+      [&] { return static_cast<long long>(acquire_load_u64(counter) - epoch * kGateUpDoneStride); },
       count);
 }
 
@@ -249,9 +245,8 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                           break;
                         case BackwardTaskKind::kDownDgrad:
                           issue_loads<ExpertGemmForm::kDownGrad>(
-                              &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn,
-                              &maps.w_down_mn, params.down_dgrad, coord, k_block, a_dst, b_dst,
-                              full);
+                              &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.w_down_mn,
+                              params.down_dgrad, coord, k_block, a_dst, b_dst, full);
                           break;
                         case BackwardTaskKind::kGateUpDgrad:
                           issue_loads<ExpertGemmForm::kGateUpGradStore>(
@@ -264,8 +259,7 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                                                                       : &maps.d_out_mn;
                           const CUtensorMap* b = queued.matrix == 2 ? &maps.h_w_mn : &maps.x_mn;
                           issue_loads<ExpertGemmForm::kWeightGrad>(
-                              a, a, b, b, params.wgrad_gate_up, coord, k_block, a_dst, b_dst,
-                              full);
+                              a, a, b, b, params.wgrad_gate_up, coord, k_block, a_dst, b_dst, full);
                           break;
                         }
                       }
@@ -281,8 +275,8 @@ __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& param
   (void)acquire_load_u64(params.row_gemms_done + m_tile);
   const int warp = (threadIdx.x - BLOCK_M) / 32;
   const int64_t first_row = static_cast<int64_t>(m_tile) * BLOCK_M;
-  const int64_t end = min(first_row + BLOCK_M,
-                          static_cast<int64_t>(params.down_dgrad.header->total_rows));
+  const int64_t end =
+      min(first_row + BLOCK_M, static_cast<int64_t>(params.down_dgrad.header->total_rows));
   // Eight warps keep only a few loads each in flight (the accumulators hold most registers), so
   // a row tile's ~1-3 MB would stream at a fraction of the SM's share of bandwidth: first the
   // bulk-copy engine prefetches every row of this warp into L2 (three per row, no registers).
@@ -336,8 +330,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      for (const CUtensorMap* map : {&maps.x_rows, &maps.d_out_rows, &maps.w_down_mn,
-                                     &maps.d_gate, &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
+      for (const CUtensorMap* map : {&maps.x_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.d_gate,
+                                     &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
         ptx::prefetch_tensor_map(map);
       schedule_and_load(maps, params, smem, queue, expert_tiles);
     }
@@ -375,8 +369,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       } else if (kind == BackwardTaskKind::kDownDgrad) {
         consume_tile<false, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
         store_tile<ExpertGemmForm::kDownGrad>({&maps.dh_out, nullptr, nullptr}, smem,
-                                              params.down_dgrad, coord_of(task), consumer_idx,
-                                              acc);
+                                              params.down_dgrad, coord_of(task), consumer_idx, acc);
         if (issuer) count_stored_tile(params.row_gemms_done + task.m_tile, epoch);
       } else if (kind == BackwardTaskKind::kGateUpDgrad) {
         consume_tile<false, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);

@@ -151,8 +151,8 @@ MOK_HOST_DEVICE inline void segment_at(const BackwardPlan& plan, int32_t segment
     *kind = static_cast<BackwardTaskKind>(which);
     *minibatch = which < 3 ? b + 1 : which == 3 ? b : (b >= 1 ? b - 1 : kNoMinibatch);
   } else if (segment < 3 + 6 * batches + 2) {  // the last minibatch's readers of its SwiGLU
-    *kind = segment == 3 + 6 * batches ? BackwardTaskKind::kGateUpDgrad
-                                       : BackwardTaskKind::kWeightGrad;
+    *kind =
+        segment == 3 + 6 * batches ? BackwardTaskKind::kGateUpDgrad : BackwardTaskKind::kWeightGrad;
     *minibatch = batches >= 1 ? batches - 1 : kNoMinibatch;
   } else if (segment == 3 + 6 * batches + 2) {
     *kind = BackwardTaskKind::kWeightGrad;

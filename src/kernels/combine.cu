@@ -41,9 +41,9 @@ __global__ void combine_kernel(const uint4* expert_rows, const int32_t* row_inde
       const int32_t row = row_index[token * top_k + k];
       if (row == -1) continue;
       const float weight = router_weights != nullptr ? router_weights[token * top_k + k] : 1.0f;
-      const uint4 packed = row >= 0 ? expert_rows[row * vectors_per_row + vector]
-                                    : local_rows[(-2 - static_cast<int64_t>(row)) * vectors_per_row +
-                                                 vector];
+      const uint4 packed =
+          row >= 0 ? expert_rows[row * vectors_per_row + vector]
+                   : local_rows[(-2 - static_cast<int64_t>(row)) * vectors_per_row + vector];
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
@@ -64,8 +64,7 @@ __global__ void combine_kernel(const uint4* expert_rows, const int32_t* row_inde
 
 cudaError_t launch_combine(const void* expert_rows, const int32_t* index, const void* shared,
                            const float* router_weights, int64_t num_tokens, int64_t hidden,
-                           int32_t top_k, void* out, cudaStream_t stream,
-                           const void* local_rows) {
+                           int32_t top_k, void* out, cudaStream_t stream, const void* local_rows) {
   if (num_tokens == 0) return cudaSuccess;
   const int64_t vectors_per_row = hidden / 8;
   const int64_t total = num_tokens * vectors_per_row;

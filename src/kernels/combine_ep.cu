@@ -58,7 +58,7 @@ __global__ void slot_index_kernel(const ExpertId* top_experts, int64_t count, in
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t expert = static_cast<int64_t>(top_experts[i]);
     const int32_t own_row = own_pair_row[i];
-    slot_index[i] = own_row >= 0                              ? -2 - own_row
+    slot_index[i] = own_row >= 0                          ? -2 - own_row
                     : expert >= 0 && expert < num_experts ? static_cast<int32_t>(i)
                                                           : -1;
   }
@@ -89,8 +89,8 @@ cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,
 }
 
 cudaError_t launch_slot_index(const void* top_experts, DType expert_dtype, int64_t count,
-                              int64_t num_experts, const int32_t* own_pair_row,
-                              int32_t* slot_index, cudaStream_t stream) {
+                              int64_t num_experts, const int32_t* own_pair_row, int32_t* slot_index,
+                              cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 1024));
   if (expert_dtype == DType::kInt64)

@@ -86,7 +86,8 @@ __device__ __forceinline__ void push_dispatch_warp(const PushDispatchArgs& args,
   const int64_t items = static_cast<int64_t>(args.num_tokens) * others;
   for (int64_t item = warp; item < items; item += num_warps) {
     const int32_t token = static_cast<int32_t>(item / others);
-    const int32_t destination = (args.rank + 1 + static_cast<int32_t>(item % others)) % args.num_ranks;
+    const int32_t destination =
+        (args.rank + 1 + static_cast<int32_t>(item % others)) % args.num_ranks;
     const int32_t entry =
         args.send_entry[static_cast<int64_t>(destination) * args.num_tokens + token];
     if (entry < 0) continue;

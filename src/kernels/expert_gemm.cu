@@ -179,8 +179,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       const bool resumes = kResumes && coord.load_slot >= 0;
       if constexpr (kResumes) {
         if (resumes)
-          load_partial(acc,
-                       partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
+          load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
       }
       consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(
           params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);

@@ -37,23 +37,23 @@ cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemm
 // num_ctas CTAs (one macrobatch; the rows gathered before it, the d_x combine after it);
 // params.epoch must be advanced after it. Maps as the standalone forms read and store them.
 struct BackwardGemmsMaps {
-  CUtensorMap x_rows;          // recompute A: x rows [rows, H], K-major [128 x 64] boxes
-  CUtensorMap w_gate, w_up;    // recompute B: [E_loc, I, H], K-major [128 x 64] boxes
-  CUtensorMap gate_out;        // stores: bf16(g) and bf16(u) [rows, I]
+  CUtensorMap x_rows;        // recompute A: x rows [rows, H], K-major [128 x 64] boxes
+  CUtensorMap w_gate, w_up;  // recompute B: [E_loc, I, H], K-major [128 x 64] boxes
+  CUtensorMap gate_out;      // stores: bf16(g) and bf16(u) [rows, I]
   CUtensorMap up_out;
-  CUtensorMap d_out_rows;      // down dgrad A: d_out rows [rows, H], K-major
-  CUtensorMap w_down_mn;       // down dgrad B: [E_loc, H, I] read MN-major
-  CUtensorMap dh_out;          // store: dh_raw [rows, I] (the SwiGLU task turns it into h_w)
-  CUtensorMap d_gate, d_up;    // gate/up dgrad A: [rows, I], K-major
-  CUtensorMap w_gate_mn;       // gate/up dgrad B: [E_loc, I, H] read MN-major
+  CUtensorMap d_out_rows;    // down dgrad A: d_out rows [rows, H], K-major
+  CUtensorMap w_down_mn;     // down dgrad B: [E_loc, H, I] read MN-major
+  CUtensorMap dh_out;        // store: dh_raw [rows, I] (the SwiGLU task turns it into h_w)
+  CUtensorMap d_gate, d_up;  // gate/up dgrad A: [rows, I], K-major
+  CUtensorMap w_gate_mn;     // gate/up dgrad B: [E_loc, I, H] read MN-major
   CUtensorMap w_up_mn;
-  CUtensorMap dx_out;          // store: the dx rows [rows, H]
-  CUtensorMap d_gate_mn;       // weight-gradient A operands [rows, M], MN-major
+  CUtensorMap dx_out;     // store: the dx rows [rows, H]
+  CUtensorMap d_gate_mn;  // weight-gradient A operands [rows, M], MN-major
   CUtensorMap d_up_mn;
   CUtensorMap d_out_mn;
-  CUtensorMap x_mn;            // weight-gradient B operands [rows, N], MN-major
+  CUtensorMap x_mn;  // weight-gradient B operands [rows, N], MN-major
   CUtensorMap h_w_mn;
-  CUtensorMap d_w_gate;        // stores [E_loc, M, N]
+  CUtensorMap d_w_gate;  // stores [E_loc, M, N]
   CUtensorMap d_w_up;
   CUtensorMap d_w_down;
 };
@@ -128,8 +128,8 @@ struct PullRowsArgs {
 inline PullRowsArgs pull_rows_args(const ScheduleView& view, void* const* source_peers,
                                    int64_t hidden, int32_t rank, int32_t num_ranks,
                                    void* received) {
-  return {view.header, view.recv_offsets, view.recv_tokens, source_peers,
-          hidden / 8,  rank,              num_ranks,        received};
+  return {view.header, view.recv_offsets, view.recv_tokens, source_peers, hidden / 8,
+          rank,        num_ranks,         received};
 }
 // The receive side's expansion (dispatch_ep.cu): schedule row r of [row_begin, row_begin +
 // row_count) gets the row of receive entry e = row_recv[r], stored at r - row_begin of `rows`
@@ -152,9 +152,9 @@ inline ExpandReceivedArgs expand_received_args(const ScheduleView& view, const v
                                                const void* local_source, int64_t hidden,
                                                int32_t rank, void* rows, int64_t row_begin,
                                                int64_t row_count) {
-  return {view.header, view.row_recv,   view.recv_offsets, view.recv_tokens,
-          received,    local_source,    hidden / 8,        rank,
-          rows,        row_begin,       row_count};
+  return {view.header, view.row_recv, view.recv_offsets, view.recv_tokens,
+          received,    local_source,  hidden / 8,        rank,
+          rows,        row_begin,     row_count};
 }
 cudaError_t launch_expand_received(const ExpandReceivedArgs& args, cudaStream_t stream);
 // How the communication kernels move rows: warp copies (16-byte loads and stores, 16 in flight
@@ -177,10 +177,11 @@ cudaError_t launch_pull_rows(const PullRowsArgs& args, RowCopy copy, int num_cta
 // Push dispatch (dispatch_ep.cu), the alternative to the pull that `mok comm-bench` measures
 // beside it: the source rank writes each routed row into every other destination's receive
 // buffer, at the entry the destination's receive list gives it, so the destination finds the
-// same rows at the same entries as after a pull (its own entries: launch_expand_received). launch_send_entries computes those entries on the GPU
-// (build_send_entries_host's contract) from the gathered routing; launch_push_dispatch writes
-// the rows, then its last CTA signals every rank; the destination runs launch_wait_for_peers on
-// the dispatch flags before it reads, and advances `epoch` after.
+// same rows at the same entries as after a pull (its own entries: launch_expand_received).
+// launch_send_entries computes those entries on the GPU (build_send_entries_host's contract) from
+// the gathered routing; launch_push_dispatch writes the rows, then its last CTA signals every rank;
+// the destination runs launch_wait_for_peers on the dispatch flags before it reads, and advances
+// `epoch` after.
 cudaError_t launch_send_entries(const ScheduleParams& params, const void* top_experts_all,
                                 DType expert_dtype, int32_t* send_entry, cudaStream_t stream);
 struct PushDispatchArgs {
@@ -241,8 +242,8 @@ cudaError_t launch_wait_for_peers(const uint64_t* own_flags, int32_t num_ranks,
 // the row the push left in place), i (its slot) for one routed to another rank, -1 for one
 // routed nowhere (top_experts[i] outside [0, num_experts)).
 cudaError_t launch_slot_index(const void* top_experts, DType expert_dtype, int64_t count,
-                              int64_t num_experts, const int32_t* own_pair_row,
-                              int32_t* slot_index, cudaStream_t stream);
+                              int64_t num_experts, const int32_t* own_pair_row, int32_t* slot_index,
+                              cudaStream_t stream);
 
 // The expert-parallel baseline's kernels (ep_baseline.cu). Bucketing of (token, k) pairs by
 // destination rank (expert / experts_per_rank; ids outside [0, E) go nowhere): with perm null it

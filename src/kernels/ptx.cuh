@@ -56,8 +56,7 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 // memory into L2, asynchronously: many rows in flight for the cost of one instruction each and
 // no registers (a hint: nothing waits for it, and it changes no value).
 __device__ __forceinline__ void bulk_prefetch_l2(const void* address, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes)
-               : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map,

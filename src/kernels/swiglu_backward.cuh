@@ -20,8 +20,9 @@ namespace mok::kernels {
 __device__ __forceinline__ void swiglu_backward_row(const SwigluBackwardArgs& args, int64_t row) {
   const int lane = threadIdx.x % 32;
   const int pair = args.row_pair != nullptr ? args.row_pair[row] : static_cast<int>(row);
-  const float weight =
-      pair < 0 ? 0.0f : args.router_weights != nullptr ? args.router_weights[pair] : 1.0f;
+  const float weight = pair < 0                         ? 0.0f
+                       : args.router_weights != nullptr ? args.router_weights[pair]
+                                                        : 1.0f;
   float dot = 0.0f;
   for (int64_t v = lane; v < args.vectors_per_row; v += 32) {
     const int64_t at = (row - args.row_begin) * args.vectors_per_row + v;

@@ -70,7 +70,6 @@ void append(std::vector<T>& dst, const std::vector<T>& src) {
   dst.insert(dst.end(), src.begin(), src.end());
 }
 
-
 // R = 1 problem holding the tokens of `token_ranks` (concatenated in that order) and every
 // expert of the group.
 HostProblem merge_ranks(const HostProblem& problem, const std::vector<int32_t>& token_ranks) {
@@ -145,9 +144,8 @@ bool outputs_equal(const HostRank& a, const HostRank& b) {
     return x.size() == y.size() &&
            (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0);
   };
-  return same(a.out, b.out) && same(a.d_x, b.d_x) &&
-         same(a.d_router_weights, b.d_router_weights) && same(a.d_w_gate, b.d_w_gate) &&
-         same(a.d_w_up, b.d_w_up) && same(a.d_w_down, b.d_w_down) &&
+  return same(a.out, b.out) && same(a.d_x, b.d_x) && same(a.d_router_weights, b.d_router_weights) &&
+         same(a.d_w_gate, b.d_w_gate) && same(a.d_w_up, b.d_w_up) && same(a.d_w_down, b.d_w_down) &&
          same(a.d_w_shared_gate, b.d_w_shared_gate) && same(a.d_w_shared_up, b.d_w_shared_up) &&
          same(a.d_w_shared_down, b.d_w_shared_down);
 }

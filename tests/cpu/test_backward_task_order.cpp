@@ -152,12 +152,11 @@ TEST(BackwardTaskOrder, EveryTaskOnceDependenciesEarlierTargetsExact) {
           Key{static_cast<int>(BackwardTaskKind::kDownDgrad), next + m_tile, n_tile, -1, -1, -1});
       EXPECT_LT(dgrad_next, swiglu_b) << "minibatch " << b;
       // Two steps deep: the readers of swiglu(b) come after swiglu(b + 1).
-      const int64_t swiglu_next = ticket_of.at(Key{static_cast<int>(BackwardTaskKind::kSwiglu),
-                                                   next, -1, -1, -1, -1});
+      const int64_t swiglu_next =
+          ticket_of.at(Key{static_cast<int>(BackwardTaskKind::kSwiglu), next, -1, -1, -1, -1});
       grouped_tile(0, minibatch_tiles(plan, b), plan.gate_up_dgrad_n_tiles, &m_tile, &n_tile);
-      const int64_t dx_b =
-          ticket_of.at(Key{static_cast<int>(BackwardTaskKind::kGateUpDgrad),
-                           b * plan.minibatch_tiles + m_tile, n_tile, -1, -1, -1});
+      const int64_t dx_b = ticket_of.at(Key{static_cast<int>(BackwardTaskKind::kGateUpDgrad),
+                                            b * plan.minibatch_tiles + m_tile, n_tile, -1, -1, -1});
       EXPECT_LT(swiglu_next, dx_b) << "minibatch " << b;
     }
   }

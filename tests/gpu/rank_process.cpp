@@ -71,17 +71,17 @@ std::vector<int> wait_for_children(const std::vector<pid_t>& children, int secon
 }
 
 void run_rank_processes(const std::string& child_test, int num_ranks, int seconds) {
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("mok_rank_test_" + std::to_string(::getpid())))
-                               .string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("mok_rank_test_" + std::to_string(::getpid())))
+          .string();
   std::filesystem::remove(path);
   std::vector<pid_t> children;
   for (int rank = 0; rank < num_ranks; ++rank) {
-    const pid_t pid = spawn_self(child_test,
-                                 {"MOK_TEST_RANK=" + std::to_string(rank),
-                                  "MOK_TEST_RANKS=" + std::to_string(num_ranks),
-                                  "MOK_TEST_ID_PATH=" + path},
-                                 true);
+    const pid_t pid =
+        spawn_self(child_test,
+                   {"MOK_TEST_RANK=" + std::to_string(rank),
+                    "MOK_TEST_RANKS=" + std::to_string(num_ranks), "MOK_TEST_ID_PATH=" + path},
+                   true);
     EXPECT_GT(pid, 0) << "posix_spawn failed for rank " << rank;
     if (pid > 0) children.push_back(pid);
   }

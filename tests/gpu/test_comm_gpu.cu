@@ -287,12 +287,12 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
             view, x_sym.device_peers(rank), kHidden, rank, num_ranks, state.received);
         ASSERT_EQ(kernels::launch_pull_rows(pull, copy, 24, wait, nullptr), cudaSuccess);
         // Other ranks' rows from the pulled ones, this rank's own straight from its x.
-        ASSERT_EQ(kernels::launch_expand_received(
-                      kernels::expand_received_args(view, state.received, x_sym.local(rank),
-                                                    kHidden, rank, state.rows, 0,
-                                                    state.layout.params.max_rows()),
-                      nullptr),
-                  cudaSuccess);
+        ASSERT_EQ(
+            kernels::launch_expand_received(
+                kernels::expand_received_args(view, state.received, x_sym.local(rank), kHidden,
+                                              rank, state.rows, 0, state.layout.params.max_rows()),
+                nullptr),
+            cudaSuccess);
         const kernels::PushRowsArgs push = kernels::push_rows_args(
             view, state.rows, kHidden, static_cast<int32_t>(pairs), slots.device_peers(rank),
             reinterpret_cast<uint64_t* const*>(push_flags.device_peers(rank)), rank, num_ranks,
@@ -500,11 +500,11 @@ TEST(CommGpu, PushDispatchLandsWhereThePullWould) {
           for (int32_t entry = view.recv_offsets[source]; entry < view.recv_offsets[source + 1];
                ++entry)
             for (int32_t c = 0; c < kHidden; ++c)
-              ASSERT_EQ(got[static_cast<size_t>(entry) * kHidden + c],
-                        source == rank
-                            ? uint16_t{0xFFFF}
-                            : x[source][static_cast<size_t>(view.recv_tokens[entry]) * kHidden + c]
-                                  .bits)
+              ASSERT_EQ(
+                  got[static_cast<size_t>(entry) * kHidden + c],
+                  source == rank
+                      ? uint16_t{0xFFFF}
+                      : x[source][static_cast<size_t>(view.recv_tokens[entry]) * kHidden + c].bits)
                   << "rank " << rank << " entry " << entry << " (source " << source << ", token "
                   << view.recv_tokens[entry] << ") column " << c;
       }

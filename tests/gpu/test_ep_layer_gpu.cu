@@ -14,12 +14,12 @@
 #include <vector>
 
 #if MOK_HAS_NCCL
+#include "mok/bootstrap.h"
 #include "mok/comm.h"
 #include "mok/device_problem.h"
 #include "mok/ep_baseline.h"
 #include "mok/ep_layer.h"
 #include "mok/host_problem.h"
-#include "mok/bootstrap.h"
 #include "mok/reference.h"
 #include "mok/routing.h"
 #include "rank_process.h"
@@ -224,8 +224,8 @@ TEST(EpLayerGpu, StepGraphReplayWithNewRouting) {
     ASSERT_EQ(cudaGraphInstantiate(&execs[rank], graphs[rank], 0), cudaSuccess);
   }
   uint64_t seed = 980;
-  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kOneRank,
-                                    RoutingKind::kHoles}) {
+  for (const RoutingKind routing :
+       {RoutingKind::kSkewed, RoutingKind::kOneRank, RoutingKind::kHoles}) {
     SCOPED_TRACE(routing_kind_name(routing));
     HostProblem next = problem;
     const std::vector<int32_t> all =
@@ -254,8 +254,8 @@ TEST(EpLayerGpu, StepGraphReplayWithNewRouting) {
       ASSERT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
       HostRank got = output_buffers(shape);
       device[rank]->download_outputs(got);
-      expect_matches_reference(std::string("graph replay ") + routing_kind_name(routing), rank,
-                               got, next.ranks[rank]);
+      expect_matches_reference(std::string("graph replay ") + routing_kind_name(routing), rank, got,
+                               next.ranks[rank]);
     }
   }
   for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
@@ -276,8 +276,7 @@ TEST(EpLayerGpu, DISABLED_RankProcess) {
   const std::optional<test::RankEnvironment> environment = test::rank_environment();
   ASSERT_TRUE(environment.has_value()) << "run by EpLayerGpu.OneProcessPerGpu only";
   const int32_t rank = environment->rank;
-  const UniqueId id =
-      exchange_unique_id(environment->id_path, rank, environment->num_ranks, 60.0);
+  const UniqueId id = exchange_unique_id(environment->id_path, rank, environment->num_ranks, 60.0);
   std::unique_ptr<Communicator> communicator =
       Communicator::create_rank(id, environment->num_ranks, rank, rank);
   ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
@@ -301,23 +300,21 @@ TEST(EpLayerGpu, DISABLED_RankProcess) {
       first = ep_step(layer, device, problem, true);
       expect_matches_reference(routing_kind_name(routing), rank, first[0], problem.ranks[rank]);
       const std::vector<HostRank> recomputed = ep_step(layer, device, problem, false);
-      test::for_each_output(recomputed[0], first[0],
-                            [&](const char* output, const auto& a, const auto& b) {
-                              EXPECT_TRUE(test::bitwise_equal(a, b))
-                                  << "rank " << rank << " " << output
-                                  << " differs without the forward context";
-                            });
+      test::for_each_output(
+          recomputed[0], first[0], [&](const char* output, const auto& a, const auto& b) {
+            EXPECT_TRUE(test::bitwise_equal(a, b))
+                << "rank " << rank << " " << output << " differs without the forward context";
+          });
     }
     MoeConfig push_config = config;
     push_config.ep_push_dispatch = true;
     EpLayer push_layer(shape, push_config, {communicator.get()});
     const std::vector<HostRank> pushed = ep_step(push_layer, device, problem, true);
-    test::for_each_output(pushed[0], first[0],
-                          [&](const char* output, const auto& a, const auto& b) {
-                            EXPECT_TRUE(test::bitwise_equal(a, b))
-                                << "rank " << rank << " " << output
-                                << " differs with the push dispatch";
-                          });
+    test::for_each_output(
+        pushed[0], first[0], [&](const char* output, const auto& a, const auto& b) {
+          EXPECT_TRUE(test::bitwise_equal(a, b))
+              << "rank " << rank << " " << output << " differs with the push dispatch";
+        });
   }
 }
 

@@ -61,8 +61,8 @@ TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
     for (const int64_t minibatch : {int64_t{128}, int64_t{4096}}) {
       GpuLayer layer(shape, persistent_backward_config(minibatch));
       for (const bool with_context : {true, false}) {
-        SCOPED_TRACE(testing::Message() << "minibatch " << minibatch
-                                        << (with_context ? "" : ", no context"));
+        SCOPED_TRACE(testing::Message()
+                     << "minibatch " << minibatch << (with_context ? "" : ", no context"));
         const HostRank got = run_step(layer, device, problem, with_context, nullptr);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs from the kernel sequence";
@@ -94,8 +94,8 @@ TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&hog_stream, cudaStreamNonBlocking), cudaSuccess);
   ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
   constexpr int kHogSharedBytes = 120 * 1024;
-  ASSERT_EQ(cudaFuncSetAttribute(test::hold_sms_kernel,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kHogSharedBytes),
+  ASSERT_EQ(cudaFuncSetAttribute(test::hold_sms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kHogSharedBytes),
             cudaSuccess);
   cudaEvent_t hog_done;
   ASSERT_EQ(cudaEventCreate(&hog_done), cudaSuccess);
