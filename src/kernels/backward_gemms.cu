@@ -11,7 +11,7 @@
 //                global counter (the next one before issuing the current task's loads), maps it
 //                to a task (backward_task_at with a cursor: this CTA's tickets only grow), waits
 //                for the task's dependency, publishes the task in a 4-slot shared-memory queue
-//                (task_full / task_empty mbarriers), then issues the task's K-block loads into
+//                (task_queue.cuh), then issues the task's K-block loads into
 //                the 3-stage ring (a SwiGLU task has none). After the last ticket it publishes
 //                a stop task.
 //   warpgroups 1, 2        consumers: read the task from the queue and run it:
@@ -39,7 +39,6 @@
 #include <cuda_bf16.h>
 
 #include "kernels/backward_task_order.h"
-#include "kernels/dispatch_local.cuh"
 #include "kernels/epilogue.cuh"
 #include "kernels/expert_gemm_params.h"
 #include "kernels/gemm_loads.cuh"
@@ -47,13 +46,12 @@
 #include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/swiglu_backward.cuh"
+#include "kernels/task_queue.cuh"
 
 namespace mok::kernels {
 
 namespace {
 
-constexpr int kQueueSlots = 4;
-constexpr int kStopTask = -1;
 constexpr int kSwigluBarrier = 2;  // named barrier of the consumer warps (1: the staging tile)
 
 // A task as the consumers need it.
@@ -68,32 +66,7 @@ struct QueuedTask {
   int32_t unused;
 };
 
-struct TaskQueue {
-  QueuedTask slot[kQueueSlots];
-  uint64_t full[kQueueSlots];
-  uint64_t empty[kQueueSlots];
-};
-
 using Storage = GemmSharedStorage<kNumStages>;
-
-__device__ __forceinline__ void release_add(unsigned long long* address) {
-  asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(address) : "memory");
-}
-
-// Counts one finished task on `counter` for this launch's epoch.
-__device__ __forceinline__ void count_done(unsigned long long* counter, unsigned long long epoch) {
-  atomicMax(counter, epoch * kGateUpDoneStride);
-  release_add(counter);
-}
-
-// Run by the thread that issued a tile's TMA stores: once they are complete, the tile is in
-// global memory for the tasks that wait on `counter`.
-__device__ __forceinline__ void count_stored_tile(unsigned long long* counter,
-                                                  unsigned long long epoch) {
-  ptx::bulk_wait_group<0>();
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  count_done(counter, epoch);
-}
 
 __device__ __forceinline__ unsigned long long launch_epoch(const BackwardGemmsParams& params) {
   return *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
@@ -166,29 +139,18 @@ __device__ __forceinline__ TileCoord coord_of(const QueuedTask& task) {
   return coord;
 }
 
-// The scheduler's wait for `counter` to reach epoch * stride + `count`.
-__device__ __forceinline__ void wait_for_count(const WaitContext& wait, WaitSite site,
-                                               const unsigned long long* counter,
-                                               unsigned long long epoch, int64_t count) {
-  const unsigned long long target = epoch * kGateUpDoneStride + count;
-  wait_until(
-      wait, site, [&] { return acquire_load_u64(counter) >= target; },
-      [&] { return static_cast<long long>(acquire_load_u64(counter) - epoch * kGateUpDoneStride); },
-      count);
-}
-
 __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                                                   const BackwardGemmsParams& params, Storage& smem,
-                                                  TaskQueue& queue, const int32_t* expert_tiles) {
+                                                  TaskQueue<QueuedTask>& queue,
+                                                  const int32_t* expert_tiles) {
   const WaitContext& wait = params.down_dgrad.wait;
   const BackwardPlan plan = plan_of(params, expert_tiles);
   const int64_t num_tasks_here = num_tasks(plan);
   const unsigned long long epoch = launch_epoch(params);
   const unsigned long long ticket_base = epoch << 32;
   PipelineState<kNumStages> state;
-  int slot = 0;
-  uint32_t slot_phase = 0;
-  SegmentCursor cursor;  // this CTA's tickets only grow
+  uint32_t published = 0;  // tasks in the queue so far
+  SegmentCursor cursor;    // this CTA's tickets only grow
   // The expert whose SwiGLU tasks this thread last saw finished: its next weight-gradient tiles
   // (an expert has hundreds, several per CTA in a row) need no second look at the counter.
   int32_t ready_expert = -1;
@@ -222,13 +184,7 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
         ready_expert = task.expert;
       }
     }
-    mbarrier_wait(wait, WaitSite::kTaskQueueSlot, &queue.empty[slot], slot_phase ^ 1);
-    queue.slot[slot] = queued;
-    ptx::mbarrier_arrive(&queue.full[slot]);
-    if (++slot == kQueueSlots) {
-      slot = 0;
-      slot_phase ^= 1;
-    }
+    queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) return;
     // The next ticket now: the atomic's round trip overlaps this task's loads.
     next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
@@ -272,7 +228,7 @@ __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& param
                                                 int expert, unsigned long long epoch) {
   // The scheduler acquired the row tile's GEMM outputs; each thread acquires too, so its own
   // loads below are ordered after their stores.
-  (void)acquire_load_u64(params.row_gemms_done + m_tile);
+  (void)ptx::acquire_load_u64(params.row_gemms_done + m_tile);
   const int warp = (threadIdx.x - BLOCK_M) / 32;
   const int64_t first_row = static_cast<int64_t>(m_tile) * BLOCK_M;
   const int64_t end =
@@ -312,18 +268,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
-  TaskQueue& queue =
-      *reinterpret_cast<TaskQueue*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
+  auto& queue =
+      *reinterpret_cast<TaskQueue<QueuedTask>*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
   int32_t* expert_tiles = reinterpret_cast<int32_t*>(&queue + 1);
   const int32_t num_experts = params.down_dgrad.num_experts;
   for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
     expert_tiles[e] = params.down_dgrad.expert_offsets[e] / BLOCK_M;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kQueueSlots; ++s) {
-      ptx::mbarrier_init(&queue.full[s], 1);
-      ptx::mbarrier_init(&queue.empty[s], kConsumerThreads / 32);  // one arrive per consumer warp
-    }
-  }
+  if (threadIdx.x == 0) queue.init();
   init_pipeline(smem);  // also fences the barrier inits and syncs the CTA
   const int warpgroup = threadIdx.x / 128;
 
@@ -341,20 +292,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const bool issuer = threadIdx.x == BLOCK_M;
     const unsigned long long epoch = launch_epoch(params);
     PipelineState<kNumStages> state;
-    uint32_t queued_count = 0;  // tasks read so far: slot = count % 4, phase = (count / 4) & 1
+    uint32_t queued_count = 0;  // tasks read so far
     // The accumulators stay live across tasks in ptxas's view (the wgmma operands read them),
     // so the SwiGLU task's registers come on top of them: ptxas spills ~200 bytes here
     // (docs/perf.md). Zeroing them after the SwiGLU task would end their life there, but made
     // ptxas serialize every wgmma (C7515).
     float acc[128];
     for (;;) {
-      const int slot = static_cast<int>(queued_count % kQueueSlots);
-      mbarrier_wait(params.down_dgrad.wait, WaitSite::kQueuedTask, &queue.full[slot],
-                    (queued_count / kQueueSlots) & 1);
-      const QueuedTask task = queue.slot[slot];
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&queue.empty[slot]);
-      ++queued_count;
+      const QueuedTask task = queue.read(params.down_dgrad.wait, queued_count++);
       if (task.kind == kStopTask) break;
       const auto kind = static_cast<BackwardTaskKind>(task.kind);
       const WaitContext& wait = params.down_dgrad.wait;
@@ -398,7 +343,7 @@ cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardG
                                   int num_ctas, cudaStream_t stream) {
   if (num_ctas < 1 || params.down_dgrad.num_experts < 0 || params.minibatch_tiles < 1)
     return cudaErrorInvalidValue;
-  const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue) +
+  const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue<QueuedTask>) +
                             (static_cast<size_t>(params.down_dgrad.num_experts) + 1) * 4 + 1024;
   cudaError_t status =
       cudaFuncSetAttribute(backward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -37,12 +37,6 @@ __device__ __forceinline__ void release_add_u64(unsigned long long* address,
   asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long acquire_load_u64(const unsigned long long* address) {
-  unsigned long long value;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
-  return value;
-}
-
 // Run by each gatherer warp until the ticket passes the last row.
 __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather,
                                                        const ScheduleHeader* header,
@@ -102,8 +96,10 @@ __device__ __forceinline__ void wait_for_gathered_tile(const WaitContext& wait,
   const unsigned long long target = epoch * kTileCountStride + kGatherTileRows;
   const unsigned long long* count = gather.tile_rows_done + m_tile;
   wait_until(
-      wait, WaitSite::kGatheredRows, [&] { return acquire_load_u64(count) >= target; },
-      [&] { return static_cast<long long>(acquire_load_u64(count) - epoch * kTileCountStride); },
+      wait, WaitSite::kGatheredRows, [&] { return ptx::acquire_load_u64(count) >= target; },
+      [&] {
+        return static_cast<long long>(ptx::acquire_load_u64(count) - epoch * kTileCountStride);
+      },
       kGatherTileRows);
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }

@@ -11,7 +11,7 @@
 //                CTA's tickets only grow), waits for the task's
 //                dependency (a down tile: all gate/up tiles of its row tile; a gate/up tile
 //                with the fused local dispatch: its rows gathered), publishes the task in a
-//                4-slot shared-memory queue (task_full / task_empty mbarriers), then issues the
+//                4-slot shared-memory queue (task_queue.cuh), then issues the
 //                task's K-block loads into the 3-stage ring. After the last ticket it publishes
 //                a stop task.
 //   warpgroup 0, warps 1-3 the fused local dispatch's gatherers when it is on
@@ -39,13 +39,11 @@
 #include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
 #include "kernels/task_order.h"
+#include "kernels/task_queue.cuh"
 
 namespace mok::kernels {
 
 namespace {
-
-constexpr int kQueueSlots = 4;
-constexpr int kStopTask = -1;
 
 // A task as the consumers need it: kind (TaskKind, or kStopTask), row tile, column tile.
 struct QueuedTask {
@@ -55,28 +53,14 @@ struct QueuedTask {
   int32_t unused;
 };
 
-struct TaskQueue {
-  QueuedTask slot[kQueueSlots];
-  uint64_t full[kQueueSlots];
-  uint64_t empty[kQueueSlots];
-};
-
 using Storage = GemmSharedStorage<kNumStages>;
-
-__device__ __forceinline__ void release_add(unsigned long long* address) {
-  asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(address) : "memory");
-}
 
 // Run by the thread that issued a gate/up tile's TMA stores: once they are complete, h of the
 // tile is in global memory and the row tile's down tiles may load it.
 __device__ __forceinline__ void signal_gate_up_done(const ForwardGemmsParams& params, int m_tile) {
-  ptx::bulk_wait_group<0>();
-  asm volatile("fence.proxy.async.global;" ::: "memory");
   const unsigned long long epoch =
       *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
-  unsigned long long* done = params.gate_up_done + m_tile;
-  atomicMax(done, epoch * kGateUpDoneStride);
-  release_add(done);
+  count_stored_tile(params.gate_up_done + m_tile, epoch);
 }
 
 __device__ __forceinline__ TileCoord coord_of(const ForwardGemmsParams& params,
@@ -112,7 +96,7 @@ __device__ __forceinline__ ForwardPlan plan_of(const ForwardGemmsParams& params)
 __device__ __forceinline__ void schedule_and_load(
     const CUtensorMap& x_rows, const CUtensorMap& w_gate, const CUtensorMap& w_up,
     const CUtensorMap& hidden_in, const CUtensorMap& w_down, const ForwardGemmsParams& params,
-    Storage& smem, TaskQueue& queue) {
+    Storage& smem, TaskQueue<QueuedTask>& queue) {
   const WaitContext& wait = params.gate_up.wait;
   const ForwardPlan plan = plan_of(params);
   const int64_t num_tasks_here = num_tasks(plan);
@@ -122,9 +106,8 @@ __device__ __forceinline__ void schedule_and_load(
   const bool gathers = params.gate_up.gather.x != nullptr;
   const unsigned long long gather_epoch_here = gathers ? gather_epoch(params.gate_up.gather) : 0;
   PipelineState<kNumStages> state;
-  int slot = 0;
-  uint32_t slot_phase = 0;
-  SegmentCursor cursor;  // this CTA's tickets only grow
+  uint32_t published = 0;  // tasks in the queue so far
+  SegmentCursor cursor;    // this CTA's tickets only grow
   const int m_begin = first_m_tile(params);
   const int ring_row_base = params.gate_up.macrobatch.ring_row_base;
   atomicMax(params.ticket, ticket_base);
@@ -136,26 +119,14 @@ __device__ __forceinline__ void schedule_and_load(
       const Task task = task_at(plan, ticket, &cursor);
       queued = {static_cast<int32_t>(task.kind), m_begin + task.m_tile, task.n_tile, 0};
       if (task.kind == TaskKind::kDown) {
-        const unsigned long long target = epoch * kGateUpDoneStride + plan.gate_up_n_tiles;
-        const unsigned long long* done = params.gate_up_done + queued.m_tile;
-        wait_until(
-            wait, WaitSite::kGateUpDone, [&] { return acquire_load_u64(done) >= target; },
-            [&] {
-              return static_cast<long long>(acquire_load_u64(done) - epoch * kGateUpDoneStride);
-            },
-            plan.gate_up_n_tiles);
+        wait_for_count(wait, WaitSite::kGateUpDone, params.gate_up_done + queued.m_tile, epoch,
+                       plan.gate_up_n_tiles);
         asm volatile("fence.proxy.async.global;" ::: "memory");
       } else if (gathers) {
         wait_for_gathered_tile(wait, params.gate_up.gather, queued.m_tile, gather_epoch_here);
       }
     }
-    mbarrier_wait(wait, WaitSite::kTaskQueueSlot, &queue.empty[slot], slot_phase ^ 1);
-    queue.slot[slot] = queued;
-    ptx::mbarrier_arrive(&queue.full[slot]);
-    if (++slot == kQueueSlots) {
-      slot = 0;
-      slot_phase ^= 1;
-    }
+    queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) return;
     // The next ticket now: the atomic's round trip overlaps this task's loads. (Its dependency
     // is waited for only after them: it may be this very task.)
@@ -190,14 +161,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
-  TaskQueue& queue =
-      *reinterpret_cast<TaskQueue*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kQueueSlots; ++s) {
-      ptx::mbarrier_init(&queue.full[s], 1);
-      ptx::mbarrier_init(&queue.empty[s], kConsumerThreads / 32);  // one arrive per consumer warp
-    }
-  }
+  auto& queue =
+      *reinterpret_cast<TaskQueue<QueuedTask>*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
+  if (threadIdx.x == 0) queue.init();
   init_pipeline(smem);  // also fences the barrier inits and syncs the CTA
   const int warpgroup = threadIdx.x / 128;
 
@@ -217,16 +183,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
     const int consumer_idx = warpgroup - 1;
     PipelineState<kNumStages> state;
     // Registers are tight here (128 accumulators of 168): keep little else live across tiles.
-    uint32_t queued_count = 0;  // tasks read so far: slot = count % 4, phase = (count / 4) & 1
+    uint32_t queued_count = 0;  // tasks read so far
     float acc[128];
     for (;;) {
-      const int slot = static_cast<int>(queued_count % kQueueSlots);
-      mbarrier_wait(params.gate_up.wait, WaitSite::kQueuedTask, &queue.full[slot],
-                    (queued_count / kQueueSlots) & 1);
-      const QueuedTask task = queue.slot[slot];
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&queue.empty[slot]);
-      ++queued_count;
+      const QueuedTask task = queue.read(params.gate_up.wait, queued_count++);
       if (task.kind == kStopTask) break;
       const bool gate_up = task.kind == static_cast<int32_t>(TaskKind::kGateUp);
       consume_tile<false, false>(
@@ -251,7 +211,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
 
 cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemmsParams& params,
                                  int num_ctas, cudaStream_t stream) {
-  const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue) + 1024;
+  const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue<QueuedTask>) + 1024;
   cudaError_t status =
       cudaFuncSetAttribute(forward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem_bytes));

@@ -46,6 +46,14 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* barrier, uint32_t ph
   return done != 0;
 }
 
+// A load that later loads of this thread cannot pass (pairs with red.release / st.release at
+// gpu scope: the dependency counters).
+__device__ __forceinline__ unsigned long long acquire_load_u64(const unsigned long long* address) {
+  unsigned long long value;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
 // ---- TMA (bulk tensor copies) --------------------------------------------------------------
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
