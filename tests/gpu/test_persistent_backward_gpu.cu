@@ -79,10 +79,6 @@ TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
 }
 
 TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
-  int device_id = 0, sm_count = 0;
-  ASSERT_EQ(cudaGetDevice(&device_id), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_id),
-            cudaSuccess);
   const MoeShape shape = make_shape(1500, 1024, 512, 16, 4);
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 92);
   DeviceProblem device(problem, 0);
@@ -90,36 +86,26 @@ TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   const HostRank want = run_step(sequence, device, problem, true, nullptr);
   GpuLayer layer(shape, persistent_backward_config(512));
   run_step(layer, device, problem, true, nullptr);  // warm-up: kernel attributes, module load
-  cudaStream_t hog_stream, layer_stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&hog_stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaStream_t layer_stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
-  constexpr int kHogSharedBytes = 120 * 1024;
-  ASSERT_EQ(cudaFuncSetAttribute(test::hold_sms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 kHogSharedBytes),
-            cudaSuccess);
-  cudaEvent_t hog_done;
-  ASSERT_EQ(cudaEventCreate(&hog_done), cudaSuccess);
-  // The forward first, on all SMs; then the backward gets 8 SMs until the hog exits.
+  // The forward first, on all SMs; then the backward gets 8 SMs while the hold lasts.
   device.poison_outputs();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const ForwardContext context = layer.forward(device.forward_args(), layer_stream);
   ASSERT_EQ(cudaStreamSynchronize(layer_stream), cudaSuccess);
-  test::hold_sms_kernel<<<sm_count - 8, 128, kHogSharedBytes, hog_stream>>>(3'000'000'000ull);
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  ASSERT_EQ(cudaEventRecord(hog_done, hog_stream), cudaSuccess);
-  layer.backward(device.backward_args(), layer_stream, &context);
-  const Status status = layer.synchronize(layer_stream);
-  ASSERT_TRUE(status.ok()) << status.message;
-  EXPECT_EQ(cudaEventQuery(hog_done), cudaErrorNotReady)
-      << "the backward only finished after the SM-holding kernel exited";
+  {
+    const test::SmHold hold(8, 3'000'000'000ull);
+    layer.backward(device.backward_args(), layer_stream, &context);
+    const Status status = layer.synchronize(layer_stream);
+    ASSERT_TRUE(status.ok()) << status.message;
+    EXPECT_TRUE(hold.still_held())
+        << "the backward only finished after the SM-holding kernel exited";
+  }
   HostRank got = output_buffers(problem.shape);
   device.download_outputs(got);
   test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
     EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
   });
-  ASSERT_EQ(cudaStreamSynchronize(hog_stream), cudaSuccess);
-  cudaEventDestroy(hog_done);
-  cudaStreamDestroy(hog_stream);
   cudaStreamDestroy(layer_stream);
 }
 

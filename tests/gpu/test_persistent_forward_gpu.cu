@@ -101,10 +101,6 @@ TEST(PersistentForwardGpu, MatchesReferenceAndFeedsTheBackward) {
 }
 
 TEST(PersistentForwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
-  int device_id = 0, sm_count = 0;
-  ASSERT_EQ(cudaGetDevice(&device_id), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_id),
-            cudaSuccess);
   const MoeShape shape = make_shape(1500, 1024, 512, 16, 4);
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 91);
   DeviceProblem device(problem, 0);
@@ -115,34 +111,22 @@ TEST(PersistentForwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
 
   GpuLayer layer(shape, persistent_config(LocalDispatch::kProducerWarps, 512));
   run_forward(layer, device, problem);  // warm-up: kernel attributes, module load
-  cudaStream_t hog_stream, layer_stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&hog_stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaStream_t layer_stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
-  constexpr int kHogSharedBytes = 120 * 1024;
-  ASSERT_EQ(cudaFuncSetAttribute(test::hold_sms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 kHogSharedBytes),
-            cudaSuccess);
-  cudaEvent_t hog_done;
-  ASSERT_EQ(cudaEventCreate(&hog_done), cudaSuccess);
   device.poison_outputs();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the memsets ran on the legacy stream
-  const int held = sm_count - 8;                    // the forward gets 8 SMs until the hog exits
-  test::hold_sms_kernel<<<held, 128, kHogSharedBytes, hog_stream>>>(2'000'000'000ull);  // 2 s
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  ASSERT_EQ(cudaEventRecord(hog_done, hog_stream), cudaSuccess);
-  layer.forward(device.forward_args(), layer_stream);
-  const Status status = layer.synchronize(layer_stream);
-  ASSERT_TRUE(status.ok()) << status.message;
-  // The forward finished on the SMs left to it, before the hog let go of the others.
-  EXPECT_EQ(cudaEventQuery(hog_done), cudaErrorNotReady)
-      << "the forward only finished after the SM-holding kernel exited";
+  {
+    const test::SmHold hold(8, 2'000'000'000ull);  // the forward gets 8 SMs for 2 s
+    layer.forward(device.forward_args(), layer_stream);
+    const Status status = layer.synchronize(layer_stream);
+    ASSERT_TRUE(status.ok()) << status.message;
+    // The forward finished on the SMs left to it, before the hold let go of the others.
+    EXPECT_TRUE(hold.still_held())
+        << "the forward only finished after the SM-holding kernel exited";
+  }
   HostRank result = output_buffers(problem.shape);
   device.download_outputs(result);
-  const std::vector<bf16>& got = result.out;
-  EXPECT_TRUE(test::bitwise_equal(got, want));
-  ASSERT_EQ(cudaStreamSynchronize(hog_stream), cudaSuccess);
-  cudaEventDestroy(hog_done);
-  cudaStreamDestroy(hog_stream);
+  EXPECT_TRUE(test::bitwise_equal(result.out, want));
   cudaStreamDestroy(layer_stream);
 }
 
