@@ -3,8 +3,9 @@
 // pointers): forward and backward against the CPU reference's R-rank emulation on the
 // adversarial routings of DESIGN.md §4, outputs poisoned first, bitwise identical across
 // repeated steps, with or without the forward context, with the bulk-copy and push-dispatch
-// data movement, and with macrobatches. Then the same layer with one process per GPU
-// (Communicator::create_rank), the form compute-sanitizer checks (rank_process.h).
+// data movement, with macrobatches, and with the persistent backward. Then the same layer with
+// one process per GPU (Communicator::create_rank), the form compute-sanitizer checks
+// (rank_process.h).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -118,13 +119,16 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   // with and without the forward context: the backward recomputing pushes x and d_out).
   // Macrobatches of 128 rows: the ring, the recompute from the kept received rows, the weight
   // gradients' partials across boundaries (pull and push dispatch).
-  for (const std::string variant :
-       {"bulk copies", "push dispatch", "macrobatches", "push dispatch + macrobatches"}) {
+  // The persistent backward: its SwiGLU tasks write the router-weight gradients into the
+  // source ranks' buffers.
+  for (const std::string variant : {"bulk copies", "push dispatch", "macrobatches",
+                                    "push dispatch + macrobatches", "persistent backward"}) {
     MoeConfig variant_config = config;
     const bool push = variant.find("push") != std::string::npos;
     const bool macrobatches = variant.find("macrobatches") != std::string::npos;
     variant_config.ep_bulk_copies = variant == "bulk copies";
     variant_config.ep_push_dispatch = push;
+    variant_config.persistent_backward = variant == "persistent backward";
     if (macrobatches) {
       variant_config.minibatch_size = 128;
       variant_config.macrobatch_size = 128;
