@@ -298,6 +298,7 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
   swiglu.row_begin = 0;
   params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
   params.recompute_rows = recompute ? 1 : 0;
+  params.spare_warp_swiglu = s.config.persistent_backward_spare_warps ? 1 : 0;
   const int64_t max_tiles = set.layout.params.max_tiles();
   unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>();
   params.ticket = counters;

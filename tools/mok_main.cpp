@@ -47,6 +47,8 @@ mok run options:
                                times both ways either way)
   --persistent-backward        GPU: run the routed experts' backward as one persistent kernel
                                (the run checks and times both ways either way)
+  --spare-warp-swiglu          GPU: the persistent backward's SwiGLU tasks on the producer's
+                               spare warps instead of the consumer warps
   --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
                                128; default 4096)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
@@ -93,6 +95,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--persistent-backward") {
       options.persistent_backward = true;
+      continue;
+    }
+    if (flag == "--spare-warp-swiglu") {
+      options.spare_warp_swiglu = true;
       continue;
     }
     if (flag == "--push-dispatch") {

@@ -56,6 +56,9 @@ struct MoeConfig {
   // backward_task_order.h with dependency counters instead of seven kernel boundaries. Same bits
   // either way. With several macrobatches the backward runs its kernel sequence.
   bool persistent_backward = false;
+  // The persistent backward runs its SwiGLU tasks on the producer warpgroup's three spare warps
+  // (beside the GEMM tiles) instead of the consumer warps (between them). Same bits.
+  bool persistent_backward_spare_warps = false;
   // Expert parallel: move dispatch / combine rows with the bulk-copy engine (cp.async.bulk, one
   // thread per communication CTA) instead of warp copies. Same bits either way.
   bool ep_bulk_copies = false;

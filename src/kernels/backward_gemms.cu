@@ -14,12 +14,17 @@
 //                (task_queue.cuh), then issues the task's K-block loads into
 //                the 3-stage ring (a SwiGLU task has none). After the last ticket it publishes
 //                a stop task.
+//   warpgroup 0, warps 1-3 with BackwardGemmsParams::spare_warp_swiglu: the SwiGLU tasks, from
+//                a second queue the scheduler fills once a task's row tile is ready (it then
+//                takes the next ticket at once), so they run beside the GEMM tiles instead of
+//                holding the consumers' tensor cores. Same row function, same bits.
 //   warpgroups 1, 2        consumers: read the task from the queue and run it:
 //                recompute(m, n)      mainloop + kGateUpStore epilogue (bf16 g, u)
 //                down_dgrad(m, n)     mainloop + kDownGrad epilogue (dh_raw)
 //                swiglu(m)            the eight consumer warps run the SwiGLU backward of the
 //                                     row tile's 128 rows (swiglu_backward.cuh): d_g, d_u,
 //                                     h_w in place of dh_raw, the router-weight gradients
+//                                     (unless the spare warps run it, below)
 //                gate_up_dgrad(m, n)  mainloop + kGateUpGradStore epilogue (the dx rows)
 //                wgrad(e, matrix, t)  mainloop over expert e's rows + kWeightGrad epilogue
 // Dependencies (counters in global memory, epoch * kGateUpDoneStride + count):
@@ -52,7 +57,18 @@ namespace mok::kernels {
 
 namespace {
 
-constexpr int kSwigluBarrier = 2;  // named barrier of the consumer warps (1: the staging tile)
+// Named barriers of the SwiGLU task's warps (1: the consumers' staging tile).
+constexpr int kSwigluBarrier = 2;           // the consumer warps
+constexpr int kSpareWarpSwigluBarrier = 3;  // the producer's spare warps
+constexpr int kSpareWarps = 3;              // producer warps 1-3
+
+// A SwiGLU task for the spare warps (BackwardGemmsParams::spare_warp_swiglu).
+struct MemoryTask {
+  int32_t kind;  // BackwardTaskKind::kSwiglu, or kStopTask
+  int32_t m_tile;
+  int32_t expert;
+  int32_t unused;
+};
 
 // A task as the consumers need it.
 struct QueuedTask {
@@ -142,6 +158,7 @@ __device__ __forceinline__ TileCoord coord_of(const QueuedTask& task) {
 __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                                                   const BackwardGemmsParams& params, Storage& smem,
                                                   TaskQueue<QueuedTask>& queue,
+                                                  TaskQueue<MemoryTask>& memory_queue,
                                                   const int32_t* expert_tiles) {
   const WaitContext& wait = params.down_dgrad.wait;
   const BackwardPlan plan = plan_of(params, expert_tiles);
@@ -149,8 +166,9 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   const unsigned long long epoch = launch_epoch(params);
   const unsigned long long ticket_base = epoch << 32;
   PipelineState<kNumStages> state;
-  uint32_t published = 0;  // tasks in the queue so far
-  SegmentCursor cursor;    // this CTA's tickets only grow
+  uint32_t published = 0;         // tasks in the consumers' queue so far
+  uint32_t memory_published = 0;  // and in the spare warps' queue
+  SegmentCursor cursor;           // this CTA's tickets only grow
   // The expert whose SwiGLU tasks this thread last saw finished: its next weight-gradient tiles
   // (an expert has hundreds, several per CTA in a row) need no second look at the counter.
   int32_t ready_expert = -1;
@@ -160,10 +178,20 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
     long long ticket = next_ticket;
     QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, 0};
     BackwardTask task{};
-    // The rows were gathered before the launch: their tasks have nothing left to do.
+    // The rows were gathered before the launch: their tasks have nothing left to do. With the
+    // spare warps on, a SwiGLU task goes to their queue once its row tile is ready, and the
+    // scheduler goes on to the next ticket.
     while (ticket < num_tasks_here) {
       task = backward_task_at(plan, ticket, &cursor);
-      if (task.kind != BackwardTaskKind::kRows) break;
+      if (task.kind == BackwardTaskKind::kSwiglu && params.spare_warp_swiglu != 0) {
+        wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
+                       plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
+        memory_queue.publish(wait, memory_published++,
+                             MemoryTask{static_cast<int32_t>(BackwardTaskKind::kSwiglu),
+                                        task.m_tile, expert_of_tile(plan, task.m_tile), 0});
+      } else if (task.kind != BackwardTaskKind::kRows) {
+        break;
+      }
       ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     }
     if (ticket < num_tasks_here) {
@@ -185,7 +213,11 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
       }
     }
     queue.publish(wait, published++, queued);
-    if (queued.kind == kStopTask) return;
+    if (queued.kind == kStopTask) {
+      if (params.spare_warp_swiglu != 0)
+        memory_queue.publish(wait, memory_published, MemoryTask{kStopTask, 0, 0, 0});
+      return;
+    }
     // The next ticket now: the atomic's round trip overlaps this task's loads.
     next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     const TileCoord coord = coord_of(queued);
@@ -223,30 +255,31 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   }
 }
 
-// The SwiGLU backward of row tile `m_tile` by the eight consumer warps, then its counters.
+// The SwiGLU backward of row tile `m_tile` by `num_warps` warps (this one is `warp`), which
+// then meet at named barrier `barrier`; the thread with `signals` counts the task done.
 __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& params, int m_tile,
-                                                int expert, unsigned long long epoch) {
+                                                int expert, unsigned long long epoch, int warp,
+                                                int num_warps, int barrier, bool signals) {
   // The scheduler acquired the row tile's GEMM outputs; each thread acquires too, so its own
   // loads below are ordered after their stores.
   (void)ptx::acquire_load_u64(params.row_gemms_done + m_tile);
-  const int warp = (threadIdx.x - BLOCK_M) / 32;
   const int64_t first_row = static_cast<int64_t>(m_tile) * BLOCK_M;
   const int64_t end =
       min(first_row + BLOCK_M, static_cast<int64_t>(params.down_dgrad.header->total_rows));
-  // Eight warps keep only a few loads each in flight (the accumulators hold most registers), so
-  // a row tile's ~1-3 MB would stream at a fraction of the SM's share of bandwidth: first the
-  // bulk-copy engine prefetches every row of this warp into L2 (three per row, no registers).
+  // The warps keep only a few loads each in flight (the consumers' accumulators hold most of
+  // their registers; the spare warps have 56), so a row tile's ~1-3 MB would stream at a
+  // fraction of the SM's share of bandwidth: first the bulk-copy engine prefetches every row of
+  // this warp into L2 (three per row, no registers).
   const SwigluBackwardArgs& args = params.swiglu;
   const uint32_t row_bytes = static_cast<uint32_t>(args.vectors_per_row * 16);
   if (threadIdx.x % 32 == 0)
-    for (int64_t row = first_row + warp; row < end; row += kConsumerThreads / 32) {
+    for (int64_t row = first_row + warp; row < end; row += num_warps) {
       const int64_t at = (row - args.row_begin) * args.vectors_per_row;
       ptx::bulk_prefetch_l2(args.gate + at, row_bytes);
       ptx::bulk_prefetch_l2(args.up + at, row_bytes);
       ptx::bulk_prefetch_l2(args.dh_raw + at, row_bytes);
     }
-  for (int64_t row = first_row + warp; row < end; row += kConsumerThreads / 32)
-    swiglu_backward_row(args, row);
+  for (int64_t row = first_row + warp; row < end; row += num_warps) swiglu_backward_row(args, row);
   // Each thread's stores at device scope (system scope for router-weight gradients that went
   // to other GPUs, read after the push's signal), and toward the async proxy: the tiles that
   // wait for this task load d_g, d_u and h_w with TMA.
@@ -255,8 +288,8 @@ __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& param
   else
     __threadfence();
   asm volatile("fence.proxy.async.global;" ::: "memory");
-  ptx::named_barrier_sync(kSwigluBarrier, kConsumerThreads);
-  if (threadIdx.x == BLOCK_M) {
+  ptx::named_barrier_sync(barrier, num_warps * 32);
+  if (signals) {
     count_done(params.swiglu_done + m_tile, epoch);
     count_done(params.expert_ready + expert, epoch);
   }
@@ -270,11 +303,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                               ~uintptr_t{1023});
   auto& queue =
       *reinterpret_cast<TaskQueue<QueuedTask>*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
-  int32_t* expert_tiles = reinterpret_cast<int32_t*>(&queue + 1);
+  auto& memory_queue = *reinterpret_cast<TaskQueue<MemoryTask>*>(&queue + 1);
+  int32_t* expert_tiles = reinterpret_cast<int32_t*>(&memory_queue + 1);
   const int32_t num_experts = params.down_dgrad.num_experts;
   for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
     expert_tiles[e] = params.down_dgrad.expert_offsets[e] / BLOCK_M;
-  if (threadIdx.x == 0) queue.init();
+  if (threadIdx.x == 0) {
+    queue.init();
+    memory_queue.init(kSpareWarps);
+  }
   init_pipeline(smem);  // also fences the barrier inits and syncs the CTA
   const int warpgroup = threadIdx.x / 128;
 
@@ -284,7 +321,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (const CUtensorMap* map : {&maps.x_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.d_gate,
                                      &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
         ptx::prefetch_tensor_map(map);
-      schedule_and_load(maps, params, smem, queue, expert_tiles);
+      schedule_and_load(maps, params, smem, queue, memory_queue, expert_tiles);
+    } else if (params.spare_warp_swiglu != 0 && threadIdx.x >= 32) {
+      // The spare warps: SwiGLU tasks beside the consumers' GEMM tiles.
+      const unsigned long long epoch = launch_epoch(params);
+      for (uint32_t count = 0;; ++count) {
+        const MemoryTask task = memory_queue.read(params.down_dgrad.wait, count);
+        if (task.kind == kStopTask) break;
+        run_swiglu_task(params, task.m_tile, task.expert, epoch, threadIdx.x / 32 - 1, kSpareWarps,
+                        kSpareWarpSwigluBarrier, threadIdx.x == 32);
+      }
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
@@ -304,7 +350,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const auto kind = static_cast<BackwardTaskKind>(task.kind);
       const WaitContext& wait = params.down_dgrad.wait;
       if (kind == BackwardTaskKind::kSwiglu) {
-        run_swiglu_task(params, task.m_tile, task.expert, epoch);
+        run_swiglu_task(params, task.m_tile, task.expert, epoch, (threadIdx.x - BLOCK_M) / 32,
+                        kConsumerThreads / 32, kSwigluBarrier, issuer);
       } else if (kind == BackwardTaskKind::kRecompute) {
         consume_tile<false, false>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
         store_tile<ExpertGemmForm::kGateUpStore>({&maps.gate_out, &maps.up_out, nullptr}, smem,
@@ -344,6 +391,7 @@ cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardG
   if (num_ctas < 1 || params.down_dgrad.num_experts < 0 || params.minibatch_tiles < 1)
     return cudaErrorInvalidValue;
   const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue<QueuedTask>) +
+                            sizeof(TaskQueue<MemoryTask>) +
                             (static_cast<size_t>(params.down_dgrad.num_experts) + 1) * 4 + 1024;
   cudaError_t status =
       cudaFuncSetAttribute(backward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

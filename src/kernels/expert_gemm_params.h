@@ -130,6 +130,7 @@ struct BackwardGemmsParams {
   SwigluBackwardArgs swiglu;
   int32_t minibatch_tiles;  // MoeConfig::minibatch_size / 128
   int32_t recompute_rows;   // 1: no forward context, the recompute tasks run
+  int32_t spare_warp_swiglu;  // 1: SwiGLU tasks on the producer's spare warps, not the consumers
   unsigned long long* ticket;
   unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
   unsigned long long* row_gemms_done;  // [max_tiles]: recompute + down dgrad tiles finished

@@ -2,10 +2,11 @@
 // their dependency counters (forward_gemms.cu, backward_gemms.cu).
 //
 // Queue: kQueueSlots slots in shared memory, each with a `full` mbarrier (one arrival: the
-// scheduler published the slot) and an `empty` mbarrier (one arrival per consumer warp: every
-// consumer read it). The scheduler writes tasks in order; the consumers read them in the same
-// order, so each side only counts: slot = count % kQueueSlots, phase = (count / kQueueSlots) & 1.
-// A task whose `kind` is kStopTask ends the consumers' loop.
+// scheduler published the slot) and an `empty` mbarrier (one arrival per reader warp: every
+// reader read it; the readers are the consumer warps, or the backward's spare producer warps). The
+// scheduler writes tasks in order; the consumers read them in the same order, so each side only
+// counts: slot = count % kQueueSlots, phase = (count / kQueueSlots) & 1. A task whose `kind` is
+// kStopTask ends the consumers' loop.
 //
 // Counters: global words that only grow. A launch's value is epoch * kGateUpDoneStride + tasks
 // done (expert_gemm_params.h): the first producer of a launch lifts the word to its epoch's
@@ -31,11 +32,12 @@ struct TaskQueue {
   uint64_t full[kQueueSlots];
   uint64_t empty[kQueueSlots];
 
-  // Thread 0, before the CTA's first barrier (init_pipeline fences and syncs after it).
-  __device__ __forceinline__ void init() {
+  // Thread 0, before the CTA's first barrier (init_pipeline fences and syncs after it);
+  // `reader_warps` warps read every task (each frees the slot once).
+  __device__ __forceinline__ void init(int reader_warps = kConsumerThreads / 32) {
     for (int s = 0; s < kQueueSlots; ++s) {
       ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], kConsumerThreads / 32);  // one arrive per consumer warp
+      ptx::mbarrier_init(&empty[s], reader_warps);
     }
   }
 
@@ -48,7 +50,7 @@ struct TaskQueue {
     ptx::mbarrier_arrive(&full[s]);
   }
 
-  // A consumer thread: waits for task `count`, reads it, and (one lane per warp) frees the slot.
+  // A reader thread: waits for task `count`, reads it, and (one lane per warp) frees the slot.
   __device__ __forceinline__ Task read(const WaitContext& wait, uint32_t count) {
     const int s = static_cast<int>(count % kQueueSlots);
     mbarrier_wait(wait, WaitSite::kQueuedTask, &full[s], (count / kQueueSlots) & 1);

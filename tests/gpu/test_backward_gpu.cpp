@@ -114,7 +114,7 @@ TEST(BackwardGpu, MatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(9);
+  std::vector<MoeConfig> configs(10);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -136,6 +136,9 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[8].persistent_backward = true;
   configs[8].persistent_forward = true;
   configs[8].minibatch_size = 256;
+  configs[9].persistent_backward = true;
+  configs[9].persistent_backward_spare_warps = true;
+  configs[9].minibatch_size = 128;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {

@@ -21,9 +21,10 @@ namespace {
 
 using test::make_shape;
 
-MoeConfig persistent_backward_config(int64_t minibatch_size) {
+MoeConfig persistent_backward_config(int64_t minibatch_size, bool spare_warps = false) {
   MoeConfig config;
   config.persistent_backward = true;
+  config.persistent_backward_spare_warps = spare_warps;
   config.minibatch_size = minibatch_size;
   config.wait_timeout_s = 10;
   return config;
@@ -58,11 +59,15 @@ TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
     DeviceProblem device(problem, 0);
     GpuLayer sequence(shape, MoeConfig{});
     const HostRank want = run_step(sequence, device, problem, true, nullptr);
-    for (const int64_t minibatch : {int64_t{128}, int64_t{4096}}) {
-      GpuLayer layer(shape, persistent_backward_config(minibatch));
+    // Minibatches of 128 and 4096 rows; the SwiGLU tasks on the spare warps.
+    for (const auto& [minibatch, spare_warps] :
+         {std::pair{int64_t{128}, false}, std::pair{int64_t{4096}, false},
+          std::pair{int64_t{128}, true}}) {
+      GpuLayer layer(shape, persistent_backward_config(minibatch, spare_warps));
       for (const bool with_context : {true, false}) {
-        SCOPED_TRACE(testing::Message()
-                     << "minibatch " << minibatch << (with_context ? "" : ", no context"));
+        SCOPED_TRACE(testing::Message() << "minibatch " << minibatch
+                                        << (spare_warps ? ", SwiGLU on the spare warps" : "")
+                                        << (with_context ? "" : ", no context"));
         const HostRank got = run_step(layer, device, problem, with_context, nullptr);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs from the kernel sequence";
@@ -84,28 +89,31 @@ TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   DeviceProblem device(problem, 0);
   GpuLayer sequence(shape, MoeConfig{});
   const HostRank want = run_step(sequence, device, problem, true, nullptr);
-  GpuLayer layer(shape, persistent_backward_config(512));
-  run_step(layer, device, problem, true, nullptr);  // warm-up: kernel attributes, module load
   cudaStream_t layer_stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
-  // The forward first, on all SMs; then the backward gets 8 SMs while the hold lasts.
-  device.poison_outputs();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const ForwardContext context = layer.forward(device.forward_args(), layer_stream);
-  ASSERT_EQ(cudaStreamSynchronize(layer_stream), cudaSuccess);
-  {
-    const test::SmHold hold(8, 3'000'000'000ull);
-    layer.backward(device.backward_args(), layer_stream, &context);
-    const Status status = layer.synchronize(layer_stream);
-    ASSERT_TRUE(status.ok()) << status.message;
-    EXPECT_TRUE(hold.still_held())
-        << "the backward only finished after the SM-holding kernel exited";
+  for (const bool spare_warps : {false, true}) {
+    SCOPED_TRACE(spare_warps ? "SwiGLU on the spare warps" : "SwiGLU on the consumer warps");
+    GpuLayer layer(shape, persistent_backward_config(512, spare_warps));
+    run_step(layer, device, problem, true, nullptr);  // warm-up: kernel attributes, module load
+    // The forward first, on all SMs; then the backward gets 8 SMs while the hold lasts.
+    device.poison_outputs();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const ForwardContext context = layer.forward(device.forward_args(), layer_stream);
+    ASSERT_EQ(cudaStreamSynchronize(layer_stream), cudaSuccess);
+    {
+      const test::SmHold hold(8, 3'000'000'000ull);
+      layer.backward(device.backward_args(), layer_stream, &context);
+      const Status status = layer.synchronize(layer_stream);
+      ASSERT_TRUE(status.ok()) << status.message;
+      EXPECT_TRUE(hold.still_held())
+          << "the backward only finished after the SM-holding kernel exited";
+    }
+    HostRank got = output_buffers(problem.shape);
+    device.download_outputs(got);
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+    });
   }
-  HostRank got = output_buffers(problem.shape);
-  device.download_outputs(got);
-  test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-    EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-  });
   cudaStreamDestroy(layer_stream);
 }
 
