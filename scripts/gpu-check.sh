@@ -18,7 +18,7 @@
 # MOK_SKIP_SANITIZERS=1 in one call and the sanitizers alone (MOK_SKIP_TESTS=1
 # MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_PERSISTENT_SHAPES="" MOK_SKIP_EP=1
 # MOK_SKIP_COMM_BENCH=1) in another.
-# MOK_NCU=1 adds an ncu profile of the GEMMs. A failing step is recorded and the script goes on
+# MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. A failing step is recorded and the script goes on
 # to the summary; it exits non-zero if any step failed.
 #
 # GoogleTest: the device machine may lack it and cannot download it. Run scripts/fetch-gtest.sh
@@ -226,6 +226,11 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
     run_step ncu_expert_gemm "$OUT/run.log" timeout 300 ncu --clock-control none --section SpeedOfLight \
       --section Occupancy --section LaunchStats -k regex:expert_gemm_kernel --launch-count 6 \
       "./$build_dir/mok" run --shape dsv3_local --check-tokens 1
+    # The persistent backward against the kernel sequence's GEMMs: where its warps stall.
+    run_step ncu_persistent_backward "$OUT/run.log" timeout 300 ncu --clock-control none \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      -k regex:backward_gemms_kernel --launch-count 1 \
+      "./$build_dir/mok" run --shape qwen3 --persistent-backward --check-tokens 1
   fi
 else
   echo "mok CLI not built: skipping mok run"
