@@ -12,12 +12,10 @@
 # GPUs, `mok comm-bench`; the multi-GPU tests run on all of them.
 # To save device time: MOK_SKIP_DEFAULT_RUN=1, MOK_SKIP_SANITIZERS=1, MOK_BENCH_SHAPES="" (no
 # extra shapes; default qwen3, while `mok run` with no arguments covers dsv3_local),
-# MOK_PERSISTENT_SHAPES="" (no persistent-backward variant runs; default dsv3_local qwen3),
 # MOK_SKIP_TESTS=1 (no ctest), MOK_SKIP_EP=1 (no `mok run --gpus`), MOK_SKIP_COMM_BENCH=1. A
 # call of the device tool may run 10 minutes: on 2 GPUs run the tests and benchmarks with
 # MOK_SKIP_SANITIZERS=1 in one call and the sanitizers alone (MOK_SKIP_TESTS=1
-# MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_PERSISTENT_SHAPES="" MOK_SKIP_EP=1
-# MOK_SKIP_COMM_BENCH=1) in another.
+# MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_SKIP_EP=1 MOK_SKIP_COMM_BENCH=1) in another.
 # MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. A failing step is recorded and the script goes on
 # to the summary; it exits non-zero if any step failed.
 #
@@ -184,15 +182,6 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
     add_bench_json default "$OUT/tmp_default.json"
   fi
   [ -n "$monitor_pid" ] && kill "$monitor_pid" 2>/dev/null || true
-  # The persistent backward with its SwiGLU tasks on the spare warps, beside the kernel sequence
-  # (each `mok run` times the other backward too; the default runs above time the persistent
-  # backward with the SwiGLU on the consumer warps). MOK_PERSISTENT_SHAPES="" skips them.
-  for shape in ${MOK_PERSISTENT_SHAPES-dsv3_local qwen3}; do
-    run_step "persistent_backward_spare_warps_$shape" "$OUT/run.log" timeout 300 \
-      "./$build_dir/mok" run --shape "$shape" --persistent-backward --spare-warp-swiglu \
-      --json "$OUT/tmp_bench.json"
-    add_bench_json "${shape}_persistent_backward_spare_warps" "$OUT/tmp_bench.json"
-  done
   # The expert-parallel layer on every GPU of the machine when it has more than one
   # (MOK_EP_SHAPES picks the shapes; default kimi_slice (E = 8 per GPU) and dsv3 (E = 256)).
   # With one GPU, `--gpus 1` still runs the whole expert-parallel path (a group of one, through

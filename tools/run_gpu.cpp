@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,13 @@ std::string variant_name(const mok::MoeConfig& config) {
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
          (config.persistent_forward ? ", persistent forward GEMM kernel"
                                     : ", two forward GEMM kernels");
+}
+
+// "kernel sequence" or "persistent kernel, SwiGLU on the <consumer | spare> warps".
+std::string backward_name(const mok::MoeConfig& config) {
+  if (!config.persistent_backward) return "kernel sequence";
+  return std::string("persistent kernel, SwiGLU on the ") +
+         (config.persistent_backward_spare_warps ? "spare warps" : "consumer warps");
 }
 
 // Relative error of a whole output (for gradients compared between two GPU runs).
@@ -93,11 +101,22 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const int64_t ring_macrobatches =
       (max_rows + ring_config.macrobatch_size - 1) / ring_config.macrobatch_size;
   mok::GpuLayer ring_layer(shape, ring_config);
-  // The backward the other way: one persistent kernel or the kernel sequence (same bits).
-  mok::MoeConfig other_backward = config;
-  other_backward.persistent_backward = !config.persistent_backward;
-  other_backward.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
-  mok::GpuLayer other_backward_layer(shape, other_backward);
+  // The backward the other ways (same bits): the kernel sequence, the persistent kernel with
+  // its SwiGLU tasks on the consumer warps, and on the spare warps; all but the chosen one.
+  struct BackwardVariant {
+    mok::MoeConfig config;
+    std::unique_ptr<mok::GpuLayer> layer;
+    bool bitwise = false;
+  };
+  std::vector<BackwardVariant> backward_variants;
+  for (int v = 0; v < 3; ++v) {
+    mok::MoeConfig other = config;
+    other.persistent_backward = v > 0;
+    other.persistent_backward_spare_warps = v == 2;
+    other.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
+    if (backward_name(other) == backward_name(config)) continue;
+    backward_variants.push_back({other, std::make_unique<mok::GpuLayer>(shape, other)});
+  }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     mok::HostRank result = mok::output_buffers(shape);
     device.poison_outputs();
@@ -108,7 +127,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     return mok::outputs_equal(result, first);
   };
   const bool ring_bitwise = same_bits_as_first(ring_layer);
-  const bool other_backward_bitwise = same_bits_as_first(other_backward_layer);
+  bool backward_variants_bitwise = true;
+  for (BackwardVariant& variant : backward_variants) {
+    variant.bitwise = same_bits_as_first(*variant.layer);
+    backward_variants_bitwise &= variant.bitwise;
+  }
 
   const int64_t total_tokens = shape.num_tokens;
   const int64_t check_count =
@@ -169,32 +192,35 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   // Interleaved rounds: the card runs into its power limit within a second of GEMM load and
   // lowers its clock (clocks.log of scripts/gpu-check.sh), so timing one side after the other
   // would hand the later one a slower card.
-  const std::vector<double> medians = interleaved_median_ms(
-      {[&] { layer.forward(args, stream); }, [&] { baseline.forward(args, stream); },
-       [&] {
-         const mok::ForwardContext step = layer.forward(args, stream);
-         layer.backward(backward_args, stream, &step);
-       },
-       [&] {
-         baseline.forward(args, stream);
-         baseline.backward(backward_args, stream, true);
-       },
-       [&] { layer.backward(backward_args, stream); },
-       [&] { other_dispatch_layer.forward(args, stream); },
-       [&] { other_gemms_layer.forward(args, stream); },
-       [&] {
-         const mok::ForwardContext step = ring_layer.forward(args, stream);
-         ring_layer.backward(backward_args, stream, &step);
-       },
-       [&] {
-         const mok::ForwardContext step = other_backward_layer.forward(args, stream);
-         other_backward_layer.backward(backward_args, stream, &step);
-       }},
-      stream, 8, 4);
+  std::vector<std::function<void()>> timed = {
+      [&] { layer.forward(args, stream); },
+      [&] { baseline.forward(args, stream); },
+      [&] {
+        const mok::ForwardContext step = layer.forward(args, stream);
+        layer.backward(backward_args, stream, &step);
+      },
+      [&] {
+        baseline.forward(args, stream);
+        baseline.backward(backward_args, stream, true);
+      },
+      [&] { layer.backward(backward_args, stream); },
+      [&] { other_dispatch_layer.forward(args, stream); },
+      [&] { other_gemms_layer.forward(args, stream); },
+      [&] {
+        const mok::ForwardContext step = ring_layer.forward(args, stream);
+        ring_layer.backward(backward_args, stream, &step);
+      },
+  };
+  for (BackwardVariant& variant : backward_variants)
+    timed.push_back([&] {
+      const mok::ForwardContext step = variant.layer->forward(args, stream);
+      variant.layer->backward(backward_args, stream, &step);
+    });
+  const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = medians[7];
-  const double other_backward_step_ms = medians[8];
+  const size_t first_backward_variant = 8;  // the closures above before the variants
   const std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms},
       {variant_name(other_dispatch), medians[5]},
@@ -203,7 +229,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double base_backward_ms = base_step_ms - base_forward_ms;
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
 
-  bool passed = deterministic && ring_bitwise && other_backward_bitwise;
+  bool passed = deterministic && ring_bitwise && backward_variants_bitwise;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
   std::printf("mok run: forward and backward on %s (EP = 1), %s\n", device_name.c_str(),
@@ -233,10 +259,15 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       static_cast<long long>(ring_macrobatches),
       static_cast<long long>(ring_config.macrobatch_size), ring_step_ms,
       (forward_flop + backward_flop) / ring_step_ms / 1e9, ring_bitwise ? "yes" : "NO");
-  std::printf("  training step with the backward as %s: %.3f ms, %.1f TFLOP/s, bitwise equal: %s\n",
-              other_backward.persistent_backward ? "one persistent kernel" : "a kernel sequence",
-              other_backward_step_ms, (forward_flop + backward_flop) / other_backward_step_ms / 1e9,
-              other_backward_bitwise ? "yes" : "NO");
+  std::printf("  backward variants (training steps; this run's backward: %s):\n",
+              backward_name(config).c_str());
+  for (size_t i = 0; i < backward_variants.size(); ++i) {
+    const double ms = medians[first_backward_variant + i];
+    std::printf("    %-44s %9.3f ms %8.1f TFLOP/s, bitwise equal: %s\n",
+                backward_name(backward_variants[i].config).c_str(), ms,
+                (forward_flop + backward_flop) / ms / 1e9,
+                backward_variants[i].bitwise ? "yes" : "NO");
+  }
   std::printf("  forward variants (same bits):\n");
   for (const auto& [name, ms] : forward_variants_ms)
     std::printf("    %-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, forward_flop / ms / 1e9);
@@ -262,7 +293,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          << options.routing << "\", \"local_dispatch\": \""
          << mok::local_dispatch_name(config.local_dispatch)
          << "\", \"persistent_forward\": " << (config.persistent_forward ? "true" : "false")
-         << ", \"persistent_backward\": " << (config.persistent_backward ? "true" : "false")
+         << ", \"backward\": \"" << backward_name(config) << "\""
          << ",\n"
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
@@ -296,10 +327,12 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     json << "},\n  \"macrobatches\": {\"count\": " << ring_macrobatches
          << ", \"rows\": " << ring_config.macrobatch_size << ", \"step_ms\": " << ring_step_ms
          << ", \"bitwise\": " << (ring_bitwise ? "true" : "false") << "}";
-    json << ",\n  \"other_backward\": {\"persistent\": "
-         << (other_backward.persistent_backward ? "true" : "false")
-         << ", \"step_ms\": " << other_backward_step_ms
-         << ", \"bitwise\": " << (other_backward_bitwise ? "true" : "false") << "}";
+    json << ",\n  \"backward_variants\": {";
+    for (size_t i = 0; i < backward_variants.size(); ++i)
+      json << (i ? ", " : "") << "\"" << backward_name(backward_variants[i].config)
+           << "\": {\"step_ms\": " << medians[first_backward_variant + i]
+           << ", \"bitwise\": " << (backward_variants[i].bitwise ? "true" : "false") << "}";
+    json << "}";
     json << ",\n  \"deterministic\": " << (deterministic ? "true" : "false")
          << ", \"passed\": " << (passed ? "true" : "false") << "\n}\n";
   }
