@@ -240,7 +240,9 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
                                  const void* w_up, const void* w_down, const float* router_weights,
                                  float* d_router_weights, float* const* d_router_weights_peers,
                                  int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
-                                 const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                                 const WeightGrads& grads, bool recompute,
+                                 const kernels::FusedGather& d_out_gather,
+                                 const kernels::FusedGather& x_gather, cudaStream_t stream,
                                  const StageMarker& mark) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
@@ -299,6 +301,8 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
   params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
   params.recompute_rows = recompute ? 1 : 0;
   params.spare_warp_swiglu = s.config.persistent_backward_spare_warps ? 1 : 0;
+  params.d_out_gather = d_out_gather;
+  params.x_gather = x_gather;
   const int64_t max_tiles = set.layout.params.max_tiles();
   unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>();
   params.ticket = counters;
@@ -310,6 +314,9 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
              "persistent backward kernel");
   cuda_check(kernels::launch_advance_epoch(params.epoch, stream),
              "advance the persistent backward's epoch");
+  for (const kernels::FusedGather* gather : {&d_out_gather, &x_gather})
+    if (gather->x != nullptr)
+      cuda_check(kernels::launch_advance_epoch(gather->epoch, stream), "advance a gather's epoch");
   mark(recompute ? "recompute + dgrads + SwiGLU + weight gradients (persistent)"
                  : "dgrads + SwiGLU + weight gradients (persistent)");
 }

@@ -81,7 +81,7 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
              "zero persistent forward counters");
   if (config.persistent_backward) {
     s.persistent_backward_state.allocate(
-        (2 + 2 * params.max_tiles() + shape.num_local_experts()) * 8,
+        (2 + 2 * params.max_tiles() + shape.num_local_experts() + 2 * (2 + params.max_tiles())) * 8,
         "persistent backward counters");
     cuda_check(
         cudaMemset(s.persistent_backward_state.pointer, 0, s.persistent_backward_state.bytes),
@@ -250,10 +250,37 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
   // 0's x rows, g and u from the forward when the context is used, every other macrobatch is
   // gathered and recomputed (kernels/macrobatch.h).
   const ScheduleView view = s.routed.view();
+  const bool persistent = s.config.persistent_backward && s.num_macrobatches == 1;
+  // The persistent backward gathers the rows itself (its spare warps, like the forward's fused
+  // local dispatch) when the local dispatch is the producer warps' and the rows come from this
+  // rank's own tensors.
+  const bool fused_gather =
+      persistent && s.ep == nullptr && s.config.local_dispatch == LocalDispatch::kProducerWarps;
   for (int32_t m = 0; m < s.num_macrobatches; ++m) {
     const int64_t row_begin = m * ring_rows;
     const bool recompute = m > 0 || !use_context;
-    if (s.ep != nullptr) {
+    kernels::FusedGather d_out_gather{}, x_gather{};
+    if (fused_gather) {
+      const int64_t max_tiles = s.routed.layout.params.max_tiles();
+      unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>() + 2 +
+                                     2 * max_tiles + shape.num_local_experts();
+      auto gather_of = [&](const TensorView& source, DeviceBuffer& rows, int which) {
+        kernels::FusedGather gather{};
+        unsigned long long* state = counters + which * (2 + max_tiles);
+        gather.x = source.data_as<const __nv_bfloat16>();
+        gather.rows = rows.as<__nv_bfloat16>();
+        gather.hidden = static_cast<int32_t>(H);
+        gather.top_k = shape.top_k;
+        gather.ticket = state;
+        gather.epoch = state + 1;
+        gather.tile_rows_done = state + 2;
+        gather.row_begin = 0;
+        gather.row_end = max_rows;
+        return gather;
+      };
+      d_out_gather = gather_of(args.d_out, s.d_out_rows, 0);
+      if (recompute) x_gather = gather_of(fwd.x, s.rows, 1);
+    } else if (s.ep != nullptr) {
 #if MOK_HAS_NCCL
       ep::expand_received(s, true, args.d_out.data, s.d_out_rows.pointer, row_begin, ring_rows,
                           stream);
@@ -272,12 +299,13 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
           "gather d_out launch");
       mark(recompute ? "gather x, d_out" : "gather d_out");
     }
-    if (s.config.persistent_backward && s.num_macrobatches == 1)
+    if (persistent)
       stages::backward_experts_persistent(
           s, s.routed, s.rows.pointer, s.d_out_rows.pointer, ring_rows, fwd.w_gate.data,
           fwd.w_up.data, fwd.w_down.data, weights, d_router_weights, d_router_weights_peers,
           pairs_per_rank, s.expert_out.pointer, max_rows,
-          {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute, stream, mark);
+          {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute, d_out_gather,
+          x_gather, stream, mark);
     else
       stages::backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, ring_rows,
                                fwd.w_gate.data, fwd.w_up.data, fwd.w_down.data, weights,

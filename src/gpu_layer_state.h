@@ -73,8 +73,9 @@ struct GpuLayer::State {
   // [2 .. 2 + max_tiles) gate/up tiles done per row tile; zeroed once, never reset (epochs).
   DeviceBuffer persistent_state;
   // The persistent backward's counters (backward_gemms.cu): [0] ticket, [1] epoch, then per row
-  // tile the GEMM tiles done and the SwiGLU task done, then per expert the SwiGLU tasks done;
-  // zeroed once, never reset (epochs).
+  // tile the GEMM tiles done and the SwiGLU task done, then per expert the SwiGLU tasks done,
+  // then the d_out and the x gathers' (ticket, epoch, per row tile); zeroed once, never reset
+  // (epochs).
   DeviceBuffer persistent_backward_state;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
@@ -147,13 +148,16 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
                       const WeightGrads& grads, bool recompute, cudaStream_t stream,
                       const StageMarker& mark, int32_t macrobatch_index = -1);
 // The same as one persistent kernel (MoeConfig::persistent_backward; one macrobatch): the rows
-// and d_out rows are gathered before it, the d_x combine runs after it.
+// and d_out rows are gathered inside it by the gathers whose `x` is set, else before it; the
+// d_x combine runs after it.
 void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                                  const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
                                  const void* w_up, const void* w_down, const float* router_weights,
                                  float* d_router_weights, float* const* d_router_weights_peers,
                                  int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
-                                 const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                                 const WeightGrads& grads, bool recompute,
+                                 const kernels::FusedGather& d_out_gather,
+                                 const kernels::FusedGather& x_gather, cudaStream_t stream,
                                  const StageMarker& mark);
 
 }  // namespace stages

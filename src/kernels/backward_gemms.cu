@@ -1,8 +1,10 @@
 // The persistent backward kernel: every task of the routed experts' backward in one launch, in
 // the order of backward_task_order.h, with dependency counters instead of kernel boundaries
-// (DESIGN.md §2.5, §2.7). The rows (d_out, and x for the recompute) are gathered before the
-// launch and the fixed-order d_x combine runs after it, so the rows(m) tasks are skipped and
-// the plan has no combine tasks; one macrobatch (the layer runs the kernel sequence otherwise).
+// (DESIGN.md §2.5, §2.7). The rows (d_out, and x for the recompute) are gathered by the spare
+// producer warps during the launch (the forward's fused local dispatch, dispatch_local.cuh), or
+// before it (expert parallel: expanded from the received rows); the rows(m) tickets are skipped
+// either way. The fixed-order d_x combine runs after the launch, so the plan has no combine
+// tasks; one macrobatch (the layer runs the kernel sequence otherwise).
 //
 // Grid: persistent, one 384-thread CTA per SM (or fewer resident: see Progress).
 // Warp roles (the mainloop, the loads and the epilogues are the expert GEMM's:
@@ -14,8 +16,9 @@
 //                (task_queue.cuh), then issues the task's K-block loads into
 //                the 3-stage ring (a SwiGLU task has none). After the last ticket it publishes
 //                a stop task.
-//   warpgroup 0, warps 1-3 with BackwardGemmsParams::spare_warp_swiglu: the SwiGLU tasks, from
-//                a second queue the scheduler fills once a task's row tile is ready (it then
+//   warpgroup 0, warps 1-3 first gather the rows (d_out_gather, x_gather: a global ticket per
+//                row, a count per 128-row tile); then, with spare_warp_swiglu, the SwiGLU tasks,
+//                from a second queue the scheduler fills once a task's row tile is ready (it then
 //                takes the next ticket at once), so they run beside the GEMM tiles instead of
 //                holding the consumers' tensor cores. Same row function, same bits.
 //   warpgroups 1, 2        consumers: read the task from the queue and run it:
@@ -44,6 +47,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/backward_task_order.h"
+#include "kernels/dispatch_local.cuh"
 #include "kernels/epilogue.cuh"
 #include "kernels/expert_gemm_params.h"
 #include "kernels/gemm_loads.cuh"
@@ -165,6 +169,10 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   const int64_t num_tasks_here = num_tasks(plan);
   const unsigned long long epoch = launch_epoch(params);
   const unsigned long long ticket_base = epoch << 32;
+  const unsigned long long d_out_epoch =
+      params.d_out_gather.x != nullptr ? gather_epoch(params.d_out_gather) : 0;
+  const unsigned long long x_epoch =
+      params.x_gather.x != nullptr ? gather_epoch(params.x_gather) : 0;
   PipelineState<kNumStages> state;
   uint32_t published = 0;         // tasks in the consumers' queue so far
   uint32_t memory_published = 0;  // and in the spare warps' queue
@@ -196,7 +204,11 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
     }
     if (ticket < num_tasks_here) {
       queued = queued_task(params, plan, task);
-      if (task.kind == BackwardTaskKind::kSwiglu) {
+      if (task.kind == BackwardTaskKind::kRecompute && params.x_gather.x != nullptr) {
+        wait_for_gathered_tile(wait, params.x_gather, task.m_tile, x_epoch);
+      } else if (task.kind == BackwardTaskKind::kDownDgrad && params.d_out_gather.x != nullptr) {
+        wait_for_gathered_tile(wait, params.d_out_gather, task.m_tile, d_out_epoch);
+      } else if (task.kind == BackwardTaskKind::kSwiglu) {
         wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
                        plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
       } else if (task.kind == BackwardTaskKind::kGateUpDgrad) {
@@ -322,8 +334,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                      &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
         ptx::prefetch_tensor_map(map);
       schedule_and_load(maps, params, smem, queue, memory_queue, expert_tiles);
-    } else if (params.spare_warp_swiglu != 0 && threadIdx.x >= 32) {
-      // The spare warps: SwiGLU tasks beside the consumers' GEMM tiles.
+    } else if (threadIdx.x >= 32) {
+      // The spare warps: the rows first (any CTA's warps take any row: progress with any number
+      // of resident CTAs), then SwiGLU tasks beside the consumers' GEMM tiles.
+      const ScheduleHeader* header = params.down_dgrad.header;
+      if (params.d_out_gather.x != nullptr)
+        gather_rows_into_tiles(params.d_out_gather, header, params.down_dgrad.row_pair,
+                               gather_epoch(params.d_out_gather));
+      if (params.x_gather.x != nullptr)
+        gather_rows_into_tiles(params.x_gather, header, params.down_dgrad.row_pair,
+                               gather_epoch(params.x_gather));
+      if (params.spare_warp_swiglu == 0) return;
       const unsigned long long epoch = launch_epoch(params);
       for (uint32_t count = 0;; ++count) {
         const MemoryTask task = memory_queue.read(params.down_dgrad.wait, count);

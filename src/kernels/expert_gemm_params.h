@@ -128,8 +128,13 @@ struct BackwardGemmsParams {
   ExpertGemmParams wgrad_gate_up;  // kWeightGrad of gate and up: M = I, N = H
   ExpertGemmParams wgrad_down;     // kWeightGrad of down: M = H, N = I
   SwigluBackwardArgs swiglu;
-  int32_t minibatch_tiles;  // MoeConfig::minibatch_size / 128
-  int32_t recompute_rows;   // 1: no forward context, the recompute tasks run
+  // The rows(m) tasks as the forward's fused local dispatch (dispatch_local.cuh): the spare
+  // producer warps gather the d_out rows (and the x rows when recomputing) while the GEMM tiles
+  // run, and a tile's loads wait for its rows; `x` null = gathered before the launch.
+  FusedGather d_out_gather;
+  FusedGather x_gather;
+  int32_t minibatch_tiles;    // MoeConfig::minibatch_size / 128
+  int32_t recompute_rows;     // 1: no forward context, the recompute tasks run
   int32_t spare_warp_swiglu;  // 1: SwiGLU tasks on the producer's spare warps, not the consumers
   unsigned long long* ticket;
   unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)

@@ -114,7 +114,7 @@ TEST(BackwardGpu, MatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(10);
+  std::vector<MoeConfig> configs(11);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -128,8 +128,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[5].persistent_forward = true;
   configs[5].minibatch_size = 128;
   configs[5].macrobatch_size = 512;
-  // The persistent backward: the default pipeline (one minibatch here), a deep one, and with
-  // the persistent forward.
+  // The persistent backward (its spare warps gathering the rows): the default pipeline (one
+  // minibatch here), a deep one, with the persistent forward, with the SwiGLU on the spare warps.
   configs[6].persistent_backward = true;
   configs[7].persistent_backward = true;
   configs[7].minibatch_size = 128;
@@ -139,6 +139,10 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[9].persistent_backward = true;
   configs[9].persistent_backward_spare_warps = true;
   configs[9].minibatch_size = 128;
+  // The persistent backward with its rows gathered before the launch (the gather-kernel local
+  // dispatch) instead of by its spare warps.
+  configs[10].persistent_backward = true;
+  configs[10].local_dispatch = LocalDispatch::kGatherKernel;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
