@@ -309,7 +309,7 @@ __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& param
 
 __global__ void __launch_bounds__(kNumThreads, 1)
     backward_gemms_kernel(const __grid_constant__ BackwardGemmsMaps maps,
-                          const BackwardGemmsParams params) {
+                          const __grid_constant__ BackwardGemmsParams params) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
