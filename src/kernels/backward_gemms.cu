@@ -307,6 +307,9 @@ __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& param
   }
 }
 
+// kSpareWarpSwiglu: the SwiGLU tasks run on the spare warps only, so the consumers' code has no
+// SwiGLU path (ptxas: 224 bytes of spill instead of 352; params.spare_warp_swiglu must match).
+template <bool kSpareWarpSwiglu>
 __global__ void __launch_bounds__(kNumThreads, 1)
     backward_gemms_kernel(const __grid_constant__ BackwardGemmsMaps maps,
                           const __grid_constant__ BackwardGemmsParams params) {
@@ -344,7 +347,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (params.x_gather.x != nullptr)
         gather_rows_into_tiles(params.x_gather, header, params.down_dgrad.row_pair,
                                gather_epoch(params.x_gather));
-      if (params.spare_warp_swiglu == 0) return;
+      if constexpr (!kSpareWarpSwiglu) return;
       const unsigned long long epoch = launch_epoch(params);
       for (uint32_t count = 0;; ++count) {
         const MemoryTask task = memory_queue.read(params.down_dgrad.wait, count);
@@ -371,8 +374,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const auto kind = static_cast<BackwardTaskKind>(task.kind);
       const WaitContext& wait = params.down_dgrad.wait;
       if (kind == BackwardTaskKind::kSwiglu) {
-        run_swiglu_task(params, task.m_tile, task.expert, epoch, (threadIdx.x - BLOCK_M) / 32,
-                        kConsumerThreads / 32, kSwigluBarrier, issuer);
+        if constexpr (!kSpareWarpSwiglu)
+          run_swiglu_task(params, task.m_tile, task.expert, epoch, (threadIdx.x - BLOCK_M) / 32,
+                          kConsumerThreads / 32, kSwigluBarrier, issuer);
       } else if (kind == BackwardTaskKind::kRecompute) {
         consume_tile<false, false>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
         store_tile<ExpertGemmForm::kGateUpStore>({&maps.gate_out, &maps.up_out, nullptr}, smem,
@@ -414,17 +418,20 @@ cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardG
   const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue<QueuedTask>) +
                             sizeof(TaskQueue<MemoryTask>) +
                             (static_cast<size_t>(params.down_dgrad.num_experts) + 1) * 4 + 1024;
-  cudaError_t status =
-      cudaFuncSetAttribute(backward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem_bytes));
+  const auto kernel =
+      params.spare_warp_swiglu != 0 ? backward_gemms_kernel<true> : backward_gemms_kernel<false>;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  backward_gemms_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
+  kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
   return cudaGetLastError();
 }
 
 // Loaded up front by expert-parallel groups (kernel_preload.h).
 namespace {
-const KernelPreloadList kPreload("backward_gemms.cu", {kernel_symbol(&backward_gemms_kernel)});
+const KernelPreloadList kPreload("backward_gemms.cu",
+                                 {kernel_symbol(&backward_gemms_kernel<false>),
+                                  kernel_symbol(&backward_gemms_kernel<true>)});
 }  // namespace
 
 }  // namespace mok::kernels
