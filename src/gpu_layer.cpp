@@ -132,6 +132,25 @@ int64_t GpuLayer::workspace_bytes() const {
 // Expert parallel (s.ep set, ep_layer.cpp): the routing all-gather and the pull dispatch
 // replace the local schedule and gather, and the push combine moves the expert outputs to their
 // source ranks before the combine sums this rank's slots.
+// The fused local dispatch's arguments (dispatch_local.cuh): the routed rows of `source` [T, H]
+// for schedule rows [row_begin, row_begin + rows), into `rows` (at row - row_begin), with the
+// ticket, epoch and per-tile counts at `counters` ([2 + max_tiles], zeroed once).
+static kernels::FusedGather fused_gather(const GpuLayer::State& s, const TensorView& source,
+                                         DeviceBuffer& rows, unsigned long long* counters,
+                                         int64_t row_begin, int64_t row_count) {
+  kernels::FusedGather gather{};
+  gather.x = source.data_as<const __nv_bfloat16>();
+  gather.rows = rows.as<__nv_bfloat16>();
+  gather.hidden = static_cast<int32_t>(s.shape.hidden);
+  gather.top_k = s.shape.top_k;
+  gather.ticket = counters;
+  gather.epoch = counters + 1;
+  gather.tile_rows_done = counters + 2;
+  gather.row_begin = row_begin;
+  gather.row_end = row_begin + row_count;
+  return gather;
+}
+
 static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
                         const StageMarker& mark) {
   const MoeShape& shape = s.shape;
@@ -168,16 +187,8 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
           "gather launch");
       mark("gather");
     } else {
-      unsigned long long* counters = s.gather_state.as<unsigned long long>();
-      gather.x = args.x.data_as<const __nv_bfloat16>();
-      gather.rows = s.rows.as<__nv_bfloat16>();
-      gather.hidden = static_cast<int32_t>(H);
-      gather.top_k = shape.top_k;
-      gather.ticket = counters;
-      gather.epoch = counters + 1;
-      gather.tile_rows_done = counters + 2;
-      gather.row_begin = row_begin;
-      gather.row_end = row_begin + ring_rows;
+      gather = fused_gather(s, args.x, s.rows, s.gather_state.as<unsigned long long>(), row_begin,
+                            ring_rows);
     }
     if (s.config.persistent_forward)
       stages::forward_experts_persistent(s, s.routed, s.rows.pointer, ring_rows, args.w_gate.data,
@@ -254,32 +265,19 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
   // The persistent backward gathers the rows itself (its spare warps, like the forward's fused
   // local dispatch) when the local dispatch is the producer warps' and the rows come from this
   // rank's own tensors.
-  const bool fused_gather =
+  const bool gathers_inside =
       persistent && s.ep == nullptr && s.config.local_dispatch == LocalDispatch::kProducerWarps;
   for (int32_t m = 0; m < s.num_macrobatches; ++m) {
     const int64_t row_begin = m * ring_rows;
     const bool recompute = m > 0 || !use_context;
     kernels::FusedGather d_out_gather{}, x_gather{};
-    if (fused_gather) {
+    if (gathers_inside) {
       const int64_t max_tiles = s.routed.layout.params.max_tiles();
       unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>() + 2 +
                                      2 * max_tiles + shape.num_local_experts();
-      auto gather_of = [&](const TensorView& source, DeviceBuffer& rows, int which) {
-        kernels::FusedGather gather{};
-        unsigned long long* state = counters + which * (2 + max_tiles);
-        gather.x = source.data_as<const __nv_bfloat16>();
-        gather.rows = rows.as<__nv_bfloat16>();
-        gather.hidden = static_cast<int32_t>(H);
-        gather.top_k = shape.top_k;
-        gather.ticket = state;
-        gather.epoch = state + 1;
-        gather.tile_rows_done = state + 2;
-        gather.row_begin = 0;
-        gather.row_end = max_rows;
-        return gather;
-      };
-      d_out_gather = gather_of(args.d_out, s.d_out_rows, 0);
-      if (recompute) x_gather = gather_of(fwd.x, s.rows, 1);
+      d_out_gather = fused_gather(s, args.d_out, s.d_out_rows, counters, 0, max_rows);
+      if (recompute)
+        x_gather = fused_gather(s, fwd.x, s.rows, counters + 2 + max_tiles, 0, max_rows);
     } else if (s.ep != nullptr) {
 #if MOK_HAS_NCCL
       ep::expand_received(s, true, args.d_out.data, s.d_out_rows.pointer, row_begin, ring_rows,

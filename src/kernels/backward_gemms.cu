@@ -17,7 +17,7 @@
 //                the 3-stage ring (a SwiGLU task has none). After the last ticket it publishes
 //                a stop task.
 //   warpgroup 0, warps 1-3 first gather the rows (d_out_gather, x_gather: a global ticket per
-//                row, a count per 128-row tile); then, with spare_warp_swiglu, the SwiGLU tasks,
+//                row, a count per 128-row tile); then, with kSpareWarpSwiglu, the SwiGLU tasks,
 //                from a second queue the scheduler fills once a task's row tile is ready (it then
 //                takes the next ticket at once), so they run beside the GEMM tiles instead of
 //                holding the consumers' tensor cores. Same row function, same bits.
@@ -66,7 +66,7 @@ constexpr int kSwigluBarrier = 2;           // the consumer warps
 constexpr int kSpareWarpSwigluBarrier = 3;  // the producer's spare warps
 constexpr int kSpareWarps = 3;              // producer warps 1-3
 
-// A SwiGLU task for the spare warps (BackwardGemmsParams::spare_warp_swiglu).
+// A SwiGLU task for the spare warps (kSpareWarpSwiglu).
 struct MemoryTask {
   int32_t kind;  // BackwardTaskKind::kSwiglu, or kStopTask
   int32_t m_tile;
@@ -159,6 +159,7 @@ __device__ __forceinline__ TileCoord coord_of(const QueuedTask& task) {
   return coord;
 }
 
+template <bool kSpareWarpSwiglu>
 __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                                                   const BackwardGemmsParams& params, Storage& smem,
                                                   TaskQueue<QueuedTask>& queue,
@@ -191,7 +192,7 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
     // scheduler goes on to the next ticket.
     while (ticket < num_tasks_here) {
       task = backward_task_at(plan, ticket, &cursor);
-      if (task.kind == BackwardTaskKind::kSwiglu && params.spare_warp_swiglu != 0) {
+      if (task.kind == BackwardTaskKind::kSwiglu && kSpareWarpSwiglu) {
         wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
                        plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
         memory_queue.publish(wait, memory_published++,
@@ -226,7 +227,7 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
     }
     queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) {
-      if (params.spare_warp_swiglu != 0)
+      if constexpr (kSpareWarpSwiglu)
         memory_queue.publish(wait, memory_published, MemoryTask{kStopTask, 0, 0, 0});
       return;
     }
@@ -308,7 +309,8 @@ __device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& param
 }
 
 // kSpareWarpSwiglu: the SwiGLU tasks run on the spare warps only, so the consumers' code has no
-// SwiGLU path (ptxas: 224 bytes of spill instead of 352; params.spare_warp_swiglu must match).
+// SwiGLU path (ptxas: 224 bytes of spill instead of 348); the launcher picks it from
+// params.spare_warp_swiglu, and nothing in the kernel reads that field.
 template <bool kSpareWarpSwiglu>
 __global__ void __launch_bounds__(kNumThreads, 1)
     backward_gemms_kernel(const __grid_constant__ BackwardGemmsMaps maps,
@@ -336,7 +338,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (const CUtensorMap* map : {&maps.x_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.d_gate,
                                      &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
         ptx::prefetch_tensor_map(map);
-      schedule_and_load(maps, params, smem, queue, memory_queue, expert_tiles);
+      schedule_and_load<kSpareWarpSwiglu>(maps, params, smem, queue, memory_queue, expert_tiles);
     } else if (threadIdx.x >= 32) {
       // The spare warps: the rows first (any CTA's warps take any row: progress with any number
       // of resident CTAs), then SwiGLU tasks beside the consumers' GEMM tiles.
