@@ -16,7 +16,9 @@
 # call of the device tool may run 10 minutes: on 2 GPUs run the tests and benchmarks with
 # MOK_SKIP_SANITIZERS=1 in one call and the sanitizers alone (MOK_SKIP_TESTS=1
 # MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_SKIP_EP=1 MOK_SKIP_COMM_BENCH=1) in another.
-# MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. A failing step is recorded and the script goes on
+# MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. MOK_TRACE_TASKS=1
+# makes the benchmark runs trace the persistent kernels' tasks (`mok run --trace-tasks`: a
+# summary in run.log, the Chrome traces as trace_<shape>.json.gz). A failing step is recorded and the script goes on
 # to the summary; it exits non-zero if any step failed.
 #
 # GoogleTest: the device machine may lack it and cannot download it. Run scripts/fetch-gtest.sh
@@ -161,9 +163,13 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   : >"$OUT/run.log"
   run_step mok_run_tiny "$OUT/run.log" timeout 120 "./$build_dir/mok" run --shape tiny --json "$OUT/tmp_tiny.json"
   add_bench_json tiny "$OUT/tmp_tiny.json"
+  trace_args() {  # trace_args SHAPE: the --trace-tasks option when MOK_TRACE_TASKS=1
+    [ "${MOK_TRACE_TASKS:-0}" = 1 ] && echo "--trace-tasks $OUT/trace_$1.json" || true
+  }
   for shape in ${MOK_BENCH_SHAPES-qwen3}; do
+    # shellcheck disable=SC2046
     run_step "bench_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
-      --json "$OUT/tmp_bench.json"
+      --json "$OUT/tmp_bench.json" $(trace_args "$shape")
     add_bench_json "$shape" "$OUT/tmp_bench.json"
   done
   # The main job as a newcomer runs it: no arguments (dsv3_local on a GPU).
@@ -178,10 +184,13 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   if [ "${MOK_SKIP_DEFAULT_RUN:-0}" = 1 ]; then
     record mok_run_default skipped
   else
-    run_step mok_run_default "$OUT/run.log" timeout 300 "./$build_dir/mok" run --json "$OUT/tmp_default.json"
+    # shellcheck disable=SC2046
+    run_step mok_run_default "$OUT/run.log" timeout 300 "./$build_dir/mok" run \
+      --json "$OUT/tmp_default.json" $(trace_args default)
     add_bench_json default "$OUT/tmp_default.json"
   fi
   [ -n "$monitor_pid" ] && kill "$monitor_pid" 2>/dev/null || true
+  for trace in "$OUT"/trace_*.json; do [ -f "$trace" ] && gzip -f "$trace"; done
   # The expert-parallel layer on every GPU of the machine when it has more than one
   # (MOK_EP_SHAPES picks the shapes; default kimi_slice (E = 8 per GPU) and dsv3 (E = 256)).
   # With one GPU, `--gpus 1` still runs the whole expert-parallel path (a group of one, through

@@ -47,6 +47,18 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   return params;
 }
 
+// The task-trace arguments of a persistent launch (MoeConfig::trace_tasks), the buffer emptied
+// first; none when not tracing.
+kernels::TaskTraceArgs task_trace(const DeviceBuffer& buffer, int64_t capacity,
+                                  cudaStream_t stream) {
+  kernels::TaskTraceArgs trace;
+  if (capacity == 0) return trace;
+  cuda_check(cudaMemsetAsync(buffer.pointer, 0xff, buffer.bytes, stream), "empty a task trace");
+  trace.events = buffer.as<TaskTraceEvent>();
+  trace.capacity = capacity;
+  return trace;
+}
+
 void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
             const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
             cudaStream_t stream, const char* what) {
@@ -135,6 +147,7 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, 
   params.ticket = counters;
   params.epoch = counters + 1;
   params.gate_up_done = counters + 2;
+  params.trace = task_trace(s.forward_trace, s.forward_trace_capacity, stream);
   cuda_check(kernels::launch_forward_gemms(maps, params, s.sm_count, stream),
              "persistent forward GEMM kernel");
   cuda_check(kernels::launch_advance_epoch(params.epoch, stream),
@@ -310,6 +323,7 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
   params.row_gemms_done = counters + 2;
   params.swiglu_done = counters + 2 + max_tiles;
   params.expert_ready = counters + 2 + 2 * max_tiles;
+  params.trace = task_trace(s.backward_trace, s.backward_trace_capacity, stream);
   cuda_check(kernels::launch_backward_gemms(maps, params, s.sm_count, stream),
              "persistent backward kernel");
   cuda_check(kernels::launch_advance_epoch(params.epoch, stream),

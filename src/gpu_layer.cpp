@@ -88,6 +88,21 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
         "zero persistent backward counters");
   }
 
+  if (config.trace_tasks) {
+    // The most tickets a launch can have: every tile of the worst-case schedule.
+    const int64_t max_tiles = params.max_tiles(), E_loc = shape.num_local_experts();
+    const int64_t gate_up_n = (I + 127) / 128, down_n = (H + 255) / 256, inter_n = (I + 255) / 256;
+    s.forward_trace_capacity = max_tiles * (gate_up_n + down_n);
+    s.backward_trace_capacity = max_tiles * (2 + gate_up_n + inter_n + down_n) +
+                                E_loc * (2 * gate_up_n * down_n + ((H + 127) / 128) * inter_n);
+    s.forward_trace.allocate(s.forward_trace_capacity * sizeof(TaskTraceEvent),
+                             "persistent forward task trace");
+    s.backward_trace.allocate(s.backward_trace_capacity * sizeof(TaskTraceEvent),
+                              "persistent backward task trace");
+    for (DeviceBuffer* trace : {&s.forward_trace, &s.backward_trace})
+      cuda_check(cudaMemset(trace->pointer, 0xff, trace->bytes), "empty a task trace");
+  }
+
   if (shape.has_shared_expert()) {
     // The shared expert runs through the same kernels as one expert that every token visits:
     // a fixed schedule with an identity row map, built once here.
@@ -125,7 +140,36 @@ int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;
   return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes +
          s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes + s.persistent_state.bytes +
-         s.persistent_backward_state.bytes + s.wgrad_partials.bytes;
+         s.persistent_backward_state.bytes + s.wgrad_partials.bytes + s.forward_trace.bytes +
+         s.backward_trace.bytes;
+}
+
+std::vector<TaskTrace> GpuLayer::task_traces(cudaStream_t stream) {
+  const State& s = *state_;
+  cuda_check(cudaStreamSynchronize(stream), "task_traces: synchronize");
+  std::vector<TaskTrace> traces;
+  // A kernel that never ran left its buffer empty (kind -1 everywhere).
+  auto download = [&](const DeviceBuffer& buffer, int64_t capacity, const char* kernel,
+                      std::vector<std::string> kind_names) {
+    TaskTrace trace;
+    trace.kernel = kernel;
+    trace.kind_names = std::move(kind_names);
+    trace.events.resize(static_cast<size_t>(capacity));
+    cuda_check(
+        cudaMemcpy(trace.events.data(), buffer.pointer, buffer.bytes, cudaMemcpyDeviceToHost),
+        "task_traces: download");
+    if (std::any_of(trace.events.begin(), trace.events.end(),
+                    [](const TaskTraceEvent& event) { return event.kind >= 0; }))
+      traces.push_back(std::move(trace));
+  };
+  if (s.forward_trace_capacity > 0)
+    download(s.forward_trace, s.forward_trace_capacity, "persistent forward",
+             {"gather", "gate/up", "down", "combine"});  // kernels::TaskKind
+  if (s.backward_trace_capacity > 0)
+    download(s.backward_trace, s.backward_trace_capacity, "persistent backward",
+             {"rows", "recompute", "down dgrad", "SwiGLU", "gate/up dgrad", "weight gradient",
+              "combine"});  // kernels::BackwardTaskKind
+  return traces;
 }
 
 // The forward as a sequence of stages; `mark(name)` is called after each one (profiling).

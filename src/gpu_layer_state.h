@@ -77,6 +77,10 @@ struct GpuLayer::State {
   // then the d_out and the x gathers' (ticket, epoch, per row tile); zeroed once, never reset
   // (epochs).
   DeviceBuffer persistent_backward_state;
+  // The task traces of the latest persistent forward and backward launch (MoeConfig::trace_tasks;
+  // TaskTraceEvent by ticket, room for the most tickets a launch can have; 0xff bytes = empty).
+  DeviceBuffer forward_trace, backward_trace;
+  int64_t forward_trace_capacity = 0, backward_trace_capacity = 0;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds

@@ -28,6 +28,7 @@ struct RunOptions {
   std::string local_dispatch;  // empty: MoeConfig's default
   uint64_t seed = 1;
   std::string json_path;
+  std::string trace_path;  // GPU: trace the persistent kernels' tasks into this Chrome trace
   bool cpu_only = false;
   bool persistent_forward = false;   // GPU: MoeConfig::persistent_forward
   bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward

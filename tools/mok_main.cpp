@@ -58,6 +58,9 @@ mok run options:
                                times the other way's forward too)
   --bulk-copies                --gpus: move dispatch/combine rows with the bulk-copy engine
   --json FILE                  also write the results as JSON
+  --trace-tasks FILE           GPU: after the timing, run each persistent kernel of the run once
+                               more with MoeConfig::trace_tasks, print where its SMs' time went
+                               and write the tasks as a Chrome / Perfetto trace (JSON) to FILE
   --cpu                        run the CPU reference even where a GPU is present
 
 On a GPU (one rank), `mok run` runs mok's forward and the unfused cuBLAS baseline in the same
@@ -110,12 +113,12 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       continue;
     }
     static const char* const kValueOptions[] = {
-        "--shape",          "--tokens",       "--experts",
-        "--ranks",          "--top-k",        "--shared-intermediate",
-        "--clamp",          "--routing",      "--seed",
-        "--threads",        "--check-tokens", "--json",
-        "--local-dispatch", "--gpus",         "--minibatch-size",
-        "--macrobatch-size"};
+        "--shape",           "--tokens",       "--experts",
+        "--ranks",           "--top-k",        "--shared-intermediate",
+        "--clamp",           "--routing",      "--seed",
+        "--threads",         "--check-tokens", "--json",
+        "--local-dispatch",  "--gpus",         "--minibatch-size",
+        "--macrobatch-size", "--trace-tasks"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -125,6 +128,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     const std::string& value = args[++i];
     if (flag == "--shape")
       options.shape_name = value;
+    else if (flag == "--trace-tasks")
+      options.trace_path = value;
     else if (flag == "--tokens")
       options.tokens = parse_int(flag, value);
     else if (flag == "--experts")

@@ -18,6 +18,7 @@
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
 #include "mok/reference.h"
+#include "mok/task_trace.h"
 
 namespace mok::cli {
 
@@ -35,6 +36,42 @@ std::string backward_name(const mok::MoeConfig& config) {
   if (!config.persistent_backward) return "kernel sequence";
   return std::string("persistent kernel, SwiGLU on the ") +
          (config.persistent_backward_spare_warps ? "spare warps" : "consumer warps");
+}
+
+// Runs forward and backward once more on a layer of each config that has a persistent kernel,
+// with MoeConfig::trace_tasks, prints each kernel's summary and writes every trace to `path`.
+void trace_persistent_kernels(const std::string& path, const mok::MoeShape& shape,
+                              const std::vector<mok::MoeConfig>& configs,
+                              mok::DeviceProblem& device) {
+  cudaStream_t stream;
+  CLI_CUDA_CHECK(cudaStreamCreate(&stream));
+  std::vector<mok::TaskTrace> traces;
+  std::printf("  task traces (%s):\n", path.c_str());
+  for (mok::MoeConfig config : configs) {
+    if (!config.persistent_forward && !config.persistent_backward) continue;
+    config.trace_tasks = true;
+    mok::GpuLayer layer(shape, config);
+    for (int run = 0; run < 2; ++run) {  // the first warms up
+      const mok::ForwardContext context = layer.forward(device.forward_args(), stream);
+      layer.backward(device.backward_args(), stream, &context);
+    }
+    layer.synchronize(stream).throw_if_error();
+    for (mok::TaskTrace& trace : layer.task_traces(stream)) {
+      const bool forward = trace.kernel == "persistent forward";
+      // Only the kernel this config varies: a forward trace of a persistent-forward config, a
+      // backward trace of a persistent-backward one (once each).
+      const std::string label = forward ? variant_name(config) : backward_name(config);
+      const bool seen = std::any_of(traces.begin(), traces.end(), [&](const mok::TaskTrace& t) {
+        return t.kernel == trace.kernel + " (" + label + ")";
+      });
+      if (seen) continue;
+      trace.kernel += " (" + label + ")";
+      std::printf("%s", mok::summarize_task_trace(trace).c_str());
+      traces.push_back(std::move(trace));
+    }
+  }
+  CLI_CUDA_CHECK(cudaStreamDestroy(stream));
+  mok::write_chrome_trace(traces, path);
 }
 
 // Relative error of a whole output (for gradients compared between two GPU runs).
@@ -284,6 +321,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   print_comparisons(grad_errors, 22);
   std::printf("  mok bitwise identical across runs, with and without the forward context: %s\n",
               deterministic ? "yes" : "NO");
+  if (!options.trace_path.empty()) {
+    std::vector<mok::MoeConfig> traced = {config, other_gemms};
+    for (const BackwardVariant& variant : backward_variants) traced.push_back(variant.config);
+    trace_persistent_kernels(options.trace_path, shape, traced, device);
+  }
   std::printf("%s\n", passed ? "PASS" : "FAIL");
 
   if (!options.json_path.empty()) {

@@ -59,6 +59,10 @@ struct MoeConfig {
   // The persistent backward runs its SwiGLU tasks on the producer warpgroup's three spare warps
   // (beside the GEMM tiles) instead of the consumer warps (between them). Same bits.
   bool persistent_backward_spare_warps = false;
+  // The persistent kernels record when each task was taken, queued, started and finished
+  // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
+  // of 64 bytes per task; the kernel sequences have nothing to trace.
+  bool trace_tasks = false;
   // Expert parallel: move dispatch / combine rows with the bulk-copy engine (cp.async.bulk, one
   // thread per communication CTA) instead of warp copies. Same bits either way.
   bool ep_bulk_copies = false;

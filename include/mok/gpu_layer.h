@@ -17,6 +17,7 @@
 #include "mok/error.h"
 #include "mok/layer_args.h"
 #include "mok/shape.h"
+#include "mok/task_trace.h"
 
 namespace mok {
 
@@ -64,6 +65,10 @@ class GpuLayer {
   // Waits for `stream` and reports what the device found: bad expert ids (naming rank, token,
   // slot and value), a timed-out device wait (with its diagnosis), or a CUDA error.
   Status synchronize(cudaStream_t stream);
+
+  // The task traces of the latest launch of each persistent kernel that ran since the layer was
+  // built with MoeConfig::trace_tasks (none otherwise). Synchronizes `stream`.
+  std::vector<TaskTrace> task_traces(cudaStream_t stream);
 
   const MoeShape& shape() const;
   // Bytes of device memory the workspace holds.

@@ -56,6 +56,7 @@
 #include "kernels/launchers.h"
 #include "kernels/swiglu_backward.cuh"
 #include "kernels/task_queue.cuh"
+#include "kernels/task_trace.cuh"
 
 namespace mok::kernels {
 
@@ -71,7 +72,7 @@ struct MemoryTask {
   int32_t kind;  // BackwardTaskKind::kSwiglu, or kStopTask
   int32_t m_tile;
   int32_t expert;
-  int32_t unused;
+  int32_t ticket;  // for the task trace
 };
 
 // A task as the consumers need it.
@@ -83,7 +84,7 @@ struct QueuedTask {
   int32_t matrix;  // wgrad: 0 gate, 1 up, 2 down
   int32_t k_row0;  // wgrad: the expert's first row
   int32_t num_k_blocks;
-  int32_t unused;
+  int32_t ticket;  // for the task trace
 };
 
 using Storage = GemmSharedStorage<kNumStages>;
@@ -118,7 +119,7 @@ __device__ __forceinline__ BackwardPlan plan_of(const BackwardGemmsParams& param
 __device__ __forceinline__ QueuedTask queued_task(const BackwardGemmsParams& params,
                                                   const BackwardPlan& plan,
                                                   const BackwardTask& task) {
-  QueuedTask queued{static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, -1, -1, 0, 0, 0};
+  QueuedTask queued{static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, -1, -1, 0, 0, -1};
   if (task.kind == BackwardTaskKind::kWeightGrad) {
     // Weight tile index -> (m, n) as the standalone kernel walks them; K = the expert's rows.
     const ExpertGemmParams& wgrad = task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up;
@@ -185,6 +186,7 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
   for (;;) {
     long long ticket = next_ticket;
+    uint64_t ticket_ns = trace_clock(params.trace);
     QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, 0};
     BackwardTask task{};
     // The rows were gathered before the launch: their tasks have nothing left to do. With the
@@ -195,13 +197,17 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
       if (task.kind == BackwardTaskKind::kSwiglu && kSpareWarpSwiglu) {
         wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
                        plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
+        const int32_t expert = expert_of_tile(plan, task.m_tile);
+        trace_queued(params.trace, ticket, static_cast<int32_t>(BackwardTaskKind::kSwiglu),
+                     task.m_tile, -1, expert, ticket_ns);
         memory_queue.publish(wait, memory_published++,
                              MemoryTask{static_cast<int32_t>(BackwardTaskKind::kSwiglu),
-                                        task.m_tile, expert_of_tile(plan, task.m_tile), 0});
+                                        task.m_tile, expert, static_cast<int32_t>(ticket)});
       } else if (task.kind != BackwardTaskKind::kRows) {
         break;
       }
       ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
+      ticket_ns = trace_clock(params.trace);
     }
     if (ticket < num_tasks_here) {
       queued = queued_task(params, plan, task);
@@ -224,6 +230,9 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
         }
         ready_expert = task.expert;
       }
+      queued.ticket = static_cast<int32_t>(ticket);
+      trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, queued.expert,
+                   ticket_ns);
     }
     queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) {
@@ -354,8 +363,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (uint32_t count = 0;; ++count) {
         const MemoryTask task = memory_queue.read(params.down_dgrad.wait, count);
         if (task.kind == kStopTask) break;
+        if (threadIdx.x == 32) trace_started(params.trace, task.ticket, kTraceSpareWarps);
         run_swiglu_task(params, task.m_tile, task.expert, epoch, threadIdx.x / 32 - 1, kSpareWarps,
                         kSpareWarpSwigluBarrier, threadIdx.x == 32);
+        if (threadIdx.x == 32) trace_finished(params.trace, task.ticket);
       }
     }
   } else {
@@ -373,6 +384,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (;;) {
       const QueuedTask task = queue.read(params.down_dgrad.wait, queued_count++);
       if (task.kind == kStopTask) break;
+      if (issuer) trace_started(params.trace, task.ticket, kTraceConsumers);
       const auto kind = static_cast<BackwardTaskKind>(task.kind);
       const WaitContext& wait = params.down_dgrad.wait;
       if (kind == BackwardTaskKind::kSwiglu) {
@@ -405,6 +417,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up, coord_of(task),
             consumer_idx, acc);
       }
+      if (issuer) trace_finished(params.trace, task.ticket);
     }
     // Outstanding TMA stores read the staging tile: it must outlive them.
     if (issuer) ptx::bulk_wait_group<0>();

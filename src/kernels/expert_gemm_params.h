@@ -8,6 +8,7 @@
 
 #include "kernels/wait_types.h"
 #include "mok/schedule.h"
+#include "mok/task_trace.h"
 
 namespace mok::kernels {
 
@@ -84,6 +85,12 @@ struct ExpertGemmParams {
   MacrobatchParams macrobatch;
 };
 
+// Where a persistent kernel records its task trace (task_trace.cuh; MoeConfig::trace_tasks).
+struct TaskTraceArgs {
+  TaskTraceEvent* events = nullptr;  // [capacity], by ticket; null = not tracing
+  int64_t capacity = 0;
+};
+
 // The persistent forward GEMM kernel (forward_gemms.cu): both GEMMs' parameters and the state
 // of its task order (task_order.h, GEMM tiles only). Counters carry the launch's epoch, like
 // the fused dispatch's: ticket = epoch << 32 | next ticket, gate_up_done[m] = epoch *
@@ -95,6 +102,7 @@ struct ForwardGemmsParams {
   unsigned long long* ticket;
   unsigned long long* epoch;         // this launch's epoch - 1 (advanced after each launch)
   unsigned long long* gate_up_done;  // [max_tiles]
+  TaskTraceArgs trace;
 };
 constexpr unsigned long long kGateUpDoneStride = 1ull << 20;  // > gate/up tiles per row tile
 
@@ -141,6 +149,7 @@ struct BackwardGemmsParams {
   unsigned long long* row_gemms_done;  // [max_tiles]: recompute + down dgrad tiles finished
   unsigned long long* swiglu_done;     // [max_tiles]: the row tile's SwiGLU task finished
   unsigned long long* expert_ready;    // [E_loc]: SwiGLU tasks of the expert's row tiles
+  TaskTraceArgs trace;
 };
 
 constexpr int tile_n_columns(ExpertGemmForm form) {

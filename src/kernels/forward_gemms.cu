@@ -40,6 +40,7 @@
 #include "kernels/launchers.h"
 #include "kernels/task_order.h"
 #include "kernels/task_queue.cuh"
+#include "kernels/task_trace.cuh"
 
 namespace mok::kernels {
 
@@ -50,7 +51,7 @@ struct QueuedTask {
   int32_t kind;
   int32_t m_tile;
   int32_t n_tile;
-  int32_t unused;
+  int32_t ticket;  // for the task trace
 };
 
 using Storage = GemmSharedStorage<kNumStages>;
@@ -114,10 +115,12 @@ __device__ __forceinline__ void schedule_and_load(
   long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
   for (;;) {
     const long long ticket = next_ticket;
+    const uint64_t ticket_ns = trace_clock(params.trace);
     QueuedTask queued{kStopTask, 0, 0, 0};
     if (ticket < num_tasks_here) {
       const Task task = task_at(plan, ticket, &cursor);
-      queued = {static_cast<int32_t>(task.kind), m_begin + task.m_tile, task.n_tile, 0};
+      queued = {static_cast<int32_t>(task.kind), m_begin + task.m_tile, task.n_tile,
+                static_cast<int32_t>(ticket)};
       if (task.kind == TaskKind::kDown) {
         wait_for_count(wait, WaitSite::kGateUpDone, params.gate_up_done + queued.m_tile, epoch,
                        plan.gate_up_n_tiles);
@@ -125,6 +128,7 @@ __device__ __forceinline__ void schedule_and_load(
       } else if (gathers) {
         wait_for_gathered_tile(wait, params.gate_up.gather, queued.m_tile, gather_epoch_here);
       }
+      trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, -1, ticket_ns);
     }
     queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) return;
@@ -188,6 +192,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
     for (;;) {
       const QueuedTask task = queue.read(params.gate_up.wait, queued_count++);
       if (task.kind == kStopTask) break;
+      if (threadIdx.x == BLOCK_M) trace_started(params.trace, task.ticket, kTraceConsumers);
       const bool gate_up = task.kind == static_cast<int32_t>(TaskKind::kGateUp);
       consume_tile<false, false>(
           params.gate_up.wait, smem, state,
@@ -201,6 +206,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
         store_tile<ExpertGemmForm::kDownStore>({&y_out, nullptr, nullptr}, smem, params.down, coord,
                                                consumer_idx, acc);
       }
+      if (threadIdx.x == BLOCK_M) trace_finished(params.trace, task.ticket);
     }
     // Outstanding TMA stores read the staging tile: it must outlive them.
     if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();

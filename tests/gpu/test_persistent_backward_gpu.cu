@@ -2,7 +2,8 @@
 // bitwise against the kernel sequence on routings with empty experts, all rows on one expert and
 // -1 slots, with and without the forward context, with a shared expert and the clamp; and it
 // finishes while another stream holds all but 8 SMs (its tasks wait only on earlier tickets).
-// BackwardGpu.BitwiseInvariantToConfig covers it across minibatch sizes too.
+// BackwardGpu.BitwiseInvariantToConfig covers it across minibatch sizes too. Its task trace (and
+// the persistent forward's) records every task.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -79,6 +80,62 @@ TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
                                 EXPECT_LE(test::relative_error(a, b), 1e-2) << output;
                               });
       }
+    }
+  }
+}
+
+// MoeConfig::trace_tasks: the same bits, and one event per task of the launch, each in order
+// (taken, queued, started, finished), as many of each kind as the shape has tiles.
+TEST(PersistentBackwardGpu, TaskTraceRecordsEveryTask) {
+  const int64_t T = 700, H = 1024, I = 512, E = 8, K = 4;
+  const MoeShape shape = make_shape(T, H, I, E, K);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 93);
+  DeviceProblem device(problem, 0);
+  GpuLayer sequence(shape, MoeConfig{});
+  const HostRank want = run_step(sequence, device, problem, true, nullptr);
+  for (const bool spare_warps : {false, true}) {
+    SCOPED_TRACE(spare_warps ? "SwiGLU on the spare warps" : "SwiGLU on the consumer warps");
+    MoeConfig config = persistent_backward_config(256, spare_warps);
+    config.persistent_forward = true;
+    config.trace_tasks = true;
+    GpuLayer layer(shape, config);
+    const HostRank got = run_step(layer, device, problem, true, nullptr);
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+    });
+    const std::vector<TaskTrace> traces = layer.task_traces(nullptr);
+    ASSERT_EQ(traces.size(), 2u);
+    // Row tiles: each expert's rows padded to 128.
+    int64_t row_tiles = 0;
+    std::vector<int64_t> expert_rows(E, 0);
+    for (int32_t expert : problem.ranks[0].top_experts)
+      if (expert >= 0) ++expert_rows[static_cast<size_t>(expert)];
+    for (int64_t rows : expert_rows) row_tiles += (rows + 127) / 128;
+    for (const TaskTrace& trace : traces) {
+      SCOPED_TRACE(trace.kernel);
+      std::vector<int64_t> per_kind(trace.kind_names.size(), 0);
+      for (const TaskTraceEvent& event : trace.events) {
+        if (event.kind < 0) continue;
+        ASSERT_LT(event.kind, static_cast<int32_t>(per_kind.size()));
+        ++per_kind[static_cast<size_t>(event.kind)];
+        EXPECT_LE(event.ticket_ns, event.ready_ns);
+        EXPECT_LE(event.ready_ns, event.start_ns);
+        EXPECT_LE(event.start_ns, event.end_ns);
+        EXPECT_NE(event.end_ns, ~0ull) << "a task started but never finished";
+        EXPECT_GE(event.sm, 0);
+      }
+      if (trace.kernel == "persistent forward") {  // gather, gate/up, down, combine
+        EXPECT_EQ(per_kind[1], row_tiles * (I / 128));
+        EXPECT_EQ(per_kind[2], row_tiles * (H / 256));
+      } else {  // rows, recompute, down dgrad, SwiGLU, gate/up dgrad, weight gradient, combine
+        EXPECT_EQ(per_kind[0], 0);  // gathered before the launch or by the spare warps
+        EXPECT_EQ(per_kind[1], 0);  // the forward context is used
+        EXPECT_EQ(per_kind[2], row_tiles * (I / 256));
+        EXPECT_EQ(per_kind[3], row_tiles);
+        EXPECT_EQ(per_kind[4], row_tiles * (H / 256));
+        EXPECT_EQ(per_kind[5], E * (2 * (I / 128) * (H / 256) + (H / 128) * (I / 256)));
+      }
+      EXPECT_NE(summarize_task_trace(trace).find("SMs, span"), std::string::npos);
     }
   }
 }
