@@ -281,6 +281,9 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
   maps.d_w_gate = make_tensor_map_3d(grads.d_w_gate, H, I, E, 64, 128, "weight gradient of gate");
   maps.d_w_up = make_tensor_map_3d(grads.d_w_up, H, I, E, 64, 128, "weight gradient of up");
   maps.d_w_down = make_tensor_map_3d(grads.d_w_down, I, H, E, 64, 128, "weight gradient of down");
+  maps.swiglu_gate = make_tensor_map_2d(set.gate.pointer, I, R, 64, 32, "gate (SwiGLU task)");
+  maps.swiglu_up = make_tensor_map_2d(set.up.pointer, I, R, 64, 32, "up (SwiGLU task)");
+  maps.swiglu_dh = make_tensor_map_2d(set.hidden.pointer, I, R, 64, 32, "dh_raw (SwiGLU task)");
 
   kernels::BackwardGemmsParams params{};
   auto form = [&](int64_t m, int64_t n, int64_t k) {
@@ -313,7 +316,6 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
   swiglu.row_begin = 0;
   params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
   params.recompute_rows = recompute ? 1 : 0;
-  params.spare_warp_swiglu = s.config.persistent_backward_spare_warps ? 1 : 0;
   params.d_out_gather = d_out_gather;
   params.x_gather = x_gather;
   const int64_t max_tiles = set.layout.params.max_tiles();

@@ -146,10 +146,6 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
       config.local_dispatch != LocalDispatch::kProducerWarps)
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +
                "; valid: 0 (gather-kernel), 1 (producer-warps)");
-  if (config.persistent_backward_spare_warps && !config.persistent_backward)
-    return bad(
-        "persistent_backward_spare_warps = true with persistent_backward = false; valid: "
-        "persistent_backward = true (the spare warps belong to the persistent backward kernel)");
   return Status::Ok();
 }
 

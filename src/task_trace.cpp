@@ -13,8 +13,6 @@ namespace mok {
 
 namespace {
 
-constexpr int32_t kSpareWarpRunner = 1;  // TaskTraceEvent::unused[0]: who ran the task
-
 bool recorded(const TaskTraceEvent& event) {
   // The buffer is filled with 0xff bytes before a traced launch: a field still UINT64_MAX was
   // never written (a ticket without a traced task, or a kernel that stopped early).
@@ -32,8 +30,9 @@ std::string kind_name(const TaskTrace& trace, int32_t kind) {
 struct KindTotals {
   int64_t tasks = 0;
   double busy_ns = 0;         // start -> end
-  double dependency_ns = 0;   // ticket -> ready
-  double idle_before_ns = 0;  // the runners' gap before the task (consumer-run tasks)
+  double decode_ns = 0;       // ticket -> decoded
+  double dependency_ns = 0;   // decoded -> ready
+  double idle_before_ns = 0;  // the consumers' gap before the task
 };
 
 std::string json_escape(const std::string& text) {
@@ -61,12 +60,11 @@ std::string summarize_task_trace(const TaskTrace& trace) {
     begin = std::min(begin, event->ticket_ns);
     end = std::max(end, event->end_ns);
   }
-  // Each SM's consumer timeline in start order: the gap before a task is the runners' idle
-  // time waiting for it (its dependency, the scheduler, the queue).
+  // Each SM's timeline in start order: the gap before a task is the consumers' idle time
+  // waiting for it (its dependency, the scheduler, the queue).
   std::map<int32_t, std::vector<const TaskTraceEvent*>> by_sm;
-  for (const TaskTraceEvent* event : events)
-    if (event->unused[0] != kSpareWarpRunner) by_sm[event->sm].push_back(event);
-  std::map<std::pair<int32_t, int32_t>, KindTotals> totals;  // (runner, kind)
+  for (const TaskTraceEvent* event : events) by_sm[event->sm].push_back(event);
+  std::map<int32_t, KindTotals> totals;  // by kind
   double head_ns = 0, tail_ns = 0, busy_ns = 0;
   for (auto& [sm, list] : by_sm) {
     std::sort(list.begin(), list.end(), [](const TaskTraceEvent* a, const TaskTraceEvent* b) {
@@ -74,7 +72,7 @@ std::string summarize_task_trace(const TaskTrace& trace) {
     });
     uint64_t previous_end = 0;
     for (const TaskTraceEvent* event : list) {
-      KindTotals& kind = totals[{0, event->kind}];
+      KindTotals& kind = totals[event->kind];
       if (previous_end == 0)
         head_ns += static_cast<double>(event->start_ns - begin);
       else if (event->start_ns > previous_end)
@@ -84,12 +82,14 @@ std::string summarize_task_trace(const TaskTrace& trace) {
     tail_ns += static_cast<double>(end - previous_end);
   }
   for (const TaskTraceEvent* event : events) {
-    const int32_t runner = event->unused[0] == kSpareWarpRunner ? 1 : 0;
-    KindTotals& kind = totals[{runner, event->kind}];
+    KindTotals& kind = totals[event->kind];
     kind.tasks += 1;
     kind.busy_ns += static_cast<double>(event->end_ns - event->start_ns);
-    kind.dependency_ns += static_cast<double>(event->ready_ns - event->ticket_ns);
-    if (runner == 0) busy_ns += static_cast<double>(event->end_ns - event->start_ns);
+    const double to_ready = static_cast<double>(event->ready_ns - event->ticket_ns);
+    const double decode = std::min<double>(event->decode_ns, to_ready);
+    kind.decode_ns += decode;
+    kind.dependency_ns += to_ready - decode;
+    busy_ns += static_cast<double>(event->end_ns - event->start_ns);
   }
   const double sms = static_cast<double>(by_sm.size());
   const double span_ns = static_cast<double>(end - begin);
@@ -99,18 +99,19 @@ std::string summarize_task_trace(const TaskTrace& trace) {
                 trace.kernel.c_str(), events.size(), by_sm.size(), span_ns * 1e-6,
                 sms > 0 ? 100.0 * busy_ns / (span_ns * sms) : 0.0);
   out << line;
-  std::snprintf(line, sizeof line, "  %-34s %7s %9s %14s %14s %16s\n", "task (runner)", "tasks",
-                "mean us", "busy ms/SM", "dep. wait us", "idle before ms/SM");
+  std::snprintf(line, sizeof line, "  %-20s %7s %9s %11s %10s %10s %12s\n", "task", "tasks",
+                "mean us", "busy ms/SM", "decode us", "dep. us", "idle ms/SM");
   out << line;
-  for (const auto& [key, kind] : totals) {
-    const std::string name =
-        kind_name(trace, key.second) + (key.first == 1 ? " (spare warps)" : " (consumers)");
-    std::snprintf(line, sizeof line, "  %-34s %7lld %9.2f %14.3f %14.2f %16.3f\n", name.c_str(),
-                  static_cast<long long>(kind.tasks), kind.busy_ns * 1e-3 / kind.tasks,
-                  kind.busy_ns * 1e-6 / sms, kind.dependency_ns * 1e-3 / kind.tasks,
+  for (const auto& [kind_index, kind] : totals) {
+    const std::string name = kind_name(trace, kind_index);
+    std::snprintf(line, sizeof line, "  %-20s %7lld %9.2f %11.3f %10.2f %10.2f %12.3f\n",
+                  name.c_str(), static_cast<long long>(kind.tasks),
+                  kind.busy_ns * 1e-3 / kind.tasks, kind.busy_ns * 1e-6 / sms,
+                  kind.decode_ns * 1e-3 / kind.tasks, kind.dependency_ns * 1e-3 / kind.tasks,
                   kind.idle_before_ns * 1e-6 / sms);
     out << line;
   }
+  out << "  (idle ms/SM: the consumers' gaps before the kind's tasks, per SM)\n";
   std::snprintf(line, sizeof line,
                 "  idle per SM: %.3f ms before its first task, %.3f ms after its last\n",
                 head_ns * 1e-6 / sms, tail_ns * 1e-6 / sms);
@@ -141,17 +142,17 @@ void write_chrome_trace(const std::vector<TaskTrace>& traces, const std::string&
     for (size_t ticket = 0; ticket < trace.events.size(); ++ticket) {
       const TaskTraceEvent& event = trace.events[ticket];
       if (!recorded(event)) continue;
-      // Spare-warp tasks on a thread of their own beside the SM's consumers.
-      const int64_t thread =
-          event.unused[0] == kSpareWarpRunner ? 1000 + event.sm : static_cast<int64_t>(event.sm);
+      const double to_ready = static_cast<double>(event.ready_ns - event.ticket_ns);
+      const double decode = std::min<double>(event.decode_ns, to_ready);
       std::snprintf(buffer, sizeof buffer,
                     ",\n{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %zu, \"tid\": %lld, "
                     "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"ticket\": %zu, \"m\": %d, "
-                    "\"n\": %d, \"expert\": %d, \"dependency_us\": %.3f, \"queued_us\": %.3f}}",
+                    "\"n\": %d, \"expert\": %d, \"decode_us\": %.3f, \"dependency_us\": %.3f, "
+                    "\"queued_us\": %.3f}}",
                     json_escape(kind_name(trace, event.kind)).c_str(), p,
-                    static_cast<long long>(thread), (event.start_ns - begin) * 1e-3,
+                    static_cast<long long>(event.sm), (event.start_ns - begin) * 1e-3,
                     (event.end_ns - event.start_ns) * 1e-3, ticket, event.m_tile, event.n_tile,
-                    event.expert, (event.ready_ns - event.ticket_ns) * 1e-3,
+                    event.expert, decode * 1e-3, (to_ready - decode) * 1e-3,
                     (event.start_ns - event.ready_ns) * 1e-3);
       file << buffer;
     }

@@ -32,7 +32,6 @@ struct RunOptions {
   bool cpu_only = false;
   bool persistent_forward = false;   // GPU: MoeConfig::persistent_forward
   bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward
-  bool spare_warp_swiglu = false;    // GPU: MoeConfig::persistent_backward_spare_warps
   int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs
   int64_t minibatch_size = -1;       // -1: MoeConfig's default
   int64_t macrobatch_size = -1;      // -1: MoeConfig's default

@@ -14,7 +14,6 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
     config.local_dispatch = mok::local_dispatch_from_name(options.local_dispatch);
   config.persistent_forward = options.persistent_forward;
   config.persistent_backward = options.persistent_backward;
-  config.persistent_backward_spare_warps = options.spare_warp_swiglu;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;

@@ -47,8 +47,6 @@ mok run options:
                                times both ways either way)
   --persistent-backward        GPU: run the routed experts' backward as one persistent kernel
                                (the run checks and times both ways either way)
-  --spare-warp-swiglu          GPU: the persistent backward's SwiGLU tasks on the producer's
-                               spare warps instead of the consumer warps
   --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
                                128; default 4096)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
@@ -98,10 +96,6 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--persistent-backward") {
       options.persistent_backward = true;
-      continue;
-    }
-    if (flag == "--spare-warp-swiglu") {
-      options.spare_warp_swiglu = true;
       continue;
     }
     if (flag == "--push-dispatch") {
@@ -199,6 +193,12 @@ int run_command(RunOptions options) {
   const mok::MoeShape shape = shape_from_options(options);
   config_from_options(options, shape);  // a bad value is an error on the CPU path too
   if (!device_name.empty() && shape.num_ranks == 1) return run_gpu(options, shape, device_name);
+  if (!options.trace_path.empty())
+    throw Error(ErrorCode::kInvalidArgument,
+                "--trace-tasks " + options.trace_path +
+                    " traces the persistent GPU kernels; this run is the CPU reference (" +
+                    (device_name.empty() ? std::string("no GPU") : "--cpu or --ranks > 1") +
+                    "); valid: a single-GPU run on a GPU");
   return run_cpu(options, shape);
 }
 

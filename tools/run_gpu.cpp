@@ -31,11 +31,9 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels");
 }
 
-// "kernel sequence" or "persistent kernel, SwiGLU on the <consumer | spare> warps".
+// "kernel sequence" or "persistent kernel".
 std::string backward_name(const mok::MoeConfig& config) {
-  if (!config.persistent_backward) return "kernel sequence";
-  return std::string("persistent kernel, SwiGLU on the ") +
-         (config.persistent_backward_spare_warps ? "spare warps" : "consumer warps");
+  return config.persistent_backward ? "persistent kernel" : "kernel sequence";
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,
@@ -138,20 +136,17 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const int64_t ring_macrobatches =
       (max_rows + ring_config.macrobatch_size - 1) / ring_config.macrobatch_size;
   mok::GpuLayer ring_layer(shape, ring_config);
-  // The backward the other ways (same bits): the kernel sequence, the persistent kernel with
-  // its SwiGLU tasks on the consumer warps, and on the spare warps; all but the chosen one.
+  // The backward the other way (same bits): the kernel sequence or the persistent kernel.
   struct BackwardVariant {
     mok::MoeConfig config;
     std::unique_ptr<mok::GpuLayer> layer;
     bool bitwise = false;
   };
   std::vector<BackwardVariant> backward_variants;
-  for (int v = 0; v < 3; ++v) {
+  {
     mok::MoeConfig other = config;
-    other.persistent_backward = v > 0;
-    other.persistent_backward_spare_warps = v == 2;
+    other.persistent_backward = !config.persistent_backward;
     other.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
-    if (backward_name(other) == backward_name(config)) continue;
     backward_variants.push_back({other, std::make_unique<mok::GpuLayer>(shape, other)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {

@@ -56,9 +56,6 @@ struct MoeConfig {
   // backward_task_order.h with dependency counters instead of seven kernel boundaries. Same bits
   // either way. With several macrobatches the backward runs its kernel sequence.
   bool persistent_backward = false;
-  // The persistent backward runs its SwiGLU tasks on the producer warpgroup's three spare warps
-  // (beside the GEMM tiles) instead of the consumer warps (between them). Same bits.
-  bool persistent_backward_spare_warps = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

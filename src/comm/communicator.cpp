@@ -165,9 +165,16 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
       cuda_check(
           cudaMalloc(reinterpret_cast<void**>(&piece.device_peers), sizeof(void*) * num_ranks),
           "peer pointer table for " + what_);
-      cuda_check(comm_detail::launch_resolve_peer_pointers(piece.window, num_ranks,
-                                                           piece.device_peers, nullptr),
-                 "resolving the peer pointers of " + what_);
+      // A group of one has no peers: its only pointer is its own buffer (NCCL's device-side
+      // window lookup faulted with one rank on one H200: an illegal address in the kernel).
+      if (num_ranks == 1)
+        cuda_check(cudaMemcpy(piece.device_peers, &piece.local, sizeof(void*),
+                              cudaMemcpyHostToDevice),
+                   "peer pointer table for " + what_);
+      else
+        cuda_check(comm_detail::launch_resolve_peer_pointers(piece.window, num_ranks,
+                                                             piece.device_peers, nullptr),
+                   "resolving the peer pointers of " + what_);
       piece.peers.assign(static_cast<size_t>(num_ranks), nullptr);
       cuda_check(cudaMemcpy(piece.peers.data(), piece.device_peers, sizeof(void*) * num_ranks,
                             cudaMemcpyDeviceToHost),

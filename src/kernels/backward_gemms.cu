@@ -11,23 +11,20 @@
 // gemm_mainloop.cuh, gemm_loads.cuh, epilogue.cuh):
 //   warpgroup 0, thread 0  the scheduler and TMA thread. Per task: takes a ticket from the
 //                global counter (the next one before issuing the current task's loads), maps it
-//                to a task (backward_task_at with a cursor: this CTA's tickets only grow), waits
-//                for the task's dependency, publishes the task in a 4-slot shared-memory queue
-//                (task_queue.cuh), then issues the task's K-block loads into
-//                the 3-stage ring (a SwiGLU task has none). After the last ticket it publishes
-//                a stop task.
-//   warpgroup 0, warps 1-3 first gather the rows (d_out_gather, x_gather: a global ticket per
-//                row, a count per 128-row tile); then, with kSpareWarpSwiglu, the SwiGLU tasks,
-//                from a second queue the scheduler fills once a task's row tile is ready (it then
-//                takes the next ticket at once), so they run beside the GEMM tiles instead of
-//                holding the consumers' tensor cores. Same row function, same bits.
+//                to a task (backward_task_at with a cursor: this CTA's tickets only grow, and
+//                the cursor keeps what is costly to recompute), waits for the task's
+//                dependency, publishes the task in a 4-slot shared-memory queue
+//                (task_queue.cuh), then issues the task's loads into the 3-stage ring: a GEMM
+//                tile's K-blocks, or a SwiGLU task's row blocks (swiglu_backward_task.cuh).
+//                After the last ticket it publishes a stop task.
+//   warpgroup 0, warps 1-3 gather the rows (d_out_gather, x_gather: a global ticket per row, a
+//                count per 128-row tile), then exit.
 //   warpgroups 1, 2        consumers: read the task from the queue and run it:
 //                recompute(m, n)      mainloop + kGateUpStore epilogue (bf16 g, u)
 //                down_dgrad(m, n)     mainloop + kDownGrad epilogue (dh_raw)
 //                swiglu(m)            the eight consumer warps run the SwiGLU backward of the
-//                                     row tile's 128 rows (swiglu_backward.cuh): d_g, d_u,
-//                                     h_w in place of dh_raw, the router-weight gradients
-//                                     (unless the spare warps run it, below)
+//                                     row tile's 128 rows from the stages (d_g, d_u, h_w in
+//                                     place of dh_raw, the router-weight gradients)
 //                gate_up_dgrad(m, n)  mainloop + kGateUpGradStore epilogue (the dx rows)
 //                wgrad(e, matrix, t)  mainloop over expert e's rows + kWeightGrad epilogue
 // Dependencies (counters in global memory, epoch * kGateUpDoneStride + count):
@@ -35,10 +32,11 @@
 //   gate_up_dgrad(m,n) swiglu_done[m] = 1
 //   wgrad(e, ...)      expert_ready[e] = the number of e's row tiles (none for an empty expert)
 // Ordering: a GEMM tile's output leaves by TMA stores; the first consumer thread waits for them
-// to complete, fences the async proxy and release-adds the counter; the waiting side acquires
-// (the scheduler before it queues the task, and each SwiGLU thread again before its loads) and
-// fences the async proxy before TMA loads. The SwiGLU task's generic stores: the eight warps
-// meet at a named barrier, then one thread release-adds (cumulative over the CTA's stores).
+// to complete, fences the async proxy and release-adds the counter; the waiting side (the
+// scheduler, before it queues the task) acquires and fences the async proxy before its TMA
+// loads. The SwiGLU task's generic stores: each thread fences (device scope, and toward the
+// async proxy: its readers load with TMA), the eight warps meet at a named barrier, then one
+// thread release-adds.
 // Progress: a ticket is taken only by a running scheduler, and a task waits only on tasks with
 // smaller tickets, which were all queued (and their loads issued) before their scheduler took
 // its next ticket; so the kernel finishes with any number of resident CTAs.
@@ -54,7 +52,7 @@
 #include "kernels/gemm_mainloop.cuh"
 #include "kernels/kernel_preload.h"
 #include "kernels/launchers.h"
-#include "kernels/swiglu_backward.cuh"
+#include "kernels/swiglu_backward_task.cuh"
 #include "kernels/task_queue.cuh"
 #include "kernels/task_trace.cuh"
 
@@ -62,18 +60,8 @@ namespace mok::kernels {
 
 namespace {
 
-// Named barriers of the SwiGLU task's warps (1: the consumers' staging tile).
-constexpr int kSwigluBarrier = 2;           // the consumer warps
-constexpr int kSpareWarpSwigluBarrier = 3;  // the producer's spare warps
-constexpr int kSpareWarps = 3;              // producer warps 1-3
-
-// A SwiGLU task for the spare warps (kSpareWarpSwiglu).
-struct MemoryTask {
-  int32_t kind;  // BackwardTaskKind::kSwiglu, or kStopTask
-  int32_t m_tile;
-  int32_t expert;
-  int32_t ticket;  // for the task trace
-};
+// The named barrier of the SwiGLU task's consumer warps (1: the consumers' staging tile).
+constexpr int kSwigluBarrier = 2;
 
 // A task as the consumers need it.
 struct QueuedTask {
@@ -144,7 +132,8 @@ __device__ __forceinline__ QueuedTask queued_task(const BackwardGemmsParams& par
     case BackwardTaskKind::kGateUpDgrad:
       queued.num_k_blocks = 2 * params.gate_up_dgrad.k_extent / BLOCK_K;
       break;
-    default:  // kSwiglu: no loads
+    default:  // kSwiglu: its row blocks through the ring
+      queued.num_k_blocks = swiglu_task_stages(params.swiglu.vectors_per_row * 8);
       break;
   }
   return queued;
@@ -160,11 +149,9 @@ __device__ __forceinline__ TileCoord coord_of(const QueuedTask& task) {
   return coord;
 }
 
-template <bool kSpareWarpSwiglu>
 __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                                                   const BackwardGemmsParams& params, Storage& smem,
                                                   TaskQueue<QueuedTask>& queue,
-                                                  TaskQueue<MemoryTask>& memory_queue,
                                                   const int32_t* expert_tiles) {
   const WaitContext& wait = params.down_dgrad.wait;
   const BackwardPlan plan = plan_of(params, expert_tiles);
@@ -176,9 +163,8 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   const unsigned long long x_epoch =
       params.x_gather.x != nullptr ? gather_epoch(params.x_gather) : 0;
   PipelineState<kNumStages> state;
-  uint32_t published = 0;         // tasks in the consumers' queue so far
-  uint32_t memory_published = 0;  // and in the spare warps' queue
-  SegmentCursor cursor;           // this CTA's tickets only grow
+  uint32_t published = 0;  // tasks in the queue so far
+  SegmentCursor cursor;    // this CTA's tickets only grow
   // The expert whose SwiGLU tasks this thread last saw finished: its next weight-gradient tiles
   // (an expert has hundreds, several per CTA in a row) need no second look at the counter.
   int32_t ready_expert = -1;
@@ -189,28 +175,17 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
     uint64_t ticket_ns = trace_clock(params.trace);
     QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, 0};
     BackwardTask task{};
-    // The rows were gathered before the launch: their tasks have nothing left to do. With the
-    // spare warps on, a SwiGLU task goes to their queue once its row tile is ready, and the
-    // scheduler goes on to the next ticket.
+    // The rows are gathered by the spare warps or before the launch: their tickets have
+    // nothing left to do here.
     while (ticket < num_tasks_here) {
       task = backward_task_at(plan, ticket, &cursor);
-      if (task.kind == BackwardTaskKind::kSwiglu && kSpareWarpSwiglu) {
-        wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
-                       plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
-        const int32_t expert = expert_of_tile(plan, task.m_tile);
-        trace_queued(params.trace, ticket, static_cast<int32_t>(BackwardTaskKind::kSwiglu),
-                     task.m_tile, -1, expert, ticket_ns);
-        memory_queue.publish(wait, memory_published++,
-                             MemoryTask{static_cast<int32_t>(BackwardTaskKind::kSwiglu),
-                                        task.m_tile, expert, static_cast<int32_t>(ticket)});
-      } else if (task.kind != BackwardTaskKind::kRows) {
-        break;
-      }
+      if (task.kind != BackwardTaskKind::kRows) break;
       ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
       ticket_ns = trace_clock(params.trace);
     }
     if (ticket < num_tasks_here) {
       queued = queued_task(params, plan, task);
+      const uint64_t decoded_ns = trace_clock(params.trace);
       if (task.kind == BackwardTaskKind::kRecompute && params.x_gather.x != nullptr) {
         wait_for_gathered_tile(wait, params.x_gather, task.m_tile, x_epoch);
       } else if (task.kind == BackwardTaskKind::kDownDgrad && params.d_out_gather.x != nullptr) {
@@ -218,6 +193,7 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
       } else if (task.kind == BackwardTaskKind::kSwiglu) {
         wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
                        plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
+        asm volatile("fence.proxy.async.global;" ::: "memory");
       } else if (task.kind == BackwardTaskKind::kGateUpDgrad) {
         wait_for_count(wait, WaitSite::kSwigluDone, params.swiglu_done + task.m_tile, epoch, 1);
         asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -232,22 +208,26 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
       }
       queued.ticket = static_cast<int32_t>(ticket);
       trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, queued.expert,
-                   ticket_ns);
+                   ticket_ns, decoded_ns);
     }
     queue.publish(wait, published++, queued);
-    if (queued.kind == kStopTask) {
-      if constexpr (kSpareWarpSwiglu)
-        memory_queue.publish(wait, memory_published, MemoryTask{kStopTask, 0, 0, 0});
-      return;
-    }
+    if (queued.kind == kStopTask) return;
     // The next ticket now: the atomic's round trip overlaps this task's loads.
     next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     const TileCoord coord = coord_of(queued);
     const auto kind = static_cast<BackwardTaskKind>(queued.kind);
+    const int64_t intermediate = params.swiglu.vectors_per_row * 8;
     for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
-      produce_stage(wait, smem, state, kTileABytes + kTileBBytes,
+      produce_stage(wait, smem, state,
+                    kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
+                                                      : kTileABytes + kTileBBytes,
                     [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
                       switch (kind) {
+                        case BackwardTaskKind::kSwiglu:
+                          issue_swiglu_loads(&maps.swiglu_gate, &maps.swiglu_up, &maps.swiglu_dh,
+                                             intermediate, coord.m_tile, 0, k_block, a_dst, b_dst,
+                                             full);
+                          break;
                         case BackwardTaskKind::kRecompute:
                           issue_loads<ExpertGemmForm::kGateUpStore>(
                               &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up,
@@ -277,50 +257,6 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   }
 }
 
-// The SwiGLU backward of row tile `m_tile` by `num_warps` warps (this one is `warp`), which
-// then meet at named barrier `barrier`; the thread with `signals` counts the task done.
-__device__ __forceinline__ void run_swiglu_task(const BackwardGemmsParams& params, int m_tile,
-                                                int expert, unsigned long long epoch, int warp,
-                                                int num_warps, int barrier, bool signals) {
-  // The scheduler acquired the row tile's GEMM outputs; each thread acquires too, so its own
-  // loads below are ordered after their stores.
-  (void)ptx::acquire_load_u64(params.row_gemms_done + m_tile);
-  const int64_t first_row = static_cast<int64_t>(m_tile) * BLOCK_M;
-  const int64_t end =
-      min(first_row + BLOCK_M, static_cast<int64_t>(params.down_dgrad.header->total_rows));
-  // The warps keep only a few loads each in flight (the consumers' accumulators hold most of
-  // their registers; the spare warps have 56), so a row tile's ~1-3 MB would stream at a
-  // fraction of the SM's share of bandwidth: first the bulk-copy engine prefetches every row of
-  // this warp into L2 (three per row, no registers).
-  const SwigluBackwardArgs& args = params.swiglu;
-  const uint32_t row_bytes = static_cast<uint32_t>(args.vectors_per_row * 16);
-  if (threadIdx.x % 32 == 0)
-    for (int64_t row = first_row + warp; row < end; row += num_warps) {
-      const int64_t at = (row - args.row_begin) * args.vectors_per_row;
-      ptx::bulk_prefetch_l2(args.gate + at, row_bytes);
-      ptx::bulk_prefetch_l2(args.up + at, row_bytes);
-      ptx::bulk_prefetch_l2(args.dh_raw + at, row_bytes);
-    }
-  for (int64_t row = first_row + warp; row < end; row += num_warps) swiglu_backward_row(args, row);
-  // Each thread's stores at device scope (system scope for router-weight gradients that went
-  // to other GPUs, read after the push's signal), and toward the async proxy: the tiles that
-  // wait for this task load d_g, d_u and h_w with TMA.
-  if (params.swiglu.d_router_weights_peers != nullptr)
-    __threadfence_system();
-  else
-    __threadfence();
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  ptx::named_barrier_sync(barrier, num_warps * 32);
-  if (signals) {
-    count_done(params.swiglu_done + m_tile, epoch);
-    count_done(params.expert_ready + expert, epoch);
-  }
-}
-
-// kSpareWarpSwiglu: the SwiGLU tasks run on the spare warps only, so the consumers' code has no
-// SwiGLU path (ptxas: 224 bytes of spill instead of 348); the launcher picks it from
-// params.spare_warp_swiglu, and nothing in the kernel reads that field.
-template <bool kSpareWarpSwiglu>
 __global__ void __launch_bounds__(kNumThreads, 1)
     backward_gemms_kernel(const __grid_constant__ BackwardGemmsMaps maps,
                           const __grid_constant__ BackwardGemmsParams params) {
@@ -329,15 +265,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                               ~uintptr_t{1023});
   auto& queue =
       *reinterpret_cast<TaskQueue<QueuedTask>*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
-  auto& memory_queue = *reinterpret_cast<TaskQueue<MemoryTask>*>(&queue + 1);
-  int32_t* expert_tiles = reinterpret_cast<int32_t*>(&memory_queue + 1);
+  int32_t* expert_tiles = reinterpret_cast<int32_t*>(&queue + 1);
   const int32_t num_experts = params.down_dgrad.num_experts;
   for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
     expert_tiles[e] = params.down_dgrad.expert_offsets[e] / BLOCK_M;
-  if (threadIdx.x == 0) {
-    queue.init();
-    memory_queue.init(kSpareWarps);
-  }
+  if (threadIdx.x == 0) queue.init();
   init_pipeline(smem);  // also fences the barrier inits and syncs the CTA
   const int warpgroup = threadIdx.x / 128;
 
@@ -347,10 +279,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (const CUtensorMap* map : {&maps.x_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.d_gate,
                                      &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
         ptx::prefetch_tensor_map(map);
-      schedule_and_load<kSpareWarpSwiglu>(maps, params, smem, queue, memory_queue, expert_tiles);
+      schedule_and_load(maps, params, smem, queue, expert_tiles);
     } else if (threadIdx.x >= 32) {
-      // The spare warps: the rows first (any CTA's warps take any row: progress with any number
-      // of resident CTAs), then SwiGLU tasks beside the consumers' GEMM tiles.
+      // The spare warps gather the rows (any CTA's warps take any row: progress with any number
+      // of resident CTAs).
       const ScheduleHeader* header = params.down_dgrad.header;
       if (params.d_out_gather.x != nullptr)
         gather_rows_into_tiles(params.d_out_gather, header, params.down_dgrad.row_pair,
@@ -358,16 +290,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (params.x_gather.x != nullptr)
         gather_rows_into_tiles(params.x_gather, header, params.down_dgrad.row_pair,
                                gather_epoch(params.x_gather));
-      if constexpr (!kSpareWarpSwiglu) return;
-      const unsigned long long epoch = launch_epoch(params);
-      for (uint32_t count = 0;; ++count) {
-        const MemoryTask task = memory_queue.read(params.down_dgrad.wait, count);
-        if (task.kind == kStopTask) break;
-        if (threadIdx.x == 32) trace_started(params.trace, task.ticket, kTraceSpareWarps);
-        run_swiglu_task(params, task.m_tile, task.expert, epoch, threadIdx.x / 32 - 1, kSpareWarps,
-                        kSpareWarpSwigluBarrier, threadIdx.x == 32);
-        if (threadIdx.x == 32) trace_finished(params.trace, task.ticket);
-      }
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
@@ -384,13 +306,25 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (;;) {
       const QueuedTask task = queue.read(params.down_dgrad.wait, queued_count++);
       if (task.kind == kStopTask) break;
-      if (issuer) trace_started(params.trace, task.ticket, kTraceConsumers);
+      if (issuer) trace_started(params.trace, task.ticket);
       const auto kind = static_cast<BackwardTaskKind>(task.kind);
       const WaitContext& wait = params.down_dgrad.wait;
       if (kind == BackwardTaskKind::kSwiglu) {
-        if constexpr (!kSpareWarpSwiglu)
-          run_swiglu_task(params, task.m_tile, task.expert, epoch, (threadIdx.x - BLOCK_M) / 32,
-                          kConsumerThreads / 32, kSwigluBarrier, issuer);
+        run_swiglu_tile(wait, smem, state, params.swiglu, task.m_tile,
+                        params.down_dgrad.header->total_rows);
+        // Device scope (system scope for router-weight gradients that went to other GPUs,
+        // read after the push's signal), and toward the async proxy: the tiles that wait for
+        // this task load d_g, d_u and h_w with TMA.
+        if (params.swiglu.d_router_weights_peers != nullptr)
+          __threadfence_system();
+        else
+          __threadfence();
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        ptx::named_barrier_sync(kSwigluBarrier, kConsumerThreads);
+        if (issuer) {
+          count_done(params.swiglu_done + task.m_tile, epoch);
+          count_done(params.expert_ready + task.expert, epoch);
+        }
       } else if (kind == BackwardTaskKind::kRecompute) {
         consume_tile<false, false>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
         store_tile<ExpertGemmForm::kGateUpStore>({&maps.gate_out, &maps.up_out, nullptr}, smem,
@@ -431,10 +365,8 @@ cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardG
   if (num_ctas < 1 || params.down_dgrad.num_experts < 0 || params.minibatch_tiles < 1)
     return cudaErrorInvalidValue;
   const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue<QueuedTask>) +
-                            sizeof(TaskQueue<MemoryTask>) +
                             (static_cast<size_t>(params.down_dgrad.num_experts) + 1) * 4 + 1024;
-  const auto kernel =
-      params.spare_warp_swiglu != 0 ? backward_gemms_kernel<true> : backward_gemms_kernel<false>;
+  const auto kernel = backward_gemms_kernel;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -444,9 +376,7 @@ cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardG
 
 // Loaded up front by expert-parallel groups (kernel_preload.h).
 namespace {
-const KernelPreloadList kPreload("backward_gemms.cu",
-                                 {kernel_symbol(&backward_gemms_kernel<false>),
-                                  kernel_symbol(&backward_gemms_kernel<true>)});
+const KernelPreloadList kPreload("backward_gemms.cu", {kernel_symbol(&backward_gemms_kernel)});
 }  // namespace
 
 }  // namespace mok::kernels

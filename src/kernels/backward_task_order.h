@@ -200,27 +200,35 @@ MOK_HOST_DEVICE inline int64_t segment_length(const BackwardPlan& plan, int32_t 
   return segment_size(plan, kind, b);
 }
 
-// The task at offset `local` of segment `segment`.
+// The first expert of the weight-gradient segment of minibatch b (b < 0: the no-rows segment).
+MOK_HOST_DEVICE inline int32_t wgrad_first_expert(const BackwardPlan& plan, int32_t b) {
+  return b <= 0 ? 0 : experts_through(plan, b - 1);
+}
+
+// The task at offset `local` of segment `segment` (a segment holds fewer than 2^31 tasks);
+// `first_expert`: wgrad_first_expert of the segment's minibatch if known, else -1.
 MOK_HOST_DEVICE inline BackwardTask backward_task_in_segment(const BackwardPlan& plan,
-                                                             int32_t segment, int64_t local) {
+                                                             int32_t segment, int64_t local_ticket,
+                                                             int32_t first_expert = -1) {
   BackwardTaskKind kind;
   int32_t b;
   segment_at(plan, segment, &kind, &b);
   BackwardTask task{kind, b, -1, -1, -1, -1, -1};
   const int32_t first_tile = b * plan.minibatch_tiles;
+  const int32_t local = static_cast<int32_t>(local_ticket);
   switch (kind) {
     case BackwardTaskKind::kCombine:
-      task.block = static_cast<int32_t>(local);
+      task.block = local;
       break;
     case BackwardTaskKind::kRows:
     case BackwardTaskKind::kSwiglu:
-      task.m_tile = first_tile + static_cast<int32_t>(local);
+      task.m_tile = first_tile + local;
       break;
     case BackwardTaskKind::kWeightGrad: {
-      const int32_t first_expert = b <= 0 ? 0 : experts_through(plan, b - 1);
-      const int64_t per_expert = wgrad_tiles_per_expert(plan);
-      task.expert = first_expert + static_cast<int32_t>(local / per_expert);
-      const int32_t within = static_cast<int32_t>(local % per_expert);
+      if (first_expert < 0) first_expert = wgrad_first_expert(plan, b);
+      const int32_t per_expert = static_cast<int32_t>(wgrad_tiles_per_expert(plan));
+      task.expert = first_expert + local / per_expert;
+      const int32_t within = local % per_expert;
       task.matrix = within < plan.gate_wgrad_tiles ? 0 : within < 2 * plan.gate_wgrad_tiles ? 1 : 2;
       task.m_tile = within - task.matrix * plan.gate_wgrad_tiles;  // the weight tile's index
       break;
@@ -229,8 +237,7 @@ MOK_HOST_DEVICE inline BackwardTask backward_task_in_segment(const BackwardPlan&
       const int32_t n_tiles = kind == BackwardTaskKind::kRecompute   ? plan.gate_up_n_tiles
                               : kind == BackwardTaskKind::kDownDgrad ? plan.down_dgrad_n_tiles
                                                                      : plan.gate_up_dgrad_n_tiles;
-      grouped_tile(static_cast<int32_t>(local), minibatch_tiles(plan, b), n_tiles, &task.m_tile,
-                   &task.n_tile);
+      grouped_tile(local, minibatch_tiles(plan, b), n_tiles, &task.m_tile, &task.n_tile);
       task.m_tile += first_tile;
       break;
     }
@@ -244,7 +251,14 @@ MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlan& plan, i
                                                      SegmentCursor* cursor) {
   if (!seek_segment(plan, ticket, cursor))
     return BackwardTask{BackwardTaskKind::kCombine, -1, -1, -1, -1, -1, -1};
-  return backward_task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket);
+  if (cursor->base < 0) {  // once per segment: the weight gradients' first expert
+    BackwardTaskKind kind;
+    int32_t b;
+    segment_at(plan, cursor->segment, &kind, &b);
+    cursor->base = kind == BackwardTaskKind::kWeightGrad ? wgrad_first_expert(plan, b) : 0;
+  }
+  return backward_task_in_segment(plan, cursor->segment, ticket - cursor->first_ticket,
+                                  cursor->base);
 }
 
 MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlan& plan, int64_t ticket) {

@@ -141,9 +141,8 @@ struct BackwardGemmsParams {
   // run, and a tile's loads wait for its rows; `x` null = gathered before the launch.
   FusedGather d_out_gather;
   FusedGather x_gather;
-  int32_t minibatch_tiles;    // MoeConfig::minibatch_size / 128
-  int32_t recompute_rows;     // 1: no forward context, the recompute tasks run
-  int32_t spare_warp_swiglu;  // 1: SwiGLU tasks on the producer's spare warps, not the consumers
+  int32_t minibatch_tiles;  // MoeConfig::minibatch_size / 128
+  int32_t recompute_rows;   // 1: no forward context, the recompute tasks run
   unsigned long long* ticket;
   unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
   unsigned long long* row_gemms_done;  // [max_tiles]: recompute + down dgrad tiles finished

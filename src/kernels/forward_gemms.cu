@@ -121,6 +121,7 @@ __device__ __forceinline__ void schedule_and_load(
       const Task task = task_at(plan, ticket, &cursor);
       queued = {static_cast<int32_t>(task.kind), m_begin + task.m_tile, task.n_tile,
                 static_cast<int32_t>(ticket)};
+      const uint64_t decoded_ns = trace_clock(params.trace);
       if (task.kind == TaskKind::kDown) {
         wait_for_count(wait, WaitSite::kGateUpDone, params.gate_up_done + queued.m_tile, epoch,
                        plan.gate_up_n_tiles);
@@ -128,7 +129,8 @@ __device__ __forceinline__ void schedule_and_load(
       } else if (gathers) {
         wait_for_gathered_tile(wait, params.gate_up.gather, queued.m_tile, gather_epoch_here);
       }
-      trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, -1, ticket_ns);
+      trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, -1, ticket_ns,
+                   decoded_ns);
     }
     queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) return;
@@ -192,7 +194,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
     for (;;) {
       const QueuedTask task = queue.read(params.gate_up.wait, queued_count++);
       if (task.kind == kStopTask) break;
-      if (threadIdx.x == BLOCK_M) trace_started(params.trace, task.ticket, kTraceConsumers);
+      if (threadIdx.x == BLOCK_M) trace_started(params.trace, task.ticket);
       const bool gate_up = task.kind == static_cast<int32_t>(TaskKind::kGateUp);
       consume_tile<false, false>(
           params.gate_up.wait, smem, state,

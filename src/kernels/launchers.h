@@ -56,6 +56,9 @@ struct BackwardGemmsMaps {
   CUtensorMap d_w_gate;  // stores [E_loc, M, N]
   CUtensorMap d_w_up;
   CUtensorMap d_w_down;
+  // The SwiGLU task's loads (swiglu_backward_task.cuh): g, u, dh_raw [rows, I] in [32 x 64]
+  // boxes.
+  CUtensorMap swiglu_gate, swiglu_up, swiglu_dh;
 };
 cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardGemmsParams& params,
                                   int num_ctas, cudaStream_t stream);

@@ -131,23 +131,33 @@ MOK_HOST_DEVICE inline int64_t num_tasks(const Plan& plan) {
 }
 
 // Where a walk over the segments stands: segment `segment` starts at ticket `first_ticket`.
-// A caller whose tickets only grow (a persistent CTA's scheduler) keeps one and never rewalks.
+// A caller whose tickets only grow (a persistent CTA's scheduler) keeps one and never rewalks;
+// it also keeps what is costly to recompute per ticket (the segment's length, and a value the
+// plan's decoder caches: the backward's first expert of a weight-gradient segment), since the
+// scheduler thread decodes every task on the path to its loads (traced: ~4 us per weight-
+// gradient task when recomputed each time, docs/perf.md).
 struct SegmentCursor {
   int32_t segment = 0;
   int64_t first_ticket = 0;
+  int64_t length = -1;  // of `segment`; -1 until computed
+  int32_t base = -1;    // the decoder's cached value for `segment`; -1 until computed
 };
 
 // Moves the cursor forward to the segment holding `ticket` (not below the cursor's first
 // ticket): O(segments skipped). False when the ticket is past the last task.
 template <typename Plan>
 MOK_HOST_DEVICE inline bool seek_segment(const Plan& plan, int64_t ticket, SegmentCursor* cursor) {
-  const int32_t segments = num_segments(plan);
-  for (; cursor->segment < segments; ++cursor->segment) {
-    const int64_t size = segment_length(plan, cursor->segment);
-    if (ticket < cursor->first_ticket + size) return true;
-    cursor->first_ticket += size;
+  for (;;) {
+    if (cursor->length < 0) {
+      if (cursor->segment >= num_segments(plan)) return false;
+      cursor->length = segment_length(plan, cursor->segment);
+      cursor->base = -1;
+    }
+    if (ticket < cursor->first_ticket + cursor->length) return true;
+    cursor->first_ticket += cursor->length;
+    ++cursor->segment;
+    cursor->length = -1;
   }
-  return false;
 }
 
 // The task at offset `local` of segment `segment`.

@@ -1,7 +1,7 @@
 // Recording the persistent kernels' task traces (mok/task_trace.h; MoeConfig::trace_tasks): the
 // scheduler thread writes when it began with a ticket and when the ticket's task was queued,
-// the thread that runs a task's epilogue (or the SwiGLU task's signalling thread) when it was
-// read and finished. Events are indexed by ticket, so no two threads race for a slot; the host
+// the thread that runs a task's epilogue (the first consumer thread) when it was read and
+// finished. Events are indexed by ticket, so no two threads race for a slot; the host
 // fills the buffer with 0xff bytes before a traced launch. Off (null events): one predictable
 // branch per task.
 #pragma once
@@ -13,10 +13,6 @@
 
 namespace mok::kernels {
 
-// Who ran a task (TaskTraceEvent::unused[0]).
-constexpr int32_t kTraceConsumers = 0;
-constexpr int32_t kTraceSpareWarps = 1;
-
 // When the scheduler began with a ticket (0 when not tracing: no timer read).
 __device__ __forceinline__ uint64_t trace_clock(const TaskTraceArgs& trace) {
   return trace.events != nullptr ? ptx::globaltimer_ns() : 0;
@@ -26,10 +22,12 @@ __device__ __forceinline__ bool tracing(const TaskTraceArgs& trace, long long ti
   return trace.events != nullptr && ticket >= 0 && ticket < trace.capacity;
 }
 
-// The scheduler: `ticket`'s task is queued; it began with the ticket at `ticket_ns`.
+// The scheduler: `ticket`'s task is queued; it began with the ticket at `ticket_ns` and had
+// decoded it at `decoded_ns` (then waited for the dependency).
 __device__ __forceinline__ void trace_queued(const TaskTraceArgs& trace, long long ticket,
                                              int32_t kind, int32_t m_tile, int32_t n_tile,
-                                             int32_t expert, uint64_t ticket_ns) {
+                                             int32_t expert, uint64_t ticket_ns,
+                                             uint64_t decoded_ns) {
   if (!tracing(trace, ticket)) return;
   uint32_t sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
@@ -41,17 +39,16 @@ __device__ __forceinline__ void trace_queued(const TaskTraceArgs& trace, long lo
   event.m_tile = m_tile;
   event.n_tile = n_tile;
   event.expert = expert;
+  event.decode_ns = static_cast<uint32_t>(decoded_ns - ticket_ns);
 }
 
-// The runner: it read `ticket`'s task.
-__device__ __forceinline__ void trace_started(const TaskTraceArgs& trace, long long ticket,
-                                              int32_t runner) {
+// The consumers: they read `ticket`'s task.
+__device__ __forceinline__ void trace_started(const TaskTraceArgs& trace, long long ticket) {
   if (!tracing(trace, ticket)) return;
   trace.events[ticket].start_ns = ptx::globaltimer_ns();
-  trace.events[ticket].unused[0] = runner;
 }
 
-// The runner: it finished `ticket`'s task.
+// The consumers: they finished `ticket`'s task.
 __device__ __forceinline__ void trace_finished(const TaskTraceArgs& trace, long long ticket) {
   if (!tracing(trace, ticket)) return;
   trace.events[ticket].end_ns = ptx::globaltimer_ns();

@@ -1,6 +1,7 @@
 // wait_until: the one way device code spin-waits. Every wait has a timeout; on expiry it records
 // who waited for what (rank, SM, block, thread, site, expected, seen, time waited) in host-mapped
-// memory and aborts the kernel with a trap; the host runtime reads the record and reports it.
+// memory and aborts the kernel with a memory fault; the host runtime reads the record and
+// reports it.
 // So a missing peer or a bug ends in a diagnosis, never a hang.
 #pragma once
 
@@ -10,6 +11,17 @@
 #include "kernels/wait_types.h"
 
 namespace mok::kernels {
+
+// Ends the kernel with an error its host sees at the next synchronization: a store to the null
+// address (an illegal-address fault), then a spin until the fault tears the grid down. Not
+// `trap`: with a trap reachable from every wait, ptxas held the consumer warpgroups' code to
+// the kernel's entry register count (168) instead of the 224 they own after setmaxnreg, and the
+// persistent backward spilled its pipeline state in every mainloop (SASS: 199 local-memory
+// instructions there with the trap, 18 without; docs/perf.md).
+__device__ __forceinline__ void fault_kernel() {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(0ull), "r"(1u) : "memory");
+  for (;;) asm volatile("nanosleep.u32 1000;");
+}
 
 // Records the diagnosis and aborts the kernel. Deliberately inline with no calls (no printf):
 // a call inside a wgmma pipeline region would make ptxas serialize the wgmmas.
@@ -31,7 +43,7 @@ __device__ __forceinline__ void abort_wait(const WaitContext& context, WaitSite 
     record->timed_out = 1;
     __threadfence_system();
   }
-  __trap();
+  fault_kernel();
 }
 
 // Spins until ready() is true; after context.timeout_ns it records who waited for what and

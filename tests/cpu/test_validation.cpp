@@ -166,12 +166,6 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   config.local_dispatch = static_cast<LocalDispatch>(7);
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"local_dispatch = 7", "gather-kernel", "producer-warps"});
-  config = good;
-  config.persistent_backward_spare_warps = true;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"persistent_backward_spare_warps", "persistent_backward = true"});
-  config.persistent_backward = true;
-  EXPECT_TRUE(can_implement(config, shape).ok());
 }
 
 TEST(ConfigValidation, LocalDispatchNamesRoundTrip) {

@@ -129,7 +129,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[5].minibatch_size = 128;
   configs[5].macrobatch_size = 512;
   // The persistent backward (its spare warps gathering the rows): the default pipeline (one
-  // minibatch here), a deep one, with the persistent forward, with the SwiGLU on the spare warps.
+  // minibatch here), a deep one, with the persistent forward, and traced (MoeConfig::trace_tasks).
   configs[6].persistent_backward = true;
   configs[7].persistent_backward = true;
   configs[7].minibatch_size = 128;
@@ -137,7 +137,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[8].persistent_forward = true;
   configs[8].minibatch_size = 256;
   configs[9].persistent_backward = true;
-  configs[9].persistent_backward_spare_warps = true;
+  configs[9].trace_tasks = true;
   configs[9].minibatch_size = 128;
   // The persistent backward with its rows gathered before the launch (the gather-kernel local
   // dispatch) instead of by its spare warps.

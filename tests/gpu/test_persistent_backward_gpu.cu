@@ -22,10 +22,9 @@ namespace {
 
 using test::make_shape;
 
-MoeConfig persistent_backward_config(int64_t minibatch_size, bool spare_warps = false) {
+MoeConfig persistent_backward_config(int64_t minibatch_size) {
   MoeConfig config;
   config.persistent_backward = true;
-  config.persistent_backward_spare_warps = spare_warps;
   config.minibatch_size = minibatch_size;
   config.wait_timeout_s = 10;
   return config;
@@ -60,15 +59,12 @@ TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
     DeviceProblem device(problem, 0);
     GpuLayer sequence(shape, MoeConfig{});
     const HostRank want = run_step(sequence, device, problem, true, nullptr);
-    // Minibatches of 128 and 4096 rows; the SwiGLU tasks on the spare warps.
-    for (const auto& [minibatch, spare_warps] :
-         {std::pair{int64_t{128}, false}, std::pair{int64_t{4096}, false},
-          std::pair{int64_t{128}, true}}) {
-      GpuLayer layer(shape, persistent_backward_config(minibatch, spare_warps));
+    // Minibatches of 128 and 4096 rows.
+    for (const int64_t minibatch : {128, 4096}) {
+      GpuLayer layer(shape, persistent_backward_config(minibatch));
       for (const bool with_context : {true, false}) {
-        SCOPED_TRACE(testing::Message() << "minibatch " << minibatch
-                                        << (spare_warps ? ", SwiGLU on the spare warps" : "")
-                                        << (with_context ? "" : ", no context"));
+        SCOPED_TRACE(testing::Message()
+                     << "minibatch " << minibatch << (with_context ? "" : ", no context"));
         const HostRank got = run_step(layer, device, problem, with_context, nullptr);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs from the kernel sequence";
@@ -93,9 +89,8 @@ TEST(PersistentBackwardGpu, TaskTraceRecordsEveryTask) {
   DeviceProblem device(problem, 0);
   GpuLayer sequence(shape, MoeConfig{});
   const HostRank want = run_step(sequence, device, problem, true, nullptr);
-  for (const bool spare_warps : {false, true}) {
-    SCOPED_TRACE(spare_warps ? "SwiGLU on the spare warps" : "SwiGLU on the consumer warps");
-    MoeConfig config = persistent_backward_config(256, spare_warps);
+  {
+    MoeConfig config = persistent_backward_config(256);
     config.persistent_forward = true;
     config.trace_tasks = true;
     GpuLayer layer(shape, config);
@@ -148,9 +143,8 @@ TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   const HostRank want = run_step(sequence, device, problem, true, nullptr);
   cudaStream_t layer_stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
-  for (const bool spare_warps : {false, true}) {
-    SCOPED_TRACE(spare_warps ? "SwiGLU on the spare warps" : "SwiGLU on the consumer warps");
-    GpuLayer layer(shape, persistent_backward_config(512, spare_warps));
+  {
+    GpuLayer layer(shape, persistent_backward_config(512));
     run_step(layer, device, problem, true, nullptr);  // warm-up: kernel attributes, module load
     // The forward first, on all SMs; then the backward gets 8 SMs while the hold lasts.
     device.poison_outputs();

@@ -1,5 +1,6 @@
 // A deliberately unsatisfiable device wait must end in a bounded, diagnosed timeout, never a
-// hang. The trap kills the CUDA context, so the wait runs in a death-test child process.
+// hang. The abort (a memory fault) kills the CUDA context, so the wait runs in a death-test child
+// process.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
