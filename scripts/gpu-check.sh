@@ -262,12 +262,12 @@ if [ "${MOK_SKIP_SANITIZERS:-0}" = 1 ]; then
 elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" ]; then
   : >"$OUT/sanitizer.log"
   memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:BackwardGpu.StaleContextIsRejected:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.MatchesReferenceAndTheKernelSequence:-ScheduleGpu.Timing}"
-  race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward}"
+  race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.TaskTraceRecordsEveryTask}"
   run_step sanitizer_memcheck "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$memcheck_filter"
-  run_step sanitizer_racecheck "$OUT/sanitizer.log" timeout 90 "$sanitizer" --tool racecheck \
+  run_step sanitizer_racecheck "$OUT/sanitizer.log" timeout 180 "$sanitizer" --tool racecheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$race_filter"
-  run_step sanitizer_synccheck "$OUT/sanitizer.log" timeout 60 "$sanitizer" --tool synccheck \
+  run_step sanitizer_synccheck "$OUT/sanitizer.log" timeout 120 "$sanitizer" --tool synccheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$race_filter"
   # The expert-parallel data path on every GPU of the machine (a group of one on a one-GPU
   # machine): peer loads and stores through the NCCL windows' mappings, one process driving all

@@ -246,6 +246,15 @@ __device__ __forceinline__ void named_barrier_sync(int id, int thread_count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(thread_count) : "memory");
 }
 
+// 16 bytes from shared memory (`address` in the shared window), as an ordered (volatile) access.
+__device__ __forceinline__ uint4 ld_shared_v4(const void* address) {
+  uint4 value;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+               : "r"(smem_addr(address)));
+  return value;
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t time;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(time));

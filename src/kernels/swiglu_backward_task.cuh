@@ -107,28 +107,45 @@ __device__ __forceinline__ void run_swiglu_tile(const WaitContext& wait, Storage
       const char* up = reinterpret_cast<const char*>(smem.b[state.stage]);
       const char* dh_raw = up + 4 * kSwigluBoxBytes;
       const int64_t vector = static_cast<int64_t>(group) * 32 + lane;
-      if (vector < args.vectors_per_row) {
+      const bool in_row = vector < args.vectors_per_row;
+      // Two rows' inputs at a time by shared-memory loads (which the global stores cannot
+      // alias; generic loads interleaved with the stores serialized the rows, SASS), then their
+      // math; the stage goes back to the producer after the last loads. Four rows' inputs at
+      // once spilled beside the accumulators.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t row = first_row + i;
+      for (int pair_idx = 0; pair_idx < 2; ++pair_idx) {
+        uint4 gate_in[2], up_in[2], dh_in[2];
+        if (in_row) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int local_row = first_local_row + 2 * pair_idx + i;
+            // 128-byte swizzle: 16-byte chunk j of a box row r sits at chunk j ^ (r % 8).
+            const int offset =
+                box * kSwigluBoxBytes + local_row * 128 + ((chunk ^ (local_row % 8)) * 16);
+            gate_in[i] = ptx::ld_shared_v4(gate + offset);
+            up_in[i] = ptx::ld_shared_v4(up + offset);
+            dh_in[i] = ptx::ld_shared_v4(dh_raw + offset);
+          }
+        }
+        if (pair_idx == 1) {
+          __syncwarp();
+          if (lane == 0) ptx::mbarrier_arrive(&smem.empty[state.stage]);
+        }
+        if (!in_row) continue;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = 2 * pair_idx + i;
+          const int64_t row = first_row + r;
           if (row >= total_rows) continue;
-          const int local_row = first_local_row + i;
-          // 128-byte swizzle: 16-byte chunk j of a box row r sits at chunk j ^ (r % 8).
-          const int offset =
-              box * kSwigluBoxBytes + local_row * 128 + ((chunk ^ (local_row % 8)) * 16);
           uint4 dg_out, du_out, hw_out;
-          swiglu_backward_vector(*reinterpret_cast<const uint4*>(gate + offset),
-                                 *reinterpret_cast<const uint4*>(up + offset),
-                                 *reinterpret_cast<const uint4*>(dh_raw + offset), weight[i],
-                                 args.limit, dot[i], dg_out, du_out, hw_out);
+          swiglu_backward_vector(gate_in[i], up_in[i], dh_in[i], weight[r], args.limit, dot[r],
+                                 dg_out, du_out, hw_out);
           const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
           args.d_gate[at] = dg_out;
           args.d_up[at] = du_out;
           args.weighted_hidden[at] = hw_out;
         }
       }
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&smem.empty[state.stage]);
       state.advance();
     }
 #pragma unroll
