@@ -212,6 +212,14 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const auto forward_stages = layer.profile_forward(args, stream, 10);
   const mok::ForwardContext context = layer.forward(args, stream);
   const auto backward_stages = layer.profile_backward(backward_args, stream, 10, &context);
+  // The other backward's stages too (the persistent kernel's, or the sequence's), on the same
+  // card under the same load: the kernel's traced span leaves the launches out.
+  std::vector<std::vector<std::pair<std::string, float>>> variant_stages;
+  for (BackwardVariant& variant : backward_variants) {
+    const mok::ForwardContext variant_context = variant.layer->forward(args, stream);
+    variant_stages.push_back(
+        variant.layer->profile_backward(backward_args, stream, 10, &variant_context));
+  }
   // Forward variants on their own layers (same bits, see the tests): the other local dispatch
   // mode, and the GEMMs as one persistent kernel or as two.
   mok::MoeConfig other_dispatch = config, other_gemms = config;
@@ -307,6 +315,12 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     std::printf("  mok %s stages (median of 10, events between stages):\n",
                 stages == &forward_stages ? "forward" : "backward");
     for (const auto& [name, ms] : *stages) std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
+  }
+  for (size_t i = 0; i < backward_variants.size(); ++i) {
+    std::printf("  backward stages, %s (median of 10):\n",
+                backward_name(backward_variants[i].config).c_str());
+    for (const auto& [name, ms] : variant_stages[i])
+      std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
   }
   std::printf("  against the CPU reference on %lld of %lld tokens (tolerance %.0e):\n",
               static_cast<long long>(check_count), static_cast<long long>(total_tokens),

@@ -2,8 +2,9 @@
 // their dependency counters (forward_gemms.cu, backward_gemms.cu).
 //
 // Queue: kQueueSlots slots in shared memory, each with a `full` mbarrier (one arrival: the
-// scheduler published the slot) and an `empty` mbarrier (one arrival per reader warp: every
-// reader read it; the readers are the consumer warps, or the backward's spare producer warps). The
+// scheduler published the slot) and an `empty` mbarrier (one arrival per reader thread, after
+// its own read: one arrival per warp after a warp barrier is ordered too, but compute-sanitizer
+// racecheck does not see the warp barrier's ordering and reported the slot's reuse). The
 // scheduler writes tasks in order; the consumers read them in the same order, so each side only
 // counts: slot = count % kQueueSlots, phase = (count / kQueueSlots) & 1. A task whose `kind` is
 // kStopTask ends the consumers' loop.
@@ -32,12 +33,12 @@ struct TaskQueue {
   uint64_t full[kQueueSlots];
   uint64_t empty[kQueueSlots];
 
-  // Thread 0, before the CTA's first barrier (init_pipeline fences and syncs after it);
-  // `reader_warps` warps read every task (each frees the slot once).
-  __device__ __forceinline__ void init(int reader_warps = kConsumerThreads / 32) {
+  // Thread 0, before the CTA's first barrier (init_pipeline fences and syncs after it); the
+  // kConsumerThreads consumer threads read every task (each frees the slot once).
+  __device__ __forceinline__ void init() {
     for (int s = 0; s < kQueueSlots; ++s) {
       ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], reader_warps);
+      ptx::mbarrier_init(&empty[s], kConsumerThreads);
     }
   }
 
@@ -50,13 +51,12 @@ struct TaskQueue {
     ptx::mbarrier_arrive(&full[s]);
   }
 
-  // A reader thread: waits for task `count`, reads it, and (one lane per warp) frees the slot.
+  // A reader thread: waits for task `count`, reads it, and frees the slot (its arrival).
   __device__ __forceinline__ Task read(const WaitContext& wait, uint32_t count) {
     const int s = static_cast<int>(count % kQueueSlots);
     mbarrier_wait(wait, WaitSite::kQueuedTask, &full[s], (count / kQueueSlots) & 1);
     const Task task = slot[s];
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&empty[s]);
+    ptx::mbarrier_arrive(&empty[s]);
     return task;
   }
 };
