@@ -1,9 +1,8 @@
 // The order of work of the persistent backward kernel (DESIGN.md §2.5, §2.7), as plain arithmetic
 // that host and device share, like the forward's task_order.h: ticket t of a launch names one
 // task, and every task waits only on tasks with smaller tickets, so the kernel progresses with
-// any number of resident CTAs. Not yet run by a kernel: the backward is still a kernel
-// sequence (expert_stages.cpp); this file fixes the order and the dependencies it will follow,
-// and the CPU test checks them.
+// any number of resident CTAs. backward_gemms.cu runs it (MoeConfig::persistent_backward); the
+// CPU test checks the order and the dependencies.
 //
 // Tasks, per minibatch b of `minibatch_tiles` 128-row tiles (the last one may be short):
 //   rows(m)              gather the d_out rows of row tile m (and its x rows when the
@@ -26,8 +25,9 @@
 //   rows(b+1) recompute(b+1) down_dgrad(b+1) swiglu(b) gate_up_dgrad(b-1) wgrad(b-1) | ... |
 //   gate_up_dgrad(last) wgrad(last) | combine(*)
 // (One step deep, gate_up_dgrad(b) right after swiglu(b): the kernel's backward took 4.55 ms at
-// qwen3 with 16 minibatches against 2.91 with one, the likely cause being most CTAs waiting for
-// the 32 SwiGLU tasks queued just before; docs/perf.md. Not yet measured two steps deep.)
+// qwen3 with 16 minibatches against 2.91 with one, most CTAs waiting for the 32 SwiGLU tasks
+// queued just before; two steps deep ~3.6 ms, and 3.0 once the SwiGLU task streamed its rows
+// with TMA; docs/perf.md, session 6.)
 // An expert ends in minibatch b when its last row tile is in b; an expert without rows goes
 // where its (empty) segment sits, clamped to the last minibatch, so its zero gradient is still
 // written once; with no row tiles at all, every expert's wgrad tasks form one segment before the
