@@ -168,9 +168,9 @@ SymmetricMemory::SymmetricMemory(const std::vector<Communicator*>& ranks_here, i
       // A group of one has no peers: its only pointer is its own buffer (NCCL's device-side
       // window lookup faulted with one rank on one H200: an illegal address in the kernel).
       if (num_ranks == 1)
-        cuda_check(cudaMemcpy(piece.device_peers, &piece.local, sizeof(void*),
-                              cudaMemcpyHostToDevice),
-                   "peer pointer table for " + what_);
+        cuda_check(
+            cudaMemcpy(piece.device_peers, &piece.local, sizeof(void*), cudaMemcpyHostToDevice),
+            "peer pointer table for " + what_);
       else
         cuda_check(comm_detail::launch_resolve_peer_pointers(piece.window, num_ranks,
                                                              piece.device_peers, nullptr),
