@@ -1,5 +1,15 @@
 // SwiGLU on the GPU, with the clamp and the rounding points of docs/design.md: gate and up
 // arrive as fp32 accumulators, are rounded to bf16, clamped, and combined in fp32.
+//
+// Division: `a / b` compiles to a fast path (reciprocal, one Newton step, quotient, FMA
+// residual, corrected quotient) and a check that branches to a slow-path call for operands
+// where that sequence could under- or overflow. The branch splits the code at every division,
+// so the elements of a vector ran one after the other (~80 instructions each, SASS) and the
+// SwiGLU steps on few warps (the epilogue, the persistent backward's SwiGLU task) were bound by
+// latency. The kFast forms below run the same fast-path sequence without the branch on a range
+// where it cannot under- or overflow, where it is correctly rounded, as `a / b` is: the same
+// bits. Outside that range (rare: a huge negative gate, a tiny nonzero one, NaN) they report
+// it and the caller computes the vector again with `a / b`.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,12 +20,44 @@ __device__ __forceinline__ float round_bf16(float value) {
   return __bfloat162float(__float2bfloat16_rn(value));
 }
 
-// h = bf16(silu(g) * u) with g = min(bf16(gate), L), u = clamp(bf16(up), -L, L).
-__device__ __forceinline__ float swiglu_forward(float gate_acc, float up_acc, float limit) {
+// a / b for 1 <= b <= 2^60 and a = 0 or 2^-60 <= |a| <= 2^60, with no branch; `in_range`
+// turns false for operands outside that range (the result is then not to be used).
+__device__ __forceinline__ float divide_in_range(float a, float b, bool& in_range) {
+  const float magnitude = fabsf(a);
+  in_range &=
+      b >= 1.0f && b <= 0x1p60f && (a == 0.0f || (magnitude >= 0x1p-60f && magnitude <= 0x1p60f));
+  float reciprocal;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(b));
+  const float error = __fmaf_rn(-b, reciprocal, 1.0f);
+  const float refined = __fmaf_rn(reciprocal, error, reciprocal);
+  const float quotient = __fmaf_rn(a, refined, 0.0f);
+  const float residual = __fmaf_rn(-b, quotient, a);
+  const float result = __fmaf_rn(refined, residual, quotient);
+  return a == 0.0f ? a : result;  // +-0 / b = +-0 (the sequence's +0 addend loses the sign)
+}
+
+template <bool kFast>
+__device__ __forceinline__ float divide(float a, float b, bool& in_range) {
+  if constexpr (kFast)
+    return divide_in_range(a, b, in_range);
+  else
+    return a / b;
+}
+
+// h = bf16(silu(g) * u) with g = min(bf16(gate), L), u = clamp(bf16(up), -L, L). kFast: see the
+// top of the file (`in_range` false: compute again with kFast = false).
+template <bool kFast = false>
+__device__ __forceinline__ float swiglu_forward(float gate_acc, float up_acc, float limit,
+                                                bool& in_range) {
   const float gate = fminf(round_bf16(gate_acc), limit);
   const float up = fminf(fmaxf(round_bf16(up_acc), -limit), limit);
-  const float silu = gate / (1.0f + expf(-gate));
+  const float silu = divide<kFast>(gate, 1.0f + expf(-gate), in_range);
   return silu * up;
+}
+
+__device__ __forceinline__ float swiglu_forward(float gate_acc, float up_acc, float limit) {
+  bool unused = true;
+  return swiglu_forward<false>(gate_acc, up_acc, limit, unused);
 }
 
 // One element of the SwiGLU backward (docs/design.md, backward steps 1-4): from the dgrad
@@ -28,16 +70,17 @@ struct SwigluGrad {
   float weighted_hidden;  // bf16(w * h), operand of the down-weight gradient
 };
 
+template <bool kFast = false>
 __device__ __forceinline__ SwigluGrad swiglu_backward(float dh_acc, float gate_raw, float up_raw,
-                                                      float weight, float limit) {
+                                                      float weight, float limit, bool& in_range) {
   const float dh_raw = round_bf16(dh_acc);
   const bool gate_passes = !(gate_raw > limit);
   const bool up_passes = !(fabsf(up_raw) > limit);
   const float gate = fminf(gate_raw, limit);
   const float up = fminf(fmaxf(up_raw, -limit), limit);
   const float denominator = 1.0f + expf(-gate);
-  const float silu = gate / denominator;
-  const float sigmoid = 1.0f / denominator;
+  const float silu = divide<kFast>(gate, denominator, in_range);
+  const float sigmoid = divide<kFast>(1.0f, denominator, in_range);
   const float hidden = round_bf16(silu * up);
   const float dh = weight * dh_raw;
   SwigluGrad grad;

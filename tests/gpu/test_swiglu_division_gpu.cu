@@ -1,0 +1,119 @@
+// The branch-free division of the SwiGLU steps (kernels/swiglu.cuh) gives the bits of `a / b`:
+// on random operands across its whole range, and on every bf16 gate value through the forward
+// and backward SwiGLU (g is bf16, so 65536 values are all of them), with and without a clamp;
+// out of its range it says so, and the callers' fallback then gives `a / b` itself.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/swiglu.cuh"
+
+namespace mok {
+namespace {
+
+struct Counts {
+  unsigned long long in_range;
+  unsigned long long mismatches;  // in range, but bits unlike `a / b`'s
+  unsigned long long first_bad_a, first_bad_b;
+};
+
+__device__ uint32_t bits_of(float value) { return __float_as_uint(value); }
+
+// Operands from a 64-bit hash of the index: |a| in [2^-64, 2^64] (either sign, zeros included),
+// b in [2^-2, 2^64], so both sides of the range's edges are hit.
+__global__ void random_division_kernel(uint64_t count, Counts* counts) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    const uint32_t a_exponent = 127 - 64 + static_cast<uint32_t>(h % 129);
+    const uint32_t b_exponent = 127 - 2 + static_cast<uint32_t>((h >> 8) % 67);
+    const uint32_t a_bits = (static_cast<uint32_t>(h >> 16) & 0x80000000u) | (a_exponent << 23) |
+                            (static_cast<uint32_t>(h >> 20) & 0x7FFFFFu);
+    const uint32_t b_bits = (b_exponent << 23) | (static_cast<uint32_t>(h >> 41) & 0x7FFFFFu);
+    const float a = (i % 1021 == 0) ? ((i & 1) ? -0.0f : 0.0f) : __uint_as_float(a_bits);
+    const float b = __uint_as_float(b_bits);
+    bool in_range = true;
+    const float fast = kernels::divide_in_range(a, b, in_range);
+    if (!in_range) continue;
+    atomicAdd(&counts->in_range, 1ull);
+    if (bits_of(fast) != bits_of(a / b) && atomicAdd(&counts->mismatches, 1ull) == 0) {
+      counts->first_bad_a = bits_of(a);
+      counts->first_bad_b = bits_of(b);
+    }
+  }
+}
+
+// Every bf16 gate value (and its negative's up value), forward and backward, clamp `limit`.
+__global__ void every_gate_kernel(float limit, Counts* counts) {
+  const uint32_t pattern = blockIdx.x * blockDim.x + threadIdx.x;
+  if (pattern >= 65536) return;
+  const float gate = __uint_as_float(pattern << 16);
+  const float up = __uint_as_float(((pattern * 40503u) & 0xFFFFu) << 16);
+  const float dh = 0.75f - gate * 0.001f, weight = 0.3125f;
+  bool in_range = true;
+  const float fast_h = kernels::swiglu_forward<true>(gate, up, limit, in_range);
+  const kernels::SwigluGrad fast =
+      kernels::swiglu_backward<true>(dh, gate, up, weight, limit, in_range);
+  if (!in_range) return;
+  atomicAdd(&counts->in_range, 1ull);
+  bool unused = true;
+  const float exact_h = kernels::swiglu_forward(gate, up, limit);
+  const kernels::SwigluGrad exact =
+      kernels::swiglu_backward<false>(dh, gate, up, weight, limit, unused);
+  const bool same = bits_of(fast_h) == bits_of(exact_h) &&
+                    bits_of(fast.dh_raw_times_h) == bits_of(exact.dh_raw_times_h) &&
+                    bits_of(fast.d_gate) == bits_of(exact.d_gate) &&
+                    bits_of(fast.d_up) == bits_of(exact.d_up) &&
+                    bits_of(fast.weighted_hidden) == bits_of(exact.weighted_hidden);
+  if (!same && atomicAdd(&counts->mismatches, 1ull) == 0) {
+    counts->first_bad_a = bits_of(gate);
+    counts->first_bad_b = bits_of(up);
+  }
+}
+
+Counts run_counts(void (*launch)(Counts*)) {
+  Counts* counts = nullptr;
+  EXPECT_EQ(cudaMallocManaged(&counts, sizeof(Counts)), cudaSuccess);
+  std::memset(counts, 0, sizeof(Counts));
+  launch(counts);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Counts result = *counts;
+  cudaFree(counts);
+  return result;
+}
+
+TEST(SwigluDivisionGpu, BranchFreeDivisionHasTheBitsOfIeeeDivision) {
+  constexpr uint64_t kCount = 1ull << 26;
+  const Counts counts =
+      run_counts([](Counts* c) { random_division_kernel<<<1056, 256>>>(kCount, c); });
+  EXPECT_EQ(counts.mismatches, 0u)
+      << "first: a bits " << std::hex << counts.first_bad_a << ", b bits " << counts.first_bad_b;
+  // About half of the operands fall inside the range (the rest exercise its edges).
+  EXPECT_GT(counts.in_range, kCount / 4);
+  EXPECT_LT(counts.in_range, kCount);
+}
+
+TEST(SwigluDivisionGpu, EveryBf16GateGivesTheSameSwigluBits) {
+  for (const float limit : {std::numeric_limits<float>::infinity(), 7.0f, 0.5f}) {
+    SCOPED_TRACE(testing::Message() << "limit " << limit);
+    static float launch_limit;
+    launch_limit = limit;
+    const Counts counts =
+        run_counts([](Counts* c) { every_gate_kernel<<<256, 256>>>(launch_limit, c); });
+    EXPECT_EQ(counts.mismatches, 0u) << "first: gate bits " << std::hex << counts.first_bad_a
+                                     << ", up bits " << counts.first_bad_b;
+    // Out of range: NaNs, infinities, gates below about -41.6 (e^-gate > 2^60) and nonzero
+    // |gate| < 2^-60: well under a quarter of the bf16 patterns.
+    EXPECT_GT(counts.in_range, 65536u * 3 / 4);
+  }
+}
+
+}  // namespace
+}  // namespace mok
