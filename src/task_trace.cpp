@@ -31,7 +31,7 @@ struct KindTotals {
   int64_t tasks = 0;
   double busy_ns = 0;         // start -> end
   double decode_ns = 0;       // ticket -> decoded
-  double dependency_ns = 0;   // decoded -> ready
+  double dependency_ns = 0;   // waiting for the dependency -> ready
   double idle_before_ns = 0;  // the consumers' gap before the task
 };
 
@@ -85,10 +85,8 @@ std::string summarize_task_trace(const TaskTrace& trace) {
     KindTotals& kind = totals[event->kind];
     kind.tasks += 1;
     kind.busy_ns += static_cast<double>(event->end_ns - event->start_ns);
-    const double to_ready = static_cast<double>(event->ready_ns - event->ticket_ns);
-    const double decode = std::min<double>(event->decode_ns, to_ready);
-    kind.decode_ns += decode;
-    kind.dependency_ns += to_ready - decode;
+    kind.decode_ns += event->decode_ns;
+    kind.dependency_ns += event->dependency_ns;
     busy_ns += static_cast<double>(event->end_ns - event->start_ns);
   }
   const double sms = static_cast<double>(by_sm.size());
@@ -142,8 +140,6 @@ void write_chrome_trace(const std::vector<TaskTrace>& traces, const std::string&
     for (size_t ticket = 0; ticket < trace.events.size(); ++ticket) {
       const TaskTraceEvent& event = trace.events[ticket];
       if (!recorded(event)) continue;
-      const double to_ready = static_cast<double>(event.ready_ns - event.ticket_ns);
-      const double decode = std::min<double>(event.decode_ns, to_ready);
       std::snprintf(buffer, sizeof buffer,
                     ",\n{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %zu, \"tid\": %lld, "
                     "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"ticket\": %zu, \"m\": %d, "
@@ -152,7 +148,7 @@ void write_chrome_trace(const std::vector<TaskTrace>& traces, const std::string&
                     json_escape(kind_name(trace, event.kind)).c_str(), p,
                     static_cast<long long>(event.sm), (event.start_ns - begin) * 1e-3,
                     (event.end_ns - event.start_ns) * 1e-3, ticket, event.m_tile, event.n_tile,
-                    event.expert, decode * 1e-3, (to_ready - decode) * 1e-3,
+                    event.expert, event.decode_ns * 1e-3, event.dependency_ns * 1e-3,
                     (event.start_ns - event.ready_ns) * 1e-3);
       file << buffer;
     }

@@ -15,18 +15,18 @@
 namespace mok {
 
 struct TaskTraceEvent {
-  uint64_t ticket_ns;  // the scheduler began with the ticket
-  uint64_t ready_ns;   // its dependency was met and it was queued
-  uint64_t start_ns;   // the consumer warps read it from the queue
-  uint64_t end_ns;     // they finished it (last stores issued, counters signalled)
-  int32_t kind;        // the kernel's task kind (TaskTrace::kind_names); -1: no task recorded
-  int32_t sm;          // %smid of the CTA that ran it
-  int32_t m_tile;      // row tile, or the weight-gradient tile's M index
-  int32_t n_tile;      // column tile, -1 where none
-  int32_t expert;      // the task's expert, -1 where none
-  uint32_t decode_ns;  // of ticket_ns -> ready_ns, the scheduler decoding the ticket (the
-                       // rest: waiting for the dependency)
-  int32_t unused[2];
+  uint64_t ticket_ns;      // the scheduler began with the ticket
+  uint64_t ready_ns;       // its dependency was met and it was queued
+  uint64_t start_ns;       // the consumer warps read it from the queue
+  uint64_t end_ns;         // they finished it (last stores issued, counters signalled)
+  int32_t kind;            // the kernel's task kind (TaskTrace::kind_names); -1: no task recorded
+  int32_t sm;              // %smid of the CTA that ran it
+  int32_t m_tile;          // row tile, or the weight-gradient tile's M index
+  int32_t n_tile;          // column tile, -1 where none
+  int32_t expert;          // the task's expert, -1 where none
+  uint32_t decode_ns;      // the scheduler decoding the ticket (from ticket_ns)
+  uint32_t dependency_ns;  // then waiting for its dependency (until ready_ns)
+  int32_t unused;
 };
 static_assert(sizeof(TaskTraceEvent) == 64, "TaskTraceEvent is shared with the kernels");
 

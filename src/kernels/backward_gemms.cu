@@ -168,56 +168,69 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   // The expert whose SwiGLU tasks this thread last saw finished: its next weight-gradient tiles
   // (an expert has hundreds, several per CTA in a row) need no second look at the counter.
   int32_t ready_expert = -1;
-  atomicMax(params.ticket, ticket_base);
-  long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
-  for (;;) {
-    long long ticket = next_ticket;
-    uint64_t ticket_ns = trace_clock(params.trace);
-    QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, 0};
-    BackwardTask task{};
-    // The rows are gathered by the spare warps or before the launch: their tickets have
-    // nothing left to do here.
+  // Decodes `ticket` (taking further tickets past the rows tasks, which the spare warps or the
+  // expansion before the launch ran) into the task the consumers need; past the last task, the
+  // stop task. Runs ahead: after the current task's first K-block is issued, while the
+  // consumers still finish the previous task, so decoding (a few microseconds on this
+  // 56-register thread, traced) is off the path between two tasks' loads.
+  uint64_t ticket_ns = 0, decoded_ns = 0;  // of the task decoded last (the task trace)
+  auto decode = [&](long long ticket) {
+    ticket_ns = trace_clock(params.trace);
+    QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, -1};
     while (ticket < num_tasks_here) {
-      task = backward_task_at(plan, ticket, &cursor);
-      if (task.kind != BackwardTaskKind::kRows) break;
+      const BackwardTask task = backward_task_at(plan, ticket, &cursor);
+      if (task.kind != BackwardTaskKind::kRows) {
+        queued = queued_task(params, plan, task);
+        queued.ticket = static_cast<int32_t>(ticket);
+        break;
+      }
       ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
       ticket_ns = trace_clock(params.trace);
     }
-    if (ticket < num_tasks_here) {
-      queued = queued_task(params, plan, task);
-      const uint64_t decoded_ns = trace_clock(params.trace);
-      if (task.kind == BackwardTaskKind::kRecompute && params.x_gather.x != nullptr) {
-        wait_for_gathered_tile(wait, params.x_gather, task.m_tile, x_epoch);
-      } else if (task.kind == BackwardTaskKind::kDownDgrad && params.d_out_gather.x != nullptr) {
-        wait_for_gathered_tile(wait, params.d_out_gather, task.m_tile, d_out_epoch);
-      } else if (task.kind == BackwardTaskKind::kSwiglu) {
-        wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + task.m_tile, epoch,
+    decoded_ns = trace_clock(params.trace);
+    return queued;
+  };
+  atomicMax(params.ticket, ticket_base);
+  QueuedTask next = decode(static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base));
+  for (;;) {
+    const QueuedTask queued = next;
+    if (queued.kind != kStopTask) {
+      // Its dependency, now that the previous task's loads are all issued (progress: a task
+      // waits only for smaller tickets, whose loads were issued before theirs was queued).
+      const uint64_t wait_ns = trace_clock(params.trace);
+      const auto kind = static_cast<BackwardTaskKind>(queued.kind);
+      if (kind == BackwardTaskKind::kRecompute && params.x_gather.x != nullptr) {
+        wait_for_gathered_tile(wait, params.x_gather, queued.m_tile, x_epoch);
+      } else if (kind == BackwardTaskKind::kDownDgrad && params.d_out_gather.x != nullptr) {
+        wait_for_gathered_tile(wait, params.d_out_gather, queued.m_tile, d_out_epoch);
+      } else if (kind == BackwardTaskKind::kSwiglu) {
+        wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + queued.m_tile, epoch,
                        plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
         asm volatile("fence.proxy.async.global;" ::: "memory");
-      } else if (task.kind == BackwardTaskKind::kGateUpDgrad) {
-        wait_for_count(wait, WaitSite::kSwigluDone, params.swiglu_done + task.m_tile, epoch, 1);
+      } else if (kind == BackwardTaskKind::kGateUpDgrad) {
+        wait_for_count(wait, WaitSite::kSwigluDone, params.swiglu_done + queued.m_tile, epoch, 1);
         asm volatile("fence.proxy.async.global;" ::: "memory");
-      } else if (task.kind == BackwardTaskKind::kWeightGrad && task.expert != ready_expert) {
-        const int32_t tiles = expert_tiles[task.expert + 1] - expert_tiles[task.expert];
+      } else if (kind == BackwardTaskKind::kWeightGrad && queued.expert != ready_expert) {
+        const int32_t tiles = expert_tiles[queued.expert + 1] - expert_tiles[queued.expert];
         if (tiles > 0) {
-          wait_for_count(wait, WaitSite::kExpertReady, params.expert_ready + task.expert, epoch,
+          wait_for_count(wait, WaitSite::kExpertReady, params.expert_ready + queued.expert, epoch,
                          tiles);
           asm volatile("fence.proxy.async.global;" ::: "memory");
         }
-        ready_expert = task.expert;
+        ready_expert = queued.expert;
       }
-      queued.ticket = static_cast<int32_t>(ticket);
-      trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, queued.expert,
-                   ticket_ns, decoded_ns);
+      trace_queued(params.trace, queued.ticket, queued.kind, queued.m_tile, queued.n_tile,
+                   queued.expert, ticket_ns, decoded_ns, wait_ns);
     }
     queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) return;
-    // The next ticket now: the atomic's round trip overlaps this task's loads.
-    next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
+    // The next ticket now: the atomic's round trip overlaps this task's first loads.
+    const long long next_ticket =
+        static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     const TileCoord coord = coord_of(queued);
     const auto kind = static_cast<BackwardTaskKind>(queued.kind);
     const int64_t intermediate = params.swiglu.vectors_per_row * 8;
-    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
       produce_stage(wait, smem, state,
                     kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
                                                       : kTileABytes + kTileBBytes,
@@ -254,6 +267,9 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                         }
                       }
                     });
+      if (k_block == 0) next = decode(next_ticket);
+    }
+    if (coord.num_k_blocks == 0) next = decode(next_ticket);
   }
 }
 

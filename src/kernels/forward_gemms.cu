@@ -130,7 +130,7 @@ __device__ __forceinline__ void schedule_and_load(
         wait_for_gathered_tile(wait, params.gate_up.gather, queued.m_tile, gather_epoch_here);
       }
       trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, -1, ticket_ns,
-                   decoded_ns);
+                   decoded_ns, decoded_ns);
     }
     queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) return;

@@ -22,12 +22,12 @@ __device__ __forceinline__ bool tracing(const TaskTraceArgs& trace, long long ti
   return trace.events != nullptr && ticket >= 0 && ticket < trace.capacity;
 }
 
-// The scheduler: `ticket`'s task is queued; it began with the ticket at `ticket_ns` and had
-// decoded it at `decoded_ns` (then waited for the dependency).
+// The scheduler: `ticket`'s task is queued; it began with the ticket at `ticket_ns`, had
+// decoded it at `decoded_ns` and began waiting for its dependency at `wait_ns`.
 __device__ __forceinline__ void trace_queued(const TaskTraceArgs& trace, long long ticket,
                                              int32_t kind, int32_t m_tile, int32_t n_tile,
                                              int32_t expert, uint64_t ticket_ns,
-                                             uint64_t decoded_ns) {
+                                             uint64_t decoded_ns, uint64_t wait_ns) {
   if (!tracing(trace, ticket)) return;
   uint32_t sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
@@ -40,6 +40,7 @@ __device__ __forceinline__ void trace_queued(const TaskTraceArgs& trace, long lo
   event.n_tile = n_tile;
   event.expert = expert;
   event.decode_ns = static_cast<uint32_t>(decoded_ns - ticket_ns);
+  event.dependency_ns = static_cast<uint32_t>(event.ready_ns - wait_ns);
 }
 
 // The consumers: they read `ticket`'s task.

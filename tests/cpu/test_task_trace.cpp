@@ -54,6 +54,7 @@ mok::TaskTrace sample_trace() {
   trace.events = {event(0, 0, 1000, 1000, 1000, 3000), empty_event(),
                   event(0, 0, 3000, 5000, 5000, 9000), event(1, 1, 1000, 1000, 1000, 11000)};
   trace.events[2].decode_ns = 1000;
+  trace.events[2].dependency_ns = 1000;
   return trace;
 }
 
