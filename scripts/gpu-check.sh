@@ -16,6 +16,10 @@
 # call of the device tool may run 10 minutes: on 2 GPUs run the tests and benchmarks with
 # MOK_SKIP_SANITIZERS=1 in one call and the sanitizers alone (MOK_SKIP_TESTS=1
 # MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_SKIP_EP=1 MOK_SKIP_COMM_BENCH=1) in another.
+# MOK_EP_GPU_COUNTS="1 2 4 8" runs the expert-parallel layer (MOK_EP_SHAPES, e.g. "kimi_slice
+# qwen3 dsv3") and the communication benchmark at each group size up to the machine's (issue 5:
+# how the layer scales; with MOK_SKIP_TESTS=1 MOK_SKIP_SANITIZERS=1 MOK_SKIP_DEFAULT_RUN=1
+# MOK_BENCH_SHAPES="" it is the whole call).
 # MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. MOK_TRACE_TASKS=1
 # makes the benchmark runs trace the persistent kernels' tasks (`mok run --trace-tasks`: a
 # summary in run.log, the Chrome traces as trace_<shape>.json.gz). A failing step is recorded and the script goes on
@@ -199,14 +203,20 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   if [ "${MOK_SKIP_EP:-0}" = 1 ]; then
     record ep skipped
   elif [ "${gpu_count:-0}" -ge 1 ]; then
-    # dsv3 only with 2+ GPUs: as a group of one it holds all 256 experts on one GPU and ~110 GB
-    # of host memory for the problem and its results.
-    default_ep_shapes="kimi_slice"
-    [ "$gpu_count" -ge 2 ] && default_ep_shapes="kimi_slice dsv3"
-    for shape in ${MOK_EP_SHAPES:-$default_ep_shapes}; do
-      run_step "ep_${shape}_${gpu_count}gpus" "$OUT/run.log" timeout 240 "./$build_dir/mok" run \
-        --gpus "$gpu_count" --shape "$shape" --json "$OUT/tmp_ep.json"
-      add_bench_json "ep_${shape}_${gpu_count}gpus" "$OUT/tmp_ep.json"
+    # MOK_EP_GPU_COUNTS: the group sizes to run (default: all GPUs; e.g. "1 2 4 8" for how the
+    # layer scales), each at most the machine's count. dsv3 only with 2+ GPUs: as a group of
+    # one it holds all 256 experts on one GPU and ~110 GB of host memory for the problem and its
+    # results.
+    for count in ${MOK_EP_GPU_COUNTS:-$gpu_count}; do
+      [ "$count" -le "$gpu_count" ] || continue
+      default_ep_shapes="kimi_slice"
+      [ "$count" -ge 2 ] && default_ep_shapes="kimi_slice dsv3"
+      for shape in ${MOK_EP_SHAPES:-$default_ep_shapes}; do
+        [ "$shape" = dsv3 ] && [ "$count" -lt 2 ] && continue
+        run_step "ep_${shape}_${count}gpus" "$OUT/run.log" timeout 240 "./$build_dir/mok" run \
+          --gpus "$count" --shape "$shape" --json "$OUT/tmp_ep.json"
+        add_bench_json "ep_${shape}_${count}gpus" "$OUT/tmp_ep.json"
+      done
     done
   fi
   # Dispatch / combine alone against a copy ceiling and NCCL all-to-all, balanced and skewed.
@@ -214,9 +224,12 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   if [ "${MOK_SKIP_COMM_BENCH:-0}" = 1 ]; then
     record comm_bench skipped
   elif [ "${gpu_count:-0}" -ge 2 ]; then
-    for case in kimi_slice:uniform kimi_slice:skewed dsv3:uniform; do
-      run_step "comm_bench_${case/:/_}" "$OUT/run.log" timeout 120 "./$build_dir/mok" comm-bench \
-        --gpus "$gpu_count" --shape "${case%%:*}" --routing "${case##*:}"
+    for count in ${MOK_EP_GPU_COUNTS:-$gpu_count}; do
+      [ "$count" -ge 2 ] && [ "$count" -le "$gpu_count" ] || continue
+      for case in kimi_slice:uniform kimi_slice:skewed dsv3:uniform; do
+        run_step "comm_bench_${case/:/_}_${count}gpus" "$OUT/run.log" timeout 120 \
+          "./$build_dir/mok" comm-bench --gpus "$count" --shape "${case%%:*}" --routing "${case##*:}"
+      done
     done
   fi
   # Optional hardware-counter profile of the expert GEMMs (MOK_NCU=1): clocks left alone.
