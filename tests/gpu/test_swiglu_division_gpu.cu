@@ -109,9 +109,10 @@ TEST(SwigluDivisionGpu, EveryBf16GateGivesTheSameSwigluBits) {
         run_counts([](Counts* c) { every_gate_kernel<<<256, 256>>>(launch_limit, c); });
     EXPECT_EQ(counts.mismatches, 0u) << "first: gate bits " << std::hex << counts.first_bad_a
                                      << ", up bits " << counts.first_bad_b;
-    // Out of range: NaNs, infinities, gates below about -41.6 (e^-gate > 2^60) and nonzero
-    // |gate| < 2^-60: well under a quarter of the bf16 patterns.
-    EXPECT_GT(counts.in_range, 65536u * 3 / 4);
+    // Out of range: NaNs and infinities (256 patterns), nonzero |gate| < 2^-60 (17150), gates
+    // below about -41.6, where e^-gate > 2^60 (~15700): about half of the patterns are in range,
+    // and all the values a layer meets in practice.
+    EXPECT_GT(counts.in_range, 65536u * 2 / 5);
   }
 }
 
