@@ -1,9 +1,11 @@
 // The MoE layer on one GPU (EP = 1): the host runtime that owns the workspace and launches the
-// device kernels. Today each direction runs as a short sequence of kernels (forward: schedule,
-// local dispatch, gate/up GEMM with fused SwiGLU, down GEMM with scatter, combine; backward:
-// gathers, down dgrad, SwiGLU backward with the router-weight gradient, gate/up dgrad with
-// scatter, weight gradients, d_x combine; without a forward context also the schedule and the
-// gate/up recompute); the persistent fused kernels replace the sequences behind the same API.
+// device kernels. By default each direction runs as a short sequence of kernels (forward:
+// schedule, gate/up GEMM with the local dispatch and SwiGLU fused, down GEMM, combine;
+// backward: d_out gather, down dgrad, SwiGLU backward with the router-weight gradient, gate/up
+// dgrad, weight gradients, d_x combine; without a forward context also the schedule and the
+// gate/up recompute). MoeConfig::persistent_forward / persistent_backward run each direction's
+// GEMMs (and the backward's gathers and SwiGLU) as one persistent kernel instead, behind the
+// same API and with the same bits.
 #pragma once
 
 #include <cuda_runtime_api.h>
