@@ -59,9 +59,21 @@ __device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) 
   return space;
 }
 
+// kWeightGrad: the experts' segment starts live in shared memory (copied once per CTA) when they
+// fit, since a tile's K-blocks depend on them and both the producer and the consumers compute
+// every tile's coordinates: a global load there sat between two tiles' mainloops.
+constexpr int kMaxSharedOffsets = 1025;  // E_loc + 1 entries (4 KB)
+static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 + kMaxSharedOffsets * 4 <= 227 * 1024,
+              "the offsets fit beside the ring and the staging tile");
+
+__host__ __device__ constexpr bool offsets_in_shared(int num_experts) {
+  return num_experts + 1 <= kMaxSharedOffsets;
+}
+
 template <ExpertGemmForm kForm>
 __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
-                                                const TileSpace& space, int tile) {
+                                                const TileSpace& space, int tile,
+                                                const int32_t* expert_offsets) {
   TileCoord coord;
   if constexpr (FormTraits<kForm>::kRowTiles) {
     grouped_tile(tile, space.num_m_tiles, space.num_n_tiles, &coord.m_tile, &coord.n_tile);
@@ -77,8 +89,8 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
     const int local = tile - coord.expert * per_expert;
     coord.n_tile = local / space.num_m_tiles;
     coord.m_tile = local % space.num_m_tiles;
-    const int segment_begin = params.expert_offsets[coord.expert];
-    const int segment_end = params.expert_offsets[coord.expert + 1];
+    const int segment_begin = expert_offsets[coord.expert];
+    const int segment_end = expert_offsets[coord.expert + 1];
     if (params.macrobatch.rows > 0) {
       // This macrobatch's share of the expert's rows, read from the ring (macrobatch.h).
       const WeightGradSlice slice = weight_grad_slice(
@@ -140,6 +152,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
+  const int32_t* expert_offsets = params.expert_offsets;
+  if constexpr (!Traits::kRowTiles) {
+    if (offsets_in_shared(params.num_experts)) {
+      int32_t* shared_offsets = reinterpret_cast<int32_t*>(&smem + 1);
+      for (int e = threadIdx.x; e <= params.num_experts; e += blockDim.x)
+        shared_offsets[e] = params.expert_offsets[e];
+      expert_offsets = shared_offsets;  // visible after init_pipeline's barrier
+    }
+  }
   init_pipeline(smem);
   const TileSpace space = tile_space<kForm>(params);
   const int warpgroup = threadIdx.x / 128;
@@ -154,7 +175,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
       PipelineState<Storage::kNumStagesHere> state;
       for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
-        const TileCoord coord = tile_coord<kForm>(params, space, tile);
+        const TileCoord coord = tile_coord<kForm>(params, space, tile, expert_offsets);
         if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
@@ -173,7 +194,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
     for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
-      const TileCoord coord = tile_coord<kForm>(params, space, tile);
+      const TileCoord coord = tile_coord<kForm>(params, space, tile, expert_offsets);
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       // kWeightGrad across a macrobatch boundary.
       const bool resumes = kResumes && coord.load_slot >= 0;
@@ -197,7 +218,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
 template <ExpertGemmForm kForm, bool kResumes = false>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
-  const size_t smem_bytes = sizeof(FormStorage) + 1024;
+  size_t smem_bytes = sizeof(FormStorage) + 1024;
+  if (!FormTraits<kForm>::kRowTiles && offsets_in_shared(params.num_experts))
+    smem_bytes += (static_cast<size_t>(params.num_experts) + 1) * sizeof(int32_t);
   cudaError_t status = cudaFuncSetAttribute(expert_gemm_kernel<kForm, kResumes>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
