@@ -72,6 +72,27 @@ void trace_persistent_kernels(const std::string& path, const mok::MoeShape& shap
   mok::write_chrome_trace(traces, path);
 }
 
+// Dense bf16 tensor-core FLOP per clock per SM on Hopper (sm_90): H100 SXM's 989 TFLOP/s are
+// 132 SMs x 4096 x 1830 MHz.
+constexpr double kBf16FlopPerClockPerSm = 4096;
+
+struct Peak {
+  int sms = 0;
+  double clock_mhz = 0;
+  double tflops = 0;
+};
+
+// The roofline of `mok run`: the tensor peak of device 0 at its top SM clock.
+Peak bf16_peak() {
+  Peak peak;
+  int clock_khz = 0;
+  CLI_CUDA_CHECK(cudaDeviceGetAttribute(&peak.sms, cudaDevAttrMultiProcessorCount, 0));
+  CLI_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  peak.clock_mhz = clock_khz / 1e3;
+  peak.tflops = peak.sms * kBf16FlopPerClockPerSm * clock_khz * 1e3 / 1e12;
+  return peak;
+}
+
 // Relative error of a whole output (for gradients compared between two GPU runs).
 template <typename T>
 Comparison compare_all(const std::string& name, const std::vector<T>& got,
@@ -269,6 +290,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double base_backward_ms = base_step_ms - base_forward_ms;
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
 
+  const Peak peak = bf16_peak();
   bool passed = deterministic && ring_bitwise && backward_variants_bitwise;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
@@ -280,11 +302,16 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   std::printf("  work      %lld routed pairs, %.1f GFLOP forward, %.1f GFLOP backward\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9, backward_flop / 1e9);
   std::printf("  times: median of 32 calls, mok and baseline interleaved in 8 rotated rounds\n");
-  std::printf("  %-22s %10s %10s %10s %10s %9s\n", "", "mok ms", "TFLOP/s", "base ms", "TFLOP/s",
-              "speedup");
+  std::printf(
+      "  roofline: the dense bf16 tensor peak at the card's top clock, %.0f TFLOP/s (%d SMs x "
+      "%.0f FLOP/clock x %.0f MHz); under its power limit the card runs lower\n",
+      peak.tflops, peak.sms, kBf16FlopPerClockPerSm, peak.clock_mhz);
+  std::printf("  %-22s %10s %10s %7s %10s %10s %9s\n", "", "mok ms", "TFLOP/s", "of peak",
+              "base ms", "TFLOP/s", "speedup");
   auto row = [&](const char* name, double flop, double mok_ms, double base_ms) {
-    std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", name, mok_ms, flop / mok_ms / 1e9,
-                base_ms, flop / base_ms / 1e9, base_ms / mok_ms);
+    const double tflops = flop / mok_ms / 1e9;
+    std::printf("  %-22s %10.3f %10.1f %6.1f%% %10.3f %10.1f %8.2fx\n", name, mok_ms, tflops,
+                100.0 * tflops / peak.tflops, base_ms, flop / base_ms / 1e9, base_ms / mok_ms);
   };
   row("forward", forward_flop, mok_forward_ms, base_forward_ms);
   row("backward", backward_flop, mok_backward_ms, base_backward_ms);
@@ -353,6 +380,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          << "  \"baseline_ms\": {\"forward\": " << base_forward_ms
          << ", \"backward\": " << base_backward_ms << ", \"forward_backward\": " << base_step_ms
          << "},\n"
+         << "  \"peak_tflops\": " << peak.tflops << ",\n"
          << "  \"mok_tflops\": {\"forward\": " << forward_flop / mok_forward_ms / 1e9
          << ", \"forward_backward\": " << 3 * forward_flop / mok_step_ms / 1e9
          << "},\n  \"speedup\": {\"forward\": " << base_forward_ms / mok_forward_ms
