@@ -323,6 +323,7 @@ cat >"$OUT/results.json" <<EOF
   "nvcc": $(json_string "$nvcc_version"),
   "cmake": $(json_string "$cmake_version"),
   "git_commit": $(json_string "$(git rev-parse --short HEAD 2>/dev/null || echo none)"),
+  "source_fingerprint": $(json_string "$(bash scripts/source-fingerprint.sh 2>/dev/null || echo none)"),
   "seconds": $((SECONDS - start_seconds)),
   "steps": {$steps_json},
   "ctest": {"cpu": $cpu_counts, "gpu": $gpu_counts},
@@ -332,7 +333,8 @@ cat >"$OUT/results.json" <<EOF
 EOF
 
 echo
-echo "== gpu-check summary ($device_name, $((SECONDS - start_seconds)) s; logs in $OUT)"
+echo "== gpu-check summary ($device_name, $((SECONDS - start_seconds)) s; logs in $OUT;" \
+  "sources $(bash scripts/source-fingerprint.sh 2>/dev/null || echo unknown))"
 for i in "${!step_names[@]}"; do printf '  %-22s %s\n' "${step_names[$i]}" "${step_results[$i]}"; done
 echo "  ctest cpu: $cpu_counts"
 echo "  ctest gpu: $gpu_counts"
