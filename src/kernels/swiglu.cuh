@@ -24,8 +24,9 @@ __device__ __forceinline__ float round_bf16(float value) {
 // turns false for operands outside that range (the result is then not to be used).
 __device__ __forceinline__ float divide_in_range(float a, float b, bool& in_range) {
   const float magnitude = fabsf(a);
-  in_range &=
-      b >= 1.0f && b <= 0x1p60f && (a == 0.0f || (magnitude >= 0x1p-60f && magnitude <= 0x1p60f));
+  // Bitwise, not short-circuit: `&&` here compiled to branches around each comparison.
+  in_range &= (b >= 1.0f) & (b <= 0x1p60f) &
+              ((a == 0.0f) | ((magnitude >= 0x1p-60f) & (magnitude <= 0x1p60f)));
   float reciprocal;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(b));
   const float error = __fmaf_rn(-b, reciprocal, 1.0f);
