@@ -75,6 +75,22 @@ __device__ __forceinline__ void issue_swiglu_loads(const CUtensorMap* gate, cons
   }
 }
 
+// swiglu_backward_vector out of line: inlined, its registers on top of the accumulators (live
+// across tasks in ptxas's view) made the kernel's mainloops spill (SASS: one local load per
+// K-block). Operands and results by value, so the call passes them in registers.
+struct SwigluVectorOut {
+  uint4 d_gate, d_up, weighted_hidden;
+  float dot;
+};
+static __device__ __noinline__ SwigluVectorOut swiglu_vector_out_of_line(uint4 g, uint4 u, uint4 dh,
+                                                                         float weight, float limit,
+                                                                         float dot) {
+  SwigluVectorOut out;
+  swiglu_backward_vector(g, u, dh, weight, limit, dot, out.d_gate, out.d_up, out.weighted_hidden);
+  out.dot = dot;
+  return out;
+}
+
 // Consumer warps (all eight): the SwiGLU backward of row tile `m_tile` from the stages the
 // producer fills in the order above, releasing each stage after reading it. Rows at or past
 // `total_rows` are skipped, as the standalone pass does.
@@ -138,13 +154,13 @@ __device__ __forceinline__ void run_swiglu_tile(const WaitContext& wait, Storage
           const int r = kRowsAtOnce * step + i;
           const int64_t row = first_row + r;
           if (row >= total_rows) continue;
-          uint4 dg_out, du_out, hw_out;
-          swiglu_backward_vector(gate_in[i], up_in[i], dh_in[i], weight[r], args.limit, dot[r],
-                                 dg_out, du_out, hw_out);
+          const SwigluVectorOut out = swiglu_vector_out_of_line(gate_in[i], up_in[i], dh_in[i],
+                                                                weight[r], args.limit, dot[r]);
+          dot[r] = out.dot;
           const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
-          args.d_gate[at] = dg_out;
-          args.d_up[at] = du_out;
-          args.weighted_hidden[at] = hw_out;
+          args.d_gate[at] = out.d_gate;
+          args.d_up[at] = out.d_up;
+          args.weighted_hidden[at] = out.weighted_hidden;
         }
       }
       state.advance();
