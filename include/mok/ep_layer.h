@@ -53,8 +53,9 @@ class EpLayer {
   int64_t workspace_bytes_per_rank() const;
 
  private:
-  // A launch that fails because an earlier kernel of the group trapped in a timed-out wait sees
-  // only "unspecified launch failure"; this rethrows it as kTimeout with the wait's diagnosis.
+  // A launch that fails because an earlier kernel of the group aborted in a timed-out wait sees
+  // only the CUDA error of the abort (an illegal address); this rethrows it as kTimeout with the
+  // wait's diagnosis.
   [[noreturn]] void rethrow_with_wait_diagnosis(const Error& error) const;
 
   struct Impl;

@@ -25,7 +25,7 @@ enum class WaitSite : int32_t {
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host
-// can still read it after the trap has killed the context.
+// can still read it after the abort's memory fault has killed the context.
 struct WaitDiagnosis {
   int32_t timed_out;  // 1 once written
   int32_t site;       // WaitSite
