@@ -230,46 +230,48 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
     const TileCoord coord = coord_of(queued);
     const auto kind = static_cast<BackwardTaskKind>(queued.kind);
     const int64_t intermediate = params.swiglu.vectors_per_row * 8;
-    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
-      produce_stage(wait, smem, state,
-                    kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
-                                                      : kTileABytes + kTileBBytes,
-                    [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                      switch (kind) {
-                        case BackwardTaskKind::kSwiglu:
-                          issue_swiglu_loads(&maps.swiglu_gate, &maps.swiglu_up, &maps.swiglu_dh,
-                                             intermediate, coord.m_tile, 0, k_block, a_dst, b_dst,
-                                             full);
-                          break;
-                        case BackwardTaskKind::kRecompute:
-                          issue_loads<ExpertGemmForm::kGateUpStore>(
-                              &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up,
-                              params.recompute, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        case BackwardTaskKind::kDownDgrad:
-                          issue_loads<ExpertGemmForm::kDownGrad>(
-                              &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.w_down_mn,
-                              params.down_dgrad, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        case BackwardTaskKind::kGateUpDgrad:
-                          issue_loads<ExpertGemmForm::kGateUpGradStore>(
-                              &maps.d_gate, &maps.d_up, &maps.w_gate_mn, &maps.w_up_mn,
-                              params.gate_up_dgrad, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        default: {  // kWeightGrad
-                          const CUtensorMap* a = queued.matrix == 0   ? &maps.d_gate_mn
-                                                 : queued.matrix == 1 ? &maps.d_up_mn
-                                                                      : &maps.d_out_mn;
-                          const CUtensorMap* b = queued.matrix == 2 ? &maps.h_w_mn : &maps.x_mn;
-                          issue_loads<ExpertGemmForm::kWeightGrad>(
-                              a, a, b, b, params.wgrad_gate_up, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        }
-                      }
-                    });
+    // The next ticket is decoded after the first K-block (after none for a task without loads):
+    // one call site, so the decode is inlined once into this 56-register thread.
+    for (int k_block = 0; k_block < max(coord.num_k_blocks, 1); ++k_block) {
+      if (k_block < coord.num_k_blocks)
+        produce_stage(
+            wait, smem, state,
+            kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
+                                              : kTileABytes + kTileBBytes,
+            [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+              switch (kind) {
+                case BackwardTaskKind::kSwiglu:
+                  issue_swiglu_loads(&maps.swiglu_gate, &maps.swiglu_up, &maps.swiglu_dh,
+                                     intermediate, coord.m_tile, 0, k_block, a_dst, b_dst, full);
+                  break;
+                case BackwardTaskKind::kRecompute:
+                  issue_loads<ExpertGemmForm::kGateUpStore>(
+                      &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up, params.recompute, coord,
+                      k_block, a_dst, b_dst, full);
+                  break;
+                case BackwardTaskKind::kDownDgrad:
+                  issue_loads<ExpertGemmForm::kDownGrad>(
+                      &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.w_down_mn,
+                      params.down_dgrad, coord, k_block, a_dst, b_dst, full);
+                  break;
+                case BackwardTaskKind::kGateUpDgrad:
+                  issue_loads<ExpertGemmForm::kGateUpGradStore>(
+                      &maps.d_gate, &maps.d_up, &maps.w_gate_mn, &maps.w_up_mn,
+                      params.gate_up_dgrad, coord, k_block, a_dst, b_dst, full);
+                  break;
+                default: {  // kWeightGrad
+                  const CUtensorMap* a = queued.matrix == 0   ? &maps.d_gate_mn
+                                         : queued.matrix == 1 ? &maps.d_up_mn
+                                                              : &maps.d_out_mn;
+                  const CUtensorMap* b = queued.matrix == 2 ? &maps.h_w_mn : &maps.x_mn;
+                  issue_loads<ExpertGemmForm::kWeightGrad>(a, a, b, b, params.wgrad_gate_up, coord,
+                                                           k_block, a_dst, b_dst, full);
+                  break;
+                }
+              }
+            });
       if (k_block == 0) next = decode(next_ticket);
     }
-    if (coord.num_k_blocks == 0) next = decode(next_ticket);
   }
 }
 
@@ -382,11 +384,11 @@ cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardG
     return cudaErrorInvalidValue;
   const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue<QueuedTask>) +
                             (static_cast<size_t>(params.down_dgrad.num_experts) + 1) * 4 + 1024;
-  const auto kernel = backward_gemms_kernel;
-  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem_bytes));
+  cudaError_t status =
+      cudaFuncSetAttribute(backward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
+  backward_gemms_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
   return cudaGetLastError();
 }
 

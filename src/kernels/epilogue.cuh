@@ -113,28 +113,11 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
     const uint4 gate = *gate_unit;
     const uint4 up = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(gate_unit) +
                                                      2 * kStageChunkBytes);
-    const __nv_bfloat162* gate_pairs = reinterpret_cast<const __nv_bfloat162*>(&gate);
-    const __nv_bfloat162* up_pairs = reinterpret_cast<const __nv_bfloat162*>(&up);
-    uint4 h;
-    __nv_bfloat162* h_pairs = reinterpret_cast<__nv_bfloat162*>(&h);
     // The branch-free division first; `a / b` for a unit with an operand outside its range
     // (swiglu.cuh: the same bits).
-    bool in_range = true;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const float2 g = __bfloat1622float2(gate_pairs[p]), u = __bfloat1622float2(up_pairs[p]);
-      h_pairs[p] =
-          __floats2bfloat162_rn(swiglu_forward<true>(g.x, u.x, params.swiglu_limit, in_range),
-                                swiglu_forward<true>(g.y, u.y, params.swiglu_limit, in_range));
-    }
-    if (!in_range) {
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const float2 g = __bfloat1622float2(gate_pairs[p]), u = __bfloat1622float2(up_pairs[p]);
-        h_pairs[p] = __floats2bfloat162_rn(swiglu_forward(g.x, u.x, params.swiglu_limit),
-                                           swiglu_forward(g.y, u.y, params.swiglu_limit));
-      }
-    }
+    uint4 h;
+    if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h))
+      swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h);
     *gate_unit = h;
   }
   publish_staging_tile();

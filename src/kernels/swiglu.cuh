@@ -61,6 +61,24 @@ __device__ __forceinline__ float swiglu_forward(float gate_acc, float up_acc, fl
   return swiglu_forward<false>(gate_acc, up_acc, limit, unused);
 }
 
+// h of one 8-element unit of bf16 gate and up values, kFast or not. Returns false if kFast met an
+// operand outside its range (`h` is then not to be used: compute it again with kFast = false).
+template <bool kFast>
+__device__ __forceinline__ bool swiglu_forward_unit(const uint4& gate, const uint4& up, float limit,
+                                                    uint4& h) {
+  const __nv_bfloat162* gate_pairs = reinterpret_cast<const __nv_bfloat162*>(&gate);
+  const __nv_bfloat162* up_pairs = reinterpret_cast<const __nv_bfloat162*>(&up);
+  __nv_bfloat162* h_pairs = reinterpret_cast<__nv_bfloat162*>(&h);
+  bool in_range = true;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 g = __bfloat1622float2(gate_pairs[p]), u = __bfloat1622float2(up_pairs[p]);
+    h_pairs[p] = __floats2bfloat162_rn(swiglu_forward<kFast>(g.x, u.x, limit, in_range),
+                                       swiglu_forward<kFast>(g.y, u.y, limit, in_range));
+  }
+  return in_range;
+}
+
 // One element of the SwiGLU backward (docs/design.md, backward steps 1-4): from the dgrad
 // accumulator of down (dh_raw before rounding), the stored bf16 gate/up values and the router
 // weight w of the row.

@@ -59,16 +59,6 @@ __device__ __forceinline__ bool swiglu_backward_vector_as(const uint4& g, const 
   return true;
 }
 
-// The rare vector with an operand outside the branch-free division's range, out of line: inlined
-// beside the fast path its registers made the persistent backward's mainloops spill.
-static __device__ __noinline__ void swiglu_backward_vector_exact(const uint4& g, const uint4& u,
-                                                                 const uint4& dh, float weight,
-                                                                 float limit, float& dot,
-                                                                 uint4& dg_out, uint4& du_out,
-                                                                 uint4& hw_out) {
-  swiglu_backward_vector_as<false>(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out);
-}
-
 // One 8-element vector of a row: the branch-free division first, `a / b` for a vector with an
 // operand outside its range; the same bits either way (swiglu.cuh).
 __device__ __forceinline__ void swiglu_backward_vector(const uint4& g, const uint4& u,
@@ -76,7 +66,7 @@ __device__ __forceinline__ void swiglu_backward_vector(const uint4& g, const uin
                                                        float& dot, uint4& dg_out, uint4& du_out,
                                                        uint4& hw_out) {
   if (!swiglu_backward_vector_as<true>(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out))
-    swiglu_backward_vector_exact(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out);
+    swiglu_backward_vector_as<false>(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out);
 }
 
 // The end of a row: the lanes' dots summed with a fixed xor tree; lane 0 stores the router

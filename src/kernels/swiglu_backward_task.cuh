@@ -33,7 +33,6 @@ constexpr int kSwigluGroupColumns = 256;  // columns of a stage: one 16-byte vec
 constexpr int kSwigluBoxBytes = kSwigluBlockRows * 64 * 2;  // one [32 x 64] bf16 box
 static_assert(3 * 4 * kSwigluBoxBytes == kTileABytes + kTileBBytes, "a stage holds g, u, dh");
 static_assert(kSwigluBlockRows * 8 / 2 == BLOCK_M, "8 consumer warps x 4 rows per row block");
-constexpr int kRowsAtOnce = 1;  // rows whose inputs a lane loads ahead of their math
 
 __device__ __forceinline__ int swiglu_column_groups(int64_t intermediate) {
   return static_cast<int>((intermediate + kSwigluGroupColumns - 1) / kSwigluGroupColumns);
@@ -125,43 +124,35 @@ __device__ __forceinline__ void run_swiglu_tile(const WaitContext& wait, Storage
       const char* dh_raw = up + 4 * kSwigluBoxBytes;
       const int64_t vector = static_cast<int64_t>(group) * 32 + lane;
       const bool in_row = vector < args.vectors_per_row;
-      // kRowsAtOnce rows' inputs at a time by shared-memory loads (which the global stores
-      // cannot alias; generic loads interleaved with the stores serialized the rows, SASS),
-      // then their math; the stage goes back to the producer after the last loads. More rows'
-      // inputs at once spilled beside the accumulators.
+      // Row by row: its inputs by shared-memory loads (which the global stores cannot alias;
+      // generic loads interleaved with the stores serialized the rows, SASS), then its math;
+      // the stage goes back to the producer after the last row's loads. More rows' inputs at
+      // once spilled beside the accumulators.
 #pragma unroll
-      for (int step = 0; step < 4 / kRowsAtOnce; ++step) {
-        uint4 gate_in[kRowsAtOnce], up_in[kRowsAtOnce], dh_in[kRowsAtOnce];
+      for (int r = 0; r < 4; ++r) {
+        uint4 gate_in, up_in, dh_in;
         if (in_row) {
-#pragma unroll
-          for (int i = 0; i < kRowsAtOnce; ++i) {
-            const int local_row = first_local_row + kRowsAtOnce * step + i;
-            // 128-byte swizzle: 16-byte chunk j of a box row r sits at chunk j ^ (r % 8).
-            const int offset =
-                box * kSwigluBoxBytes + local_row * 128 + ((chunk ^ (local_row % 8)) * 16);
-            gate_in[i] = ptx::ld_shared_v4(gate + offset);
-            up_in[i] = ptx::ld_shared_v4(up + offset);
-            dh_in[i] = ptx::ld_shared_v4(dh_raw + offset);
-          }
+          const int local_row = first_local_row + r;
+          // 128-byte swizzle: 16-byte chunk j of a box row r sits at chunk j ^ (r % 8).
+          const int offset =
+              box * kSwigluBoxBytes + local_row * 128 + ((chunk ^ (local_row % 8)) * 16);
+          gate_in = ptx::ld_shared_v4(gate + offset);
+          up_in = ptx::ld_shared_v4(up + offset);
+          dh_in = ptx::ld_shared_v4(dh_raw + offset);
         }
-        if (step == 4 / kRowsAtOnce - 1) {
+        if (r == 3) {
           __syncwarp();
           if (lane == 0) ptx::mbarrier_arrive(&smem.empty[state.stage]);
         }
-        if (!in_row) continue;
-#pragma unroll
-        for (int i = 0; i < kRowsAtOnce; ++i) {
-          const int r = kRowsAtOnce * step + i;
-          const int64_t row = first_row + r;
-          if (row >= total_rows) continue;
-          const SwigluVectorOut out = swiglu_vector_out_of_line(gate_in[i], up_in[i], dh_in[i],
-                                                                weight[r], args.limit, dot[r]);
-          dot[r] = out.dot;
-          const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
-          args.d_gate[at] = out.d_gate;
-          args.d_up[at] = out.d_up;
-          args.weighted_hidden[at] = out.weighted_hidden;
-        }
+        const int64_t row = first_row + r;
+        if (!in_row || row >= total_rows) continue;
+        const SwigluVectorOut out =
+            swiglu_vector_out_of_line(gate_in, up_in, dh_in, weight[r], args.limit, dot[r]);
+        dot[r] = out.dot;
+        const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
+        args.d_gate[at] = out.d_gate;
+        args.d_up[at] = out.d_up;
+        args.weighted_hidden[at] = out.weighted_hidden;
       }
       state.advance();
     }
