@@ -58,8 +58,11 @@ for i in "${!pids[@]}"; do
 done
 pattern="${MOK_AB_GREP:-^  (forward|backward|forward\+backward) |weight gradients  |training step}"
 : >"$OUT/ab.log"
+# Each round starts at the next tree: the first run after the build finds a cooler card, which
+# held a higher clock (session 7: the same forward code 4.9 ms first in its round, 5.1-5.2 later).
 for round in $(seq 1 "${MOK_AB_ROUNDS:-2}"); do
-  for tree in "${trees[@]}"; do
+  for offset in "${!trees[@]}"; do
+    tree="${trees[$(((offset + round - 1) % ${#trees[@]}))]}"
     name="$(basename "$(cd "$tree" && pwd)")"
     log="$OUT/ab-$name-$round.log"
     "$tree/build-ab/mok" run "$@" >"$log" 2>&1 || echo "(mok run exited $?)" >>"$log"

@@ -170,9 +170,8 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   int32_t ready_expert = -1;
   // Decodes `ticket` (taking further tickets past the rows tasks, which the spare warps or the
   // expansion before the launch ran) into the task the consumers need; past the last task, the
-  // stop task. Runs ahead: after the current task's first K-block is issued, while the
-  // consumers still finish the previous task, so decoding (a few microseconds on this
-  // 56-register thread, traced) is off the path between two tasks' loads.
+  // stop task. Runs after the current task's loads are issued, while the consumers still have
+  // its last stages to compute (the decode takes 1-2 us on this 56-register thread, traced).
   uint64_t ticket_ns = 0, decoded_ns = 0;  // of the task decoded last (the task trace)
   auto decode = [&](long long ticket) {
     ticket_ns = trace_clock(params.trace);
@@ -230,48 +229,49 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
     const TileCoord coord = coord_of(queued);
     const auto kind = static_cast<BackwardTaskKind>(queued.kind);
     const int64_t intermediate = params.swiglu.vectors_per_row * 8;
-    // The next ticket is decoded after the first K-block (after none for a task without loads):
-    // one call site, so the decode is inlined once into this 56-register thread.
-    for (int k_block = 0; k_block < max(coord.num_k_blocks, 1); ++k_block) {
-      if (k_block < coord.num_k_blocks)
-        produce_stage(
-            wait, smem, state,
-            kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
-                                              : kTileABytes + kTileBBytes,
-            [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-              switch (kind) {
-                case BackwardTaskKind::kSwiglu:
-                  issue_swiglu_loads(&maps.swiglu_gate, &maps.swiglu_up, &maps.swiglu_dh,
-                                     intermediate, coord.m_tile, 0, k_block, a_dst, b_dst, full);
-                  break;
-                case BackwardTaskKind::kRecompute:
-                  issue_loads<ExpertGemmForm::kGateUpStore>(
-                      &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up, params.recompute, coord,
-                      k_block, a_dst, b_dst, full);
-                  break;
-                case BackwardTaskKind::kDownDgrad:
-                  issue_loads<ExpertGemmForm::kDownGrad>(
-                      &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.w_down_mn,
-                      params.down_dgrad, coord, k_block, a_dst, b_dst, full);
-                  break;
-                case BackwardTaskKind::kGateUpDgrad:
-                  issue_loads<ExpertGemmForm::kGateUpGradStore>(
-                      &maps.d_gate, &maps.d_up, &maps.w_gate_mn, &maps.w_up_mn,
-                      params.gate_up_dgrad, coord, k_block, a_dst, b_dst, full);
-                  break;
-                default: {  // kWeightGrad
-                  const CUtensorMap* a = queued.matrix == 0   ? &maps.d_gate_mn
-                                         : queued.matrix == 1 ? &maps.d_up_mn
-                                                              : &maps.d_out_mn;
-                  const CUtensorMap* b = queued.matrix == 2 ? &maps.h_w_mn : &maps.x_mn;
-                  issue_loads<ExpertGemmForm::kWeightGrad>(a, a, b, b, params.wgrad_gate_up, coord,
-                                                           k_block, a_dst, b_dst, full);
-                  break;
-                }
-              }
-            });
-      if (k_block == 0) next = decode(next_ticket);
+    // The next ticket is decoded after the last K-block is issued, while the consumers work
+    // through the ring's last stages. Decoding after the first K-block instead (to hide it behind
+    // the previous task) held the decode's state live across the K-block loop: the producer
+    // spilled in it and every GEMM tile ran 25-30% longer (docs/perf.md, session 7).
+    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
+      produce_stage(wait, smem, state,
+                    kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
+                                                      : kTileABytes + kTileBBytes,
+                    [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+                      switch (kind) {
+                        case BackwardTaskKind::kSwiglu:
+                          issue_swiglu_loads(&maps.swiglu_gate, &maps.swiglu_up, &maps.swiglu_dh,
+                                             intermediate, coord.m_tile, 0, k_block, a_dst, b_dst,
+                                             full);
+                          break;
+                        case BackwardTaskKind::kRecompute:
+                          issue_loads<ExpertGemmForm::kGateUpStore>(
+                              &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up,
+                              params.recompute, coord, k_block, a_dst, b_dst, full);
+                          break;
+                        case BackwardTaskKind::kDownDgrad:
+                          issue_loads<ExpertGemmForm::kDownGrad>(
+                              &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.w_down_mn,
+                              params.down_dgrad, coord, k_block, a_dst, b_dst, full);
+                          break;
+                        case BackwardTaskKind::kGateUpDgrad:
+                          issue_loads<ExpertGemmForm::kGateUpGradStore>(
+                              &maps.d_gate, &maps.d_up, &maps.w_gate_mn, &maps.w_up_mn,
+                              params.gate_up_dgrad, coord, k_block, a_dst, b_dst, full);
+                          break;
+                        default: {  // kWeightGrad
+                          const CUtensorMap* a = queued.matrix == 0   ? &maps.d_gate_mn
+                                                 : queued.matrix == 1 ? &maps.d_up_mn
+                                                                      : &maps.d_out_mn;
+                          const CUtensorMap* b = queued.matrix == 2 ? &maps.h_w_mn : &maps.x_mn;
+                          issue_loads<ExpertGemmForm::kWeightGrad>(
+                              a, a, b, b, params.wgrad_gate_up, coord, k_block, a_dst, b_dst, full);
+                          break;
+                        }
+                      }
+                    });
     }
+    next = decode(next_ticket);
   }
 }
 

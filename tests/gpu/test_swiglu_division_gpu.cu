@@ -17,7 +17,8 @@ namespace {
 
 struct Counts {
   unsigned long long in_range;
-  unsigned long long mismatches;  // in range, but bits unlike `a / b`'s
+  unsigned long long practical_out_of_range;  // zero or 2^-60 <= |gate| <= 32, yet out of range
+  unsigned long long mismatches;              // in range, but bits unlike `a / b`'s
   unsigned long long first_bad_a, first_bad_b;
 };
 
@@ -61,6 +62,9 @@ __global__ void every_gate_kernel(float limit, Counts* counts) {
   const float fast_h = kernels::swiglu_forward<true>(gate, up, limit, in_range);
   const kernels::SwigluGrad fast =
       kernels::swiglu_backward<true>(dh, gate, up, weight, limit, in_range);
+  const float magnitude = fabsf(gate);
+  const bool practical = gate == 0.0f || (magnitude >= 0x1p-60f && magnitude <= 32.0f);
+  if (practical && !in_range) atomicAdd(&counts->practical_out_of_range, 1ull);
   if (!in_range) return;
   atomicAdd(&counts->in_range, 1ull);
   bool unused = true;
@@ -110,9 +114,11 @@ TEST(SwigluDivisionGpu, EveryBf16GateGivesTheSameSwigluBits) {
     EXPECT_EQ(counts.mismatches, 0u) << "first: gate bits " << std::hex << counts.first_bad_a
                                      << ", up bits " << counts.first_bad_b;
     // Out of range: NaNs and infinities (256 patterns), nonzero |gate| < 2^-60 (17150), gates
-    // below about -41.6, where e^-gate > 2^60 (~15700): about half of the patterns are in range,
-    // and all the values a layer meets in practice.
-    EXPECT_GT(counts.in_range, 65536u * 2 / 5);
+    // below about -41.6, where e^-gate > 2^60 (~15700), and, unclamped, gates above 2^60 (8576):
+    // about 23800 of the 65536 patterns are in range without a clamp. Every value a layer meets in
+    // practice (zero, or 2^-60 <= |gate| <= 32) must be.
+    EXPECT_EQ(counts.practical_out_of_range, 0u);
+    EXPECT_GT(counts.in_range, 23000u);
   }
 }
 
