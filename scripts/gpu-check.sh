@@ -170,11 +170,19 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   trace_args() {  # trace_args SHAPE: the --trace-tasks option when MOK_TRACE_TASKS=1
     [ "${MOK_TRACE_TASKS:-0}" = 1 ] && echo "--trace-tasks $OUT/trace_$1.json" || true
   }
-  for shape in ${MOK_BENCH_SHAPES-qwen3}; do
+  # A MOK_BENCH_SHAPES entry NAME@IS adds a shared expert of intermediate size IS to the shape.
+  for entry in ${MOK_BENCH_SHAPES-qwen3}; do
+    shape="${entry%@*}"
+    shared_args=()
+    name="$shape"
+    if [ "$entry" != "$shape" ]; then
+      shared_args=(--shared-intermediate "${entry#*@}")
+      name="${shape}_shared${entry#*@}"
+    fi
     # shellcheck disable=SC2046
-    run_step "bench_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
-      --json "$OUT/tmp_bench.json" $(trace_args "$shape")
-    add_bench_json "$shape" "$OUT/tmp_bench.json"
+    run_step "bench_$name" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
+      "${shared_args[@]}" --json "$OUT/tmp_bench.json" $(trace_args "$name")
+    add_bench_json "$name" "$OUT/tmp_bench.json"
   done
   # The main job as a newcomer runs it: no arguments (dsv3_local on a GPU).
   # SM clock, power and temperature every 100 ms during the default run (does the card hold its

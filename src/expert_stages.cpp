@@ -59,6 +59,37 @@ kernels::TaskTraceArgs task_trace(const DeviceBuffer& buffer, int64_t capacity,
   return trace;
 }
 
+// The maps of one expert set's forward in the persistent kernel: as forward_experts builds them.
+kernels::ForwardSetMaps forward_set_maps(const GpuLayer::State& s, const ExpertSet& set,
+                                         const void* rows, int64_t rows_in_map, const void* w_gate,
+                                         const void* w_up, const void* w_down, void* out,
+                                         int64_t out_rows) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows;
+  kernels::ForwardSetMaps maps{};
+  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
+  maps.w_down = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
+  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
+  maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
+  maps.y_out = output_rows(out, H, out_rows, "expert output rows");
+  return maps;
+}
+
+// The persistent kernel's gate/up and down parameters of one expert set.
+void forward_set_params(const GpuLayer::State& s, const ExpertSet& set,
+                        kernels::ExpertGemmParams& gate_up, kernels::ExpertGemmParams& down) {
+  gate_up = base_params(s, set);
+  gate_up.n_extent = static_cast<int32_t>(set.intermediate);
+  gate_up.k_extent = static_cast<int32_t>(s.shape.hidden);
+  down = base_params(s, set);
+  down.n_extent = static_cast<int32_t>(s.shape.hidden);
+  down.k_extent = static_cast<int32_t>(set.intermediate);
+}
+
 void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
             const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
             cudaStream_t stream, const char* what) {
@@ -112,33 +143,20 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
 }
 
 // The routed experts' forward as one persistent kernel (forward_gemms.cu): the same GEMMs and
-// epilogues as forward_experts, with the fused local dispatch when `gather.x` is set.
+// epilogues as forward_experts, with the fused local dispatch when `gather.x` is set, and the
+// shared expert's tiles (the same as forward_experts on s.shared) when `shared` is set.
 void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                                 int64_t rows_in_map, const void* w_gate, const void* w_up,
                                 const void* w_down, void* out, int64_t out_rows,
                                 const kernels::FusedGather& gather, cudaStream_t stream,
                                 const StageMarker& mark,
-                                const kernels::MacrobatchParams& macrobatch) {
-  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
-  const int64_t R = set.capacity_rows;
+                                const kernels::MacrobatchParams& macrobatch,
+                                const SharedExpertForward* shared) {
   kernels::ForwardGemmsMaps maps{};
-  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
-  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
-  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
-  maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
-  maps.w_down = k_major_weights(w_down, I, H, E, 256, "w_down");
-  maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
-  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
-  maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
-  maps.y_out = output_rows(out, H, out_rows, "expert output rows");
+  maps.routed = forward_set_maps(s, set, rows, rows_in_map, w_gate, w_up, w_down, out, out_rows);
   kernels::ForwardGemmsParams params{};
-  params.gate_up = base_params(s, set);
-  params.gate_up.n_extent = static_cast<int32_t>(I);
-  params.gate_up.k_extent = static_cast<int32_t>(H);
+  forward_set_params(s, set, params.gate_up, params.down);
   params.gate_up.gather = gather;
-  params.down = base_params(s, set);
-  params.down.n_extent = static_cast<int32_t>(H);
-  params.down.k_extent = static_cast<int32_t>(I);
   params.gate_up.macrobatch = macrobatch;
   params.down.macrobatch = macrobatch;
   params.down.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
@@ -147,6 +165,14 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, 
   params.ticket = counters;
   params.epoch = counters + 1;
   params.gate_up_done = counters + 2;
+  if (shared != nullptr && s.shape.num_tokens > 0) {
+    const int64_t T = s.shape.num_tokens;
+    maps.shared = forward_set_maps(s, s.shared, shared->x, T, shared->w_gate, shared->w_up,
+                                   shared->w_down, shared->out, T);
+    forward_set_params(s, s.shared, params.shared_gate_up, params.shared_down);
+    params.shared_m_tiles = static_cast<int32_t>((T + kDefaultRowAlign - 1) / kDefaultRowAlign);
+    params.shared_gate_up_done = counters + 2 + s.routed.layout.params.max_tiles();
+  }
   params.trace = task_trace(s.forward_trace, s.forward_trace_capacity, stream);
   cuda_check(kernels::launch_forward_gemms(maps, params, s.sm_count, stream),
              "persistent forward GEMM kernel");
@@ -154,8 +180,11 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, 
              "advance the persistent forward's epoch");
   if (gather.x != nullptr)
     cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
-  mark(gather.x != nullptr ? "gather + gate/up + down (persistent)"
-                           : "gate/up + down (persistent)");
+  mark(params.shared_m_tiles > 0
+           ? (gather.x != nullptr ? "gather + gate/up + down + shared expert (persistent)"
+                                  : "gate/up + down + shared expert (persistent)")
+           : (gather.x != nullptr ? "gather + gate/up + down (persistent)"
+                                  : "gate/up + down (persistent)"));
 }
 
 // Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down

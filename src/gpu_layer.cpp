@@ -76,7 +76,11 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
   }
   s.gather_state.allocate((2 + params.max_tiles()) * 8, "gather counters");
   cuda_check(cudaMemset(s.gather_state.pointer, 0, s.gather_state.bytes), "zero gather counters");
-  s.persistent_state.allocate((2 + params.max_tiles()) * 8, "persistent forward counters");
+  // The shared expert's row tiles (its counters follow the routed ones'; its tiles run in the
+  // persistent forward's last launch).
+  const int64_t shared_tiles = shape.has_shared_expert() ? (T + 127) / 128 : 0;
+  s.persistent_state.allocate((2 + params.max_tiles() + shared_tiles) * 8,
+                              "persistent forward counters");
   cuda_check(cudaMemset(s.persistent_state.pointer, 0, s.persistent_state.bytes),
              "zero persistent forward counters");
   if (config.persistent_backward) {
@@ -92,7 +96,8 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
     // The most tickets a launch can have: every tile of the worst-case schedule.
     const int64_t max_tiles = params.max_tiles(), E_loc = shape.num_local_experts();
     const int64_t gate_up_n = (I + 127) / 128, down_n = (H + 255) / 256, inter_n = (I + 255) / 256;
-    s.forward_trace_capacity = max_tiles * (gate_up_n + down_n);
+    s.forward_trace_capacity = max_tiles * (gate_up_n + down_n) +
+                               shared_tiles * ((shape.shared_intermediate + 127) / 128 + down_n);
     s.backward_trace_capacity = max_tiles * (2 + gate_up_n + inter_n + down_n) +
                                 E_loc * (2 * gate_up_n * down_n + ((H + 127) / 128) * inter_n);
     s.forward_trace.allocate(s.forward_trace_capacity * sizeof(TaskTraceEvent),
@@ -164,7 +169,8 @@ std::vector<TaskTrace> GpuLayer::task_traces(cudaStream_t stream) {
   };
   if (s.forward_trace_capacity > 0)
     download(s.forward_trace, s.forward_trace_capacity, "persistent forward",
-             {"gather", "gate/up", "down", "combine"});  // kernels::TaskKind
+             {"gather", "gate/up", "down", "combine", "shared gate/up",
+              "shared down"});  // kernels::TaskKind
   if (s.backward_trace_capacity > 0)
     download(s.backward_trace, s.backward_trace_capacity, "persistent backward",
              {"rows", "recompute", "down dgrad", "SwiGLU", "gate/up dgrad", "weight gradient",
@@ -234,19 +240,26 @@ static void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_
       gather = fused_gather(s, args.x, s.rows, s.gather_state.as<unsigned long long>(), row_begin,
                             ring_rows);
     }
-    if (s.config.persistent_forward)
+    if (s.config.persistent_forward) {
+      // The last launch (macrobatch 0) also runs the shared expert's tiles.
+      stages::SharedExpertForward shared{args.x.data, args.w_shared_gate.data,
+                                         args.w_shared_up.data, args.w_shared_down.data,
+                                         s.shared_out.pointer};
+      const bool with_shared = m == 0 && shape.has_shared_expert() && T > 0;
       stages::forward_experts_persistent(s, s.routed, s.rows.pointer, ring_rows, args.w_gate.data,
                                          args.w_up.data, args.w_down.data, s.expert_out.pointer,
-                                         max_rows, gather, stream, mark, s.macrobatch(m));
-    else
+                                         max_rows, gather, stream, mark, s.macrobatch(m),
+                                         with_shared ? &shared : nullptr);
+    } else {
       stages::forward_experts(s, s.routed, s.rows.pointer, ring_rows, args.w_gate.data,
                               args.w_up.data, args.w_down.data, s.expert_out.pointer, max_rows,
                               gather, stream, mark, s.macrobatch(m));
+    }
   }
 #if MOK_HAS_NCCL
   if (s.ep != nullptr) ep::push_rows(s, stream, mark, "push combine");
 #endif
-  if (shape.has_shared_expert() && T > 0) {
+  if (shape.has_shared_expert() && T > 0 && !s.config.persistent_forward) {
     stages::forward_experts(s, s.shared, args.x.data, T, args.w_shared_gate.data,
                             args.w_shared_up.data, args.w_shared_down.data, s.shared_out.pointer, T,
                             kernels::FusedGather{}, stream, [](const char*) {});

@@ -132,13 +132,23 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
                      void* out, int64_t out_rows, const kernels::FusedGather& gather,
                      cudaStream_t stream, const StageMarker& mark,
                      const kernels::MacrobatchParams& macrobatch = {});
-// The same as one persistent kernel (MoeConfig::persistent_forward), one launch per macrobatch.
+// The shared expert's forward inputs and output, for a persistent launch that carries its tiles.
+struct SharedExpertForward {
+  const void* x = nullptr;  // [T, H]: its rows are the tokens themselves
+  const void* w_gate = nullptr;
+  const void* w_up = nullptr;
+  const void* w_down = nullptr;
+  void* out = nullptr;  // [T, H]
+};
+// The same as one persistent kernel (MoeConfig::persistent_forward), one launch per macrobatch;
+// with `shared`, the launch also runs the shared expert's tiles (s.shared) after the routed ones.
 void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                                 int64_t rows_in_map, const void* w_gate, const void* w_up,
                                 const void* w_down, void* out, int64_t out_rows,
                                 const kernels::FusedGather& gather, cudaStream_t stream,
                                 const StageMarker& mark,
-                                const kernels::MacrobatchParams& macrobatch = {});
+                                const kernels::MacrobatchParams& macrobatch,
+                                const SharedExpertForward* shared = nullptr);
 // Backward of one expert set; see expert_stages.cpp. `d_router_weights_peers` (optional, with
 // pairs_per_rank): the SwiGLU backward writes each pair's router-weight gradient to its source
 // rank's buffer instead of d_router_weights.

@@ -23,6 +23,9 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kGateUpDone:
       return "persistent forward down tile waiting for every gate/up tile of its row tile "
              "(expected and seen count tiles)";
+    case kernels::WaitSite::kSharedGateUpDone:
+      return "persistent forward shared-expert down tile waiting for every shared gate/up tile "
+             "of its row tile (expected and seen count tiles)";
     case kernels::WaitSite::kPeerSignal:
       return "a signal from another GPU of the expert-parallel group (is every rank running "
              "the same layer call?; expected and seen are epochs)";

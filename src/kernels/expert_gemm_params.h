@@ -103,6 +103,12 @@ struct ForwardGemmsParams {
   unsigned long long* epoch;         // this launch's epoch - 1 (advanced after each launch)
   unsigned long long* gate_up_done;  // [max_tiles]
   TaskTraceArgs trace;
+  // The shared expert's tiles in the same ticket stream (task_order.h), on its own fixed
+  // schedule (every token, one expert): shared_m_tiles = 0 when there is none in this launch.
+  int32_t shared_m_tiles;
+  ExpertGemmParams shared_gate_up;
+  ExpertGemmParams shared_down;
+  unsigned long long* shared_gate_up_done;  // [shared_m_tiles]
 };
 constexpr unsigned long long kGateUpDoneStride = 1ull << 20;  // > gate/up tiles per row tile
 

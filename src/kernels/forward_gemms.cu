@@ -1,6 +1,8 @@
 // The persistent forward GEMM kernel: every gate/up tile and every down tile of the forward in
 // one launch, in the order of task_order.h (GEMM tiles only), with dependency counters instead
-// of a kernel boundary between the two GEMMs (DESIGN.md §2.7).
+// of a kernel boundary between the two GEMMs (DESIGN.md §2.7). With a shared expert, its
+// gate/up and down tiles follow the routed ones in the same ticket stream (in the launch of
+// macrobatch 0, the last): the same GEMM forms on its own maps and fixed schedule.
 //
 // Grid: persistent, one 384-thread CTA per SM (or fewer resident: see Progress).
 // Warp roles (the mainloop and epilogues are the expert GEMM's, gemm_mainloop.cuh and
@@ -9,8 +11,9 @@
 //                the global counter (before issuing the current task's loads, so the atomic's
 //                latency hides behind them), maps it to a task (task_at with a cursor: this
 //                CTA's tickets only grow), waits for the task's
-//                dependency (a down tile: all gate/up tiles of its row tile; a gate/up tile
-//                with the fused local dispatch: its rows gathered), publishes the task in a
+//                dependency (a down tile: all gate/up tiles of its row tile, routed or shared;
+//                a routed gate/up tile with the fused local dispatch: its rows gathered),
+//                publishes the task in a
 //                4-slot shared-memory queue (task_queue.cuh), then issues the
 //                task's K-block loads into the 3-stage ring. After the last ticket it publishes
 //                a stop task.
@@ -20,8 +23,8 @@
 //                form's staging-tile epilogue: gate/up stores g, u and h; down stores the
 //                expert output rows. After a gate/up tile, the first consumer thread (the
 //                issuer of its TMA stores) waits for them to complete, fences the async proxy
-//                and release-adds the row tile's gate_up_done counter. (Deferring that wait
-//                until the next tile's stores were issued measured no faster: docs/perf.md.)
+//                and release-adds the row tile's (shared_)gate_up_done counter. (Deferring that
+//                wait until the next tile's stores were issued measured no faster: docs/perf.md.)
 // Ordering of h: the TMA stores complete (cp.async.bulk.wait_group 0) -> fence.proxy.async ->
 // red.release.gpu on the counter -> the scheduler's ld.acquire.gpu -> fence.proxy.async.global
 // -> its TMA loads of h.
@@ -58,21 +61,37 @@ using Storage = GemmSharedStorage<kNumStages>;
 
 // Run by the thread that issued a gate/up tile's TMA stores: once they are complete, h of the
 // tile is in global memory and the row tile's down tiles may load it.
-__device__ __forceinline__ void signal_gate_up_done(const ForwardGemmsParams& params, int m_tile) {
+__device__ __forceinline__ void signal_gate_up_done(const ForwardGemmsParams& params, bool shared,
+                                                    int m_tile) {
   const unsigned long long epoch =
       *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
-  count_stored_tile(params.gate_up_done + m_tile, epoch);
+  count_stored_tile((shared ? params.shared_gate_up_done : params.gate_up_done) + m_tile, epoch);
+}
+
+// The GEMM parameters of a task: the routed or the shared expert's, gate/up or down.
+__device__ __forceinline__ const ExpertGemmParams& gemm_params_of(const ForwardGemmsParams& params,
+                                                                  TaskKind kind) {
+  switch (kind) {
+    case TaskKind::kGateUp:
+      return params.gate_up;
+    case TaskKind::kSharedGateUp:
+      return params.shared_gate_up;
+    case TaskKind::kSharedDown:
+      return params.shared_down;
+    default:
+      return params.down;
+  }
 }
 
 __device__ __forceinline__ TileCoord coord_of(const ForwardGemmsParams& params,
                                               const QueuedTask& task) {
+  const ExpertGemmParams& gemm = gemm_params_of(params, static_cast<TaskKind>(task.kind));
   TileCoord coord;
   coord.m_tile = task.m_tile;
   coord.n_tile = task.n_tile;
-  coord.expert = params.gate_up.tile_expert[task.m_tile];
+  coord.expert = gemm.tile_expert[task.m_tile];
   coord.k_row0 = 0;
-  const bool gate_up = task.kind == static_cast<int32_t>(TaskKind::kGateUp);
-  coord.num_k_blocks = (gate_up ? params.gate_up.k_extent : params.down.k_extent) / BLOCK_K;
+  coord.num_k_blocks = gemm.k_extent / BLOCK_K;
   return coord;
 }
 
@@ -91,13 +110,17 @@ __device__ __forceinline__ ForwardPlan plan_of(const ForwardGemmsParams& params)
   plan.down_n_tiles = (params.down.n_extent + BLOCK_N - 1) / BLOCK_N;
   plan.combine_blocks = 0;
   plan.memory_tasks = 0;
+  plan.shared_m_tiles = params.shared_m_tiles;
+  if (params.shared_m_tiles > 0) {
+    plan.shared_gate_up_n_tiles = (params.shared_gate_up.n_extent + 127) / 128;
+    plan.shared_down_n_tiles = (params.shared_down.n_extent + BLOCK_N - 1) / BLOCK_N;
+  }
   return plan;
 }
 
-__device__ __forceinline__ void schedule_and_load(
-    const CUtensorMap& x_rows, const CUtensorMap& w_gate, const CUtensorMap& w_up,
-    const CUtensorMap& hidden_in, const CUtensorMap& w_down, const ForwardGemmsParams& params,
-    Storage& smem, TaskQueue<QueuedTask>& queue) {
+__device__ __forceinline__ void schedule_and_load(const ForwardGemmsMaps& maps,
+                                                  const ForwardGemmsParams& params, Storage& smem,
+                                                  TaskQueue<QueuedTask>& queue) {
   const WaitContext& wait = params.gate_up.wait;
   const ForwardPlan plan = plan_of(params);
   const int64_t num_tasks_here = num_tasks(plan);
@@ -119,14 +142,21 @@ __device__ __forceinline__ void schedule_and_load(
     QueuedTask queued{kStopTask, 0, 0, 0};
     if (ticket < num_tasks_here) {
       const Task task = task_at(plan, ticket, &cursor);
-      queued = {static_cast<int32_t>(task.kind), m_begin + task.m_tile, task.n_tile,
+      // The shared expert's row tiles are its own schedule's, outside the macrobatch.
+      queued = {static_cast<int32_t>(task.kind),
+                is_shared(task.kind) ? task.m_tile : m_begin + task.m_tile, task.n_tile,
                 static_cast<int32_t>(ticket)};
       const uint64_t decoded_ns = trace_clock(params.trace);
       if (task.kind == TaskKind::kDown) {
         wait_for_count(wait, WaitSite::kGateUpDone, params.gate_up_done + queued.m_tile, epoch,
                        plan.gate_up_n_tiles);
         asm volatile("fence.proxy.async.global;" ::: "memory");
-      } else if (gathers) {
+      } else if (task.kind == TaskKind::kSharedDown) {
+        wait_for_count(wait, WaitSite::kSharedGateUpDone,
+                       params.shared_gate_up_done + queued.m_tile, epoch,
+                       plan.shared_gate_up_n_tiles);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      } else if (gathers && task.kind == TaskKind::kGateUp) {
         wait_for_gathered_tile(wait, params.gate_up.gather, queued.m_tile, gather_epoch_here);
       }
       trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, -1, ticket_ns,
@@ -138,32 +168,33 @@ __device__ __forceinline__ void schedule_and_load(
     // is waited for only after them: it may be this very task.)
     next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     const TileCoord coord = coord_of(params, queued);
-    const bool gate_up = queued.kind == static_cast<int32_t>(TaskKind::kGateUp);
+    const auto kind = static_cast<TaskKind>(queued.kind);
+    const bool gate_up = is_gate_up(kind);
+    const ForwardSetMaps& set = is_shared(kind) ? maps.shared : maps.routed;
+    // Routed A rows (x rows, h) live in the macrobatch's ring; the shared expert's are x and
+    // its own h, whole.
+    const int row = coord.m_tile * BLOCK_M - (is_shared(kind) ? 0 : ring_row_base);
     for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
-      produce_stage(wait, smem, state, kTileABytes + kTileBBytes,
-                    [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                      // A rows (x rows, h) live in the macrobatch's ring.
-                      const int k = k_block * BLOCK_K, row = coord.m_tile * BLOCK_M - ring_row_base;
-                      if (gate_up) {
-                        ptx::tma_load_2d(a_dst, &x_rows, full, k, row);
-                        ptx::tma_load_3d(b_dst, &w_gate, full, k, coord.n_tile * 128, coord.expert);
-                        ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &w_up, full, k, coord.n_tile * 128,
-                                         coord.expert);
-                      } else {
-                        ptx::tma_load_2d(a_dst, &hidden_in, full, k, row);
-                        ptx::tma_load_3d(b_dst, &w_down, full, k, coord.n_tile * BLOCK_N,
-                                         coord.expert);
-                      }
-                    });
+      produce_stage(
+          wait, smem, state, kTileABytes + kTileBBytes,
+          [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+            const int k = k_block * BLOCK_K;
+            if (gate_up) {
+              ptx::tma_load_2d(a_dst, &set.x_rows, full, k, row);
+              ptx::tma_load_3d(b_dst, &set.w_gate, full, k, coord.n_tile * 128, coord.expert);
+              ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &set.w_up, full, k, coord.n_tile * 128,
+                               coord.expert);
+            } else {
+              ptx::tma_load_2d(a_dst, &set.hidden_in, full, k, row);
+              ptx::tma_load_3d(b_dst, &set.w_down, full, k, coord.n_tile * BLOCK_N, coord.expert);
+            }
+          });
   }
 }
 
-__global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
-    const __grid_constant__ CUtensorMap x_rows, const __grid_constant__ CUtensorMap w_gate,
-    const __grid_constant__ CUtensorMap w_up, const __grid_constant__ CUtensorMap hidden_in,
-    const __grid_constant__ CUtensorMap w_down, const __grid_constant__ CUtensorMap hidden_out,
-    const __grid_constant__ CUtensorMap gate_out, const __grid_constant__ CUtensorMap up_out,
-    const __grid_constant__ CUtensorMap y_out, const ForwardGemmsParams params) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+    forward_gemms_kernel(const __grid_constant__ ForwardGemmsMaps maps,
+                         const __grid_constant__ ForwardGemmsParams params) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
@@ -177,9 +208,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
     ptx::setmaxnreg_dec<kProducerRegisters>();
     const FusedGather& gather = params.gate_up.gather;
     if (threadIdx.x == 0) {
-      for (const CUtensorMap* map : {&x_rows, &w_gate, &w_up, &hidden_in, &w_down})
+      for (const CUtensorMap* map : {&maps.routed.x_rows, &maps.routed.w_gate, &maps.routed.w_up,
+                                     &maps.routed.hidden_in, &maps.routed.w_down})
         ptx::prefetch_tensor_map(map);
-      schedule_and_load(x_rows, w_gate, w_up, hidden_in, w_down, params, smem, queue);
+      schedule_and_load(maps, params, smem, queue);
     } else if (gather.x != nullptr && threadIdx.x >= 32) {
       gather_rows_into_tiles(gather, params.gate_up.header, params.gate_up.row_pair,
                              gather_epoch(gather));
@@ -195,18 +227,22 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward_gemms_kernel(
       const QueuedTask task = queue.read(params.gate_up.wait, queued_count++);
       if (task.kind == kStopTask) break;
       if (threadIdx.x == BLOCK_M) trace_started(params.trace, task.ticket);
-      const bool gate_up = task.kind == static_cast<int32_t>(TaskKind::kGateUp);
-      consume_tile<false, false>(
-          params.gate_up.wait, smem, state,
-          (gate_up ? params.gate_up.k_extent : params.down.k_extent) / BLOCK_K, consumer_idx, acc);
-      const TileCoord coord = coord_of(params, task);  // after the mainloop: fewer live registers
-      if (gate_up) {
-        store_tile<ExpertGemmForm::kGateUpSwiGLU>({&hidden_out, &gate_out, &up_out}, smem,
-                                                  params.gate_up, coord, consumer_idx, acc);
-        if (threadIdx.x == BLOCK_M) signal_gate_up_done(params, coord.m_tile);
+      const auto kind = static_cast<TaskKind>(task.kind);
+      consume_tile<false, false>(params.gate_up.wait, smem, state,
+                                 gemm_params_of(params, kind).k_extent / BLOCK_K, consumer_idx,
+                                 acc);
+      // After the mainloop: fewer live registers.
+      const TileCoord coord = coord_of(params, task);
+      const ForwardSetMaps& set = is_shared(kind) ? maps.shared : maps.routed;
+      if (is_gate_up(kind)) {
+        store_tile<ExpertGemmForm::kGateUpSwiGLU>({&set.hidden_out, &set.gate_out, &set.up_out},
+                                                  smem, gemm_params_of(params, kind), coord,
+                                                  consumer_idx, acc);
+        if (threadIdx.x == BLOCK_M) signal_gate_up_done(params, is_shared(kind), coord.m_tile);
       } else {
-        store_tile<ExpertGemmForm::kDownStore>({&y_out, nullptr, nullptr}, smem, params.down, coord,
-                                               consumer_idx, acc);
+        store_tile<ExpertGemmForm::kDownStore>({&set.y_out, nullptr, nullptr}, smem,
+                                               gemm_params_of(params, kind), coord, consumer_idx,
+                                               acc);
       }
       if (threadIdx.x == BLOCK_M) trace_finished(params.trace, task.ticket);
     }
@@ -224,9 +260,7 @@ cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemm
       cudaFuncSetAttribute(forward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  forward_gemms_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(
-      maps.x_rows, maps.w_gate, maps.w_up, maps.hidden_in, maps.w_down, maps.hidden_out,
-      maps.gate_out, maps.up_out, maps.y_out, params);
+  forward_gemms_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
   return cudaGetLastError();
 }
 

@@ -18,7 +18,7 @@ namespace mok::kernels {
 // of expert_gemm.cu; unused maps may be any valid map.
 // The persistent forward GEMM kernel (forward_gemms.cu): every gate/up and down tile of the
 // forward in one launch of num_ctas CTAs; `epoch` = params.epoch must be advanced after it.
-struct ForwardGemmsMaps {
+struct ForwardSetMaps {
   CUtensorMap x_rows;      // A of gate/up: the gathered x rows [rows, H], [128 x 64] boxes
   CUtensorMap w_gate;      // [E_loc, I, H], [128 x 64] boxes
   CUtensorMap w_up;        // likewise
@@ -28,6 +28,12 @@ struct ForwardGemmsMaps {
   CUtensorMap gate_out;    // bf16(g), bf16(u) (the forward context),
   CUtensorMap up_out;
   CUtensorMap y_out;  // and the expert output rows [rows, H]
+};
+// The routed experts' maps, and the shared expert's (x itself as its rows, one expert, Is; used
+// when params.shared_m_tiles > 0).
+struct ForwardGemmsMaps {
+  ForwardSetMaps routed;
+  ForwardSetMaps shared;
 };
 cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemmsParams& params,
                                  int num_ctas, cudaStream_t stream);

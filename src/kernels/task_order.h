@@ -6,11 +6,15 @@
 //   gather(b, m)        copy the routed x rows of row tile m                     (memory-bound)
 //   gate_up(b, m, n)    128 x (128 gate + 128 up) tile with the SwiGLU epilogue  waits: gather(m)
 //   down(b, m, n)       128 x 256 tile of the expert output rows      waits: all gate_up(m, *)
-//   combine(k)          the fixed-order sum of token block k                waits: every down
+//   shared_gate_up(m, n)  the shared expert's gate/up tile: every token, one expert
+//   shared_down(m, n)   its down tile                       waits: all shared_gate_up(m, *)
+//   combine(k)          the fixed-order sum of token block k       waits: every (shared) down
 // Order (a software pipeline over minibatches: the gate/up tiles of b+1 run between the gate/up
 // and the down tiles of b, so a down tile rarely waits for a gate/up tile still in flight):
 //   gather(0) gate_up(0) | gather(1) gate_up(1) down(0) | gather(2) gate_up(2) down(1) | ...
-//   ... down(last) | combine(*)
+//   ... down(last) | shared_gate_up(*) | shared_down(*) | combine(*)
+// The shared expert's tiles depend on no routed task: after the routed ones, they fill the
+// routed down tiles' last wave (and its own down tiles, shorter, make the kernel's tail).
 // With plan.memory_tasks = 0 the order holds the GEMM tiles only (the persistent GEMM kernel:
 // the gather runs beside it on the producer warps or before it, the combine after it), and a
 // gate/up tile depends on nothing in the order.
@@ -26,7 +30,21 @@
 
 namespace mok::kernels {
 
-enum class TaskKind : int32_t { kGather = 0, kGateUp = 1, kDown = 2, kCombine = 3 };
+enum class TaskKind : int32_t {
+  kGather = 0,
+  kGateUp = 1,
+  kDown = 2,
+  kCombine = 3,
+  kSharedGateUp = 4,
+  kSharedDown = 5,
+};
+
+MOK_HOST_DEVICE inline bool is_gate_up(TaskKind kind) {
+  return kind == TaskKind::kGateUp || kind == TaskKind::kSharedGateUp;
+}
+MOK_HOST_DEVICE inline bool is_shared(TaskKind kind) {
+  return kind == TaskKind::kSharedGateUp || kind == TaskKind::kSharedDown;
+}
 
 struct ForwardPlan {
   int32_t num_m_tiles;       // 128-row tiles of the schedule (header.num_tiles)
@@ -35,22 +53,34 @@ struct ForwardPlan {
   int32_t down_n_tiles;      // ceil(H / 256)
   int32_t combine_blocks;    // token blocks of the combine
   int32_t memory_tasks = 1;  // 0: gather and combine are not in the order (GEMM tiles only)
+  // The shared expert (0 tiles: none, or not in this launch): its 128-row tiles over the
+  // tokens, ceil(Is / 128) gate/up and ceil(H / 256) down column tiles.
+  int32_t shared_m_tiles = 0;
+  int32_t shared_gate_up_n_tiles = 0;
+  int32_t shared_down_n_tiles = 0;
 };
 
 struct Task {
   TaskKind kind;
-  int32_t minibatch;  // -1 for combine
-  int32_t m_tile;     // row tile (gather, gate_up, down), -1 for combine
+  int32_t minibatch;  // -1 for combine and the shared expert's tiles
+  int32_t m_tile;     // row tile (gather, gate_up, down: the routed schedule's; shared: the
+                      // shared expert's), -1 for combine
   int32_t n_tile;     // column tile (gate_up, down), -1 otherwise
   int32_t block;      // combine block, -1 otherwise
 };
 
 // What a task waits for before it starts: a counter reaching a target. Producers add 1 to the
 // counter when they finish (release), the waiter acquires it. kNone: starts at once.
-enum class CounterKind : int32_t { kNone = 0, kRowsGathered = 1, kGateUpDone = 2, kDownDone = 3 };
+enum class CounterKind : int32_t {
+  kNone = 0,
+  kRowsGathered = 1,
+  kGateUpDone = 2,
+  kDownDone = 3,
+  kSharedGateUpDone = 4,
+};
 struct Dependency {
   CounterKind counter;
-  int32_t index;   // row tile for kRowsGathered / kGateUpDone; 0 for kDownDone
+  int32_t index;   // row tile for kRowsGathered / k(Shared)GateUpDone; 0 for kDownDone
   int64_t target;  // number of producer tasks
 };
 
@@ -84,9 +114,10 @@ MOK_HOST_DEVICE inline int32_t minibatch_tiles(const ForwardPlan& plan, int32_t 
 
 // The segments of the order: segment s is (kind, minibatch). Segment 0 is gather(0), 1 is
 // gate_up(0); then three per minibatch b >= 0: gather(b+1), gate_up(b+1), down(b) (the gather
-// and gate_up of a minibatch past the last are empty); then one combine segment.
+// and gate_up of a minibatch past the last are empty); then the shared expert's gate/up and
+// down segments (empty without one); then one combine segment.
 MOK_HOST_DEVICE inline int32_t num_segments(const ForwardPlan& plan) {
-  return 2 + 3 * num_minibatches(plan) + 1;
+  return 2 + 3 * num_minibatches(plan) + 2 + 1;
 }
 
 MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment, TaskKind* kind,
@@ -99,6 +130,9 @@ MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment,
     const int32_t b = (segment - 2) / 3, which = (segment - 2) % 3;
     *kind = which == 0 ? TaskKind::kGather : which == 1 ? TaskKind::kGateUp : TaskKind::kDown;
     *minibatch = which == 2 ? b : b + 1;
+  } else if (segment < 2 + 3 * batches + 2) {
+    *kind = segment == 2 + 3 * batches ? TaskKind::kSharedGateUp : TaskKind::kSharedDown;
+    *minibatch = -1;
   } else {
     *kind = TaskKind::kCombine;
     *minibatch = -1;
@@ -108,6 +142,10 @@ MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment,
 MOK_HOST_DEVICE inline int64_t segment_size(const ForwardPlan& plan, TaskKind kind, int32_t b) {
   if ((kind == TaskKind::kCombine || kind == TaskKind::kGather) && plan.memory_tasks == 0) return 0;
   if (kind == TaskKind::kCombine) return plan.combine_blocks;
+  if (kind == TaskKind::kSharedGateUp)
+    return static_cast<int64_t>(plan.shared_m_tiles) * plan.shared_gate_up_n_tiles;
+  if (kind == TaskKind::kSharedDown)
+    return static_cast<int64_t>(plan.shared_m_tiles) * plan.shared_down_n_tiles;
   if (b >= num_minibatches(plan)) return 0;
   const int64_t tiles = minibatch_tiles(plan, b);
   if (kind == TaskKind::kGather) return tiles;
@@ -171,6 +209,11 @@ MOK_HOST_DEVICE inline Task task_in_segment(const ForwardPlan& plan, int32_t seg
     task.block = static_cast<int32_t>(local_ticket);
   } else if (kind == TaskKind::kGather) {
     task.m_tile = minibatch_first_tile(plan, b) + static_cast<int32_t>(local_ticket);
+  } else if (is_shared(kind)) {
+    grouped_tile(
+        static_cast<int32_t>(local_ticket), plan.shared_m_tiles,
+        kind == TaskKind::kSharedGateUp ? plan.shared_gate_up_n_tiles : plan.shared_down_n_tiles,
+        &task.m_tile, &task.n_tile);
   } else {
     const int32_t n_tiles = kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles;
     grouped_tile(static_cast<int32_t>(local_ticket), minibatch_tiles(plan, b), n_tiles,
@@ -204,9 +247,14 @@ MOK_HOST_DEVICE inline Dependency dependency_of(const ForwardPlan& plan, const T
       return {CounterKind::kRowsGathered, task.m_tile, 1};
     case TaskKind::kDown:
       return {CounterKind::kGateUpDone, task.m_tile, plan.gate_up_n_tiles};
+    case TaskKind::kSharedGateUp:
+      return {CounterKind::kNone, 0, 0};
+    case TaskKind::kSharedDown:
+      return {CounterKind::kSharedGateUpDone, task.m_tile, plan.shared_gate_up_n_tiles};
     case TaskKind::kCombine:
       return {CounterKind::kDownDone, 0,
-              static_cast<int64_t>(plan.num_m_tiles) * plan.down_n_tiles};
+              static_cast<int64_t>(plan.num_m_tiles) * plan.down_n_tiles +
+                  static_cast<int64_t>(plan.shared_m_tiles) * plan.shared_down_n_tiles};
   }
   return {CounterKind::kNone, 0, 0};
 }

@@ -9,19 +9,20 @@ namespace mok::kernels {
 // What was being waited for; the host turns it into words (describe_wait_diagnosis in
 // wait_report.h).
 enum class WaitSite : int32_t {
-  kGemmFreeStage = 1,    // GEMM producer waiting for consumers to release a smem stage
-  kGemmLoadedStage = 2,  // GEMM consumer waiting for TMA to fill a smem stage
-  kCounter = 3,          // a dependency counter in global memory
-  kTestNeverReady = 4,   // the deliberately unsatisfiable wait of the timeout test
-  kGatheredRows = 5,     // GEMM producer waiting for a row tile's rows to be gathered
-  kTaskQueueSlot = 6,    // persistent scheduler waiting for a free slot of the CTA's task queue
-  kQueuedTask = 7,       // persistent consumer waiting for its next task
-  kGateUpDone = 8,       // persistent scheduler: a down tile waiting for its row tile's gate/up
-  kPeerSignal = 9,       // a rank waiting for another rank's signal (peer_barrier.cuh)
-  kBulkRow = 10,         // a bulk row copy's load into shared memory (bulk_rows.cuh)
-  kRowGemmsDone = 11,    // persistent backward: a SwiGLU task waiting for its row tile's GEMMs
-  kSwigluDone = 12,      // persistent backward: a gate/up dgrad tile waiting for its SwiGLU task
-  kExpertReady = 13,     // persistent backward: a weight-gradient tile waiting for its expert
+  kGemmFreeStage = 1,      // GEMM producer waiting for consumers to release a smem stage
+  kGemmLoadedStage = 2,    // GEMM consumer waiting for TMA to fill a smem stage
+  kCounter = 3,            // a dependency counter in global memory
+  kTestNeverReady = 4,     // the deliberately unsatisfiable wait of the timeout test
+  kGatheredRows = 5,       // GEMM producer waiting for a row tile's rows to be gathered
+  kTaskQueueSlot = 6,      // persistent scheduler waiting for a free slot of the CTA's task queue
+  kQueuedTask = 7,         // persistent consumer waiting for its next task
+  kGateUpDone = 8,         // persistent scheduler: a down tile waiting for its row tile's gate/up
+  kPeerSignal = 9,         // a rank waiting for another rank's signal (peer_barrier.cuh)
+  kBulkRow = 10,           // a bulk row copy's load into shared memory (bulk_rows.cuh)
+  kRowGemmsDone = 11,      // persistent backward: a SwiGLU task waiting for its row tile's GEMMs
+  kSwigluDone = 12,        // persistent backward: a gate/up dgrad tile waiting for its SwiGLU task
+  kExpertReady = 13,       // persistent backward: a weight-gradient tile waiting for its expert
+  kSharedGateUpDone = 14,  // persistent forward: a shared-expert down tile waiting for its gate/up
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

@@ -2,7 +2,8 @@
 // every dependency satisfied by tasks with smaller tickets (so any number of resident CTAs
 // makes progress), counter targets equal to the number of producers, and the minibatch
 // pipeline (the gate/up tiles of b+1 come between the gate/up and the down tiles of b); the
-// same with the GEMM tiles only (memory_tasks = 0, the persistent GEMM kernel).
+// same with the GEMM tiles only (memory_tasks = 0, the persistent GEMM kernel), with and
+// without the shared expert's tiles (after every routed tile, before the combine).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -33,6 +34,14 @@ std::vector<ForwardPlan> plans() {
                       static_cast<int32_t>(1 + rng.below(20)),
                       static_cast<int32_t>(1 + rng.below(30)),
                       static_cast<int32_t>(1 + rng.below(50))});
+  const size_t without_shared = result.size();
+  for (size_t i = 0; i < without_shared; ++i) {
+    ForwardPlan shared = result[i];
+    shared.shared_m_tiles = static_cast<int32_t>(i % 3 == 0 ? 1 : rng.below(40));
+    shared.shared_gate_up_n_tiles = static_cast<int32_t>(1 + rng.below(20));
+    shared.shared_down_n_tiles = static_cast<int32_t>(1 + rng.below(30));
+    result.push_back(shared);
+  }
   const size_t with_memory_tasks = result.size();
   for (size_t i = 0; i < with_memory_tasks; ++i) {
     ForwardPlan gemm_only = result[i];
@@ -47,12 +56,16 @@ TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
     SCOPED_TRACE(testing::Message()
                  << "m_tiles " << plan.num_m_tiles << " minibatch " << plan.minibatch_tiles
                  << " gate_up_n " << plan.gate_up_n_tiles << " down_n " << plan.down_n_tiles
-                 << " combine " << plan.combine_blocks << " memory tasks " << plan.memory_tasks);
+                 << " combine " << plan.combine_blocks << " memory tasks " << plan.memory_tasks
+                 << " shared m " << plan.shared_m_tiles << " gate_up_n "
+                 << plan.shared_gate_up_n_tiles << " down_n " << plan.shared_down_n_tiles);
     const int64_t total = num_tasks(plan);
     const int64_t memory = plan.memory_tasks != 0;
     const int64_t expected = static_cast<int64_t>(plan.num_m_tiles) *
                                  (memory + plan.gate_up_n_tiles + plan.down_n_tiles) +
-                             memory * plan.combine_blocks;
+                             memory * plan.combine_blocks +
+                             static_cast<int64_t>(plan.shared_m_tiles) *
+                                 (plan.shared_gate_up_n_tiles + plan.shared_down_n_tiles);
     ASSERT_EQ(total, expected);
     std::map<Key, int64_t> ticket_of;
     std::vector<Task> tasks;
@@ -62,9 +75,15 @@ TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
           << "ticket " << ticket << " repeats a task";
       tasks.push_back(task);
       if (plan.memory_tasks == 0)
-        ASSERT_TRUE(task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown)
+        ASSERT_TRUE(task.kind != TaskKind::kGather && task.kind != TaskKind::kCombine)
             << "ticket " << ticket << " is a memory task in a GEMM-only order";
-      if (task.kind != TaskKind::kCombine) {
+      if (is_shared(task.kind)) {
+        ASSERT_GE(task.m_tile, 0);
+        ASSERT_LT(task.m_tile, plan.shared_m_tiles);
+        ASSERT_LT(task.n_tile, task.kind == TaskKind::kSharedGateUp ? plan.shared_gate_up_n_tiles
+                                                                    : plan.shared_down_n_tiles);
+        ASSERT_EQ(task.minibatch, -1);
+      } else if (task.kind != TaskKind::kCombine) {
         ASSERT_GE(task.m_tile, 0);
         ASSERT_LT(task.m_tile, plan.num_m_tiles);
         ASSERT_EQ(task.minibatch, task.m_tile / plan.minibatch_tiles);
@@ -80,7 +99,10 @@ TEST(TaskOrder, EveryTaskOnceAndDependenciesEarlier) {
         counter = {static_cast<int>(CounterKind::kRowsGathered), task.m_tile};
       if (task.kind == TaskKind::kGateUp)
         counter = {static_cast<int>(CounterKind::kGateUpDone), task.m_tile};
-      if (task.kind == TaskKind::kDown) counter = {static_cast<int>(CounterKind::kDownDone), 0};
+      if (task.kind == TaskKind::kSharedGateUp)
+        counter = {static_cast<int>(CounterKind::kSharedGateUpDone), task.m_tile};
+      if (task.kind == TaskKind::kDown || task.kind == TaskKind::kSharedDown)
+        counter = {static_cast<int>(CounterKind::kDownDone), 0};
       if (counter.first < 0) continue;
       auto& [count, last] = producers[counter];
       ++count;
@@ -122,6 +144,37 @@ TEST(TaskOrder, NextMinibatchsGateUpTilesSeparateAMinibatchsGateUpAndDownTiles) 
       EXPECT_LT(last_gather_of_next, first_gate_up_of_next) << "minibatch " << b;
       if (memory_tasks == 0) EXPECT_EQ(last_gather_of_next, -1);
     }
+  }
+}
+
+// The shared expert's tiles come after every routed tile (they fill the routed tiles' last
+// wave) and before the combine; its down tiles after all of its gate/up tiles.
+TEST(TaskOrder, SharedExpertTilesFollowTheRoutedTiles) {
+  for (int32_t memory_tasks : {1, 0}) {
+    ForwardPlan plan{40, 16, 6, 5, 8};
+    plan.memory_tasks = memory_tasks;
+    plan.shared_m_tiles = 12;
+    plan.shared_gate_up_n_tiles = 3;
+    plan.shared_down_n_tiles = 5;
+    int64_t last_routed = -1, first_shared = -1, last_shared_gate_up = -1, first_shared_down = -1,
+            last_shared = -1, first_combine = -1;
+    for (int64_t ticket = 0; ticket < num_tasks(plan); ++ticket) {
+      const Task task = task_at(plan, ticket);
+      if (is_shared(task.kind)) {
+        if (first_shared < 0) first_shared = ticket;
+        last_shared = ticket;
+      } else if (task.kind == TaskKind::kCombine) {
+        if (first_combine < 0) first_combine = ticket;
+      } else {
+        last_routed = ticket;
+      }
+      if (task.kind == TaskKind::kSharedGateUp) last_shared_gate_up = ticket;
+      if (task.kind == TaskKind::kSharedDown && first_shared_down < 0) first_shared_down = ticket;
+    }
+    EXPECT_EQ(last_shared - first_shared + 1, 12 * (3 + 5));
+    EXPECT_LT(last_routed, first_shared);
+    EXPECT_LT(last_shared_gate_up, first_shared_down);
+    if (memory_tasks != 0) EXPECT_LT(last_shared, first_combine);
   }
 }
 

@@ -81,10 +81,11 @@ TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
 }
 
 // MoeConfig::trace_tasks: the same bits, and one event per task of the launch, each in order
-// (taken, queued, started, finished), as many of each kind as the shape has tiles.
+// (taken, queued, started, finished), as many of each kind as the shape has tiles (the shared
+// expert's in the persistent forward's stream too).
 TEST(PersistentBackwardGpu, TaskTraceRecordsEveryTask) {
-  const int64_t T = 700, H = 1024, I = 512, E = 8, K = 4;
-  const MoeShape shape = make_shape(T, H, I, E, K);
+  const int64_t T = 700, H = 1024, I = 512, E = 8, K = 4, Is = 384;
+  const MoeShape shape = make_shape(T, H, I, E, K, 1, Is);
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 93);
   DeviceProblem device(problem, 0);
   GpuLayer sequence(shape, MoeConfig{});
@@ -119,9 +120,13 @@ TEST(PersistentBackwardGpu, TaskTraceRecordsEveryTask) {
         EXPECT_NE(event.end_ns, ~0ull) << "a task started but never finished";
         EXPECT_GE(event.sm, 0);
       }
-      if (trace.kernel == "persistent forward") {  // gather, gate/up, down, combine
+      if (trace.kernel == "persistent forward") {
+        // gather, gate/up, down, combine, shared gate/up, shared down
         EXPECT_EQ(per_kind[1], row_tiles * (I / 128));
         EXPECT_EQ(per_kind[2], row_tiles * (H / 256));
+        const int64_t shared_tiles = (T + 127) / 128;
+        EXPECT_EQ(per_kind[4], shared_tiles * (Is / 128));
+        EXPECT_EQ(per_kind[5], shared_tiles * (H / 256));
       } else {  // rows, recompute, down dgrad, SwiGLU, gate/up dgrad, weight gradient, combine
         EXPECT_EQ(per_kind[0], 0);  // gathered before the launch or by the spare warps
         EXPECT_EQ(per_kind[1], 0);  // the forward context is used
