@@ -90,6 +90,75 @@ void forward_set_params(const GpuLayer::State& s, const ExpertSet& set,
   down.k_extent = static_cast<int32_t>(set.intermediate);
 }
 
+// The persistent backward's maps and parameters of one expert set (backward_experts' forms),
+// its counters and pipeline left to the caller. router_weights null = weight 1 (the shared
+// expert).
+kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSet& set,
+                                      const void* rows, const void* d_out_rows, int64_t rows_in_map,
+                                      const void* w_gate, const void* w_up, const void* w_down,
+                                      const float* router_weights, float* d_router_weights,
+                                      float* const* d_router_weights_peers, int32_t pairs_per_rank,
+                                      void* dx_out, int64_t dx_rows, const WeightGrads& grads,
+                                      kernels::BackwardSetParams& params) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
+                R = set.capacity_rows;
+  kernels::BackwardSetMaps maps{};
+  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
+  maps.up_out = output_rows(set.up.pointer, I, R, "up (recomputed)");
+  maps.d_out_rows = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
+  maps.w_down_mn = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  maps.dh_out = output_rows(set.hidden.pointer, I, R, "dh_raw");
+  maps.d_gate = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
+  maps.d_up = k_major_rows(set.d_up.pointer, I, R, "d_up");
+  maps.w_gate_mn = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
+  maps.w_up_mn = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  maps.dx_out = output_rows(dx_out, H, dx_rows, "dx rows");
+  maps.d_gate_mn = mn_major_rows(set.d_gate.pointer, I, R, "d_gate (MN-major)");
+  maps.d_up_mn = mn_major_rows(set.d_up.pointer, I, R, "d_up (MN-major)");
+  maps.d_out_mn = mn_major_rows(d_out_rows, H, rows_in_map, "d_out rows (MN-major)");
+  maps.x_mn = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
+  maps.h_w_mn = mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)");
+  maps.d_w_gate = make_tensor_map_3d(grads.d_w_gate, H, I, E, 64, 128, "weight gradient of gate");
+  maps.d_w_up = make_tensor_map_3d(grads.d_w_up, H, I, E, 64, 128, "weight gradient of up");
+  maps.d_w_down = make_tensor_map_3d(grads.d_w_down, I, H, E, 64, 128, "weight gradient of down");
+  maps.swiglu_gate = make_tensor_map_2d(set.gate.pointer, I, R, 64, 32, "gate (SwiGLU task)");
+  maps.swiglu_up = make_tensor_map_2d(set.up.pointer, I, R, 64, 32, "up (SwiGLU task)");
+  maps.swiglu_dh = make_tensor_map_2d(set.hidden.pointer, I, R, 64, 32, "dh_raw (SwiGLU task)");
+
+  auto form = [&](int64_t m, int64_t n, int64_t k) {
+    kernels::ExpertGemmParams p = base_params(s, set);
+    p.m_extent = static_cast<int32_t>(m);
+    p.n_extent = static_cast<int32_t>(n);
+    p.k_extent = static_cast<int32_t>(k);
+    return p;
+  };
+  params.recompute = form(0, I, H);
+  params.down_dgrad = form(0, I, H);
+  params.gate_up_dgrad = form(0, H, I);
+  params.wgrad_gate_up = form(I, H, 0);
+  params.wgrad_down = form(H, I, 0);
+  const ScheduleView view = set.view();
+  kernels::SwigluBackwardArgs& swiglu = params.swiglu;
+  swiglu.gate = static_cast<const uint4*>(set.gate.pointer);
+  swiglu.up = static_cast<const uint4*>(set.up.pointer);
+  swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
+  swiglu.row_pair = view.row_pair;
+  swiglu.router_weights = router_weights;
+  swiglu.vectors_per_row = I / 8;
+  swiglu.limit = s.shape.swiglu_limit;
+  swiglu.d_gate = static_cast<uint4*>(set.d_gate.pointer);
+  swiglu.d_up = static_cast<uint4*>(set.d_up.pointer);
+  swiglu.weighted_hidden = static_cast<uint4*>(set.hidden.pointer);
+  swiglu.d_router_weights = d_router_weights;
+  swiglu.d_router_weights_peers = d_router_weights_peers;
+  swiglu.pairs_per_rank = pairs_per_rank;
+  swiglu.row_begin = 0;
+  return maps;
+}
+
 void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
             const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
             cudaStream_t stream, const char* what) {
@@ -276,7 +345,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
 }
 
 // The routed experts' backward as one persistent kernel (backward_gemms.cu): the same GEMM
-// forms, epilogues and SwiGLU backward as backward_experts, one macrobatch.
+// forms, epilogues and SwiGLU backward as backward_experts, one macrobatch; with `shared`, the
+// shared expert's backward (backward_experts on s.shared) in the same launch.
 void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
                                  const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
                                  const void* w_up, const void* w_down, const float* router_weights,
@@ -285,75 +355,42 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
                                  const WeightGrads& grads, bool recompute,
                                  const kernels::FusedGather& d_out_gather,
                                  const kernels::FusedGather& x_gather, cudaStream_t stream,
-                                 const StageMarker& mark) {
-  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
-                R = set.capacity_rows;
-  kernels::BackwardGemmsMaps maps{};
-  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
-  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
-  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
-  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
-  maps.up_out = output_rows(set.up.pointer, I, R, "up (recomputed)");
-  maps.d_out_rows = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
-  maps.w_down_mn = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
-  maps.dh_out = output_rows(set.hidden.pointer, I, R, "dh_raw");
-  maps.d_gate = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
-  maps.d_up = k_major_rows(set.d_up.pointer, I, R, "d_up");
-  maps.w_gate_mn = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
-  maps.w_up_mn = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
-  maps.dx_out = output_rows(dx_out, H, dx_rows, "dx rows");
-  maps.d_gate_mn = mn_major_rows(set.d_gate.pointer, I, R, "d_gate (MN-major)");
-  maps.d_up_mn = mn_major_rows(set.d_up.pointer, I, R, "d_up (MN-major)");
-  maps.d_out_mn = mn_major_rows(d_out_rows, H, rows_in_map, "d_out rows (MN-major)");
-  maps.x_mn = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
-  maps.h_w_mn = mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)");
-  maps.d_w_gate = make_tensor_map_3d(grads.d_w_gate, H, I, E, 64, 128, "weight gradient of gate");
-  maps.d_w_up = make_tensor_map_3d(grads.d_w_up, H, I, E, 64, 128, "weight gradient of up");
-  maps.d_w_down = make_tensor_map_3d(grads.d_w_down, I, H, E, 64, 128, "weight gradient of down");
-  maps.swiglu_gate = make_tensor_map_2d(set.gate.pointer, I, R, 64, 32, "gate (SwiGLU task)");
-  maps.swiglu_up = make_tensor_map_2d(set.up.pointer, I, R, 64, 32, "up (SwiGLU task)");
-  maps.swiglu_dh = make_tensor_map_2d(set.hidden.pointer, I, R, 64, 32, "dh_raw (SwiGLU task)");
-
-  kernels::BackwardGemmsParams params{};
-  auto form = [&](int64_t m, int64_t n, int64_t k) {
-    kernels::ExpertGemmParams p = base_params(s, set);
-    p.m_extent = static_cast<int32_t>(m);
-    p.n_extent = static_cast<int32_t>(n);
-    p.k_extent = static_cast<int32_t>(k);
-    return p;
-  };
-  params.recompute = form(0, I, H);
-  params.down_dgrad = form(0, I, H);
-  params.gate_up_dgrad = form(0, H, I);
-  params.wgrad_gate_up = form(I, H, 0);
-  params.wgrad_down = form(H, I, 0);
-  const ScheduleView view = set.view();
-  kernels::SwigluBackwardArgs& swiglu = params.swiglu;
-  swiglu.gate = static_cast<const uint4*>(set.gate.pointer);
-  swiglu.up = static_cast<const uint4*>(set.up.pointer);
-  swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
-  swiglu.row_pair = view.row_pair;
-  swiglu.router_weights = router_weights;
-  swiglu.vectors_per_row = I / 8;
-  swiglu.limit = s.shape.swiglu_limit;
-  swiglu.d_gate = static_cast<uint4*>(set.d_gate.pointer);
-  swiglu.d_up = static_cast<uint4*>(set.d_up.pointer);
-  swiglu.weighted_hidden = static_cast<uint4*>(set.hidden.pointer);
-  swiglu.d_router_weights = d_router_weights;
-  swiglu.d_router_weights_peers = d_router_weights_peers;
-  swiglu.pairs_per_rank = pairs_per_rank;
-  swiglu.row_begin = 0;
-  params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
-  params.recompute_rows = recompute ? 1 : 0;
-  params.d_out_gather = d_out_gather;
-  params.x_gather = x_gather;
-  const int64_t max_tiles = set.layout.params.max_tiles();
+                                 const StageMarker& mark, const SharedExpertBackward* shared) {
+  const int64_t max_tiles = set.layout.params.max_tiles(), E = set.num_experts;
   unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>();
+  kernels::BackwardGemmsMaps maps{};
+  kernels::BackwardGemmsParams params{};
+  params.num_sets = 1;
   params.ticket = counters;
   params.epoch = counters + 1;
-  params.row_gemms_done = counters + 2;
-  params.swiglu_done = counters + 2 + max_tiles;
-  params.expert_ready = counters + 2 + 2 * max_tiles;
+  kernels::BackwardSetParams& routed = params.sets[0];
+  maps.sets[0] = backward_set(s, set, rows, d_out_rows, rows_in_map, w_gate, w_up, w_down,
+                              router_weights, d_router_weights, d_router_weights_peers,
+                              pairs_per_rank, dx_out, dx_rows, grads, routed);
+  routed.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
+  routed.recompute_rows = recompute ? 1 : 0;
+  routed.d_out_gather = d_out_gather;
+  routed.x_gather = x_gather;
+  routed.row_gemms_done = counters + 2;
+  routed.swiglu_done = counters + 2 + max_tiles;
+  routed.expert_ready = counters + 2 + 2 * max_tiles;
+  if (shared != nullptr && s.shape.num_tokens > 0) {
+    // The shared expert: every token is a row (its own fixed schedule), one expert, one
+    // minibatch; its counters follow the routed set's and the fused gathers'.
+    const int64_t T = s.shape.num_tokens,
+                  shared_tiles = (T + kDefaultRowAlign - 1) / kDefaultRowAlign;
+    kernels::BackwardSetParams& shared_set = params.sets[1];
+    maps.sets[1] = backward_set(s, s.shared, shared->x, shared->d_out, T, shared->w_gate,
+                                shared->w_up, shared->w_down, nullptr, nullptr, nullptr, 0,
+                                shared->dx_out, T, shared->grads, shared_set);
+    shared_set.minibatch_tiles = static_cast<int32_t>(shared_tiles);
+    shared_set.recompute_rows = recompute ? 1 : 0;
+    unsigned long long* shared_counters = counters + 2 + 2 * max_tiles + E + 2 * (2 + max_tiles);
+    shared_set.row_gemms_done = shared_counters;
+    shared_set.swiglu_done = shared_counters + shared_tiles;
+    shared_set.expert_ready = shared_counters + 2 * shared_tiles;
+    params.num_sets = 2;
+  }
   params.trace = task_trace(s.backward_trace, s.backward_trace_capacity, stream);
   cuda_check(kernels::launch_backward_gemms(maps, params, s.sm_count, stream),
              "persistent backward kernel");
@@ -362,8 +399,15 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set,
   for (const kernels::FusedGather* gather : {&d_out_gather, &x_gather})
     if (gather->x != nullptr)
       cuda_check(kernels::launch_advance_epoch(gather->epoch, stream), "advance a gather's epoch");
-  mark(recompute ? "recompute + dgrads + SwiGLU + weight gradients (persistent)"
-                 : "dgrads + SwiGLU + weight gradients (persistent)");
+  const char* what =
+      params.num_sets == 2
+          ? (recompute ? "recompute + dgrads + SwiGLU + weight gradients + shared "
+                         "expert (persistent)"
+                       : "dgrads + SwiGLU + weight gradients + shared expert "
+                         "(persistent)")
+          : (recompute ? "recompute + dgrads + SwiGLU + weight gradients (persistent)"
+                       : "dgrads + SwiGLU + weight gradients (persistent)");
+  mark(what);
 }
 
 }  // namespace stages

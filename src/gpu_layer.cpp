@@ -84,9 +84,11 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
   cuda_check(cudaMemset(s.persistent_state.pointer, 0, s.persistent_state.bytes),
              "zero persistent forward counters");
   if (config.persistent_backward) {
-    s.persistent_backward_state.allocate(
-        (2 + 2 * params.max_tiles() + shape.num_local_experts() + 2 * (2 + params.max_tiles())) * 8,
-        "persistent backward counters");
+    // Ticket, epoch, the routed set's counters, the fused gathers', the shared expert's.
+    s.persistent_backward_state.allocate((2 + 2 * params.max_tiles() + shape.num_local_experts() +
+                                          2 * (2 + params.max_tiles()) + 2 * shared_tiles + 1) *
+                                             8,
+                                         "persistent backward counters");
     cuda_check(
         cudaMemset(s.persistent_backward_state.pointer, 0, s.persistent_backward_state.bytes),
         "zero persistent backward counters");
@@ -99,7 +101,11 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
     s.forward_trace_capacity = max_tiles * (gate_up_n + down_n) +
                                shared_tiles * ((shape.shared_intermediate + 127) / 128 + down_n);
     s.backward_trace_capacity = max_tiles * (2 + gate_up_n + inter_n + down_n) +
-                                E_loc * (2 * gate_up_n * down_n + ((H + 127) / 128) * inter_n);
+                                E_loc * (2 * gate_up_n * down_n + ((H + 127) / 128) * inter_n) +
+                                shared_tiles * (2 + (shape.shared_intermediate + 127) / 128 +
+                                                (shape.shared_intermediate + 255) / 256 + down_n) +
+                                2 * ((shape.shared_intermediate + 127) / 128) * down_n +
+                                ((H + 127) / 128) * ((shape.shared_intermediate + 255) / 256);
     s.forward_trace.allocate(s.forward_trace_capacity * sizeof(TaskTraceEvent),
                              "persistent forward task trace");
     s.backward_trace.allocate(s.backward_trace_capacity * sizeof(TaskTraceEvent),
@@ -174,7 +180,9 @@ std::vector<TaskTrace> GpuLayer::task_traces(cudaStream_t stream) {
   if (s.backward_trace_capacity > 0)
     download(s.backward_trace, s.backward_trace_capacity, "persistent backward",
              {"rows", "recompute", "down dgrad", "SwiGLU", "gate/up dgrad", "weight gradient",
-              "combine"});  // kernels::BackwardTaskKind
+              "combine", "shared rows", "shared recompute", "shared down dgrad", "shared SwiGLU",
+              "shared gate/up dgrad", "shared weight gradient",
+              "shared combine"});  // kernels::BackwardTaskKind, routed then shared
   return traces;
 }
 
@@ -324,6 +332,18 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
   // rank's own tensors.
   const bool gathers_inside =
       persistent && s.ep == nullptr && s.config.local_dispatch == LocalDispatch::kProducerWarps;
+  // The persistent backward also runs the shared expert's tasks, in the same ticket stream.
+  const bool shared_in_persistent = persistent && shape.has_shared_expert() && T > 0;
+  stages::SharedExpertBackward shared_backward;
+  if (shared_in_persistent)
+    shared_backward = {
+        fwd.x.data,
+        args.d_out.data,
+        fwd.w_shared_gate.data,
+        fwd.w_shared_up.data,
+        fwd.w_shared_down.data,
+        s.shared_out.pointer,
+        {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data}};
   for (int32_t m = 0; m < s.num_macrobatches; ++m) {
     const int64_t row_begin = m * ring_rows;
     const bool recompute = m > 0 || !use_context;
@@ -360,7 +380,7 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
           fwd.w_up.data, fwd.w_down.data, weights, d_router_weights, d_router_weights_peers,
           pairs_per_rank, s.expert_out.pointer, max_rows,
           {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}, recompute, d_out_gather,
-          x_gather, stream, mark);
+          x_gather, stream, mark, shared_in_persistent ? &shared_backward : nullptr);
     else
       stages::backward_experts(s, s.routed, s.rows.pointer, s.d_out_rows.pointer, ring_rows,
                                fwd.w_gate.data, fwd.w_up.data, fwd.w_down.data, weights,
@@ -372,7 +392,7 @@ static void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_
 #if MOK_HAS_NCCL
   if (s.ep != nullptr) ep::push_rows(s, stream, mark, "push dx");
 #endif
-  if (shape.has_shared_expert()) {
+  if (shape.has_shared_expert() && !shared_in_persistent) {
     if (T > 0) {
       stages::backward_experts(
           s, s.shared, fwd.x.data, args.d_out.data, T, fwd.w_shared_gate.data, fwd.w_shared_up.data,

@@ -140,6 +140,17 @@ struct SharedExpertForward {
   const void* w_down = nullptr;
   void* out = nullptr;  // [T, H]
 };
+// The shared expert's backward inputs and outputs, for a persistent backward launch that
+// carries its tasks.
+struct SharedExpertBackward {
+  const void* x = nullptr;      // [T, H]
+  const void* d_out = nullptr;  // [T, H]
+  const void* w_gate = nullptr;
+  const void* w_up = nullptr;
+  const void* w_down = nullptr;
+  void* dx_out = nullptr;  // [T, H]: its dx rows, for the d_x combine
+  WeightGrads grads{};
+};
 // The same as one persistent kernel (MoeConfig::persistent_forward), one launch per macrobatch;
 // with `shared`, the launch also runs the shared expert's tiles (s.shared) after the routed ones.
 void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
@@ -164,15 +175,13 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
 // The same as one persistent kernel (MoeConfig::persistent_backward; one macrobatch): the rows
 // and d_out rows are gathered inside it by the gathers whose `x` is set, else before it; the
 // d_x combine runs after it.
-void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                                 const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
-                                 const void* w_up, const void* w_down, const float* router_weights,
-                                 float* d_router_weights, float* const* d_router_weights_peers,
-                                 int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
-                                 const WeightGrads& grads, bool recompute,
-                                 const kernels::FusedGather& d_out_gather,
-                                 const kernels::FusedGather& x_gather, cudaStream_t stream,
-                                 const StageMarker& mark);
+void backward_experts_persistent(
+    const GpuLayer::State& s, const ExpertSet& set, const void* rows, const void* d_out_rows,
+    int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
+    const float* router_weights, float* d_router_weights, float* const* d_router_weights_peers,
+    int32_t pairs_per_rank, void* dx_out, int64_t dx_rows, const WeightGrads& grads, bool recompute,
+    const kernels::FusedGather& d_out_gather, const kernels::FusedGather& x_gather,
+    cudaStream_t stream, const StageMarker& mark, const SharedExpertBackward* shared = nullptr);
 
 }  // namespace stages
 

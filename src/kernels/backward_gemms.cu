@@ -4,7 +4,9 @@
 // producer warps during the launch (the forward's fused local dispatch, dispatch_local.cuh), or
 // before it (expert parallel: expanded from the received rows); the rows(m) tickets are skipped
 // either way. The fixed-order d_x combine runs after the launch, so the plan has no combine
-// tasks; one macrobatch (the layer runs the kernel sequence otherwise).
+// tasks; one macrobatch (the layer runs the kernel sequence otherwise). With a shared expert
+// (params.num_sets = 2) its tasks run in the same ticket stream, merged into the routed order
+// (backward_task_order.h), on its own maps, parameters and counters: a queued task names its set.
 //
 // Grid: persistent, one 384-thread CTA per SM (or fewer resident: see Progress).
 // Warp roles (the mainloop, the loads and the epilogues are the expert GEMM's:
@@ -66,6 +68,7 @@ constexpr int kSwigluBarrier = 2;
 // A task as the consumers need it.
 struct QueuedTask {
   int32_t kind;  // BackwardTaskKind, or kStopTask
+  int32_t set;   // 0 the routed experts, 1 the shared expert
   int32_t m_tile;
   int32_t n_tile;
   int32_t expert;  // the row tile's expert, or the weight gradient's
@@ -81,9 +84,9 @@ __device__ __forceinline__ unsigned long long launch_epoch(const BackwardGemmsPa
   return *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
 }
 
-// The plan of this launch; `expert_tiles` (shared memory, E_loc + 1 entries) holds each
+// The plan of one expert set; `expert_tiles` (shared memory, E + 1 entries) holds each
 // expert's first row tile.
-__device__ __forceinline__ BackwardPlan plan_of(const BackwardGemmsParams& params,
+__device__ __forceinline__ BackwardPlan plan_of(const BackwardSetParams& params,
                                                 const int32_t* expert_tiles) {
   const int32_t I = params.down_dgrad.n_extent, H = params.gate_up_dgrad.n_extent;
   BackwardPlan plan;
@@ -104,10 +107,11 @@ __device__ __forceinline__ BackwardPlan plan_of(const BackwardGemmsParams& param
 // What the consumers need of `task`: coordinates, the expert, and the K blocks. From shared
 // memory only (the plan's expert_tiles): a global load here would sit between two tasks' loads
 // on the scheduler's critical path.
-__device__ __forceinline__ QueuedTask queued_task(const BackwardGemmsParams& params,
+__device__ __forceinline__ QueuedTask queued_task(const BackwardSetParams& params,
                                                   const BackwardPlan& plan,
                                                   const BackwardTask& task) {
-  QueuedTask queued{static_cast<int32_t>(task.kind), task.m_tile, task.n_tile, -1, -1, 0, 0, -1};
+  QueuedTask queued{
+      static_cast<int32_t>(task.kind), task.set, task.m_tile, task.n_tile, -1, -1, 0, 0, -1};
   if (task.kind == BackwardTaskKind::kWeightGrad) {
     // Weight tile index -> (m, n) as the standalone kernel walks them; K = the expert's rows.
     const ExpertGemmParams& wgrad = task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up;
@@ -152,21 +156,27 @@ __device__ __forceinline__ TileCoord coord_of(const QueuedTask& task) {
 __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
                                                   const BackwardGemmsParams& params, Storage& smem,
                                                   TaskQueue<QueuedTask>& queue,
-                                                  const int32_t* expert_tiles) {
-  const WaitContext& wait = params.down_dgrad.wait;
-  const BackwardPlan plan = plan_of(params, expert_tiles);
-  const int64_t num_tasks_here = num_tasks(plan);
+                                                  const int32_t* const expert_tiles[2]) {
+  const BackwardSetParams& routed = params.sets[0];
+  const WaitContext& wait = routed.down_dgrad.wait;
+  BackwardPlans plans;
+  plans.num_sets = params.num_sets;
+  for (int set = 0; set < params.num_sets; ++set)
+    plans.sets[set] = plan_of(params.sets[set], expert_tiles[set]);
+  const int64_t num_tasks_here = num_tasks(plans);
   const unsigned long long epoch = launch_epoch(params);
   const unsigned long long ticket_base = epoch << 32;
+  // Only the routed set gathers rows (the shared expert's are the tokens themselves).
   const unsigned long long d_out_epoch =
-      params.d_out_gather.x != nullptr ? gather_epoch(params.d_out_gather) : 0;
+      routed.d_out_gather.x != nullptr ? gather_epoch(routed.d_out_gather) : 0;
   const unsigned long long x_epoch =
-      params.x_gather.x != nullptr ? gather_epoch(params.x_gather) : 0;
+      routed.x_gather.x != nullptr ? gather_epoch(routed.x_gather) : 0;
   PipelineState<kNumStages> state;
   uint32_t published = 0;  // tasks in the queue so far
   SegmentCursor cursor;    // this CTA's tickets only grow
-  // The expert whose SwiGLU tasks this thread last saw finished: its next weight-gradient tiles
-  // (an expert has hundreds, several per CTA in a row) need no second look at the counter.
+  // The expert (set * 2^16 + expert) whose SwiGLU tasks this thread last saw finished: its next
+  // weight-gradient tiles (an expert has hundreds, several per CTA in a row) need no second
+  // look at the counter.
   int32_t ready_expert = -1;
   // Decodes `ticket` (taking further tickets past the rows tasks, which the spare warps or the
   // expansion before the launch ran) into the task the consumers need; past the last task, the
@@ -175,11 +185,11 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
   uint64_t ticket_ns = 0, decoded_ns = 0;  // of the task decoded last (the task trace)
   auto decode = [&](long long ticket) {
     ticket_ns = trace_clock(params.trace);
-    QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, -1};
+    QueuedTask queued{kStopTask, 0, 0, 0, 0, 0, 0, 0, -1};
     while (ticket < num_tasks_here) {
-      const BackwardTask task = backward_task_at(plan, ticket, &cursor);
+      const BackwardTask task = backward_task_at(plans, ticket, &cursor);
       if (task.kind != BackwardTaskKind::kRows) {
-        queued = queued_task(params, plan, task);
+        queued = queued_task(params.sets[task.set], plans.sets[task.set], task);
         queued.ticket = static_cast<int32_t>(ticket);
         break;
       }
@@ -198,28 +208,33 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
       // waits only for smaller tickets, whose loads were issued before theirs was queued).
       const uint64_t wait_ns = trace_clock(params.trace);
       const auto kind = static_cast<BackwardTaskKind>(queued.kind);
-      if (kind == BackwardTaskKind::kRecompute && params.x_gather.x != nullptr) {
-        wait_for_gathered_tile(wait, params.x_gather, queued.m_tile, x_epoch);
-      } else if (kind == BackwardTaskKind::kDownDgrad && params.d_out_gather.x != nullptr) {
-        wait_for_gathered_tile(wait, params.d_out_gather, queued.m_tile, d_out_epoch);
+      const BackwardSetParams& set = params.sets[queued.set];
+      const BackwardPlan& plan = plans.sets[queued.set];
+      const int32_t expert_key = (queued.set << 16) + queued.expert;
+      if (kind == BackwardTaskKind::kRecompute && set.x_gather.x != nullptr) {
+        wait_for_gathered_tile(wait, set.x_gather, queued.m_tile, x_epoch);
+      } else if (kind == BackwardTaskKind::kDownDgrad && set.d_out_gather.x != nullptr) {
+        wait_for_gathered_tile(wait, set.d_out_gather, queued.m_tile, d_out_epoch);
       } else if (kind == BackwardTaskKind::kSwiglu) {
-        wait_for_count(wait, WaitSite::kRowGemmsDone, params.row_gemms_done + queued.m_tile, epoch,
+        wait_for_count(wait, WaitSite::kRowGemmsDone, set.row_gemms_done + queued.m_tile, epoch,
                        plan.down_dgrad_n_tiles + (plan.recompute != 0 ? plan.gate_up_n_tiles : 0));
         asm volatile("fence.proxy.async.global;" ::: "memory");
       } else if (kind == BackwardTaskKind::kGateUpDgrad) {
-        wait_for_count(wait, WaitSite::kSwigluDone, params.swiglu_done + queued.m_tile, epoch, 1);
+        wait_for_count(wait, WaitSite::kSwigluDone, set.swiglu_done + queued.m_tile, epoch, 1);
         asm volatile("fence.proxy.async.global;" ::: "memory");
-      } else if (kind == BackwardTaskKind::kWeightGrad && queued.expert != ready_expert) {
-        const int32_t tiles = expert_tiles[queued.expert + 1] - expert_tiles[queued.expert];
+      } else if (kind == BackwardTaskKind::kWeightGrad && expert_key != ready_expert) {
+        const int32_t* tiles_of = expert_tiles[queued.set];
+        const int32_t tiles = tiles_of[queued.expert + 1] - tiles_of[queued.expert];
         if (tiles > 0) {
-          wait_for_count(wait, WaitSite::kExpertReady, params.expert_ready + queued.expert, epoch,
+          wait_for_count(wait, WaitSite::kExpertReady, set.expert_ready + queued.expert, epoch,
                          tiles);
           asm volatile("fence.proxy.async.global;" ::: "memory");
         }
-        ready_expert = queued.expert;
+        ready_expert = expert_key;
       }
-      trace_queued(params.trace, queued.ticket, queued.kind, queued.m_tile, queued.n_tile,
-                   queued.expert, ticket_ns, decoded_ns, wait_ns);
+      // The trace's kinds: the routed set's BackwardTaskKind, then the shared set's.
+      trace_queued(params.trace, queued.ticket, queued.kind + queued.set * kNumBackwardTaskKinds,
+                   queued.m_tile, queued.n_tile, queued.expert, ticket_ns, decoded_ns, wait_ns);
     }
     queue.publish(wait, published++, queued);
     if (queued.kind == kStopTask) return;
@@ -228,48 +243,50 @@ __device__ __forceinline__ void schedule_and_load(const BackwardGemmsMaps& maps,
         static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     const TileCoord coord = coord_of(queued);
     const auto kind = static_cast<BackwardTaskKind>(queued.kind);
-    const int64_t intermediate = params.swiglu.vectors_per_row * 8;
+    const BackwardSetMaps& set_maps = maps.sets[queued.set];
+    const BackwardSetParams& set = params.sets[queued.set];
+    const int64_t intermediate = set.swiglu.vectors_per_row * 8;
     // The next ticket is decoded after the last K-block is issued, while the consumers work
     // through the ring's last stages. Decoding after the first K-block instead (to hide it behind
     // the previous task) held the decode's state live across the K-block loop: the producer
     // spilled in it and every GEMM tile ran 25-30% longer (docs/perf.md, session 7).
     for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
-      produce_stage(wait, smem, state,
-                    kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
-                                                      : kTileABytes + kTileBBytes,
-                    [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                      switch (kind) {
-                        case BackwardTaskKind::kSwiglu:
-                          issue_swiglu_loads(&maps.swiglu_gate, &maps.swiglu_up, &maps.swiglu_dh,
-                                             intermediate, coord.m_tile, 0, k_block, a_dst, b_dst,
-                                             full);
-                          break;
-                        case BackwardTaskKind::kRecompute:
-                          issue_loads<ExpertGemmForm::kGateUpStore>(
-                              &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up,
-                              params.recompute, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        case BackwardTaskKind::kDownDgrad:
-                          issue_loads<ExpertGemmForm::kDownGrad>(
-                              &maps.d_out_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.w_down_mn,
-                              params.down_dgrad, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        case BackwardTaskKind::kGateUpDgrad:
-                          issue_loads<ExpertGemmForm::kGateUpGradStore>(
-                              &maps.d_gate, &maps.d_up, &maps.w_gate_mn, &maps.w_up_mn,
-                              params.gate_up_dgrad, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        default: {  // kWeightGrad
-                          const CUtensorMap* a = queued.matrix == 0   ? &maps.d_gate_mn
-                                                 : queued.matrix == 1 ? &maps.d_up_mn
-                                                                      : &maps.d_out_mn;
-                          const CUtensorMap* b = queued.matrix == 2 ? &maps.h_w_mn : &maps.x_mn;
-                          issue_loads<ExpertGemmForm::kWeightGrad>(
-                              a, a, b, b, params.wgrad_gate_up, coord, k_block, a_dst, b_dst, full);
-                          break;
-                        }
-                      }
-                    });
+      produce_stage(
+          wait, smem, state,
+          kind == BackwardTaskKind::kSwiglu ? swiglu_stage_bytes(intermediate, k_block)
+                                            : kTileABytes + kTileBBytes,
+          [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+            switch (kind) {
+              case BackwardTaskKind::kSwiglu:
+                issue_swiglu_loads(&set_maps.swiglu_gate, &set_maps.swiglu_up, &set_maps.swiglu_dh,
+                                   intermediate, coord.m_tile, 0, k_block, a_dst, b_dst, full);
+                break;
+              case BackwardTaskKind::kRecompute:
+                issue_loads<ExpertGemmForm::kGateUpStore>(
+                    &set_maps.x_rows, &set_maps.x_rows, &set_maps.w_gate, &set_maps.w_up,
+                    set.recompute, coord, k_block, a_dst, b_dst, full);
+                break;
+              case BackwardTaskKind::kDownDgrad:
+                issue_loads<ExpertGemmForm::kDownGrad>(
+                    &set_maps.d_out_rows, &set_maps.d_out_rows, &set_maps.w_down_mn,
+                    &set_maps.w_down_mn, set.down_dgrad, coord, k_block, a_dst, b_dst, full);
+                break;
+              case BackwardTaskKind::kGateUpDgrad:
+                issue_loads<ExpertGemmForm::kGateUpGradStore>(
+                    &set_maps.d_gate, &set_maps.d_up, &set_maps.w_gate_mn, &set_maps.w_up_mn,
+                    set.gate_up_dgrad, coord, k_block, a_dst, b_dst, full);
+                break;
+              default: {  // kWeightGrad
+                const CUtensorMap* a = queued.matrix == 0   ? &set_maps.d_gate_mn
+                                       : queued.matrix == 1 ? &set_maps.d_up_mn
+                                                            : &set_maps.d_out_mn;
+                const CUtensorMap* b = queued.matrix == 2 ? &set_maps.h_w_mn : &set_maps.x_mn;
+                issue_loads<ExpertGemmForm::kWeightGrad>(a, a, b, b, set.wgrad_gate_up, coord,
+                                                         k_block, a_dst, b_dst, full);
+                break;
+              }
+            }
+          });
     }
     next = decode(next_ticket);
   }
@@ -283,10 +300,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                               ~uintptr_t{1023});
   auto& queue =
       *reinterpret_cast<TaskQueue<QueuedTask>*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
-  int32_t* expert_tiles = reinterpret_cast<int32_t*>(&queue + 1);
-  const int32_t num_experts = params.down_dgrad.num_experts;
-  for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
-    expert_tiles[e] = params.down_dgrad.expert_offsets[e] / BLOCK_M;
+  // Each set's expert row-tile starts (E_loc + 1 entries, then 2 for the shared expert).
+  const BackwardSetParams& routed = params.sets[0];
+  int32_t* routed_tiles = reinterpret_cast<int32_t*>(&queue + 1);
+  int32_t* shared_tiles = routed_tiles + routed.down_dgrad.num_experts + 1;
+  for (int set = 0; set < params.num_sets; ++set) {
+    const ExpertGemmParams& gemm = params.sets[set].down_dgrad;
+    int32_t* tiles = set == 0 ? routed_tiles : shared_tiles;
+    for (int e = threadIdx.x; e <= gemm.num_experts; e += blockDim.x)
+      tiles[e] = gemm.expert_offsets[e] / BLOCK_M;
+  }
   if (threadIdx.x == 0) queue.init();
   init_pipeline(smem);  // also fences the barrier inits and syncs the CTA
   const int warpgroup = threadIdx.x / 128;
@@ -294,26 +317,30 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      for (const CUtensorMap* map : {&maps.x_rows, &maps.d_out_rows, &maps.w_down_mn, &maps.d_gate,
-                                     &maps.d_up, &maps.d_gate_mn, &maps.x_mn})
+      const BackwardSetMaps& routed_maps = maps.sets[0];
+      for (const CUtensorMap* map :
+           {&routed_maps.x_rows, &routed_maps.d_out_rows, &routed_maps.w_down_mn,
+            &routed_maps.d_gate, &routed_maps.d_up, &routed_maps.d_gate_mn, &routed_maps.x_mn})
         ptx::prefetch_tensor_map(map);
+      const int32_t* const expert_tiles[2] = {routed_tiles, shared_tiles};
       schedule_and_load(maps, params, smem, queue, expert_tiles);
     } else if (threadIdx.x >= 32) {
-      // The spare warps gather the rows (any CTA's warps take any row: progress with any number
-      // of resident CTAs).
-      const ScheduleHeader* header = params.down_dgrad.header;
-      if (params.d_out_gather.x != nullptr)
-        gather_rows_into_tiles(params.d_out_gather, header, params.down_dgrad.row_pair,
-                               gather_epoch(params.d_out_gather));
-      if (params.x_gather.x != nullptr)
-        gather_rows_into_tiles(params.x_gather, header, params.down_dgrad.row_pair,
-                               gather_epoch(params.x_gather));
+      // The spare warps gather the routed rows (any CTA's warps take any row: progress with any
+      // number of resident CTAs).
+      const ScheduleHeader* header = routed.down_dgrad.header;
+      if (routed.d_out_gather.x != nullptr)
+        gather_rows_into_tiles(routed.d_out_gather, header, routed.down_dgrad.row_pair,
+                               gather_epoch(routed.d_out_gather));
+      if (routed.x_gather.x != nullptr)
+        gather_rows_into_tiles(routed.x_gather, header, routed.down_dgrad.row_pair,
+                               gather_epoch(routed.x_gather));
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     const int consumer_idx = warpgroup - 1;
     const bool issuer = threadIdx.x == BLOCK_M;
     const unsigned long long epoch = launch_epoch(params);
+    const WaitContext& wait = routed.down_dgrad.wait;
     PipelineState<kNumStages> state;
     uint32_t queued_count = 0;  // tasks read so far
     // The accumulators stay live across tasks in ptxas's view (the wgmma operands read them),
@@ -322,52 +349,52 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // ptxas serialize every wgmma (C7515).
     float acc[128];
     for (;;) {
-      const QueuedTask task = queue.read(params.down_dgrad.wait, queued_count++);
+      const QueuedTask task = queue.read(wait, queued_count++);
       if (task.kind == kStopTask) break;
       if (issuer) trace_started(params.trace, task.ticket);
       const auto kind = static_cast<BackwardTaskKind>(task.kind);
-      const WaitContext& wait = params.down_dgrad.wait;
+      const BackwardSetParams& set = params.sets[task.set];
+      const BackwardSetMaps& set_maps = maps.sets[task.set];
       if (kind == BackwardTaskKind::kSwiglu) {
-        run_swiglu_tile(wait, smem, state, params.swiglu, task.m_tile,
-                        params.down_dgrad.header->total_rows);
+        run_swiglu_tile(wait, smem, state, set.swiglu, task.m_tile,
+                        set.down_dgrad.header->total_rows);
         // Device scope (system scope for router-weight gradients that went to other GPUs,
         // read after the push's signal), and toward the async proxy: the tiles that wait for
         // this task load d_g, d_u and h_w with TMA.
-        if (params.swiglu.d_router_weights_peers != nullptr)
+        if (set.swiglu.d_router_weights_peers != nullptr)
           __threadfence_system();
         else
           __threadfence();
         asm volatile("fence.proxy.async.global;" ::: "memory");
         ptx::named_barrier_sync(kSwigluBarrier, kConsumerThreads);
         if (issuer) {
-          count_done(params.swiglu_done + task.m_tile, epoch);
-          count_done(params.expert_ready + task.expert, epoch);
+          count_done(set.swiglu_done + task.m_tile, epoch);
+          count_done(set.expert_ready + task.expert, epoch);
         }
       } else if (kind == BackwardTaskKind::kRecompute) {
         consume_tile<false, false>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
-        store_tile<ExpertGemmForm::kGateUpStore>({&maps.gate_out, &maps.up_out, nullptr}, smem,
-                                                 params.recompute, coord_of(task), consumer_idx,
+        store_tile<ExpertGemmForm::kGateUpStore>({&set_maps.gate_out, &set_maps.up_out, nullptr},
+                                                 smem, set.recompute, coord_of(task), consumer_idx,
                                                  acc);
-        if (issuer) count_stored_tile(params.row_gemms_done + task.m_tile, epoch);
+        if (issuer) count_stored_tile(set.row_gemms_done + task.m_tile, epoch);
       } else if (kind == BackwardTaskKind::kDownDgrad) {
         consume_tile<false, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
-        store_tile<ExpertGemmForm::kDownGrad>({&maps.dh_out, nullptr, nullptr}, smem,
-                                              params.down_dgrad, coord_of(task), consumer_idx, acc);
-        if (issuer) count_stored_tile(params.row_gemms_done + task.m_tile, epoch);
+        store_tile<ExpertGemmForm::kDownGrad>({&set_maps.dh_out, nullptr, nullptr}, smem,
+                                              set.down_dgrad, coord_of(task), consumer_idx, acc);
+        if (issuer) count_stored_tile(set.row_gemms_done + task.m_tile, epoch);
       } else if (kind == BackwardTaskKind::kGateUpDgrad) {
         consume_tile<false, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
-        store_tile<ExpertGemmForm::kGateUpGradStore>({&maps.dx_out, nullptr, nullptr}, smem,
-                                                     params.gate_up_dgrad, coord_of(task),
+        store_tile<ExpertGemmForm::kGateUpGradStore>({&set_maps.dx_out, nullptr, nullptr}, smem,
+                                                     set.gate_up_dgrad, coord_of(task),
                                                      consumer_idx, acc);
       } else {  // kWeightGrad
         consume_tile<true, true>(wait, smem, state, task.num_k_blocks, consumer_idx, acc);
-        const CUtensorMap* out = task.matrix == 0   ? &maps.d_w_gate
-                                 : task.matrix == 1 ? &maps.d_w_up
-                                                    : &maps.d_w_down;
+        const CUtensorMap* out = task.matrix == 0   ? &set_maps.d_w_gate
+                                 : task.matrix == 1 ? &set_maps.d_w_up
+                                                    : &set_maps.d_w_down;
         store_tile<ExpertGemmForm::kWeightGrad>(
-            {out, nullptr, nullptr}, smem,
-            task.matrix == 2 ? params.wgrad_down : params.wgrad_gate_up, coord_of(task),
-            consumer_idx, acc);
+            {out, nullptr, nullptr}, smem, task.matrix == 2 ? set.wgrad_down : set.wgrad_gate_up,
+            coord_of(task), consumer_idx, acc);
       }
       if (issuer) trace_finished(params.trace, task.ticket);
     }
@@ -380,10 +407,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
 cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardGemmsParams& params,
                                   int num_ctas, cudaStream_t stream) {
-  if (num_ctas < 1 || params.down_dgrad.num_experts < 0 || params.minibatch_tiles < 1)
-    return cudaErrorInvalidValue;
+  if (num_ctas < 1 || params.num_sets < 1 || params.num_sets > 2) return cudaErrorInvalidValue;
+  for (int set = 0; set < params.num_sets; ++set)
+    if (params.sets[set].down_dgrad.num_experts < 0 || params.sets[set].minibatch_tiles < 1)
+      return cudaErrorInvalidValue;
+  // The sets' expert row-tile starts follow the queue: E_loc + 1, and 2 for the shared expert.
   const size_t smem_bytes = sizeof(Storage) + sizeof(TaskQueue<QueuedTask>) +
-                            (static_cast<size_t>(params.down_dgrad.num_experts) + 1) * 4 + 1024;
+                            (static_cast<size_t>(params.sets[0].down_dgrad.num_experts) + 3) * 4 +
+                            1024;
   cudaError_t status =
       cudaFuncSetAttribute(backward_gemms_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem_bytes));

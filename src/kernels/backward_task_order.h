@@ -33,6 +33,13 @@
 // written once; with no row tiles at all, every expert's wgrad tasks form one segment before the
 // combine. The experts of one minibatch are contiguous (segments are in expert order), so a
 // binary search over the segment ends finds them: nothing is stored.
+//
+// The shared expert (BackwardPlans, set 1): the same tasks on its own plan (every token, one
+// expert, one minibatch), its segments merged into the routed order so that its tasks fill the
+// routed pipeline's gaps instead of forming a tail:
+//   shared rows/recompute/down_dgrad | routed rows/recompute/down_dgrad(0) | shared swiglu |
+//   routed step 0 | shared gate_up_dgrad, wgrad | the rest of the routed order
+// Each set has its own counters; a task waits only on tasks of its own set with smaller tickets.
 #pragma once
 
 #include <stdint.h>
@@ -51,6 +58,7 @@ enum class BackwardTaskKind : int32_t {
   kWeightGrad = 5,
   kCombine = 6,
 };
+constexpr int32_t kNumBackwardTaskKinds = 7;
 
 struct BackwardPlan {
   int32_t num_m_tiles;            // 128-row tiles of the schedule (header.num_tiles)
@@ -69,6 +77,7 @@ struct BackwardPlan {
 
 struct BackwardTask {
   BackwardTaskKind kind;
+  int32_t set;        // 0 the routed experts, 1 the shared expert (BackwardPlans)
   int32_t minibatch;  // -1 for combine and for the no-rows wgrad segment
   int32_t m_tile;     // row tile (rows .. gate_up_dgrad), or the weight tile's M tile index
   int32_t n_tile;     // column tile, -1 where none
@@ -213,7 +222,7 @@ MOK_HOST_DEVICE inline BackwardTask backward_task_in_segment(const BackwardPlan&
   BackwardTaskKind kind;
   int32_t b;
   segment_at(plan, segment, &kind, &b);
-  BackwardTask task{kind, b, -1, -1, -1, -1, -1};
+  BackwardTask task{kind, 0, b, -1, -1, -1, -1, -1};
   const int32_t first_tile = b * plan.minibatch_tiles;
   const int32_t local = static_cast<int32_t>(local_ticket);
   switch (kind) {
@@ -250,7 +259,7 @@ MOK_HOST_DEVICE inline BackwardTask backward_task_in_segment(const BackwardPlan&
 MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlan& plan, int64_t ticket,
                                                      SegmentCursor* cursor) {
   if (!seek_segment(plan, ticket, cursor))
-    return BackwardTask{BackwardTaskKind::kCombine, -1, -1, -1, -1, -1, -1};
+    return BackwardTask{BackwardTaskKind::kCombine, 0, -1, -1, -1, -1, -1, -1};
   if (cursor->base < 0) {  // once per segment: the weight gradients' first expert
     BackwardTaskKind kind;
     int32_t b;
@@ -303,6 +312,92 @@ MOK_HOST_DEVICE inline BackwardDependency dependency_of(const BackwardPlan& plan
     default:  // kRows
       return {BackwardCounter::kNone, 0, 0};
   }
+}
+
+// The routed experts' plan and, when num_sets == 2, the shared expert's (one minibatch: its
+// minibatch_tiles >= its num_m_tiles >= 1), in one ticket stream (the merge at the top).
+struct BackwardPlans {
+  BackwardPlan sets[2];
+  int32_t num_sets;  // 1: routed only; 2: with the shared expert
+};
+
+// The merged order's pieces: (set, first segment, end segment) of each plan, in ticket order.
+MOK_HOST_DEVICE inline int32_t merged_pieces(const BackwardPlans& plans, int32_t piece_set[6],
+                                             int32_t piece_begin[6], int32_t piece_end[6]) {
+  const int32_t routed_segments = num_segments(plans.sets[0]);
+  if (plans.num_sets < 2) {
+    piece_set[0] = 0;
+    piece_begin[0] = 0;
+    piece_end[0] = routed_segments;
+    return 1;
+  }
+  // Routed: head (rows/recompute/down_dgrad of minibatch 0), step 0 (six segments, when there is
+  // a minibatch), the rest. Shared (one minibatch): head, step 0, its last four segments.
+  const int32_t routed_step_end = 3 + (num_minibatches(plans.sets[0]) > 0 ? 6 : 0);
+  const int32_t shared_segments = num_segments(plans.sets[1]);
+  const int32_t sets[6] = {1, 0, 1, 0, 1, 0};
+  const int32_t begins[6] = {0, 0, 3, 3, 9, routed_step_end};
+  const int32_t ends[6] = {3, 3, 9, routed_step_end, shared_segments, routed_segments};
+  for (int i = 0; i < 6; ++i) {
+    piece_set[i] = sets[i];
+    piece_begin[i] = begins[i];
+    piece_end[i] = ends[i];
+  }
+  return 6;
+}
+
+MOK_HOST_DEVICE inline int32_t num_segments(const BackwardPlans& plans) {
+  return num_segments(plans.sets[0]) + (plans.num_sets == 2 ? num_segments(plans.sets[1]) : 0);
+}
+
+// Merged segment `merged` -> the set and its segment in that set's plan.
+MOK_HOST_DEVICE inline void merged_segment_at(const BackwardPlans& plans, int32_t merged,
+                                              int32_t* set, int32_t* segment) {
+  int32_t piece_set[6], piece_begin[6], piece_end[6];
+  const int32_t pieces = merged_pieces(plans, piece_set, piece_begin, piece_end);
+  for (int32_t i = 0; i < pieces; ++i) {
+    const int32_t length = piece_end[i] - piece_begin[i];
+    if (merged < length) {
+      *set = piece_set[i];
+      *segment = piece_begin[i] + merged;
+      return;
+    }
+    merged -= length;
+  }
+  *set = 0;
+  *segment = num_segments(plans.sets[0]);  // past the end
+}
+
+MOK_HOST_DEVICE inline int64_t segment_length(const BackwardPlans& plans, int32_t merged) {
+  int32_t set, segment;
+  merged_segment_at(plans, merged, &set, &segment);
+  return segment_length(plans.sets[set], segment);
+}
+
+// The task of `ticket` in the merged order (not below the cursor's first ticket), moving the
+// cursor forward; its `set` names the plan it belongs to.
+MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlans& plans, int64_t ticket,
+                                                     SegmentCursor* cursor) {
+  if (!seek_segment(plans, ticket, cursor))
+    return BackwardTask{BackwardTaskKind::kCombine, 0, -1, -1, -1, -1, -1, -1};
+  int32_t set, segment;
+  merged_segment_at(plans, cursor->segment, &set, &segment);
+  const BackwardPlan& plan = plans.sets[set];
+  if (cursor->base < 0) {  // once per segment: the weight gradients' first expert
+    BackwardTaskKind kind;
+    int32_t b;
+    segment_at(plan, segment, &kind, &b);
+    cursor->base = kind == BackwardTaskKind::kWeightGrad ? wgrad_first_expert(plan, b) : 0;
+  }
+  BackwardTask task =
+      backward_task_in_segment(plan, segment, ticket - cursor->first_ticket, cursor->base);
+  task.set = set;
+  return task;
+}
+
+MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlans& plans, int64_t ticket) {
+  SegmentCursor cursor;
+  return backward_task_at(plans, ticket, &cursor);
 }
 
 }  // namespace mok::kernels

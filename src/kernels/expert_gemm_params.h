@@ -131,11 +131,11 @@ struct SwigluBackwardArgs {
   int64_t row_begin;  // the row buffers hold schedule row r at r - row_begin (a macrobatch)
 };
 
-// The persistent backward kernel (backward_gemms.cu): the parameters of each GEMM form it runs,
-// the SwiGLU task's arguments, and the state of its task order (backward_task_order.h; the rows
-// are gathered before the launch and the d_x combine runs after it). Counters carry the
-// launch's epoch like the forward's: value = epoch * kGateUpDoneStride + tasks done.
-struct BackwardGemmsParams {
+// The persistent backward kernel (backward_gemms.cu), per expert set (the routed experts, the
+// shared expert): the parameters of each GEMM form it runs, the SwiGLU task's arguments and the
+// set's dependency counters (backward_task_order.h). Counters carry the launch's epoch like the
+// forward's: value = epoch * kGateUpDoneStride + tasks done.
+struct BackwardSetParams {
   ExpertGemmParams recompute;      // kGateUpStore: g and u again (without the forward context)
   ExpertGemmParams down_dgrad;     // kDownGrad: dh_raw
   ExpertGemmParams gate_up_dgrad;  // kGateUpGradStore: the dx rows
@@ -144,16 +144,21 @@ struct BackwardGemmsParams {
   SwigluBackwardArgs swiglu;
   // The rows(m) tasks as the forward's fused local dispatch (dispatch_local.cuh): the spare
   // producer warps gather the d_out rows (and the x rows when recomputing) while the GEMM tiles
-  // run, and a tile's loads wait for its rows; `x` null = gathered before the launch.
+  // run, and a tile's loads wait for its rows; `x` null = gathered before the launch (or, for
+  // the shared expert, nothing to gather: its rows are the tokens).
   FusedGather d_out_gather;
   FusedGather x_gather;
-  int32_t minibatch_tiles;  // MoeConfig::minibatch_size / 128
-  int32_t recompute_rows;   // 1: no forward context, the recompute tasks run
+  int32_t recompute_rows;              // 1: no forward context, the recompute tasks run
+  int32_t minibatch_tiles;             // MoeConfig::minibatch_size / 128 (shared: all its tiles)
+  unsigned long long* row_gemms_done;  // [row tiles]: recompute + down dgrad tiles finished
+  unsigned long long* swiglu_done;     // [row tiles]: the row tile's SwiGLU task finished
+  unsigned long long* expert_ready;    // [experts]: SwiGLU tasks of the expert's row tiles
+};
+struct BackwardGemmsParams {
+  BackwardSetParams sets[2];  // the routed experts', the shared expert's
+  int32_t num_sets;           // 1, or 2 with the shared expert
   unsigned long long* ticket;
-  unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
-  unsigned long long* row_gemms_done;  // [max_tiles]: recompute + down dgrad tiles finished
-  unsigned long long* swiglu_done;     // [max_tiles]: the row tile's SwiGLU task finished
-  unsigned long long* expert_ready;    // [E_loc]: SwiGLU tasks of the expert's row tiles
+  unsigned long long* epoch;  // this launch's epoch - 1 (advanced after each launch)
   TaskTraceArgs trace;
 };
 

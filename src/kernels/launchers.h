@@ -39,10 +39,11 @@ cudaError_t launch_forward_gemms(const ForwardGemmsMaps& maps, const ForwardGemm
                                  int num_ctas, cudaStream_t stream);
 
 // The persistent backward kernel (backward_gemms.cu): every recompute, down dgrad, SwiGLU,
-// gate/up dgrad and weight-gradient task of the routed experts' backward in one launch of
-// num_ctas CTAs (one macrobatch; the rows gathered before it, the d_x combine after it);
-// params.epoch must be advanced after it. Maps as the standalone forms read and store them.
-struct BackwardGemmsMaps {
+// gate/up dgrad and weight-gradient task of the routed experts' backward (and of the shared
+// expert's, params.num_sets = 2) in one launch of num_ctas CTAs (one macrobatch; the rows
+// gathered before it or by its spare warps, the d_x combine after it); params.epoch must be
+// advanced after it. Maps of one expert set, as the standalone forms read and store them.
+struct BackwardSetMaps {
   CUtensorMap x_rows;        // recompute A: x rows [rows, H], K-major [128 x 64] boxes
   CUtensorMap w_gate, w_up;  // recompute B: [E_loc, I, H], K-major [128 x 64] boxes
   CUtensorMap gate_out;      // stores: bf16(g) and bf16(u) [rows, I]
@@ -65,6 +66,9 @@ struct BackwardGemmsMaps {
   // The SwiGLU task's loads (swiglu_backward_task.cuh): g, u, dh_raw [rows, I] in [32 x 64]
   // boxes.
   CUtensorMap swiglu_gate, swiglu_up, swiglu_dh;
+};
+struct BackwardGemmsMaps {
+  BackwardSetMaps sets[2];  // the routed experts', the shared expert's
 };
 cudaError_t launch_backward_gemms(const BackwardGemmsMaps& maps, const BackwardGemmsParams& params,
                                   int num_ctas, cudaStream_t stream);

@@ -127,13 +127,23 @@ TEST(PersistentBackwardGpu, TaskTraceRecordsEveryTask) {
         const int64_t shared_tiles = (T + 127) / 128;
         EXPECT_EQ(per_kind[4], shared_tiles * (Is / 128));
         EXPECT_EQ(per_kind[5], shared_tiles * (H / 256));
-      } else {  // rows, recompute, down dgrad, SwiGLU, gate/up dgrad, weight gradient, combine
+      } else {
+        // rows, recompute, down dgrad, SwiGLU, gate/up dgrad, weight gradient, combine; then the
+        // same kinds of the shared expert (every token a row, one expert)
         EXPECT_EQ(per_kind[0], 0);  // gathered before the launch or by the spare warps
         EXPECT_EQ(per_kind[1], 0);  // the forward context is used
         EXPECT_EQ(per_kind[2], row_tiles * (I / 256));
         EXPECT_EQ(per_kind[3], row_tiles);
         EXPECT_EQ(per_kind[4], row_tiles * (H / 256));
         EXPECT_EQ(per_kind[5], E * (2 * (I / 128) * (H / 256) + (H / 128) * (I / 256)));
+        ASSERT_EQ(per_kind.size(), 14u);
+        const int64_t shared_tiles = (T + 127) / 128, shared_inter_n = (Is + 255) / 256;
+        EXPECT_EQ(per_kind[7], 0);  // its rows are the tokens: nothing to gather
+        EXPECT_EQ(per_kind[8], 0);
+        EXPECT_EQ(per_kind[9], shared_tiles * shared_inter_n);
+        EXPECT_EQ(per_kind[10], shared_tiles);
+        EXPECT_EQ(per_kind[11], shared_tiles * (H / 256));
+        EXPECT_EQ(per_kind[12], 2 * (Is / 128) * (H / 256) + (H / 128) * shared_inter_n);
       }
       EXPECT_NE(summarize_task_trace(trace).find("SMs, span"), std::string::npos);
     }
