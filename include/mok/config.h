@@ -47,14 +47,16 @@ struct MoeConfig {
   // producer warps measured ~2.5% faster at dsv3_local and qwen3 once every epilogue stored
   // through TMA (docs/perf.md v8; v6 measured a third way, one-row TMA loads, 3x slower).
   LocalDispatch local_dispatch = LocalDispatch::kProducerWarps;
-  // Run the forward's gate/up and down GEMMs as one persistent kernel (a task queue over both
-  // GEMMs' tiles, the minibatch pipeline of task_order.h, dependency counters with epochs)
-  // instead of two kernels. Same bits either way.
+  // Run the forward's gate/up and down GEMMs, the routed experts' and the shared expert's, as
+  // one persistent kernel (a task queue over every tile, the minibatch pipeline of
+  // task_order.h, dependency counters with epochs) instead of two kernels per expert set. Same
+  // bits either way.
   bool persistent_forward = false;
-  // Run the routed experts' backward (recompute, down dgrad, SwiGLU backward, gate/up dgrad,
-  // weight gradients) as one persistent kernel: a task queue in the order of
-  // backward_task_order.h with dependency counters instead of seven kernel boundaries. Same bits
-  // either way. With several macrobatches the backward runs its kernel sequence.
+  // Run the experts' backward (recompute, down dgrad, SwiGLU backward, gate/up dgrad, weight
+  // gradients; the routed experts' and the shared expert's) as one persistent kernel: a task
+  // queue in the order of backward_task_order.h with dependency counters instead of kernel
+  // boundaries. Same bits either way. With several macrobatches the backward runs its kernel
+  // sequence.
   bool persistent_backward = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
