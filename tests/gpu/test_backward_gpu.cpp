@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_step.h"
 #include "mok/device_problem.h"
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
@@ -24,20 +25,6 @@ namespace {
 using test::make_shape;
 
 constexpr double kTolerance = 1e-2;
-
-// One training step on the GPU: forward, then backward from the forward's context, or
-// recomputing the forward when `with_context` is false.
-HostRank gpu_backward(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem,
-                      bool with_context) {
-  device.poison_outputs();
-  const ForwardContext context = layer.forward(device.forward_args(), nullptr);
-  layer.backward(device.backward_args(), nullptr, with_context ? &context : nullptr);
-  const Status status = layer.synchronize(nullptr);
-  EXPECT_TRUE(status.ok()) << status.message;
-  HostRank result = output_buffers(problem.shape);
-  device.download_outputs(result);
-  return result;
-}
 
 void check_backward(const char* name, const MoeShape& shape, RoutingKind routing, uint64_t seed,
                     bool signed_router_weights = false) {
@@ -54,7 +41,7 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   const HostRank& want = problem.ranks[0];
   DeviceProblem device(problem, 0);
   GpuLayer layer(shape, MoeConfig{});
-  const HostRank got = gpu_backward(layer, device, problem, /*with_context=*/true);
+  const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
 
   struct Output {
     const char* name;
@@ -74,7 +61,7 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   }
   std::printf("\n");
 
-  const HostRank again = gpu_backward(layer, device, problem, /*with_context=*/false);
+  const HostRank again = test::gpu_step(layer, device, problem, /*with_context=*/false);
   test::for_each_output(again, got, [&](const char* output, const auto& a, const auto& b) {
     EXPECT_TRUE(test::bitwise_equal(a, b))
         << output
@@ -149,7 +136,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
     HostProblem problem = HostProblem::make(shape, routing, seed++);
     DeviceProblem device(problem, 0);
     GpuLayer reference_layer(shape, MoeConfig{});
-    const HostRank want = gpu_backward(reference_layer, device, problem, /*with_context=*/true);
+    const HostRank want = test::gpu_step(reference_layer, device, problem, /*with_context=*/true);
     for (const MoeConfig& config : configs) {
       GpuLayer layer(shape, config);
       for (const bool with_context : {true, false}) {
@@ -159,7 +146,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << local_dispatch_name(config.local_dispatch) << " persistent forward "
                      << config.persistent_forward << " persistent backward "
                      << config.persistent_backward << (with_context ? "" : ", no context"));
-        const HostRank got = gpu_backward(layer, device, problem, with_context);
+        const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
         });
@@ -195,10 +182,10 @@ TEST(BackwardGpu, TenStepsGiveTheSameBits) {
   HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 77);
   DeviceProblem device(problem, 0);
   auto layer = std::make_unique<GpuLayer>(shape, MoeConfig{});
-  const HostRank first = gpu_backward(*layer, device, problem, /*with_context=*/true);
+  const HostRank first = test::gpu_step(*layer, device, problem, /*with_context=*/true);
   for (int step = 1; step < 10; ++step) {
     if (step % 3 == 0) layer = std::make_unique<GpuLayer>(shape, MoeConfig{});
-    const HostRank again = gpu_backward(*layer, device, problem, /*with_context=*/step % 2 == 0);
+    const HostRank again = test::gpu_step(*layer, device, problem, /*with_context=*/step % 2 == 0);
     test::for_each_output(again, first, [&](const char* output, const auto& a, const auto& b) {
       EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs in step " << step + 1;
     });

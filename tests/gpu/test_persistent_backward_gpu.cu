@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_step.h"
 #include "mok/device_problem.h"
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
@@ -30,19 +31,6 @@ MoeConfig persistent_backward_config(int64_t minibatch_size) {
   return config;
 }
 
-HostRank run_step(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem,
-                  bool with_context, cudaStream_t stream) {
-  device.poison_outputs();
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the memsets ran on the legacy stream
-  const ForwardContext context = layer.forward(device.forward_args(), stream);
-  layer.backward(device.backward_args(), stream, with_context ? &context : nullptr);
-  const Status status = layer.synchronize(stream);
-  EXPECT_TRUE(status.ok()) << status.message;
-  HostRank result = output_buffers(problem.shape);
-  device.download_outputs(result);
-  return result;
-}
-
 TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
   uint64_t seed = 300;
   for (const auto& [name, shape, routing] :
@@ -58,23 +46,18 @@ TEST(PersistentBackwardGpu, MatchesReferenceAndTheKernelSequence) {
     reference::backward(problem.shape, problem.backward_args(0));
     DeviceProblem device(problem, 0);
     GpuLayer sequence(shape, MoeConfig{});
-    const HostRank want = run_step(sequence, device, problem, true, nullptr);
+    const HostRank want = test::gpu_step(sequence, device, problem, true);
     // Minibatches of 128 and 4096 rows.
     for (const int64_t minibatch : {128, 4096}) {
       GpuLayer layer(shape, persistent_backward_config(minibatch));
       for (const bool with_context : {true, false}) {
         SCOPED_TRACE(testing::Message()
                      << "minibatch " << minibatch << (with_context ? "" : ", no context"));
-        const HostRank got = run_step(layer, device, problem, with_context, nullptr);
+        const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs from the kernel sequence";
         });
-        test::for_each_output(got, problem.ranks[0],
-                              [&](const char* output, const auto& a, const auto& b) {
-                                if (b.empty()) return;
-                                EXPECT_TRUE(test::all_finite(a)) << output;
-                                EXPECT_LE(test::relative_error(a, b), 1e-2) << output;
-                              });
+        test::expect_near_reference(got, problem.ranks[0]);
       }
     }
   }
@@ -89,13 +72,13 @@ TEST(PersistentBackwardGpu, TaskTraceRecordsEveryTask) {
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 93);
   DeviceProblem device(problem, 0);
   GpuLayer sequence(shape, MoeConfig{});
-  const HostRank want = run_step(sequence, device, problem, true, nullptr);
+  const HostRank want = test::gpu_step(sequence, device, problem, true);
   {
     MoeConfig config = persistent_backward_config(256);
     config.persistent_forward = true;
     config.trace_tasks = true;
     GpuLayer layer(shape, config);
-    const HostRank got = run_step(layer, device, problem, true, nullptr);
+    const HostRank got = test::gpu_step(layer, device, problem, true);
     test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
       EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
     });
@@ -155,12 +138,12 @@ TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 92);
   DeviceProblem device(problem, 0);
   GpuLayer sequence(shape, MoeConfig{});
-  const HostRank want = run_step(sequence, device, problem, true, nullptr);
+  const HostRank want = test::gpu_step(sequence, device, problem, true);
   cudaStream_t layer_stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
   {
     GpuLayer layer(shape, persistent_backward_config(512));
-    run_step(layer, device, problem, true, nullptr);  // warm-up: kernel attributes, module load
+    test::gpu_step(layer, device, problem, true);  // warm-up: kernel attributes, module load
     // The forward first, on all SMs; then the backward gets 8 SMs while the hold lasts.
     device.poison_outputs();
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);

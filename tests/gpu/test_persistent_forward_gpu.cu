@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_step.h"
 #include "mok/device_problem.h"
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
@@ -85,19 +86,8 @@ TEST(PersistentForwardGpu, MatchesReferenceAndFeedsTheBackward) {
   reference::backward(problem.shape, problem.backward_args(0));
   DeviceProblem device(problem, 0);
   GpuLayer layer(shape, persistent_config(LocalDispatch::kProducerWarps, 256));
-  device.poison_outputs();
-  const ForwardContext context = layer.forward(device.forward_args(), nullptr);
-  layer.backward(device.backward_args(), nullptr, &context);
-  const Status status = layer.synchronize(nullptr);
-  ASSERT_TRUE(status.ok()) << status.message;
-  HostRank got = output_buffers(problem.shape);
-  device.download_outputs(got);
-  test::for_each_output(got, problem.ranks[0],
-                        [&](const char* output, const auto& a, const auto& b) {
-                          if (b.empty()) return;
-                          EXPECT_TRUE(test::all_finite(a)) << output;
-                          EXPECT_LE(test::relative_error(a, b), 1e-2) << output;
-                        });
+  const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
+  test::expect_near_reference(got, problem.ranks[0]);
 }
 
 TEST(PersistentForwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
