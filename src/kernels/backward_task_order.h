@@ -380,18 +380,17 @@ MOK_HOST_DEVICE inline BackwardTask backward_task_at(const BackwardPlans& plans,
                                                      SegmentCursor* cursor) {
   if (!seek_segment(plans, ticket, cursor))
     return BackwardTask{BackwardTaskKind::kCombine, 0, -1, -1, -1, -1, -1, -1};
-  int32_t set, segment;
-  merged_segment_at(plans, cursor->segment, &set, &segment);
-  const BackwardPlan& plan = plans.sets[set];
-  if (cursor->base < 0) {  // once per segment: the weight gradients' first expert
+  if (cursor->base < 0) {  // once per segment: its plan, and the weight gradients' first expert
+    merged_segment_at(plans, cursor->segment, &cursor->set, &cursor->plan_segment);
+    const BackwardPlan& plan = plans.sets[cursor->set];
     BackwardTaskKind kind;
     int32_t b;
-    segment_at(plan, segment, &kind, &b);
+    segment_at(plan, cursor->plan_segment, &kind, &b);
     cursor->base = kind == BackwardTaskKind::kWeightGrad ? wgrad_first_expert(plan, b) : 0;
   }
-  BackwardTask task =
-      backward_task_in_segment(plan, segment, ticket - cursor->first_ticket, cursor->base);
-  task.set = set;
+  BackwardTask task = backward_task_in_segment(plans.sets[cursor->set], cursor->plan_segment,
+                                               ticket - cursor->first_ticket, cursor->base);
+  task.set = cursor->set;
   return task;
 }
 

@@ -179,6 +179,10 @@ struct SegmentCursor {
   int64_t first_ticket = 0;
   int64_t length = -1;  // of `segment`; -1 until computed
   int32_t base = -1;    // the decoder's cached value for `segment`; -1 until computed
+  // A merged order's (backward_task_order.h, BackwardPlans): `segment`'s plan and its segment
+  // there, cached with `base`.
+  int32_t set = 0;
+  int32_t plan_segment = 0;
 };
 
 // Moves the cursor forward to the segment holding `ticket` (not below the cursor's first
