@@ -24,6 +24,7 @@
 #include "kernels/launchers.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
+#include "non_finite_report.h"
 #include "tma.h"
 #include "wait_report.h"
 
@@ -141,6 +142,11 @@ GpuLayer::GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank,
   cuda_check(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.diagnosis_device), s.diagnosis, 0),
       "diagnosis record device pointer");
+  if (config.check_finite) {
+    s.non_finite_record.allocate(sizeof(unsigned long long), "non-finite input record");
+    cuda_check(cudaMemset(s.non_finite_record.pointer, 0xff, s.non_finite_record.bytes),
+               "clear the non-finite input record");
+  }
 }
 
 GpuLayer::~GpuLayer() = default;
@@ -428,6 +434,11 @@ ForwardContext GpuLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
     throw Error(ErrorCode::kInvalidArgument,
                 "forward: tensors are on cuda:" + std::to_string(args.x.device_id) +
                     " but the layer's workspace is on cuda:" + std::to_string(s.device));
+  if (s.config.check_finite)
+    cuda_check(kernels::launch_non_finite_scan(forward_input_scan(s.shape, args),
+                                               s.non_finite_record.as<unsigned long long>(),
+                                               s.sm_count, stream),
+               "check_finite: scan of the forward's inputs");
   run_forward(s, args, stream, [](const char*) {});
   return ForwardContext{++s.generation};
 }
@@ -459,6 +470,11 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                     " but the layer's workspace is on cuda:" + std::to_string(s.device));
   const bool use_context = context_is_current(s, context);
   if (!use_context) ++s.generation;  // the recompute overwrites the latest forward's context
+  if (s.config.check_finite)
+    cuda_check(kernels::launch_non_finite_scan(backward_input_scan(s.shape, args, !use_context),
+                                               s.non_finite_record.as<unsigned long long>(),
+                                               s.sm_count, stream),
+               "check_finite: scan of the backward's inputs");
   run_backward(s, args, use_context, stream, [](const char*) {});
 }
 
@@ -556,7 +572,25 @@ Status GpuLayer::synchronize(cudaStream_t stream) {
     return Status{ErrorCode::kCudaError,
                   std::string("reading the schedule header: ") + cudaGetErrorString(status)};
   Status routing = schedule_status(s.routed.layout.params, header);
-  if (!routing.ok()) return Status{ErrorCode::kDeviceFault, routing.message};
+  // The non-finite record is read and cleared at every synchronize, so that it speaks of the
+  // calls since the previous one.
+  std::string non_finite;
+  if (s.config.check_finite) {
+    unsigned long long record = kernels::kNoNonFinite;
+    status = cudaMemcpy(&record, s.non_finite_record.pointer, sizeof(record),
+                        cudaMemcpyDeviceToHost);
+    if (status == cudaSuccess && record != kernels::kNoNonFinite) {
+      non_finite = describe_non_finite(s.shape, s.rank, record);
+      status = cudaMemset(s.non_finite_record.pointer, 0xff, sizeof(record));
+    }
+    if (status != cudaSuccess)
+      return Status{ErrorCode::kCudaError, std::string("reading the non-finite input record: ") +
+                                               cudaGetErrorString(status)};
+  }
+  if (!routing.ok())
+    return Status{ErrorCode::kDeviceFault,
+                  routing.message + (non_finite.empty() ? "" : "; and " + non_finite)};
+  if (!non_finite.empty()) return Status{ErrorCode::kDeviceFault, non_finite};
   return Status::Ok();
 }
 

@@ -81,6 +81,9 @@ struct GpuLayer::State {
   // TaskTraceEvent by ticket, room for the most tickets a launch can have; 0xff bytes = empty).
   DeviceBuffer forward_trace, backward_trace;
   int64_t forward_trace_capacity = 0, backward_trace_capacity = 0;
+  // MoeConfig::check_finite: the first non-finite input found since the last synchronize
+  // (kernels/non_finite_scan.h; kNoNonFinite when none). Allocated only with check_finite.
+  DeviceBuffer non_finite_record;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds

@@ -71,6 +71,16 @@ struct MoeConfig {
   // than reads on 2 x H200 (docs/perf.md), the push is measured beside the pull before it
   // becomes the default.
   bool ep_push_dispatch = false;
+  // Scan each call's inputs for NaN and infinities and report the first one at synchronize()
+  // (kDeviceFault, naming the tensor, the element's coordinates and the value), the way bad
+  // expert ids are reported. The forward scans x, the routed slots' router weights and every
+  // weight; the backward d_out, and the forward's inputs too when it recomputes (without a
+  // context). "First" is in that tensor order, then by element, over the calls since the last
+  // synchronize. A debugging aid: one memory-bound pass over the inputs per call (the weights
+  // dominate: ~0.7 ms per forward at dsv3_local). The layer's outputs do not depend on it: they
+  // carry NaN and infinities exactly where the reference's IEEE math puts them either way
+  // (docs/design.md).
+  bool check_finite = false;
 };
 
 inline constexpr int32_t kMaxCommSms = 128;

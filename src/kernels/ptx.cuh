@@ -255,6 +255,28 @@ __device__ __forceinline__ uint4 ld_shared_v4(const void* address) {
   return value;
 }
 
+// ---- fp32 arithmetic -------------------------------------------------------------------------
+
+// min / max that return NaN when either operand is NaN (fminf / fmaxf return the other operand:
+// a clamp through them turns a NaN into the limit). One FMNMX.NAN each, as fminf is one FMNMX.
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float result;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float result;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+  return result;
+}
+
+// 1 / b to about 1 ulp, subnormals flushed (the first step of swiglu.cuh's branch-free division).
+__device__ __forceinline__ float reciprocal_approx_ftz(float b) {
+  float result;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(b));
+  return result;
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t time;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(time));

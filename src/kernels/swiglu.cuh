@@ -14,6 +14,8 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/ptx.cuh"
+
 namespace mok::kernels {
 
 __device__ __forceinline__ float round_bf16(float value) {
@@ -27,8 +29,7 @@ __device__ __forceinline__ float divide_in_range(float a, float b, bool& in_rang
   // Bitwise, not short-circuit: `&&` here compiled to branches around each comparison.
   in_range &= (b >= 1.0f) & (b <= 0x1p60f) &
               ((a == 0.0f) | ((magnitude >= 0x1p-60f) & (magnitude <= 0x1p60f)));
-  float reciprocal;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(b));
+  const float reciprocal = ptx::reciprocal_approx_ftz(b);
   const float error = __fmaf_rn(-b, reciprocal, 1.0f);
   const float refined = __fmaf_rn(reciprocal, error, reciprocal);
   const float quotient = __fmaf_rn(a, refined, 0.0f);
@@ -45,13 +46,24 @@ __device__ __forceinline__ float divide(float a, float b, bool& in_range) {
     return a / b;
 }
 
+// The clamp of docs/design.md, g = min(g, L) and u = clamp(u, -L, L), with a NaN value kept NaN
+// as in the reference (fminf / fmaxf would return the limit: without a clamp a NaN gate became
+// +inf and a NaN up value -inf, so h, d_u and the weight gradients turned finite or infinite
+// where the reference's are NaN). L is positive, never NaN (can_implement).
+__device__ __forceinline__ float clamp_gate(float gate, float limit) {
+  return ptx::min_nan(gate, limit);
+}
+__device__ __forceinline__ float clamp_up(float up, float limit) {
+  return ptx::min_nan(ptx::max_nan(up, -limit), limit);
+}
+
 // h = bf16(silu(g) * u) with g = min(bf16(gate), L), u = clamp(bf16(up), -L, L). kFast: see the
 // top of the file (`in_range` false: compute again with kFast = false).
 template <bool kFast = false>
 __device__ __forceinline__ float swiglu_forward(float gate_acc, float up_acc, float limit,
                                                 bool& in_range) {
-  const float gate = fminf(round_bf16(gate_acc), limit);
-  const float up = fminf(fmaxf(round_bf16(up_acc), -limit), limit);
+  const float gate = clamp_gate(round_bf16(gate_acc), limit);
+  const float up = clamp_up(round_bf16(up_acc), limit);
   const float silu = divide<kFast>(gate, 1.0f + expf(-gate), in_range);
   return silu * up;
 }
@@ -95,8 +107,8 @@ __device__ __forceinline__ SwigluGrad swiglu_backward(float dh_acc, float gate_r
   const float dh_raw = round_bf16(dh_acc);
   const bool gate_passes = !(gate_raw > limit);
   const bool up_passes = !(fabsf(up_raw) > limit);
-  const float gate = fminf(gate_raw, limit);
-  const float up = fminf(fmaxf(up_raw, -limit), limit);
+  const float gate = clamp_gate(gate_raw, limit);
+  const float up = clamp_up(up_raw, limit);
   const float denominator = 1.0f + expf(-gate);
   const float silu = divide<kFast>(gate, denominator, in_range);
   const float sigmoid = divide<kFast>(1.0f, denominator, in_range);

@@ -82,10 +82,28 @@ __device__ __forceinline__ void swiglu_store_router_weight_grad(const SwigluBack
   }
 }
 
+// A padding row (pair < 0) gets d_g = d_u = h_w = +0 exactly, not the math with weight 0: its x
+// and d_out rows are zero, so every weight-gradient term it adds is 0 * 0 whatever the weights
+// hold. From the math, a NaN or infinite weight would make its g, u or dh_raw NaN (0 * inf), and
+// 0 * NaN is NaN: a padding row would turn an expert's finite or infinite gradient NaN where the
+// reference, which has no padding rows, keeps it.
+__device__ __forceinline__ void swiglu_store_padding_vector(const SwigluBackwardArgs& args,
+                                                            int64_t at) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  args.d_gate[at] = zero;
+  args.d_up[at] = zero;
+  args.weighted_hidden[at] = zero;
+}
+
 // Schedule row `row`, by the 32 lanes of the calling warp: lane l takes vectors l, l + 32, ...
 __device__ __forceinline__ void swiglu_backward_row(const SwigluBackwardArgs& args, int64_t row) {
   const int lane = threadIdx.x % 32;
   const int pair = args.row_pair != nullptr ? args.row_pair[row] : static_cast<int>(row);
+  if (pair < 0) {
+    for (int64_t v = lane; v < args.vectors_per_row; v += 32)
+      swiglu_store_padding_vector(args, (row - args.row_begin) * args.vectors_per_row + v);
+    return;
+  }
   const float weight = swiglu_row_weight(args, pair);
   float dot = 0.0f;
   for (int64_t v = lane; v < args.vectors_per_row; v += 32) {

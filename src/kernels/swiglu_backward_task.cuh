@@ -146,10 +146,14 @@ __device__ __forceinline__ void run_swiglu_tile(const WaitContext& wait, Storage
         }
         const int64_t row = first_row + r;
         if (!in_row || row >= total_rows) continue;
+        const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
+        if (pair[r] < 0) {  // a padding row: exact zeros (swiglu_backward.cuh)
+          swiglu_store_padding_vector(args, at);
+          continue;
+        }
         const SwigluVectorOut out =
             swiglu_vector_out_of_line(gate_in, up_in, dh_in, weight[r], args.limit, dot[r]);
         dot[r] = out.dot;
-        const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
         args.d_gate[at] = out.d_gate;
         args.d_up[at] = out.d_up;
         args.weighted_hidden[at] = out.weighted_hidden;

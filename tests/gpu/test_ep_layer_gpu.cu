@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -23,6 +24,7 @@
 #include "mok/host_problem.h"
 #include "mok/reference.h"
 #include "mok/routing.h"
+#include "non_finite.h"
 #include "rank_process.h"
 #include "test_util.h"
 #endif
@@ -319,6 +321,106 @@ TEST(EpLayerGpu, DISABLED_RankProcess) {
           EXPECT_TRUE(test::bitwise_equal(a, b))
               << "rank " << rank << " " << output << " differs with the push dispatch";
         });
+  }
+}
+
+// NaN and infinities across the group (docs/design.md, "Non-finite values"): one value at a
+// time in rank 0's x, its experts' weights, its shared expert, d_out or router weights; every
+// output of every rank holds NaN and +-inf where the R-rank emulation's do, element for element
+// (rank 0's x rows reach the other ranks' experts and come back through the combines); the
+// persistent backward and the macrobatch ring give the same bits. Then check_finite on a rank.
+TEST(EpLayerGpu, NonFiniteMatchesReferenceEmulation) {
+  Group group = make_group();
+  MoeShape shape = make_shape(200, 512, 256, 8, 4, 1, 64);
+  shape.num_ranks = static_cast<int32_t>(group.devices.size());
+  shape.num_experts *= shape.num_ranks;
+  MoeConfig config;
+  config.wait_timeout_s = 20;
+  EpLayer layer(shape, config, group.ranks);
+  MoeConfig variant = config;
+  variant.persistent_backward = true;
+  EpLayer persistent(shape, variant, group.ranks);
+  MoeConfig ring = config;
+  ring.minibatch_size = 128;
+  ring.macrobatch_size = 128;
+  EpLayer ring_layer(shape, ring, group.ranks);
+  uint64_t seed = 1200;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (test::NonFiniteSite site : test::non_finite_sites(shape)) {
+    for (float value : {nan, inf}) {
+      HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, ++seed);
+      test::add_duplicate_route_and_hole(problem);
+      const std::string label =
+          std::to_string(value) + " in rank 0's " + test::place_non_finite(problem, site, value);
+      SCOPED_TRACE(label);
+      problem.poison_outputs();
+      reference::forward_ep(shape, problem.all_forward_args());
+      reference::backward_ep(shape, problem.all_backward_args());
+      std::vector<std::unique_ptr<DeviceProblem>> device;
+      for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+        EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+        device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+      }
+      const std::vector<HostRank> got = ep_step(layer, device, problem, true);
+      int64_t non_finite = 0;
+      for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+        test::for_each_output(got[rank], problem.ranks[rank],
+                              [&](const char* output, const auto& a, const auto& b) {
+                                if (b.empty()) return;
+                                non_finite += test::expect_same_pattern(
+                                    label + ": rank " + std::to_string(rank) + " " + output, a, b,
+                                    1e-2);
+                              });
+      if (site == test::NonFiniteSite::kUnroutedRouterWeight)
+        EXPECT_EQ(non_finite, 0);
+      else
+        EXPECT_GT(non_finite, 0);
+      for (EpLayer* other : {&persistent, &ring_layer}) {
+        const std::vector<HostRank> again = ep_step(*other, device, problem, false);
+        for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+          test::for_each_output(again[rank], got[rank],
+                                [&](const char* output, const auto& a, const auto& b) {
+                                  EXPECT_TRUE(test::bitwise_equal(a, b))
+                                      << "rank " << rank << " " << output << " differs with "
+                                      << (other == &persistent ? "the persistent backward"
+                                                               : "macrobatches");
+                                });
+      }
+      for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+        cudaSetDevice(group.devices[rank]);
+        device[rank].reset();
+      }
+    }
+  }
+  std::printf("  every site, NaN and +inf: every rank matches the emulation's pattern (%d ranks)\n",
+              shape.num_ranks);
+
+  // check_finite on a group: the rank and the element.
+  MoeConfig checked = config;
+  checked.check_finite = true;
+  EpLayer checked_layer(shape, checked, group.ranks);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 1300);
+  test::add_duplicate_route_and_hole(problem);
+  test::place_non_finite(problem, test::NonFiniteSite::kX, nan);
+  std::vector<std::unique_ptr<DeviceProblem>> device;
+  std::vector<ForwardArgs> forward_args;
+  std::vector<cudaStream_t> streams(group.devices.size(), nullptr);
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+    device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+    forward_args.push_back(device.back()->forward_args());
+  }
+  checked_layer.forward(forward_args, streams);
+  const Status status = checked_layer.synchronize(streams);
+  EXPECT_EQ(status.code, ErrorCode::kDeviceFault);
+  EXPECT_NE(status.message.find("rank 0: check_finite: x[token 1, column " +
+                                std::to_string(shape.hidden / 3) + "] = nan"),
+            std::string::npos)
+      << status.message;
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+    cudaSetDevice(group.devices[rank]);
+    device[rank].reset();
   }
 }
 

@@ -1,0 +1,207 @@
+// NaN and infinities on the GPU (docs/design.md, "Non-finite values"): one value at a time in x,
+// a routed and the shared expert's weights, d_out and the router weights, on several shapes and
+// routings (a token routed twice to one expert, a -1 slot, everything to one expert); every
+// output of a training step holds NaN and +-inf exactly where the CPU reference's do, element
+// for element, with its finite elements within bf16 tolerance; every path gives the same bits
+// (the kernel sequences, both persistent kernels, the macrobatch ring with its recompute, the
+// gather kernel, with and without the forward context). Then MoeConfig::check_finite.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gpu_step.h"
+#include "mok/device_problem.h"
+#include "mok/gpu_layer.h"
+#include "mok/host_problem.h"
+#include "mok/reference.h"
+#include "non_finite.h"
+#include "test_util.h"
+
+namespace mok {
+namespace {
+
+using test::make_shape;
+using test::NonFiniteSite;
+
+constexpr double kTolerance = 1e-2;
+
+struct Case {
+  const char* name;
+  MoeShape shape;
+  RoutingKind routing;
+};
+
+// The layer's paths: each must give the bits of the first.
+std::vector<std::pair<const char*, MoeConfig>> configs() {
+  std::vector<std::pair<const char*, MoeConfig>> all(3);
+  all[0].first = "kernel sequences";
+  all[1].first = "persistent forward + backward";
+  all[1].second.persistent_forward = true;
+  all[1].second.persistent_backward = true;
+  all[1].second.minibatch_size = 256;
+  all[2].first = "gather kernel + macrobatch ring + persistent forward";
+  all[2].second.local_dispatch = LocalDispatch::kGatherKernel;
+  all[2].second.persistent_forward = true;
+  all[2].second.minibatch_size = 128;
+  all[2].second.macrobatch_size = 256;
+  return all;
+}
+
+void check_case(const Case& c, uint64_t& seed) {
+  std::vector<std::unique_ptr<GpuLayer>> layers;
+  for (const auto& [name, config] : configs())
+    layers.push_back(std::make_unique<GpuLayer>(c.shape, config));
+  for (NonFiniteSite site : test::non_finite_sites(c.shape)) {
+    for (float value : test::non_finite_values()) {
+      HostProblem problem = HostProblem::make(c.shape, c.routing, ++seed);
+      test::add_duplicate_route_and_hole(problem);
+      const std::string label = std::string(c.name) + ", " + std::to_string(value) + " in " +
+                                test::place_non_finite(problem, site, value);
+      SCOPED_TRACE(label);
+      test::run_reference(problem);
+      const HostRank& want = problem.ranks[0];
+      DeviceProblem device(problem, 0);
+      const HostRank first = test::gpu_step(*layers[0], device, problem, /*with_context=*/true);
+      int64_t non_finite = 0;
+      test::for_each_output(first, want, [&](const char* output, const auto& a, const auto& b) {
+        if (!b.empty()) non_finite += test::expect_same_pattern(label + ": " + output, a, b, kTolerance);
+      });
+      if (site == NonFiniteSite::kUnroutedRouterWeight)
+        EXPECT_EQ(non_finite, 0) << "a -1 slot's router weight is read by nothing";
+      else
+        EXPECT_GT(non_finite, 0);
+      for (size_t i = 0; i < layers.size(); ++i)
+        for (const bool with_context : {true, false}) {
+          if (i == 0 && with_context) continue;
+          const HostRank again = test::gpu_step(*layers[i], device, problem, with_context);
+          test::for_each_output(again, first, [&](const char* output, const auto& a, const auto& b) {
+            EXPECT_TRUE(test::bitwise_equal(a, b))
+                << output << " differs bitwise with " << configs()[i].first
+                << (with_context ? "" : " (recomputing the forward)") << " at element "
+                << test::first_difference(a, b);
+          });
+        }
+    }
+  }
+  std::printf("  %-34s %-44s %-10s: every site and value matches the reference's pattern\n",
+              c.name, c.shape.to_string().c_str(), routing_kind_name(c.routing));
+}
+
+TEST(NonFiniteGpu, PatternsMatchTheReferenceOnEveryPath) {
+  uint64_t seed = 5100;
+  // The case (8 experts, top-2, H = 1024, I = 256), the clamp with a shared expert and
+  // tokens not a multiple of the tile, -1 holes, everything to one expert (every token twice).
+  check_case({"top-2 of 8", make_shape(96, 1024, 256, 8, 2), RoutingKind::kUniform}, seed);
+  check_case({"shared + clamp, skewed", make_shape(333, 512, 384, 16, 4, 1, 128, 0.5f),
+              RoutingKind::kSkewed},
+             seed);
+  check_case({"holes, shared", make_shape(200, 256, 128, 8, 4, 1, 192), RoutingKind::kHoles},
+             seed);
+  check_case({"all to one expert", make_shape(130, 256, 128, 4, 2), RoutingKind::kOneExpert},
+             seed);
+}
+
+// The report, as it saw it: one NaN in one token's x, and the two experts the token
+// routes to get weight gradients that are NaN throughout (the reference's), not finite garbage.
+TEST(NonFiniteGpu, NanInOneTokenMakesItsExpertsGradientsNanThroughout) {
+  const MoeShape shape = make_shape(64, 1024, 256, 8, 2);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 5200);
+  const int64_t token = 5, H = shape.hidden, matrix = shape.intermediate * H;
+  problem.ranks[0].x[token * H + 17] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
+  DeviceProblem device(problem, 0);
+  GpuLayer layer(shape, MoeConfig{});
+  const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
+  const int32_t first = problem.ranks[0].top_experts[token * 2];
+  const int32_t second = problem.ranks[0].top_experts[token * 2 + 1];
+  for (int64_t e = 0; e < shape.num_experts; ++e) {
+    const bool hit = e == first || e == second;
+    int64_t index = 0;
+    for (const auto* grads : {&got.d_w_gate, &got.d_w_up, &got.d_w_down}) {
+      int64_t nan = 0;
+      for (int64_t i = 0; i < matrix; ++i) nan += std::isnan(bf16_to_float((*grads)[e * matrix + i]));
+      EXPECT_EQ(nan, hit ? matrix : 0)
+          << (index == 0 ? "d_w_gate" : index == 1 ? "d_w_up" : "d_w_down") << " of expert " << e;
+      ++index;
+    }
+  }
+}
+
+// One training step with MoeConfig::check_finite; returns what synchronize reported.
+Status checked_step(GpuLayer& layer, DeviceProblem& device, bool with_context) {
+  const ForwardContext context = layer.forward(device.forward_args(), nullptr);
+  layer.backward(device.backward_args(), nullptr, with_context ? &context : nullptr);
+  return layer.synchronize(nullptr);
+}
+
+// check_finite names the first non-finite input (tensor order x, router_weights, weights,
+// d_out; then element order) at synchronize, ignores a -1 slot's router weight, and starts
+// afresh after each synchronize.
+TEST(NonFiniteGpu, CheckFiniteReportsTheFirstNonFiniteInput) {
+  const MoeShape shape = make_shape(200, 512, 256, 8, 4, 1, 128);
+  const int64_t H = shape.hidden, I = shape.intermediate;
+  MoeConfig config;
+  config.check_finite = true;
+  GpuLayer layer(shape, config);
+  const HostProblem clean = HostProblem::make(shape, RoutingKind::kUniform, 5300);
+  {
+    HostProblem problem = clean;
+    test::add_duplicate_route_and_hole(problem);
+    DeviceProblem device(problem, 0);
+    const Status status = checked_step(layer, device, true);
+    EXPECT_TRUE(status.ok()) << status.message;
+  }
+  struct Expected {
+    NonFiniteSite site;
+    float value;
+    std::string message;
+  };
+  HostProblem probe = clean;
+  test::add_duplicate_route_and_hole(probe);
+  const int64_t expert = probe.ranks[0].top_experts[1 * shape.top_k];
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<Expected> expected = {
+      {NonFiniteSite::kX, nan, "x[token 1, column " + std::to_string(H / 3) + "] = nan"},
+      {NonFiniteSite::kRouterWeight, inf, "router_weights[token 1, k 1] = +inf"},
+      {NonFiniteSite::kRoutedDown, -inf,
+       "w_down[expert " + std::to_string(expert) + ", row 5, column " + std::to_string(I - 2) +
+           "] = -inf"},
+      {NonFiniteSite::kSharedUp, nan,
+       "w_shared_up[row 127, column " + std::to_string(H / 2) + "] = nan"},
+      {NonFiniteSite::kDOut, -inf, "d_out[token 2, column 0] = -inf"},
+  };
+  for (const Expected& e : expected) {
+    for (const bool with_context : {true, false}) {
+      HostProblem problem = probe;
+      test::place_non_finite(problem, e.site, e.value);
+      DeviceProblem device(problem, 0);
+      const Status status = checked_step(layer, device, with_context);
+      EXPECT_EQ(status.code, ErrorCode::kDeviceFault) << e.message;
+      EXPECT_NE(status.message.find("check_finite: " + e.message + " is not finite"),
+                std::string::npos)
+          << status.message;
+    }
+  }
+  // Two at once: x comes first in the order, whatever else is bad.
+  HostProblem both = probe;
+  test::place_non_finite(both, NonFiniteSite::kRoutedGate, nan);
+  test::place_non_finite(both, NonFiniteSite::kX, inf);
+  DeviceProblem both_device(both, 0);
+  const Status first = checked_step(layer, both_device, true);
+  EXPECT_NE(first.message.find("check_finite: x[token 1"), std::string::npos) << first.message;
+  // A -1 slot's weight is never read, so it is not reported; nor is the last call's record.
+  HostProblem unrouted = probe;
+  test::place_non_finite(unrouted, NonFiniteSite::kUnroutedRouterWeight, nan);
+  DeviceProblem unrouted_device(unrouted, 0);
+  const Status quiet = checked_step(layer, unrouted_device, true);
+  EXPECT_TRUE(quiet.ok()) << quiet.message;
+}
+
+}  // namespace
+}  // namespace mok
