@@ -282,7 +282,7 @@ if [ "${MOK_SKIP_SANITIZERS:-0}" = 1 ]; then
   record sanitizer skipped
 elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" ]; then
   : >"$OUT/sanitizer.log"
-  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:BackwardGpu.StaleContextIsRejected:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.MatchesReferenceAndTheKernelSequence:-ScheduleGpu.Timing}"
+  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:BackwardGpu.StaleContextIsRejected:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.MatchesReferenceAndTheKernelSequence:NonFiniteGpu.CheckFiniteReportsTheFirstNonFiniteInput:-ScheduleGpu.Timing}"
   race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.TaskTraceRecordsEveryTask}"
   run_step sanitizer_memcheck "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$memcheck_filter"

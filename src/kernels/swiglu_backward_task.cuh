@@ -81,10 +81,16 @@ struct SwigluVectorOut {
   uint4 d_gate, d_up, weighted_hidden;
   float dot;
 };
+// A padding row's vector is zeros (swiglu_backward.cuh: swiglu_store_padding_vector says why).
 static __device__ __noinline__ SwigluVectorOut swiglu_vector_out_of_line(uint4 g, uint4 u, uint4 dh,
                                                                          float weight, float limit,
-                                                                         float dot) {
+                                                                         float dot, bool padding) {
   SwigluVectorOut out;
+  if (padding) {
+    out.d_gate = out.d_up = out.weighted_hidden = make_uint4(0, 0, 0, 0);
+    out.dot = dot;
+    return out;
+  }
   swiglu_backward_vector(g, u, dh, weight, limit, dot, out.d_gate, out.d_up, out.weighted_hidden);
   out.dot = dot;
   return out;
@@ -147,12 +153,8 @@ __device__ __forceinline__ void run_swiglu_tile(const WaitContext& wait, Storage
         const int64_t row = first_row + r;
         if (!in_row || row >= total_rows) continue;
         const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
-        if (pair[r] < 0) {  // a padding row: exact zeros (swiglu_backward.cuh)
-          swiglu_store_padding_vector(args, at);
-          continue;
-        }
-        const SwigluVectorOut out =
-            swiglu_vector_out_of_line(gate_in, up_in, dh_in, weight[r], args.limit, dot[r]);
+        const SwigluVectorOut out = swiglu_vector_out_of_line(gate_in, up_in, dh_in, weight[r],
+                                                              args.limit, dot[r], pair[r] < 0);
         dot[r] = out.dot;
         args.d_gate[at] = out.d_gate;
         args.d_up[at] = out.d_up;
