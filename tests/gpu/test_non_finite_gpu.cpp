@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -128,6 +129,44 @@ TEST(NonFiniteGpu, NanInOneTokenMakesItsExpertsGradientsNanThroughout) {
       EXPECT_EQ(nan, hit ? matrix : 0)
           << (index == 0 ? "d_w_gate" : index == 1 ? "d_w_up" : "d_w_down") << " of expert " << e;
       ++index;
+    }
+  }
+}
+
+// Padding rows (each expert's segment is padded to the 128-row tile) add exact zeros to the
+// expert's weight gradients whatever its weights hold. With one routed row, an infinite up or
+// down weight makes the expert's d_w_gate row +-inf in the reference (one product per element);
+// a padding row computed from the math would add 0 * inf = NaN to it.
+TEST(NonFiniteGpu, PaddingRowsAddExactZerosToWeightGradients) {
+  const MoeShape shape = make_shape(16, 256, 128, 8, 2);
+  const int64_t H = shape.hidden, I = shape.intermediate, expert = 3;
+  HostProblem base = HostProblem::make(shape, RoutingKind::kUniform, 5250);
+  for (int32_t& route : base.ranks[0].top_experts)
+    if (route == expert) route = expert + 1;
+  base.ranks[0].top_experts[0] = expert;  // token 0, slot 0: the expert's only row
+  MoeConfig persistent;
+  persistent.persistent_backward = true;
+  GpuLayer sequence_layer(shape, MoeConfig{}), persistent_layer(shape, persistent);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const auto& [name, index, weights] :
+       {std::tuple{"w_up", (expert * I + 5) * H + 9, &HostRank::w_up},
+        std::tuple{"w_down", (expert * H + 2) * I + 7, &HostRank::w_down}}) {
+    SCOPED_TRACE(name);
+    HostProblem problem = base;
+    (problem.ranks[0].*weights)[static_cast<size_t>(index)] = float_to_bf16(inf);
+    test::run_reference(problem);
+    const HostRank& want = problem.ranks[0];
+    int64_t infinite = 0;
+    for (int64_t i = 0; i < I * H; ++i)
+      infinite += std::isinf(bf16_to_float(want.d_w_gate[expert * I * H + i]));
+    ASSERT_GT(infinite, 0) << "the case must give the reference infinite weight gradients";
+    DeviceProblem device(problem, 0);
+    for (GpuLayer* layer : {&sequence_layer, &persistent_layer}) {
+      const HostRank got = test::gpu_step(*layer, device, problem, /*with_context=*/true);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        if (!b.empty())
+          test::expect_same_pattern(std::string(name) + " +inf: " + output, a, b, kTolerance);
+      });
     }
   }
 }
