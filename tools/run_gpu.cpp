@@ -24,11 +24,12 @@ namespace mok::cli {
 
 namespace {
 
-// "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)".
+// "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)[, check_finite scan]".
 std::string variant_name(const mok::MoeConfig& config) {
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
          (config.persistent_forward ? ", persistent forward GEMM kernel"
-                                    : ", two forward GEMM kernels");
+                                    : ", two forward GEMM kernels") +
+         (config.check_finite ? ", check_finite scan" : "");
 }
 
 // "kernel sequence" or "persistent kernel".
@@ -249,7 +250,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                       : mok::LocalDispatch::kGatherKernel;
   other_gemms.persistent_forward = !config.persistent_forward;
   other_gemms.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
-  mok::GpuLayer other_dispatch_layer(shape, other_dispatch), other_gemms_layer(shape, other_gemms);
+  // And the forward with MoeConfig::check_finite: what its input scan costs.
+  mok::MoeConfig checked = config;
+  checked.check_finite = true;
+  mok::GpuLayer other_dispatch_layer(shape, other_dispatch), other_gemms_layer(shape, other_gemms),
+      checked_layer(shape, checked);
   // Interleaved rounds: the card runs into its power limit within a second of GEMM load and
   // lowers its clock (clocks.log of scripts/gpu-check.sh), so timing one side after the other
   // would hand the later one a slower card.
@@ -271,6 +276,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         const mok::ForwardContext step = ring_layer.forward(args, stream);
         ring_layer.backward(backward_args, stream, &step);
       },
+      [&] { checked_layer.forward(args, stream); },
   };
   for (BackwardVariant& variant : backward_variants)
     timed.push_back([&] {
@@ -281,17 +287,22 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = medians[7];
-  const size_t first_backward_variant = 8;  // the closures above before the variants
+  const size_t first_backward_variant = 9;  // the closures above before the variants
   const std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms},
       {variant_name(other_dispatch), medians[5]},
-      {variant_name(other_gemms), medians[6]}};
+      {variant_name(other_gemms), medians[6]},
+      {variant_name(checked), medians[8]}};
+  // The inputs are finite: the checked layer must have nothing to report.
+  const mok::Status checked_status = checked_layer.synchronize(stream);
+  if (!checked_status.ok())
+    std::printf("  check_finite reported finite inputs: %s\n", checked_status.message.c_str());
   const double mok_backward_ms = mok_step_ms - mok_forward_ms;
   const double base_backward_ms = base_step_ms - base_forward_ms;
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
 
   const Peak peak = bf16_peak();
-  bool passed = deterministic && ring_bitwise && backward_variants_bitwise;
+  bool passed = deterministic && ring_bitwise && backward_variants_bitwise && checked_status.ok();
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
   std::printf("mok run: forward and backward on %s (EP = 1), %s\n", device_name.c_str(),
