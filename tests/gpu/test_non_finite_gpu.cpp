@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "gpu_step.h"
+#include "kernels/non_finite_scan.h"
 #include "mok/device_problem.h"
 #include "mok/gpu_layer.h"
 #include "mok/host_problem.h"
@@ -240,6 +242,76 @@ TEST(NonFiniteGpu, CheckFiniteReportsTheFirstNonFiniteInput) {
   DeviceProblem unrouted_device(unrouted, 0);
   const Status quiet = checked_step(layer, unrouted_device, true);
   EXPECT_TRUE(quiet.ok()) << quiet.message;
+}
+
+// The scan at dsv3_local's size (x, router weights, 3 x 32 experts of 2048 x 7168 weights: 2.9
+// GB): its read bandwidth, and the last element of w_down found when it alone is NaN (indices
+// past 2^28, the second-to-last tensor of the order).
+TEST(NonFiniteGpu, ScanReadsAtMemoryBandwidth) {
+  const MoeShape shape = named_shape("dsv3_local");
+  const int64_t weights = shape.num_experts * shape.intermediate * shape.hidden;
+  const int64_t tokens = shape.num_tokens * shape.hidden, slots = shape.num_tokens * shape.top_k;
+  std::vector<void*> buffers;
+  auto buffer = [&](int64_t bytes, int fill) {
+    void* pointer = nullptr;
+    EXPECT_EQ(cudaMalloc(&pointer, static_cast<size_t>(bytes)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(pointer, fill, static_cast<size_t>(bytes)), cudaSuccess);  // 0x3e3e: 0.186
+    buffers.push_back(pointer);
+    return pointer;
+  };
+  kernels::NonFiniteScan scan;
+  auto add = [&](kernels::ScannedTensor id, void* data, int64_t count) {
+    kernels::ScanTensor& tensor = scan.tensors[scan.num_tensors++];
+    tensor.data = data;
+    tensor.count = count;
+    tensor.id = id;
+  };
+  add(kernels::ScannedTensor::kX, buffer(tokens * 2, 0x3e), tokens);
+  add(kernels::ScannedTensor::kRouterWeights, buffer(slots * 4, 0x3e), slots);
+  scan.tensors[1].routes = buffer(slots * 4, 0);  // every slot routed to expert 0
+  scan.tensors[1].num_experts = static_cast<int32_t>(shape.num_experts);
+  void* w_down = nullptr;
+  for (kernels::ScannedTensor id : {kernels::ScannedTensor::kWGate, kernels::ScannedTensor::kWUp,
+                                    kernels::ScannedTensor::kWDown}) {
+    void* data = buffer(weights * 2, 0x3e);
+    add(id, data, weights);
+    w_down = data;
+  }
+  unsigned long long* record = static_cast<unsigned long long*>(buffer(8, 0xff));
+  int sm_count = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  cudaEvent_t start, stop;
+  ASSERT_EQ(cudaEventCreate(&start), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&stop), cudaSuccess);
+  std::vector<float> times;
+  for (int i = 0; i < 23; ++i) {
+    ASSERT_EQ(cudaEventRecord(start, nullptr), cudaSuccess);
+    ASSERT_EQ(kernels::launch_non_finite_scan(scan, record, sm_count, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(stop, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+    float ms = 0;
+    ASSERT_EQ(cudaEventElapsedTime(&ms, start, stop), cudaSuccess);
+    if (i >= 3) times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  const double bytes = 3.0 * weights * 2 + tokens * 2 + slots * 8;
+  const double ms = times[times.size() / 2];
+  std::printf("  check_finite scan of dsv3_local's forward inputs: %.1f MB in %.3f ms = %.2f TB/s\n",
+              bytes / 1e6, ms, bytes / ms / 1e9);
+  unsigned long long found = 0;
+  ASSERT_EQ(cudaMemcpy(&found, record, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(found, kernels::kNoNonFinite) << "finite inputs reported";
+  const uint16_t nan_bits = 0x7fc0;
+  ASSERT_EQ(cudaMemcpy(static_cast<uint16_t*>(w_down) + weights - 1, &nan_bits, 2,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(kernels::launch_non_finite_scan(scan, record, sm_count, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&found, record, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(found, kernels::non_finite_key(kernels::ScannedTensor::kWDown, weights - 1,
+                                           kernels::NonFiniteKind::kNaN));
+  for (void* pointer : buffers) cudaFree(pointer);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
 }
 
 }  // namespace
