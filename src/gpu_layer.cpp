@@ -577,8 +577,8 @@ Status GpuLayer::synchronize(cudaStream_t stream) {
   std::string non_finite;
   if (s.config.check_finite) {
     unsigned long long record = kernels::kNoNonFinite;
-    status = cudaMemcpy(&record, s.non_finite_record.pointer, sizeof(record),
-                        cudaMemcpyDeviceToHost);
+    status =
+        cudaMemcpy(&record, s.non_finite_record.pointer, sizeof(record), cudaMemcpyDeviceToHost);
     if (status == cudaSuccess && record != kernels::kNoNonFinite) {
       non_finite = describe_non_finite(s.shape, s.rank, record);
       status = cudaMemset(s.non_finite_record.pointer, 0xff, sizeof(record));

@@ -22,7 +22,8 @@ void add_forward_inputs(kernels::NonFiniteScan& scan, const MoeShape& shape,
                         const ForwardArgs& args) {
   add(scan, ScannedTensor::kX, args.x);
   // Only the routed slots' weights: the layer never reads the others.
-  if (kernels::ScanTensor* weights = add(scan, ScannedTensor::kRouterWeights, args.router_weights)) {
+  if (kernels::ScanTensor* weights =
+          add(scan, ScannedTensor::kRouterWeights, args.router_weights)) {
     weights->routes = args.top_experts.data;
     weights->routes_are_int64 = args.top_experts.dtype == DType::kInt64 ? 1 : 0;
     weights->num_experts = static_cast<int32_t>(shape.num_experts);
@@ -39,25 +40,38 @@ void add_forward_inputs(kernels::NonFiniteScan& scan, const MoeShape& shape,
 
 const char* tensor_name(ScannedTensor tensor) {
   switch (tensor) {
-    case ScannedTensor::kX: return "x";
-    case ScannedTensor::kRouterWeights: return "router_weights";
-    case ScannedTensor::kWGate: return "w_gate";
-    case ScannedTensor::kWUp: return "w_up";
-    case ScannedTensor::kWDown: return "w_down";
-    case ScannedTensor::kWSharedGate: return "w_shared_gate";
-    case ScannedTensor::kWSharedUp: return "w_shared_up";
-    case ScannedTensor::kWSharedDown: return "w_shared_down";
-    case ScannedTensor::kDOut: return "d_out";
-    case ScannedTensor::kCount: break;
+    case ScannedTensor::kX:
+      return "x";
+    case ScannedTensor::kRouterWeights:
+      return "router_weights";
+    case ScannedTensor::kWGate:
+      return "w_gate";
+    case ScannedTensor::kWUp:
+      return "w_up";
+    case ScannedTensor::kWDown:
+      return "w_down";
+    case ScannedTensor::kWSharedGate:
+      return "w_shared_gate";
+    case ScannedTensor::kWSharedUp:
+      return "w_shared_up";
+    case ScannedTensor::kWSharedDown:
+      return "w_shared_down";
+    case ScannedTensor::kDOut:
+      return "d_out";
+    case ScannedTensor::kCount:
+      break;
   }
   return "(unknown tensor)";
 }
 
 const char* kind_name(NonFiniteKind kind) {
   switch (kind) {
-    case NonFiniteKind::kNaN: return "nan";
-    case NonFiniteKind::kPositiveInf: return "+inf";
-    case NonFiniteKind::kNegativeInf: return "-inf";
+    case NonFiniteKind::kNaN:
+      return "nan";
+    case NonFiniteKind::kPositiveInf:
+      return "+inf";
+    case NonFiniteKind::kNegativeInf:
+      return "-inf";
   }
   return "(unknown value)";
 }
@@ -80,16 +94,22 @@ std::string coordinates(const MoeShape& shape, int32_t rank, ScannedTensor tenso
   };
   switch (tensor) {
     case ScannedTensor::kX:
-    case ScannedTensor::kDOut: return at("token", index / H, "column", index % H);
+    case ScannedTensor::kDOut:
+      return at("token", index / H, "column", index % H);
     case ScannedTensor::kRouterWeights:
       return at("token", index / shape.top_k, "k", index % shape.top_k);
     case ScannedTensor::kWGate:
-    case ScannedTensor::kWUp: return expert(I * H, H);
-    case ScannedTensor::kWDown: return expert(H * I, I);
+    case ScannedTensor::kWUp:
+      return expert(I * H, H);
+    case ScannedTensor::kWDown:
+      return expert(H * I, I);
     case ScannedTensor::kWSharedGate:
-    case ScannedTensor::kWSharedUp: return at("row", index / H, "column", index % H);
-    case ScannedTensor::kWSharedDown: return at("row", index / Is, "column", index % Is);
-    case ScannedTensor::kCount: break;
+    case ScannedTensor::kWSharedUp:
+      return at("row", index / H, "column", index % H);
+    case ScannedTensor::kWSharedDown:
+      return at("row", index / Is, "column", index % Is);
+    case ScannedTensor::kCount:
+      break;
   }
   return "[element " + std::to_string(index) + "]";
 }

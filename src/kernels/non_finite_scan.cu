@@ -19,7 +19,7 @@ constexpr int kScanThreads = 256;
 constexpr unsigned long long kNone = kNoNonFinite;
 
 __device__ __forceinline__ NonFiniteKind kind_of_bf16(uint32_t bits) {
-  return (bits & 0x7Fu) != 0        ? NonFiniteKind::kNaN
+  return (bits & 0x7Fu) != 0     ? NonFiniteKind::kNaN
          : (bits & 0x8000u) != 0 ? NonFiniteKind::kNegativeInf
                                  : NonFiniteKind::kPositiveInf;
 }
@@ -62,7 +62,7 @@ __device__ __forceinline__ unsigned long long scan_router_weights(const ScanTens
     const float weight = weights[i];
     if (!isfinite(weight))
       return non_finite_key(tensor.id, i,
-                            isnan(weight)      ? NonFiniteKind::kNaN
+                            isnan(weight)     ? NonFiniteKind::kNaN
                             : signbit(weight) ? NonFiniteKind::kNegativeInf
                                               : NonFiniteKind::kPositiveInf);
   }
@@ -97,8 +97,7 @@ cudaError_t launch_non_finite_scan(const NonFiniteScan& scan, unsigned long long
   const int64_t wanted = (largest / 8 + kScanThreads - 1) / kScanThreads;
   const int64_t most = static_cast<int64_t>(sm_count) * 8;
   const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < most ? wanted : most);
-  non_finite_scan_kernel<<<dim3(blocks, scan.num_tensors), kScanThreads, 0, stream>>>(scan,
-                                                                                     record);
+  non_finite_scan_kernel<<<dim3(blocks, scan.num_tensors), kScanThreads, 0, stream>>>(scan, record);
   return cudaGetLastError();
 }
 

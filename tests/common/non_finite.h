@@ -20,11 +20,11 @@ namespace mok::test {
 
 // Where one non-finite value goes (rank 0 of a problem prepared by add_duplicate_route_and_hole).
 enum class NonFiniteSite {
-  kX,                     // x of the token routed twice to one expert
-  kRoutedGate,            // w_gate, w_up, w_down of the expert that token is routed to twice
+  kX,           // x of the token routed twice to one expert
+  kRoutedGate,  // w_gate, w_up, w_down of the expert that token is routed to twice
   kRoutedUp,
   kRoutedDown,
-  kSharedGate,            // the shared expert's weights
+  kSharedGate,  // the shared expert's weights
   kSharedUp,
   kSharedDown,
   kDOut,                  // d_out of the token with a -1 slot
@@ -34,25 +34,38 @@ enum class NonFiniteSite {
 
 inline const char* non_finite_site_name(NonFiniteSite site) {
   switch (site) {
-    case NonFiniteSite::kX: return "x";
-    case NonFiniteSite::kRoutedGate: return "w_gate";
-    case NonFiniteSite::kRoutedUp: return "w_up";
-    case NonFiniteSite::kRoutedDown: return "w_down";
-    case NonFiniteSite::kSharedGate: return "w_shared_gate";
-    case NonFiniteSite::kSharedUp: return "w_shared_up";
-    case NonFiniteSite::kSharedDown: return "w_shared_down";
-    case NonFiniteSite::kDOut: return "d_out";
-    case NonFiniteSite::kRouterWeight: return "router_weights";
-    case NonFiniteSite::kUnroutedRouterWeight: return "router_weights (-1 slot)";
+    case NonFiniteSite::kX:
+      return "x";
+    case NonFiniteSite::kRoutedGate:
+      return "w_gate";
+    case NonFiniteSite::kRoutedUp:
+      return "w_up";
+    case NonFiniteSite::kRoutedDown:
+      return "w_down";
+    case NonFiniteSite::kSharedGate:
+      return "w_shared_gate";
+    case NonFiniteSite::kSharedUp:
+      return "w_shared_up";
+    case NonFiniteSite::kSharedDown:
+      return "w_shared_down";
+    case NonFiniteSite::kDOut:
+      return "d_out";
+    case NonFiniteSite::kRouterWeight:
+      return "router_weights";
+    case NonFiniteSite::kUnroutedRouterWeight:
+      return "router_weights (-1 slot)";
   }
   return "?";
 }
 
 // Every site, the shared expert's only when the shape has one.
 inline std::vector<NonFiniteSite> non_finite_sites(const MoeShape& shape) {
-  std::vector<NonFiniteSite> sites = {NonFiniteSite::kX,          NonFiniteSite::kRoutedGate,
-                                      NonFiniteSite::kRoutedUp,   NonFiniteSite::kRoutedDown,
-                                      NonFiniteSite::kDOut,       NonFiniteSite::kRouterWeight,
+  std::vector<NonFiniteSite> sites = {NonFiniteSite::kX,
+                                      NonFiniteSite::kRoutedGate,
+                                      NonFiniteSite::kRoutedUp,
+                                      NonFiniteSite::kRoutedDown,
+                                      NonFiniteSite::kDOut,
+                                      NonFiniteSite::kRouterWeight,
                                       NonFiniteSite::kUnroutedRouterWeight};
   if (shape.has_shared_expert())
     for (NonFiniteSite site :
@@ -77,7 +90,8 @@ inline void add_duplicate_route_and_hole(HostProblem& problem) {
   std::vector<int32_t>& routes = problem.ranks[0].top_experts;
   const int64_t K = shape.top_k;
   const int64_t twice = twice_routed_token(shape) * K;
-  routes[twice] = routes[twice] < 0 ? 0 : routes[twice] % static_cast<int32_t>(shape.num_local_experts());
+  routes[twice] =
+      routes[twice] < 0 ? 0 : routes[twice] % static_cast<int32_t>(shape.num_local_experts());
   routes[twice + 1] = routes[twice];
   routes[token_with_hole(shape) * K + K - 1] = -1;
 }
@@ -98,14 +112,22 @@ inline std::string place_non_finite(HostProblem& problem, NonFiniteSite site, fl
   };
   std::string where = non_finite_site_name(site);
   switch (site) {
-    case NonFiniteSite::kX: return where + put(rank.x, twice * H + H / 3);
-    case NonFiniteSite::kRoutedGate: return where + put(rank.w_gate, (expert * I + I / 2) * H + 7);
-    case NonFiniteSite::kRoutedUp: return where + put(rank.w_up, (expert * I + 3) * H + H - 1);
-    case NonFiniteSite::kRoutedDown: return where + put(rank.w_down, (expert * H + 5) * I + I - 2);
-    case NonFiniteSite::kSharedGate: return where + put(rank.w_shared_gate, 2 * H + 3);
-    case NonFiniteSite::kSharedUp: return where + put(rank.w_shared_up, (Is - 1) * H + H / 2);
-    case NonFiniteSite::kSharedDown: return where + put(rank.w_shared_down, (H - 1) * Is + 1);
-    case NonFiniteSite::kDOut: return where + put(rank.d_out, hole * H);
+    case NonFiniteSite::kX:
+      return where + put(rank.x, twice * H + H / 3);
+    case NonFiniteSite::kRoutedGate:
+      return where + put(rank.w_gate, (expert * I + I / 2) * H + 7);
+    case NonFiniteSite::kRoutedUp:
+      return where + put(rank.w_up, (expert * I + 3) * H + H - 1);
+    case NonFiniteSite::kRoutedDown:
+      return where + put(rank.w_down, (expert * H + 5) * I + I - 2);
+    case NonFiniteSite::kSharedGate:
+      return where + put(rank.w_shared_gate, 2 * H + 3);
+    case NonFiniteSite::kSharedUp:
+      return where + put(rank.w_shared_up, (Is - 1) * H + H / 2);
+    case NonFiniteSite::kSharedDown:
+      return where + put(rank.w_shared_down, (H - 1) * Is + 1);
+    case NonFiniteSite::kDOut:
+      return where + put(rank.d_out, hole * H);
     case NonFiniteSite::kRouterWeight:
       rank.router_weights[twice * K + 1] = value;
       return where + " at slot " + std::to_string(twice * K + 1);

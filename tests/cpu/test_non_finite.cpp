@@ -73,7 +73,8 @@ TEST(NonFiniteReference, PatternsMatchTheOracleElementForElement) {
         HostProblem problem = HostProblem::make(c.shape, c.routing, ++seed);
         test::add_duplicate_route_and_hole(problem);
         const std::string where = test::place_non_finite(problem, site, value);
-        const std::string label = std::string(c.name) + ", " + std::to_string(value) + " in " + where;
+        const std::string label =
+            std::string(c.name) + ", " + std::to_string(value) + " in " + where;
         SCOPED_TRACE(label);
         test::run_reference(problem, 2);
         const int64_t non_finite = expect_reference_matches_oracle(label, problem);
@@ -101,7 +102,8 @@ TEST(NonFiniteReference, NanInOneTokenMakesItsExpertsGradientsNanThroughout) {
     const bool hit = e == first || e == second;
     for (const auto* grads : {&rank.d_w_gate, &rank.d_w_up, &rank.d_w_down}) {
       int64_t nan = 0;
-      for (int64_t i = 0; i < matrix; ++i) nan += std::isnan(bf16_to_float((*grads)[e * matrix + i]));
+      for (int64_t i = 0; i < matrix; ++i)
+        nan += std::isnan(bf16_to_float((*grads)[e * matrix + i]));
       EXPECT_EQ(nan, hit ? matrix : 0) << "expert " << e;
     }
   }
@@ -142,7 +144,8 @@ TEST(NonFiniteReference, EpEmulationEqualsSingleRankBitwise) {
 TEST(NonFiniteReport, KeysOrderByTensorThenElement) {
   using kernels::NonFiniteKind;
   using kernels::ScannedTensor;
-  const unsigned long long x_late = kernels::non_finite_key(ScannedTensor::kX, 1000000, NonFiniteKind::kNaN);
+  const unsigned long long x_late =
+      kernels::non_finite_key(ScannedTensor::kX, 1000000, NonFiniteKind::kNaN);
   const unsigned long long weight_early =
       kernels::non_finite_key(ScannedTensor::kWGate, 0, NonFiniteKind::kNaN);
   const unsigned long long x_early =
@@ -151,7 +154,8 @@ TEST(NonFiniteReport, KeysOrderByTensorThenElement) {
   EXPECT_LT(x_early, x_late);
   EXPECT_LT(weight_early, kernels::kNoNonFinite);
   const int64_t big = (int64_t{1} << 40) + 12345;
-  const unsigned long long key = kernels::non_finite_key(ScannedTensor::kDOut, big, NonFiniteKind::kPositiveInf);
+  const unsigned long long key =
+      kernels::non_finite_key(ScannedTensor::kDOut, big, NonFiniteKind::kPositiveInf);
   EXPECT_EQ(kernels::non_finite_tensor(key), ScannedTensor::kDOut);
   EXPECT_EQ(kernels::non_finite_index(key), big);
   EXPECT_EQ(kernels::non_finite_kind(key), NonFiniteKind::kPositiveInf);
@@ -170,23 +174,23 @@ TEST(NonFiniteReport, MessagesNameTensorCoordinatesAndValue) {
   };
   expect_contains(message(shape, 0, ScannedTensor::kX, 5 * 256 + 17, NonFiniteKind::kNaN),
                   "check_finite: x[token 5, column 17] = nan is not finite");
-  expect_contains(message(shape, 0, ScannedTensor::kRouterWeights, 2 * 2 + 1,
-                          NonFiniteKind::kNegativeInf),
-                  "router_weights[token 2, k 1] = -inf");
-  expect_contains(message(shape, 0, ScannedTensor::kWUp, (3 * 128 + 4) * 256 + 9,
-                          NonFiniteKind::kPositiveInf),
-                  "w_up[expert 3, row 4, column 9] = +inf");
-  expect_contains(message(shape, 0, ScannedTensor::kWDown, (7 * 256 + 200) * 128 + 100,
-                          NonFiniteKind::kNaN),
-                  "w_down[expert 7, row 200, column 100] = nan");
+  expect_contains(
+      message(shape, 0, ScannedTensor::kRouterWeights, 2 * 2 + 1, NonFiniteKind::kNegativeInf),
+      "router_weights[token 2, k 1] = -inf");
+  expect_contains(
+      message(shape, 0, ScannedTensor::kWUp, (3 * 128 + 4) * 256 + 9, NonFiniteKind::kPositiveInf),
+      "w_up[expert 3, row 4, column 9] = +inf");
+  expect_contains(
+      message(shape, 0, ScannedTensor::kWDown, (7 * 256 + 200) * 128 + 100, NonFiniteKind::kNaN),
+      "w_down[expert 7, row 200, column 100] = nan");
   expect_contains(message(shape, 0, ScannedTensor::kWSharedDown, 10 * 96 + 95, NonFiniteKind::kNaN),
                   "w_shared_down[row 10, column 95]");
   expect_contains(message(shape, 0, ScannedTensor::kDOut, 63 * 256 + 255, NonFiniteKind::kNaN),
                   "d_out[token 63, column 255]");
   const MoeShape two_ranks = make_shape(64, 256, 128, 8, 2, 2);
-  expect_contains(message(two_ranks, 1, ScannedTensor::kWGate, (2 * 128 + 1) * 256 + 3,
-                          NonFiniteKind::kNaN),
-                  "w_gate[local expert 2 = expert 6, row 1, column 3]");
+  expect_contains(
+      message(two_ranks, 1, ScannedTensor::kWGate, (2 * 128 + 1) * 256 + 3, NonFiniteKind::kNaN),
+      "w_gate[local expert 2 = expert 6, row 1, column 3]");
 }
 
 // The scans a call launches: the forward's inputs in the record's order, the router weights

@@ -365,13 +365,12 @@ TEST(EpLayerGpu, NonFiniteMatchesReferenceEmulation) {
       const std::vector<HostRank> got = ep_step(layer, device, problem, true);
       int64_t non_finite = 0;
       for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
-        test::for_each_output(got[rank], problem.ranks[rank],
-                              [&](const char* output, const auto& a, const auto& b) {
-                                if (b.empty()) return;
-                                non_finite += test::expect_same_pattern(
-                                    label + ": rank " + std::to_string(rank) + " " + output, a, b,
-                                    1e-2);
-                              });
+        test::for_each_output(
+            got[rank], problem.ranks[rank], [&](const char* output, const auto& a, const auto& b) {
+              if (b.empty()) return;
+              non_finite += test::expect_same_pattern(
+                  label + ": rank " + std::to_string(rank) + " " + output, a, b, 1e-2);
+            });
       if (site == test::NonFiniteSite::kUnroutedRouterWeight)
         EXPECT_EQ(non_finite, 0);
       else
@@ -379,13 +378,12 @@ TEST(EpLayerGpu, NonFiniteMatchesReferenceEmulation) {
       for (EpLayer* other : {&persistent, &ring_layer}) {
         const std::vector<HostRank> again = ep_step(*other, device, problem, false);
         for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
-          test::for_each_output(again[rank], got[rank],
-                                [&](const char* output, const auto& a, const auto& b) {
-                                  EXPECT_TRUE(test::bitwise_equal(a, b))
-                                      << "rank " << rank << " " << output << " differs with "
-                                      << (other == &persistent ? "the persistent backward"
-                                                               : "macrobatches");
-                                });
+          test::for_each_output(
+              again[rank], got[rank], [&](const char* output, const auto& a, const auto& b) {
+                EXPECT_TRUE(test::bitwise_equal(a, b))
+                    << "rank " << rank << " " << output << " differs with "
+                    << (other == &persistent ? "the persistent backward" : "macrobatches");
+              });
       }
       for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
         cudaSetDevice(group.devices[rank]);

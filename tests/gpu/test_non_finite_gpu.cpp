@@ -73,7 +73,8 @@ void check_case(const Case& c, uint64_t& seed) {
       const HostRank first = test::gpu_step(*layers[0], device, problem, /*with_context=*/true);
       int64_t non_finite = 0;
       test::for_each_output(first, want, [&](const char* output, const auto& a, const auto& b) {
-        if (!b.empty()) non_finite += test::expect_same_pattern(label + ": " + output, a, b, kTolerance);
+        if (!b.empty())
+          non_finite += test::expect_same_pattern(label + ": " + output, a, b, kTolerance);
       });
       if (site == NonFiniteSite::kUnroutedRouterWeight)
         EXPECT_EQ(non_finite, 0) << "a -1 slot's router weight is read by nothing";
@@ -83,17 +84,18 @@ void check_case(const Case& c, uint64_t& seed) {
         for (const bool with_context : {true, false}) {
           if (i == 0 && with_context) continue;
           const HostRank again = test::gpu_step(*layers[i], device, problem, with_context);
-          test::for_each_output(again, first, [&](const char* output, const auto& a, const auto& b) {
-            EXPECT_TRUE(test::bitwise_equal(a, b))
-                << output << " differs bitwise with " << configs()[i].first
-                << (with_context ? "" : " (recomputing the forward)") << " at element "
-                << test::first_difference(a, b);
-          });
+          test::for_each_output(again, first,
+                                [&](const char* output, const auto& a, const auto& b) {
+                                  EXPECT_TRUE(test::bitwise_equal(a, b))
+                                      << output << " differs bitwise with " << configs()[i].first
+                                      << (with_context ? "" : " (recomputing the forward)")
+                                      << " at element " << test::first_difference(a, b);
+                                });
         }
     }
   }
-  std::printf("  %-34s %-44s %-10s: every site and value matches the reference's pattern\n",
-              c.name, c.shape.to_string().c_str(), routing_kind_name(c.routing));
+  std::printf("  %-34s %-44s %-10s: every site and value matches the reference's pattern\n", c.name,
+              c.shape.to_string().c_str(), routing_kind_name(c.routing));
 }
 
 TEST(NonFiniteGpu, PatternsMatchTheReferenceOnEveryPath) {
@@ -104,10 +106,8 @@ TEST(NonFiniteGpu, PatternsMatchTheReferenceOnEveryPath) {
   check_case({"shared + clamp, skewed", make_shape(333, 512, 384, 16, 4, 1, 128, 0.5f),
               RoutingKind::kSkewed},
              seed);
-  check_case({"holes, shared", make_shape(200, 256, 128, 8, 4, 1, 192), RoutingKind::kHoles},
-             seed);
-  check_case({"all to one expert", make_shape(130, 256, 128, 4, 2), RoutingKind::kOneExpert},
-             seed);
+  check_case({"holes, shared", make_shape(200, 256, 128, 8, 4, 1, 192), RoutingKind::kHoles}, seed);
+  check_case({"all to one expert", make_shape(130, 256, 128, 4, 2), RoutingKind::kOneExpert}, seed);
 }
 
 // The report, as it saw it: one NaN in one token's x, and the two experts the token
@@ -127,9 +127,12 @@ TEST(NonFiniteGpu, NanInOneTokenMakesItsExpertsGradientsNanThroughout) {
     int64_t index = 0;
     for (const auto* grads : {&got.d_w_gate, &got.d_w_up, &got.d_w_down}) {
       int64_t nan = 0;
-      for (int64_t i = 0; i < matrix; ++i) nan += std::isnan(bf16_to_float((*grads)[e * matrix + i]));
-      EXPECT_EQ(nan, hit ? matrix : 0)
-          << (index == 0 ? "d_w_gate" : index == 1 ? "d_w_up" : "d_w_down") << " of expert " << e;
+      for (int64_t i = 0; i < matrix; ++i)
+        nan += std::isnan(bf16_to_float((*grads)[e * matrix + i]));
+      EXPECT_EQ(nan, hit ? matrix : 0) << (index == 0   ? "d_w_gate"
+                                           : index == 1 ? "d_w_up"
+                                                        : "d_w_down")
+                                       << " of expert " << e;
       ++index;
     }
   }
@@ -296,8 +299,9 @@ TEST(NonFiniteGpu, ScanReadsAtMemoryBandwidth) {
   std::sort(times.begin(), times.end());
   const double bytes = 3.0 * weights * 2 + tokens * 2 + slots * 8;
   const double ms = times[times.size() / 2];
-  std::printf("  check_finite scan of dsv3_local's forward inputs: %.1f MB in %.3f ms = %.2f TB/s\n",
-              bytes / 1e6, ms, bytes / ms / 1e9);
+  std::printf(
+      "  check_finite scan of dsv3_local's forward inputs: %.1f MB in %.3f ms = %.2f TB/s\n",
+      bytes / 1e6, ms, bytes / ms / 1e9);
   unsigned long long found = 0;
   ASSERT_EQ(cudaMemcpy(&found, record, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(found, kernels::kNoNonFinite) << "finite inputs reported";
