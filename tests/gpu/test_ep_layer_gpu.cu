@@ -52,6 +52,25 @@ Group make_group() {
   return group;
 }
 
+// Every rank's inputs and output buffers of `problem`, each on its rank's GPU.
+std::vector<std::unique_ptr<DeviceProblem>> upload_ranks(const Group& group,
+                                                         const HostProblem& problem) {
+  std::vector<std::unique_ptr<DeviceProblem>> device;
+  for (int32_t rank = 0; rank < problem.shape.num_ranks; ++rank) {
+    EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
+    device.push_back(std::make_unique<DeviceProblem>(problem, rank));
+  }
+  return device;
+}
+
+// Frees them, each on its own GPU.
+void free_ranks(const Group& group, std::vector<std::unique_ptr<DeviceProblem>>& device) {
+  for (size_t rank = 0; rank < device.size(); ++rank) {
+    cudaSetDevice(group.devices[rank]);
+    device[rank].reset();
+  }
+}
+
 // One training step of every rank (forward, then backward with or without the context); the
 // outputs of every rank.
 std::vector<HostRank> ep_step(EpLayer& layer, std::vector<std::unique_ptr<DeviceProblem>>& device,
@@ -108,11 +127,7 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   problem.poison_outputs();
   reference::forward_ep(shape, problem.all_forward_args());
   reference::backward_ep(shape, problem.all_backward_args());
-  std::vector<std::unique_ptr<DeviceProblem>> device;
-  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
-    EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
-    device.push_back(std::make_unique<DeviceProblem>(problem, rank));
-  }
+  std::vector<std::unique_ptr<DeviceProblem>> device = upload_ranks(group, problem);
   MoeConfig config;
   config.wait_timeout_s = 20;
   EpLayer layer(shape, config, group.ranks);
@@ -167,10 +182,7 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
               << "rank " << rank << " " << output << " differs without the forward context";
         });
   }
-  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
-    cudaSetDevice(group.devices[rank]);
-    device[rank].reset();
-  }
+  free_ranks(group, device);
 }
 
 // Experts per rank are given; the group size is the machine's GPU count.
@@ -357,11 +369,7 @@ TEST(EpLayerGpu, NonFiniteMatchesReferenceEmulation) {
       problem.poison_outputs();
       reference::forward_ep(shape, problem.all_forward_args());
       reference::backward_ep(shape, problem.all_backward_args());
-      std::vector<std::unique_ptr<DeviceProblem>> device;
-      for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
-        EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
-        device.push_back(std::make_unique<DeviceProblem>(problem, rank));
-      }
+      std::vector<std::unique_ptr<DeviceProblem>> device = upload_ranks(group, problem);
       const std::vector<HostRank> got = ep_step(layer, device, problem, true);
       int64_t non_finite = 0;
       for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
@@ -385,10 +393,7 @@ TEST(EpLayerGpu, NonFiniteMatchesReferenceEmulation) {
                     << (other == &persistent ? "the persistent backward" : "macrobatches");
               });
       }
-      for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
-        cudaSetDevice(group.devices[rank]);
-        device[rank].reset();
-      }
+      free_ranks(group, device);
     }
   }
   std::printf("  every site, NaN and +inf: every rank matches the emulation's pattern (%d ranks)\n",
@@ -401,14 +406,10 @@ TEST(EpLayerGpu, NonFiniteMatchesReferenceEmulation) {
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 1300);
   test::add_duplicate_route_and_hole(problem);
   test::place_non_finite(problem, test::NonFiniteSite::kX, nan);
-  std::vector<std::unique_ptr<DeviceProblem>> device;
+  std::vector<std::unique_ptr<DeviceProblem>> device = upload_ranks(group, problem);
   std::vector<ForwardArgs> forward_args;
-  std::vector<cudaStream_t> streams(group.devices.size(), nullptr);
-  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
-    EXPECT_EQ(cudaSetDevice(group.devices[rank]), cudaSuccess);
-    device.push_back(std::make_unique<DeviceProblem>(problem, rank));
-    forward_args.push_back(device.back()->forward_args());
-  }
+  for (const auto& rank : device) forward_args.push_back(rank->forward_args());
+  const std::vector<cudaStream_t> streams(group.devices.size(), nullptr);
   checked_layer.forward(forward_args, streams);
   const Status status = checked_layer.synchronize(streams);
   EXPECT_EQ(status.code, ErrorCode::kDeviceFault);
@@ -416,10 +417,7 @@ TEST(EpLayerGpu, NonFiniteMatchesReferenceEmulation) {
                                 std::to_string(shape.hidden / 3) + "] = nan"),
             std::string::npos)
       << status.message;
-  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
-    cudaSetDevice(group.devices[rank]);
-    device[rank].reset();
-  }
+  free_ranks(group, device);
 }
 
 TEST(EpLayerGpu, OneProcessPerGpu) {
