@@ -25,14 +25,15 @@
 #include <vector>
 
 #include "cli.h"
-#include "cuda_buffer.h"
-#include "mok/routing.h"
+#include "layer/cuda_buffer.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
+#include "mok/testing/routing.h"
 #if MOK_HAS_NCCL
 #include <nccl.h>
 
-#include "kernels/launchers.h"
+#include "kernels/comm/launch.h"
+#include "kernels/stages/launch.h"
 #include "mok/comm.h"
 #endif
 

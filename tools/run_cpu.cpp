@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "cli.h"
-#include "mok/host_problem.h"
 #include "mok/reference.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
+#include "mok/testing/host_problem.h"
 
 namespace mok::cli {
 

@@ -14,14 +14,14 @@
 #include <vector>
 
 #include "cli.h"
-#include "cuda_buffer.h"
-#include "mok/device_problem.h"
-#include "mok/host_problem.h"
+#include "layer/cuda_buffer.h"
 #include "mok/reference.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
 #if MOK_HAS_NCCL
 #include "mok/comm.h"
-#include "mok/ep_baseline.h"
 #include "mok/ep_layer.h"
+#include "mok/testing/ep_baseline.h"
 #endif
 
 namespace mok::cli {

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "cli.h"
-#include "mok/baseline_layer.h"
-#include "mok/device_problem.h"
 #include "mok/gpu_layer.h"
-#include "mok/host_problem.h"
 #include "mok/reference.h"
 #include "mok/task_trace.h"
+#include "mok/testing/baseline_layer.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
 
 namespace mok::cli {
 

@@ -5,8 +5,8 @@
 #include <string>
 
 #include "comm/nccl_glue.h"
-#include "cuda_buffer.h"
-#include "kernels/kernel_preload.h"
+#include "kernels/common/kernel_preload.h"
+#include "layer/cuda_buffer.h"
 #include "mok/comm.h"
 #include "mok/error.h"
 

@@ -29,10 +29,11 @@
 #include <algorithm>
 #include <string>
 
-#include "cuda_buffer.h"
-#include "gpu_layer_state.h"
+#include "kernels/comm/launch.h"
+#include "layer/cuda_buffer.h"
+#include "layer/gpu_layer_state.h"
+#include "layer/wait_report.h"
 #include "mok/schedule_gpu.h"
-#include "wait_report.h"
 
 namespace mok {
 

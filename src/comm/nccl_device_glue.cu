@@ -6,7 +6,7 @@
 #include <nccl_device.h>
 
 #include "comm/nccl_glue.h"
-#include "kernels/kernel_preload.h"
+#include "kernels/common/kernel_preload.h"
 
 namespace mok::comm_detail {
 

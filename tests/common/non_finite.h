@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "mok/dtype.h"
-#include "mok/host_problem.h"
+#include "mok/testing/host_problem.h"
 #include "test_util.h"
 
 namespace mok::test {

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "mok/dtype.h"
-#include "mok/host_problem.h"
 #include "mok/reference.h"
 #include "mok/shape.h"
+#include "mok/testing/host_problem.h"
 
 namespace mok::test {
 

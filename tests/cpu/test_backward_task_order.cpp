@@ -10,8 +10,8 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/backward_task_order.h"
-#include "mok/routing.h"
+#include "kernels/persistent/backward_task_order.h"
+#include "mok/testing/routing.h"
 
 namespace mok::kernels {
 namespace {

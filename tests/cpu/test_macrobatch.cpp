@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/macrobatch.h"
-#include "mok/routing.h"
+#include "kernels/common/macrobatch.h"
+#include "mok/testing/routing.h"
 
 namespace mok::kernels {
 namespace {

@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "kernels/non_finite_scan.h"
-#include "mok/host_problem.h"
+#include "kernels/stages/non_finite_scan.h"
+#include "layer/non_finite_report.h"
 #include "mok/reference.h"
-#include "mok/routing.h"
+#include "mok/testing/host_problem.h"
+#include "mok/testing/routing.h"
 #include "non_finite.h"
-#include "non_finite_report.h"
 #include "test_util.h"
 
 namespace mok {

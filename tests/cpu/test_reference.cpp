@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "mok/host_problem.h"
 #include "mok/reference.h"
-#include "mok/routing.h"
+#include "mok/testing/host_problem.h"
+#include "mok/testing/routing.h"
 #include "reference/gemm_f32.h"
 #include "test_util.h"
 

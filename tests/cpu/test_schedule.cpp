@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "mok/routing.h"
 #include "mok/schedule.h"
+#include "mok/testing/routing.h"
 
 namespace mok {
 namespace {

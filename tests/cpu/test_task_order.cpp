@@ -11,8 +11,8 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/task_order.h"
-#include "mok/routing.h"
+#include "kernels/persistent/task_order.h"
+#include "mok/testing/routing.h"
 
 namespace mok::kernels {
 namespace {

@@ -5,9 +5,9 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include "mok/device_problem.h"
 #include "mok/gpu_layer.h"
-#include "mok/host_problem.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
 #include "test_util.h"
 
 namespace mok::test {

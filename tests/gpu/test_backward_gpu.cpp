@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "gpu_step.h"
-#include "mok/device_problem.h"
 #include "mok/gpu_layer.h"
-#include "mok/host_problem.h"
 #include "mok/reference.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
 #include "test_util.h"
 
 namespace mok {

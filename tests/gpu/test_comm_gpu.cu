@@ -16,17 +16,18 @@
 #include <vector>
 
 #if MOK_HAS_NCCL
-#include "kernels/launchers.h"
-#include "kernels/peer_barrier.cuh"
+#include "kernels/comm/launch.h"
+#include "kernels/comm/peer_barrier.cuh"
+#include "kernels/stages/launch.h"
+#include "layer/wait_report.h"
 #include "mok/bootstrap.h"
 #include "mok/comm.h"
 #include "mok/dtype.h"
-#include "mok/routing.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
+#include "mok/testing/routing.h"
 #include "rank_process.h"
 #include "test_util.h"
-#include "wait_report.h"
 #endif
 
 namespace mok {

@@ -18,11 +18,11 @@
 #include <vector>
 
 #include "gpu_step.h"
-#include "kernels/non_finite_scan.h"
-#include "mok/device_problem.h"
+#include "kernels/stages/non_finite_scan.h"
 #include "mok/gpu_layer.h"
-#include "mok/host_problem.h"
 #include "mok/reference.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
 #include "non_finite.h"
 #include "test_util.h"
 

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "mok/routing.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
+#include "mok/testing/routing.h"
 
 namespace mok {
 namespace {

@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/swiglu.cuh"
+#include "kernels/stages/swiglu.cuh"
 
 namespace mok {
 namespace {

@@ -8,8 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "kernels/wait.cuh"
-#include "wait_report.h"
+#include "kernels/common/wait.cuh"
+#include "layer/wait_report.h"
 
 namespace mok {
 namespace {

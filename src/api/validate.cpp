@@ -1,0 +1,271 @@
+// Validation of the tensors of a layer call (include/mok/layer_args.h). Runs on the host before
+// anything is launched or written; every message names the argument, what it was, and what
+// would be valid.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "api/messages.h"
+#include "mok/layer_args.h"
+
+namespace mok {
+
+namespace {
+
+struct Dim {
+  const char* label;  // e.g. "E_loc"
+  int64_t extent;
+};
+
+std::string expected_text(const std::vector<Dim>& dims, DType dtype) {
+  std::string text = "[";
+  for (size_t d = 0; d < dims.size(); ++d) {
+    if (d > 0) text += ", ";
+    text += std::string(dims[d].label) + "=" + std::to_string(dims[d].extent);
+  }
+  return text + "] " + dtype_name(dtype);
+}
+
+// Context shared by the checks of one call: where tensors must live, and the device they share.
+struct CallChecker {
+  const char* call;  // "forward" or "backward"
+  DeviceType device_type;
+  int32_t device_id = -1;
+
+  Status fail(const std::string& name, const std::string& what) const {
+    return Status::invalid(std::string(call) + ": argument `" + name + "` " + what);
+  }
+
+  // `allowed_dtypes` lists what is accepted; the first one is named in the message.
+  Status check(const std::string& name, const TensorView& view, std::vector<DType> allowed_dtypes,
+               const std::vector<Dim>& dims) {
+    const std::string expected = expected_text(dims, allowed_dtypes.front());
+    if (!view.present()) return fail(name, "is missing; expected " + expected);
+    if (view.device_type != device_type)
+      return fail(name, std::string("is on ") + device_type_name(view.device_type) +
+                            "; expected a " + device_type_name(device_type) + " tensor");
+    if (device_type == DeviceType::kCUDA) {
+      if (device_id < 0) device_id = view.device_id;
+      if (view.device_id != device_id)
+        return fail(name,
+                    "is on cuda:" + std::to_string(view.device_id) +
+                        "; every tensor of the call must be on cuda:" + std::to_string(device_id));
+    }
+    bool dtype_ok = false;
+    for (DType allowed : allowed_dtypes) dtype_ok |= view.dtype == allowed;
+    if (!dtype_ok) {
+      std::string valid;
+      for (DType allowed : allowed_dtypes)
+        valid += std::string(valid.empty() ? "" : " or ") + dtype_name(allowed);
+      return fail(name, std::string("has dtype ") + dtype_name(view.dtype) + "; expected " + valid);
+    }
+    bool shape_ok = view.ndim == static_cast<int32_t>(dims.size());
+    for (size_t d = 0; shape_ok && d < dims.size(); ++d) shape_ok = view.shape[d] == dims[d].extent;
+    if (!shape_ok) return fail(name, "has shape " + view.shape_string() + "; expected " + expected);
+    if (!view.is_contiguous()) {
+      std::string strides = "[";
+      for (int d = 0; d < view.ndim; ++d)
+        strides += (d ? ", " : "") + std::to_string(view.strides[d]);
+      return fail(
+          name, "is not contiguous (strides " + strides + "]); pass a row-major contiguous tensor");
+    }
+    if (view.numel() > 0 && view.data == nullptr) return fail(name, "has a null data pointer");
+    if (device_type == DeviceType::kCUDA && reinterpret_cast<uintptr_t>(view.data) % 16 != 0)
+      return fail(name, "data pointer is not 16-byte aligned (the GPU's bulk copies need it)");
+    return Status::Ok();
+  }
+
+  Status check_absent(const std::string& name, const TensorView& view) const {
+    if (view.present())
+      return fail(name, "was given (shape " + view.shape_string() +
+                            ") but the shape has no shared expert (shared_intermediate = 0)");
+    return Status::Ok();
+  }
+};
+
+// Every output must be disjoint from every input and from the other outputs.
+Status check_no_overlap(const char* call, const std::vector<NamedTensor>& inputs,
+                        const std::vector<NamedTensor>& outputs) {
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    for (const auto& input : inputs)
+      if (tensors_overlap(*outputs[o].view, *input.view))
+        return Status::invalid(std::string(call) + ": output `" + outputs[o].name +
+                               "` overlaps input `" + input.name +
+                               "`; outputs need their own memory");
+    for (size_t other = o + 1; other < outputs.size(); ++other)
+      if (tensors_overlap(*outputs[o].view, *outputs[other].view))
+        return Status::invalid(std::string(call) + ": outputs `" + outputs[o].name + "` and `" +
+                               outputs[other].name + "` overlap; each output needs its own memory");
+  }
+  return Status::Ok();
+}
+
+Status check_inputs(CallChecker& checker, const MoeShape& shape, const ForwardArgs& args) {
+  const Dim T{"T", shape.num_tokens}, H{"H", shape.hidden}, I{"I", shape.intermediate},
+      K{"K", shape.top_k}, E{"E_loc", shape.num_local_experts()},
+      Is{"Is", shape.shared_intermediate};
+  MOK_RETURN_IF_ERROR(checker.check("x", args.x, {DType::kBFloat16}, {T, H}));
+  MOK_RETURN_IF_ERROR(
+      checker.check("top_experts", args.top_experts, {DType::kInt32, DType::kInt64}, {T, K}));
+  MOK_RETURN_IF_ERROR(
+      checker.check("router_weights", args.router_weights, {DType::kFloat32}, {T, K}));
+  MOK_RETURN_IF_ERROR(checker.check("w_gate", args.w_gate, {DType::kBFloat16}, {E, I, H}));
+  MOK_RETURN_IF_ERROR(checker.check("w_up", args.w_up, {DType::kBFloat16}, {E, I, H}));
+  MOK_RETURN_IF_ERROR(checker.check("w_down", args.w_down, {DType::kBFloat16}, {E, H, I}));
+  if (shape.has_shared_expert()) {
+    MOK_RETURN_IF_ERROR(
+        checker.check("w_shared_gate", args.w_shared_gate, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("w_shared_up", args.w_shared_up, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("w_shared_down", args.w_shared_down, {DType::kBFloat16}, {H, Is}));
+  } else {
+    MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_gate", args.w_shared_gate));
+    MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_up", args.w_shared_up));
+    MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_down", args.w_shared_down));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status check_forward_args(const MoeShape& shape, const ForwardArgs& args, DeviceType device_type) {
+  MOK_RETURN_IF_ERROR(can_implement(shape));
+  CallChecker checker{"forward", device_type};
+  MOK_RETURN_IF_ERROR(check_inputs(checker, shape, args));
+  MOK_RETURN_IF_ERROR(checker.check("out", args.out, {DType::kBFloat16},
+                                    {{"T", shape.num_tokens}, {"H", shape.hidden}}));
+  return check_no_overlap("forward", named_inputs(args), {{"out", &args.out}});
+}
+
+Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
+                           DeviceType device_type) {
+  MOK_RETURN_IF_ERROR(can_implement(shape));
+  CallChecker checker{"backward", device_type};
+  MOK_RETURN_IF_ERROR(check_inputs(checker, shape, args.forward));
+  const Dim T{"T", shape.num_tokens}, H{"H", shape.hidden}, I{"I", shape.intermediate},
+      K{"K", shape.top_k}, E{"E_loc", shape.num_local_experts()},
+      Is{"Is", shape.shared_intermediate};
+  MOK_RETURN_IF_ERROR(checker.check("d_out", args.d_out, {DType::kBFloat16}, {T, H}));
+  MOK_RETURN_IF_ERROR(checker.check("d_x", args.d_x, {DType::kBFloat16}, {T, H}));
+  MOK_RETURN_IF_ERROR(
+      checker.check("d_router_weights", args.d_router_weights, {DType::kFloat32}, {T, K}));
+  MOK_RETURN_IF_ERROR(checker.check("d_w_gate", args.d_w_gate, {DType::kBFloat16}, {E, I, H}));
+  MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, {DType::kBFloat16}, {E, I, H}));
+  MOK_RETURN_IF_ERROR(checker.check("d_w_down", args.d_w_down, {DType::kBFloat16}, {E, H, I}));
+  if (shape.has_shared_expert()) {
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_shared_gate", args.d_w_shared_gate, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_shared_up", args.d_w_shared_up, {DType::kBFloat16}, {Is, H}));
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_shared_down", args.d_w_shared_down, {DType::kBFloat16}, {H, Is}));
+  } else {
+    MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_gate", args.d_w_shared_gate));
+    MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_up", args.d_w_shared_up));
+    MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_down", args.d_w_shared_down));
+  }
+  std::vector<NamedTensor> inputs = named_inputs(args.forward);
+  inputs.push_back({"d_out", &args.d_out});
+  return check_no_overlap("backward", inputs, named_outputs(args));
+}
+
+ForwardArgs make_forward_args(const MoeShape& shape, const LayerPointers& p, DeviceType device_type,
+                              int32_t device_id) {
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
+                E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  auto view = [&](void* data, DType dtype, std::initializer_list<int64_t> dims) {
+    return TensorView::contiguous(data, dtype, dims, device_type, device_id);
+  };
+  ForwardArgs args;
+  args.x = view(p.x, DType::kBFloat16, {T, H});
+  args.top_experts = view(p.top_experts, DType::kInt32, {T, K});
+  args.router_weights = view(p.router_weights, DType::kFloat32, {T, K});
+  args.w_gate = view(p.w_gate, DType::kBFloat16, {E, I, H});
+  args.w_up = view(p.w_up, DType::kBFloat16, {E, I, H});
+  args.w_down = view(p.w_down, DType::kBFloat16, {E, H, I});
+  if (shape.has_shared_expert()) {
+    args.w_shared_gate = view(p.w_shared_gate, DType::kBFloat16, {Is, H});
+    args.w_shared_up = view(p.w_shared_up, DType::kBFloat16, {Is, H});
+    args.w_shared_down = view(p.w_shared_down, DType::kBFloat16, {H, Is});
+  }
+  args.out = view(p.out, DType::kBFloat16, {T, H});
+  return args;
+}
+
+BackwardArgs make_backward_args(const MoeShape& shape, const LayerPointers& p,
+                                DeviceType device_type, int32_t device_id) {
+  const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, K = shape.top_k,
+                E = shape.num_local_experts(), Is = shape.shared_intermediate;
+  auto view = [&](void* data, DType dtype, std::initializer_list<int64_t> dims) {
+    return TensorView::contiguous(data, dtype, dims, device_type, device_id);
+  };
+  BackwardArgs args;
+  args.forward = make_forward_args(shape, p, device_type, device_id);
+  args.forward.out = TensorView{};
+  args.d_out = view(p.d_out, DType::kBFloat16, {T, H});
+  args.d_x = view(p.d_x, DType::kBFloat16, {T, H});
+  args.d_router_weights = view(p.d_router_weights, DType::kFloat32, {T, K});
+  args.d_w_gate = view(p.d_w_gate, DType::kBFloat16, {E, I, H});
+  args.d_w_up = view(p.d_w_up, DType::kBFloat16, {E, I, H});
+  args.d_w_down = view(p.d_w_down, DType::kBFloat16, {E, H, I});
+  if (shape.has_shared_expert()) {
+    args.d_w_shared_gate = view(p.d_w_shared_gate, DType::kBFloat16, {Is, H});
+    args.d_w_shared_up = view(p.d_w_shared_up, DType::kBFloat16, {Is, H});
+    args.d_w_shared_down = view(p.d_w_shared_down, DType::kBFloat16, {H, Is});
+  }
+  return args;
+}
+
+std::vector<NamedTensor> named_inputs(const ForwardArgs& args) {
+  return {{"x", &args.x},
+          {"top_experts", &args.top_experts},
+          {"router_weights", &args.router_weights},
+          {"w_gate", &args.w_gate},
+          {"w_up", &args.w_up},
+          {"w_down", &args.w_down},
+          {"w_shared_gate", &args.w_shared_gate},
+          {"w_shared_up", &args.w_shared_up},
+          {"w_shared_down", &args.w_shared_down}};
+}
+
+std::vector<NamedTensor> named_outputs(const BackwardArgs& args) {
+  return {{"d_x", &args.d_x},
+          {"d_router_weights", &args.d_router_weights},
+          {"d_w_gate", &args.d_w_gate},
+          {"d_w_up", &args.d_w_up},
+          {"d_w_down", &args.d_w_down},
+          {"d_w_shared_gate", &args.d_w_shared_gate},
+          {"d_w_shared_up", &args.d_w_shared_up},
+          {"d_w_shared_down", &args.d_w_shared_down}};
+}
+
+bool tensors_overlap(const TensorView& a, const TensorView& b) {
+  if (!a.present() || !b.present() || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto a_begin = reinterpret_cast<uintptr_t>(a.data);
+  const auto b_begin = reinterpret_cast<uintptr_t>(b.data);
+  return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
+}
+
+int64_t read_expert_id(const TensorView& top_experts, int64_t index) {
+  if (top_experts.dtype == DType::kInt64) return top_experts.data_as<const int64_t>()[index];
+  return top_experts.data_as<const int32_t>()[index];
+}
+
+Status check_top_experts(const MoeShape& shape, const TensorView& top_experts, int32_t rank) {
+  if (top_experts.device_type != DeviceType::kCPU)
+    return Status::invalid("check_top_experts: reads values on the host; `top_experts` is on " +
+                           std::string(device_type_name(top_experts.device_type)) +
+                           " (the GPU layer reports bad ids through its error word instead)");
+  const int64_t count = top_experts.numel();
+  for (int64_t index = 0; index < count; ++index) {
+    const int64_t expert = read_expert_id(top_experts, index);
+    if (expert < -1 || expert >= shape.num_experts)
+      return Status::invalid(bad_expert_id_message(rank, index / shape.top_k, index % shape.top_k,
+                                                   expert, shape.num_experts));
+  }
+  return Status::Ok();
+}
+
+}  // namespace mok

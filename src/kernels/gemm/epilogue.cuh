@@ -1,0 +1,171 @@
+// Epilogues of the expert grouped GEMMs: the fp32 accumulators in the consumer warpgroups'
+// registers (fragment layout in gemm_mainloop.cuh) become bf16 outputs, with one rounding point
+// per output as docs/design.md lists them.
+//
+// Every form leaves through the same path: the consumer threads write bf16 values into a
+// 128 x 256 shared-memory staging tile, then one thread stores it with TMA, and the store runs
+// in the background while the consumers start the next tile's mainloop. Before the tile is
+// written again, that thread waits until the previous store has read it. The staging tile is
+// four chunks of [128 rows x 64 columns] with 128-byte rows swizzled as TMA expects (16-byte unit
+// u of row r sits at u ^ (r % 8), which also makes each warp's writes bank-conflict free); the
+// fragment of column group j (8 columns) lands in chunk j / 8.
+//
+// What each form stores (column group j < 16: gate columns, j >= 16: the up columns 128 further,
+// for the 128 + 128 gate/up tiles):
+//   kGateUpSwiGLU     bf16(g) to out2 (chunks 0-1) and bf16(u) to out3 (chunks 2-3), the
+//                     forward context; then h = bf16(swiglu(g, u)) over chunks 0-1, to out
+//   kGateUpStore      bf16(g) to out (chunks 0-1), bf16(u) to out2 (chunks 2-3)
+//   kDownStore, kDownGrad, kGateUpGradStore  the 256 columns to out [rows, N]
+//   kWeightGrad       the 256 columns to out[e] [M, N]; an expert without rows stores zeros
+// Row forms store at (column, tile row, 0) of [rows, N] maps, which clip rows past their extent
+// (the shared expert's outputs have exactly T rows).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "kernels/gemm/expert_gemm_params.h"
+#include "kernels/gemm/gemm_mainloop.cuh"
+#include "kernels/stages/swiglu.cuh"
+
+namespace mok::kernels {
+
+struct TileCoord {
+  int expert;
+  int m_tile;  // 128-row tile (of the schedule's rows, or of M for kWeightGrad)
+  int n_tile;
+  int k_row0;  // first K row (kWeightGrad: the expert's first row, in the ring's rows)
+  int num_k_blocks;
+  // kWeightGrad with macrobatches (macrobatch.h): no rows here (skip), resume from an fp32
+  // partial slot (load_slot), leave one (store_slot) instead of the bf16 output; -1 = none.
+  bool skip = false;
+  int load_slot = -1;
+  int store_slot = -1;
+};
+
+struct OutputMaps {
+  const CUtensorMap* out;
+  const CUtensorMap* out2;
+  const CUtensorMap* out3;
+};
+
+constexpr int kStageChunkBytes = BLOCK_M * 128;  // one [128 rows x 64 columns] bf16 chunk
+
+// Writes value(i, j) (two floats, rounded to a bf16 pair) for fragment row i and column groups
+// j in [kFirst, kLast) of this consumer warpgroup into the staging tile.
+template <int kFirst, int kLast, typename Value>
+__device__ __forceinline__ void stage_fragments(char* tile, int consumer_idx, Value value) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = consumer_idx * 64 + fragment_row(i);
+#pragma unroll
+    for (int j = kFirst; j < kLast; ++j) {
+      const int offset = (j / 8) * kStageChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) +
+                         (threadIdx.x % 4) * 4;
+      const float2 pair = value(i, j);
+      *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(pair.x, pair.y);
+    }
+  }
+}
+
+// The issuing thread (the first consumer thread) waits until the previous store has read the
+// staging tile; then every consumer thread may write it.
+__device__ __forceinline__ void acquire_staging_tile(bool issuer) {
+  if (issuer) ptx::bulk_wait_group_read<0>();
+  ptx::named_barrier_sync(1, kConsumerThreads);
+}
+
+// Makes the consumers' writes visible to TMA and lets the issuer go on.
+__device__ __forceinline__ void publish_staging_tile() {
+  ptx::fence_proxy_async_shared();
+  ptx::named_barrier_sync(1, kConsumerThreads);
+}
+
+// Issuer: stores chunks [first_chunk, first_chunk + num_chunks) to `map` at columns
+// col_base + 64 * c (skipping chunks past n_extent), tile row `row`, batch `batch`.
+__device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char* tile,
+                                             int first_chunk, int num_chunks, int col_base,
+                                             int n_extent, int row, int batch) {
+  for (int c = 0; c < num_chunks; ++c)
+    if (col_base + c * 64 < n_extent)
+      ptx::tma_store_3d(map, tile + (first_chunk + c) * kStageChunkBytes, col_base + c * 64, row,
+                        batch);
+}
+
+// kGateUpSwiGLU after g and u are staged (bf16): once their store has read the tile, each
+// thread turns its 16-byte units of g (chunks 0-1) into h = swiglu(g, u) in place, reading u
+// from chunks 2-3, and the issuer stores h to `out`. h depends only on bf16(g) and bf16(u), so
+// the bits are those of computing it from the accumulators; doing it from shared memory, one
+// unit at a time, keeps the division's slow path from spilling the accumulators.
+// Thread t handles the units t + 256 q of chunks 0-1 (eight columns each).
+__device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
+                                             const ExpertGemmParams& params, int col_base, int row,
+                                             bool issuer) {
+  constexpr int kUnitsPerThread = 2 * BLOCK_M * 8 / kConsumerThreads;
+  const int thread = threadIdx.x - BLOCK_M;
+  acquire_staging_tile(issuer);
+#pragma unroll 1
+  for (int q = 0; q < kUnitsPerThread; ++q) {
+    const int unit = thread + kConsumerThreads * q;
+    const int chunk = unit / (BLOCK_M * 8), tile_row = (unit / 8) % BLOCK_M;
+    uint4* gate_unit = reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + tile_row * 128 +
+                                                (((unit % 8) ^ (tile_row % 8)) << 4));
+    const uint4 gate = *gate_unit;
+    const uint4 up = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(gate_unit) +
+                                                     2 * kStageChunkBytes);
+    // The branch-free division first; `a / b` for a unit with an operand outside its range
+    // (swiglu.cuh: the same bits).
+    uint4 h;
+    if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h))
+      swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h);
+    *gate_unit = h;
+  }
+  publish_staging_tile();
+  if (issuer) {
+    store_chunks(out, tile, 0, 2, col_base, params.n_extent, row, 0);
+    ptx::bulk_commit_group();
+  }
+}
+
+template <ExpertGemmForm kForm, typename Storage>
+__device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem,
+                                           const ExpertGemmParams& params, const TileCoord& coord,
+                                           int consumer_idx, const float (&acc)[128]) {
+  const bool issuer = threadIdx.x == BLOCK_M;  // first consumer thread
+  char* tile = reinterpret_cast<char*>(smem.store_tile);
+  // Row forms: outputs in a macrobatch's ring sit at row - out_row_base (full-size ones: base 0).
+  const int row = coord.m_tile * BLOCK_M -
+                  (kForm == ExpertGemmForm::kWeightGrad ? 0 : params.macrobatch.out_row_base);
+  auto fragment = [&](int i, int j) {
+    return make_float2(acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
+  };
+
+  acquire_staging_tile(issuer);
+  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
+    // bf16(g) to chunks 0-1, bf16(u) to chunks 2-3, stored to out / out2 (kGateUpStore) or
+    // out2 / out3 (kGateUpSwiGLU, the forward context).
+    const int col_base = coord.n_tile * 128;
+    stage_fragments<0, 32>(tile, consumer_idx, fragment);
+    publish_staging_tile();
+    constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
+    if (issuer) {
+      store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 2, col_base, params.n_extent, row, 0);
+      store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 2, 2, col_base, params.n_extent, row, 0);
+      ptx::bulk_commit_group();
+    }
+    if constexpr (kSwiGLU) stage_swiglu(maps.out, tile, params, col_base, row, issuer);
+  } else {
+    const bool empty = coord.num_k_blocks == 0;  // kWeightGrad: an expert without rows
+    stage_fragments<0, 32>(tile, consumer_idx, [&](int i, int j) {
+      return empty ? make_float2(0.0f, 0.0f) : fragment(i, j);
+    });
+    publish_staging_tile();
+    if (issuer) {
+      store_chunks(maps.out, tile, 0, 4, coord.n_tile * BLOCK_N, params.n_extent, row,
+                   kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
+      ptx::bulk_commit_group();
+    }
+  }
+}
+
+}  // namespace mok::kernels

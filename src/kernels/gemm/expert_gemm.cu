@@ -1,0 +1,269 @@
+// The expert grouped GEMM kernel, every form of the layer (forms and operands in
+// expert_gemm_params.h, epilogues in epilogue.cuh, the mainloop and warp roles in
+// gemm_mainloop.cuh).
+//
+// Grid: persistent, one 384-thread CTA per SM. CTA c takes tiles c, c + grid, c + 2*grid, ...;
+// the producer and both consumers walk the same sequence, so no tile handoff is needed.
+// Tiles:
+//   row-tile forms  (m, n) with m over the schedule's 128-row tiles (each inside one expert
+//                   segment) and n over output columns; tile t maps to a group of kTileGroupM
+//                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
+//                   together share the B tiles of one expert and the A rows of the group in L2.
+//   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
+// Fused local dispatch (kGateUpSwiGLU with params.gather.x set): the producer warpgroup's warps
+// 1-3 gather the routed x rows while warp 0's TMA thread waits per tile for its rows
+// (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it.
+// Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
+// Every form's output leaves through the shared-memory staging tile and TMA stores
+// (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "kernels/common/kernel_preload.h"
+#include "kernels/common/macrobatch.h"
+#include "kernels/gemm/epilogue.cuh"
+#include "kernels/gemm/expert_gemm_params.h"
+#include "kernels/gemm/gemm_loads.cuh"
+#include "kernels/gemm/gemm_mainloop.cuh"
+#include "kernels/gemm/launch.h"
+#include "kernels/persistent/task_order.h"
+#include "kernels/stages/dispatch_local.cuh"
+
+namespace mok::kernels {
+
+namespace {
+
+struct TileSpace {
+  int m_begin;  // row-tile forms: the first row tile of the launch's macrobatch
+  int num_m_tiles;
+  int num_n_tiles;
+  int num_tiles;
+};
+
+template <ExpertGemmForm kForm>
+__device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) {
+  using Traits = FormTraits<kForm>;
+  TileSpace space;
+  space.num_n_tiles = (params.n_extent + Traits::kTileN - 1) / Traits::kTileN;
+  if constexpr (Traits::kRowTiles) {
+    const int filled = params.header->num_tiles;
+    const int begin = min(params.macrobatch.tile_begin, filled);
+    space.m_begin = begin;
+    space.num_m_tiles = min(params.macrobatch.tile_end, filled) - begin;
+    space.num_tiles = space.num_m_tiles * space.num_n_tiles;
+  } else {
+    space.m_begin = 0;
+    space.num_m_tiles = (params.m_extent + BLOCK_M - 1) / BLOCK_M;
+    space.num_tiles = params.num_experts * space.num_m_tiles * space.num_n_tiles;
+  }
+  return space;
+}
+
+// kWeightGrad: the experts' segment starts live in shared memory (copied once per CTA) when they
+// fit, since a tile's K-blocks depend on them and both the producer and the consumers compute
+// every tile's coordinates: a global load there sat between two tiles' mainloops.
+constexpr int kMaxSharedOffsets = 1025;  // E_loc + 1 entries (4 KB)
+static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 + kMaxSharedOffsets * 4 <= 227 * 1024,
+              "the offsets fit beside the ring and the staging tile");
+
+__host__ __device__ constexpr bool offsets_in_shared(int num_experts) {
+  return num_experts + 1 <= kMaxSharedOffsets;
+}
+
+template <ExpertGemmForm kForm>
+__device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
+                                                const TileSpace& space, int tile,
+                                                const int32_t* expert_offsets) {
+  TileCoord coord;
+  if constexpr (FormTraits<kForm>::kRowTiles) {
+    grouped_tile(tile, space.num_m_tiles, space.num_n_tiles, &coord.m_tile, &coord.n_tile);
+    coord.m_tile += space.m_begin;
+    coord.expert = params.tile_expert[coord.m_tile];
+    coord.k_row0 = 0;
+    const int k_total =
+        kForm == ExpertGemmForm::kGateUpGradStore ? 2 * params.k_extent : params.k_extent;
+    coord.num_k_blocks = k_total / BLOCK_K;
+  } else {
+    const int per_expert = space.num_m_tiles * space.num_n_tiles;
+    coord.expert = tile / per_expert;
+    const int local = tile - coord.expert * per_expert;
+    coord.n_tile = local / space.num_m_tiles;
+    coord.m_tile = local % space.num_m_tiles;
+    const int segment_begin = expert_offsets[coord.expert];
+    const int segment_end = expert_offsets[coord.expert + 1];
+    if (params.macrobatch.rows > 0) {
+      // This macrobatch's share of the expert's rows, read from the ring (macrobatch.h).
+      const WeightGradSlice slice = weight_grad_slice(
+          segment_begin, segment_end, params.macrobatch.index, params.macrobatch.rows);
+      coord.skip = !slice.active;
+      coord.k_row0 = static_cast<int>(slice.k_begin) - params.macrobatch.ring_row_base;
+      coord.num_k_blocks =
+          slice.active ? static_cast<int>(slice.k_end - slice.k_begin) / BLOCK_K : 0;
+      coord.load_slot = slice.load_partial ? slice.load_slot : -1;
+      coord.store_slot = slice.store_final ? -1 : slice.store_slot;
+    } else {
+      coord.k_row0 = segment_begin;
+      coord.num_k_blocks = (segment_end - segment_begin) / BLOCK_K;
+    }
+  }
+  return coord;
+}
+
+// A weight-gradient tile's fp32 accumulator between two macrobatches: each consumer thread's 128
+// values, contiguous (this layout is private to the store and the load of the same tile).
+__device__ __forceinline__ float* partial_tile(float* slot, const TileCoord& coord,
+                                               const TileSpace& space) {
+  const int64_t tile = static_cast<int64_t>(coord.n_tile) * space.num_m_tiles + coord.m_tile;
+  return slot + (tile * kConsumerThreads + (threadIdx.x - BLOCK_M)) * 128;
+}
+__device__ __forceinline__ void load_partial(float (&acc)[128], const float* values) {
+#pragma unroll
+  for (int q = 0; q < 32; ++q) {
+    const float4 v = reinterpret_cast<const float4*>(values)[q];
+    acc[4 * q] = v.x;
+    acc[4 * q + 1] = v.y;
+    acc[4 * q + 2] = v.z;
+    acc[4 * q + 3] = v.w;
+  }
+}
+__device__ __forceinline__ void store_partial(const float (&acc)[128], float* values) {
+#pragma unroll
+  for (int q = 0; q < 32; ++q)
+    reinterpret_cast<float4*>(values)[q] =
+        make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+}
+
+// Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
+using FormStorage = GemmSharedStorage<kNumStages>;
+
+// kResumes (kWeightGrad only): the launch may continue tiles from fp32 partials of an earlier
+// macrobatch. A separate instantiation because loading the partial into the accumulator (a
+// non-wgmma definition of its registers) makes ptxas serialize every wgmma of the kernel (C7515):
+// that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
+// launches for macrobatches after the first can resume, and only they pay it.
+template <ExpertGemmForm kForm, bool kResumes = false>
+__global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
+    const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
+    const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
+    const __grid_constant__ CUtensorMap tmap_out, const __grid_constant__ CUtensorMap tmap_out2,
+    const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
+  using Traits = FormTraits<kForm>;
+  using Storage = FormStorage;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                              ~uintptr_t{1023});
+  const int32_t* expert_offsets = params.expert_offsets;
+  if constexpr (!Traits::kRowTiles) {
+    if (offsets_in_shared(params.num_experts)) {
+      int32_t* shared_offsets = reinterpret_cast<int32_t*>(&smem + 1);
+      for (int e = threadIdx.x; e <= params.num_experts; e += blockDim.x)
+        shared_offsets[e] = params.expert_offsets[e];
+      expert_offsets = shared_offsets;  // visible after init_pipeline's barrier
+    }
+  }
+  init_pipeline(smem);
+  const TileSpace space = tile_space<kForm>(params);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<kProducerRegisters>();
+    constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU;
+    const bool gathers = kCanGather && params.gather.x != nullptr;
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tensor_map(&tmap_a0);
+      ptx::prefetch_tensor_map(&tmap_b0);
+      const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
+      PipelineState<Storage::kNumStagesHere> state;
+      for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
+        const TileCoord coord = tile_coord<kForm>(params, space, tile, expert_offsets);
+        if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
+        for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+          produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
+                        [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+                          issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord,
+                                             k_block, a_dst, b_dst, full);
+                        });
+      }
+    } else if (gathers && threadIdx.x >= 32) {
+      gather_rows_into_tiles(params.gather, params.header, params.row_pair,
+                             gather_epoch(params.gather));
+    }
+  } else {
+    ptx::setmaxnreg_inc<kConsumerRegisters>();
+    const int consumer_idx = warpgroup - 1;
+    PipelineState<Storage::kNumStagesHere> state;
+    float acc[128];
+    for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
+      const TileCoord coord = tile_coord<kForm>(params, space, tile, expert_offsets);
+      if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
+      // kWeightGrad across a macrobatch boundary.
+      const bool resumes = kResumes && coord.load_slot >= 0;
+      if constexpr (kResumes) {
+        if (resumes)
+          load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
+      }
+      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(
+          params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
+      if (coord.store_slot >= 0)
+        store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
+      else
+        store_tile<kForm>({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
+                          acc);
+    }
+    // Outstanding TMA stores read the staging tile: it must outlive them.
+    if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
+  }
+}
+
+template <ExpertGemmForm kForm, bool kResumes = false>
+cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
+                        cudaStream_t stream) {
+  size_t smem_bytes = sizeof(FormStorage) + 1024;
+  if (!FormTraits<kForm>::kRowTiles && offsets_in_shared(params.num_experts))
+    smem_bytes += (static_cast<size_t>(params.num_experts) + 1) * sizeof(int32_t);
+  cudaError_t status = cudaFuncSetAttribute(expert_gemm_kernel<kForm, kResumes>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  expert_gemm_kernel<kForm, kResumes><<<num_ctas, kNumThreads, smem_bytes, stream>>>(
+      maps.a0, maps.a1, maps.b0, maps.b1, maps.out, maps.out2, maps.out3, params);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
+                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream) {
+  switch (form) {
+    case ExpertGemmForm::kGateUpSwiGLU:
+      return launch_form<ExpertGemmForm::kGateUpSwiGLU>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kDownStore:
+      return launch_form<ExpertGemmForm::kDownStore>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kGateUpStore:
+      return launch_form<ExpertGemmForm::kGateUpStore>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kDownGrad:
+      return launch_form<ExpertGemmForm::kDownGrad>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kGateUpGradStore:
+      return launch_form<ExpertGemmForm::kGateUpGradStore>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kWeightGrad:
+      // Macrobatch 0 (and a single macrobatch) starts every tile from zero.
+      if (params.macrobatch.rows > 0 && params.macrobatch.index > 0)
+        return launch_form<ExpertGemmForm::kWeightGrad, true>(maps, params, num_ctas, stream);
+      return launch_form<ExpertGemmForm::kWeightGrad>(maps, params, num_ctas, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Loaded up front by expert-parallel groups (kernel_preload.h).
+namespace {
+const KernelPreloadList kPreload(
+    "expert_gemm.cu", {kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad>),
+                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>)});
+}  // namespace
+
+}  // namespace mok::kernels

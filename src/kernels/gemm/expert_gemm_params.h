@@ -1,0 +1,169 @@
+// Parameters of the expert grouped GEMMs, shared by the host launcher and the kernels (plain
+// data: included by host C++ too). Outputs ("out", "out2", "out3" below) are TMA tensor maps
+// (ExpertGemmMaps in gemm/launch.h), written through the staging-tile epilogue (epilogue.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "kernels/common/wait_types.h"
+#include "mok/schedule.h"
+#include "mok/task_trace.h"
+
+namespace mok::kernels {
+
+// Which GEMM of the layer: its operand loads, its tiles and its epilogue.
+// "rows" are the expert-grouped rows of the schedule (128-row tiles, one expert each).
+enum class ExpertGemmForm : int32_t {
+  // Forward gate/up: A = rows [rows, H]; B = gate and up weights [E_loc, I, H]; a tile is 128
+  // rows x (128 gate + 128 up) columns; out = h = swiglu(g, u) [rows, I]; it also keeps bf16(g)
+  // in out2 and bf16(u) in out3 (the forward context of the backward).
+  kGateUpSwiGLU = 0,
+  // Forward down: A = h [rows, I]; B = Wd [E_loc, H, I]; y = bf16 rows in schedule order to
+  // out [rows, H]; the combine reads each pair's row through the schedule's pair_row.
+  kDownStore = 1,
+  // Backward recompute of gate/up: like kGateUpSwiGLU but stores bf16(g) to out and bf16(u) to
+  // out2 (both [rows, I], before the clamp).
+  kGateUpStore = 2,
+  // Backward dgrad of down: dh_raw = bf16(d_out rows Wd) [rows, I] to out. A = d_out rows
+  // [rows, H] (K = H); B = Wd [E_loc, H, I] read MN-major (K = H rows, N = I contiguous). The
+  // SwiGLU backward runs after it as its own memory-bound kernel (swiglu_backward.cu).
+  kDownGrad = 3,
+  // Backward dgrad of gate/up: A = [d_g | d_u] (two maps, K = 2I); B = [Wg ; Wu] read MN-major
+  // (K = I rows of each, N = H contiguous); dx rows stored in schedule order like kDownStore.
+  kGateUpGradStore = 4,
+  // Weight gradient of one expert per tile: out[e] [M, N] = A^T B over the expert's rows
+  // (K = rows in schedule order, one CTA per output tile, fixed order): A = [rows, M] and
+  // B = [rows, N], both MN-major. dWg = d_g^T x, dWu = d_u^T x, dWd = d_out^T h_w.
+  kWeightGrad = 5,
+};
+
+// The local dispatch fused into the forward gate/up GEMM (dispatch_local.cuh): the producer
+// warpgroup's spare warps copy routed x rows into the row buffer the GEMM reads, claiming rows
+// with a ticket, and count each 128-row tile's rows; the TMA thread waits for a tile's count.
+// Counters carry the launch's epoch (no reset pass): ticket = epoch << 32 | next row,
+// tile count = epoch * kTileCountStride + rows gathered.
+struct FusedGather {
+  const __nv_bfloat16* x;              // [T, H]; null = no fused gather
+  __nv_bfloat16* rows;                 // the A operand of the GEMM: row r at r - row_begin
+  int32_t hidden;                      // H
+  int32_t top_k;                       // K: pair index / K = token
+  unsigned long long* ticket;          // one word
+  unsigned long long* tile_rows_done;  // [max_tiles]
+  unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
+  int64_t row_begin, row_end;          // the schedule rows to gather (a macrobatch's window)
+};
+
+// A macrobatch of a launch (kernels/macrobatch.h). Row-tile forms run the schedule's tiles
+// [tile_begin, min(tile_end, num_tiles)); their A rows live in a ring buffer at row -
+// ring_row_base, and so does the output unless it is a full-size one (out_row_base 0: the
+// expert output or dx rows). kWeightGrad reduces each expert's rows of macrobatch `index`
+// (weight_grad_slice) from ring rows, continuing from and leaving fp32 accumulators in the
+// partial slots. The defaults are one macrobatch over everything.
+struct MacrobatchParams {
+  int32_t tile_begin = 0;
+  int32_t tile_end = 0x7fffffff;
+  int32_t ring_row_base = 0;
+  int32_t out_row_base = 0;
+  int32_t index = 0;
+  int64_t rows = 0;                        // M; 0 = one pass (no slicing, no partials)
+  float* partial[2] = {nullptr, nullptr};  // kWeightGrad: [n_tiles of M x N][256 threads][128]
+};
+
+struct ExpertGemmParams {
+  const ScheduleHeader* header;   // num_tiles: the 128-row tiles the schedule filled
+  const int32_t* tile_expert;     // local expert of each 128-row tile
+  const int32_t* row_pair;        // pair index of each row, -1 = padding
+  const int32_t* expert_offsets;  // segment starts (kWeightGrad)
+  int32_t num_experts;            // E_loc (kWeightGrad)
+  int32_t m_extent;               // output rows M (kWeightGrad)
+  int32_t n_extent;               // output columns N
+  int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
+  float swiglu_limit;  // infinity = no clamp
+  FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
+  WaitContext wait;
+  MacrobatchParams macrobatch;
+};
+
+// Where a persistent kernel records its task trace (task_trace.cuh; MoeConfig::trace_tasks).
+struct TaskTraceArgs {
+  TaskTraceEvent* events = nullptr;  // [capacity], by ticket; null = not tracing
+  int64_t capacity = 0;
+};
+
+// The persistent forward GEMM kernel (forward_gemms.cu): both GEMMs' parameters and the state
+// of its task order (task_order.h, GEMM tiles only). Counters carry the launch's epoch, like
+// the fused dispatch's: ticket = epoch << 32 | next ticket, gate_up_done[m] = epoch *
+// kGateUpDoneStride + gate/up tiles of row tile m finished (TMA stores complete).
+struct ForwardGemmsParams {
+  ExpertGemmParams gate_up;  // form kGateUpSwiGLU (its gather: the fused local dispatch)
+  ExpertGemmParams down;     // form kDownStore
+  int32_t minibatch_tiles;   // MoeConfig::minibatch_size / 128
+  unsigned long long* ticket;
+  unsigned long long* epoch;         // this launch's epoch - 1 (advanced after each launch)
+  unsigned long long* gate_up_done;  // [max_tiles]
+  TaskTraceArgs trace;
+  // The shared expert's tiles in the same ticket stream (task_order.h), on its own fixed
+  // schedule (every token, one expert): shared_m_tiles = 0 when there is none in this launch.
+  int32_t shared_m_tiles;
+  ExpertGemmParams shared_gate_up;
+  ExpertGemmParams shared_down;
+  unsigned long long* shared_gate_up_done;  // [shared_m_tiles]
+};
+constexpr unsigned long long kGateUpDoneStride = 1ull << 20;  // > gate/up tiles per row tile
+
+// The SwiGLU backward of a row (swiglu_backward.cuh): the standalone pass and the persistent
+// backward's SwiGLU task read and write through the same arguments.
+struct SwigluBackwardArgs {
+  const uint4* gate;                     // bf16 g rows (the forward context or the recompute)
+  const uint4* up;                       // bf16 u rows
+  const uint4* dh_raw;                   // bf16 rows of d_out Wd
+  const int32_t* row_pair;               // pair of each schedule row (-1 padding); null = identity
+  const float* router_weights;           // per pair; null = weight 1
+  int64_t vectors_per_row;               // I / 8
+  float limit;                           // the SwiGLU clamp (infinity = none)
+  uint4* d_gate;                         // bf16 rows out
+  uint4* d_up;                           // bf16 rows out
+  uint4* weighted_hidden;                // bf16 h_w rows out (may alias dh_raw: read first)
+  float* d_router_weights;               // per pair, or null (the shared expert)
+  float* const* d_router_weights_peers;  // expert parallel: each source rank's buffer, or null
+  int32_t pairs_per_rank;
+  int64_t row_begin;  // the row buffers hold schedule row r at r - row_begin (a macrobatch)
+};
+
+// The persistent backward kernel (backward_gemms.cu), per expert set (the routed experts, the
+// shared expert): the parameters of each GEMM form it runs, the SwiGLU task's arguments and the
+// set's dependency counters (backward_task_order.h). Counters carry the launch's epoch like the
+// forward's: value = epoch * kGateUpDoneStride + tasks done.
+struct BackwardSetParams {
+  ExpertGemmParams recompute;      // kGateUpStore: g and u again (without the forward context)
+  ExpertGemmParams down_dgrad;     // kDownGrad: dh_raw
+  ExpertGemmParams gate_up_dgrad;  // kGateUpGradStore: the dx rows
+  ExpertGemmParams wgrad_gate_up;  // kWeightGrad of gate and up: M = I, N = H
+  ExpertGemmParams wgrad_down;     // kWeightGrad of down: M = H, N = I
+  SwigluBackwardArgs swiglu;
+  // The rows(m) tasks as the forward's fused local dispatch (dispatch_local.cuh): the spare
+  // producer warps gather the d_out rows (and the x rows when recomputing) while the GEMM tiles
+  // run, and a tile's loads wait for its rows; `x` null = gathered before the launch (or, for
+  // the shared expert, nothing to gather: its rows are the tokens).
+  FusedGather d_out_gather;
+  FusedGather x_gather;
+  int32_t recompute_rows;              // 1: no forward context, the recompute tasks run
+  int32_t minibatch_tiles;             // MoeConfig::minibatch_size / 128 (shared: all its tiles)
+  unsigned long long* row_gemms_done;  // [row tiles]: recompute + down dgrad tiles finished
+  unsigned long long* swiglu_done;     // [row tiles]: the row tile's SwiGLU task finished
+  unsigned long long* expert_ready;    // [experts]: SwiGLU tasks of the expert's row tiles
+};
+struct BackwardGemmsParams {
+  BackwardSetParams sets[2];  // the routed experts', the shared expert's
+  int32_t num_sets;           // 1, or 2 with the shared expert
+  unsigned long long* ticket;
+  unsigned long long* epoch;  // this launch's epoch - 1 (advanced after each launch)
+  TaskTraceArgs trace;
+};
+
+constexpr int tile_n_columns(ExpertGemmForm form) {
+  return form == ExpertGemmForm::kGateUpSwiGLU || form == ExpertGemmForm::kGateUpStore ? 128 : 256;
+}
+
+}  // namespace mok::kernels

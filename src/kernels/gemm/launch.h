@@ -1,0 +1,26 @@
+// Host-callable launcher of the expert grouped GEMM (expert_gemm.cu), compiled by nvcc and called
+// from the host runtime. Pointers are device memory; nothing here synchronizes.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/gemm/expert_gemm_params.h"
+
+namespace mok::kernels {
+
+// Expert grouped GEMM (expert_gemm.cu): the tensor maps each form reads are listed at the top
+// of expert_gemm.cu; unused maps may be any valid map.
+struct ExpertGemmMaps {
+  CUtensorMap a0, a1, b0, b1;
+  // Outputs of the form (expert_gemm_params.h), 3-D maps with boxes of [128 rows x 64 columns]:
+  // [1, rows, N] for the row forms, [E_loc, M, N] for kWeightGrad. out2/out3 only where the
+  // form has them.
+  CUtensorMap out, out2, out3;
+};
+cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
+                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream);
+
+}  // namespace mok::kernels

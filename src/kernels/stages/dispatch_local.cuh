@@ -1,0 +1,107 @@
+// The local dispatch fused into the forward gate/up GEMM: device functions run by the GEMM's
+// producer warpgroup (see expert_gemm.cu).
+//
+// Roles inside the producer warpgroup:
+//   warps 1-3  gatherers: claim rows of the schedule (of the launch's window: a macrobatch) one
+//              at a time with a global ticket (any
+//              resident CTA can take any row, so the kernel progresses with however many CTAs
+//              are resident), copy x[token of the row] (or zeros for a padding row) into the row
+//              buffer with 16-byte accesses, and count the row into its 128-row tile.
+//   warp 0     lane 0, the TMA thread, waits for a tile's count to reach 128 before it loads the
+//              tile's A rows.
+// Ordering: a gatherer warp's stores -> __syncwarp -> lane 0's release-add of the tile count
+// (gpu scope, cumulative) -> the TMA thread's acquire-load -> fence.proxy.async.global (generic
+// writes become visible to the async proxy) -> the TMA loads.
+// Epochs: the ticket and the tile counts only grow. A launch with epoch e first lifts the ticket
+// to e << 32 and each tile count to e * kTileCountStride with atomicMax (idempotent), so values
+// left by earlier launches never satisfy this launch's waits, and nothing is reset between
+// launches; e comes from device memory (advanced after each launch), so CUDA graph replays work.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/common/wait.cuh"
+#include "kernels/gemm/expert_gemm_params.h"
+
+namespace mok::kernels {
+
+constexpr unsigned long long kTileCountStride = 256;  // > 128 rows per tile
+constexpr int kGatherTileRows = 128;
+
+__device__ __forceinline__ unsigned long long gather_epoch(const FusedGather& gather) {
+  return *reinterpret_cast<const volatile unsigned long long*>(gather.epoch) + 1;
+}
+
+__device__ __forceinline__ void release_add_u64(unsigned long long* address,
+                                                unsigned long long value) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
+// Run by each gatherer warp until the ticket passes the last row.
+__device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather,
+                                                       const ScheduleHeader* header,
+                                                       const int32_t* row_pair,
+                                                       unsigned long long epoch) {
+  const int lane = threadIdx.x % 32;
+  const unsigned long long ticket_base = epoch << 32;
+  const int64_t end = gather.row_end < header->total_rows
+                          ? gather.row_end
+                          : static_cast<int64_t>(header->total_rows);
+  const unsigned long long window_rows =
+      end > gather.row_begin ? static_cast<unsigned long long>(end - gather.row_begin) : 0ull;
+  const int64_t vectors_per_row = gather.hidden / 8;
+  const uint4* x = reinterpret_cast<const uint4*>(gather.x);
+  uint4* rows = reinterpret_cast<uint4*>(gather.rows);
+  for (;;) {
+    unsigned long long claimed = 0;
+    if (lane == 0) {
+      atomicMax(gather.ticket, ticket_base);
+      claimed = atomicAdd(gather.ticket, 1ull) - ticket_base;
+    }
+    claimed = __shfl_sync(0xffffffffu, claimed, 0);
+    if (claimed >= window_rows) return;
+    const int64_t row = gather.row_begin + static_cast<int64_t>(claimed);
+    const int pair = row_pair[row];
+    uint4* dst = rows + (row - gather.row_begin) * vectors_per_row;
+    if (pair < 0) {
+      for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      // kLoadsInFlight independent 16-byte loads per lane before their stores: one warp copies
+      // a whole row, so its memory-level parallelism sets the gather's speed.
+      const uint4* src = x + static_cast<int64_t>(pair / gather.top_k) * vectors_per_row;
+      constexpr int kLoadsInFlight = 4;
+      for (int64_t base = lane; base < vectors_per_row; base += 32 * kLoadsInFlight) {
+        uint4 values[kLoadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          if (base + u * 32 < vectors_per_row) values[u] = __ldg(src + base + u * 32);
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          if (base + u * 32 < vectors_per_row) dst[base + u * 32] = values[u];
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      unsigned long long* count = gather.tile_rows_done + row / kGatherTileRows;
+      atomicMax(count, epoch * kTileCountStride);
+      release_add_u64(count, 1ull);
+    }
+  }
+}
+
+// Run by the TMA thread before the first load of a tile's A rows.
+__device__ __forceinline__ void wait_for_gathered_tile(const WaitContext& wait,
+                                                       const FusedGather& gather, int m_tile,
+                                                       unsigned long long epoch) {
+  const unsigned long long target = epoch * kTileCountStride + kGatherTileRows;
+  const unsigned long long* count = gather.tile_rows_done + m_tile;
+  wait_until(
+      wait, WaitSite::kGatheredRows, [&] { return ptx::acquire_load_u64(count) >= target; },
+      [&] {
+        return static_cast<long long>(ptx::acquire_load_u64(count) - epoch * kTileCountStride);
+      },
+      kGatherTileRows);
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+}  // namespace mok::kernels

@@ -1,0 +1,61 @@
+// Host-callable launchers of the layer's element-wise stages: the local dispatch, the epoch
+// advance, the combine, the SwiGLU backward (dispatch_local.cu, combine.cu, swiglu_backward.cu;
+// the schedule's launcher is public: mok/schedule_gpu.h, non_finite_scan.h has its own).
+// Pointers are device memory; nothing here synchronizes.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mok/schedule.h"
+
+namespace mok::kernels {
+
+// Local dispatch (dispatch_local.cu): schedule rows [row_begin, row_begin + max_rows), clipped to
+// header.total_rows, get x[token of row_pair[row]] (padding rows get zeros), stored at row -
+// row_begin of `rows` [max_rows, hidden] (a macrobatch's ring buffer; row_begin 0 and max_rows
+// the schedule's max_rows: the whole schedule). `top_k` decodes the pair index.
+cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair, const void* x,
+                               int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
+                               cudaStream_t stream, int64_t row_begin = 0);
+
+// Advances an epoch word by one (the fused local dispatch's after each gate/up GEMM that used
+// it, the persistent forward's after each launch): one thread, stream-ordered, CUDA-graph
+// capturable.
+cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream);
+
+// Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], row(p))) with p = t*K + k,
+// in k order, where row(p) is row index[p] of `expert_rows` for index[p] >= 0, row
+// -index[p] - 2 of `local_rows` for index[p] <= -2 (the expert-parallel combine reads the pairs
+// of this rank's own experts where the expert GEMM left them: launch_slot_index), and nothing
+// for -1. `expert_rows` [rows, H] holds the expert outputs (schedule order, or the slots);
+// `shared` may be null; `router_weights` null means weight 1 (the d_x sum: fmaf(1, y, acc) ==
+// acc + y exactly).
+cudaError_t launch_combine(const void* expert_rows, const int32_t* index, const void* shared,
+                           const float* router_weights, int64_t num_tokens, int64_t hidden,
+                           int32_t top_k, void* out, cudaStream_t stream,
+                           const void* local_rows = nullptr);
+
+// SwiGLU backward (swiglu_backward.cu), one warp per row, over rows [0, header->total_rows) (or
+// [0, num_rows) when header is null): from bf16 g, u and dh_raw rows, d_g, d_up and
+// h_w = bf16(w h) rows (weighted_hidden may alias dh_raw: each element is read, then written, by
+// one thread), and d_router_weights[row_pair[row]] = <dh_raw, h> of the row (lanes in fixed
+// order, then a fixed xor tree). Row r's pair is row_pair[r] (identity when null; -1 = padding,
+// weight 0, nothing written to d_router_weights); router_weights null = weight 1;
+// d_router_weights may be null (the shared expert). Expert parallel: with
+// d_router_weights_peers set, pair p's gradient goes to d_router_weights_peers[p / pairs_per_rank]
+// [p % pairs_per_rank] (its source rank's buffer) instead.
+// Macrobatch: only rows [row_begin, row_begin + row_count) run, and the row buffers (gate, up,
+// dh_raw, d_gate, d_up, weighted_hidden) hold them at row - row_begin (row_pair stays indexed by
+// the schedule row).
+cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate,
+                                   const void* up, const void* dh_raw, const int32_t* row_pair,
+                                   const float* router_weights, int64_t intermediate, float limit,
+                                   void* d_gate, void* d_up, void* weighted_hidden,
+                                   float* d_router_weights, float* const* d_router_weights_peers,
+                                   int32_t pairs_per_rank, cudaStream_t stream,
+                                   int64_t row_begin = 0, int64_t row_count = INT64_MAX);
+
+}  // namespace mok::kernels

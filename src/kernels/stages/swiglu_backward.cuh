@@ -1,0 +1,121 @@
+// The SwiGLU backward of one row, as device functions for one warp: the standalone pass
+// (swiglu_backward.cu, one warp per row over the grid, reading global memory) and the persistent
+// backward's SwiGLU task (backward_gemms.cu, the consumer warps over a 128-row tile that TMA
+// streams through shared memory) both walk a row the same way through these functions, so the
+// bits are the same whichever kernel runs it.
+//
+// Per element: d_g, d_u and h_w = bf16(w h) (docs/design.md, backward steps 2-4); per row:
+// d_router_weights = <dh_raw, h>, summed per lane in column order, then over lanes with a fixed
+// xor tree (one producer, one order).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "kernels/gemm/expert_gemm_params.h"
+#include "kernels/stages/swiglu.cuh"
+
+namespace mok::kernels {
+
+// The row's weight: its pair's router weight, 0 for a padding row, 1 without router weights.
+__device__ __forceinline__ float swiglu_row_weight(const SwigluBackwardArgs& args, int pair) {
+  return pair < 0 ? 0.0f : args.router_weights != nullptr ? args.router_weights[pair] : 1.0f;
+}
+
+// One 8-element vector of a row, kFast or not (swiglu.cuh): d_g, d_u and h_w out, and
+// <dh_raw, h> of its elements added to `dot` in element order. Returns false if kFast met an
+// operand outside its range (nothing written then).
+template <bool kFast>
+__device__ __forceinline__ bool swiglu_backward_vector_as(const uint4& g, const uint4& u,
+                                                          const uint4& dh, float weight,
+                                                          float limit, float& dot, uint4& dg_out,
+                                                          uint4& du_out, uint4& hw_out) {
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g);
+  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+  const __nv_bfloat162* dh2 = reinterpret_cast<const __nv_bfloat162*>(&dh);
+  uint4 dg, du, hw;
+  __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&dg);
+  __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&du);
+  __nv_bfloat162* hw2 = reinterpret_cast<__nv_bfloat162*>(&hw);
+  bool in_range = true;
+  float sum = dot;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 gf = __bfloat1622float2(g2[p]), uf = __bfloat1622float2(u2[p]),
+                 df = __bfloat1622float2(dh2[p]);
+    const SwigluGrad low = swiglu_backward<kFast>(df.x, gf.x, uf.x, weight, limit, in_range);
+    const SwigluGrad high = swiglu_backward<kFast>(df.y, gf.y, uf.y, weight, limit, in_range);
+    sum += low.dh_raw_times_h;
+    sum += high.dh_raw_times_h;
+    dg2[p] = __floats2bfloat162_rn(low.d_gate, high.d_gate);
+    du2[p] = __floats2bfloat162_rn(low.d_up, high.d_up);
+    hw2[p] = __floats2bfloat162_rn(low.weighted_hidden, high.weighted_hidden);
+  }
+  if (kFast && !in_range) return false;
+  dot = sum;
+  dg_out = dg;
+  du_out = du;
+  hw_out = hw;
+  return true;
+}
+
+// One 8-element vector of a row: the branch-free division first, `a / b` for a vector with an
+// operand outside its range; the same bits either way (swiglu.cuh).
+__device__ __forceinline__ void swiglu_backward_vector(const uint4& g, const uint4& u,
+                                                       const uint4& dh, float weight, float limit,
+                                                       float& dot, uint4& dg_out, uint4& du_out,
+                                                       uint4& hw_out) {
+  if (!swiglu_backward_vector_as<true>(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out))
+    swiglu_backward_vector_as<false>(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out);
+}
+
+// The end of a row: the lanes' dots summed with a fixed xor tree; lane 0 stores the router
+// weight's gradient of a routed pair.
+__device__ __forceinline__ void swiglu_store_router_weight_grad(const SwigluBackwardArgs& args,
+                                                                int pair, float dot) {
+  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  if (threadIdx.x % 32 == 0 && pair >= 0) {
+    if (args.d_router_weights_peers != nullptr)  // expert parallel: the source rank's buffer
+      args.d_router_weights_peers[pair / args.pairs_per_rank][pair % args.pairs_per_rank] = dot;
+    else if (args.d_router_weights != nullptr)
+      args.d_router_weights[pair] = dot;
+  }
+}
+
+// A padding row (pair < 0) gets d_g = d_u = h_w = +0 exactly, not the math with weight 0: its x
+// and d_out rows are zero, so every weight-gradient term it adds is 0 * 0 whatever the weights
+// hold. From the math, a NaN or infinite weight would make its g, u or dh_raw NaN (0 * inf), and
+// 0 * NaN is NaN: a padding row would turn an expert's finite or infinite gradient NaN where the
+// reference, which has no padding rows, keeps it.
+__device__ __forceinline__ void swiglu_store_padding_vector(const SwigluBackwardArgs& args,
+                                                            int64_t at) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  args.d_gate[at] = zero;
+  args.d_up[at] = zero;
+  args.weighted_hidden[at] = zero;
+}
+
+// Schedule row `row`, by the 32 lanes of the calling warp: lane l takes vectors l, l + 32, ...
+__device__ __forceinline__ void swiglu_backward_row(const SwigluBackwardArgs& args, int64_t row) {
+  const int lane = threadIdx.x % 32;
+  const int pair = args.row_pair != nullptr ? args.row_pair[row] : static_cast<int>(row);
+  if (pair < 0) {
+    for (int64_t v = lane; v < args.vectors_per_row; v += 32)
+      swiglu_store_padding_vector(args, (row - args.row_begin) * args.vectors_per_row + v);
+    return;
+  }
+  const float weight = swiglu_row_weight(args, pair);
+  float dot = 0.0f;
+  for (int64_t v = lane; v < args.vectors_per_row; v += 32) {
+    const int64_t at = (row - args.row_begin) * args.vectors_per_row + v;
+    uint4 dg_out, du_out, hw_out;
+    swiglu_backward_vector(args.gate[at], args.up[at], args.dh_raw[at], weight, args.limit, dot,
+                           dg_out, du_out, hw_out);
+    args.d_gate[at] = dg_out;
+    args.d_up[at] = du_out;
+    args.weighted_hidden[at] = hw_out;
+  }
+  swiglu_store_router_weight_grad(args, pair, dot);
+}
+
+}  // namespace mok::kernels

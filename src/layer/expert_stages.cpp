@@ -1,0 +1,414 @@
+// The GEMM stages of one expert set (the routed experts or the shared expert): tensor maps and
+// launches of the expert GEMM forms, forward and backward. See gpu_layer_state.h.
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+
+#include "layer/gpu_layer_state.h"
+#include "layer/tma.h"
+
+namespace mok {
+
+namespace {
+
+// Tensor maps: K-major operands are read in [128 rows x 64] boxes (A) or [128|256 x 64] (B);
+// MN-major ones in [64 K-rows x 64] boxes.
+CUtensorMap k_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_2d(base, width, rows, 64, 128, what);
+}
+CUtensorMap mn_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_2d(base, width, rows, 64, 64, what);
+}
+CUtensorMap k_major_weights(const void* base, int64_t k, int64_t n, int64_t experts, int32_t box_n,
+                            const char* what) {
+  return make_tensor_map_3d(base, k, n, experts, 64, box_n, what);
+}
+// The staging-tile epilogue's store map of [rows, width] outputs: [128 rows x 64] boxes (3-D
+// with one batch, like the weight gradients' maps).
+CUtensorMap output_rows(void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_3d(base, width, rows, 1, 64, 128, what);
+}
+CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t experts,
+                             const char* what) {
+  return make_tensor_map_3d(base, n, k, experts, 64, 64, what);
+}
+
+kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet& set) {
+  kernels::ExpertGemmParams params{};
+  const ScheduleView view = set.view();
+  params.header = view.header;
+  params.tile_expert = view.tile_expert;
+  params.row_pair = view.row_pair;
+  params.expert_offsets = view.expert_offsets;
+  params.num_experts = static_cast<int32_t>(set.num_experts);
+  params.swiglu_limit = s.shape.swiglu_limit;
+  params.wait = s.wait_context();
+  return params;
+}
+
+// The task-trace arguments of a persistent launch (MoeConfig::trace_tasks), the buffer emptied
+// first; none when not tracing.
+kernels::TaskTraceArgs task_trace(const DeviceBuffer& buffer, int64_t capacity,
+                                  cudaStream_t stream) {
+  kernels::TaskTraceArgs trace;
+  if (capacity == 0) return trace;
+  cuda_check(cudaMemsetAsync(buffer.pointer, 0xff, buffer.bytes, stream), "empty a task trace");
+  trace.events = buffer.as<TaskTraceEvent>();
+  trace.capacity = capacity;
+  return trace;
+}
+
+// The maps of one expert set's forward in the persistent kernel: as forward_experts builds them.
+kernels::ForwardSetMaps forward_set_maps(const GpuLayer::State& s, const ExpertSet& set,
+                                         const void* rows, int64_t rows_in_map, const void* w_gate,
+                                         const void* w_up, const void* w_down, void* out,
+                                         int64_t out_rows) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows;
+  kernels::ForwardSetMaps maps{};
+  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
+  maps.w_down = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
+  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
+  maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
+  maps.y_out = output_rows(out, H, out_rows, "expert output rows");
+  return maps;
+}
+
+// The persistent kernel's gate/up and down parameters of one expert set.
+void forward_set_params(const GpuLayer::State& s, const ExpertSet& set,
+                        kernels::ExpertGemmParams& gate_up, kernels::ExpertGemmParams& down) {
+  gate_up = base_params(s, set);
+  gate_up.n_extent = static_cast<int32_t>(set.intermediate);
+  gate_up.k_extent = static_cast<int32_t>(s.shape.hidden);
+  down = base_params(s, set);
+  down.n_extent = static_cast<int32_t>(s.shape.hidden);
+  down.k_extent = static_cast<int32_t>(set.intermediate);
+}
+
+// The persistent backward's maps and parameters of one expert set (backward_experts' forms),
+// its counters and pipeline left to the caller. router_weights null = weight 1 (the shared
+// expert).
+kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSet& set,
+                                      const void* rows, const void* d_out_rows, int64_t rows_in_map,
+                                      const void* w_gate, const void* w_up, const void* w_down,
+                                      const float* router_weights, float* d_router_weights,
+                                      float* const* d_router_weights_peers, int32_t pairs_per_rank,
+                                      void* dx_out, int64_t dx_rows, const WeightGrads& grads,
+                                      kernels::BackwardSetParams& params) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
+                R = set.capacity_rows;
+  kernels::BackwardSetMaps maps{};
+  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
+  maps.up_out = output_rows(set.up.pointer, I, R, "up (recomputed)");
+  maps.d_out_rows = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
+  maps.w_down_mn = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  maps.dh_out = output_rows(set.hidden.pointer, I, R, "dh_raw");
+  maps.d_gate = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
+  maps.d_up = k_major_rows(set.d_up.pointer, I, R, "d_up");
+  maps.w_gate_mn = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
+  maps.w_up_mn = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  maps.dx_out = output_rows(dx_out, H, dx_rows, "dx rows");
+  maps.d_gate_mn = mn_major_rows(set.d_gate.pointer, I, R, "d_gate (MN-major)");
+  maps.d_up_mn = mn_major_rows(set.d_up.pointer, I, R, "d_up (MN-major)");
+  maps.d_out_mn = mn_major_rows(d_out_rows, H, rows_in_map, "d_out rows (MN-major)");
+  maps.x_mn = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
+  maps.h_w_mn = mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)");
+  maps.d_w_gate = make_tensor_map_3d(grads.d_w_gate, H, I, E, 64, 128, "weight gradient of gate");
+  maps.d_w_up = make_tensor_map_3d(grads.d_w_up, H, I, E, 64, 128, "weight gradient of up");
+  maps.d_w_down = make_tensor_map_3d(grads.d_w_down, I, H, E, 64, 128, "weight gradient of down");
+  maps.swiglu_gate = make_tensor_map_2d(set.gate.pointer, I, R, 64, 32, "gate (SwiGLU task)");
+  maps.swiglu_up = make_tensor_map_2d(set.up.pointer, I, R, 64, 32, "up (SwiGLU task)");
+  maps.swiglu_dh = make_tensor_map_2d(set.hidden.pointer, I, R, 64, 32, "dh_raw (SwiGLU task)");
+
+  auto form = [&](int64_t m, int64_t n, int64_t k) {
+    kernels::ExpertGemmParams p = base_params(s, set);
+    p.m_extent = static_cast<int32_t>(m);
+    p.n_extent = static_cast<int32_t>(n);
+    p.k_extent = static_cast<int32_t>(k);
+    return p;
+  };
+  params.recompute = form(0, I, H);
+  params.down_dgrad = form(0, I, H);
+  params.gate_up_dgrad = form(0, H, I);
+  params.wgrad_gate_up = form(I, H, 0);
+  params.wgrad_down = form(H, I, 0);
+  const ScheduleView view = set.view();
+  kernels::SwigluBackwardArgs& swiglu = params.swiglu;
+  swiglu.gate = static_cast<const uint4*>(set.gate.pointer);
+  swiglu.up = static_cast<const uint4*>(set.up.pointer);
+  swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
+  swiglu.row_pair = view.row_pair;
+  swiglu.router_weights = router_weights;
+  swiglu.vectors_per_row = I / 8;
+  swiglu.limit = s.shape.swiglu_limit;
+  swiglu.d_gate = static_cast<uint4*>(set.d_gate.pointer);
+  swiglu.d_up = static_cast<uint4*>(set.d_up.pointer);
+  swiglu.weighted_hidden = static_cast<uint4*>(set.hidden.pointer);
+  swiglu.d_router_weights = d_router_weights;
+  swiglu.d_router_weights_peers = d_router_weights_peers;
+  swiglu.pairs_per_rank = pairs_per_rank;
+  swiglu.row_begin = 0;
+  return maps;
+}
+
+void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
+            const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
+            cudaStream_t stream, const char* what) {
+  cuda_check(kernels::launch_expert_gemm(form, maps, params, s.sm_count, stream), what);
+}
+
+}  // namespace
+
+namespace stages {
+
+// Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T) (keeping g and u, the forward
+// context), then y = h Wd^T. `rows` holds `rows_in_map` rows of width H; `out` [out_rows, H]
+// receives y in schedule order (the map clips rows past out_rows: the shared expert's output
+// has exactly T rows).
+void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                     int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
+                     void* out, int64_t out_rows, const kernels::FusedGather& gather,
+                     cudaStream_t stream, const StageMarker& mark,
+                     const kernels::MacrobatchParams& macrobatch) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows;
+  kernels::ExpertGemmMaps maps{};
+  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.out = output_rows(set.hidden.pointer, I, R, "hidden");
+  maps.out2 = output_rows(set.gate.pointer, I, R, "gate (forward context)");
+  maps.out3 = output_rows(set.up.pointer, I, R, "up (forward context)");
+  kernels::ExpertGemmParams params = base_params(s, set);
+  params.n_extent = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  params.gather = gather;
+  params.macrobatch = macrobatch;
+  launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
+  if (gather.x != nullptr) {
+    cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
+    mark("gather + gate/up GEMM + SwiGLU");
+  } else {
+    mark("gate/up GEMM + SwiGLU");
+  }
+
+  maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
+  maps.b0 = maps.b1 = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.out = output_rows(out, H, out_rows, "expert output rows");
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(I);
+  params.gather = kernels::FusedGather{};
+  params.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
+  launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
+  mark("down GEMM");
+}
+
+// The routed experts' forward as one persistent kernel (forward_gemms.cu): the same GEMMs and
+// epilogues as forward_experts, with the fused local dispatch when `gather.x` is set, and the
+// shared expert's tiles (the same as forward_experts on s.shared) when `shared` is set.
+void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                                int64_t rows_in_map, const void* w_gate, const void* w_up,
+                                const void* w_down, void* out, int64_t out_rows,
+                                const kernels::FusedGather& gather, cudaStream_t stream,
+                                const StageMarker& mark,
+                                const kernels::MacrobatchParams& macrobatch,
+                                const SharedExpertForward* shared) {
+  kernels::ForwardGemmsMaps maps{};
+  maps.routed = forward_set_maps(s, set, rows, rows_in_map, w_gate, w_up, w_down, out, out_rows);
+  kernels::ForwardGemmsParams params{};
+  forward_set_params(s, set, params.gate_up, params.down);
+  params.gate_up.gather = gather;
+  params.gate_up.macrobatch = macrobatch;
+  params.down.macrobatch = macrobatch;
+  params.down.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
+  params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
+  unsigned long long* counters = s.persistent_state.as<unsigned long long>();
+  params.ticket = counters;
+  params.epoch = counters + 1;
+  params.gate_up_done = counters + 2;
+  if (shared != nullptr && s.shape.num_tokens > 0) {
+    const int64_t T = s.shape.num_tokens;
+    maps.shared = forward_set_maps(s, s.shared, shared->x, T, shared->w_gate, shared->w_up,
+                                   shared->w_down, shared->out, T);
+    forward_set_params(s, s.shared, params.shared_gate_up, params.shared_down);
+    params.shared_m_tiles = static_cast<int32_t>((T + kDefaultRowAlign - 1) / kDefaultRowAlign);
+    params.shared_gate_up_done = counters + 2 + s.routed.layout.params.max_tiles();
+  }
+  params.trace = task_trace(s.forward_trace, s.forward_trace_capacity, stream);
+  cuda_check(kernels::launch_forward_gemms(maps, params, s.sm_count, stream),
+             "persistent forward GEMM kernel");
+  cuda_check(kernels::launch_advance_epoch(params.epoch, stream),
+             "advance the persistent forward's epoch");
+  if (gather.x != nullptr)
+    cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
+  mark(params.shared_m_tiles > 0
+           ? (gather.x != nullptr ? "gather + gate/up + down + shared expert (persistent)"
+                                  : "gate/up + down + shared expert (persistent)")
+           : (gather.x != nullptr ? "gather + gate/up + down (persistent)"
+                                  : "gate/up + down (persistent)"));
+}
+
+// Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down
+// with SwiGLU backward (d_g, d_u, h_w, d_router_weights of routed pairs); dx rows in schedule
+// order into dx_out [dx_rows, H]; the three weight gradients. router_weights null = weight 1
+// (the shared expert).
+void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                      const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
+                      const void* w_up, const void* w_down, const float* router_weights,
+                      float* d_router_weights, float* const* d_router_weights_peers,
+                      int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
+                      const WeightGrads& grads, bool recompute, cudaStream_t stream,
+                      const StageMarker& mark, int32_t macrobatch_index) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
+                R = set.capacity_rows;
+  auto macrobatch = [&](int matrix) {
+    return macrobatch_index < 0 ? kernels::MacrobatchParams{}
+                                : s.macrobatch(macrobatch_index, matrix);
+  };
+  kernels::ExpertGemmParams params = base_params(s, set);
+  params.macrobatch = macrobatch(0);
+
+  kernels::ExpertGemmMaps maps{};
+  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
+  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
+  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
+  maps.out2 = output_rows(set.up.pointer, I, R, "up (recomputed)");
+  params.n_extent = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  if (recompute) {
+    launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream,
+           "gate/up recompute GEMM");
+    mark("gate/up recompute");
+  }
+
+  // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
+  maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
+  maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
+  launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
+  mark("down dgrad");
+  const ScheduleView view = set.view();
+  const int64_t window_begin = params.macrobatch.ring_row_base;
+  const int64_t window_rows = params.macrobatch.rows > 0 ? params.macrobatch.rows : INT64_MAX;
+  cuda_check(kernels::launch_swiglu_backward(
+                 view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
+                 view.row_pair, router_weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
+                 set.d_up.pointer, set.hidden.pointer, d_router_weights, d_router_weights_peers,
+                 pairs_per_rank, stream, window_begin, window_rows),
+             "SwiGLU backward launch");
+  mark("SwiGLU backward + router weight gradient");
+
+  maps.a0 = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
+  maps.a1 = k_major_rows(set.d_up.pointer, I, R, "d_up");
+  maps.b0 = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
+  maps.b1 = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(I);
+  maps.out = output_rows(dx_out, H, dx_rows, "dx rows");
+  kernels::ExpertGemmParams dx_params = params;
+  dx_params.macrobatch.out_row_base = 0;  // dx rows are full size, in schedule rows
+  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, dx_params, stream,
+         "gate/up dgrad GEMM");
+  mark("gate/up dgrad");
+
+  // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.
+  const CUtensorMap x_rows = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
+  // `a_rows`: rows the A operand's memory holds (d_out of the shared expert has only T rows;
+  // TMA fills the rest of the last tile with zeros).
+  auto weight_grad = [&](int matrix, const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b,
+                         int64_t n, void* out, const char* what) {
+    kernels::ExpertGemmMaps wgrad_maps{};
+    wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
+    wgrad_maps.b0 = wgrad_maps.b1 = b;
+    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what);
+    kernels::ExpertGemmParams wgrad = base_params(s, set);
+    wgrad.m_extent = static_cast<int32_t>(m);
+    wgrad.n_extent = static_cast<int32_t>(n);
+    wgrad.macrobatch = macrobatch(matrix);
+    launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
+  };
+  weight_grad(0, set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
+  weight_grad(1, set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, "weight gradient of up");
+  weight_grad(2, d_out_rows, rows_in_map, H,
+              mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"), I, grads.d_w_down,
+              "weight gradient of down");
+  mark("weight gradients");
+}
+
+// The routed experts' backward as one persistent kernel (backward_gemms.cu): the same GEMM
+// forms, epilogues and SwiGLU backward as backward_experts, one macrobatch; with `shared`, the
+// shared expert's backward (backward_experts on s.shared) in the same launch.
+void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
+                                 const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
+                                 const void* w_up, const void* w_down, const float* router_weights,
+                                 float* d_router_weights, float* const* d_router_weights_peers,
+                                 int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
+                                 const WeightGrads& grads, bool recompute,
+                                 const kernels::FusedGather& d_out_gather,
+                                 const kernels::FusedGather& x_gather, cudaStream_t stream,
+                                 const StageMarker& mark, const SharedExpertBackward* shared) {
+  const int64_t max_tiles = set.layout.params.max_tiles(), E = set.num_experts;
+  unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>();
+  kernels::BackwardGemmsMaps maps{};
+  kernels::BackwardGemmsParams params{};
+  params.num_sets = 1;
+  params.ticket = counters;
+  params.epoch = counters + 1;
+  kernels::BackwardSetParams& routed = params.sets[0];
+  maps.sets[0] = backward_set(s, set, rows, d_out_rows, rows_in_map, w_gate, w_up, w_down,
+                              router_weights, d_router_weights, d_router_weights_peers,
+                              pairs_per_rank, dx_out, dx_rows, grads, routed);
+  routed.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
+  routed.recompute_rows = recompute ? 1 : 0;
+  routed.d_out_gather = d_out_gather;
+  routed.x_gather = x_gather;
+  routed.row_gemms_done = counters + 2;
+  routed.swiglu_done = counters + 2 + max_tiles;
+  routed.expert_ready = counters + 2 + 2 * max_tiles;
+  if (shared != nullptr && s.shape.num_tokens > 0) {
+    // The shared expert: every token is a row (its own fixed schedule), one expert, one
+    // minibatch; its counters follow the routed set's and the fused gathers'.
+    const int64_t T = s.shape.num_tokens,
+                  shared_tiles = (T + kDefaultRowAlign - 1) / kDefaultRowAlign;
+    kernels::BackwardSetParams& shared_set = params.sets[1];
+    maps.sets[1] = backward_set(s, s.shared, shared->x, shared->d_out, T, shared->w_gate,
+                                shared->w_up, shared->w_down, nullptr, nullptr, nullptr, 0,
+                                shared->dx_out, T, shared->grads, shared_set);
+    shared_set.minibatch_tiles = static_cast<int32_t>(shared_tiles);
+    shared_set.recompute_rows = recompute ? 1 : 0;
+    unsigned long long* shared_counters = counters + 2 + 2 * max_tiles + E + 2 * (2 + max_tiles);
+    shared_set.row_gemms_done = shared_counters;
+    shared_set.swiglu_done = shared_counters + shared_tiles;
+    shared_set.expert_ready = shared_counters + 2 * shared_tiles;
+    params.num_sets = 2;
+  }
+  params.trace = task_trace(s.backward_trace, s.backward_trace_capacity, stream);
+  cuda_check(kernels::launch_backward_gemms(maps, params, s.sm_count, stream),
+             "persistent backward kernel");
+  cuda_check(kernels::launch_advance_epoch(params.epoch, stream),
+             "advance the persistent backward's epoch");
+  for (const kernels::FusedGather* gather : {&d_out_gather, &x_gather})
+    if (gather->x != nullptr)
+      cuda_check(kernels::launch_advance_epoch(gather->epoch, stream), "advance a gather's epoch");
+  const char* what =
+      params.num_sets == 2
+          ? (recompute ? "recompute + dgrads + SwiGLU + weight gradients + shared "
+                         "expert (persistent)"
+                       : "dgrads + SwiGLU + weight gradients + shared expert "
+                         "(persistent)")
+          : (recompute ? "recompute + dgrads + SwiGLU + weight gradients (persistent)"
+                       : "dgrads + SwiGLU + weight gradients (persistent)");
+  mark(what);
+}
+
+}  // namespace stages
+}  // namespace mok

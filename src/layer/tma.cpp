@@ -1,0 +1,69 @@
+// TMA tensor maps: see tma.h.
+#include "layer/tma.h"
+
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+namespace mok {
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
+  static PFN_cuTensorMapEncodeTiled_v12000 function = [] {
+    void* pointer = nullptr;
+    cudaDriverEntryPointQueryResult query{};
+    cudaError_t status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &pointer, 12000,
+                                                          cudaEnableDefault, &query);
+    if (status != cudaSuccess || query != cudaDriverEntryPointSuccess || pointer == nullptr)
+      throw Error(ErrorCode::kCudaError,
+                  std::string("cannot get the driver's cuTensorMapEncodeTiled: ") +
+                      cudaGetErrorString(status));
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(pointer);
+  }();
+  return function;
+}
+
+CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims,
+                   const cuuint64_t* strides_bytes, const cuuint32_t* box, const char* what) {
+  CUtensorMap map{};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  CUresult result = encode_function()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides_bytes,
+      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) {
+    std::string extents;
+    for (int d = 0; d < rank; ++d) extents += (d ? ", " : "") + std::to_string(dims[d]);
+    throw Error(ErrorCode::kCudaError, std::string("cuTensorMapEncodeTiled failed (") +
+                                           std::to_string(result) + ") for " + what +
+                                           " with extents [" + extents +
+                                           "] (innermost first); pointers must be 16-byte aligned");
+  }
+  return map;
+}
+
+}  // namespace
+
+CUtensorMap make_tensor_map_2d(const void* base, int64_t inner, int64_t outer, int32_t box_inner,
+                               int32_t box_outer, const char* what) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner),
+                             static_cast<cuuint32_t>(box_outer)};
+  return encode(base, 2, dims, strides, box, what);
+}
+
+CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, int64_t batch,
+                               int32_t box_inner, int32_t box_outer, const char* what) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer),
+                              static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2,
+                                 static_cast<cuuint64_t>(inner * outer) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer),
+                             1};
+  return encode(base, 3, dims, strides, box, what);
+}
+
+}  // namespace mok
