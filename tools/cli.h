@@ -99,7 +99,5 @@ int run_cpu(const RunOptions& options, const mok::MoeShape& shape);
 int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::string& device_name);
 // `mok run --gpus N`: the expert-parallel layer on N GPUs, one process (tools/run_ep.cpp).
 int run_ep(const RunOptions& options, const mok::MoeShape& shape);
-// `mok comm-bench --gpus N`: dispatch / combine data movement alone (tools/comm_bench.cpp).
-int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape);
 
 }  // namespace mok::cli

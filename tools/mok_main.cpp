@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "mok/config.h"
+#include "mok/testing/comm_bench.h"
 
 namespace mok::cli {
 
@@ -210,7 +211,8 @@ int comm_bench_command(RunOptions options) {
                 "comm-bench needs --gpus N (N >= 1): the GPUs of this machine to use");
   options.ranks = options.gpus;
   if (options.shape_name.empty()) options.shape_name = "kimi_slice";
-  return run_comm_bench(options, shape_from_options(options));
+  return mok::run_comm_bench(shape_from_options(options),
+                             mok::routing_kind_from_name(options.routing), options.seed);
 }
 
 void list_shapes() {

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "cli.h"
-#include "layer/cuda_buffer.h"
 #include "mok/reference.h"
 #include "mok/testing/device_problem.h"
 #include "mok/testing/host_problem.h"
@@ -106,11 +105,11 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   auto synchronize = [&] { layer.synchronize(streams).throw_if_error(); };
 
   auto synchronize_all = [&] {
-    DeviceScope keep_device(runs[0].device);  // the timing's events live on rank 0's device
     for (RankRun& run : runs) {
       CLI_CUDA_CHECK(cudaSetDevice(run.device));
       CLI_CUDA_CHECK(cudaStreamSynchronize(run.stream));
     }
+    CLI_CUDA_CHECK(cudaSetDevice(runs[0].device));  // the timing's events live on rank 0's device
   };
   auto baseline_forward = [&] { baseline->forward(forward_args, streams); };
   auto baseline_step = [&] {

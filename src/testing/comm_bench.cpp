@@ -1,4 +1,5 @@
-// `mok comm-bench`: the expert-parallel data movement alone on the GPUs of this machine, one
+// The communication benchmark behind `mok comm-bench` (mok/testing/comm_bench.h): the
+// expert-parallel data movement alone on the GPUs of this machine, one
 // process. For one routing of a shape (T tokens per rank, H hidden), every rank's schedule is
 // built, then each variant moves the same rows, all ranks at once, and the table gives time and
 // the bytes that cross NVLink per GPU and direction (rows whose source and destination ranks
@@ -17,6 +18,8 @@
 //   exchange + schedule  the routing and router-weight all-gather, then this rank's schedule
 //                    build: what the layer runs before its dispatch (its share of the forward
 //                    at `dsv3` is one of the targets)
+#include "mok/testing/comm_bench.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -24,7 +27,6 @@
 #include <string>
 #include <vector>
 
-#include "cli.h"
 #include "layer/cuda_buffer.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
@@ -37,7 +39,10 @@
 #include "mok/comm.h"
 #endif
 
-namespace mok::cli {
+namespace mok {
+
+// A failed CUDA call ends the benchmark with an error naming it.
+#define BENCH_CUDA_CHECK(call) cuda_check((call), #call)
 
 #if MOK_HAS_NCCL
 
@@ -66,7 +71,7 @@ struct BenchRank {
 
 }  // namespace
 
-int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
+int run_comm_bench(const MoeShape& shape, RoutingKind routing_kind, uint64_t seed) {
   const int32_t R = shape.num_ranks;
   const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k;
   std::vector<int> devices;
@@ -74,9 +79,9 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   auto communicators = mok::Communicator::create_all(devices);
   std::vector<mok::Communicator*> group;
   for (auto& communicator : communicators) group.push_back(communicator.get());
-  const std::vector<int32_t> routing = mok::generate_routing(
-      mok::routing_kind_from_name(options.routing), R, static_cast<int32_t>(T), shape.top_k,
-      static_cast<int32_t>(shape.num_experts), options.seed);
+  const std::vector<int32_t> routing =
+      mok::generate_routing(routing_kind, R, static_cast<int32_t>(T), shape.top_k,
+                            static_cast<int32_t>(shape.num_experts), seed);
   mok::SymmetricMemory x(group, T * H * 2, "x");
   mok::SymmetricMemory slots(group, T * K * H * 2, "slots");
   mok::SymmetricMemory flags(group, R * 8, "push flags", true);
@@ -89,8 +94,8 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   for (int32_t rank = 0; rank < R; ++rank) {
     BenchRank& bench = ranks[rank];
     bench.device = devices[rank];
-    CLI_CUDA_CHECK(cudaSetDevice(bench.device));
-    CLI_CUDA_CHECK(cudaStreamCreate(&bench.stream));
+    BENCH_CUDA_CHECK(cudaSetDevice(bench.device));
+    BENCH_CUDA_CHECK(cudaStreamCreate(&bench.stream));
     const ScheduleParams params = schedule_params(shape, rank);
     bench.layout = ScheduleLayout::make(params);
     std::vector<char> host(bench.layout.output_bytes);
@@ -104,41 +109,41 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     for (int32_t row = 0; row < view.header->total_rows; ++row)
       if (view.row_pair[row] >= 0 && view.row_pair[row] / (T * K) != rank) ++bench.remote_rows_out;
     bench.schedule.allocate(bench.layout.total_bytes, "schedule");
-    CLI_CUDA_CHECK(
+    BENCH_CUDA_CHECK(
         cudaMemcpy(bench.schedule.pointer, host.data(), host.size(), cudaMemcpyHostToDevice));
     bench.received.allocate(R * T * H * 2, "pulled rows");
     bench.rows.allocate(params.max_rows() * H * 2, "expert rows");
-    CLI_CUDA_CHECK(cudaMemset(bench.rows.pointer, 0, bench.rows.bytes));
+    BENCH_CUDA_CHECK(cudaMemset(bench.rows.pointer, 0, bench.rows.bytes));
     bench.copy_target.allocate(R * T * H * 2, "copy target");
     bench.counters.allocate(40, "epochs and counters");
-    CLI_CUDA_CHECK(cudaMemset(bench.counters.pointer, 0, 40));
+    BENCH_CUDA_CHECK(cudaMemset(bench.counters.pointer, 0, 40));
     std::vector<int32_t> send_host(static_cast<size_t>(R * T));
     build_send_entries_host(params, routing.data(), DType::kInt32, send_host.data());
     for (int64_t i = 0; i < R * T; ++i)
       if (send_host[i] >= 0 && i / T != rank) ++bench.remote_rows_sent;
     bench.routing_all.allocate(R * T * K * 4, "routing of every rank");
-    CLI_CUDA_CHECK(cudaMemcpy(bench.routing_all.pointer, routing.data(), R * T * K * 4,
-                              cudaMemcpyHostToDevice));
+    BENCH_CUDA_CHECK(cudaMemcpy(bench.routing_all.pointer, routing.data(), R * T * K * 4,
+                                cudaMemcpyHostToDevice));
     bench.send_entry.allocate(R * T * 4, "send entries");
-    CLI_CUDA_CHECK(kernels::launch_send_entries(params, bench.routing_all.pointer, DType::kInt32,
-                                                bench.send_entry.as<int32_t>(), nullptr));
+    BENCH_CUDA_CHECK(kernels::launch_send_entries(params, bench.routing_all.pointer, DType::kInt32,
+                                                  bench.send_entry.as<int32_t>(), nullptr));
     std::vector<int32_t> send_device(send_host.size());
-    CLI_CUDA_CHECK(cudaMemcpy(send_device.data(), bench.send_entry.pointer, send_device.size() * 4,
-                              cudaMemcpyDeviceToHost));
+    BENCH_CUDA_CHECK(cudaMemcpy(send_device.data(), bench.send_entry.pointer,
+                                send_device.size() * 4, cudaMemcpyDeviceToHost));
     if (send_device != send_host)
       throw Error(ErrorCode::kInternal, "comm-bench: rank " + std::to_string(rank) +
                                             "'s send entries from the GPU differ from the host's");
     bench.top_experts.allocate(T * K * 4, "routing");
-    CLI_CUDA_CHECK(cudaMemcpy(bench.top_experts.pointer, routing.data() + rank * T * K, T * K * 4,
-                              cudaMemcpyHostToDevice));
+    BENCH_CUDA_CHECK(cudaMemcpy(bench.top_experts.pointer, routing.data() + rank * T * K, T * K * 4,
+                                cudaMemcpyHostToDevice));
     bench.weights.allocate(T * K * 4, "router weights");
-    CLI_CUDA_CHECK(cudaMemset(bench.weights.pointer, 0, T * K * 4));
+    BENCH_CUDA_CHECK(cudaMemset(bench.weights.pointer, 0, T * K * 4));
     bench.built.allocate(bench.layout.total_bytes, "timed schedule");
   }
   auto synchronize = [&] {
     for (BenchRank& bench : ranks) {
-      CLI_CUDA_CHECK(cudaSetDevice(bench.device));
-      CLI_CUDA_CHECK(cudaStreamSynchronize(bench.stream));
+      BENCH_CUDA_CHECK(cudaSetDevice(bench.device));
+      BENCH_CUDA_CHECK(cudaStreamSynchronize(bench.stream));
     }
   };
   // Median over 20 of the slowest rank's time: every rank's start event, then every rank's
@@ -146,29 +151,29 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   auto median_ms = [&](const std::function<void(int32_t)>& launch_rank) {
     std::vector<cudaEvent_t> start(R), stop(R);
     for (int32_t rank = 0; rank < R; ++rank) {
-      CLI_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
-      CLI_CUDA_CHECK(cudaEventCreate(&start[rank]));
-      CLI_CUDA_CHECK(cudaEventCreate(&stop[rank]));
+      BENCH_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
+      BENCH_CUDA_CHECK(cudaEventCreate(&start[rank]));
+      BENCH_CUDA_CHECK(cudaEventCreate(&stop[rank]));
     }
     std::vector<float> times;
     for (int iteration = 0; iteration < 23; ++iteration) {
       for (int32_t rank = 0; rank < R; ++rank) {
-        CLI_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
-        CLI_CUDA_CHECK(cudaEventRecord(start[rank], ranks[rank].stream));
+        BENCH_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
+        BENCH_CUDA_CHECK(cudaEventRecord(start[rank], ranks[rank].stream));
       }
       for (int32_t rank = 0; rank < R; ++rank) {
-        CLI_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
+        BENCH_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
         launch_rank(rank);
       }
       for (int32_t rank = 0; rank < R; ++rank) {
-        CLI_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
-        CLI_CUDA_CHECK(cudaEventRecord(stop[rank], ranks[rank].stream));
+        BENCH_CUDA_CHECK(cudaSetDevice(ranks[rank].device));
+        BENCH_CUDA_CHECK(cudaEventRecord(stop[rank], ranks[rank].stream));
       }
       synchronize();
       float slowest = 0;
       for (int32_t rank = 0; rank < R; ++rank) {
         float ms = 0;
-        CLI_CUDA_CHECK(cudaEventElapsedTime(&ms, start[rank], stop[rank]));
+        BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, start[rank], stop[rank]));
         slowest = std::max(slowest, ms);
       }
       if (iteration >= 3) times.push_back(slowest);
@@ -192,7 +197,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   const double bytes_sent = static_cast<double>(max_sent) * H * 2;
   std::printf("mok comm-bench: %d GPUs, T=%lld H=%lld K=%lld E=%lld, routing %s\n", R,
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(K),
-              static_cast<long long>(shape.num_experts), options.routing.c_str());
+              static_cast<long long>(shape.num_experts), routing_kind_name(routing_kind));
   std::printf(
       "  NVLink rows per GPU (the busiest): %lld pulled in (or sent by a push dispatch: %lld), "
       "%lld pushed out\n",
@@ -211,7 +216,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
       const kernels::PullRowsArgs pull =
           kernels::pull_rows_args(ScheduleView::at(bench.schedule.pointer, bench.layout),
                                   x.device_peers(rank), H, rank, R, bench.received.pointer);
-      CLI_CUDA_CHECK(
+      BENCH_CUDA_CHECK(
           kernels::launch_pull_rows(pull, copy, ctas, wait_of(rank), bench.stream, threads));
     });
   };
@@ -223,12 +228,12 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
           static_cast<int32_t>(T * K), slots.device_peers(rank),
           reinterpret_cast<uint64_t* const*>(flags.device_peers(rank)), rank, R,
           bench.counters.as<unsigned long long>());
-      CLI_CUDA_CHECK(
+      BENCH_CUDA_CHECK(
           kernels::launch_push_rows(push, copy, ctas, wait_of(rank), bench.stream, threads));
-      CLI_CUDA_CHECK(kernels::launch_wait_for_peers(static_cast<const uint64_t*>(flags.local(rank)),
-                                                    R, bench.counters.as<unsigned long long>(),
-                                                    wait_of(rank), bench.stream));
-      CLI_CUDA_CHECK(
+      BENCH_CUDA_CHECK(kernels::launch_wait_for_peers(
+          static_cast<const uint64_t*>(flags.local(rank)), R,
+          bench.counters.as<unsigned long long>(), wait_of(rank), bench.stream));
+      BENCH_CUDA_CHECK(
           kernels::launch_advance_epoch(bench.counters.as<unsigned long long>(), bench.stream));
     });
   };
@@ -253,18 +258,18 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
         push.flag_peers = reinterpret_cast<uint64_t* const*>(dispatch_flags.device_peers(rank));
         push.done = bench.counters.as<unsigned long long>() + 4;
         push.epoch = bench.counters.as<unsigned long long>() + 3;
-        CLI_CUDA_CHECK(kernels::launch_push_dispatch(push, ctas, bench.stream, threads));
-        CLI_CUDA_CHECK(kernels::launch_wait_for_peers(
+        BENCH_CUDA_CHECK(kernels::launch_push_dispatch(push, ctas, bench.stream, threads));
+        BENCH_CUDA_CHECK(kernels::launch_wait_for_peers(
             static_cast<const uint64_t*>(dispatch_flags.local(rank)), R,
             bench.counters.as<unsigned long long>() + 3, wait_of(rank), bench.stream));
-        CLI_CUDA_CHECK(kernels::launch_advance_epoch(bench.counters.as<unsigned long long>() + 3,
-                                                     bench.stream));
+        BENCH_CUDA_CHECK(kernels::launch_advance_epoch(bench.counters.as<unsigned long long>() + 3,
+                                                       bench.stream));
       });
       report("push dispatch (warp copies, + wait)", ctas, threads, push_dispatch_ms, bytes_sent);
       const double copy_ms = median_ms([&](int32_t rank) {
         BenchRank& bench = ranks[rank];
         const int32_t peer = (rank + 1) % R;
-        CLI_CUDA_CHECK(kernels::launch_copy_contiguous(
+        BENCH_CUDA_CHECK(kernels::launch_copy_contiguous(
             x.peer(rank, peer), bench.copy_target.pointer, std::min<int64_t>(max_in, T) * H * 2,
             ctas, bench.stream, threads));
       });
@@ -274,7 +279,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
       const double push_copy_ms = median_ms([&](int32_t rank) {
         BenchRank& bench = ranks[rank];
         const int32_t peer = (rank + 1) % R;
-        CLI_CUDA_CHECK(kernels::launch_copy_contiguous(
+        BENCH_CUDA_CHECK(kernels::launch_copy_contiguous(
             bench.rows.pointer, slots.peer(rank, peer),
             std::min<int64_t>(push_bytes, bench.rows.bytes), ctas, bench.stream, threads));
       });
@@ -300,8 +305,8 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     args.num_ranks = R;
     args.epoch = bench.counters.as<unsigned long long>() + 2;
     args.wait = wait_of(rank);
-    CLI_CUDA_CHECK(kernels::launch_routing_exchange(args, bench.stream));
-    CLI_CUDA_CHECK(
+    BENCH_CUDA_CHECK(kernels::launch_routing_exchange(args, bench.stream));
+    BENCH_CUDA_CHECK(
         kernels::launch_advance_epoch(bench.counters.as<unsigned long long>() + 2, bench.stream));
     launch_build_schedule(bench.layout, routing_all.local(rank), DType::kInt32, bench.built.pointer,
                           bench.stream)
@@ -311,18 +316,19 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   // same entries of the other ranks; neither copies the rank's own rows).
   for (int32_t rank = 0; rank < R; ++rank) {
     BenchRank& bench = ranks[rank];
-    CLI_CUDA_CHECK(cudaSetDevice(bench.device));
+    BENCH_CUDA_CHECK(cudaSetDevice(bench.device));
     const ScheduleView view = ScheduleView::at(bench.schedule.pointer, bench.layout);
     ScheduleHeader header{};
-    CLI_CUDA_CHECK(cudaMemcpy(&header, view.header, sizeof(header), cudaMemcpyDeviceToHost));
+    BENCH_CUDA_CHECK(cudaMemcpy(&header, view.header, sizeof(header), cudaMemcpyDeviceToHost));
     const size_t bytes = static_cast<size_t>(header.total_recv) * H * 2;
     std::vector<char> pulled(bytes), pushed(bytes);
-    CLI_CUDA_CHECK(
+    BENCH_CUDA_CHECK(
         cudaMemcpy(pulled.data(), bench.received.pointer, bytes, cudaMemcpyDeviceToHost));
-    CLI_CUDA_CHECK(
+    BENCH_CUDA_CHECK(
         cudaMemcpy(pushed.data(), received_sym.local(rank), bytes, cudaMemcpyDeviceToHost));
     int32_t own[2] = {0, 0};
-    CLI_CUDA_CHECK(cudaMemcpy(own, view.recv_offsets + rank, sizeof(own), cudaMemcpyDeviceToHost));
+    BENCH_CUDA_CHECK(
+        cudaMemcpy(own, view.recv_offsets + rank, sizeof(own), cudaMemcpyDeviceToHost));
     const size_t own_begin = static_cast<size_t>(own[0]) * H * 2;
     const size_t own_end = static_cast<size_t>(own[1]) * H * 2;
     if (!std::equal(pulled.begin(), pulled.begin() + own_begin, pushed.begin()) ||
@@ -335,10 +341,11 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
   for (int32_t rank = 0; rank < R; ++rank) {
     BenchRank& bench = ranks[rank];
     std::vector<char> want(bench.layout.output_bytes), got(bench.layout.output_bytes);
-    CLI_CUDA_CHECK(cudaSetDevice(bench.device));
-    CLI_CUDA_CHECK(
+    BENCH_CUDA_CHECK(cudaSetDevice(bench.device));
+    BENCH_CUDA_CHECK(
         cudaMemcpy(want.data(), bench.schedule.pointer, want.size(), cudaMemcpyDeviceToHost));
-    CLI_CUDA_CHECK(cudaMemcpy(got.data(), bench.built.pointer, got.size(), cudaMemcpyDeviceToHost));
+    BENCH_CUDA_CHECK(
+        cudaMemcpy(got.data(), bench.built.pointer, got.size(), cudaMemcpyDeviceToHost));
     const Status same = compare_schedules(bench.layout, want.data(), got.data());
     if (!same.ok())
       throw Error(ErrorCode::kInternal, "comm-bench: rank " + std::to_string(rank) +
@@ -353,7 +360,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
     if (rank != 0) return;  // one group call launches every rank
     ncclGroupStart();
     for (int32_t r = 0; r < R; ++r) {
-      CLI_CUDA_CHECK(cudaSetDevice(ranks[r].device));
+      BENCH_CUDA_CHECK(cudaSetDevice(ranks[r].device));
       ncclComm_t comm = static_cast<ncclComm_t>(group[r]->nccl_handle());
       for (int32_t peer = 0; peer < R; ++peer) {
         if (peer == r) continue;
@@ -369,7 +376,7 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
       }
     }
     ncclGroupEnd();
-    CLI_CUDA_CHECK(cudaSetDevice(ranks[0].device));
+    BENCH_CUDA_CHECK(cudaSetDevice(ranks[0].device));
   });
   report("NCCL all-to-all (send/recv)", 0, 0, nccl_ms, bytes_in);
   for (BenchRank& bench : ranks) {
@@ -381,11 +388,11 @@ int run_comm_bench(const RunOptions& options, const mok::MoeShape& shape) {
 
 #else
 
-int run_comm_bench(const RunOptions&, const mok::MoeShape&) {
+int run_comm_bench(const MoeShape&, RoutingKind, uint64_t) {
   throw mok::Error(mok::ErrorCode::kUnsupported,
                    "comm-bench: this mok was built without NCCL (set MOK_NCCL_HOME and rebuild)");
 }
 
 #endif
 
-}  // namespace mok::cli
+}  // namespace mok
