@@ -14,6 +14,8 @@ Layers, by folder (an include path is spelled from include/ or src/):
   src/testing/           the fixtures: anything of the product, no tests or tools
   tools/                 front ends: public and fixture headers only (mok/, mok/testing/)
 Tests may include anything. No product file includes a fixture (mok/testing/, testing/).
+The single-GPU runtime also has no preprocessor conditional: its modes are chosen at run time,
+once (layer/token_exchange.h, layer/expert_engine.h), and the NCCL guard lives in the build.
 """
 import os
 import re
@@ -21,6 +23,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+CONDITIONAL = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif)\b")
+NO_CONDITIONALS = ("src/layer/",)
 SOURCES = (".h", ".cuh", ".cpp", ".cu")
 
 PUBLIC = ("mok/",)
@@ -83,6 +87,10 @@ def main():
                         if match and not allowed_include(path, match.group(1), allowed, forbidden):
                             violations.append(
                                 f'{path}:{number}: includes "{match.group(1)}"; {folder}: {why}')
+                        if path.startswith(NO_CONDITIONALS) and CONDITIONAL.match(line):
+                            violations.append(
+                                f"{path}:{number}: a preprocessor conditional; {folder}: the modes "
+                                "are chosen at run time, the NCCL guard lives in the build")
     for violation in violations:
         print(violation)
     print(f"check_layers: {checked} files, {len(violations)} violations")

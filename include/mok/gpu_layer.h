@@ -23,9 +23,6 @@
 
 namespace mok {
 
-struct EpRank;
-class EpLayer;
-
 // Names the intermediates a forward left in the layer's workspace (the routing schedule, the
 // gathered x rows, and bf16 g and u of every row), which a
 // backward of the same inputs can start from instead of recomputing them. Valid until the next
@@ -75,13 +72,17 @@ class GpuLayer {
   const MoeShape& shape() const;
   // Bytes of device memory the workspace holds.
   int64_t workspace_bytes() const;
+  // The diagnosis of a device wait of this layer that timed out (who waited for what), or ""
+  // when none did. synchronize() reports it; a launch that fails after such a timeout sees only
+  // the CUDA error of the aborted kernel, and this names its cause.
+  std::string timed_out_wait() const;
 
-  struct State;  // opaque: workspace, tensor maps, diagnosis record (src/gpu_layer_state.h)
+  struct State;  // opaque: workspace, exchange, engines (src/layer/gpu_layer_state.h)
+  // A layer over a state that mok built (the expert-parallel layer's ranks: EpLayer). State is
+  // opaque outside mok's runtime, so a user builds layers with the constructor above.
+  explicit GpuLayer(std::unique_ptr<State> state);
 
  private:
-  friend class EpLayer;
-  // Rank `rank` of an expert-parallel group whose buffers `ep` describes (EpLayer builds it).
-  GpuLayer(const MoeShape& shape, const MoeConfig& config, int32_t rank, EpRank* ep);
   std::unique_ptr<State> state_;
 };
 

@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/gemm/launch.h"
+#include "kernels/persistent/launch.h"
+#include "kernels/stages/launch.h"
 #include "layer/gpu_layer_state.h"
 #include "layer/tma.h"
 
@@ -60,22 +63,20 @@ kernels::TaskTraceArgs task_trace(const DeviceBuffer& buffer, int64_t capacity,
 }
 
 // The maps of one expert set's forward in the persistent kernel: as forward_experts builds them.
-kernels::ForwardSetMaps forward_set_maps(const GpuLayer::State& s, const ExpertSet& set,
-                                         const void* rows, int64_t rows_in_map, const void* w_gate,
-                                         const void* w_up, const void* w_down, void* out,
-                                         int64_t out_rows) {
+kernels::ForwardSetMaps forward_set_maps(const GpuLayer::State& s, const ExpertSetForward& f) {
+  const ExpertSet& set = *f.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::ForwardSetMaps maps{};
-  maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
-  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
-  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.x_rows = k_major_rows(f.rows, H, f.rows_in_map, "expert rows");
+  maps.w_gate = k_major_weights(f.weights.gate, H, I, E, 128, "w_gate");
+  maps.w_up = k_major_weights(f.weights.up, H, I, E, 128, "w_up");
   maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
-  maps.w_down = k_major_weights(w_down, I, H, E, 256, "w_down");
+  maps.w_down = k_major_weights(f.weights.down, I, H, E, 256, "w_down");
   maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
   maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
   maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
-  maps.y_out = output_rows(out, H, out_rows, "expert output rows");
+  maps.y_out = output_rows(f.out, H, f.out_rows, "expert output rows");
   return maps;
 }
 
@@ -93,15 +94,15 @@ void forward_set_params(const GpuLayer::State& s, const ExpertSet& set,
 // The persistent backward's maps and parameters of one expert set (backward_experts' forms),
 // its counters and pipeline left to the caller. router_weights null = weight 1 (the shared
 // expert).
-kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSet& set,
-                                      const void* rows, const void* d_out_rows, int64_t rows_in_map,
-                                      const void* w_gate, const void* w_up, const void* w_down,
-                                      const float* router_weights, float* d_router_weights,
-                                      float* const* d_router_weights_peers, int32_t pairs_per_rank,
-                                      void* dx_out, int64_t dx_rows, const WeightGrads& grads,
+kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetBackward& b,
                                       kernels::BackwardSetParams& params) {
+  const ExpertSet& set = *b.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
+  const void *rows = b.rows, *d_out_rows = b.d_out_rows;
+  const void *w_gate = b.weights.gate, *w_up = b.weights.up, *w_down = b.weights.down;
+  const int64_t rows_in_map = b.rows_in_map;
+  const WeightGrads& grads = b.grads;
   kernels::BackwardSetMaps maps{};
   maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
   maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
@@ -115,7 +116,7 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSet&
   maps.d_up = k_major_rows(set.d_up.pointer, I, R, "d_up");
   maps.w_gate_mn = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
   maps.w_up_mn = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
-  maps.dx_out = output_rows(dx_out, H, dx_rows, "dx rows");
+  maps.dx_out = output_rows(b.dx_out, H, b.dx_rows, "dx rows");
   maps.d_gate_mn = mn_major_rows(set.d_gate.pointer, I, R, "d_gate (MN-major)");
   maps.d_up_mn = mn_major_rows(set.d_up.pointer, I, R, "d_up (MN-major)");
   maps.d_out_mn = mn_major_rows(d_out_rows, H, rows_in_map, "d_out rows (MN-major)");
@@ -146,15 +147,15 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSet&
   swiglu.up = static_cast<const uint4*>(set.up.pointer);
   swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
   swiglu.row_pair = view.row_pair;
-  swiglu.router_weights = router_weights;
+  swiglu.router_weights = b.router.weights;
   swiglu.vectors_per_row = I / 8;
   swiglu.limit = s.shape.swiglu_limit;
   swiglu.d_gate = static_cast<uint4*>(set.d_gate.pointer);
   swiglu.d_up = static_cast<uint4*>(set.d_up.pointer);
   swiglu.weighted_hidden = static_cast<uint4*>(set.hidden.pointer);
-  swiglu.d_router_weights = d_router_weights;
-  swiglu.d_router_weights_peers = d_router_weights_peers;
-  swiglu.pairs_per_rank = pairs_per_rank;
+  swiglu.d_router_weights = b.router.grads;
+  swiglu.d_router_weights_peers = b.router.grad_peers;
+  swiglu.pairs_per_rank = b.router.pairs_per_rank;
   swiglu.row_begin = 0;
   return maps;
 }
@@ -169,21 +170,17 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
 
 namespace stages {
 
-// Forward of one expert set: h = swiglu(rows Wg^T, rows Wu^T) (keeping g and u, the forward
-// context), then y = h Wd^T. `rows` holds `rows_in_map` rows of width H; `out` [out_rows, H]
-// receives y in schedule order (the map clips rows past out_rows: the shared expert's output
-// has exactly T rows).
-void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                     int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                     void* out, int64_t out_rows, const kernels::FusedGather& gather,
-                     cudaStream_t stream, const StageMarker& mark,
-                     const kernels::MacrobatchParams& macrobatch) {
+// Forward of one expert set (gpu_layer_state.h).
+void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
+                     const kernels::FusedGather& gather, cudaStream_t stream,
+                     const StageMarker& mark, const kernels::MacrobatchParams& macrobatch) {
+  const ExpertSet& set = *f.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::ExpertGemmMaps maps{};
-  maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
-  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
-  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.a0 = maps.a1 = k_major_rows(f.rows, H, f.rows_in_map, "expert rows");
+  maps.b0 = k_major_weights(f.weights.gate, H, I, E, 128, "w_gate");
+  maps.b1 = k_major_weights(f.weights.up, H, I, E, 128, "w_up");
   maps.out = output_rows(set.hidden.pointer, I, R, "hidden");
   maps.out2 = output_rows(set.gate.pointer, I, R, "gate (forward context)");
   maps.out3 = output_rows(set.up.pointer, I, R, "up (forward context)");
@@ -201,8 +198,8 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
   }
 
   maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
-  maps.b0 = maps.b1 = k_major_weights(w_down, I, H, E, 256, "w_down");
-  maps.out = output_rows(out, H, out_rows, "expert output rows");
+  maps.b0 = maps.b1 = k_major_weights(f.weights.down, I, H, E, 256, "w_down");
+  maps.out = output_rows(f.out, H, f.out_rows, "expert output rows");
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
   params.gather = kernels::FusedGather{};
@@ -214,33 +211,28 @@ void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void*
 // The routed experts' forward as one persistent kernel (forward_gemms.cu): the same GEMMs and
 // epilogues as forward_experts, with the fused local dispatch when `gather.x` is set, and the
 // shared expert's tiles (the same as forward_experts on s.shared) when `shared` is set.
-void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                                int64_t rows_in_map, const void* w_gate, const void* w_up,
-                                const void* w_down, void* out, int64_t out_rows,
-                                const kernels::FusedGather& gather, cudaStream_t stream,
-                                const StageMarker& mark,
-                                const kernels::MacrobatchParams& macrobatch,
-                                const SharedExpertForward* shared) {
+void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward& routed,
+                                const ExpertSetForward* shared, const kernels::FusedGather& gather,
+                                const kernels::MacrobatchParams& macrobatch, cudaStream_t stream,
+                                const StageMarker& mark) {
   kernels::ForwardGemmsMaps maps{};
-  maps.routed = forward_set_maps(s, set, rows, rows_in_map, w_gate, w_up, w_down, out, out_rows);
+  maps.routed = forward_set_maps(s, routed);
   kernels::ForwardGemmsParams params{};
-  forward_set_params(s, set, params.gate_up, params.down);
+  forward_set_params(s, *routed.set, params.gate_up, params.down);
   params.gate_up.gather = gather;
   params.gate_up.macrobatch = macrobatch;
   params.down.macrobatch = macrobatch;
   params.down.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
   params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
-  unsigned long long* counters = s.persistent_state.as<unsigned long long>();
-  params.ticket = counters;
-  params.epoch = counters + 1;
-  params.gate_up_done = counters + 2;
-  if (shared != nullptr && s.shape.num_tokens > 0) {
-    const int64_t T = s.shape.num_tokens;
-    maps.shared = forward_set_maps(s, s.shared, shared->x, T, shared->w_gate, shared->w_up,
-                                   shared->w_down, shared->out, T);
-    forward_set_params(s, s.shared, params.shared_gate_up, params.shared_down);
-    params.shared_m_tiles = static_cast<int32_t>((T + kDefaultRowAlign - 1) / kDefaultRowAlign);
-    params.shared_gate_up_done = counters + 2 + s.routed.layout.params.max_tiles();
+  const kernels::ForwardCounterLayout& counters = s.forward_counters;
+  params.ticket = s.counter(s.persistent_state, counters.ticket());
+  params.epoch = s.counter(s.persistent_state, counters.epoch());
+  params.gate_up_done = s.counter(s.persistent_state, counters.gate_up_done());
+  if (shared != nullptr) {
+    maps.shared = forward_set_maps(s, *shared);
+    forward_set_params(s, *shared->set, params.shared_gate_up, params.shared_down);
+    params.shared_m_tiles = static_cast<int32_t>(counters.shared_tiles);
+    params.shared_gate_up_done = s.counter(s.persistent_state, counters.shared_gate_up_done());
   }
   params.trace = task_trace(s.forward_trace, s.forward_trace_capacity, stream);
   cuda_check(kernels::launch_forward_gemms(maps, params, s.sm_count, stream),
@@ -256,19 +248,16 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, 
                                   : "gate/up + down (persistent)"));
 }
 
-// Backward of one expert set: recompute g, u (unless the forward context holds them); dgrad of down
-// with SwiGLU backward (d_g, d_u, h_w, d_router_weights of routed pairs); dx rows in schedule
-// order into dx_out [dx_rows, H]; the three weight gradients. router_weights null = weight 1
-// (the shared expert).
-void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                      const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
-                      const void* w_up, const void* w_down, const float* router_weights,
-                      float* d_router_weights, float* const* d_router_weights_peers,
-                      int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
-                      const WeightGrads& grads, bool recompute, cudaStream_t stream,
-                      const StageMarker& mark, int32_t macrobatch_index) {
+// Backward of one expert set (gpu_layer_state.h).
+void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool recompute,
+                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index) {
+  const ExpertSet& set = *b.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
+  const void *rows = b.rows, *d_out_rows = b.d_out_rows;
+  const void *w_gate = b.weights.gate, *w_up = b.weights.up, *w_down = b.weights.down;
+  const int64_t rows_in_map = b.rows_in_map;
+  const WeightGrads& grads = b.grads;
   auto macrobatch = [&](int matrix) {
     return macrobatch_index < 0 ? kernels::MacrobatchParams{}
                                 : s.macrobatch(macrobatch_index, matrix);
@@ -301,9 +290,9 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   const int64_t window_rows = params.macrobatch.rows > 0 ? params.macrobatch.rows : INT64_MAX;
   cuda_check(kernels::launch_swiglu_backward(
                  view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
-                 view.row_pair, router_weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
-                 set.d_up.pointer, set.hidden.pointer, d_router_weights, d_router_weights_peers,
-                 pairs_per_rank, stream, window_begin, window_rows),
+                 view.row_pair, b.router.weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
+                 set.d_up.pointer, set.hidden.pointer, b.router.grads, b.router.grad_peers,
+                 b.router.pairs_per_rank, stream, window_begin, window_rows),
              "SwiGLU backward launch");
   mark("SwiGLU backward + router weight gradient");
 
@@ -313,7 +302,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
   maps.b1 = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
-  maps.out = output_rows(dx_out, H, dx_rows, "dx rows");
+  maps.out = output_rows(b.dx_out, H, b.dx_rows, "dx rows");
   kernels::ExpertGemmParams dx_params = params;
   dx_params.macrobatch.out_row_base = 0;  // dx rows are full size, in schedule rows
   launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, dx_params, stream,
@@ -347,48 +336,37 @@ void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void
 // The routed experts' backward as one persistent kernel (backward_gemms.cu): the same GEMM
 // forms, epilogues and SwiGLU backward as backward_experts, one macrobatch; with `shared`, the
 // shared expert's backward (backward_experts on s.shared) in the same launch.
-void backward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                                 const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
-                                 const void* w_up, const void* w_down, const float* router_weights,
-                                 float* d_router_weights, float* const* d_router_weights_peers,
-                                 int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
-                                 const WeightGrads& grads, bool recompute,
+void backward_experts_persistent(const GpuLayer::State& s, const ExpertSetBackward& routed,
+                                 const ExpertSetBackward* shared, bool recompute,
                                  const kernels::FusedGather& d_out_gather,
                                  const kernels::FusedGather& x_gather, cudaStream_t stream,
-                                 const StageMarker& mark, const SharedExpertBackward* shared) {
-  const int64_t max_tiles = set.layout.params.max_tiles(), E = set.num_experts;
-  unsigned long long* counters = s.persistent_backward_state.as<unsigned long long>();
+                                 const StageMarker& mark) {
+  const kernels::BackwardCounterLayout& counters = s.backward_counters;
+  auto counter = [&](int64_t offset) { return s.counter(s.persistent_backward_state, offset); };
   kernels::BackwardGemmsMaps maps{};
   kernels::BackwardGemmsParams params{};
   params.num_sets = 1;
-  params.ticket = counters;
-  params.epoch = counters + 1;
-  kernels::BackwardSetParams& routed = params.sets[0];
-  maps.sets[0] = backward_set(s, set, rows, d_out_rows, rows_in_map, w_gate, w_up, w_down,
-                              router_weights, d_router_weights, d_router_weights_peers,
-                              pairs_per_rank, dx_out, dx_rows, grads, routed);
-  routed.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
-  routed.recompute_rows = recompute ? 1 : 0;
-  routed.d_out_gather = d_out_gather;
-  routed.x_gather = x_gather;
-  routed.row_gemms_done = counters + 2;
-  routed.swiglu_done = counters + 2 + max_tiles;
-  routed.expert_ready = counters + 2 + 2 * max_tiles;
-  if (shared != nullptr && s.shape.num_tokens > 0) {
+  params.ticket = counter(counters.ticket());
+  params.epoch = counter(counters.epoch());
+  kernels::BackwardSetParams& routed_set = params.sets[0];
+  maps.sets[0] = backward_set(s, routed, routed_set);
+  routed_set.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
+  routed_set.recompute_rows = recompute ? 1 : 0;
+  routed_set.d_out_gather = d_out_gather;
+  routed_set.x_gather = x_gather;
+  routed_set.row_gemms_done = counter(counters.row_gemms_done());
+  routed_set.swiglu_done = counter(counters.swiglu_done());
+  routed_set.expert_ready = counter(counters.expert_ready());
+  if (shared != nullptr) {
     // The shared expert: every token is a row (its own fixed schedule), one expert, one
-    // minibatch; its counters follow the routed set's and the fused gathers'.
-    const int64_t T = s.shape.num_tokens,
-                  shared_tiles = (T + kDefaultRowAlign - 1) / kDefaultRowAlign;
+    // minibatch.
     kernels::BackwardSetParams& shared_set = params.sets[1];
-    maps.sets[1] = backward_set(s, s.shared, shared->x, shared->d_out, T, shared->w_gate,
-                                shared->w_up, shared->w_down, nullptr, nullptr, nullptr, 0,
-                                shared->dx_out, T, shared->grads, shared_set);
-    shared_set.minibatch_tiles = static_cast<int32_t>(shared_tiles);
+    maps.sets[1] = backward_set(s, *shared, shared_set);
+    shared_set.minibatch_tiles = static_cast<int32_t>(counters.shared_tiles);
     shared_set.recompute_rows = recompute ? 1 : 0;
-    unsigned long long* shared_counters = counters + 2 + 2 * max_tiles + E + 2 * (2 + max_tiles);
-    shared_set.row_gemms_done = shared_counters;
-    shared_set.swiglu_done = shared_counters + shared_tiles;
-    shared_set.expert_ready = shared_counters + 2 * shared_tiles;
+    shared_set.row_gemms_done = counter(counters.shared_row_gemms_done());
+    shared_set.swiglu_done = counter(counters.shared_swiglu_done());
+    shared_set.expert_ready = counter(counters.shared_expert_ready());
     params.num_sets = 2;
   }
   params.trace = task_trace(s.backward_trace, s.backward_trace_capacity, stream);

@@ -1,16 +1,19 @@
-// The GPU layer's internal state and its expert stages, shared by gpu_layer.cpp (the
-// single-GPU sequence and the API), expert_stages.cpp (the GEMM launches of one expert set)
-// and ep_layer.cpp (the expert-parallel group). Not a public header.
+// The GPU layer's internal state and its expert stages, shared by gpu_layer.cpp (the API and
+// the layer's pipeline), layer_state.cpp (the workspace), expert_stages.cpp (the GEMM launches
+// of one expert set), expert_engine.cpp (how they run: kernel sequences or persistent kernels)
+// and the token exchanges (local_exchange.cpp; the expert-parallel one in src/comm/). Not a
+// public header.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
-#include "kernels/gemm/launch.h"
-#include "kernels/persistent/launch.h"
-#include "kernels/stages/launch.h"
+#include "kernels/common/counter_layouts.h"
+#include "kernels/common/wait_types.h"
+#include "kernels/gemm/expert_gemm_params.h"
 #include "layer/cuda_buffer.h"
 #include "mok/gpu_layer.h"
 #include "mok/layer_args.h"
@@ -22,7 +25,11 @@ inline int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
-struct EpRank;  // one rank's share of an expert-parallel group (ep_layer.cpp)
+class TokenExchange;   // layer/token_exchange.h
+class ForwardEngine;   // layer/expert_engine.h
+class BackwardEngine;  // layer/expert_engine.h
+
+using StageMarker = std::function<void(const char*)>;
 
 // One set of experts that runs through the GEMM kernels: the routed experts (schedule built on
 // every call) or the shared expert (a fixed one-expert schedule over the rank's tokens).
@@ -54,10 +61,12 @@ struct GpuLayer::State {
   MoeConfig config;
   int device = 0;
   int sm_count = 0;
+  int32_t rank = 0;  // in the expert-parallel group (0 of 1 on its own)
   ExpertSet routed, shared;
-  // The macrobatch ring (kernels/macrobatch.h): the routed rows, g, u, h, d_out rows, d_g and d_u
-  // of one macrobatch of ring_rows schedule rows at a time (routed.capacity_rows = ring_rows);
-  // with ring_rows = max_rows (MoeConfig::macrobatch_size >= max_rows) one macrobatch is all.
+  // The macrobatch ring (kernels/common/macrobatch.h): the routed rows, g, u, h, d_out rows, d_g
+  // and d_u of one macrobatch of ring_rows schedule rows at a time (routed.capacity_rows =
+  // ring_rows); with ring_rows = max_rows (MoeConfig::macrobatch_size >= max_rows) one
+  // macrobatch is all.
   int64_t ring_rows = 0;
   int32_t num_macrobatches = 1;  // launched by the host: ceil(max_rows / ring_rows)
   // Weight-gradient accumulators across macrobatch boundaries: 3 matrices x 2 slots x
@@ -68,36 +77,39 @@ struct GpuLayer::State {
   DeviceBuffer d_out_rows;  // [ring_rows, H]: routed d_out rows (backward)
   DeviceBuffer expert_out;  // [max_rows, H]: expert output rows / backward dx rows, schedule order
   DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
-  // The fused local dispatch's counters (dispatch_local.cuh): [0] ticket, [1] epoch,
-  // [2 .. 2 + max_tiles) per-tile row counts; zeroed once, never reset (epochs).
-  DeviceBuffer gather_state;
-  // The persistent forward's counters (forward_gemms.cu): [0] ticket, [1] epoch,
-  // [2 .. 2 + max_tiles) gate/up tiles done per row tile; zeroed once, never reset (epochs).
-  DeviceBuffer persistent_state;
-  // The persistent backward's counters (backward_gemms.cu): [0] ticket, [1] epoch, then per row
-  // tile the GEMM tiles done and the SwiGLU task done, then per expert the SwiGLU tasks done,
-  // then the d_out and the x gathers' (ticket, epoch, per row tile); zeroed once, never reset
-  // (epochs).
-  DeviceBuffer persistent_backward_state;
+  // Counter buffers, zeroed once and never reset (epochs); their layouts are
+  // kernels/common/counter_layouts.h: the fused local dispatch's (gather_counters), the
+  // persistent forward's (forward_counters) and, with MoeConfig::persistent_backward, the
+  // persistent backward's (backward_counters).
+  DeviceBuffer gather_state, persistent_state, persistent_backward_state;
+  kernels::GatherCounterLayout gather_counters;
+  kernels::ForwardCounterLayout forward_counters;
+  kernels::BackwardCounterLayout backward_counters;
   // The task traces of the latest persistent forward and backward launch (MoeConfig::trace_tasks;
   // TaskTraceEvent by ticket, room for the most tickets a launch can have; 0xff bytes = empty).
   DeviceBuffer forward_trace, backward_trace;
   int64_t forward_trace_capacity = 0, backward_trace_capacity = 0;
   // MoeConfig::check_finite: the first non-finite input found since the last synchronize
-  // (kernels/non_finite_scan.h; kNoNonFinite when none). Allocated only with check_finite.
+  // (kernels/stages/non_finite_scan.h; kNoNonFinite when none). Allocated only with check_finite.
   DeviceBuffer non_finite_record;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds
-  int32_t rank = 0;         // in the expert-parallel group (0 of 1 on its own)
-  EpRank* ep = nullptr;     // the group's buffers when num_ranks > 1 (owned by the EpLayer)
 
-  ~State() {
-    if (diagnosis != nullptr) cudaFreeHost(diagnosis);
-  }
+  // How tokens arrive and leave (local, or a rank of an expert-parallel group) and how each
+  // direction's expert GEMMs run: chosen once, when the layer is built (GpuLayer's constructor).
+  std::unique_ptr<TokenExchange> exchange;
+  std::unique_ptr<ForwardEngine> forward_engine;
+  std::unique_ptr<BackwardEngine> backward_engine;
+
+  State();
+  ~State();
 
   kernels::WaitContext wait_context() const {
     return {static_cast<uint64_t>(config.wait_timeout_s * 1e9), rank, diagnosis_device};
+  }
+  unsigned long long* counter(const DeviceBuffer& buffer, int64_t offset) const {
+    return buffer.as<unsigned long long>() + offset;
   }
 
   // Macrobatch m of the routed experts: its tiles, its ring base; `matrix` (0 gate, 1 up,
@@ -118,110 +130,90 @@ struct GpuLayer::State {
   }
 };
 
-using StageMarker = std::function<void(const char*)>;
+// The workspace of one layer (rank `rank` of shape.num_ranks), every buffer allocated and every
+// counter zeroed; its exchange and engines still unset (layer_state.cpp).
+std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const MoeConfig& config,
+                                                  int32_t rank);
+
+// ---- The expert stages (expert_stages.cpp) -----------------------------------------------------
+
+struct ExpertWeights {
+  const void* gate = nullptr;  // [E, I, H]
+  const void* up = nullptr;    // [E, I, H]
+  const void* down = nullptr;  // [E, H, I]
+};
 
 struct WeightGrads {
-  void* d_w_gate;
-  void* d_w_up;
-  void* d_w_down;
+  void* d_w_gate = nullptr;
+  void* d_w_up = nullptr;
+  void* d_w_down = nullptr;
+};
+
+// What one expert set's forward reads and writes besides its own buffers: `rows` holds
+// `rows_in_map` rows of width H (the routed set: a macrobatch's ring of gathered rows; the
+// shared expert: x itself), `out` [out_rows, H] receives y in schedule order (the map clips rows
+// past out_rows: the shared expert's output has exactly T rows).
+struct ExpertSetForward {
+  const ExpertSet* set = nullptr;
+  const void* rows = nullptr;
+  int64_t rows_in_map = 0;
+  ExpertWeights weights;
+  void* out = nullptr;
+  int64_t out_rows = 0;
+};
+
+// The router weights the SwiGLU backward reads and where each pair's gradient goes: this
+// rank's d_router_weights, or (expert parallel) the source rank's buffer of pairs_per_rank
+// pairs. All null for the shared expert (weight 1, no gradient).
+struct RouterWeightRoute {
+  const float* weights = nullptr;
+  float* grads = nullptr;
+  float* const* grad_peers = nullptr;
+  int32_t pairs_per_rank = 0;
+};
+
+// One expert set's backward: its rows and d_out rows (as ExpertSetForward's rows), its router
+// weights, the dx rows [dx_rows, H] out in schedule order, its weight gradients out.
+struct ExpertSetBackward {
+  const ExpertSet* set = nullptr;
+  const void* rows = nullptr;
+  const void* d_out_rows = nullptr;
+  int64_t rows_in_map = 0;
+  ExpertWeights weights;
+  RouterWeightRoute router;
+  void* dx_out = nullptr;
+  int64_t dx_rows = 0;
+  WeightGrads grads;
 };
 
 namespace stages {
 
-// Forward of one expert set (expert_stages.cpp): h = swiglu(rows Wg^T, rows Wu^T) (keeping g
-// and u, the forward context), then y = h Wd^T in schedule order into `out` [out_rows, H].
+// h = swiglu(rows Wg^T, rows Wu^T) (keeping g and u, the forward context), then y = h Wd^T.
 // `macrobatch` (the routed experts' State::macrobatch(m); default: all rows) picks the tiles;
-// `rows` and the set's buffers then hold that macrobatch's rows, `out` stays full size.
-void forward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                     int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-                     void* out, int64_t out_rows, const kernels::FusedGather& gather,
-                     cudaStream_t stream, const StageMarker& mark,
-                     const kernels::MacrobatchParams& macrobatch = {});
-// The shared expert's forward inputs and output, for a persistent launch that carries its tiles.
-struct SharedExpertForward {
-  const void* x = nullptr;  // [T, H]: its rows are the tokens themselves
-  const void* w_gate = nullptr;
-  const void* w_up = nullptr;
-  const void* w_down = nullptr;
-  void* out = nullptr;  // [T, H]
-};
-// The shared expert's backward inputs and outputs, for a persistent backward launch that
-// carries its tasks.
-struct SharedExpertBackward {
-  const void* x = nullptr;      // [T, H]
-  const void* d_out = nullptr;  // [T, H]
-  const void* w_gate = nullptr;
-  const void* w_up = nullptr;
-  const void* w_down = nullptr;
-  void* dx_out = nullptr;  // [T, H]: its dx rows, for the d_x combine
-  WeightGrads grads{};
-};
-// The same as one persistent kernel (MoeConfig::persistent_forward), one launch per macrobatch;
-// with `shared`, the launch also runs the shared expert's tiles (s.shared) after the routed ones.
-void forward_experts_persistent(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                                int64_t rows_in_map, const void* w_gate, const void* w_up,
-                                const void* w_down, void* out, int64_t out_rows,
-                                const kernels::FusedGather& gather, cudaStream_t stream,
-                                const StageMarker& mark,
-                                const kernels::MacrobatchParams& macrobatch,
-                                const SharedExpertForward* shared = nullptr);
-// Backward of one expert set; see expert_stages.cpp. `d_router_weights_peers` (optional, with
-// pairs_per_rank): the SwiGLU backward writes each pair's router-weight gradient to its source
-// rank's buffer instead of d_router_weights.
+// the rows and the set's buffers then hold that macrobatch's rows, `out` stays full size.
+void forward_experts(const GpuLayer::State& s, const ExpertSetForward& set,
+                     const kernels::FusedGather& gather, cudaStream_t stream,
+                     const StageMarker& mark, const kernels::MacrobatchParams& macrobatch = {});
+// The same as one persistent kernel (MoeConfig::persistent_forward), one launch per
+// macrobatch; with `shared`, the launch also runs the shared expert's tiles after the routed.
+void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward& routed,
+                                const ExpertSetForward* shared, const kernels::FusedGather& gather,
+                                const kernels::MacrobatchParams& macrobatch, cudaStream_t stream,
+                                const StageMarker& mark);
+// Recompute g, u (with `recompute`), dgrad of down with the SwiGLU backward (d_g, d_u, h_w,
+// the routed pairs' d_router_weights), the dx rows, the three weight gradients.
 // `macrobatch_index` < 0: one pass over all rows; else macrobatch m of the routed experts (the
 // weight gradients continue across macrobatches through the partial slots).
-void backward_experts(const GpuLayer::State& s, const ExpertSet& set, const void* rows,
-                      const void* d_out_rows, int64_t rows_in_map, const void* w_gate,
-                      const void* w_up, const void* w_down, const float* router_weights,
-                      float* d_router_weights, float* const* d_router_weights_peers,
-                      int32_t pairs_per_rank, void* dx_out, int64_t dx_rows,
-                      const WeightGrads& grads, bool recompute, cudaStream_t stream,
-                      const StageMarker& mark, int32_t macrobatch_index = -1);
+void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& set, bool recompute,
+                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index = -1);
 // The same as one persistent kernel (MoeConfig::persistent_backward; one macrobatch): the rows
-// and d_out rows are gathered inside it by the gathers whose `x` is set, else before it; the
-// d_x combine runs after it.
-void backward_experts_persistent(
-    const GpuLayer::State& s, const ExpertSet& set, const void* rows, const void* d_out_rows,
-    int64_t rows_in_map, const void* w_gate, const void* w_up, const void* w_down,
-    const float* router_weights, float* d_router_weights, float* const* d_router_weights_peers,
-    int32_t pairs_per_rank, void* dx_out, int64_t dx_rows, const WeightGrads& grads, bool recompute,
-    const kernels::FusedGather& d_out_gather, const kernels::FusedGather& x_gather,
-    cudaStream_t stream, const StageMarker& mark, const SharedExpertBackward* shared = nullptr);
+// and d_out rows are gathered inside it by the gathers whose `x` is set, else before it; with
+// `shared`, the shared expert's backward runs in the same launch. The d_x combine runs after it.
+void backward_experts_persistent(const GpuLayer::State& s, const ExpertSetBackward& routed,
+                                 const ExpertSetBackward* shared, bool recompute,
+                                 const kernels::FusedGather& d_out_gather,
+                                 const kernels::FusedGather& x_gather, cudaStream_t stream,
+                                 const StageMarker& mark);
 
 }  // namespace stages
-
-// The expert-parallel steps of the layer (ep_layer.cpp), called by run_forward / run_backward
-// when s.ep is set. Every rank of the group must run the same sequence of layer calls: the
-// steps signal and wait for every other rank.
-namespace ep {
-
-// All-gathers the routing and router weights, builds this rank's schedule, and brings every
-// rank's routed x rows here (one NVLink crossing per (token, rank)): pulled from the published
-// inputs, or pushed by their ranks (MoeConfig::ep_push_dispatch).
-void dispatch_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
-                      const StageMarker& mark);
-// Expands the received x rows (d_out rows with `d_out`) of schedule rows [row_begin, row_begin +
-// row_count) into `rows` (a macrobatch's ring buffer; the whole schedule with one macrobatch);
-// this rank's own rows come from `local_source` (its x or d_out), which no dispatch copies.
-void expand_received(GpuLayer::State& s, bool d_out, const void* local_source, void* rows,
-                     int64_t row_begin, int64_t row_count, cudaStream_t stream);
-// Zeroes this rank's router-weight gradients, exchanges the routing again without a context
-// (else a plain barrier), and brings the d_out rows here (and the x rows without a context;
-// with one, the forward's received x rows are kept).
-void dispatch_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
-                       cudaStream_t stream, const StageMarker& mark);
-// Pushes s.expert_out's rows into their source ranks' slots and waits for every rank's pushes.
-void push_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark, const char* name);
-// The fixed-order sum of this rank's slots (weights null = 1) with the shared expert's rows.
-void combine_slots(GpuLayer::State& s, const TensorView& top_experts, const void* shared,
-                   const float* weights, void* out, cudaStream_t stream);
-// The router weights of every rank's pairs [R*T*K] (gathered by the forward's exchange).
-const float* gathered_router_weights(const GpuLayer::State& s);
-// Each rank's router-weight gradient buffer [T*K] (symmetric), for the SwiGLU backward.
-float* const* router_weight_grad_peers(const GpuLayer::State& s);
-// Copies this rank's gathered router-weight gradients into the caller's tensor.
-void copy_router_weight_grads(GpuLayer::State& s, const TensorView& d_router_weights,
-                              cudaStream_t stream);
-
-}  // namespace ep
 }  // namespace mok
