@@ -24,8 +24,8 @@ namespace mok {
 // The rows of one macrobatch the backward's GEMMs read: gathered into the ring before them, or
 // gathered inside the persistent backward by the gathers whose `x` is set.
 struct BackwardRows {
-  kernels::FusedGather d_out;
-  kernels::FusedGather x;
+  kernels::FusedGather d_out{};  // x null: nothing to gather in the kernel
+  kernels::FusedGather x{};
 };
 
 class TokenExchange {
