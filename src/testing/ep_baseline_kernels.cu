@@ -1,4 +1,4 @@
-// Kernels of the expert-parallel baseline (src/comm/ep_baseline.cpp): what a user's all-to-all
+// Kernels of the expert-parallel baseline (src/testing/ep_baseline.cpp): what a user's all-to-all
 // MoE layer runs around NCCL — bucketing (token, k) pairs by destination rank, gathering rows
 // and routing metadata into send order, and scattering results back by pair.
 //
