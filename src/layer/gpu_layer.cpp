@@ -13,10 +13,7 @@
 //   exchange.combine -> out                   exchange.combine -> d_x, exchange.finish_backward
 #include "mok/gpu_layer.h"
 
-#include <cuda.h>
-
 #include <algorithm>
-#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
