@@ -18,6 +18,7 @@
 
 #include "layer/expert_engine.h"
 #include "layer/gpu_layer_state.h"
+#include "layer/task_trace_capacity.h"
 #include "layer/token_exchange.h"
 #include "mok/schedule.h"
 
@@ -87,17 +88,13 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
            "persistent backward counters");
 
   if (config.trace_tasks) {
-    // The most tickets a launch can have: every tile of the worst-case schedule.
-    const int64_t max_tiles = params.max_tiles(), E_loc = shape.num_local_experts();
-    const int64_t gate_up_n = (I + 127) / 128, down_n = (H + 255) / 256, inter_n = (I + 255) / 256;
-    s.forward_trace_capacity = max_tiles * (gate_up_n + down_n) +
-                               shared_tiles * ((shape.shared_intermediate + 127) / 128 + down_n);
-    s.backward_trace_capacity = max_tiles * (2 + gate_up_n + inter_n + down_n) +
-                                E_loc * (2 * gate_up_n * down_n + ((H + 127) / 128) * inter_n) +
-                                shared_tiles * (2 + (shape.shared_intermediate + 127) / 128 +
-                                                (shape.shared_intermediate + 255) / 256 + down_n) +
-                                2 * ((shape.shared_intermediate + 127) / 128) * down_n +
-                                ((H + 127) / 128) * ((shape.shared_intermediate + 255) / 256);
+    // Events are indexed by ticket: one per ticket of the worst-case schedule.
+    const int32_t minibatch_tiles = static_cast<int32_t>(config.minibatch_size / 128);
+    s.forward_trace_capacity = forward_trace_capacity(params.max_tiles(), minibatch_tiles, I, H,
+                                                      shared_tiles, shape.shared_intermediate);
+    s.backward_trace_capacity =
+        backward_trace_capacity(params.max_tiles(), minibatch_tiles, I, H,
+                                shape.num_local_experts(), shared_tiles, shape.shared_intermediate);
     s.forward_trace.allocate(s.forward_trace_capacity * sizeof(TaskTraceEvent),
                              "persistent forward task trace");
     s.backward_trace.allocate(s.backward_trace_capacity * sizeof(TaskTraceEvent),

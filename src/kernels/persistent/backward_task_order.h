@@ -75,6 +75,30 @@ struct BackwardPlan {
                                   // [expert_tiles[e], expert_tiles[e + 1]) (expert_offsets / 128)
 };
 
+// The plan of one expert set over num_m_tiles row tiles of I = `intermediate`, H = `hidden`, E_loc
+// = num_experts (expert_tiles as above; recompute: no forward context). The kernel and the host
+// (the task trace's capacity) build it here.
+MOK_HOST_DEVICE inline BackwardPlan backward_plan(int32_t num_m_tiles, int32_t minibatch_tiles,
+                                                  bool recompute, int64_t intermediate,
+                                                  int64_t hidden, int32_t num_experts,
+                                                  const int32_t* expert_tiles) {
+  BackwardPlan plan;
+  plan.num_m_tiles = num_m_tiles;
+  plan.minibatch_tiles = minibatch_tiles;
+  plan.recompute = recompute ? 1 : 0;
+  plan.gate_up_n_tiles = tiles_over(intermediate, kOrderGateUpColumns);
+  plan.down_dgrad_n_tiles = tiles_over(intermediate, kOrderTileColumns);
+  plan.gate_up_dgrad_n_tiles = tiles_over(hidden, kOrderTileColumns);
+  plan.gate_wgrad_tiles =
+      tiles_over(intermediate, kOrderTileRows) * tiles_over(hidden, kOrderTileColumns);
+  plan.down_wgrad_tiles =
+      tiles_over(hidden, kOrderTileRows) * tiles_over(intermediate, kOrderTileColumns);
+  plan.num_experts = num_experts;
+  plan.combine_blocks = 0;
+  plan.expert_tiles = expert_tiles;
+  return plan;
+}
+
 struct BackwardTask {
   BackwardTaskKind kind;
   int32_t set;        // 0 the routed experts, 1 the shared expert (BackwardPlans)

@@ -5,29 +5,24 @@
 // macrobatch 0, the last): the same GEMM forms on its own maps and fixed schedule.
 //
 // Grid: persistent, one 384-thread CTA per SM (or fewer resident: see Progress).
-// Warp roles (the mainloop and epilogues are the expert GEMM's, gemm_mainloop.cuh and
+// Warp roles (each task kind's dependency, loads and compute are its struct in
+// forward_tasks.cuh; the mainloop and epilogues are the expert GEMM's, gemm_mainloop.cuh and
 // epilogue.cuh):
 //   warpgroup 0, thread 0  the scheduler and TMA thread. Per task: takes the next ticket from
 //                the global counter (before issuing the current task's loads, so the atomic's
 //                latency hides behind them), maps it to a task (task_at with a cursor: this
-//                CTA's tickets only grow), waits for the task's
-//                dependency (a down tile: all gate/up tiles of its row tile, routed or shared;
-//                a routed gate/up tile with the fused local dispatch: its rows gathered),
-//                publishes the task in a
-//                4-slot shared-memory queue (task_queue.cuh), then issues the
-//                task's K-block loads into the 3-stage ring. After the last ticket it publishes
-//                a stop task.
+//                CTA's tickets only grow), waits for the task's dependency (its kind's
+//                wait_for_inputs), publishes the task in a 4-slot shared-memory queue
+//                (task_queue.cuh), then issues the kind's K-block loads into the 3-stage ring.
+//                After the last ticket it publishes a stop task.
 //   warpgroup 0, warps 1-3 the fused local dispatch's gatherers when it is on
 //                (dispatch_local.cuh), as in the standalone gate/up GEMM.
-//   warpgroups 1, 2        consumers: read the task from the queue, run the mainloop, and the
-//                form's staging-tile epilogue: gate/up stores g, u and h; down stores the
-//                expert output rows. After a gate/up tile, the first consumer thread (the
-//                issuer of its TMA stores) waits for them to complete, fences the async proxy
-//                and release-adds the row tile's (shared_)gate_up_done counter. (Deferring that
-//                wait until the next tile's stores were issued measured no faster: docs/perf.md.)
-// Ordering of h: the TMA stores complete (cp.async.bulk.wait_group 0) -> fence.proxy.async ->
-// red.release.gpu on the counter -> the scheduler's ld.acquire.gpu -> fence.proxy.async.global
-// -> its TMA loads of h.
+//   warpgroups 1, 2        consumers: read the task from the queue and run its kind's run:
+//                the mainloop and the form's staging-tile epilogue (gate/up stores g, u and h
+//                and signals its row tile's counter; down stores the expert output rows).
+//                (Deferring a gate/up tile's signal until the next tile's stores were issued
+//                measured no faster: docs/perf.md.)
+// Dependencies and the ordering of h: forward_tasks.cuh.
 // Progress: a ticket is taken only by a running scheduler, and a task waits only on tasks with
 // smaller tickets, whose loads were all issued before their scheduler took its next ticket; so
 // the kernel finishes with any number of resident CTAs (e.g. while another stream holds SMs).
@@ -36,9 +31,8 @@
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_preload.h"
-#include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/expert_gemm_params.h"
-#include "kernels/gemm/gemm_mainloop.cuh"
+#include "kernels/persistent/forward_tasks.cuh"
 #include "kernels/persistent/launch.h"
 #include "kernels/persistent/task_order.h"
 #include "kernels/persistent/task_queue.cuh"
@@ -49,50 +43,11 @@ namespace mok::kernels {
 
 namespace {
 
-// A task as the consumers need it: kind (TaskKind, or kStopTask), row tile, column tile.
-struct QueuedTask {
-  int32_t kind;
-  int32_t m_tile;
-  int32_t n_tile;
-  int32_t ticket;  // for the task trace
-};
+using QueuedTask = ForwardQueuedTask;
+using Storage = ForwardStorage;
 
-using Storage = GemmSharedStorage<kNumStages>;
-
-// Run by the thread that issued a gate/up tile's TMA stores: once they are complete, h of the
-// tile is in global memory and the row tile's down tiles may load it.
-__device__ __forceinline__ void signal_gate_up_done(const ForwardGemmsParams& params, bool shared,
-                                                    int m_tile) {
-  const unsigned long long epoch =
-      *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
-  count_stored_tile((shared ? params.shared_gate_up_done : params.gate_up_done) + m_tile, epoch);
-}
-
-// The GEMM parameters of a task: the routed or the shared expert's, gate/up or down.
-__device__ __forceinline__ const ExpertGemmParams& gemm_params_of(const ForwardGemmsParams& params,
-                                                                  TaskKind kind) {
-  switch (kind) {
-    case TaskKind::kGateUp:
-      return params.gate_up;
-    case TaskKind::kSharedGateUp:
-      return params.shared_gate_up;
-    case TaskKind::kSharedDown:
-      return params.shared_down;
-    default:
-      return params.down;
-  }
-}
-
-__device__ __forceinline__ TileCoord coord_of(const ForwardGemmsParams& params,
-                                              const QueuedTask& task) {
-  const ExpertGemmParams& gemm = gemm_params_of(params, static_cast<TaskKind>(task.kind));
-  TileCoord coord;
-  coord.m_tile = task.m_tile;
-  coord.n_tile = task.n_tile;
-  coord.expert = gemm.tile_expert[task.m_tile];
-  coord.k_row0 = 0;
-  coord.num_k_blocks = gemm.k_extent / BLOCK_K;
-  return coord;
+__device__ __forceinline__ unsigned long long launch_epoch(const ForwardGemmsParams& params) {
+  return *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
 }
 
 // The launch's row tiles: its macrobatch's [tile_begin, tile_end) clipped to the filled tiles
@@ -102,20 +57,11 @@ __device__ __forceinline__ int first_m_tile(const ForwardGemmsParams& params) {
 }
 
 __device__ __forceinline__ ForwardPlan plan_of(const ForwardGemmsParams& params) {
-  ForwardPlan plan;
-  plan.num_m_tiles = min(params.gate_up.macrobatch.tile_end, params.gate_up.header->num_tiles) -
-                     first_m_tile(params);
-  plan.minibatch_tiles = params.minibatch_tiles;
-  plan.gate_up_n_tiles = (params.gate_up.n_extent + 127) / 128;
-  plan.down_n_tiles = (params.down.n_extent + BLOCK_N - 1) / BLOCK_N;
-  plan.combine_blocks = 0;
-  plan.memory_tasks = 0;
-  plan.shared_m_tiles = params.shared_m_tiles;
-  if (params.shared_m_tiles > 0) {
-    plan.shared_gate_up_n_tiles = (params.shared_gate_up.n_extent + 127) / 128;
-    plan.shared_down_n_tiles = (params.shared_down.n_extent + BLOCK_N - 1) / BLOCK_N;
-  }
-  return plan;
+  return forward_gemms_plan(
+      min(params.gate_up.macrobatch.tile_end, params.gate_up.header->num_tiles) -
+          first_m_tile(params),
+      params.minibatch_tiles, params.gate_up.n_extent, params.down.n_extent, params.shared_m_tiles,
+      params.shared_m_tiles > 0 ? params.shared_gate_up.n_extent : 0);
 }
 
 __device__ __forceinline__ void schedule_and_load(const ForwardGemmsMaps& maps,
@@ -124,16 +70,14 @@ __device__ __forceinline__ void schedule_and_load(const ForwardGemmsMaps& maps,
   const WaitContext& wait = params.gate_up.wait;
   const ForwardPlan plan = plan_of(params);
   const int64_t num_tasks_here = num_tasks(plan);
-  const unsigned long long epoch =
-      *reinterpret_cast<const volatile unsigned long long*>(params.epoch) + 1;
+  const unsigned long long epoch = launch_epoch(params);
   const unsigned long long ticket_base = epoch << 32;
   const bool gathers = params.gate_up.gather.x != nullptr;
-  const unsigned long long gather_epoch_here = gathers ? gather_epoch(params.gate_up.gather) : 0;
+  ForwardSchedulerScope scope{wait, plan, epoch, gathers ? gather_epoch(params.gate_up.gather) : 0};
   PipelineState<kNumStages> state;
   uint32_t published = 0;  // tasks in the queue so far
   SegmentCursor cursor;    // this CTA's tickets only grow
   const int m_begin = first_m_tile(params);
-  const int ring_row_base = params.gate_up.macrobatch.ring_row_base;
   atomicMax(params.ticket, ticket_base);
   long long next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
   for (;;) {
@@ -147,18 +91,8 @@ __device__ __forceinline__ void schedule_and_load(const ForwardGemmsMaps& maps,
                 is_shared(task.kind) ? task.m_tile : m_begin + task.m_tile, task.n_tile,
                 static_cast<int32_t>(ticket)};
       const uint64_t decoded_ns = trace_clock(params.trace);
-      if (task.kind == TaskKind::kDown) {
-        wait_for_count(wait, WaitSite::kGateUpDone, params.gate_up_done + queued.m_tile, epoch,
-                       plan.gate_up_n_tiles);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-      } else if (task.kind == TaskKind::kSharedDown) {
-        wait_for_count(wait, WaitSite::kSharedGateUpDone,
-                       params.shared_gate_up_done + queued.m_tile, epoch,
-                       plan.shared_gate_up_n_tiles);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-      } else if (gathers && task.kind == TaskKind::kGateUp) {
-        wait_for_gathered_tile(wait, params.gate_up.gather, queued.m_tile, gather_epoch_here);
-      }
+      visit_forward_task(task.kind,
+                         [&](auto kind) { kind.wait_for_inputs(scope, params, queued); });
       trace_queued(params.trace, ticket, queued.kind, queued.m_tile, queued.n_tile, -1, ticket_ns,
                    decoded_ns, decoded_ns);
     }
@@ -168,27 +102,15 @@ __device__ __forceinline__ void schedule_and_load(const ForwardGemmsMaps& maps,
     // is waited for only after them: it may be this very task.)
     next_ticket = static_cast<long long>(atomicAdd(params.ticket, 1ull) - ticket_base);
     const TileCoord coord = coord_of(params, queued);
-    const auto kind = static_cast<TaskKind>(queued.kind);
-    const bool gate_up = is_gate_up(kind);
-    const ForwardSetMaps& set = is_shared(kind) ? maps.shared : maps.routed;
-    // Routed A rows (x rows, h) live in the macrobatch's ring; the shared expert's are x and
-    // its own h, whole.
-    const int row = coord.m_tile * BLOCK_M - (is_shared(kind) ? 0 : ring_row_base);
-    for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
-      produce_stage(
-          wait, smem, state, kTileABytes + kTileBBytes,
-          [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-            const int k = k_block * BLOCK_K;
-            if (gate_up) {
-              ptx::tma_load_2d(a_dst, &set.x_rows, full, k, row);
-              ptx::tma_load_3d(b_dst, &set.w_gate, full, k, coord.n_tile * 128, coord.expert);
-              ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &set.w_up, full, k, coord.n_tile * 128,
-                               coord.expert);
-            } else {
-              ptx::tma_load_2d(a_dst, &set.hidden_in, full, k, row);
-              ptx::tma_load_3d(b_dst, &set.w_down, full, k, coord.n_tile * BLOCK_N, coord.expert);
-            }
-          });
+    const ForwardSetMaps& set_maps = set_maps_of(maps, queued);
+    visit_forward_task(static_cast<TaskKind>(queued.kind), [&](auto kind) {
+      for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+        produce_stage(wait, smem, state, kTileABytes + kTileBBytes,
+                      [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+                        kind.load_stage(set_maps, params, queued, coord, k_block, a_dst, b_dst,
+                                        full);
+                      });
+    });
   }
 }
 
@@ -220,34 +142,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     const int consumer_idx = warpgroup - 1;
     PipelineState<kNumStages> state;
+    const bool issuer = threadIdx.x == BLOCK_M;
+    ForwardConsumerScope scope{params.gate_up.wait, smem,   state,
+                               consumer_idx,        issuer, launch_epoch(params)};
     // Registers are tight here (128 accumulators of 168): keep little else live across tiles.
     uint32_t queued_count = 0;  // tasks read so far
     float acc[128];
     for (;;) {
       const QueuedTask task = queue.read(params.gate_up.wait, queued_count++);
       if (task.kind == kStopTask) break;
-      if (threadIdx.x == BLOCK_M) trace_started(params.trace, task.ticket);
-      const auto kind = static_cast<TaskKind>(task.kind);
-      consume_tile<false, false>(params.gate_up.wait, smem, state,
-                                 gemm_params_of(params, kind).k_extent / BLOCK_K, consumer_idx,
-                                 acc);
-      // After the mainloop: fewer live registers.
-      const TileCoord coord = coord_of(params, task);
-      const ForwardSetMaps& set = is_shared(kind) ? maps.shared : maps.routed;
-      if (is_gate_up(kind)) {
-        store_tile<ExpertGemmForm::kGateUpSwiGLU>({&set.hidden_out, &set.gate_out, &set.up_out},
-                                                  smem, gemm_params_of(params, kind), coord,
-                                                  consumer_idx, acc);
-        if (threadIdx.x == BLOCK_M) signal_gate_up_done(params, is_shared(kind), coord.m_tile);
-      } else {
-        store_tile<ExpertGemmForm::kDownStore>({&set.y_out, nullptr, nullptr}, smem,
-                                               gemm_params_of(params, kind), coord, consumer_idx,
-                                               acc);
-      }
-      if (threadIdx.x == BLOCK_M) trace_finished(params.trace, task.ticket);
+      if (issuer) trace_started(params.trace, task.ticket);
+      visit_forward_task(static_cast<TaskKind>(task.kind), [&](auto kind) {
+        kind.run(scope, set_maps_of(maps, task), params, task, acc);
+      });
+      if (issuer) trace_finished(params.trace, task.ticket);
     }
     // Outstanding TMA stores read the staging tile: it must outlive them.
-    if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
+    if (issuer) ptx::bulk_wait_group<0>();
   }
 }
 

@@ -84,6 +84,40 @@ struct Dependency {
   int64_t target;  // number of producer tasks
 };
 
+// The tile sizes the orders count in: the expert GEMM's BLOCK_M and BLOCK_N (the task kinds'
+// headers, forward_tasks.cuh and backward_tasks.cuh, assert they agree); a gate/up tile holds 128
+// gate and 128 up columns.
+constexpr int32_t kOrderTileRows = 128;
+constexpr int32_t kOrderTileColumns = 256;
+constexpr int32_t kOrderGateUpColumns = 128;
+
+MOK_HOST_DEVICE inline int32_t tiles_over(int64_t extent, int32_t tile) {
+  return static_cast<int32_t>((extent + tile - 1) / tile);
+}
+
+// The plan of one launch of the persistent GEMM kernel (GEMM tiles only): num_m_tiles routed row
+// tiles over I = `intermediate`, H = `hidden`, and shared_m_tiles of a shared expert of
+// `shared_intermediate` columns (0: none in this launch). The kernel and the host (the task
+// trace's capacity) build it here.
+MOK_HOST_DEVICE inline ForwardPlan forward_gemms_plan(int32_t num_m_tiles, int32_t minibatch_tiles,
+                                                      int64_t intermediate, int64_t hidden,
+                                                      int32_t shared_m_tiles,
+                                                      int64_t shared_intermediate) {
+  ForwardPlan plan;
+  plan.num_m_tiles = num_m_tiles;
+  plan.minibatch_tiles = minibatch_tiles;
+  plan.gate_up_n_tiles = tiles_over(intermediate, kOrderGateUpColumns);
+  plan.down_n_tiles = tiles_over(hidden, kOrderTileColumns);
+  plan.combine_blocks = 0;
+  plan.memory_tasks = 0;
+  plan.shared_m_tiles = shared_m_tiles;
+  if (shared_m_tiles > 0) {
+    plan.shared_gate_up_n_tiles = tiles_over(shared_intermediate, kOrderGateUpColumns);
+    plan.shared_down_n_tiles = tiles_over(hidden, kOrderTileColumns);
+  }
+  return plan;
+}
+
 constexpr int32_t kTileGroupM = 8;
 
 // Tile `local` of a GEMM over m_tiles x n_tiles tiles, walked in groups of up to kTileGroupM row
