@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const unsigned long long epoch = launch_epoch(params);
     const WaitContext& wait = routed.down_dgrad.wait;
     PipelineState<kNumStages> state;
-    BackwardConsumerScope scope{wait, smem, state, consumer_idx, issuer, epoch};
+    TaskConsumerScope scope{wait, smem, state, consumer_idx, issuer, epoch};
     uint32_t queued_count = 0;  // tasks read so far
     // The accumulators stay live across tasks in ptxas's view (the wgmma operands read them),
     // so the SwiGLU task's registers come on top of them: ptxas spills ~200 bytes here

@@ -76,21 +76,6 @@ struct BackwardSchedulerScope {
   int32_t ready_expert;
 };
 
-// What the consumer warpgroups hold while they run a task.
-struct BackwardConsumerScope {
-  const WaitContext& wait;
-  BackwardStorage& smem;
-  PipelineState<kNumStages>& state;
-  int consumer_idx;  // 0, 1: the warpgroup's half of the tile
-  bool issuer;       // the thread that issues the epilogue's TMA stores and signals
-  unsigned long long epoch;
-};
-
-// After a counter's acquire: the task's TMA loads read what other CTAs wrote.
-__device__ __forceinline__ void acquire_for_tma() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 __device__ __forceinline__ TileCoord coord_of(const BackwardQueuedTask& task) {
   TileCoord coord;
   coord.expert = task.expert;
@@ -150,8 +135,7 @@ struct RecomputeTask {
     issue_loads<ExpertGemmForm::kGateUpStore>(&maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up,
                                               set.recompute, coord, k_block, a_dst, b_dst, full);
   }
-  __device__ __forceinline__ static void run(BackwardConsumerScope& scope,
-                                             const BackwardSetParams& set,
+  __device__ __forceinline__ static void run(TaskConsumerScope& scope, const BackwardSetParams& set,
                                              const BackwardSetMaps& maps,
                                              const BackwardQueuedTask& task, float (&acc)[128]) {
     consume_tile<false, false>(scope.wait, scope.smem, scope.state, task.num_k_blocks,
@@ -190,8 +174,7 @@ struct DownDgradTask {
                                            &maps.w_down_mn, set.down_dgrad, coord, k_block, a_dst,
                                            b_dst, full);
   }
-  __device__ __forceinline__ static void run(BackwardConsumerScope& scope,
-                                             const BackwardSetParams& set,
+  __device__ __forceinline__ static void run(TaskConsumerScope& scope, const BackwardSetParams& set,
                                              const BackwardSetMaps& maps,
                                              const BackwardQueuedTask& task, float (&acc)[128]) {
     consume_tile<false, true>(scope.wait, scope.smem, scope.state, task.num_k_blocks,
@@ -233,9 +216,9 @@ struct SwigluTask {
                        set.swiglu.vectors_per_row * 8, coord.m_tile, 0, k_block, a_dst, b_dst,
                        full);
   }
-  __device__ __forceinline__ static void run(BackwardConsumerScope& scope,
-                                             const BackwardSetParams& set, const BackwardSetMaps&,
-                                             const BackwardQueuedTask& task, float (&)[128]) {
+  __device__ __forceinline__ static void run(TaskConsumerScope& scope, const BackwardSetParams& set,
+                                             const BackwardSetMaps&, const BackwardQueuedTask& task,
+                                             float (&)[128]) {
     run_swiglu_tile(scope.wait, scope.smem, scope.state, set.swiglu, task.m_tile,
                     set.down_dgrad.header->total_rows);
     // Device scope (system scope for router-weight gradients that went to other GPUs, read
@@ -282,8 +265,7 @@ struct GateUpDgradTask {
                                                   &maps.w_up_mn, set.gate_up_dgrad, coord, k_block,
                                                   a_dst, b_dst, full);
   }
-  __device__ __forceinline__ static void run(BackwardConsumerScope& scope,
-                                             const BackwardSetParams& set,
+  __device__ __forceinline__ static void run(TaskConsumerScope& scope, const BackwardSetParams& set,
                                              const BackwardSetMaps& maps,
                                              const BackwardQueuedTask& task, float (&acc)[128]) {
     consume_tile<false, true>(scope.wait, scope.smem, scope.state, task.num_k_blocks,
@@ -342,8 +324,7 @@ struct WeightGradTask {
     issue_loads<ExpertGemmForm::kWeightGrad>(a, a, b, b, set.wgrad_gate_up, coord, k_block, a_dst,
                                              b_dst, full);
   }
-  __device__ __forceinline__ static void run(BackwardConsumerScope& scope,
-                                             const BackwardSetParams& set,
+  __device__ __forceinline__ static void run(TaskConsumerScope& scope, const BackwardSetParams& set,
                                              const BackwardSetMaps& maps,
                                              const BackwardQueuedTask& task, float (&acc)[128]) {
     consume_tile<true, true>(scope.wait, scope.smem, scope.state, task.num_k_blocks,

@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int consumer_idx = warpgroup - 1;
     PipelineState<kNumStages> state;
     const bool issuer = threadIdx.x == BLOCK_M;
-    ForwardConsumerScope scope{params.gate_up.wait, smem,   state,
-                               consumer_idx,        issuer, launch_epoch(params)};
+    TaskConsumerScope scope{params.gate_up.wait, smem,   state,
+                            consumer_idx,        issuer, launch_epoch(params)};
     // Registers are tight here (128 accumulators of 168): keep little else live across tiles.
     uint32_t queued_count = 0;  // tasks read so far
     float acc[128];

@@ -54,16 +54,6 @@ struct ForwardSchedulerScope {
   unsigned long long gather_epoch;  // the fused local dispatch's (0: rows gathered before)
 };
 
-// What the consumer warpgroups hold while they run a task.
-struct ForwardConsumerScope {
-  const WaitContext& wait;
-  ForwardStorage& smem;
-  PipelineState<kNumStages>& state;
-  int consumer_idx;  // 0, 1: the warpgroup's half of the tile
-  bool issuer;       // the thread that issues the epilogue's TMA stores and signals
-  unsigned long long epoch;
-};
-
 // The GEMM parameters of a task: the routed or the shared expert's, gate/up or down.
 __device__ __forceinline__ const ExpertGemmParams& gemm_params_of(const ForwardGemmsParams& params,
                                                                   TaskKind kind) {
@@ -125,8 +115,7 @@ struct GateUpTask {
     ptx::tma_load_3d(b_dst, &maps.w_gate, full, k, coord.n_tile * 128, coord.expert);
     ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &maps.w_up, full, k, coord.n_tile * 128, coord.expert);
   }
-  __device__ __forceinline__ static void run(ForwardConsumerScope& scope,
-                                             const ForwardSetMaps& maps,
+  __device__ __forceinline__ static void run(TaskConsumerScope& scope, const ForwardSetMaps& maps,
                                              const ForwardGemmsParams& params,
                                              const ForwardQueuedTask& task, float (&acc)[128]) {
     const auto kind = static_cast<TaskKind>(task.kind);
@@ -155,7 +144,7 @@ struct DownTask {
     wait_for_count(scope.wait, shared ? WaitSite::kSharedGateUpDone : WaitSite::kGateUpDone,
                    (shared ? params.shared_gate_up_done : params.gate_up_done) + queued.m_tile,
                    scope.epoch, dependency_of(scope.plan, task).target);
-    asm volatile("fence.proxy.async.global;" ::: "memory");
+    acquire_for_tma();
   }
   __device__ __forceinline__ static void load_stage(const ForwardSetMaps& maps,
                                                     const ForwardGemmsParams& params,
@@ -167,8 +156,7 @@ struct DownTask {
     ptx::tma_load_2d(a_dst, &maps.hidden_in, full, k, a_row_of(params, queued));
     ptx::tma_load_3d(b_dst, &maps.w_down, full, k, coord.n_tile * BLOCK_N, coord.expert);
   }
-  __device__ __forceinline__ static void run(ForwardConsumerScope& scope,
-                                             const ForwardSetMaps& maps,
+  __device__ __forceinline__ static void run(TaskConsumerScope& scope, const ForwardSetMaps& maps,
                                              const ForwardGemmsParams& params,
                                              const ForwardQueuedTask& task, float (&acc)[128]) {
     const ExpertGemmParams& gemm = gemm_params_of(params, static_cast<TaskKind>(task.kind));

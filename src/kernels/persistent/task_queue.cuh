@@ -77,6 +77,21 @@ __device__ __forceinline__ void count_stored_tile(unsigned long long* counter,
   count_done(counter, epoch);
 }
 
+// After a counter's acquire: the task's TMA loads read what other CTAs wrote.
+__device__ __forceinline__ void acquire_for_tma() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// What the consumer warpgroups hold while they run a task (forward_tasks.cuh, backward_tasks.cuh).
+struct TaskConsumerScope {
+  const WaitContext& wait;
+  GemmSharedStorage<kNumStages>& smem;
+  PipelineState<kNumStages>& state;
+  int consumer_idx;  // 0, 1: the warpgroup's half of the tile
+  bool issuer;       // the thread that issues the epilogue's TMA stores and signals
+  unsigned long long epoch;
+};
+
 // Waits until `counter` reaches epoch * kGateUpDoneStride + `count` (diagnosis: `site`, expected
 // and seen as counts of this launch).
 __device__ __forceinline__ void wait_for_count(const WaitContext& wait, WaitSite site,
