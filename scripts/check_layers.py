@@ -13,6 +13,8 @@ Layers, by folder (an include path is spelled from include/ or src/):
   src/comm/              the expert-parallel runtime: the single-GPU runtime's and comm/
   src/testing/           the fixtures: anything of the product, no tests or tools
   tools/                 front ends: public and fixture headers only (mok/, mok/testing/)
+  python/binding/        the Python extension mok._C, a front end: public headers only (no
+                         fixture: the product's package does not contain the fixtures)
 Tests may include anything. No product file includes a fixture (mok/testing/, testing/).
 The single-GPU runtime also has no preprocessor conditional: its modes are chosen at run time,
 once (layer/token_exchange.h, layer/expert_engine.h), and the NCCL guard lives in the build.
@@ -47,6 +49,8 @@ RULES = [
     ("src/testing/", ("api/", "layer/", "comm/", "reference/", "testing/") + DEVICE + PUBLIC, (),
      "fixtures include the product, never tests or tools"),
     ("tools/", PUBLIC, (), "front ends include only public headers (mok/, mok/testing/)"),
+    ("python/binding/", PUBLIC, FIXTURES,
+     "the Python extension includes only the product's public headers"),
 ]
 
 
@@ -69,7 +73,7 @@ def allowed_include(path, name, allowed, forbidden):
 def main():
     violations = []
     checked = 0
-    for top in ("include", "src", "tools"):
+    for top in ("include", "src", "tools", "python/binding"):
         for directory, _, files in os.walk(os.path.join(ROOT, top)):
             for file in sorted(files):
                 if not file.endswith(SOURCES):

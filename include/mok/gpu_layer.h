@@ -52,6 +52,11 @@ class GpuLayer {
   void backward(const BackwardArgs& args, cudaStream_t stream,
                 const ForwardContext* context = nullptr);
 
+  // True when `context` is the latest forward's and its intermediates are still in the workspace
+  // (a backward may start from it); false once another forward, or a backward without a context,
+  // replaced them. Front ends that cannot order calls (autograd) ask before passing a context.
+  bool holds_context(const ForwardContext& context) const;
+
   // Runs the forward `iterations` times with CUDA events between its stages and returns the
   // median milliseconds of each stage (name, ms), then "total". Synchronizes.
   std::vector<std::pair<std::string, float>> profile_forward(const ForwardArgs& args,

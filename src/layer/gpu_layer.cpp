@@ -220,6 +220,10 @@ bool context_is_current(const GpuLayer::State& s, const ForwardContext* context)
 
 }  // namespace
 
+bool GpuLayer::holds_context(const ForwardContext& context) const {
+  return context.generation != 0 && context.generation == state_->generation;
+}
+
 void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                         const ForwardContext* context) {
   State& s = *state_;

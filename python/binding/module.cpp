@@ -1,0 +1,316 @@
+// mok._C: the Python binding of mok's C++ API (nanobind), the front end under mok.ops. It includes
+// only mok's public headers and no PyTorch header: tensors arrive through DLPack (tensors.h), so
+// one build serves every PyTorch version. What it binds:
+//   MoeShape, MoeConfig, named_shape     the layer's shape and tuning knobs
+//   reference_forward / _backward        the CPU reference on CPU tensors (GIL released)
+//   GpuLayer                             the single-GPU layer: its workspace is allocated when it
+//                                        is built (before any CUDA-graph capture); forward and
+//                                        backward launch on the stream given as an integer (the
+//                                        caller's current stream) without host synchronization
+//   make_unique_id, Communicator,        expert parallelism, one process per GPU (built with
+//   EpLayer                              NCCL)
+// mok::Error becomes ValueError (invalid argument), NotImplementedError (unsupported) or
+// RuntimeError (device faults, timeouts with their diagnosis, CUDA and NCCL errors), with mok's
+// message.
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mok/config.h"
+#include "mok/error.h"
+#include "mok/gpu_layer.h"
+#include "mok/layer_args.h"
+#include "mok/reference.h"
+#include "mok/shape.h"
+#include "tensors.h"
+#if MOK_HAS_NCCL
+#include "mok/bootstrap.h"
+#include "mok/comm.h"
+#include "mok/ep_layer.h"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mok::python {
+
+namespace {
+
+using OptionalArray = std::optional<Array>;
+
+cudaStream_t stream_of(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+ForwardArgs forward_args(const Array& x, const Array& top_experts, const Array& router_weights,
+                         const Array& w_gate, const Array& w_up, const Array& w_down,
+                         const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
+                         const OptionalArray& w_shared_down) {
+  ForwardArgs args;
+  args.x = view_of(x, "x");
+  args.top_experts = view_of(top_experts, "top_experts");
+  args.router_weights = view_of(router_weights, "router_weights");
+  args.w_gate = view_of(w_gate, "w_gate");
+  args.w_up = view_of(w_up, "w_up");
+  args.w_down = view_of(w_down, "w_down");
+  args.w_shared_gate = view_of(w_shared_gate, "w_shared_gate");
+  args.w_shared_up = view_of(w_shared_up, "w_shared_up");
+  args.w_shared_down = view_of(w_shared_down, "w_shared_down");
+  return args;
+}
+
+// The outputs of a backward call, in mok's order.
+struct GradientArrays {
+  Array d_x, d_router_weights, d_w_gate, d_w_up, d_w_down;
+  OptionalArray d_w_shared_gate, d_w_shared_up, d_w_shared_down;
+};
+
+BackwardArgs backward_args(ForwardArgs forward, const Array& d_out, const GradientArrays& grads) {
+  BackwardArgs args;
+  args.forward = forward;
+  args.d_out = view_of(d_out, "d_out");
+  args.d_x = view_of(grads.d_x, "d_x");
+  args.d_router_weights = view_of(grads.d_router_weights, "d_router_weights");
+  args.d_w_gate = view_of(grads.d_w_gate, "d_w_gate");
+  args.d_w_up = view_of(grads.d_w_up, "d_w_up");
+  args.d_w_down = view_of(grads.d_w_down, "d_w_down");
+  args.d_w_shared_gate = view_of(grads.d_w_shared_gate, "d_w_shared_gate");
+  args.d_w_shared_up = view_of(grads.d_w_shared_up, "d_w_shared_up");
+  args.d_w_shared_down = view_of(grads.d_w_shared_down, "d_w_shared_down");
+  return args;
+}
+
+void translate_errors(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    switch (e.code()) {
+      case ErrorCode::kInvalidArgument:
+        PyErr_SetString(PyExc_ValueError, e.what());
+        break;
+      case ErrorCode::kUnsupported:
+        PyErr_SetString(PyExc_NotImplementedError, e.what());
+        break;
+      default:
+        PyErr_SetString(PyExc_RuntimeError,
+                        (std::string("mok ") + error_code_name(e.code()) + ": " + e.what()).c_str());
+        break;
+    }
+  }
+}
+
+void bind_shape_and_config(nb::module_& m) {
+  nb::class_<MoeShape>(m, "MoeShape")
+      .def(nb::init<>())
+      .def_rw("num_tokens", &MoeShape::num_tokens)
+      .def_rw("hidden", &MoeShape::hidden)
+      .def_rw("intermediate", &MoeShape::intermediate)
+      .def_rw("num_experts", &MoeShape::num_experts)
+      .def_rw("top_k", &MoeShape::top_k)
+      .def_rw("num_ranks", &MoeShape::num_ranks)
+      .def_rw("shared_intermediate", &MoeShape::shared_intermediate)
+      .def_rw("swiglu_limit", &MoeShape::swiglu_limit)
+      .def("num_local_experts", &MoeShape::num_local_experts)
+      .def("check", [](const MoeShape& shape) { can_implement(shape).throw_if_error(); })
+      .def("__repr__", &MoeShape::to_string);
+  m.def("named_shape", &named_shape, "name"_a, "num_ranks"_a = 1);
+  m.def("named_shape_names", &named_shape_names);
+
+  nb::class_<MoeConfig>(m, "MoeConfig")
+      .def(nb::init<>())
+      .def_rw("fwd_num_comm_sms", &MoeConfig::fwd_num_comm_sms)
+      .def_rw("bwd_num_comm_sms", &MoeConfig::bwd_num_comm_sms)
+      .def_rw("minibatch_size", &MoeConfig::minibatch_size)
+      .def_rw("macrobatch_size", &MoeConfig::macrobatch_size)
+      .def_rw("wait_timeout_s", &MoeConfig::wait_timeout_s)
+      .def_rw("persistent_forward", &MoeConfig::persistent_forward)
+      .def_rw("persistent_backward", &MoeConfig::persistent_backward)
+      .def_rw("check_finite", &MoeConfig::check_finite)
+      .def_rw("ep_bulk_copies", &MoeConfig::ep_bulk_copies)
+      .def_rw("ep_push_dispatch", &MoeConfig::ep_push_dispatch)
+      .def_prop_rw(
+          "local_dispatch",
+          [](const MoeConfig& config) { return std::string(local_dispatch_name(config.local_dispatch)); },
+          [](MoeConfig& config, const std::string& name) {
+            config.local_dispatch = local_dispatch_from_name(name);
+          })
+      .def("check", [](const MoeConfig& config, const MoeShape& shape) {
+        can_implement(config, shape).throw_if_error();
+      });
+}
+
+void bind_reference(nb::module_& m) {
+  m.def(
+      "reference_forward",
+      [](const MoeShape& shape, const Array& x, const Array& top_experts,
+         const Array& router_weights, const Array& w_gate, const Array& w_up, const Array& w_down,
+         const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
+         const OptionalArray& w_shared_down, const Array& out) {
+        ForwardArgs args = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
+                                        w_shared_gate, w_shared_up, w_shared_down);
+        args.out = view_of(out, "out");
+        nb::gil_scoped_release release;
+        reference::forward(shape, args);
+      },
+      "shape"_a, "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
+      "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a);
+  m.def(
+      "reference_backward",
+      [](const MoeShape& shape, const Array& x, const Array& top_experts,
+         const Array& router_weights, const Array& w_gate, const Array& w_up, const Array& w_down,
+         const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
+         const OptionalArray& w_shared_down, const Array& d_out, const Array& d_x,
+         const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
+         const Array& d_w_down, const OptionalArray& d_w_shared_gate,
+         const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down) {
+        const BackwardArgs args =
+            backward_args(forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
+                                       w_shared_gate, w_shared_up, w_shared_down),
+                          d_out,
+                          {d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
+                           d_w_shared_up, d_w_shared_down});
+        nb::gil_scoped_release release;
+        reference::backward(shape, args);
+      },
+      "shape"_a, "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
+      "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
+      "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
+      "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none());
+}
+
+void bind_gpu_layer(nb::module_& m) {
+  nb::class_<GpuLayer>(m, "GpuLayer")
+      .def(nb::init<const MoeShape&, const MoeConfig&>(), "shape"_a, "config"_a)
+      .def(
+          "forward",
+          [](GpuLayer& layer, const Array& x, const Array& top_experts,
+             const Array& router_weights, const Array& w_gate, const Array& w_up,
+             const Array& w_down, const OptionalArray& w_shared_gate,
+             const OptionalArray& w_shared_up, const OptionalArray& w_shared_down,
+             const Array& out, uintptr_t stream) {
+            ForwardArgs args = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
+                                            w_shared_gate, w_shared_up, w_shared_down);
+            args.out = view_of(out, "out");
+            return layer.forward(args, stream_of(stream)).generation;
+          },
+          "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
+          "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a,
+          "stream"_a,
+          "Launches the forward on `stream`; returns the context (0 never names one) that a "
+          "backward of the same inputs may start from.")
+      .def(
+          "backward",
+          [](GpuLayer& layer, const Array& x, const Array& top_experts,
+             const Array& router_weights, const Array& w_gate, const Array& w_up,
+             const Array& w_down, const OptionalArray& w_shared_gate,
+             const OptionalArray& w_shared_up, const OptionalArray& w_shared_down,
+             const Array& d_out, const Array& d_x, const Array& d_router_weights,
+             const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down,
+             const OptionalArray& d_w_shared_gate, const OptionalArray& d_w_shared_up,
+             const OptionalArray& d_w_shared_down, uintptr_t stream, uint64_t context) {
+            const BackwardArgs args =
+                backward_args(forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
+                                           w_shared_gate, w_shared_up, w_shared_down),
+                              d_out,
+                              {d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
+                               d_w_shared_up, d_w_shared_down});
+            const ForwardContext forward_context{context};
+            layer.backward(args, stream_of(stream), context != 0 ? &forward_context : nullptr);
+          },
+          "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
+          "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
+          "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
+          "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
+          "stream"_a, "context"_a = 0,
+          "Launches the backward on `stream`: from `context` (a forward's) if nonzero, else "
+          "recomputing the forward's intermediates.")
+      .def(
+          "holds_context",
+          [](const GpuLayer& layer, uint64_t context) {
+            return layer.holds_context(ForwardContext{context});
+          },
+          "context"_a)
+      .def(
+          "synchronize",
+          [](GpuLayer& layer, uintptr_t stream) {
+            Status status;
+            {
+              nb::gil_scoped_release release;
+              status = layer.synchronize(stream_of(stream));
+            }
+            status.throw_if_error();
+          },
+          "stream"_a,
+          "Waits for `stream` and raises what the device found (bad expert ids, a timed-out "
+          "wait with its diagnosis, a CUDA error).")
+      .def("workspace_bytes", &GpuLayer::workspace_bytes)
+      .def("timed_out_wait", &GpuLayer::timed_out_wait)
+      .def_prop_ro("shape", &GpuLayer::shape);
+}
+
+#if MOK_HAS_NCCL
+void bind_expert_parallel(nb::module_& m) {
+  m.def("make_unique_id", [] {
+    const UniqueId id = make_unique_id();
+    return nb::bytes(id.bytes.data(), id.bytes.size());
+  });
+  nb::class_<Communicator>(m, "Communicator")
+      .def_static(
+          "create_rank",
+          [](nb::bytes id_bytes, int32_t num_ranks, int32_t rank, int device) {
+            UniqueId id;
+            if (id_bytes.size() != id.bytes.size())
+              throw Error(ErrorCode::kInvalidArgument,
+                          "argument `unique_id` has " + std::to_string(id_bytes.size()) +
+                              " bytes; an NCCL unique id has " + std::to_string(id.bytes.size()));
+            std::memcpy(id.bytes.data(), id_bytes.c_str(), id.bytes.size());
+            nb::gil_scoped_release release;
+            return Communicator::create_rank(id, num_ranks, rank, device);
+          },
+          "unique_id"_a, "num_ranks"_a, "rank"_a, "device"_a)
+      .def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("num_ranks", &Communicator::num_ranks)
+      .def_prop_ro("device", &Communicator::device);
+  nb::class_<EpLayer>(m, "EpLayer")
+      .def(
+          "__init__",
+          [](EpLayer* layer, const MoeShape& shape, const MoeConfig& config,
+             Communicator& communicator) {
+            new (layer) EpLayer(shape, config, {&communicator});
+          },
+          "shape"_a, "config"_a, "communicator"_a, nb::keep_alive<1, 4>())
+      .def(
+          "rank_layer", [](EpLayer& layer) -> GpuLayer& { return layer.rank_layer(0); },
+          nb::rv_policy::reference_internal,
+          "This process's rank's layer: forward, backward and synchronize as GpuLayer's (every "
+          "rank makes the same calls).")
+      .def("workspace_bytes_per_rank", &EpLayer::workspace_bytes_per_rank);
+}
+#endif
+
+}  // namespace
+
+}  // namespace mok::python
+
+NB_MODULE(_C, m) {
+  using namespace mok::python;
+  m.doc() = "mok's C++ layer: the CPU reference, the single-GPU layer, expert parallelism";
+  nb::register_exception_translator(
+      [](const std::exception_ptr& error, void*) { translate_errors(error); });
+  bind_shape_and_config(m);
+  bind_reference(m);
+  bind_gpu_layer(m);
+#if MOK_HAS_NCCL
+  m.attr("has_nccl") = true;
+  bind_expert_parallel(m);
+#else
+  m.attr("has_nccl") = false;
+#endif
+}

@@ -1,0 +1,375 @@
+"""MoK's functional API over mok's ops, with the same names and argument order, and ``moe``.
+
+Code written against MoK's ``mok.functional`` runs after changing only the import. Where mok is
+more general than MoK, the docstrings say so:
+
+- any expert-parallel size, 1 included (``group=None`` or a group of one is one GPU);
+- no shared expert (pass None for its three weights) or one of any width Is;
+- ``-1`` in ``top_experts`` routes a slot nowhere (its output term and gradient are zero);
+- H, I and Is any multiple of 64; int32 or int64 ``top_experts``; any number of tokens;
+- no capacity: ``schedule_capacity_multiplier`` is accepted and unused, since mok's schedule
+  holds every routed row whatever the routing (no token is ever dropped);
+- Hopper (sm_90a) GPUs, and every op also runs on CPU tensors through mok's CPU reference.
+
+The workspace holds the forward context (the schedule, the routed rows, g and u) that a backward
+starts from, so a context names the latest forward of its workspace's layer; ``backward`` with a
+context that a later call replaced recomputes those intermediates instead (same bits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._workspace import Workspace
+
+__all__ = [
+    "MoKConfig",
+    "MoKSchedule",
+    "MoKForwardContext",
+    "create_workspace",
+    "get_workspace",
+    "clear_workspace_cache",
+    "build_schedule",
+    "forward",
+    "backward",
+    "recompute_forward_context",
+    "moe",
+    "synchronize",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class MoKConfig:
+    """Tuning knobs. None changes the result: outputs are bitwise identical for every valid
+    config. MoK's fields, then mok's own.
+
+    fwd_num_comm_sms, bwd_num_comm_sms: SMs for dispatch and combine (expert parallel).
+    minibatch_size: rows per overlap step, a positive multiple of 128 (MoK: of 256).
+    macrobatch_size: rows of the ring of routed intermediates, a multiple of minibatch_size; the
+        backward recomputes all macrobatches but the first.
+    schedule_capacity_multiplier: accepted for MoK's code and unused (mok has no capacity).
+    all_gather_top_experts_chunk_bytes: accepted for MoK's code and unused.
+    persistent_forward, persistent_backward: run each direction's expert GEMMs as one persistent
+        kernel (same bits).
+    check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
+        first (a debugging aid: one memory-bound pass over the weights per call).
+    local_dispatch: "producer-warps" (default) or "gather-kernel".
+    wait_timeout_s: device waits end with a diagnosis after this long.
+    """
+
+    fwd_num_comm_sms: int = 40
+    bwd_num_comm_sms: int = 28
+    minibatch_size: int = 4096
+    macrobatch_size: int = 131072
+    schedule_capacity_multiplier: float = 0.5
+    all_gather_top_experts_chunk_bytes: int = 2048
+    persistent_forward: bool = False
+    persistent_backward: bool = False
+    check_finite: bool = False
+    local_dispatch: str = "producer-warps"
+    wait_timeout_s: float = 100.0
+
+    def to_native(self) -> _C.MoeConfig:
+        """The C++ layer's config (mok's checks name a bad field and what is valid)."""
+        config = _C.MoeConfig()
+        config.fwd_num_comm_sms = self.fwd_num_comm_sms
+        config.bwd_num_comm_sms = self.bwd_num_comm_sms
+        config.minibatch_size = self.minibatch_size
+        config.macrobatch_size = self.macrobatch_size
+        config.persistent_forward = self.persistent_forward
+        config.persistent_backward = self.persistent_backward
+        config.check_finite = self.check_finite
+        config.local_dispatch = self.local_dispatch
+        config.wait_timeout_s = self.wait_timeout_s
+        return config
+
+
+@dataclass(frozen=True, slots=True)
+class MoKSchedule:
+    """The routing of one call. mok builds the schedule proper (each expert's rows, padded to
+    128-row tiles) inside its forward and backward kernels; this holds what they take."""
+
+    top_experts: Tensor  # [num_local_tokens, topk] int32 or int64; -1 marks no route
+    num_local_experts: int
+
+    @property
+    def tokens_per_expert(self) -> Tensor:
+        """[num_local_experts] int32: the routed rows of each expert of this rank (a GPU
+        reduction over top_experts, computed when asked for)."""
+        ids = self.top_experts.reshape(-1).to(torch.int64)
+        counts = torch.bincount(ids[ids >= 0], minlength=self.num_local_experts)
+        return counts[: self.num_local_experts].to(torch.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class MoKForwardContext:
+    """Names the forward's intermediates kept in the workspace (``token``: a CPU int64 tensor
+    of one element, 0 = none: the backward recomputes them)."""
+
+    token: Tensor
+
+
+_WORKSPACE_CACHE: dict[tuple, Workspace] = {}
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group=group)
+
+
+def _resolve_device(device) -> torch.device:
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def create_workspace(
+    config: MoKConfig,
+    group=None,
+    *,
+    device: torch.device,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+) -> Workspace:
+    """A new caller-owned workspace on `device` (CUDA). `group`: None or a process group of one
+    for one GPU; an expert-parallel group of several GPUs bootstraps mok's NCCL communicator
+    from it (mok.distributed). The token, hidden and top-k sizes are checked against each call;
+    the layers' memory is allocated by their first call."""
+    if not isinstance(config, MoKConfig):
+        raise ValueError(f"argument `config` is a {type(config).__name__}; expected a MoKConfig")
+    for name, value in (("num_local_tokens", num_local_tokens), ("hidden_size", hidden_size), ("topk", topk)):
+        if not isinstance(value, int) or value < (0 if name == "num_local_tokens" else 1):
+            raise ValueError(f"argument `{name}` is {value!r}; expected a positive integer")
+    device = _resolve_device(device)
+    native = config.to_native()
+    if _group_size(group) == 1:
+        workspace = Workspace(native, device)
+    else:
+        from .distributed import expert_parallel_workspace
+
+        workspace = expert_parallel_workspace(native, device, group)
+    workspace.expected = (num_local_tokens, hidden_size, topk)
+    return workspace
+
+
+def get_workspace(
+    config: MoKConfig,
+    group=None,
+    *,
+    device: torch.device,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+) -> Workspace:
+    """The cached workspace of these arguments, created on first use."""
+    device = _resolve_device(device)
+    group_key = None if group is None or _group_size(group) == 1 else getattr(group, "group_name", id(group))
+    key = (config, group_key, device, num_local_tokens, hidden_size, topk)
+    workspace = _WORKSPACE_CACHE.get(key)
+    if workspace is None:
+        workspace = create_workspace(
+            config, group, device=device, num_local_tokens=num_local_tokens,
+            hidden_size=hidden_size, topk=topk,
+        )
+        _WORKSPACE_CACHE[key] = workspace
+    return workspace
+
+
+def clear_workspace_cache() -> None:
+    """Frees the cached workspaces once their devices are done with them."""
+    for workspace in _WORKSPACE_CACHE.values():
+        workspace.release()
+    _WORKSPACE_CACHE.clear()
+
+
+def synchronize(workspace: Workspace) -> None:
+    """Waits for the current stream and raises what the device found (RuntimeError): bad expert
+    ids naming the rank, token and slot, a timed-out wait with its diagnosis, non-finite inputs
+    under ``check_finite``, CUDA errors. The ops never synchronize on their own."""
+    workspace.synchronize()
+
+
+def _check_workspace(workspace, x: Tensor, topk: int) -> None:
+    if not isinstance(workspace, Workspace):
+        raise ValueError(f"argument `workspace` is a {type(workspace).__name__}; expected a mok workspace")
+    expected = getattr(workspace, "expected", None)
+    if expected is not None and x.dim() == 2:
+        tokens, hidden, k = expected
+        if (int(x.shape[0]), int(x.shape[1]), topk) != (tokens, hidden, k):
+            raise ValueError(
+                f"argument `x` has shape {list(x.shape)} with topk {topk}; the workspace was made "
+                f"for num_local_tokens={tokens}, hidden_size={hidden}, topk={k}"
+            )
+
+
+def build_schedule(workspace: Workspace, config: MoKConfig, top_experts: Tensor, *, num_local_experts: int) -> MoKSchedule:
+    """The routing of one call: `top_experts` [num_local_tokens, topk] (int32 or int64, global
+    expert ids, -1 = no route). Expert ids are checked on the device and reported by
+    ``synchronize``; nothing is dropped whatever the routing."""
+    if not isinstance(top_experts, Tensor) or top_experts.dim() != 2:
+        raise ValueError("argument `top_experts` must be a [num_local_tokens, topk] tensor")
+    if top_experts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"argument `top_experts` has dtype {top_experts.dtype}; expected torch.int32 or torch.int64")
+    if not isinstance(num_local_experts, int) or num_local_experts < 1:
+        raise ValueError(f"argument `num_local_experts` is {num_local_experts!r}; expected a positive integer")
+    return MoKSchedule(top_experts=top_experts, num_local_experts=num_local_experts)
+
+
+def _limit(swiglu_limit: float | None) -> float:
+    return math.inf if swiglu_limit is None else float(swiglu_limit)
+
+
+def forward(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: MoKSchedule,
+    x: Tensor,
+    router_weights: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    shared_down_weights: Tensor | None,
+    routed_gate_weights: Tensor,
+    routed_up_weights: Tensor,
+    routed_down_weights: Tensor,
+    swiglu_limit: float | None = None,
+) -> tuple[Tensor, MoKForwardContext]:
+    """The layer's forward: ``(out, context)``. x bf16 [T, H]; router_weights fp32 [T, K];
+    shared weights bf16 [Is, H], [Is, H], [H, Is] or None; routed bf16 [E_loc, I, H],
+    [E_loc, I, H], [E_loc, H, I]; swiglu_limit: gate = min(gate, L), up = clamp(up, -L, L)."""
+    _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
+    out, token = torch.ops.mok.forward(
+        x, schedule.top_experts, router_weights, routed_gate_weights, routed_up_weights,
+        routed_down_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
+        _limit(swiglu_limit), workspace.handle,
+    )
+    return out, MoKForwardContext(token)
+
+
+def recompute_forward_context(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: MoKSchedule,
+    x: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    routed_gate_weights: Tensor,
+    routed_up_weights: Tensor,
+    swiglu_limit: float | None = None,
+) -> MoKForwardContext:
+    """A context for a backward that recomputes the forward's intermediates itself: mok fuses
+    the recompute (schedule, gather, gate/up GEMM) into the backward's kernels, so nothing runs
+    here and the backward given this context does it."""
+    _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
+    return MoKForwardContext(torch.zeros(1, dtype=torch.int64))
+
+
+def backward(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: MoKSchedule,
+    forward_context: MoKForwardContext,
+    grad_output: Tensor,
+    x: Tensor,
+    router_weights: Tensor,
+    shared_gate_weights: Tensor | None,
+    shared_up_weights: Tensor | None,
+    shared_down_weights: Tensor | None,
+    routed_gate_weights: Tensor,
+    routed_up_weights: Tensor,
+    routed_down_weights: Tensor,
+    swiglu_limit: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The layer's backward, in MoK's order: ``(d_x, d_router_weights, d_routed_gate,
+    d_routed_up, d_routed_down, d_shared_gate, d_shared_up, d_shared_down)`` (the shared ones None
+    without a shared expert). ``d_router_weights`` is exact for any router weight, zero or
+    negative included, and 0 for slots routed nowhere."""
+    if not isinstance(forward_context, MoKForwardContext):
+        raise ValueError(
+            f"argument `forward_context` is a {type(forward_context).__name__}; expected a MoKForwardContext"
+        )
+    _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
+    grads = torch.ops.mok.backward(
+        forward_context.token, grad_output.contiguous(), x, schedule.top_experts, router_weights,
+        routed_gate_weights, routed_up_weights, routed_down_weights, shared_gate_weights,
+        shared_up_weights, shared_down_weights, _limit(swiglu_limit), workspace.handle,
+    )
+    shared = [g if w is not None else None for g, w in zip(grads[5:], (shared_gate_weights, shared_up_weights, shared_down_weights))]
+    return (grads[0], grads[1], grads[2], grads[3], grads[4], *shared)
+
+
+class _MoeFunction(torch.autograd.Function):
+    """Autograd over the ops: the backward starts from the forward's context when its workspace
+    still holds it, else recomputes."""
+
+    @staticmethod
+    def forward(ctx, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, swiglu_limit, handle):
+        out, token = torch.ops.mok.forward(
+            x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+            w_shared_down, swiglu_limit, handle,
+        )
+        ctx.save_for_backward(token, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+        ctx.swiglu_limit = swiglu_limit
+        ctx.handle = handle
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        token, x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = ctx.saved_tensors
+        grads = torch.ops.mok.backward(
+            token, d_out.contiguous(), x, top_experts, router_weights, w_gate, w_up, w_down,
+            ws_gate, ws_up, ws_down, ctx.swiglu_limit, ctx.handle,
+        )
+        d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = grads[:5]
+        shared = [g if w is not None else None for g, w in zip(grads[5:], (ws_gate, ws_up, ws_down))]
+        return (d_x, None, d_router_weights, d_w_gate, d_w_up, d_w_down, *shared, None, None)
+
+
+def moe(
+    x: Tensor,
+    top_experts: Tensor,
+    router_weights: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    w_shared_gate: Tensor | None = None,
+    w_shared_up: Tensor | None = None,
+    w_shared_down: Tensor | None = None,
+    *,
+    swiglu_limit: float | None = None,
+    workspace: Workspace | None = None,
+    config: MoKConfig | None = None,
+) -> Tensor:
+    """The whole layer as one differentiable call: ``out[t] = sum_k w[t,k] expert_{e[t,k]}(x[t])
+    + shared(x[t])`` with SwiGLU experts. Gradients flow to x, router_weights and every weight.
+    x [T, H] bf16 (leading dimensions are flattened); top_experts [T, K] int32/int64;
+    router_weights [T, K] fp32; weights as in ``forward``. On CUDA, `workspace` defaults to the
+    cached one of (config, device, T, H, K): layers of one shape then share it, and a backward
+    whose context another layer replaced recomputes (use ``mok.nn.MoE``, which holds its own)."""
+    leading = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    top2 = top_experts.reshape(-1, top_experts.shape[-1])
+    rw2 = router_weights.reshape(-1, router_weights.shape[-1])
+    if x.device.type == "cuda":
+        if workspace is None:
+            workspace = get_workspace(
+                config or MoKConfig(), None, device=x.device, num_local_tokens=int(x2.shape[0]),
+                hidden_size=int(x2.shape[1]), topk=int(top2.shape[1]),
+            )
+        handle = workspace.handle
+    else:
+        handle = 0
+    out = _MoeFunction.apply(
+        x2, top2, rw2, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down,
+        _limit(swiglu_limit), handle,
+    )
+    return out.reshape(*leading, out.shape[-1])

@@ -1,0 +1,215 @@
+"""mok's ``torch.library`` ops, in the ``mok`` namespace: few and coarse.
+
+- ``mok::forward(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+  w_shared_up, w_shared_down, swiglu_limit, workspace) -> (out, context)``
+- ``mok::backward(context, d_out, x, top_experts, router_weights, <the six weights>,
+  swiglu_limit, workspace) -> (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down,
+  d_w_shared_gate, d_w_shared_up, d_w_shared_down)``
+
+Each has a CUDA implementation (mok's kernels, launched on PyTorch's current stream with outputs
+from PyTorch's allocator and no host synchronization, so a training step can be captured in a
+CUDA graph), a CPU implementation (mok's CPU reference: the same rounding points, so results
+agree with the GPU to within bf16 accumulation order; slow, for tests and debugging) and a fake
+one, and mutates nothing (``mutates_args=()``). The routing schedule is built inside each op (mok's
+schedule kernels), and a backward whose context is no longer held recomputes the forward's
+intermediates in its own kernels: there is no separate schedule or recompute op to call.
+
+``context`` is a CPU int64 tensor of one element naming the forward's intermediates in the
+workspace's layer (0: none). ``workspace`` is a handle from ``mok.functional`` (0 on CPU, where
+nothing is kept). Without a shared expert its three weights are None and its gradients are empty.
+Autograd is not registered on the ops: ``mok.functional.moe`` and ``mok.nn.MoE`` differentiate
+through a ``torch.autograd.Function`` over them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.dlpack import to_dlpack
+
+from . import _C
+from ._workspace import layer_key, workspace_of
+
+__all__ = ["forward", "backward"]
+
+
+def _dl(tensor: Tensor | None):
+    """A DLPack capsule of `tensor` (no copy, no stream synchronization), or None."""
+    return None if tensor is None else to_dlpack(tensor)
+
+
+def _context_tensor(generation: int) -> Tensor:
+    return torch.tensor([generation], dtype=torch.int64)
+
+
+def _empty_gradient(like: Tensor) -> Tensor:
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+@torch.library.custom_op("mok::forward", mutates_args=(), device_types="cuda")
+def forward(
+    x: Tensor,
+    top_experts: Tensor,
+    router_weights: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    w_shared_gate: Tensor | None,
+    w_shared_up: Tensor | None,
+    w_shared_down: Tensor | None,
+    swiglu_limit: float,
+    workspace: int,
+) -> tuple[Tensor, Tensor]:
+    space = workspace_of(workspace)
+    layer = space.layer(
+        layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
+    )
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    with torch.cuda.device(x.device):
+        generation = layer.forward(
+            _dl(x),
+            _dl(top_experts),
+            _dl(router_weights),
+            _dl(w_gate),
+            _dl(w_up),
+            _dl(w_down),
+            _dl(w_shared_gate),
+            _dl(w_shared_up),
+            _dl(w_shared_down),
+            _dl(out),
+            stream,
+        )
+    return out, _context_tensor(generation)
+
+
+@forward.register_kernel("cpu")
+def _forward_cpu(
+    x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+    w_shared_down, swiglu_limit, workspace,
+):
+    shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _C.reference_forward(
+        shape,
+        _dl(x),
+        _dl(top_experts),
+        _dl(router_weights),
+        _dl(w_gate),
+        _dl(w_up),
+        _dl(w_down),
+        _dl(w_shared_gate),
+        _dl(w_shared_up),
+        _dl(w_shared_down),
+        _dl(out),
+    )
+    return out, _context_tensor(0)
+
+
+@forward.register_fake
+def _forward_fake(
+    x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
+    w_shared_down, swiglu_limit, workspace,
+):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(
+        1, dtype=torch.int64, device="cpu"
+    )
+
+
+def _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down):
+    def like(tensor):
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+    shared = [
+        like(w) if w is not None else _empty_gradient(w_gate)
+        for w in (w_shared_gate, w_shared_up, w_shared_down)
+    ]
+    return [like(x), like(router_weights), like(w_gate), like(w_up), like(w_down), *shared]
+
+
+def _shared_or_none(gradient: Tensor, weight: Tensor | None):
+    return gradient if weight is not None else None
+
+
+@torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")
+def backward(
+    context: Tensor,
+    d_out: Tensor,
+    x: Tensor,
+    top_experts: Tensor,
+    router_weights: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    w_shared_gate: Tensor | None,
+    w_shared_up: Tensor | None,
+    w_shared_down: Tensor | None,
+    swiglu_limit: float,
+    workspace: int,
+) -> list[Tensor]:
+    space = workspace_of(workspace)
+    layer = space.layer(
+        layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
+    )
+    grads = _gradients_like(
+        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
+    )
+    generation = int(context[0]) if context.numel() == 1 else 0
+    if generation != 0 and not layer.holds_context(generation):
+        generation = 0  # another call replaced the intermediates: the backward recomputes them
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    with torch.cuda.device(x.device):
+        layer.backward(
+            _dl(x),
+            _dl(top_experts),
+            _dl(router_weights),
+            _dl(w_gate),
+            _dl(w_up),
+            _dl(w_down),
+            _dl(w_shared_gate),
+            _dl(w_shared_up),
+            _dl(w_shared_down),
+            _dl(d_out),
+            *(_dl(g) for g in grads[:5]),
+            *(_dl(_shared_or_none(g, w)) for g, w in zip(grads[5:], (w_shared_gate, w_shared_up, w_shared_down))),
+            stream,
+            generation,
+        )
+    return grads
+
+
+@backward.register_kernel("cpu")
+def _backward_cpu(
+    context, d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+    w_shared_up, w_shared_down, swiglu_limit, workspace,
+):
+    shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
+    grads = _gradients_like(
+        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
+    )
+    _C.reference_backward(
+        shape,
+        _dl(x),
+        _dl(top_experts),
+        _dl(router_weights),
+        _dl(w_gate),
+        _dl(w_up),
+        _dl(w_down),
+        _dl(w_shared_gate),
+        _dl(w_shared_up),
+        _dl(w_shared_down),
+        _dl(d_out),
+        *(_dl(g) for g in grads[:5]),
+        *(_dl(_shared_or_none(g, w)) for g, w in zip(grads[5:], (w_shared_gate, w_shared_up, w_shared_down))),
+    )
+    return grads
+
+
+@backward.register_fake
+def _backward_fake(
+    context, d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+    w_shared_up, w_shared_down, swiglu_limit, workspace,
+):
+    return _gradients_like(
+        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
+    )

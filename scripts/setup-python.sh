@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Sets up the Python package for tests and development: a virtual environment (MOK_VENV, default
+# .venv) with the pinned build and test dependencies from the Python package index, then
+# `pip install --no-build-isolation .` of this tree into it (scikit-build-core builds the
+# extension mok._C from the same CMake project). Safe to run again: it installs only what is
+# missing, and always reinstalls mok itself. With MOK_PYTHON_SYSTEM=1 (the GPU machine, which has
+# no network) it uses the current interpreter and what it already has.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/local/cuda/bin"
+scripts/setup.sh
+if [ "${MOK_PYTHON_SYSTEM:-0}" = 1 ]; then
+  python=python3
+else
+  venv="${MOK_VENV:-.venv}"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  python="$venv/bin/python"
+  # The versions the GPU machine has (torch's CPU and CUDA builds share these pins).
+  requirements=(torch==2.11.0 nanobind==3.1.0 scikit-build-core==1.1.0 pytest==9.1.1
+                numpy==2.4.6 transformers==5.17.0)
+  if ! "$python" -c "import torch, nanobind, scikit_build_core, pytest, numpy, transformers" 2>/dev/null; then
+    echo "setup-python: installing ${requirements[*]} into $venv"
+    "$python" -m pip install -q "${requirements[@]}"
+  fi
+fi
+echo "setup-python: building and installing mok into $("$python" -c 'import sys; print(sys.prefix)')"
+"$python" -m pip install -q --no-build-isolation --no-deps .
+# The interpreter, as an absolute path (the last line: scripts/test.sh reads it).
+resolved="$(command -v "$python")"
+echo "$(cd "$(dirname "$resolved")" && pwd)/$(basename "$resolved")"

@@ -1,0 +1,145 @@
+"""mok.functional: the differentiable ``moe`` against an independent float64 torch
+implementation (outputs and every gradient, on the routings that break MoE layers), MoK's
+functional API called with MoK's signatures, bitwise reproducibility, and bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+import mok.functional as F
+from conftest import DEVICES, as_float64, make_problem, relative_error, torch_moe
+
+WEIGHTS = ["w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down"]
+# bf16 storage of h, g, u and the outputs: mok's errors sit near 3e-3 (docs/design.md).
+TOLERANCE = 1e-2
+
+
+def moe_of(p, swiglu_limit=None):
+    return F.moe(
+        p["x"], p["top_experts"], p["router_weights"], p["w_gate"], p["w_up"], p["w_down"],
+        p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"], swiglu_limit=swiglu_limit,
+    )
+
+
+CASES = {
+    "random": dict(),
+    "shared_expert": dict(Is=192),
+    "clamp": dict(),  # ~1% of g clamped: where bf16 rounding moves g across L, the exact gradient jumps
+    "holes": dict(routing="holes"),
+    "signed_and_zero_weights": dict(routing="signed"),
+    "duplicate_experts_in_a_row": dict(routing="duplicates"),
+    "all_to_one_expert": dict(routing="one_expert"),
+    "int64_ids_odd_tokens": dict(int64_ids=True, T=37),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_moe_matches_float64_torch(device, case):
+    limit = 1.5 if case == "clamp" else None
+    p = make_problem(device, seed=len(case), **CASES[case])
+    leaves = {k: (v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in p.items()}
+    out = moe_of(leaves, limit)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(device)
+    out.backward(d_out)
+
+    exact = as_float64(p, requires_grad=True)
+    expected = torch_moe(exact, limit)
+    expected.backward(d_out.double())
+
+    assert out.dtype == torch.bfloat16 and out.shape == p["x"].shape
+    assert relative_error(out, expected) < TOLERANCE
+    for name in ["x", "router_weights"] + WEIGHTS:
+        if p.get(name) is None:
+            continue
+        got, want = leaves[name].grad, exact[name].grad
+        assert got is not None and got.shape == want.shape, name
+        assert relative_error(got, want) < TOLERANCE, (name, relative_error(got, want))
+    if case == "holes":  # slots routed nowhere get exactly zero gradient
+        unrouted = p["top_experts"] < 0
+        assert torch.all(leaves["router_weights"].grad[unrouted] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitwise_reproducible(device):
+    p = make_problem(device, Is=64, seed=3)
+    runs = []
+    for _ in range(2):
+        leaves = {k: (v.detach().clone().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in p.items()}
+        out = moe_of(leaves)
+        out.backward(torch.ones_like(out))
+        runs.append([out.detach()] + [leaves[n].grad for n in ["x", "router_weights"] + WEIGHTS])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mok_functional_signatures(device):
+    """MoK's call sequence, argument for argument: config, workspace, schedule, forward,
+    backward (8 gradients in MoK's order), recompute_forward_context."""
+    p = make_problem(device, Is=128, seed=5)
+    T, H = p["x"].shape
+    K = p["top_experts"].shape[1]
+    config = F.MoKConfig(minibatch_size=256, macrobatch_size=1024)
+    if device == "cuda":
+        workspace = F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K)
+        assert F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K) is workspace
+    else:
+        workspace = None
+    schedule = F.build_schedule(workspace, config, p["top_experts"], num_local_experts=4) if device == "cuda" else F.MoKSchedule(p["top_experts"], 4)
+    assert int(schedule.tokens_per_expert.sum()) == int((p["top_experts"] >= 0).sum())
+    weights = (p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"], p["w_gate"], p["w_up"], p["w_down"])
+    if device == "cpu":
+        pytest.skip("the workspace functions are CUDA's (the CPU path is exercised through moe)")
+    out, context = F.forward(config, workspace, schedule, p["x"], p["router_weights"], *weights)
+    d_out = torch.randn_like(out)
+    grads = F.backward(config, workspace, schedule, context, d_out, p["x"], p["router_weights"], *weights)
+    assert len(grads) == 8
+    recomputed = F.recompute_forward_context(config, workspace, schedule, p["x"], p["w_shared_gate"], p["w_shared_up"], p["w_gate"], p["w_up"])
+    grads_recomputed = F.backward(config, workspace, schedule, recomputed, d_out, p["x"], p["router_weights"], *weights)
+    for a, b in zip(grads, grads_recomputed):
+        assert torch.equal(a, b)
+    F.synchronize(workspace)
+    leaves = as_float64(p, requires_grad=True)
+    expected = torch_moe(leaves)
+    expected.backward(d_out.double())
+    assert relative_error(out, expected) < TOLERANCE
+    names = ["x", "router_weights", "w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down"]
+    for name, grad in zip(names, grads):
+        assert relative_error(grad, leaves[name].grad) < TOLERANCE, name
+
+
+def bad(p, **changes):
+    q = dict(p)
+    q.update(changes)
+    return q
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda p: bad(p, x=p["x"].float()), "`x`"),
+        (lambda p: bad(p, w_gate=p["w_gate"][:, :64]), "`w_gate`"),
+        (lambda p: bad(p, w_down=p["w_down"].transpose(1, 2).contiguous().transpose(1, 2)), "`w_down`"),
+        (lambda p: bad(p, router_weights=p["router_weights"].double()), "`router_weights`"),
+        (lambda p: bad(p, top_experts=p["top_experts"].float()), "`top_experts`"),
+        (lambda p: bad(p, x=p["x"].t().contiguous().t()), "`x`"),
+        (lambda p: bad(p, w_up=p["w_up"][:3]), "`w_up`"),
+        (lambda p: bad(p, x=p["x"][:, :64]), "`x`"),
+    ],
+    ids=["dtype", "shape", "non_contiguous", "router_dtype", "ids_dtype", "strided_x", "mismatched_experts", "hidden"],
+)
+def test_bad_inputs_raise_value_error_naming_the_argument(device, change, message):
+    p = change(make_problem(device))
+    with pytest.raises(ValueError, match=message.replace("`", ".")):
+        moe_of(p)
+
+
+def test_expert_id_out_of_range_is_named_on_cpu():
+    p = make_problem("cpu")
+    p["top_experts"][5, 1] = 9
+    with pytest.raises(ValueError, match="top_experts"):
+        moe_of(p)

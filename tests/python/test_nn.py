@@ -1,0 +1,127 @@
+"""mok.nn.MoE: parameters in mok's layouts, training with a torch optimizer, bitwise
+reproducible training, torch.compile(fullgraph=True) without a graph break, Hugging Face
+weights, and (CUDA) a whole training step captured in a CUDA graph and replayed with new
+routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+from conftest import DEVICES, cuda_reason, make_problem
+
+
+def routing(T, E, K, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    top = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
+    weights = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
+    return top.to(device), weights.to(device)
+
+
+def make_module(device, shared=64, seed=0):
+    torch.manual_seed(seed)
+    return mok.nn.MoE(8, 128, 128, shared_intermediate_size=shared, device=device)
+
+
+def train(device, steps=5, compile_backend=None, seed=0):
+    module = make_module(device, seed=seed)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(11)
+    target = torch.randn(2, 32, 128, generator=gen).to(torch.bfloat16).to(device)
+
+    def loss_of(x, top, weights):
+        out = module(x, top, weights)
+        return (out.float() - target.float()).pow(2).mean()
+
+    if compile_backend is not None:  # the forward and (AOT autograd) its backward, one graph each
+        loss_of = torch.compile(loss_of, fullgraph=True, backend=compile_backend)
+    x = torch.randn(2, 32, 128, generator=gen).to(torch.bfloat16).to(device)
+    losses = []
+    for i in range(steps):
+        top, weights = routing(64, 8, 2, i % 2, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(x, top.view(2, 32, 2), weights.view(2, 32, 2))
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    return losses, [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameters_and_layouts(device):
+    module = make_module(device)
+    names = [n for n, _ in module.named_parameters()]
+    assert names == ["w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down"]
+    assert tuple(module.w_gate.shape) == (8, 128, 128) and module.w_gate.dtype == torch.bfloat16
+    assert [n for n, _ in make_module(device, shared=0).named_parameters()] == ["w_gate", "w_up", "w_down"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_lowers_the_loss_and_is_bitwise_reproducible(device):
+    losses, params = train(device, steps=8)
+    assert losses[-1] < losses[0]
+    losses_again, params_again = train(device, steps=8)
+    assert losses == losses_again
+    for a, b in zip(params, params_again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    backend = "aot_eager" if device == "cpu" else "inductor"
+    eager, eager_params = train(device, steps=3)
+    compiled, compiled_params = train(device, steps=3, compile_backend=backend)
+    assert eager == compiled
+    for a, b in zip(eager_params, compiled_params):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_hf_experts(device):
+    module = make_module(device, shared=0)
+    E, I, H = 8, 128, 128
+    gate_up = torch.randn(E, 2 * I, H).to(torch.bfloat16).to(device)
+    down = torch.randn(E, H, I).to(torch.bfloat16).to(device)
+    module.load_hf_experts(gate_up, down)
+    assert torch.equal(module.w_gate, gate_up[:, :I]) and torch.equal(module.w_up, gate_up[:, I:])
+    assert torch.equal(module.w_down, down)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        module.load_hf_experts(gate_up[:, :I], down)
+
+
+@pytest.mark.skipif(cuda_reason() is not None, reason=str(cuda_reason()))
+def test_cuda_graph_training_step_replays_with_new_routing():
+    module = make_module("cuda")
+    T, K, E = 64, 2, 8
+    static_x = torch.randn(T, 128, device="cuda").to(torch.bfloat16)
+    static_top, static_w = routing(T, E, K, 0, "cuda")
+
+    def step():
+        out = module(static_x, static_top, static_w)
+        out.float().pow(2).mean().backward()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # the workspace is allocated here, before capture
+        for p in module.parameters():
+            p.grad = None
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (3, 4):
+        top, w = routing(T, E, K, seed, "cuda")
+        static_top.copy_(top)
+        static_w.copy_(w)
+        graph.replay()
+        replayed = [p.grad.clone() for p in module.parameters()]
+        for p in module.parameters():
+            p.grad = None
+        step()
+        eager = [p.grad for p in module.parameters()]
+        for a, b in zip(replayed, eager):
+            assert torch.equal(a, b)
+        for p in module.parameters():
+            p.grad = None
