@@ -154,6 +154,31 @@ else
   record ctest_gpu skipped
 fi
 
+# --- The Python package: installed with this machine's PyTorch (no network), its tests (CUDA and
+# CPU cases), then mok through PyTorch against the C++ layer (MOK_PYTHON_BENCH_SHAPES, default
+# "qwen3 dsv3_local"; python.log, python_<shape>.json merged into results.json) ----------------
+python_json=""
+if [ "${MOK_SKIP_PYTHON:-0}" = 1 ]; then
+  record python_install skipped
+else
+  : >"$OUT/python.log"
+  run_step python_install "$OUT/python.log" env MOK_PYTHON_SYSTEM=1 scripts/setup-python.sh
+  if [ "${step_results[-1]}" = pass ]; then
+    if [ "${MOK_SKIP_TESTS:-0}" != 1 ]; then
+      run_step python_tests "$OUT/python.log" bash -c \
+        "cd tests/python && timeout 900 python3 -m pytest -q -rs -p no:cacheprovider ."
+    fi
+    for shape in ${MOK_PYTHON_BENCH_SHAPES-qwen3 dsv3_local}; do
+      run_step "python_bench_$shape" "$OUT/python.log" timeout 300 python3 -m mok.bench \
+        --shape "$shape" --json "$OUT/tmp_python_$shape.json"
+      if [ -s "$OUT/tmp_python_$shape.json" ]; then
+        python_json="${python_json:+$python_json, }\"$shape\": $(cat "$OUT/tmp_python_$shape.json")"
+        rm -f "$OUT/tmp_python_$shape.json"
+      fi
+    done
+  fi
+fi
+
 # --- CLI: the tiny shape, then the benchmarks (mok vs the unfused baseline, same run) ------------
 bench_json=""
 add_bench_json() {  # add_bench_json NAME FILE: merge one `mok run --json` result, then drop the file
@@ -336,7 +361,8 @@ cat >"$OUT/results.json" <<EOF
   "steps": {$steps_json},
   "ctest": {"cpu": $cpu_counts, "gpu": $gpu_counts},
   "schedule_timing": $timing,
-  "runs": {$bench_json}
+  "runs": {$bench_json},
+  "python": {$python_json}
 }
 EOF
 

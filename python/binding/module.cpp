@@ -302,6 +302,9 @@ void bind_expert_parallel(nb::module_& m) {
 NB_MODULE(_C, m) {
   using namespace mok::python;
   m.doc() = "mok's C++ layer: the CPU reference, the single-GPU layer, expert parallelism";
+  // Workspaces held by module-level caches at interpreter exit are freed by mok's atexit hook;
+  // the configs they keep are not leaks worth a report.
+  nb::set_leak_warnings(false);
   nb::register_exception_translator(
       [](const std::exception_ptr& error, void*) { translate_errors(error); });
   bind_shape_and_config(m);

@@ -10,6 +10,7 @@ CUDA graph.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import threading
@@ -87,30 +88,34 @@ def layer_key(
     )
 
 
-class Workspace:
-    """The layers of one device (and one expert-parallel group, when ``communicator`` is given)."""
+def fingerprint(*tensors) -> tuple:
+    """What identifies a call's inputs while they live: storage, version and shape of each."""
+    return tuple(
+        None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.device.index)
+        for t in tensors
+    )
 
-    def __init__(
-        self,
-        config: _C.MoeConfig,
-        device: torch.device,
-        communicator: object | None = None,
-        num_ranks: int = 1,
-    ) -> None:
-        if device.type != "cuda":
-            raise ValueError(f"argument `device` is {device}; a workspace lives on a CUDA device")
+
+class Workspace:
+    """The layers of this process's devices (and of one expert-parallel group, when
+    ``communicator`` is given). Making one allocates nothing: each layer is built by its first
+    call, on the device of its tensors."""
+
+    def __init__(self, config: _C.MoeConfig, communicator: object | None = None, num_ranks: int = 1) -> None:
         self.config = config
-        self.device = torch.device("cuda", device.index if device.index is not None else 0)
         self.communicator = communicator
         self.num_ranks = num_ranks
-        self._layers: dict[LayerKey, object] = {}
+        self._layers: dict[tuple, object] = {}
+        self._ep_layers: list[object] = []  # keep the ranks' layers alive
+        self._contexts: dict[tuple, tuple] = {}  # layer -> (context, inputs' fingerprint)
         with _LOCK:
             self.handle = next(_NEXT_HANDLE)
             _REGISTRY[self.handle] = self
 
-    def layer(self, key: LayerKey) -> _C.GpuLayer:
-        """The C++ layer of `key`, built (and its memory allocated) on first use."""
-        layer = self._layers.get(key)
+    def layer(self, key: LayerKey, device: torch.device) -> _C.GpuLayer:
+        """The C++ layer of `key` on `device`, built (its memory allocated) on first use."""
+        slot = (device.index, key)
+        layer = self._layers.get(slot)
         if layer is None:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -118,35 +123,47 @@ class Workspace:
                     "is allocated on first use, so run one step before capturing"
                 )
             shape = key.shape(self.num_ranks)
-            with torch.cuda.device(self.device):
+            with torch.cuda.device(device):
                 if self.communicator is None:
                     layer = _C.GpuLayer(shape, self.config)
                 else:
                     ep_layer = _C.EpLayer(shape, self.config, self.communicator)
+                    self._ep_layers.append(ep_layer)
                     layer = ep_layer.rank_layer()
-                    self._layers[("ep", key)] = ep_layer  # keeps the rank's layer alive
-            self._layers[key] = layer
+            self._layers[slot] = layer
         return layer
 
+    def record_forward(self, key: LayerKey, device: torch.device, context: int, inputs: tuple) -> None:
+        self._contexts[(device.index, key)] = (context, inputs)
+
+    def context_for(self, key: LayerKey, device: torch.device, inputs: tuple) -> int:
+        """The context a backward of `inputs` may start from: the latest forward's, if it ran on
+        these very tensors (unchanged since) and its intermediates are still held; else 0."""
+        slot = (device.index, key)
+        context, forward_inputs = self._contexts.get(slot, (0, None))
+        if context == 0 or forward_inputs != inputs or not self._layers[slot].holds_context(context):
+            return 0
+        return context
+
     def synchronize(self) -> None:
-        """Waits for the current stream and raises what the device found in any of this
+        """Waits for the current streams and raises what the device found in any of this
         workspace's layers: bad expert ids (naming rank, token and slot), a timed-out wait with
         its diagnosis, non-finite inputs (``check_finite``), or a CUDA error (``RuntimeError``)."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        with torch.cuda.device(self.device):
-            for key, layer in self._layers.items():
-                if not isinstance(key, tuple):
-                    layer.synchronize(stream)
+        for (index, _), layer in self._layers.items():
+            device = torch.device("cuda", index)
+            with torch.cuda.device(device):
+                layer.synchronize(torch.cuda.current_stream(device).cuda_stream)
 
     def workspace_bytes(self) -> int:
-        return sum(
-            layer.workspace_bytes() for key, layer in self._layers.items() if not isinstance(key, tuple)
-        )
+        return sum(layer.workspace_bytes() for layer in self._layers.values())
 
     def release(self) -> None:
-        """Frees the device memory (after the device finished with it)."""
-        torch.cuda.synchronize(self.device)
+        """Frees the device memory (after the devices finished with it)."""
+        if self._layers:
+            torch.cuda.synchronize()
         self._layers.clear()
+        self._ep_layers.clear()
+        self._contexts.clear()
         with _LOCK:
             _REGISTRY.pop(self.handle, None)
 
@@ -159,3 +176,11 @@ def workspace_of(handle: int) -> Workspace:
             "mok.functional.get_workspace or create_workspace"
         )
     return workspace
+
+
+@atexit.register
+def _release_all() -> None:
+    """Frees every layer while the CUDA runtime is still up (at interpreter exit)."""
+    for workspace in list(_REGISTRY.values()):
+        workspace._layers.clear()
+        workspace._ep_layers.clear()

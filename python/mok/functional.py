@@ -108,13 +108,23 @@ class MoKSchedule:
 
 @dataclass(frozen=True, slots=True)
 class MoKForwardContext:
-    """Names the forward's intermediates kept in the workspace (``token``: a CPU int64 tensor
-    of one element, 0 = none: the backward recomputes them)."""
+    """The forward's intermediates are kept in the workspace's layer; a backward given this
+    context starts from them when that layer's latest forward ran on the same input tensors,
+    unchanged since (else, and with ``use_context`` False, it recomputes them: same bits)."""
 
-    token: Tensor
+    use_context: bool = True
 
 
 _WORKSPACE_CACHE: dict[tuple, Workspace] = {}
+_DEFAULT_CONFIG = MoKConfig()
+_DEFAULT_WORKSPACES: dict[MoKConfig, Workspace] = {_DEFAULT_CONFIG: Workspace(_DEFAULT_CONFIG.to_native())}
+
+
+def _default_workspace(config: MoKConfig) -> Workspace:
+    workspace = _DEFAULT_WORKSPACES.get(config)
+    if workspace is None:
+        workspace = _DEFAULT_WORKSPACES[config] = Workspace(config.to_native())
+    return workspace
 
 
 def _group_size(group) -> int:
@@ -153,7 +163,7 @@ def create_workspace(
     device = _resolve_device(device)
     native = config.to_native()
     if _group_size(group) == 1:
-        workspace = Workspace(native, device)
+        workspace = Workspace(native)
     else:
         from .distributed import expert_parallel_workspace
 
@@ -247,12 +257,12 @@ def forward(
     shared weights bf16 [Is, H], [Is, H], [H, Is] or None; routed bf16 [E_loc, I, H],
     [E_loc, I, H], [E_loc, H, I]; swiglu_limit: gate = min(gate, L), up = clamp(up, -L, L)."""
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
-    out, token = torch.ops.mok.forward(
+    out = torch.ops.mok.forward(
         x, schedule.top_experts, router_weights, routed_gate_weights, routed_up_weights,
         routed_down_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
         _limit(swiglu_limit), workspace.handle,
     )
-    return out, MoKForwardContext(token)
+    return out, MoKForwardContext(True)
 
 
 def recompute_forward_context(
@@ -270,7 +280,7 @@ def recompute_forward_context(
     the recompute (schedule, gather, gate/up GEMM) into the backward's kernels, so nothing runs
     here and the backward given this context does it."""
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
-    return MoKForwardContext(torch.zeros(1, dtype=torch.int64))
+    return MoKForwardContext(False)
 
 
 def backward(
@@ -299,9 +309,9 @@ def backward(
         )
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
     grads = torch.ops.mok.backward(
-        forward_context.token, grad_output.contiguous(), x, schedule.top_experts, router_weights,
-        routed_gate_weights, routed_up_weights, routed_down_weights, shared_gate_weights,
-        shared_up_weights, shared_down_weights, _limit(swiglu_limit), workspace.handle,
+        grad_output.contiguous(), x, schedule.top_experts, router_weights, routed_gate_weights,
+        routed_up_weights, routed_down_weights, shared_gate_weights, shared_up_weights,
+        shared_down_weights, _limit(swiglu_limit), workspace.handle, forward_context.use_context,
     )
     shared = [g if w is not None else None for g, w in zip(grads[5:], (shared_gate_weights, shared_up_weights, shared_down_weights))]
     return (grads[0], grads[1], grads[2], grads[3], grads[4], *shared)
@@ -313,21 +323,21 @@ class _MoeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, swiglu_limit, handle):
-        out, token = torch.ops.mok.forward(
+        out = torch.ops.mok.forward(
             x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
             w_shared_down, swiglu_limit, handle,
         )
-        ctx.save_for_backward(token, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+        ctx.save_for_backward(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
         ctx.swiglu_limit = swiglu_limit
         ctx.handle = handle
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        token, x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = ctx.saved_tensors
+        x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = ctx.saved_tensors
         grads = torch.ops.mok.backward(
-            token, d_out.contiguous(), x, top_experts, router_weights, w_gate, w_up, w_down,
-            ws_gate, ws_up, ws_down, ctx.swiglu_limit, ctx.handle,
+            d_out.contiguous(), x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate,
+            ws_up, ws_down, ctx.swiglu_limit, ctx.handle, True,
         )
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = grads[:5]
         shared = [g if w is not None else None for g, w in zip(grads[5:], (ws_gate, ws_up, ws_down))]
@@ -352,22 +362,17 @@ def moe(
     """The whole layer as one differentiable call: ``out[t] = sum_k w[t,k] expert_{e[t,k]}(x[t])
     + shared(x[t])`` with SwiGLU experts. Gradients flow to x, router_weights and every weight.
     x [T, H] bf16 (leading dimensions are flattened); top_experts [T, K] int32/int64;
-    router_weights [T, K] fp32; weights as in ``forward``. On CUDA, `workspace` defaults to the
-    cached one of (config, device, T, H, K): layers of one shape then share it, and a backward
-    whose context another layer replaced recomputes (use ``mok.nn.MoE``, which holds its own)."""
+    router_weights [T, K] fp32; weights as in ``forward``. `workspace` defaults to one shared
+    workspace per config (the default config's is made at import, so ``torch.compile`` traces
+    this call without a graph break): layers of one shape then share a layer, and a backward
+    whose context another call replaced recomputes (``mok.nn.MoE`` holds its own)."""
     leading = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     top2 = top_experts.reshape(-1, top_experts.shape[-1])
     rw2 = router_weights.reshape(-1, router_weights.shape[-1])
-    if x.device.type == "cuda":
-        if workspace is None:
-            workspace = get_workspace(
-                config or MoKConfig(), None, device=x.device, num_local_tokens=int(x2.shape[0]),
-                hidden_size=int(x2.shape[1]), topk=int(top2.shape[1]),
-            )
-        handle = workspace.handle
-    else:
-        handle = 0
+    if workspace is None:
+        workspace = _default_workspace(config or _DEFAULT_CONFIG)
+    handle = workspace.handle if x.device.type == "cuda" else 0
     out = _MoeFunction.apply(
         x2, top2, rw2, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down,
         _limit(swiglu_limit), handle,

@@ -70,7 +70,14 @@ class MoE(nn.Module):
             self.register_parameter("w_shared_gate", None)
             self.register_parameter("w_shared_up", None)
             self.register_parameter("w_shared_down", None)
-        self._workspace: Workspace | None = None
+        # Its own layers (built by the first call on each device): the handle is a plain integer
+        # for the ops, so torch.compile and CUDA graphs see a constant.
+        if group is not None and num_ranks > 1:
+            from .distributed import expert_parallel_workspace
+
+            self._workspace = expert_parallel_workspace(self.config.to_native(), None, group)
+        else:
+            self._workspace = Workspace(self.config.to_native())
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -79,24 +86,16 @@ class MoE(nn.Module):
             bound = 1.0 / math.sqrt(weight.shape[-1])
             nn.init.uniform_(weight, -bound, bound)
 
-    def workspace(self, x: Tensor) -> Workspace | None:
-        """This module's workspace on x's device (None on CPU)."""
-        if x.device.type != "cuda":
-            return None
-        if self._workspace is None or self._workspace.device != x.device:
-            if self.group is not None and functional._group_size(self.group) > 1:
-                from .distributed import expert_parallel_workspace
-
-                self._workspace = expert_parallel_workspace(self.config.to_native(), x.device, self.group)
-            else:
-                self._workspace = Workspace(self.config.to_native(), x.device)
+    @property
+    def workspace(self) -> Workspace:
+        """This module's workspace (``workspace.synchronize()`` reports device faults)."""
         return self._workspace
 
     def forward(self, x: Tensor, top_experts: Tensor, router_weights: Tensor) -> Tensor:
         return functional.moe(
             x, top_experts, router_weights, self.w_gate, self.w_up, self.w_down,
             self.w_shared_gate, self.w_shared_up, self.w_shared_down,
-            swiglu_limit=self.swiglu_limit, workspace=self.workspace(x), config=self.config,
+            swiglu_limit=self.swiglu_limit, workspace=self._workspace, config=self.config,
         )
 
     @torch.no_grad()

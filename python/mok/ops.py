@@ -1,9 +1,9 @@
 """mok's ``torch.library`` ops, in the ``mok`` namespace: few and coarse.
 
 - ``mok::forward(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
-  w_shared_up, w_shared_down, swiglu_limit, workspace) -> (out, context)``
-- ``mok::backward(context, d_out, x, top_experts, router_weights, <the six weights>,
-  swiglu_limit, workspace) -> (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down,
+  w_shared_up, w_shared_down, swiglu_limit, workspace) -> out``
+- ``mok::backward(d_out, x, top_experts, router_weights, <the six weights>, swiglu_limit,
+  workspace, use_context) -> (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down,
   d_w_shared_gate, d_w_shared_up, d_w_shared_down)``
 
 Each has a CUDA implementation (mok's kernels, launched on PyTorch's current stream with outputs
@@ -14,8 +14,10 @@ one, and mutates nothing (``mutates_args=()``). The routing schedule is built in
 schedule kernels), and a backward whose context is no longer held recomputes the forward's
 intermediates in its own kernels: there is no separate schedule or recompute op to call.
 
-``context`` is a CPU int64 tensor of one element naming the forward's intermediates in the
-workspace's layer (0: none). ``workspace`` is a handle from ``mok.functional`` (0 on CPU, where
+The forward context stays in the workspace's layer: with ``use_context`` the backward starts
+from it when the latest forward of that layer ran on these very input tensors, unchanged since
+(their storage, version and shape), and recomputes otherwise; the outputs are the same bits either
+way. ``workspace`` is a handle from ``mok.functional`` or ``mok.nn.MoE`` (0 on CPU, where
 nothing is kept). Without a shared expert its three weights are None and its gradients are empty.
 Autograd is not registered on the ops: ``mok.functional.moe`` and ``mok.nn.MoE`` differentiate
 through a ``torch.autograd.Function`` over them.
@@ -33,13 +35,15 @@ from ._workspace import layer_key, workspace_of
 __all__ = ["forward", "backward"]
 
 
+def _inputs(*tensors):
+    from ._workspace import fingerprint
+
+    return fingerprint(*tensors)
+
+
 def _dl(tensor: Tensor | None):
     """A DLPack capsule of `tensor` (no copy, no stream synchronization), or None."""
     return None if tensor is None else to_dlpack(tensor)
-
-
-def _context_tensor(generation: int) -> Tensor:
-    return torch.tensor([generation], dtype=torch.int64)
 
 
 def _empty_gradient(like: Tensor) -> Tensor:
@@ -59,11 +63,10 @@ def forward(
     w_shared_down: Tensor | None,
     swiglu_limit: float,
     workspace: int,
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     space = workspace_of(workspace)
-    layer = space.layer(
-        layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
-    )
+    key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
+    layer = space.layer(key, x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
@@ -80,7 +83,8 @@ def forward(
             _dl(out),
             stream,
         )
-    return out, _context_tensor(generation)
+    space.record_forward(key, x.device, generation, _inputs(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down))
+    return out
 
 
 @forward.register_kernel("cpu")
@@ -103,7 +107,7 @@ def _forward_cpu(
         _dl(w_shared_down),
         _dl(out),
     )
-    return out, _context_tensor(0)
+    return out
 
 
 @forward.register_fake
@@ -111,9 +115,7 @@ def _forward_fake(
     x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
     w_shared_down, swiglu_limit, workspace,
 ):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(
-        1, dtype=torch.int64, device="cpu"
-    )
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down):
@@ -133,7 +135,6 @@ def _shared_or_none(gradient: Tensor, weight: Tensor | None):
 
 @torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")
 def backward(
-    context: Tensor,
     d_out: Tensor,
     x: Tensor,
     top_experts: Tensor,
@@ -146,17 +147,17 @@ def backward(
     w_shared_down: Tensor | None,
     swiglu_limit: float,
     workspace: int,
+    use_context: bool,
 ) -> list[Tensor]:
     space = workspace_of(workspace)
-    layer = space.layer(
-        layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
-    )
+    key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
+    layer = space.layer(key, x.device)
     grads = _gradients_like(
         x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
     )
-    generation = int(context[0]) if context.numel() == 1 else 0
-    if generation != 0 and not layer.holds_context(generation):
-        generation = 0  # another call replaced the intermediates: the backward recomputes them
+    generation = 0
+    if use_context:
+        generation = space.context_for(key, x.device, _inputs(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
         layer.backward(
@@ -180,8 +181,8 @@ def backward(
 
 @backward.register_kernel("cpu")
 def _backward_cpu(
-    context, d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
-    w_shared_up, w_shared_down, swiglu_limit, workspace,
+    d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+    w_shared_up, w_shared_down, swiglu_limit, workspace, use_context,
 ):
     shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
     grads = _gradients_like(
@@ -207,8 +208,8 @@ def _backward_cpu(
 
 @backward.register_fake
 def _backward_fake(
-    context, d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
-    w_shared_up, w_shared_down, swiglu_limit, workspace,
+    d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+    w_shared_up, w_shared_down, swiglu_limit, workspace, use_context,
 ):
     return _gradients_like(
         x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down

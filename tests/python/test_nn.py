@@ -111,12 +111,13 @@ def test_cuda_graph_training_step_replays_with_new_routing():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    static_grads = [p.grad for p in module.parameters()]  # written by every replay
     for seed in (3, 4):
         top, w = routing(T, E, K, seed, "cuda")
         static_top.copy_(top)
         static_w.copy_(w)
         graph.replay()
-        replayed = [p.grad.clone() for p in module.parameters()]
+        replayed = [g.clone() for g in static_grads]
         for p in module.parameters():
             p.grad = None
         step()

@@ -31,10 +31,9 @@ def test_opcheck_forward_and_backward(device, shared):
     weights, handle = op_args(p, device)
     forward_args = (p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
     torch.library.opcheck(torch.ops.mok.forward.default, forward_args)
-    out, context = torch.ops.mok.forward(*forward_args)
-    assert context.device.type == "cpu" and context.dtype == torch.int64
+    out = torch.ops.mok.forward(*forward_args)
     d_out = torch.randn_like(out)
-    backward_args = (context, d_out, p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
+    backward_args = (d_out, p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle, True)
     torch.library.opcheck(torch.ops.mok.backward.default, backward_args)
     grads = torch.ops.mok.backward(*backward_args)
     assert [tuple(g.shape) for g in grads[:5]] == [
@@ -50,7 +49,7 @@ def test_ops_leave_their_inputs_untouched(device):
     p = make_problem(device, Is=64)
     before = {k: v.clone() for k, v in p.items() if isinstance(v, torch.Tensor)}
     weights, handle = op_args(p, device)
-    out, context = torch.ops.mok.forward(p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
-    torch.ops.mok.backward(context, torch.ones_like(out), p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
+    out = torch.ops.mok.forward(p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
+    torch.ops.mok.backward(torch.ones_like(out), p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle, True)
     for k, v in before.items():
         assert torch.equal(v, p[k]), k
