@@ -120,7 +120,10 @@ void bind_shape_and_config(nb::module_& m) {
       .def("num_local_experts", &MoeShape::num_local_experts)
       .def("check", [](const MoeShape& shape) { can_implement(shape).throw_if_error(); })
       .def("__repr__", &MoeShape::to_string);
-  m.def("named_shape", &named_shape, "name"_a, "num_ranks"_a = 1);
+  m.def(
+      "named_shape",
+      [](const std::string& name, int32_t num_ranks) { return named_shape(name, num_ranks); },
+      "name"_a, "num_ranks"_a = 1);
   m.def("named_shape_names", &named_shape_names);
 
   nb::class_<MoeConfig>(m, "MoeConfig")

@@ -13,6 +13,10 @@ Results are bitwise reproducible: the same inputs give the same bits on every ru
 tuning knob of ``MoKConfig``.
 """
 
+# PyTorch first: the extension then binds to the CUDA libraries (cuBLAS, NCCL) that PyTorch
+# loaded, instead of loading a second copy of them (which corrupts the heap: seen on the H200).
+import torch  # noqa: F401
+
 from . import _C
 from . import functional, nn, ops
 from .functional import MoKConfig, moe
