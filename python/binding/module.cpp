@@ -99,8 +99,9 @@ void translate_errors(const std::exception_ptr& error) {
         PyErr_SetString(PyExc_NotImplementedError, e.what());
         break;
       default:
-        PyErr_SetString(PyExc_RuntimeError,
-                        (std::string("mok ") + error_code_name(e.code()) + ": " + e.what()).c_str());
+        PyErr_SetString(
+            PyExc_RuntimeError,
+            (std::string("mok ") + error_code_name(e.code()) + ": " + e.what()).c_str());
         break;
     }
   }
@@ -140,7 +141,9 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("ep_push_dispatch", &MoeConfig::ep_push_dispatch)
       .def_prop_rw(
           "local_dispatch",
-          [](const MoeConfig& config) { return std::string(local_dispatch_name(config.local_dispatch)); },
+          [](const MoeConfig& config) {
+            return std::string(local_dispatch_name(config.local_dispatch));
+          },
           [](MoeConfig& config, const std::string& name) {
             config.local_dispatch = local_dispatch_from_name(name);
           })
@@ -193,11 +196,10 @@ void bind_gpu_layer(nb::module_& m) {
       .def(nb::init<const MoeShape&, const MoeConfig&>(), "shape"_a, "config"_a)
       .def(
           "forward",
-          [](GpuLayer& layer, const Array& x, const Array& top_experts,
-             const Array& router_weights, const Array& w_gate, const Array& w_up,
-             const Array& w_down, const OptionalArray& w_shared_gate,
-             const OptionalArray& w_shared_up, const OptionalArray& w_shared_down,
-             const Array& out, uintptr_t stream) {
+          [](GpuLayer& layer, const Array& x, const Array& top_experts, const Array& router_weights,
+             const Array& w_gate, const Array& w_up, const Array& w_down,
+             const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
+             const OptionalArray& w_shared_down, const Array& out, uintptr_t stream) {
             ForwardArgs args = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
                                             w_shared_gate, w_shared_up, w_shared_down);
             args.out = view_of(out, "out");
@@ -210,14 +212,14 @@ void bind_gpu_layer(nb::module_& m) {
           "backward of the same inputs may start from.")
       .def(
           "backward",
-          [](GpuLayer& layer, const Array& x, const Array& top_experts,
-             const Array& router_weights, const Array& w_gate, const Array& w_up,
-             const Array& w_down, const OptionalArray& w_shared_gate,
-             const OptionalArray& w_shared_up, const OptionalArray& w_shared_down,
-             const Array& d_out, const Array& d_x, const Array& d_router_weights,
-             const Array& d_w_gate, const Array& d_w_up, const Array& d_w_down,
-             const OptionalArray& d_w_shared_gate, const OptionalArray& d_w_shared_up,
-             const OptionalArray& d_w_shared_down, uintptr_t stream, uint64_t context) {
+          [](GpuLayer& layer, const Array& x, const Array& top_experts, const Array& router_weights,
+             const Array& w_gate, const Array& w_up, const Array& w_down,
+             const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
+             const OptionalArray& w_shared_down, const Array& d_out, const Array& d_x,
+             const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
+             const Array& d_w_down, const OptionalArray& d_w_shared_gate,
+             const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
+             uintptr_t stream, uint64_t context) {
             const BackwardArgs args =
                 backward_args(forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
                                            w_shared_gate, w_shared_up, w_shared_down),
@@ -285,9 +287,7 @@ void bind_expert_parallel(nb::module_& m) {
       .def(
           "__init__",
           [](EpLayer* layer, const MoeShape& shape, const MoeConfig& config,
-             Communicator& communicator) {
-            new (layer) EpLayer(shape, config, {&communicator});
-          },
+             Communicator& communicator) { new (layer) EpLayer(shape, config, {&communicator}); },
           "shape"_a, "config"_a, "communicator"_a, nb::keep_alive<1, 4>())
       .def(
           "rank_layer", [](EpLayer& layer) -> GpuLayer& { return layer.rank_layer(0); },

@@ -37,8 +37,7 @@ TensorView view_of(const Array& array, const char* name) {
   if (ndim == 0 || ndim > static_cast<size_t>(TensorView::kMaxDims))
     throw Error(ErrorCode::kInvalidArgument,
                 std::string("argument `") + name + "` has " + std::to_string(ndim) +
-                    " dimensions; mok's tensors have 1 to " +
-                    std::to_string(TensorView::kMaxDims));
+                    " dimensions; mok's tensors have 1 to " + std::to_string(TensorView::kMaxDims));
   view.data = array.data();
   view.dtype = dtype_of(array.dtype(), name);
   view.ndim = static_cast<int32_t>(ndim);
