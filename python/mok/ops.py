@@ -46,6 +46,10 @@ def _dl(tensor: Tensor | None):
     return None if tensor is None else to_dlpack(tensor)
 
 
+def _capsules(*tensors):
+    return [_dl(t) for t in tensors]
+
+
 def _empty_gradient(like: Tensor) -> Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
@@ -71,15 +75,7 @@ def forward(
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
         generation = layer.forward(
-            _dl(x),
-            _dl(top_experts),
-            _dl(router_weights),
-            _dl(w_gate),
-            _dl(w_up),
-            _dl(w_down),
-            _dl(w_shared_gate),
-            _dl(w_shared_up),
-            _dl(w_shared_down),
+            *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
             _dl(out),
             stream,
         )
@@ -96,15 +92,7 @@ def _forward_cpu(
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _C.reference_forward(
         shape,
-        _dl(x),
-        _dl(top_experts),
-        _dl(router_weights),
-        _dl(w_gate),
-        _dl(w_up),
-        _dl(w_down),
-        _dl(w_shared_gate),
-        _dl(w_shared_up),
-        _dl(w_shared_down),
+        *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
         _dl(out),
     )
     return out
@@ -161,15 +149,7 @@ def backward(
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
         layer.backward(
-            _dl(x),
-            _dl(top_experts),
-            _dl(router_weights),
-            _dl(w_gate),
-            _dl(w_up),
-            _dl(w_down),
-            _dl(w_shared_gate),
-            _dl(w_shared_up),
-            _dl(w_shared_down),
+            *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
             _dl(d_out),
             *(_dl(g) for g in grads[:5]),
             *(_dl(_shared_or_none(g, w)) for g, w in zip(grads[5:], (w_shared_gate, w_shared_up, w_shared_down))),
@@ -190,15 +170,7 @@ def _backward_cpu(
     )
     _C.reference_backward(
         shape,
-        _dl(x),
-        _dl(top_experts),
-        _dl(router_weights),
-        _dl(w_gate),
-        _dl(w_up),
-        _dl(w_down),
-        _dl(w_shared_gate),
-        _dl(w_shared_up),
-        _dl(w_shared_down),
+        *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
         _dl(d_out),
         *(_dl(g) for g in grads[:5]),
         *(_dl(_shared_or_none(g, w)) for g, w in zip(grads[5:], (w_shared_gate, w_shared_up, w_shared_down))),
