@@ -101,8 +101,16 @@ class Workspace:
     ``communicator`` is given). Making one allocates nothing: each layer is built by its first
     call, on the device of its tensors."""
 
-    def __init__(self, config: _C.MoeConfig, communicator: object | None = None, num_ranks: int = 1) -> None:
+    def __init__(
+        self,
+        config: _C.MoeConfig,
+        communicator: object | None = None,
+        num_ranks: int = 1,
+        expected: tuple[int, int, int] | None = None,
+    ) -> None:
         self.config = config
+        # (num_local_tokens, hidden_size, topk) of MoK's create_workspace, checked per call.
+        self.expected = expected
         self.communicator = communicator
         self.num_ranks = num_ranks
         self._layers: dict[tuple, object] = {}

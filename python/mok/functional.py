@@ -163,12 +163,11 @@ def create_workspace(
     device = _resolve_device(device)
     native = config.to_native()
     if _group_size(group) == 1:
-        workspace = Workspace(native)
+        workspace = Workspace(native, expected=(num_local_tokens, hidden_size, topk))
     else:
         from .distributed import expert_parallel_workspace
 
-        workspace = expert_parallel_workspace(native, device, group)
-    workspace.expected = (num_local_tokens, hidden_size, topk)
+        workspace = expert_parallel_workspace(native, group, expected=(num_local_tokens, hidden_size, topk))
     return workspace
 
 
@@ -212,7 +211,7 @@ def synchronize(workspace: Workspace) -> None:
 def _check_workspace(workspace, x: Tensor, topk: int) -> None:
     if not isinstance(workspace, Workspace):
         raise ValueError(f"argument `workspace` is a {type(workspace).__name__}; expected a mok workspace")
-    expected = getattr(workspace, "expected", None)
+    expected = workspace.expected
     if expected is not None and x.dim() == 2:
         tokens, hidden, k = expected
         if (int(x.shape[0]), int(x.shape[1]), topk) != (tokens, hidden, k):
@@ -313,8 +312,12 @@ def backward(
         routed_up_weights, routed_down_weights, shared_gate_weights, shared_up_weights,
         shared_down_weights, _limit(swiglu_limit), workspace.handle, forward_context.use_context,
     )
-    shared = [g if w is not None else None for g, w in zip(grads[5:], (shared_gate_weights, shared_up_weights, shared_down_weights))]
-    return (grads[0], grads[1], grads[2], grads[3], grads[4], *shared)
+    return (*grads[:5], *_shared_gradients(grads, (shared_gate_weights, shared_up_weights, shared_down_weights)))
+
+
+def _shared_gradients(grads: list[Tensor], shared_weights: tuple) -> list[Tensor | None]:
+    """The backward op's shared-expert gradients, None where there is no shared expert."""
+    return [g if w is not None else None for g, w in zip(grads[5:], shared_weights)]
 
 
 class _MoeFunction(torch.autograd.Function):
@@ -340,7 +343,7 @@ class _MoeFunction(torch.autograd.Function):
             ws_up, ws_down, ctx.swiglu_limit, ctx.handle, True,
         )
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = grads[:5]
-        shared = [g if w is not None else None for g, w in zip(grads[5:], (ws_gate, ws_up, ws_down))]
+        shared = _shared_gradients(grads, (ws_gate, ws_up, ws_down))
         return (d_x, None, d_router_weights, d_w_gate, d_w_up, d_w_down, *shared, None, None)
 
 

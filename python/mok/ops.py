@@ -30,15 +30,9 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from . import _C
-from ._workspace import layer_key, workspace_of
+from ._workspace import fingerprint, layer_key, workspace_of
 
 __all__ = ["forward", "backward"]
-
-
-def _inputs(*tensors):
-    from ._workspace import fingerprint
-
-    return fingerprint(*tensors)
 
 
 def _dl(tensor: Tensor | None):
@@ -48,6 +42,12 @@ def _dl(tensor: Tensor | None):
 
 def _capsules(*tensors):
     return [_dl(t) for t in tensors]
+
+
+def _gradient_capsules(grads: list[Tensor], shared_weights: tuple) -> list:
+    """The backward's eight outputs as capsules; the shared expert's are None without one."""
+    shared = [_dl(g) if w is not None else None for g, w in zip(grads[5:], shared_weights)]
+    return [*_capsules(*grads[:5]), *shared]
 
 
 def _empty_gradient(like: Tensor) -> Tensor:
@@ -68,18 +68,15 @@ def forward(
     swiglu_limit: float,
     workspace: int,
 ) -> Tensor:
+    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     space = workspace_of(workspace)
     key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
-        generation = layer.forward(
-            *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
-            _dl(out),
-            stream,
-        )
-    space.record_forward(key, x.device, generation, _inputs(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down))
+        context = layer.forward(*_capsules(*inputs), _dl(out), stream)
+    space.record_forward(key, x.device, context, fingerprint(*inputs))
     return out
 
 
@@ -88,13 +85,10 @@ def _forward_cpu(
     x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
     w_shared_down, swiglu_limit, workspace,
 ):
+    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _C.reference_forward(
-        shape,
-        *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
-        _dl(out),
-    )
+    _C.reference_forward(shape, *_capsules(*inputs), _dl(out))
     return out
 
 
@@ -117,10 +111,6 @@ def _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_sh
     return [like(x), like(router_weights), like(w_gate), like(w_up), like(w_down), *shared]
 
 
-def _shared_or_none(gradient: Tensor, weight: Tensor | None):
-    return gradient if weight is not None else None
-
-
 @torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")
 def backward(
     d_out: Tensor,
@@ -137,24 +127,16 @@ def backward(
     workspace: int,
     use_context: bool,
 ) -> list[Tensor]:
+    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     space = workspace_of(workspace)
     key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
-    grads = _gradients_like(
-        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
-    )
-    generation = 0
-    if use_context:
-        generation = space.context_for(key, x.device, _inputs(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down))
+    grads = _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    context = space.context_for(key, x.device, fingerprint(*inputs)) if use_context else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
         layer.backward(
-            *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
-            _dl(d_out),
-            *(_dl(g) for g in grads[:5]),
-            *(_dl(_shared_or_none(g, w)) for g, w in zip(grads[5:], (w_shared_gate, w_shared_up, w_shared_down))),
-            stream,
-            generation,
+            *_capsules(*inputs), _dl(d_out), *_gradient_capsules(grads, inputs[6:]), stream, context
         )
     return grads
 
@@ -164,17 +146,10 @@ def _backward_cpu(
     d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
     w_shared_up, w_shared_down, swiglu_limit, workspace, use_context,
 ):
+    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
-    grads = _gradients_like(
-        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
-    )
-    _C.reference_backward(
-        shape,
-        *_capsules(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down),
-        _dl(d_out),
-        *(_dl(g) for g in grads[:5]),
-        *(_dl(_shared_or_none(g, w)) for g, w in zip(grads[5:], (w_shared_gate, w_shared_up, w_shared_down))),
-    )
+    grads = _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    _C.reference_backward(shape, *_capsules(*inputs), _dl(d_out), *_gradient_capsules(grads, inputs[6:]))
     return grads
 
 

@@ -108,9 +108,16 @@ __device__ __forceinline__ int64_t dependency_target(const BackwardPlan& plan,
   return dependency_of(plan, task).target;
 }
 
+// A GEMM tile's ring stage: one K-block of A and B.
+struct GemmTileStages {
+  __device__ __forceinline__ static uint32_t stage_bytes(const BackwardSetParams&, int) {
+    return kTileABytes + kTileBBytes;
+  }
+};
+
 // recompute(m, n): g and u of a 128 x (128 gate + 128 up) tile again, from the gathered x rows
 // (the backward without the forward context).
-struct RecomputeTask {
+struct RecomputeTask : GemmTileStages {
   __device__ __forceinline__ static void describe(const BackwardSetParams& set,
                                                   const BackwardPlan& plan,
                                                   const BackwardTask& task,
@@ -122,9 +129,6 @@ struct RecomputeTask {
                                                          const BackwardQueuedTask& queued) {
     if (set.x_gather.x != nullptr)
       wait_for_gathered_tile(scope.wait, set.x_gather, queued.m_tile, scope.x_epoch);
-  }
-  __device__ __forceinline__ static uint32_t stage_bytes(const BackwardSetParams&, int) {
-    return kTileABytes + kTileBBytes;
   }
   __device__ __forceinline__ static void load_stage(const BackwardSetMaps& maps,
                                                     const BackwardSetParams& set,
@@ -148,7 +152,7 @@ struct RecomputeTask {
 };
 
 // down_dgrad(m, n): a 128 x 256 tile of dh_raw = d_out Wd.
-struct DownDgradTask {
+struct DownDgradTask : GemmTileStages {
   __device__ __forceinline__ static void describe(const BackwardSetParams& set,
                                                   const BackwardPlan& plan,
                                                   const BackwardTask& task,
@@ -160,9 +164,6 @@ struct DownDgradTask {
                                                          const BackwardQueuedTask& queued) {
     if (set.d_out_gather.x != nullptr)
       wait_for_gathered_tile(scope.wait, set.d_out_gather, queued.m_tile, scope.d_out_epoch);
-  }
-  __device__ __forceinline__ static uint32_t stage_bytes(const BackwardSetParams&, int) {
-    return kTileABytes + kTileBBytes;
   }
   __device__ __forceinline__ static void load_stage(const BackwardSetMaps& maps,
                                                     const BackwardSetParams& set,
@@ -238,7 +239,7 @@ struct SwigluTask {
 };
 
 // gate_up_dgrad(m, n): a 128 x 256 tile of the dx rows = d_g Wg + d_u Wu.
-struct GateUpDgradTask {
+struct GateUpDgradTask : GemmTileStages {
   __device__ __forceinline__ static void describe(const BackwardSetParams& set,
                                                   const BackwardPlan& plan,
                                                   const BackwardTask& task,
@@ -251,9 +252,6 @@ struct GateUpDgradTask {
     wait_for_count(scope.wait, WaitSite::kSwigluDone, set.swiglu_done + queued.m_tile, scope.epoch,
                    dependency_target(scope.plans.sets[queued.set], queued));
     acquire_for_tma();
-  }
-  __device__ __forceinline__ static uint32_t stage_bytes(const BackwardSetParams&, int) {
-    return kTileABytes + kTileBBytes;
   }
   __device__ __forceinline__ static void load_stage(const BackwardSetMaps& maps,
                                                     const BackwardSetParams& set,
@@ -278,7 +276,7 @@ struct GateUpDgradTask {
 
 // wgrad(e, matrix, t): tile t of expert e's gate (matrix 0), up (1) or down (2) weight gradient,
 // K = the expert's rows, in the standalone kernel's tile walk.
-struct WeightGradTask {
+struct WeightGradTask : GemmTileStages {
   __device__ __forceinline__ static void describe(const BackwardSetParams& set,
                                                   const BackwardPlan& plan,
                                                   const BackwardTask& task,
@@ -307,9 +305,6 @@ struct WeightGradTask {
       acquire_for_tma();
     }
     scope.ready_expert = expert_key;
-  }
-  __device__ __forceinline__ static uint32_t stage_bytes(const BackwardSetParams&, int) {
-    return kTileABytes + kTileBBytes;
   }
   __device__ __forceinline__ static void load_stage(const BackwardSetMaps& maps,
                                                     const BackwardSetParams& set,
