@@ -25,6 +25,11 @@ else
     "$python" -m pip install -q "${requirements[@]}"
   fi
 fi
+# Build against the NCCL that PyTorch loads (its nvidia-nccl wheel), as scripts/gpu-check.sh does.
+if [ -z "${MOK_NCCL_HOME:-}" ]; then
+  nccl_home="$("$python" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
+  if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi
+fi
 echo "setup-python: building and installing mok into $("$python" -c 'import sys; print(sys.prefix)')"
 "$python" -m pip install -q --no-build-isolation --no-deps .
 # The interpreter, as an absolute path (the last line: scripts/test.sh reads it).

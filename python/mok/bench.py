@@ -1,15 +1,19 @@
-"""``python -m mok.bench``: mok through PyTorch against mok's C++ layer, on one GPU.
+"""``python -m mok.bench``: mok through PyTorch against mok's C++ layer and transformers' experts.
 
-At a named shape (``mok shapes`` lists them) with uniformly random routing, times in one process
-on the same tensors, per call (median over calls, each synchronized) and sustained (calls queued
-back to back, one synchronization at the end, as a training loop runs):
+At a named shape (``mok shapes`` lists them) with uniformly random routing, on the same tensors
+in one process, each case forward and forward + backward:
 
-- ``torch.ops.mok`` through ``mok.nn.MoE`` (autograd, the ops' dispatch, DLPack): forward, and
-  forward + backward;
-- the C++ layer called directly through ``mok._C`` (the same kernels; what PyTorch adds is the
-  difference).
+- ``mok.nn.MoE``: autograd over ``torch.ops.mok`` (the ops' dispatch, DLPack);
+- ``C++``: the same layer called through ``mok._C`` directly (what PyTorch adds is the
+  difference);
+- ``hf mok`` / ``hf grouped_mm``: transformers' Qwen3-MoE experts module with
+  ``experts_implementation="mok"`` and ``"grouped_mm"`` (what a transformers user runs today),
+  when transformers is installed.
 
-Prints a table and, with ``--json PATH``, writes the numbers.
+Timing: per call (median of synchronized calls) and sustained (calls queued back to back, one
+synchronization: a training loop), in rounds that rotate the order of the cases, so that none
+always runs first on a cool card; the median over rounds is reported. Prints a table with the
+ratios to mok.nn.MoE and, with ``--json PATH``, writes the numbers.
 """
 
 from __future__ import annotations
@@ -47,7 +51,27 @@ def _time(fn, calls: int, sustained: bool) -> float:
     return statistics.median(times)
 
 
-def run(shape_name: str, calls: int, seed: int) -> dict:
+def _hf_experts(implementation, w_gate, w_up, w_down, top_k):
+    """transformers' Qwen3-MoE experts module holding the same weights, or None without it."""
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except ImportError:
+        return None
+    if implementation == "mok":
+        import mok.integrations.transformers  # noqa: F401  registers "mok"
+    E, I, H = w_gate.shape
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k)
+    config._experts_implementation = implementation
+    module = Qwen3MoeExperts(config).to(w_gate.device, torch.bfloat16)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.cat([w_gate, w_up], dim=1))
+        module.down_proj.copy_(w_down)
+    return module
+
+
+def _cases(shape_name: str, seed: int):
+    """(name, forward, forward+backward) of every system, over the same tensors."""
     shape = _C.named_shape(shape_name)
     T, H, I, E, K, Is = (shape.num_tokens, shape.hidden, shape.intermediate, shape.num_experts,
                          shape.top_k, shape.shared_intermediate)
@@ -58,53 +82,68 @@ def run(shape_name: str, calls: int, seed: int) -> dict:
     top = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)]).to(torch.int32)
     weights = torch.softmax(torch.randn(T, K, device=device), dim=-1).requires_grad_(True)
     d_out = torch.randn(T, H, device=device).to(torch.bfloat16)
+    cases = []
 
-    def forward():
-        with torch.no_grad():
-            module(x, top, weights)
+    def autograd_case(name, fn, parameters):
+        leaves = [x, weights, *parameters]
 
-    leaves = [x, weights, *module.parameters()]
+        def forward():
+            with torch.no_grad():
+                fn(x, top, weights)
 
-    def step():
-        for leaf in leaves:  # assigned, not accumulated: no extra pass over the weights
-            leaf.grad = None
-        out = module(x, top, weights)
-        out.backward(d_out)
+        def step():
+            for leaf in leaves:  # assigned, not accumulated: no extra pass over the weights
+                leaf.grad = None
+            fn(x, top, weights).backward(d_out)
 
-    forward()
-    step()
+        step()  # builds the workspace, compiles nothing
+        cases.append((name, forward, step))
+
+    autograd_case("mok.nn.MoE", module, list(module.parameters()))
     layer = next(iter(module.workspace._layers.values()))
+    params = [module.w_gate, module.w_up, module.w_down, module.w_shared_gate, module.w_shared_up, module.w_shared_down]
     out = torch.empty(T, H, device=device, dtype=torch.bfloat16)
+    grads = [torch.empty_like(t) for t in (x, weights, *params[:3])]
+    grads += [torch.empty_like(p) if p is not None else None for p in params[3:]]
     stream = torch.cuda.current_stream().cuda_stream
-    params = [module.w_gate, module.w_up, module.w_down, module.w_shared_gate, module.w_shared_up,
-              module.w_shared_down]
 
     def capsules(tensors):
         return [None if t is None else to_dlpack(t.detach()) for t in tensors]
-
-    grads = [torch.empty_like(t) for t in (x, weights, *params[:3])]
-    shared_grads = [torch.empty_like(p) if p is not None else None for p in params[3:]]
 
     def native_forward():
         return layer.forward(*capsules([x, top, weights, *params, out]), stream)
 
     def native_step():
         context = native_forward()
-        layer.backward(*capsules([x, top, weights, *params, d_out, *grads, *shared_grads]), stream, context)
+        layer.backward(*capsules([x, top, weights, *params, d_out, *grads]), stream, context)
 
-    result = {"shape": shape_name, "T": T, "H": H, "I": I, "E": E, "K": K, "Is": Is}
+    cases.append(("C++", native_forward, native_step))
+    if Is == 0:  # transformers' experts modules hold the routed experts only
+        for implementation in ("mok", "grouped_mm"):
+            hf = _hf_experts(implementation, module.w_gate.detach(), module.w_up.detach(), module.w_down.detach(), K)
+            if hf is not None:
+                autograd_case(f"hf {implementation}", hf, list(hf.parameters()))
     flop_forward = 6.0 * T * K * H * I + 6.0 * T * H * Is
-    for name, fn, flop in (
-        ("torch forward", forward, flop_forward),
-        ("torch forward+backward", step, 3 * flop_forward),
-        ("C++ forward", native_forward, flop_forward),
-        ("C++ forward+backward", native_step, 3 * flop_forward),
-    ):
-        for mode in ("per call", "sustained"):
-            ms = _time(fn, calls, mode == "sustained")
-            result[f"{name}, {mode}"] = {"ms": ms, "tflops": flop / ms / 1e9}
+    info = {"shape": shape_name, "T": T, "H": H, "I": I, "E": E, "K": K, "Is": Is}
+    return info, flop_forward, cases, module
+
+
+def run(shape_name: str, calls: int, rounds: int, seed: int) -> dict:
+    info, flop_forward, cases, module = _cases(shape_name, seed)
+    samples: dict[str, list[float]] = {}
+    for round_idx in range(rounds):
+        order = cases[round_idx % len(cases):] + cases[: round_idx % len(cases)]
+        for name, forward, step in order:
+            for direction, fn in (("forward", forward), ("forward+backward", step)):
+                for mode in ("per call", "sustained"):
+                    key = f"{name}, {direction}, {mode}"
+                    samples.setdefault(key, []).append(_time(fn, calls, mode == "sustained"))
     module.workspace.synchronize()
-    module.workspace.release()
+    result = dict(info, rounds=rounds, calls=calls, systems=[name for name, _, _ in cases])
+    for key, values in samples.items():
+        ms = statistics.median(values)
+        flop = flop_forward * (3 if "forward+backward" in key else 1)
+        result[key] = {"ms": ms, "tflops": flop / ms / 1e9, "rounds_ms": values}
     return result
 
 
@@ -112,19 +151,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    print(f"mok bench (Python): {args.shape} on {torch.cuda.get_device_name()}", flush=True)
-    result = run(args.shape, args.calls, args.seed)
+    print(f"mok bench (Python): {args.shape} on {torch.cuda.get_device_name()}, median of "
+          f"{args.rounds} rotated rounds", flush=True)
+    result = run(args.shape, args.calls, args.rounds, args.seed)
+    print(f"  {'':<44} {'ms':>9} {'TFLOP/s':>9} {'time / mok.nn.MoE':>18}")
     for key, value in result.items():
         if isinstance(value, dict):
-            print(f"  {key:<40} {value['ms']:9.3f} ms {value['tflops']:8.1f} TFLOP/s", flush=True)
-    for direction in ("forward", "forward+backward"):
-        for mode in ("per call", "sustained"):
-            torch_ms = result[f"torch {direction}, {mode}"]["ms"]
-            native_ms = result[f"C++ {direction}, {mode}"]["ms"]
-            print(f"  torch / C++, {direction}, {mode}: {torch_ms / native_ms:.3f}", flush=True)
+            name, direction, mode = key.split(", ")
+            reference = result[f"mok.nn.MoE, {direction}, {mode}"]["ms"]
+            print(f"  {key:<44} {value['ms']:9.3f} {value['tflops']:9.1f} "
+                  f"{value['ms'] / reference:17.3f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

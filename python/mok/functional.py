@@ -151,24 +151,27 @@ def create_workspace(
     hidden_size: int,
     topk: int,
 ) -> Workspace:
-    """A new caller-owned workspace on `device` (CUDA). `group`: None or a process group of one
-    for one GPU; an expert-parallel group of several GPUs bootstraps mok's NCCL communicator
-    from it (mok.distributed). The token, hidden and top-k sizes are checked against each call;
-    the layers' memory is allocated by their first call."""
+    """A new caller-owned workspace on `device` (CUDA). `group`: None for one GPU without
+    communication, or a ``torch.distributed`` process group (any size, 1 included), from which
+    mok's NCCL communicator is bootstrapped (``mok.distributed``; collective over the group).
+    The token, hidden and top-k sizes are checked against each call; the layers' memory is
+    allocated by their first call."""
     if not isinstance(config, MoKConfig):
         raise ValueError(f"argument `config` is a {type(config).__name__}; expected a MoKConfig")
     for name, value in (("num_local_tokens", num_local_tokens), ("hidden_size", hidden_size), ("topk", topk)):
         if not isinstance(value, int) or value < (0 if name == "num_local_tokens" else 1):
             raise ValueError(f"argument `{name}` is {value!r}; expected a positive integer")
     device = _resolve_device(device)
+    if device.type != "cuda":
+        raise ValueError(f"argument `device` is {device}; a workspace lives on a CUDA device")
     native = config.to_native()
-    if _group_size(group) == 1:
-        workspace = Workspace(native, expected=(num_local_tokens, hidden_size, topk))
-    else:
-        from .distributed import expert_parallel_workspace
+    expected = (num_local_tokens, hidden_size, topk)
+    if group is None:
+        return Workspace(native, expected=expected)
+    from .distributed import expert_parallel_workspace
 
-        workspace = expert_parallel_workspace(native, group, expected=(num_local_tokens, hidden_size, topk))
-    return workspace
+    with torch.cuda.device(device):
+        return expert_parallel_workspace(native, group, expected=expected)
 
 
 def get_workspace(
@@ -182,7 +185,7 @@ def get_workspace(
 ) -> Workspace:
     """The cached workspace of these arguments, created on first use."""
     device = _resolve_device(device)
-    group_key = None if group is None or _group_size(group) == 1 else getattr(group, "group_name", id(group))
+    group_key = None if group is None else getattr(group, "group_name", id(group))
     key = (config, group_key, device, num_local_tokens, hidden_size, topk)
     workspace = _WORKSPACE_CACHE.get(key)
     if workspace is None:

@@ -72,10 +72,10 @@ class MoE(nn.Module):
             self.register_parameter("w_shared_down", None)
         # Its own layers (built by the first call on each device): the handle is a plain integer
         # for the ops, so torch.compile and CUDA graphs see a constant.
-        if group is not None and num_ranks > 1:
+        if group is not None:  # collective over the group (a group of one included)
             from .distributed import expert_parallel_workspace
 
-            self._workspace = expert_parallel_workspace(self.config.to_native(), None, group)
+            self._workspace = expert_parallel_workspace(self.config.to_native(), group)
         else:
             self._workspace = Workspace(self.config.to_native())
         self.reset_parameters()

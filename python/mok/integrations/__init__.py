@@ -1,0 +1,1 @@
+"""Integrations of mok with other libraries (import each explicitly: ``mok.integrations.transformers``)."""

@@ -1,0 +1,106 @@
+"""Hugging Face transformers: ``experts_implementation="mok"``.
+
+Importing this module registers ``"mok"`` in transformers' experts interface (the mechanism
+behind its ``grouped_mm`` and ``sonicmoe`` implementations), so that::
+
+    import mok.integrations.transformers
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, experts_implementation="mok")
+
+runs every routed-experts module of Qwen3-MoE, Mixtral, the DeepSeek-V3 family and the other
+models whose experts store ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and
+``down_proj`` [E, H, I] with a SiLU gate, through mok (the router and any shared expert stay
+transformers' own). Layouts mok cannot serve raise ``NotImplementedError`` saying why: gpt-oss
+(interleaved gate/up, biases, its own clamped activation), transposed or biased experts, other
+activations. The model must be bf16.
+
+Each experts module gets its own mok workspace (made on its first eager call; ``prepare(model)``
+makes them all up front, e.g. before ``torch.compile``), so its backward starts from its forward's
+context. mok's layer takes dense gate and up weights: the two halves of ``gate_up_proj`` are
+copied into contiguous tensors on each call (the copy is differentiable; the gradient lands in
+``gate_up_proj.grad``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import functional
+from .._workspace import Workspace
+
+__all__ = ["mok_experts_forward", "prepare", "register"]
+
+_SILU = ("silu", "swish")
+
+
+def _reject(module, why: str):
+    raise NotImplementedError(
+        f'experts_implementation="mok" cannot run {type(module).__name__}: {why}. Use another '
+        "experts_implementation for this model"
+    )
+
+
+def _check_layout(module) -> None:
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(module, "has_bias", False):
+        _reject(module, "its experts have biases (mok's experts have none)")
+    if not getattr(module, "is_concatenated", True):
+        _reject(module, "its gate and up rows are interleaved (mok takes gate rows, then up rows)")
+    if getattr(module, "is_transposed", False):
+        _reject(module, "its expert weights are stored transposed ([E, H, 2I])")
+    if not getattr(module, "has_gate", True):
+        _reject(module, "its experts have no gate (mok's are SwiGLU)")
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        _reject(module, "it defines its own gated activation (gpt-oss: gate * sigmoid(1.702 gate) * (up + 1), clamped)")
+    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    if act not in _SILU:
+        _reject(module, f"its activation is {act!r}; mok's experts are SwiGLU (silu)")
+
+
+def _workspace_of(module) -> Workspace | None:
+    workspace = getattr(module, "_mok_workspace", None)
+    if workspace is None and not torch.compiler.is_compiling():
+        workspace = Workspace(functional.MoKConfig().to_native())
+        module._mok_workspace = workspace
+    return workspace  # None while tracing an unprepared module: the shared default workspace
+
+
+def prepare(model: torch.nn.Module) -> torch.nn.Module:
+    """Gives every experts module of `model` its own mok workspace now (no device memory yet)."""
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            _check_layout(module)
+            _workspace_of(module)
+    return model
+
+
+def mok_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The experts' forward through mok: ``sum_k top_k_weights[t, k] * expert(hidden_states[t])``."""
+    _check_layout(self)
+    if hidden_states.dtype != torch.bfloat16:
+        raise ValueError(
+            f"argument `hidden_states` has dtype {hidden_states.dtype}; mok's layer is bf16 "
+            "(load the model with dtype=torch.bfloat16)"
+        )
+    num_experts = self.gate_up_proj.shape[0]
+    intermediate = self.down_proj.shape[-1]
+    # Expert-parallel sentinels (ids past the experts) route nowhere, as mok's -1.
+    top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
+    gate = self.gate_up_proj[:, :intermediate].contiguous()
+    up = self.gate_up_proj[:, intermediate:].contiguous()
+    out = functional.moe(
+        hidden_states, top_k_index, top_k_weights.float(), gate, up, self.down_proj.contiguous(),
+        workspace=_workspace_of(self),
+    )
+    return out
+
+
+def register() -> None:
+    """Registers ``"mok"`` in transformers' experts interface (done on import)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register("mok", mok_experts_forward)
+
+
+register()

@@ -1,0 +1,69 @@
+"""experts_implementation="mok" in Hugging Face transformers: tiny Qwen3-MoE and Mixtral models
+built from random configs (no download) give the logits and every gradient of
+experts_implementation="eager" (both bf16: within bf16 tolerance), on CPU and CUDA; gpt-oss is
+refused with the reason. One decoder layer: with more, bf16 rounding differences (mok's and
+eager's, both ~1e-2 from float32) flip some later routing decisions, and the gradients of the
+experts involved then differ by design, not by error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import mok.integrations.transformers  # noqa: E402,F401  (registers "mok")
+from conftest import DEVICES, relative_error  # noqa: E402
+
+
+def qwen3_moe_config():
+    return transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
+    )
+
+
+def mixtral_config():
+    return transformers.MixtralConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=128,
+    )
+
+
+def run(config, implementation, device, input_ids):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.bfloat16, experts_implementation=implementation
+    ).to(device)
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make_config", [qwen3_moe_config, mixtral_config], ids=["qwen3_moe", "mixtral"])
+def test_mok_experts_match_eager(device, make_config):
+    input_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    logits, loss, grads = run(make_config(), "mok", device, input_ids)
+    ref_logits, ref_loss, ref_grads = run(make_config(), "eager", device, input_ids)
+    assert relative_error(logits, ref_logits) < 2e-2
+    assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    expert_grads = [n for n in grads if "experts" in n]
+    assert expert_grads, "the models' experts got no gradient"
+    for name in grads:
+        assert relative_error(grads[name], ref_grads[name]) < 5e-2, name
+
+
+def test_gpt_oss_is_refused_with_the_reason():
+    config = transformers.GptOssConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=128, layer_types=["full_attention"],
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, experts_implementation="mok")
+    with pytest.raises(NotImplementedError, match="GptOssExperts"):
+        model(input_ids=torch.randint(0, 256, (1, 8)))
