@@ -151,7 +151,8 @@ def create_workspace(
     hidden_size: int,
     topk: int,
 ) -> Workspace:
-    """A new caller-owned workspace on `device` (CUDA). `group`: None for one GPU without
+    """A new caller-owned workspace on `device` (CUDA; on CPU the ops run mok's CPU reference
+    and the workspace holds nothing). `group`: None for one GPU without
     communication, or a ``torch.distributed`` process group (any size, 1 included), from which
     mok's NCCL communicator is bootstrapped (``mok.distributed``; collective over the group).
     The token, hidden and top-k sizes are checked against each call; the layers' memory is
@@ -162,8 +163,8 @@ def create_workspace(
         if not isinstance(value, int) or value < (0 if name == "num_local_tokens" else 1):
             raise ValueError(f"argument `{name}` is {value!r}; expected a positive integer")
     device = _resolve_device(device)
-    if device.type != "cuda":
-        raise ValueError(f"argument `device` is {device}; a workspace lives on a CUDA device")
+    if device.type != "cuda" and group is not None:
+        raise ValueError(f"argument `device` is {device}; expert parallelism runs on CUDA devices")
     native = config.to_native()
     expected = (num_local_tokens, hidden_size, topk)
     if group is None:

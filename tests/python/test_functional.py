@@ -83,16 +83,11 @@ def test_mok_functional_signatures(device):
     T, H = p["x"].shape
     K = p["top_experts"].shape[1]
     config = F.MoKConfig(minibatch_size=256, macrobatch_size=1024)
-    if device == "cuda":
-        workspace = F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K)
-        assert F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K) is workspace
-    else:
-        workspace = None
-    schedule = F.build_schedule(workspace, config, p["top_experts"], num_local_experts=4) if device == "cuda" else F.MoKSchedule(p["top_experts"], 4)
+    workspace = F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K)
+    assert F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K) is workspace
+    schedule = F.build_schedule(workspace, config, p["top_experts"], num_local_experts=4)
     assert int(schedule.tokens_per_expert.sum()) == int((p["top_experts"] >= 0).sum())
     weights = (p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"], p["w_gate"], p["w_up"], p["w_down"])
-    if device == "cpu":
-        pytest.skip("the workspace functions are CUDA's (the CPU path is exercised through moe)")
     out, context = F.forward(config, workspace, schedule, p["x"], p["router_weights"], *weights)
     d_out = torch.randn_like(out)
     grads = F.backward(config, workspace, schedule, context, d_out, p["x"], p["router_weights"], *weights)
@@ -101,7 +96,8 @@ def test_mok_functional_signatures(device):
     grads_recomputed = F.backward(config, workspace, schedule, recomputed, d_out, p["x"], p["router_weights"], *weights)
     for a, b in zip(grads, grads_recomputed):
         assert torch.equal(a, b)
-    F.synchronize(workspace)
+    if device == "cuda":
+        F.synchronize(workspace)
     leaves = as_float64(p, requires_grad=True)
     expected = torch_moe(leaves)
     expected.backward(d_out.double())
@@ -136,6 +132,17 @@ def test_bad_inputs_raise_value_error_naming_the_argument(device, change, messag
     p = change(make_problem(device))
     with pytest.raises(ValueError, match=message.replace("`", ".")):
         moe_of(p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_workspace_made_for_other_sizes_is_refused(device):
+    p = make_problem(device)
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, None, device=torch.device(device), num_local_tokens=16, hidden_size=128, topk=2)
+    schedule = F.build_schedule(workspace, config, p["top_experts"], num_local_experts=4)
+    weights = (None, None, None, p["w_gate"], p["w_up"], p["w_down"])
+    with pytest.raises(ValueError, match="num_local_tokens=16"):
+        F.forward(config, workspace, schedule, p["x"], p["router_weights"], *weights)
 
 
 def test_expert_id_out_of_range_is_named_on_cpu():
