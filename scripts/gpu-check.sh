@@ -167,7 +167,10 @@ else
     if [ "${MOK_SKIP_TESTS:-0}" != 1 ]; then
       run_step python_tests "$OUT/python.log" bash -c \
         "cd tests/python && timeout 900 python3 -m pytest -q -rs -p no:cacheprovider ."
-      # The examples at their default sizes: 300 training steps twice, bitwise equal losses.
+    fi
+    # The examples at their default sizes: 300 training steps twice, bitwise equal losses
+    # (MOK_SKIP_PYTHON_EXAMPLES=1 skips them).
+    if [ "${MOK_SKIP_TESTS:-0}" != 1 ] && [ "${MOK_SKIP_PYTHON_EXAMPLES:-0}" != 1 ]; then
       run_step python_example_train "$OUT/python.log" timeout 300 python3 \
         examples/train_moe_block.py --device cuda --steps 300 --print-every 50 --check-reproducible
       run_step python_example_hf "$OUT/python.log" timeout 120 python3 examples/hf_qwen3_moe.py --device cuda

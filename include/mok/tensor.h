@@ -37,7 +37,14 @@ struct TensorView {
   bool present() const { return ndim > 0; }
   int64_t numel() const;
   int64_t nbytes() const { return numel() * dtype_size(dtype); }
-  bool is_contiguous() const;        // row-major, dense; dimensions of size 1 may have any stride
+  bool is_contiguous() const;  // row-major, dense; dimensions of size 1 may have any stride
+  // Row-major and dense below the first dimension, whose stride may be larger: every expert's
+  // matrix of a view into a larger tensor (the gate half of a fused [E, 2I, H] gate/up weight,
+  // torch's `gate_up[:, :I]`). Contiguous tensors are outer-strided.
+  bool is_outer_strided() const;
+  // Elements from one index of the first dimension to the next (the dense extent when the first
+  // dimension has one index).
+  int64_t outer_stride() const;
   std::string shape_string() const;  // e.g. "[8, 128, 256]"
 
   template <typename T>

@@ -123,6 +123,23 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+bool TensorView::is_outer_strided() const {
+  if (ndim < 2) return is_contiguous();
+  int64_t expected = 1;
+  for (int d = ndim - 1; d >= 1; --d) {
+    if (shape[d] != 1 && strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return shape[0] == 1 || strides[0] >= expected;
+}
+
+int64_t TensorView::outer_stride() const {
+  if (ndim == 0) return 0;
+  int64_t inner = 1;
+  for (int d = 1; d < ndim; ++d) inner *= shape[d];
+  return shape[0] > 1 ? strides[0] : inner;
+}
+
 std::string TensorView::shape_string() const {
   std::string text = "[";
   for (int d = 0; d < ndim; ++d) {

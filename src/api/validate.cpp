@@ -38,8 +38,11 @@ struct CallChecker {
   }
 
   // `allowed_dtypes` lists what is accepted; the first one is named in the message.
+  // `outer_strided`: an expert-strided view is accepted (is_outer_strided), its expert stride a
+  // multiple of 16 bytes (the routed experts' weights and their gradients, read and written by
+  // TMA over one map per tensor).
   Status check(const std::string& name, const TensorView& view, std::vector<DType> allowed_dtypes,
-               const std::vector<Dim>& dims) {
+               const std::vector<Dim>& dims, bool outer_strided = false) {
     const std::string expected = expected_text(dims, allowed_dtypes.front());
     if (!view.present()) return fail(name, "is missing; expected " + expected);
     if (view.device_type != device_type)
@@ -63,12 +66,21 @@ struct CallChecker {
     bool shape_ok = view.ndim == static_cast<int32_t>(dims.size());
     for (size_t d = 0; shape_ok && d < dims.size(); ++d) shape_ok = view.shape[d] == dims[d].extent;
     if (!shape_ok) return fail(name, "has shape " + view.shape_string() + "; expected " + expected);
-    if (!view.is_contiguous()) {
-      std::string strides = "[";
-      for (int d = 0; d < view.ndim; ++d)
-        strides += (d ? ", " : "") + std::to_string(view.strides[d]);
+    std::string strides = "[";
+    for (int d = 0; d < view.ndim; ++d)
+      strides += (d ? ", " : "") + std::to_string(view.strides[d]);
+    strides += "]";
+    if (outer_strided) {
+      if (!view.is_outer_strided())
+        return fail(name, "is not row-major within each expert (strides " + strides +
+                              "); pass a tensor whose experts are dense [rows, columns] matrices "
+                              "(the expert stride may be larger)");
+      if (view.outer_stride() * dtype_size(view.dtype) % 16 != 0)
+        return fail(name, "has an expert stride of " + std::to_string(view.outer_stride()) +
+                              " elements; expected a multiple of 16 bytes (TMA)");
+    } else if (!view.is_contiguous()) {
       return fail(
-          name, "is not contiguous (strides " + strides + "]); pass a row-major contiguous tensor");
+          name, "is not contiguous (strides " + strides + "); pass a row-major contiguous tensor");
     }
     if (view.numel() > 0 && view.data == nullptr) return fail(name, "has a null data pointer");
     if (device_type == DeviceType::kCUDA && reinterpret_cast<uintptr_t>(view.data) % 16 != 0)
@@ -110,9 +122,9 @@ Status check_inputs(CallChecker& checker, const MoeShape& shape, const ForwardAr
       checker.check("top_experts", args.top_experts, {DType::kInt32, DType::kInt64}, {T, K}));
   MOK_RETURN_IF_ERROR(
       checker.check("router_weights", args.router_weights, {DType::kFloat32}, {T, K}));
-  MOK_RETURN_IF_ERROR(checker.check("w_gate", args.w_gate, {DType::kBFloat16}, {E, I, H}));
-  MOK_RETURN_IF_ERROR(checker.check("w_up", args.w_up, {DType::kBFloat16}, {E, I, H}));
-  MOK_RETURN_IF_ERROR(checker.check("w_down", args.w_down, {DType::kBFloat16}, {E, H, I}));
+  MOK_RETURN_IF_ERROR(checker.check("w_gate", args.w_gate, {DType::kBFloat16}, {E, I, H}, true));
+  MOK_RETURN_IF_ERROR(checker.check("w_up", args.w_up, {DType::kBFloat16}, {E, I, H}, true));
+  MOK_RETURN_IF_ERROR(checker.check("w_down", args.w_down, {DType::kBFloat16}, {E, H, I}, true));
   if (shape.has_shared_expert()) {
     MOK_RETURN_IF_ERROR(
         checker.check("w_shared_gate", args.w_shared_gate, {DType::kBFloat16}, {Is, H}));
@@ -151,9 +163,11 @@ Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
   MOK_RETURN_IF_ERROR(checker.check("d_x", args.d_x, {DType::kBFloat16}, {T, H}));
   MOK_RETURN_IF_ERROR(
       checker.check("d_router_weights", args.d_router_weights, {DType::kFloat32}, {T, K}));
-  MOK_RETURN_IF_ERROR(checker.check("d_w_gate", args.d_w_gate, {DType::kBFloat16}, {E, I, H}));
-  MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, {DType::kBFloat16}, {E, I, H}));
-  MOK_RETURN_IF_ERROR(checker.check("d_w_down", args.d_w_down, {DType::kBFloat16}, {E, H, I}));
+  MOK_RETURN_IF_ERROR(
+      checker.check("d_w_gate", args.d_w_gate, {DType::kBFloat16}, {E, I, H}, true));
+  MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, {DType::kBFloat16}, {E, I, H}, true));
+  MOK_RETURN_IF_ERROR(
+      checker.check("d_w_down", args.d_w_down, {DType::kBFloat16}, {E, H, I}, true));
   if (shape.has_shared_expert()) {
     MOK_RETURN_IF_ERROR(
         checker.check("d_w_shared_gate", args.d_w_shared_gate, {DType::kBFloat16}, {Is, H}));
@@ -241,11 +255,44 @@ std::vector<NamedTensor> named_outputs(const BackwardArgs& args) {
           {"d_w_shared_down", &args.d_w_shared_down}};
 }
 
+namespace {
+
+// A view's memory as `count` blocks of `bytes` bytes, `stride` bytes apart: one block for a
+// contiguous tensor, one per expert for an outer-strided one; any other layout is covered by
+// the one block from its first to past its last element.
+struct Blocks {
+  uintptr_t begin;
+  int64_t bytes, stride, count;
+};
+
+Blocks blocks_of(const TensorView& view) {
+  const int64_t element = dtype_size(view.dtype);
+  const auto begin = reinterpret_cast<uintptr_t>(view.data);
+  if (view.is_contiguous()) return {begin, view.nbytes(), 0, 1};
+  if (view.is_outer_strided())
+    return {begin, view.numel() / view.shape[0] * element, view.outer_stride() * element,
+            view.shape[0]};
+  int64_t last = 0;  // the offset of the last element (strides are non-negative here)
+  for (int d = 0; d < view.ndim; ++d) last += (view.shape[d] - 1) * view.strides[d];
+  return {begin, (last + 1) * element, 0, 1};
+}
+
+}  // namespace
+
 bool tensors_overlap(const TensorView& a, const TensorView& b) {
   if (!a.present() || !b.present() || a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const auto a_begin = reinterpret_cast<uintptr_t>(a.data);
-  const auto b_begin = reinterpret_cast<uintptr_t>(b.data);
-  return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
+  const Blocks x = blocks_of(a), y = blocks_of(b);
+  // Both block lists are sorted and each is disjoint within itself: one merge walk.
+  for (int64_t i = 0, j = 0; i < x.count && j < y.count;) {
+    const uintptr_t x_begin = x.begin + i * x.stride, x_end = x_begin + x.bytes;
+    const uintptr_t y_begin = y.begin + j * y.stride, y_end = y_begin + y.bytes;
+    if (x_begin < y_end && y_begin < x_end) return true;
+    if (x_end <= y_end)
+      ++i;
+    else
+      ++j;
+  }
+  return false;
 }
 
 int64_t read_expert_id(const TensorView& top_experts, int64_t index) {

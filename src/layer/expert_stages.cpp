@@ -23,9 +23,11 @@ CUtensorMap k_major_rows(const void* base, int64_t width, int64_t rows, const ch
 CUtensorMap mn_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
   return make_tensor_map_2d(base, width, rows, 64, 64, what);
 }
+// Weights [experts, n, k], each expert's matrix `expert_stride` elements after the previous one
+// (0: dense).
 CUtensorMap k_major_weights(const void* base, int64_t k, int64_t n, int64_t experts, int32_t box_n,
-                            const char* what) {
-  return make_tensor_map_3d(base, k, n, experts, 64, box_n, what);
+                            const char* what, int64_t expert_stride) {
+  return make_tensor_map_3d(base, k, n, experts, 64, box_n, what, expert_stride);
 }
 // The staging-tile epilogue's store map of [rows, width] outputs: [128 rows x 64] boxes (3-D
 // with one batch, like the weight gradients' maps).
@@ -33,8 +35,8 @@ CUtensorMap output_rows(void* base, int64_t width, int64_t rows, const char* wha
   return make_tensor_map_3d(base, width, rows, 1, 64, 128, what);
 }
 CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t experts,
-                             const char* what) {
-  return make_tensor_map_3d(base, n, k, experts, 64, 64, what);
+                             const char* what, int64_t expert_stride) {
+  return make_tensor_map_3d(base, n, k, experts, 64, 64, what, expert_stride);
 }
 
 kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet& set) {
@@ -69,10 +71,10 @@ kernels::ForwardSetMaps forward_set_maps(const GpuLayer::State& s, const ExpertS
   const int64_t R = set.capacity_rows;
   kernels::ForwardSetMaps maps{};
   maps.x_rows = k_major_rows(f.rows, H, f.rows_in_map, "expert rows");
-  maps.w_gate = k_major_weights(f.weights.gate, H, I, E, 128, "w_gate");
-  maps.w_up = k_major_weights(f.weights.up, H, I, E, 128, "w_up");
+  maps.w_gate = k_major_weights(f.weights.gate, H, I, E, 128, "w_gate", f.weights.gate_stride);
+  maps.w_up = k_major_weights(f.weights.up, H, I, E, 128, "w_up", f.weights.up_stride);
   maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
-  maps.w_down = k_major_weights(f.weights.down, I, H, E, 256, "w_down");
+  maps.w_down = k_major_weights(f.weights.down, I, H, E, 256, "w_down", f.weights.down_stride);
   maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
   maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
   maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
@@ -105,26 +107,29 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetB
   const WeightGrads& grads = b.grads;
   kernels::BackwardSetMaps maps{};
   maps.x_rows = k_major_rows(rows, H, rows_in_map, "expert rows");
-  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate");
-  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.w_gate = k_major_weights(w_gate, H, I, E, 128, "w_gate", b.weights.gate_stride);
+  maps.w_up = k_major_weights(w_up, H, I, E, 128, "w_up", b.weights.up_stride);
   maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
   maps.up_out = output_rows(set.up.pointer, I, R, "up (recomputed)");
   maps.d_out_rows = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
-  maps.w_down_mn = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  maps.w_down_mn = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.dh_out = output_rows(set.hidden.pointer, I, R, "dh_raw");
   maps.d_gate = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
   maps.d_up = k_major_rows(set.d_up.pointer, I, R, "d_up");
-  maps.w_gate_mn = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
-  maps.w_up_mn = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  maps.w_gate_mn = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)", b.weights.gate_stride);
+  maps.w_up_mn = mn_major_weights(w_up, H, I, E, "w_up (MN-major)", b.weights.up_stride);
   maps.dx_out = output_rows(b.dx_out, H, b.dx_rows, "dx rows");
   maps.d_gate_mn = mn_major_rows(set.d_gate.pointer, I, R, "d_gate (MN-major)");
   maps.d_up_mn = mn_major_rows(set.d_up.pointer, I, R, "d_up (MN-major)");
   maps.d_out_mn = mn_major_rows(d_out_rows, H, rows_in_map, "d_out rows (MN-major)");
   maps.x_mn = mn_major_rows(rows, H, rows_in_map, "expert rows (MN-major)");
   maps.h_w_mn = mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)");
-  maps.d_w_gate = make_tensor_map_3d(grads.d_w_gate, H, I, E, 64, 128, "weight gradient of gate");
-  maps.d_w_up = make_tensor_map_3d(grads.d_w_up, H, I, E, 64, 128, "weight gradient of up");
-  maps.d_w_down = make_tensor_map_3d(grads.d_w_down, I, H, E, 64, 128, "weight gradient of down");
+  maps.d_w_gate = make_tensor_map_3d(grads.d_w_gate, H, I, E, 64, 128, "weight gradient of gate",
+                                     grads.d_w_gate_stride);
+  maps.d_w_up = make_tensor_map_3d(grads.d_w_up, H, I, E, 64, 128, "weight gradient of up",
+                                   grads.d_w_up_stride);
+  maps.d_w_down = make_tensor_map_3d(grads.d_w_down, I, H, E, 64, 128, "weight gradient of down",
+                                     grads.d_w_down_stride);
   maps.swiglu_gate = make_tensor_map_2d(set.gate.pointer, I, R, 64, 32, "gate (SwiGLU task)");
   maps.swiglu_up = make_tensor_map_2d(set.up.pointer, I, R, 64, 32, "up (SwiGLU task)");
   maps.swiglu_dh = make_tensor_map_2d(set.hidden.pointer, I, R, 64, 32, "dh_raw (SwiGLU task)");
@@ -179,8 +184,8 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   const int64_t R = set.capacity_rows;
   kernels::ExpertGemmMaps maps{};
   maps.a0 = maps.a1 = k_major_rows(f.rows, H, f.rows_in_map, "expert rows");
-  maps.b0 = k_major_weights(f.weights.gate, H, I, E, 128, "w_gate");
-  maps.b1 = k_major_weights(f.weights.up, H, I, E, 128, "w_up");
+  maps.b0 = k_major_weights(f.weights.gate, H, I, E, 128, "w_gate", f.weights.gate_stride);
+  maps.b1 = k_major_weights(f.weights.up, H, I, E, 128, "w_up", f.weights.up_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "hidden");
   maps.out2 = output_rows(set.gate.pointer, I, R, "gate (forward context)");
   maps.out3 = output_rows(set.up.pointer, I, R, "up (forward context)");
@@ -198,7 +203,8 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   }
 
   maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
-  maps.b0 = maps.b1 = k_major_weights(f.weights.down, I, H, E, 256, "w_down");
+  maps.b0 = maps.b1 =
+      k_major_weights(f.weights.down, I, H, E, 256, "w_down", f.weights.down_stride);
   maps.out = output_rows(f.out, H, f.out_rows, "expert output rows");
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
@@ -267,8 +273,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
 
   kernels::ExpertGemmMaps maps{};
   maps.a0 = maps.a1 = k_major_rows(rows, H, rows_in_map, "expert rows");
-  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate");
-  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up");
+  maps.b0 = k_major_weights(w_gate, H, I, E, 128, "w_gate", b.weights.gate_stride);
+  maps.b1 = k_major_weights(w_up, H, I, E, 128, "w_up", b.weights.up_stride);
   maps.out = output_rows(set.gate.pointer, I, R, "gate (recomputed)");
   maps.out2 = output_rows(set.up.pointer, I, R, "up (recomputed)");
   params.n_extent = static_cast<int32_t>(I);
@@ -281,7 +287,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
 
   // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
-  maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)");
+  maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
   launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
   mark("down dgrad");
@@ -298,8 +304,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
 
   maps.a0 = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
   maps.a1 = k_major_rows(set.d_up.pointer, I, R, "d_up");
-  maps.b0 = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)");
-  maps.b1 = mn_major_weights(w_up, H, I, E, "w_up (MN-major)");
+  maps.b0 = mn_major_weights(w_gate, H, I, E, "w_gate (MN-major)", b.weights.gate_stride);
+  maps.b1 = mn_major_weights(w_up, H, I, E, "w_up (MN-major)", b.weights.up_stride);
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
   maps.out = output_rows(b.dx_out, H, b.dx_rows, "dx rows");
@@ -314,22 +320,24 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   // `a_rows`: rows the A operand's memory holds (d_out of the shared expert has only T rows;
   // TMA fills the rest of the last tile with zeros).
   auto weight_grad = [&](int matrix, const void* a, int64_t a_rows, int64_t m, const CUtensorMap& b,
-                         int64_t n, void* out, const char* what) {
+                         int64_t n, void* out, int64_t out_stride, const char* what) {
     kernels::ExpertGemmMaps wgrad_maps{};
     wgrad_maps.a0 = wgrad_maps.a1 = mn_major_rows(a, m, a_rows, what);
     wgrad_maps.b0 = wgrad_maps.b1 = b;
-    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what);
+    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what, out_stride);
     kernels::ExpertGemmParams wgrad = base_params(s, set);
     wgrad.m_extent = static_cast<int32_t>(m);
     wgrad.n_extent = static_cast<int32_t>(n);
     wgrad.macrobatch = macrobatch(matrix);
     launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
   };
-  weight_grad(0, set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, "weight gradient of gate");
-  weight_grad(1, set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, "weight gradient of up");
+  weight_grad(0, set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, grads.d_w_gate_stride,
+              "weight gradient of gate");
+  weight_grad(1, set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, grads.d_w_up_stride,
+              "weight gradient of up");
   weight_grad(2, d_out_rows, rows_in_map, H,
               mn_major_rows(set.hidden.pointer, I, R, "h_w (MN-major)"), I, grads.d_w_down,
-              "weight gradient of down");
+              grads.d_w_down_stride, "weight gradient of down");
   mark("weight gradients");
 }
 

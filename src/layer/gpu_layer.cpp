@@ -96,7 +96,8 @@ std::vector<TaskTrace> GpuLayer::task_traces(cudaStream_t stream) {
 namespace {
 
 ExpertWeights routed_weights(const ForwardArgs& args) {
-  return {args.w_gate.data, args.w_up.data, args.w_down.data};
+  return {args.w_gate.data,           args.w_up.data,           args.w_down.data,
+          args.w_gate.outer_stride(), args.w_up.outer_stride(), args.w_down.outer_stride()};
 }
 ExpertWeights shared_weights(const ForwardArgs& args) {
   return {args.w_shared_gate.data, args.w_shared_up.data, args.w_shared_down.data};
@@ -138,15 +139,17 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
   const ForwardArgs& fwd = args.forward;
   const int64_t T = s.shape.num_tokens;
   const RouterWeightRoute router = s.exchange->route_backward(s, args, use_context, stream, mark);
-  const ExpertSetBackward routed{&s.routed,
-                                 s.rows.pointer,
-                                 s.d_out_rows.pointer,
-                                 s.ring_rows,
-                                 routed_weights(fwd),
-                                 router,
-                                 s.expert_out.pointer,
-                                 s.routed.layout.params.max_rows(),
-                                 {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data}};
+  const ExpertSetBackward routed{
+      &s.routed,
+      s.rows.pointer,
+      s.d_out_rows.pointer,
+      s.ring_rows,
+      routed_weights(fwd),
+      router,
+      s.expert_out.pointer,
+      s.routed.layout.params.max_rows(),
+      {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data, args.d_w_gate.outer_stride(),
+       args.d_w_up.outer_stride(), args.d_w_down.outer_stride()}};
   const ExpertSetBackward shared_set{
       &s.shared,
       fwd.x.data,

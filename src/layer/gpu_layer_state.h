@@ -137,16 +137,21 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
 
 // ---- The expert stages (expert_stages.cpp) -----------------------------------------------------
 
+// Each expert's matrix is row-major; consecutive experts are `*_stride` elements apart (0:
+// dense, the matrix's size; larger for views into a fused tensor, e.g. the halves of a
+// [E, 2I, H] gate/up weight: TensorView::outer_stride).
 struct ExpertWeights {
   const void* gate = nullptr;  // [E, I, H]
   const void* up = nullptr;    // [E, I, H]
   const void* down = nullptr;  // [E, H, I]
+  int64_t gate_stride = 0, up_stride = 0, down_stride = 0;
 };
 
 struct WeightGrads {
-  void* d_w_gate = nullptr;
+  void* d_w_gate = nullptr;  // as ExpertWeights
   void* d_w_up = nullptr;
   void* d_w_down = nullptr;
+  int64_t d_w_gate_stride = 0, d_w_up_stride = 0, d_w_down_stride = 0;
 };
 
 // What one expert set's forward reads and writes besides its own buffers: `rows` holds

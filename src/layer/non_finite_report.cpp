@@ -1,6 +1,8 @@
 // MoeConfig::check_finite on the host side: see non_finite_report.h.
 #include "layer/non_finite_report.h"
 
+#include <string>
+
 namespace mok {
 
 namespace {
@@ -8,9 +10,16 @@ namespace {
 using kernels::NonFiniteKind;
 using kernels::ScannedTensor;
 
+const char* tensor_name(ScannedTensor tensor);
+
 // Adds `view` to the scan (nothing if it is absent or empty); returns its entry, or null.
 kernels::ScanTensor* add(kernels::NonFiniteScan& scan, ScannedTensor id, const TensorView& view) {
   if (!view.present() || view.numel() == 0) return nullptr;
+  if (!view.is_contiguous())
+    throw Error(ErrorCode::kUnsupported,
+                std::string("check_finite: `") + tensor_name(id) +
+                    "` is a view with an expert stride; the scan reads contiguous tensors (pass a "
+                    "contiguous one, or turn check_finite off)");
   kernels::ScanTensor& tensor = scan.tensors[scan.num_tensors++];
   tensor.data = view.data;
   tensor.count = view.numel();

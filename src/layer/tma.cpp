@@ -56,11 +56,13 @@ CUtensorMap make_tensor_map_2d(const void* base, int64_t inner, int64_t outer, i
 }
 
 CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, int64_t batch,
-                               int32_t box_inner, int32_t box_outer, const char* what) {
+                               int32_t box_inner, int32_t box_outer, const char* what,
+                               int64_t batch_stride) {
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer),
                               static_cast<cuuint64_t>(batch)};
+  const int64_t entry = batch_stride > 0 ? batch_stride : inner * outer;
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2,
-                                 static_cast<cuuint64_t>(inner * outer) * 2};
+                                 static_cast<cuuint64_t>(entry) * 2};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer),
                              1};
   return encode(base, 3, dims, strides, box, what);

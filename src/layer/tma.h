@@ -15,8 +15,11 @@ namespace mok {
 CUtensorMap make_tensor_map_2d(const void* base, int64_t inner, int64_t outer, int32_t box_inner,
                                int32_t box_outer, const char* what);
 
-// A row-major bf16 tensor [batch, outer, inner] read in boxes of [1, box_outer, box_inner].
+// A bf16 tensor [batch, outer, inner], row-major within each batch entry, entries
+// `batch_stride` elements apart (0: inner * outer, dense), read in boxes of
+// [1, box_outer, box_inner].
 CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, int64_t batch,
-                               int32_t box_inner, int32_t box_outer, const char* what);
+                               int32_t box_inner, int32_t box_outer, const char* what,
+                               int64_t batch_stride = 0);
 
 }  // namespace mok

@@ -38,7 +38,6 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const BackwardAr
   const std::vector<bf16> received_d_out = detail::pull_rows(pool, schedule, source_d_out, hidden);
 
   const ForwardArgs& owner = owner_args.forward;
-  const int64_t matrix = inter * hidden;
   ExpertWeights weights;
   weights.hidden = hidden;
   weights.intermediate = inter;
@@ -60,19 +59,22 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const BackwardAr
 
     // An expert without rows needs no operands: expert_backward only zeroes its gradients.
     if (rows > 0)
-      detail::load_expert_weights(pool, owner.w_gate.data_as<const bf16>() + expert * matrix,
-                                  owner.w_up.data_as<const bf16>() + expert * matrix,
-                                  owner.w_down.data_as<const bf16>() + expert * matrix, hidden,
-                                  inter, detail::WeightsFor::kBackward, weights);
+      detail::load_expert_weights(
+          pool, owner.w_gate.data_as<const bf16>() + expert * owner.w_gate.outer_stride(),
+          owner.w_up.data_as<const bf16>() + expert * owner.w_up.outer_stride(),
+          owner.w_down.data_as<const bf16>() + expert * owner.w_down.outer_stride(), hidden, inter,
+          detail::WeightsFor::kBackward, weights);
 
     std::vector<float> d_router_weights(static_cast<size_t>(rows));
     std::vector<float> dx(static_cast<size_t>(rows * hidden));
     detail::ExpertGradients grads;
     grads.d_router_weights = d_router_weights.data();
     grads.dx = dx.data();
-    grads.d_w_gate = owner_args.d_w_gate.data_as<bf16>() + expert * matrix;
-    grads.d_w_up = owner_args.d_w_up.data_as<bf16>() + expert * matrix;
-    grads.d_w_down = owner_args.d_w_down.data_as<bf16>() + expert * matrix;
+    grads.d_w_gate =
+        owner_args.d_w_gate.data_as<bf16>() + expert * owner_args.d_w_gate.outer_stride();
+    grads.d_w_up = owner_args.d_w_up.data_as<bf16>() + expert * owner_args.d_w_up.outer_stride();
+    grads.d_w_down =
+        owner_args.d_w_down.data_as<bf16>() + expert * owner_args.d_w_down.outer_stride();
     detail::expert_backward(pool, weights, x_rows.data(), d_out_rows.data(), row_weights.data(),
                             rows, shape.swiglu_limit, grads);
 

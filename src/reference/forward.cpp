@@ -37,9 +37,10 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const ForwardArg
     std::vector<float> x_rows(static_cast<size_t>(rows * hidden));
     detail::gather_segment(pool, schedule, received.data(), begin, rows, hidden, x_rows.data());
 
-    const int64_t matrix = inter * hidden;
-    detail::load_expert_weights(pool, w_gate + expert * matrix, w_up + expert * matrix,
-                                w_down + expert * matrix, hidden, inter,
+    // Each expert's matrix (the weights may be views with a larger expert stride).
+    detail::load_expert_weights(pool, w_gate + expert * owner_args.w_gate.outer_stride(),
+                                w_up + expert * owner_args.w_up.outer_stride(),
+                                w_down + expert * owner_args.w_down.outer_stride(), hidden, inter,
                                 detail::WeightsFor::kForward, weights);
     const detail::SwigluRows act =
         detail::expert_swiglu(pool, weights, x_rows.data(), rows, shape.swiglu_limit);

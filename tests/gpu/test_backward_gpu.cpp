@@ -214,5 +214,74 @@ TEST(BackwardGpu, StaleContextIsRejected) {
   EXPECT_THROW(layer.backward(device.backward_args(), nullptr, &latest), Error);
 }
 
+// The routed gate and up weights as the two halves of one fused [E, 2I, H] tensor (Hugging Face's
+// gate_up_proj), their gradients written into the halves of one fused gradient: expert-strided
+// views, read and written through TMA maps with the larger expert stride. The same bits as
+// separate dense tensors, with the kernel sequence, several macrobatches (the weight gradients'
+// fp32 partials) and the persistent kernels.
+TEST(BackwardGpu, FusedGateUpViewsGiveTheSameBits) {
+  const MoeShape shape = make_shape(300, 256, 192, 6, 2, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 77);
+  DeviceProblem device(problem, 0);
+  const int64_t E = shape.num_local_experts(), I = shape.intermediate, H = shape.hidden;
+  const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(bf16);
+  void *gate_up = nullptr, *d_gate_up = nullptr;
+  ASSERT_EQ(cudaMalloc(&gate_up, 2 * E * matrix_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_gate_up, 2 * E * matrix_bytes), cudaSuccess);
+  const ForwardArgs dense = device.forward_args();
+  // Expert e: gate rows at 2e * I * H, up rows right after them.
+  ASSERT_EQ(cudaMemcpy2D(gate_up, 2 * matrix_bytes, dense.w_gate.data, matrix_bytes, matrix_bytes,
+                         E, cudaMemcpyDeviceToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy2D(static_cast<char*>(gate_up) + matrix_bytes, 2 * matrix_bytes,
+                         dense.w_up.data, matrix_bytes, matrix_bytes, E, cudaMemcpyDeviceToDevice),
+            cudaSuccess);
+  auto half = [&](void* base, int which) {
+    TensorView view = TensorView::contiguous(static_cast<char*>(base) + which * matrix_bytes,
+                                             DType::kBFloat16, {E, I, H}, DeviceType::kCUDA);
+    view.strides[0] = 2 * I * H;
+    return view;
+  };
+  std::vector<MoeConfig> configs(3);
+  configs[1].minibatch_size = 128;
+  configs[1].macrobatch_size = 256;
+  configs[2].persistent_forward = true;
+  configs[2].persistent_backward = true;
+  for (const MoeConfig& config : configs) {
+    SCOPED_TRACE(testing::Message() << "macrobatch " << config.macrobatch_size << " persistent "
+                                    << config.persistent_forward);
+    GpuLayer layer(shape, config);
+    const HostRank want = test::gpu_step(layer, device, problem, /*with_context=*/true);
+    device.poison_outputs();
+    ASSERT_EQ(cudaMemset(d_gate_up, 0xff, 2 * E * matrix_bytes), cudaSuccess);
+    ForwardArgs forward = device.forward_args();
+    forward.w_gate = half(gate_up, 0);
+    forward.w_up = half(gate_up, 1);
+    BackwardArgs backward = device.backward_args();
+    backward.forward.w_gate = forward.w_gate;
+    backward.forward.w_up = forward.w_up;
+    backward.d_w_gate = half(d_gate_up, 0);
+    backward.d_w_up = half(d_gate_up, 1);
+    const ForwardContext context = layer.forward(forward, nullptr);
+    layer.backward(backward, nullptr, &context);
+    const Status status = layer.synchronize(nullptr);
+    ASSERT_TRUE(status.ok()) << status.message;
+    HostRank got = output_buffers(shape);
+    device.download_outputs(got);
+    std::vector<bf16> fused(static_cast<size_t>(2 * E * I * H));
+    ASSERT_EQ(cudaMemcpy(fused.data(), d_gate_up, 2 * E * matrix_bytes, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int64_t e = 0; e < E; ++e) {
+      std::memcpy(&got.d_w_gate[e * I * H], &fused[2 * e * I * H], matrix_bytes);
+      std::memcpy(&got.d_w_up[e * I * H], &fused[(2 * e + 1) * I * H], matrix_bytes);
+    }
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+    });
+  }
+  cudaFree(gate_up);
+  cudaFree(d_gate_up);
+}
+
 }  // namespace
 }  // namespace mok

@@ -118,7 +118,7 @@ def bad(p, **changes):
     "change, message",
     [
         (lambda p: bad(p, x=p["x"].float()), "`x`"),
-        (lambda p: bad(p, w_gate=p["w_gate"][:, :64]), "`w_gate`"),
+        (lambda p: bad(p, w_down=p["w_down"][:, :, :64].contiguous()), "`w_down`"),
         (lambda p: bad(p, w_down=p["w_down"].transpose(1, 2).contiguous().transpose(1, 2)), "`w_down`"),
         (lambda p: bad(p, router_weights=p["router_weights"].double()), "`router_weights`"),
         (lambda p: bad(p, top_experts=p["top_experts"].float()), "`top_experts`"),

@@ -12,6 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import mok  # noqa: E402
 import mok.integrations.transformers  # noqa: E402,F401  (registers "mok")
 from conftest import DEVICES, relative_error  # noqa: E402
 
@@ -67,3 +68,37 @@ def test_gpt_oss_is_refused_with_the_reason():
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, experts_implementation="mok")
     with pytest.raises(NotImplementedError, match="GptOssExperts"):
         model(input_ids=torch.randint(0, 256, (1, 8)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
+    """The experts module's gate_up_proj reaches mok as two expert-strided views (no copy):
+    output and gradients bitwise those of mok.nn.MoE holding the halves as separate tensors."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = qwen3_moe_config()
+    config._experts_implementation = "mok"
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.05)
+    separate = mok.nn.MoE(8, 128, 128, device=device)
+    separate.load_hf_experts(experts.gate_up_proj.detach(), experts.down_proj.detach())
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
+    top = torch.randint(0, 8, (40, 2), generator=gen).to(device)
+    weights = torch.rand(40, 2, generator=gen).to(device)
+    d_out = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
+
+    def step(module):
+        leaf_x, leaf_w = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        out = module(leaf_x, top, leaf_w)
+        out.backward(d_out)
+        return out.detach(), leaf_x.grad, leaf_w.grad
+
+    got, want = step(experts), step(separate)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(experts.gate_up_proj.grad, torch.cat((separate.w_gate.grad, separate.w_up.grad), dim=1))
+    assert torch.equal(experts.down_proj.grad, separate.w_down.grad)

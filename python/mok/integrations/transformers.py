@@ -15,15 +15,17 @@ activations. The model must be bf16.
 
 Each experts module gets its own mok workspace (made on its first eager call; ``prepare(model)``
 makes them all up front, e.g. before ``torch.compile``), so its backward starts from its forward's
-context. mok's layer takes dense gate and up weights: the two halves of ``gate_up_proj`` are
-copied into contiguous tensors on each call (the copy is differentiable; the gradient lands in
-``gate_up_proj.grad``).
+context. The gate and up halves of ``gate_up_proj`` reach mok's kernels as views (an expert
+stride of 2I*H: no copy in the forward); the backward returns their gradients as one [E, 2I, H]
+tensor (one concatenation).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+import math
 
 from .. import functional
 from .._workspace import Workspace
@@ -75,6 +77,33 @@ def prepare(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class _FusedGateUpExperts(torch.autograd.Function):
+    """mok's ops over a fused [E, 2I, H] gate/up weight: its halves as expert-strided views."""
+
+    @staticmethod
+    def forward(ctx, x, top_experts, router_weights, gate_up, down, handle):
+        intermediate = down.shape[-1]
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        out = torch.ops.mok.forward(
+            x, top_experts, router_weights, gate, up, down, None, None, None, math.inf, handle
+        )
+        ctx.save_for_backward(x, top_experts, router_weights, gate_up, down)
+        ctx.handle = handle
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, top_experts, router_weights, gate_up, down = ctx.saved_tensors
+        intermediate = down.shape[-1]
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        grads = torch.ops.mok.backward(
+            d_out.contiguous(), x, top_experts, router_weights, gate, up, down, None, None, None,
+            math.inf, ctx.handle, True,
+        )
+        d_x, d_router_weights, d_gate, d_up, d_down = grads[:5]
+        return d_x, None, d_router_weights, torch.cat((d_gate, d_up), dim=1), d_down, None
+
+
 def mok_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The experts' forward through mok: ``sum_k top_k_weights[t, k] * expert(hidden_states[t])``."""
     _check_layout(self)
@@ -84,16 +113,14 @@ def mok_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_
             "(load the model with dtype=torch.bfloat16)"
         )
     num_experts = self.gate_up_proj.shape[0]
-    intermediate = self.down_proj.shape[-1]
     # Expert-parallel sentinels (ids past the experts) route nowhere, as mok's -1.
     top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
-    gate = self.gate_up_proj[:, :intermediate].contiguous()
-    up = self.gate_up_proj[:, intermediate:].contiguous()
-    out = functional.moe(
-        hidden_states, top_k_index, top_k_weights.float(), gate, up, self.down_proj.contiguous(),
-        workspace=_workspace_of(self),
+    workspace = _workspace_of(self) or functional._default_workspace(functional._DEFAULT_CONFIG)
+    handle = workspace.handle if hidden_states.device.type == "cuda" else 0
+    return _FusedGateUpExperts.apply(
+        hidden_states, top_k_index, top_k_weights.float(), self.gate_up_proj,
+        self.down_proj.contiguous(), handle,
     )
-    return out
 
 
 def register() -> None:
