@@ -16,9 +16,17 @@ import mok.integrations.transformers  # noqa: F401  registers experts_implementa
 
 def run(implementation, device, input_ids):
     config = transformers.Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        num_experts=16, num_experts_per_tok=4, max_position_embeddings=512,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        max_position_embeddings=512,
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -34,12 +42,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    input_ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).to(args.device)
+    input_ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).to(
+        args.device
+    )
     loss, logits, grad = run("mok", args.device, input_ids)
     ref_loss, ref_logits, ref_grad = run("eager", args.device, input_ids)
     print(f"loss: mok {loss:.6f}, eager {ref_loss:.6f}")
-    print(f"logits relative difference: {((logits - ref_logits).norm() / ref_logits.norm()).item():.2e}")
-    print(f"experts gate_up_proj.grad relative difference: {((grad - ref_grad).norm() / ref_grad.norm()).item():.2e}")
+    print(
+        f"logits relative difference: {((logits - ref_logits).norm() / ref_logits.norm()).item():.2e}"
+    )
+    print(
+        f"experts gate_up_proj.grad relative difference: {((grad - ref_grad).norm() / ref_grad.norm()).item():.2e}"
+    )
 
 
 if __name__ == "__main__":

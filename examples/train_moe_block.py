@@ -25,7 +25,9 @@ class MoEBlock(nn.Module):
         self.top_k = top_k
         self.norm = nn.RMSNorm(hidden, device=device, dtype=torch.bfloat16)
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=torch.float32)
-        self.experts = mok.nn.MoE(num_experts, hidden, intermediate, shared_intermediate_size=shared, device=device)
+        self.experts = mok.nn.MoE(
+            num_experts, hidden, intermediate, shared_intermediate_size=shared, device=device
+        )
         self.head = nn.Linear(hidden, hidden, bias=False, device=device, dtype=torch.bfloat16)
 
     def forward(self, x):
@@ -45,7 +47,9 @@ def train(args) -> list[float]:
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     losses = []
     for step in range(args.steps):
-        x = torch.randn(args.batch, args.seq, args.hidden, device=device, generator=gen).to(torch.bfloat16)
+        x = torch.randn(args.batch, args.seq, args.hidden, device=device, generator=gen).to(
+            torch.bfloat16
+        )
         target = (x.float() @ teacher).tanh()
         loss = (block(x).float() - target).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)

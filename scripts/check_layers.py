@@ -19,6 +19,7 @@ Tests may include anything. No product file includes a fixture (mok/testing/, te
 The single-GPU runtime also has no preprocessor conditional: its modes are chosen at run time,
 once (layer/token_exchange.h, layer/expert_engine.h), and the NCCL guard lives in the build.
 """
+
 import os
 import re
 import sys
@@ -38,19 +39,43 @@ RULES = [
     ("include/mok/testing/", PUBLIC, (), "fixture headers include public and fixture headers"),
     ("include/mok/", PUBLIC, FIXTURES, "the public API includes only public headers"),
     ("src/kernels/", DEVICE + PUBLIC, FIXTURES, "device code includes no host runtime"),
-    ("src/api/", ("api/",) + DEVICE + PUBLIC, FIXTURES,
-     "the API's implementation includes no runtime"),
-    ("src/reference/", ("reference/",) + PUBLIC, FIXTURES + DEVICE,
-     "the CPU reference includes public headers and its own files"),
-    ("src/layer/", ("api/", "layer/") + DEVICE + PUBLIC, FIXTURES,
-     "the single-GPU runtime includes no fixture and no expert-parallel runtime"),
-    ("src/comm/", ("api/", "layer/", "comm/") + DEVICE + PUBLIC, FIXTURES,
-     "the expert-parallel runtime includes no fixture"),
-    ("src/testing/", ("api/", "layer/", "comm/", "reference/", "testing/") + DEVICE + PUBLIC, (),
-     "fixtures include the product, never tests or tools"),
+    (
+        "src/api/",
+        ("api/",) + DEVICE + PUBLIC,
+        FIXTURES,
+        "the API's implementation includes no runtime",
+    ),
+    (
+        "src/reference/",
+        ("reference/",) + PUBLIC,
+        FIXTURES + DEVICE,
+        "the CPU reference includes public headers and its own files",
+    ),
+    (
+        "src/layer/",
+        ("api/", "layer/") + DEVICE + PUBLIC,
+        FIXTURES,
+        "the single-GPU runtime includes no fixture and no expert-parallel runtime",
+    ),
+    (
+        "src/comm/",
+        ("api/", "layer/", "comm/") + DEVICE + PUBLIC,
+        FIXTURES,
+        "the expert-parallel runtime includes no fixture",
+    ),
+    (
+        "src/testing/",
+        ("api/", "layer/", "comm/", "reference/", "testing/") + DEVICE + PUBLIC,
+        (),
+        "fixtures include the product, never tests or tools",
+    ),
     ("tools/", PUBLIC, (), "front ends include only public headers (mok/, mok/testing/)"),
-    ("python/binding/", PUBLIC, FIXTURES,
-     "the Python extension includes only the product's public headers"),
+    (
+        "python/binding/",
+        PUBLIC,
+        FIXTURES,
+        "the Python extension includes only the product's public headers",
+    ),
 ]
 
 
@@ -90,11 +115,13 @@ def main():
                         match = INCLUDE.match(line)
                         if match and not allowed_include(path, match.group(1), allowed, forbidden):
                             violations.append(
-                                f'{path}:{number}: includes "{match.group(1)}"; {folder}: {why}')
+                                f'{path}:{number}: includes "{match.group(1)}"; {folder}: {why}'
+                            )
                         if path.startswith(NO_CONDITIONALS) and CONDITIONAL.match(line):
                             violations.append(
                                 f"{path}:{number}: a preprocessor conditional; {folder}: the modes "
-                                "are chosen at run time, the NCCL guard lives in the build")
+                                "are chosen at run time, the NCCL guard lives in the build"
+                            )
     for violation in violations:
         print(violation)
     print(f"check_layers: {checked} files, {len(violations)} violations")

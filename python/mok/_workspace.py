@@ -52,7 +52,9 @@ class LayerKey:
 
 def _expect_ndim(name: str, tensor: torch.Tensor, ndim: int, dims: str) -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"argument `{name}` is a {type(tensor).__name__}; expected a tensor {dims}")
+        raise ValueError(
+            f"argument `{name}` is a {type(tensor).__name__}; expected a tensor {dims}"
+        )
     if tensor.dim() != ndim:
         raise ValueError(
             f"argument `{name}` has shape {list(tensor.shape)}; expected {ndim} dimensions {dims}"
@@ -141,7 +143,9 @@ class Workspace:
             self._layers[slot] = layer
         return layer
 
-    def record_forward(self, key: LayerKey, device: torch.device, context: int, inputs: tuple) -> None:
+    def record_forward(
+        self, key: LayerKey, device: torch.device, context: int, inputs: tuple
+    ) -> None:
         self._contexts[(device.index, key)] = (context, inputs)
 
     def context_for(self, key: LayerKey, device: torch.device, inputs: tuple) -> int:
@@ -149,7 +153,11 @@ class Workspace:
         these very tensors (unchanged since) and its intermediates are still held; else 0."""
         slot = (device.index, key)
         context, forward_inputs = self._contexts.get(slot, (0, None))
-        if context == 0 or forward_inputs != inputs or not self._layers[slot].holds_context(context):
+        if (
+            context == 0
+            or forward_inputs != inputs
+            or not self._layers[slot].holds_context(context)
+        ):
             return 0
         return context
 

@@ -61,7 +61,9 @@ def _hf_experts(implementation, w_gate, w_up, w_down, top_k):
     if implementation == "mok":
         import mok.integrations.transformers  # noqa: F401  registers "mok"
     E, I, H = w_gate.shape
-    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k)
+    config = Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k
+    )
     config._experts_implementation = implementation
     module = Qwen3MoeExperts(config).to(w_gate.device, torch.bfloat16)
     with torch.no_grad():
@@ -73,8 +75,14 @@ def _hf_experts(implementation, w_gate, w_up, w_down, top_k):
 def _cases(shape_name: str, seed: int):
     """(name, forward, forward+backward) of every system, over the same tensors."""
     shape = _C.named_shape(shape_name)
-    T, H, I, E, K, Is = (shape.num_tokens, shape.hidden, shape.intermediate, shape.num_experts,
-                         shape.top_k, shape.shared_intermediate)
+    T, H, I, E, K, Is = (
+        shape.num_tokens,
+        shape.hidden,
+        shape.intermediate,
+        shape.num_experts,
+        shape.top_k,
+        shape.shared_intermediate,
+    )
     torch.manual_seed(seed)
     device = torch.device("cuda")
     module = MoE(E, H, I, shared_intermediate_size=Is, device=device)
@@ -101,7 +109,14 @@ def _cases(shape_name: str, seed: int):
 
     autograd_case("mok.nn.MoE", module, list(module.parameters()))
     layer = next(iter(module.workspace._layers.values()))
-    params = [module.w_gate, module.w_up, module.w_down, module.w_shared_gate, module.w_shared_up, module.w_shared_down]
+    params = [
+        module.w_gate,
+        module.w_up,
+        module.w_down,
+        module.w_shared_gate,
+        module.w_shared_up,
+        module.w_shared_down,
+    ]
     out = torch.empty(T, H, device=device, dtype=torch.bfloat16)
     grads = [torch.empty_like(t) for t in (x, weights, *params[:3])]
     grads += [torch.empty_like(p) if p is not None else None for p in params[3:]]
@@ -120,7 +135,13 @@ def _cases(shape_name: str, seed: int):
     cases.append(("C++", native_forward, native_step))
     if Is == 0:  # transformers' experts modules hold the routed experts only
         for implementation in ("mok", "grouped_mm"):
-            hf = _hf_experts(implementation, module.w_gate.detach(), module.w_up.detach(), module.w_down.detach(), K)
+            hf = _hf_experts(
+                implementation,
+                module.w_gate.detach(),
+                module.w_up.detach(),
+                module.w_down.detach(),
+                K,
+            )
             if hf is not None:
                 autograd_case(f"hf {implementation}", hf, list(hf.parameters()))
     flop_forward = 6.0 * T * K * H * I + 6.0 * T * H * Is
@@ -132,7 +153,7 @@ def run(shape_name: str, calls: int, rounds: int, seed: int) -> dict:
     info, flop_forward, cases, module = _cases(shape_name, seed)
     samples: dict[str, list[float]] = {}
     for round_idx in range(rounds):
-        order = cases[round_idx % len(cases):] + cases[: round_idx % len(cases)]
+        order = cases[round_idx % len(cases) :] + cases[: round_idx % len(cases)]
         for name, forward, step in order:
             for direction, fn in (("forward", forward), ("forward+backward", step)):
                 for mode in ("per call", "sustained"):
@@ -155,16 +176,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    print(f"mok bench (Python): {args.shape} on {torch.cuda.get_device_name()}, median of "
-          f"{args.rounds} rotated rounds", flush=True)
+    print(
+        f"mok bench (Python): {args.shape} on {torch.cuda.get_device_name()}, median of "
+        f"{args.rounds} rotated rounds",
+        flush=True,
+    )
     result = run(args.shape, args.calls, args.rounds, args.seed)
     print(f"  {'':<44} {'ms':>9} {'TFLOP/s':>9} {'time / mok.nn.MoE':>18}")
     for key, value in result.items():
         if isinstance(value, dict):
             name, direction, mode = key.split(", ")
             reference = result[f"mok.nn.MoE, {direction}, {mode}"]["ms"]
-            print(f"  {key:<44} {value['ms']:9.3f} {value['tflops']:9.1f} "
-                  f"{value['ms'] / reference:17.3f}x", flush=True)
+            print(
+                f"  {key:<44} {value['ms']:9.3f} {value['tflops']:9.1f} "
+                f"{value['ms'] / reference:17.3f}x",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -19,7 +19,7 @@ context that a later call replaced recomputes those intermediates instead (same 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -117,7 +117,9 @@ class MoKForwardContext:
 
 _WORKSPACE_CACHE: dict[tuple, Workspace] = {}
 _DEFAULT_CONFIG = MoKConfig()
-_DEFAULT_WORKSPACES: dict[MoKConfig, Workspace] = {_DEFAULT_CONFIG: Workspace(_DEFAULT_CONFIG.to_native())}
+_DEFAULT_WORKSPACES: dict[MoKConfig, Workspace] = {
+    _DEFAULT_CONFIG: Workspace(_DEFAULT_CONFIG.to_native())
+}
 
 
 def _default_workspace(config: MoKConfig) -> Workspace:
@@ -159,7 +161,11 @@ def create_workspace(
     allocated by their first call."""
     if not isinstance(config, MoKConfig):
         raise ValueError(f"argument `config` is a {type(config).__name__}; expected a MoKConfig")
-    for name, value in (("num_local_tokens", num_local_tokens), ("hidden_size", hidden_size), ("topk", topk)):
+    for name, value in (
+        ("num_local_tokens", num_local_tokens),
+        ("hidden_size", hidden_size),
+        ("topk", topk),
+    ):
         if not isinstance(value, int) or value < (0 if name == "num_local_tokens" else 1):
             raise ValueError(f"argument `{name}` is {value!r}; expected a positive integer")
     device = _resolve_device(device)
@@ -191,8 +197,12 @@ def get_workspace(
     workspace = _WORKSPACE_CACHE.get(key)
     if workspace is None:
         workspace = create_workspace(
-            config, group, device=device, num_local_tokens=num_local_tokens,
-            hidden_size=hidden_size, topk=topk,
+            config,
+            group,
+            device=device,
+            num_local_tokens=num_local_tokens,
+            hidden_size=hidden_size,
+            topk=topk,
         )
         _WORKSPACE_CACHE[key] = workspace
     return workspace
@@ -214,7 +224,9 @@ def synchronize(workspace: Workspace) -> None:
 
 def _check_workspace(workspace, x: Tensor, topk: int) -> None:
     if not isinstance(workspace, Workspace):
-        raise ValueError(f"argument `workspace` is a {type(workspace).__name__}; expected a mok workspace")
+        raise ValueError(
+            f"argument `workspace` is a {type(workspace).__name__}; expected a mok workspace"
+        )
     expected = workspace.expected
     if expected is not None and x.dim() == 2:
         tokens, hidden, k = expected
@@ -225,16 +237,22 @@ def _check_workspace(workspace, x: Tensor, topk: int) -> None:
             )
 
 
-def build_schedule(workspace: Workspace, config: MoKConfig, top_experts: Tensor, *, num_local_experts: int) -> MoKSchedule:
+def build_schedule(
+    workspace: Workspace, config: MoKConfig, top_experts: Tensor, *, num_local_experts: int
+) -> MoKSchedule:
     """The routing of one call: `top_experts` [num_local_tokens, topk] (int32 or int64, global
     expert ids, -1 = no route). Expert ids are checked on the device and reported by
     ``synchronize``; nothing is dropped whatever the routing."""
     if not isinstance(top_experts, Tensor) or top_experts.dim() != 2:
         raise ValueError("argument `top_experts` must be a [num_local_tokens, topk] tensor")
     if top_experts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"argument `top_experts` has dtype {top_experts.dtype}; expected torch.int32 or torch.int64")
+        raise ValueError(
+            f"argument `top_experts` has dtype {top_experts.dtype}; expected torch.int32 or torch.int64"
+        )
     if not isinstance(num_local_experts, int) or num_local_experts < 1:
-        raise ValueError(f"argument `num_local_experts` is {num_local_experts!r}; expected a positive integer")
+        raise ValueError(
+            f"argument `num_local_experts` is {num_local_experts!r}; expected a positive integer"
+        )
     return MoKSchedule(top_experts=top_experts, num_local_experts=num_local_experts)
 
 
@@ -261,9 +279,17 @@ def forward(
     [E_loc, I, H], [E_loc, H, I]; swiglu_limit: gate = min(gate, L), up = clamp(up, -L, L)."""
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
     out = torch.ops.mok.forward(
-        x, schedule.top_experts, router_weights, routed_gate_weights, routed_up_weights,
-        routed_down_weights, shared_gate_weights, shared_up_weights, shared_down_weights,
-        _limit(swiglu_limit), workspace.handle,
+        x,
+        schedule.top_experts,
+        router_weights,
+        routed_gate_weights,
+        routed_up_weights,
+        routed_down_weights,
+        shared_gate_weights,
+        shared_up_weights,
+        shared_down_weights,
+        _limit(swiglu_limit),
+        workspace.handle,
     )
     return out, MoKForwardContext(True)
 
@@ -312,11 +338,24 @@ def backward(
         )
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
     grads = torch.ops.mok.backward(
-        grad_output.contiguous(), x, schedule.top_experts, router_weights, routed_gate_weights,
-        routed_up_weights, routed_down_weights, shared_gate_weights, shared_up_weights,
-        shared_down_weights, _limit(swiglu_limit), workspace.handle, forward_context.use_context,
+        grad_output.contiguous(),
+        x,
+        schedule.top_experts,
+        router_weights,
+        routed_gate_weights,
+        routed_up_weights,
+        routed_down_weights,
+        shared_gate_weights,
+        shared_up_weights,
+        shared_down_weights,
+        _limit(swiglu_limit),
+        workspace.handle,
+        forward_context.use_context,
     )
-    return (*grads[:5], *_shared_gradients(grads, (shared_gate_weights, shared_up_weights, shared_down_weights)))
+    return (
+        *grads[:5],
+        *_shared_gradients(grads, (shared_gate_weights, shared_up_weights, shared_down_weights)),
+    )
 
 
 def _shared_gradients(grads: list[Tensor], shared_weights: tuple) -> list[Tensor | None]:
@@ -329,22 +368,67 @@ class _MoeFunction(torch.autograd.Function):
     still holds it, else recomputes."""
 
     @staticmethod
-    def forward(ctx, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, swiglu_limit, handle):
+    def forward(
+        ctx,
+        x,
+        top_experts,
+        router_weights,
+        w_gate,
+        w_up,
+        w_down,
+        w_shared_gate,
+        w_shared_up,
+        w_shared_down,
+        swiglu_limit,
+        handle,
+    ):
         out = torch.ops.mok.forward(
-            x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
-            w_shared_down, swiglu_limit, handle,
+            x,
+            top_experts,
+            router_weights,
+            w_gate,
+            w_up,
+            w_down,
+            w_shared_gate,
+            w_shared_up,
+            w_shared_down,
+            swiglu_limit,
+            handle,
         )
-        ctx.save_for_backward(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+        ctx.save_for_backward(
+            x,
+            top_experts,
+            router_weights,
+            w_gate,
+            w_up,
+            w_down,
+            w_shared_gate,
+            w_shared_up,
+            w_shared_down,
+        )
         ctx.swiglu_limit = swiglu_limit
         ctx.handle = handle
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = ctx.saved_tensors
+        x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = (
+            ctx.saved_tensors
+        )
         grads = torch.ops.mok.backward(
-            d_out.contiguous(), x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate,
-            ws_up, ws_down, ctx.swiglu_limit, ctx.handle, True,
+            d_out.contiguous(),
+            x,
+            top_experts,
+            router_weights,
+            w_gate,
+            w_up,
+            w_down,
+            ws_gate,
+            ws_up,
+            ws_down,
+            ctx.swiglu_limit,
+            ctx.handle,
+            True,
         )
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = grads[:5]
         shared = _shared_gradients(grads, (ws_gate, ws_up, ws_down))
@@ -381,7 +465,16 @@ def moe(
         workspace = _default_workspace(config or _DEFAULT_CONFIG)
     handle = workspace.handle if x.device.type == "cuda" else 0
     out = _MoeFunction.apply(
-        x2, top2, rw2, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down,
-        _limit(swiglu_limit), handle,
+        x2,
+        top2,
+        rw2,
+        w_gate,
+        w_up,
+        w_down,
+        w_shared_gate,
+        w_shared_up,
+        w_shared_down,
+        _limit(swiglu_limit),
+        handle,
     )
     return out.reshape(*leading, out.shape[-1])

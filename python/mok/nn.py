@@ -58,7 +58,12 @@ class MoE(nn.Module):
         self.config = config or functional.MoKConfig()
         self.group = group
         factory = {"device": device, "dtype": dtype}
-        E, H, I, Is = self.num_local_experts, hidden_size, intermediate_size, shared_intermediate_size
+        E, H, I, Is = (
+            self.num_local_experts,
+            hidden_size,
+            intermediate_size,
+            shared_intermediate_size,
+        )
         self.w_gate = nn.Parameter(torch.empty(E, I, H, **factory))
         self.w_up = nn.Parameter(torch.empty(E, I, H, **factory))
         self.w_down = nn.Parameter(torch.empty(E, H, I, **factory))
@@ -93,9 +98,18 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, top_experts: Tensor, router_weights: Tensor) -> Tensor:
         return functional.moe(
-            x, top_experts, router_weights, self.w_gate, self.w_up, self.w_down,
-            self.w_shared_gate, self.w_shared_up, self.w_shared_down,
-            swiglu_limit=self.swiglu_limit, workspace=self._workspace, config=self.config,
+            x,
+            top_experts,
+            router_weights,
+            self.w_gate,
+            self.w_up,
+            self.w_down,
+            self.w_shared_gate,
+            self.w_shared_up,
+            self.w_shared_down,
+            swiglu_limit=self.swiglu_limit,
+            workspace=self._workspace,
+            config=self.config,
         )
 
     @torch.no_grad()

@@ -68,7 +68,17 @@ def forward(
     swiglu_limit: float,
     workspace: int,
 ) -> Tensor:
-    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    inputs = (
+        x,
+        top_experts,
+        router_weights,
+        w_gate,
+        w_up,
+        w_down,
+        w_shared_gate,
+        w_shared_up,
+        w_shared_down,
+    )
     space = workspace_of(workspace)
     key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
@@ -82,10 +92,29 @@ def forward(
 
 @forward.register_kernel("cpu")
 def _forward_cpu(
-    x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
-    w_shared_down, swiglu_limit, workspace,
+    x,
+    top_experts,
+    router_weights,
+    w_gate,
+    w_up,
+    w_down,
+    w_shared_gate,
+    w_shared_up,
+    w_shared_down,
+    swiglu_limit,
+    workspace,
 ):
-    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    inputs = (
+        x,
+        top_experts,
+        router_weights,
+        w_gate,
+        w_up,
+        w_down,
+        w_shared_gate,
+        w_shared_up,
+        w_shared_down,
+    )
     shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _C.reference_forward(shape, *_capsules(*inputs), _dl(out))
@@ -94,13 +123,24 @@ def _forward_cpu(
 
 @forward.register_fake
 def _forward_fake(
-    x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up,
-    w_shared_down, swiglu_limit, workspace,
+    x,
+    top_experts,
+    router_weights,
+    w_gate,
+    w_up,
+    w_down,
+    w_shared_gate,
+    w_shared_up,
+    w_shared_down,
+    swiglu_limit,
+    workspace,
 ):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down):
+def _gradients_like(
+    x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
+):
     def like(tensor):
         return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
@@ -127,11 +167,23 @@ def backward(
     workspace: int,
     use_context: bool,
 ) -> list[Tensor]:
-    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    inputs = (
+        x,
+        top_experts,
+        router_weights,
+        w_gate,
+        w_up,
+        w_down,
+        w_shared_gate,
+        w_shared_up,
+        w_shared_down,
+    )
     space = workspace_of(workspace)
     key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
-    grads = _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    grads = _gradients_like(
+        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
+    )
     context = space.context_for(key, x.device, fingerprint(*inputs)) if use_context else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
@@ -143,20 +195,56 @@ def backward(
 
 @backward.register_kernel("cpu")
 def _backward_cpu(
-    d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
-    w_shared_up, w_shared_down, swiglu_limit, workspace, use_context,
+    d_out,
+    x,
+    top_experts,
+    router_weights,
+    w_gate,
+    w_up,
+    w_down,
+    w_shared_gate,
+    w_shared_up,
+    w_shared_down,
+    swiglu_limit,
+    workspace,
+    use_context,
 ):
-    inputs = (x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
+    inputs = (
+        x,
+        top_experts,
+        router_weights,
+        w_gate,
+        w_up,
+        w_down,
+        w_shared_gate,
+        w_shared_up,
+        w_shared_down,
+    )
     shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
-    grads = _gradients_like(x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
-    _C.reference_backward(shape, *_capsules(*inputs), _dl(d_out), *_gradient_capsules(grads, inputs[6:]))
+    grads = _gradients_like(
+        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
+    )
+    _C.reference_backward(
+        shape, *_capsules(*inputs), _dl(d_out), *_gradient_capsules(grads, inputs[6:])
+    )
     return grads
 
 
 @backward.register_fake
 def _backward_fake(
-    d_out, x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
-    w_shared_up, w_shared_down, swiglu_limit, workspace, use_context,
+    d_out,
+    x,
+    top_experts,
+    router_weights,
+    w_gate,
+    w_up,
+    w_down,
+    w_shared_gate,
+    w_shared_up,
+    w_shared_down,
+    swiglu_limit,
+    workspace,
+    use_context,
 ):
     return _gradients_like(
         x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down

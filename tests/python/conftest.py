@@ -18,7 +18,12 @@ def cuda_reason() -> str | None:
     return None
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(cuda_reason() is not None, reason=str(cuda_reason())))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(cuda_reason() is not None, reason=str(cuda_reason()))
+    ),
+]
 
 
 def make_problem(

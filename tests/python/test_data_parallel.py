@@ -13,7 +13,9 @@ import mok
 
 @pytest.fixture
 def group_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -29,7 +31,10 @@ def inputs():
 def gradients(module):
     x, top, weights = inputs()
     module(x, top, weights).float().pow(2).mean().backward()
-    return [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in module.parameters()]
+    return [
+        p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for p in module.parameters()
+    ]
 
 
 def fresh_module():

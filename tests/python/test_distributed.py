@@ -100,7 +100,10 @@ def _two_rank_worker(rank: int, store_path: str, result_path: str) -> None:
         p.grad = None
     again = run_module(module, *args)
     module.workspace.synchronize()
-    torch.save({"first": [t.cpu() for t in first], "again": [t.cpu() for t in again]}, f"{result_path}.{rank}")
+    torch.save(
+        {"first": [t.cpu() for t in first], "again": [t.cpu() for t in again]},
+        f"{result_path}.{rank}",
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -117,7 +120,9 @@ def test_two_processes_split_the_experts(tmp_path):
         result = torch.load(f"{tmp_path / 'result'}.{rank}")
         for a, b in zip(result["first"], result["again"]):
             assert torch.equal(a, b)
-        expected = run_module(single, *[t.cuda(0) for t in (x[rank], top[rank], router[rank], d_out[rank])])
+        expected = run_module(
+            single, *[t.cuda(0) for t in (x[rank], top[rank], router[rank], d_out[rank])]
+        )
         # The output and the activation gradients of this rank's tokens (its weight gradients sum
         # both ranks' tokens, which the single layer here sees one rank at a time).
         for got, want in zip(result["first"][:3], expected[:3]):

@@ -14,7 +14,10 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 
 def run_example(name, *args):
     result = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True, timeout=600
+        [sys.executable, os.path.join(EXAMPLES, name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
@@ -22,8 +25,22 @@ def run_example(name, *args):
 
 def test_train_moe_block_is_reproducible():
     out = run_example(
-        "train_moe_block.py", "--device", "cpu", "--steps", "4", "--seq", "32", "--hidden", "128",
-        "--intermediate", "128", "--experts", "8", "--shared", "64", "--check-reproducible",
+        "train_moe_block.py",
+        "--device",
+        "cpu",
+        "--steps",
+        "4",
+        "--seq",
+        "32",
+        "--hidden",
+        "128",
+        "--intermediate",
+        "128",
+        "--experts",
+        "8",
+        "--shared",
+        "64",
+        "--check-reproducible",
     )
     assert "two runs bitwise identical: yes" in out
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mok
 import mok.functional as F
 from conftest import DEVICES, as_float64, make_problem, relative_error, torch_moe
 
@@ -18,8 +17,16 @@ TOLERANCE = 1e-2
 
 def moe_of(p, swiglu_limit=None):
     return F.moe(
-        p["x"], p["top_experts"], p["router_weights"], p["w_gate"], p["w_up"], p["w_down"],
-        p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"], swiglu_limit=swiglu_limit,
+        p["x"],
+        p["top_experts"],
+        p["router_weights"],
+        p["w_gate"],
+        p["w_up"],
+        p["w_down"],
+        p["w_shared_gate"],
+        p["w_shared_up"],
+        p["w_shared_down"],
+        swiglu_limit=swiglu_limit,
     )
 
 
@@ -40,9 +47,20 @@ CASES = {
 def test_moe_matches_float64_torch(device, case):
     limit = 1.5 if case == "clamp" else None
     p = make_problem(device, seed=len(case), **CASES[case])
-    leaves = {k: (v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in p.items()}
+    leaves = {
+        k: (
+            v.detach().requires_grad_(True)
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v
+        )
+        for k, v in p.items()
+    }
     out = moe_of(leaves, limit)
-    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(device)
+    d_out = (
+        torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        .to(torch.bfloat16)
+        .to(device)
+    )
     out.backward(d_out)
 
     exact = as_float64(p, requires_grad=True)
@@ -67,7 +85,14 @@ def test_bitwise_reproducible(device):
     p = make_problem(device, Is=64, seed=3)
     runs = []
     for _ in range(2):
-        leaves = {k: (v.detach().clone().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in p.items()}
+        leaves = {
+            k: (
+                v.detach().clone().requires_grad_(True)
+                if isinstance(v, torch.Tensor) and v.is_floating_point()
+                else v
+            )
+            for k, v in p.items()
+        }
         out = moe_of(leaves)
         out.backward(torch.ones_like(out))
         runs.append([out.detach()] + [leaves[n].grad for n in ["x", "router_weights"] + WEIGHTS])
@@ -83,17 +108,44 @@ def test_mok_functional_signatures(device):
     T, H = p["x"].shape
     K = p["top_experts"].shape[1]
     config = F.MoKConfig(minibatch_size=256, macrobatch_size=1024)
-    workspace = F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K)
-    assert F.get_workspace(config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K) is workspace
+    workspace = F.get_workspace(
+        config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K
+    )
+    assert (
+        F.get_workspace(
+            config, None, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K
+        )
+        is workspace
+    )
     schedule = F.build_schedule(workspace, config, p["top_experts"], num_local_experts=4)
     assert int(schedule.tokens_per_expert.sum()) == int((p["top_experts"] >= 0).sum())
-    weights = (p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"], p["w_gate"], p["w_up"], p["w_down"])
+    weights = (
+        p["w_shared_gate"],
+        p["w_shared_up"],
+        p["w_shared_down"],
+        p["w_gate"],
+        p["w_up"],
+        p["w_down"],
+    )
     out, context = F.forward(config, workspace, schedule, p["x"], p["router_weights"], *weights)
     d_out = torch.randn_like(out)
-    grads = F.backward(config, workspace, schedule, context, d_out, p["x"], p["router_weights"], *weights)
+    grads = F.backward(
+        config, workspace, schedule, context, d_out, p["x"], p["router_weights"], *weights
+    )
     assert len(grads) == 8
-    recomputed = F.recompute_forward_context(config, workspace, schedule, p["x"], p["w_shared_gate"], p["w_shared_up"], p["w_gate"], p["w_up"])
-    grads_recomputed = F.backward(config, workspace, schedule, recomputed, d_out, p["x"], p["router_weights"], *weights)
+    recomputed = F.recompute_forward_context(
+        config,
+        workspace,
+        schedule,
+        p["x"],
+        p["w_shared_gate"],
+        p["w_shared_up"],
+        p["w_gate"],
+        p["w_up"],
+    )
+    grads_recomputed = F.backward(
+        config, workspace, schedule, recomputed, d_out, p["x"], p["router_weights"], *weights
+    )
     for a, b in zip(grads, grads_recomputed):
         assert torch.equal(a, b)
     if device == "cuda":
@@ -102,7 +154,16 @@ def test_mok_functional_signatures(device):
     expected = torch_moe(leaves)
     expected.backward(d_out.double())
     assert relative_error(out, expected) < TOLERANCE
-    names = ["x", "router_weights", "w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down"]
+    names = [
+        "x",
+        "router_weights",
+        "w_gate",
+        "w_up",
+        "w_down",
+        "w_shared_gate",
+        "w_shared_up",
+        "w_shared_down",
+    ]
     for name, grad in zip(names, grads):
         assert relative_error(grad, leaves[name].grad) < TOLERANCE, name
 
@@ -119,14 +180,26 @@ def bad(p, **changes):
     [
         (lambda p: bad(p, x=p["x"].float()), "`x`"),
         (lambda p: bad(p, w_down=p["w_down"][:, :, :64].contiguous()), "`w_down`"),
-        (lambda p: bad(p, w_down=p["w_down"].transpose(1, 2).contiguous().transpose(1, 2)), "`w_down`"),
+        (
+            lambda p: bad(p, w_down=p["w_down"].transpose(1, 2).contiguous().transpose(1, 2)),
+            "`w_down`",
+        ),
         (lambda p: bad(p, router_weights=p["router_weights"].double()), "`router_weights`"),
         (lambda p: bad(p, top_experts=p["top_experts"].float()), "`top_experts`"),
         (lambda p: bad(p, x=p["x"].t().contiguous().t()), "`x`"),
         (lambda p: bad(p, w_up=p["w_up"][:3]), "`w_up`"),
         (lambda p: bad(p, x=p["x"][:, :64]), "`x`"),
     ],
-    ids=["dtype", "shape", "non_contiguous", "router_dtype", "ids_dtype", "strided_x", "mismatched_experts", "hidden"],
+    ids=[
+        "dtype",
+        "shape",
+        "non_contiguous",
+        "router_dtype",
+        "ids_dtype",
+        "strided_x",
+        "mismatched_experts",
+        "hidden",
+    ],
 )
 def test_bad_inputs_raise_value_error_naming_the_argument(device, change, message):
     p = change(make_problem(device))
@@ -138,7 +211,9 @@ def test_bad_inputs_raise_value_error_naming_the_argument(device, change, messag
 def test_workspace_made_for_other_sizes_is_refused(device):
     p = make_problem(device)
     config = F.MoKConfig()
-    workspace = F.create_workspace(config, None, device=torch.device(device), num_local_tokens=16, hidden_size=128, topk=2)
+    workspace = F.create_workspace(
+        config, None, device=torch.device(device), num_local_tokens=16, hidden_size=128, topk=2
+    )
     schedule = F.build_schedule(workspace, config, p["top_experts"], num_local_experts=4)
     weights = (None, None, None, p["w_gate"], p["w_up"], p["w_down"])
     with pytest.raises(ValueError, match="num_local_tokens=16"):

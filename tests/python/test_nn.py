@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mok
-from conftest import DEVICES, cuda_reason, make_problem
+from conftest import DEVICES, cuda_reason
 
 
 def routing(T, E, K, seed, device):
@@ -54,7 +54,11 @@ def test_parameters_and_layouts(device):
     names = [n for n, _ in module.named_parameters()]
     assert names == ["w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down"]
     assert tuple(module.w_gate.shape) == (8, 128, 128) and module.w_gate.dtype == torch.bfloat16
-    assert [n for n, _ in make_module(device, shared=0).named_parameters()] == ["w_gate", "w_up", "w_down"]
+    assert [n for n, _ in make_module(device, shared=0).named_parameters()] == [
+        "w_gate",
+        "w_up",
+        "w_down",
+    ]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,10 +17,21 @@ def op_args(p, device):
     if device == "cuda":
         T, H = p["x"].shape
         handle = F.get_workspace(
-            F.MoKConfig(), None, device=torch.device("cuda"), num_local_tokens=T, hidden_size=H,
+            F.MoKConfig(),
+            None,
+            device=torch.device("cuda"),
+            num_local_tokens=T,
+            hidden_size=H,
             topk=p["top_experts"].shape[1],
         ).handle
-    weights = (p["w_gate"], p["w_up"], p["w_down"], p["w_shared_gate"], p["w_shared_up"], p["w_shared_down"])
+    weights = (
+        p["w_gate"],
+        p["w_up"],
+        p["w_down"],
+        p["w_shared_gate"],
+        p["w_shared_up"],
+        p["w_shared_down"],
+    )
     return weights, handle
 
 
@@ -33,12 +44,24 @@ def test_opcheck_forward_and_backward(device, shared):
     torch.library.opcheck(torch.ops.mok.forward.default, forward_args)
     out = torch.ops.mok.forward(*forward_args)
     d_out = torch.randn_like(out)
-    backward_args = (d_out, p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle, True)
+    backward_args = (
+        d_out,
+        p["x"],
+        p["top_experts"],
+        p["router_weights"],
+        *weights,
+        math.inf,
+        handle,
+        True,
+    )
     torch.library.opcheck(torch.ops.mok.backward.default, backward_args)
     grads = torch.ops.mok.backward(*backward_args)
     assert [tuple(g.shape) for g in grads[:5]] == [
-        tuple(p["x"].shape), tuple(p["router_weights"].shape), tuple(p["w_gate"].shape),
-        tuple(p["w_up"].shape), tuple(p["w_down"].shape),
+        tuple(p["x"].shape),
+        tuple(p["router_weights"].shape),
+        tuple(p["w_gate"].shape),
+        tuple(p["w_up"].shape),
+        tuple(p["w_down"].shape),
     ]
     for g, w in zip(grads[5:], weights[3:]):
         assert g.numel() == (w.numel() if w is not None else 0)
@@ -49,7 +72,18 @@ def test_ops_leave_their_inputs_untouched(device):
     p = make_problem(device, Is=64)
     before = {k: v.clone() for k, v in p.items() if isinstance(v, torch.Tensor)}
     weights, handle = op_args(p, device)
-    out = torch.ops.mok.forward(p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
-    torch.ops.mok.backward(torch.ones_like(out), p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle, True)
+    out = torch.ops.mok.forward(
+        p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle
+    )
+    torch.ops.mok.backward(
+        torch.ones_like(out),
+        p["x"],
+        p["top_experts"],
+        p["router_weights"],
+        *weights,
+        math.inf,
+        handle,
+        True,
+    )
     for k, v in before.items():
         assert torch.equal(v, p[k]), k

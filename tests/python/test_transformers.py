@@ -19,17 +19,33 @@ from conftest import DEVICES, relative_error  # noqa: E402
 
 def qwen3_moe_config():
     return transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
     )
 
 
 def mixtral_config():
     return transformers.MixtralConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=128,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
     )
 
 
@@ -45,9 +61,13 @@ def run(config, implementation, device, input_ids):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("make_config", [qwen3_moe_config, mixtral_config], ids=["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "make_config", [qwen3_moe_config, mixtral_config], ids=["qwen3_moe", "mixtral"]
+)
 def test_mok_experts_match_eager(device, make_config):
-    input_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    input_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1)).to(
+        device
+    )
     logits, loss, grads = run(make_config(), "mok", device, input_ids)
     ref_logits, ref_loss, ref_grads = run(make_config(), "eager", device, input_ids)
     assert relative_error(logits, ref_logits) < 2e-2
@@ -61,11 +81,21 @@ def test_mok_experts_match_eager(device, make_config):
 
 def test_gpt_oss_is_refused_with_the_reason():
     config = transformers.GptOssConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=128, layer_types=["full_attention"],
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        layer_types=["full_attention"],
     )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, experts_implementation="mok")
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.bfloat16, experts_implementation="mok"
+    )
     with pytest.raises(NotImplementedError, match="GptOssExperts"):
         model(input_ids=torch.randint(0, 256, (1, 8)))
 
@@ -100,5 +130,7 @@ def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
     got, want = step(experts), step(separate)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert torch.equal(experts.gate_up_proj.grad, torch.cat((separate.w_gate.grad, separate.w_up.grad), dim=1))
+    assert torch.equal(
+        experts.gate_up_proj.grad, torch.cat((separate.w_gate.grad, separate.w_up.grad), dim=1)
+    )
     assert torch.equal(experts.down_proj.grad, separate.w_down.grad)

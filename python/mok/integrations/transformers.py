@@ -54,7 +54,10 @@ def _check_layout(module) -> None:
     if not getattr(module, "has_gate", True):
         _reject(module, "its experts have no gate (mok's are SwiGLU)")
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        _reject(module, "it defines its own gated activation (gpt-oss: gate * sigmoid(1.702 gate) * (up + 1), clamped)")
+        _reject(
+            module,
+            "it defines its own gated activation (gpt-oss: gate * sigmoid(1.702 gate) * (up + 1), clamped)",
+        )
     act = getattr(getattr(module, "config", None), "hidden_act", "silu")
     if act not in _SILU:
         _reject(module, f"its activation is {act!r}; mok's experts are SwiGLU (silu)")
@@ -97,14 +100,27 @@ class _FusedGateUpExperts(torch.autograd.Function):
         intermediate = down.shape[-1]
         gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
         grads = torch.ops.mok.backward(
-            d_out.contiguous(), x, top_experts, router_weights, gate, up, down, None, None, None,
-            math.inf, ctx.handle, True,
+            d_out.contiguous(),
+            x,
+            top_experts,
+            router_weights,
+            gate,
+            up,
+            down,
+            None,
+            None,
+            None,
+            math.inf,
+            ctx.handle,
+            True,
         )
         d_x, d_router_weights, d_gate, d_up, d_down = grads[:5]
         return d_x, None, d_router_weights, torch.cat((d_gate, d_up), dim=1), d_down, None
 
 
-def mok_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+def mok_experts_forward(
+    self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
     """The experts' forward through mok: ``sum_k top_k_weights[t, k] * expert(hidden_states[t])``."""
     _check_layout(self)
     if hidden_states.dtype != torch.bfloat16:
@@ -118,8 +134,12 @@ def mok_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_
     workspace = _workspace_of(self) or functional._default_workspace(functional._DEFAULT_CONFIG)
     handle = workspace.handle if hidden_states.device.type == "cuda" else 0
     return _FusedGateUpExperts.apply(
-        hidden_states, top_k_index, top_k_weights.float(), self.gate_up_proj,
-        self.down_proj.contiguous(), handle,
+        hidden_states,
+        top_k_index,
+        top_k_weights.float(),
+        self.gate_up_proj,
+        self.down_proj.contiguous(),
+        handle,
     )
 
 
