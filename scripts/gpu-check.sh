@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU device machine: builds mok (Release, ptxas register/spill
 # report in the log), runs the CPU and GPU test suites, the CLI on the tiny shape, and
-# compute-sanitizer on the schedule GPU tests, then writes a summary.
+# compute-sanitizer on the schedule GPU tests, then writes a summary. The Python package: installed
+# with the machine's PyTorch, its pytest suite, expert parallelism under torchrun (one process,
+# and one per GPU with 2+), the examples, and `python -m mok.bench` (python.log; MOK_SKIP_PYTHON=1,
+# MOK_SKIP_PYTHON_EXAMPLES=1, MOK_PYTHON_BENCH_SHAPES).
 #
 # Outputs under $OUT (default ./out; the device tool returns at most 8 files): build.log,
 # ctest.log, run.log (mok run on tiny and the benchmark shapes), clocks.log (SM clock and power
@@ -167,6 +170,14 @@ else
     if [ "${MOK_SKIP_TESTS:-0}" != 1 ]; then
       run_step python_tests "$OUT/python.log" bash -c \
         "cd tests/python && timeout 900 python3 -m pytest -q -rs -p no:cacheprovider ."
+    fi
+    # Expert parallelism under torchrun: a group of one, and every GPU of the machine with 2+.
+    if [ "${MOK_SKIP_TESTS:-0}" != 1 ]; then
+      gpus_here="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+      for procs in 1 $([ "${gpus_here:-0}" -ge 2 ] && echo "$gpus_here"); do
+        run_step "python_torchrun_${procs}" "$OUT/python.log" timeout 300 python3 -m torch.distributed.run \
+          --standalone --nproc_per_node="$procs" tests/python/torchrun_expert_parallel.py
+      done
     fi
     # The examples at their default sizes: 300 training steps twice, bitwise equal losses
     # (MOK_SKIP_PYTHON_EXAMPLES=1 skips them).
