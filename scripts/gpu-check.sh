@@ -159,7 +159,8 @@ fi
 
 # --- The Python package: installed with this machine's PyTorch (no network), its tests (CUDA and
 # CPU cases), then mok through PyTorch against the C++ layer (MOK_PYTHON_BENCH_SHAPES, default
-# "qwen3 dsv3_local"; python.log, python_<shape>.json merged into results.json) ----------------
+# "qwen3,dsv3_local", MOK_PYTHON_BENCH_SHARED for shapes also run with a shared expert; python.log,
+# the numbers merged into results.json) --------------------------------------------------------
 python_json=""
 if [ "${MOK_SKIP_PYTHON:-0}" = 1 ]; then
   record python_install skipped
@@ -186,14 +187,28 @@ else
         examples/train_moe_block.py --device cuda --steps 300 --print-every 50 --check-reproducible
       run_step python_example_hf "$OUT/python.log" timeout 120 python3 examples/hf_qwen3_moe.py --device cuda
     fi
-    for shape in ${MOK_PYTHON_BENCH_SHAPES-qwen3 dsv3_local}; do
-      run_step "python_bench_$shape" "$OUT/python.log" timeout 300 python3 -m mok.bench \
-        --shape "$shape" --json "$OUT/tmp_python_$shape.json"
-      if [ -s "$OUT/tmp_python_$shape.json" ]; then
-        python_json="${python_json:+$python_json, }\"$shape\": $(cat "$OUT/tmp_python_$shape.json")"
-        rm -f "$OUT/tmp_python_$shape.json"
+    # The benchmark (mok, its C++ layer, transformers' experts, the torch grouped_mm pipeline, and
+    # SonicMoE when its wheels were carried in .deps/peers/wheels: installed into a private
+    # folder for this step only), all shapes in one process; MOK_PYTHON_BENCH_PLOT=1 adds
+    # bench.png (the device tool returns 8 files: leave room for it).
+    bench_env=()
+    if ls "$root"/.deps/peers/wheels/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$OUT/.sonic-site" \
+        "$root"/.deps/peers/wheels/*.whl >>"$OUT/python.log" 2>&1 &&
+        bench_env=(env "PYTHONPATH=$OUT/.sonic-site:$OUT/.sonic-site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}")
+    fi
+    bench_shapes="${MOK_PYTHON_BENCH_SHAPES-qwen3,dsv3_local}"
+    if [ -n "$bench_shapes" ]; then
+      run_step python_bench "$OUT/python.log" timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" \
+        "${bench_env[@]}" python3 -m mok.bench --shapes "$bench_shapes" \
+        --shared "${MOK_PYTHON_BENCH_SHARED-}" --json "$OUT/tmp_python_bench.json" \
+        $([ "${MOK_PYTHON_BENCH_PLOT:-0}" = 1 ] && echo --plot "$OUT/bench.png")
+      if [ -s "$OUT/tmp_python_bench.json" ]; then
+        python_json="\"bench\": $(cat "$OUT/tmp_python_bench.json")"
+        rm -f "$OUT/tmp_python_bench.json"
       fi
-    done
+      rm -rf "$OUT/.sonic-site"
+    fi
   fi
 fi
 

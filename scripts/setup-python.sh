@@ -19,8 +19,8 @@ else
   python="$venv/bin/python"
   # The versions the GPU machine has (torch's CPU and CUDA builds share these pins).
   requirements=(torch==2.11.0 nanobind==3.1.0 scikit-build-core==1.1.0 pytest==9.1.1
-                numpy==2.4.6 transformers==5.17.0 ruff==0.14.0)
-  if ! "$python" -c "import torch, nanobind, scikit_build_core, pytest, numpy, transformers, ruff" 2>/dev/null; then
+                numpy==2.4.6 transformers==5.17.0 ruff==0.14.0 matplotlib==3.11.2)
+  if ! "$python" -c "import torch, nanobind, scikit_build_core, pytest, numpy, transformers, ruff, matplotlib" 2>/dev/null; then
     echo "setup-python: installing ${requirements[*]} into $venv"
     "$python" -m pip install -q "${requirements[@]}"
   fi

@@ -44,8 +44,9 @@ Status can_implement(const MoeShape& shape);
 // The routing schedule's parameters of `shape` for expert-parallel rank `local_rank`.
 ScheduleParams schedule_params(const MoeShape& shape, int32_t local_rank = 0);
 
-// Named shapes of DESIGN.md: dsv3, dsv3_local, qwen3, kimi_slice, tiny. `kimi_slice` has 8
-// experts per rank, so its num_experts is 8 * num_ranks; pass the rank count you will run.
+// Named shapes of DESIGN.md: dsv3, dsv3_local, qwen3, kimi_slice, tiny; and the benchmark points
+// dsv3_e128 (dsv3 at EP = 2: one GPU's 128 experts) and sonic_e128 (SonicMoE's own). `kimi_slice`
+// has 8 experts per rank, so its num_experts is 8 * num_ranks; pass the rank count you will run.
 // Throws Error(kInvalidArgument) for an unknown name, listing the known ones.
 MoeShape named_shape(std::string_view name, int32_t num_ranks = 1);
 std::vector<std::string> named_shape_names();

@@ -1,19 +1,16 @@
-"""``python -m mok.bench``: mok through PyTorch against mok's C++ layer and transformers' experts.
+"""``python -m mok.bench``: mok against the systems its users would pick instead, on one GPU.
 
-At a named shape (``mok shapes`` lists them) with uniformly random routing, on the same tensors
-in one process, each case forward and forward + backward:
+    python -m mok.bench --shapes qwen3,dsv3_local,sonic_e128,dsv3_e128,dsv3 --shared dsv3_local \\
+        --json out/bench.json --plot out/bench.png
 
-- ``mok.nn.MoE``: autograd over ``torch.ops.mok`` (the ops' dispatch, DLPack);
-- ``C++``: the same layer called through ``mok._C`` directly (what PyTorch adds is the
-  difference);
-- ``hf mok`` / ``hf grouped_mm``: transformers' Qwen3-MoE experts module with
-  ``experts_implementation="mok"`` and ``"grouped_mm"`` (what a transformers user runs today),
-  when transformers is installed.
-
-Timing: per call (median of synchronized calls) and sustained (calls queued back to back, one
-synchronization: a training loop), in rounds that rotate the order of the cases, so that none
-always runs first on a cool card; the median over rounds is reported. Prints a table with the
-ratios to mok.nn.MoE and, with ``--json PATH``, writes the numbers.
+Per shape, in one process on the same tensors (``bench_peers``: mok through PyTorch, the C++
+layer, transformers' experts with ``"mok"`` and ``"grouped_mm"``, the torch ``grouped_mm``
+pipeline, and SonicMoE when importable), each system's forward and forward + backward, timed
+per call (median of synchronized calls) and sustained (calls queued back to back, one
+synchronization: a training loop), in rounds that rotate the systems' order so that none always
+runs first on a cool card; the median over rounds is reported. Prints ms, TFLOP/s and each
+system's time over mok's, and writes JSON and a plot (TFLOP/s per shape and system, sustained,
+forward and forward + backward).
 """
 
 from __future__ import annotations
@@ -23,10 +20,11 @@ import json
 import statistics
 
 import torch
-from torch.utils.dlpack import to_dlpack
 
-from . import _C
-from .nn import MoE
+from .bench_peers import Problem, System, make_problem, systems_of
+
+DIRECTIONS = ("forward", "forward+backward")
+MODES = ("per call", "sustained")
 
 
 def _time(fn, calls: int, sustained: bool) -> float:
@@ -51,150 +49,147 @@ def _time(fn, calls: int, sustained: bool) -> float:
     return statistics.median(times)
 
 
-def _hf_experts(implementation, w_gate, w_up, w_down, top_k):
-    """transformers' Qwen3-MoE experts module holding the same weights, or None without it."""
-    try:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    except ImportError:
-        return None
-    if implementation == "mok":
-        import mok.integrations.transformers  # noqa: F401  registers "mok"
-    E, I, H = w_gate.shape
-    config = Qwen3MoeConfig(
-        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k
-    )
-    config._experts_implementation = implementation
-    module = Qwen3MoeExperts(config).to(w_gate.device, torch.bfloat16)
-    with torch.no_grad():
-        module.gate_up_proj.copy_(torch.cat([w_gate, w_up], dim=1))
-        module.down_proj.copy_(w_down)
-    return module
+def _callables(p: Problem, system: System):
+    """(forward, forward+backward) of one system, each a call with no arguments."""
+    if system.native_step is not None:
+        return system.native_forward, system.native_step
+    x = p.x.detach().clone().requires_grad_(True)
+    weights = p.router_weights.detach().clone().requires_grad_(True)
+    leaves = [x, weights, *system.parameters]
+
+    def forward():
+        with torch.no_grad():
+            system.forward(x, p.top_experts, weights)
+
+    def step():
+        for leaf in leaves:  # assigned, not accumulated: no extra pass over the weights
+            leaf.grad = None
+        system.forward(x, p.top_experts, weights).backward(p.d_out)
+
+    step()  # warm-up: workspaces, autotuning, caches
+    return forward, step
 
 
-def _cases(shape_name: str, seed: int):
-    """(name, forward, forward+backward) of every system, over the same tensors."""
-    shape = _C.named_shape(shape_name)
-    T, H, I, E, K, Is = (
-        shape.num_tokens,
-        shape.hidden,
-        shape.intermediate,
-        shape.num_experts,
-        shape.top_k,
-        shape.shared_intermediate,
-    )
-    torch.manual_seed(seed)
-    device = torch.device("cuda")
-    module = MoE(E, H, I, shared_intermediate_size=Is, device=device)
-    x = torch.randn(T, H, device=device).to(torch.bfloat16).requires_grad_(True)
-    top = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)]).to(torch.int32)
-    weights = torch.softmax(torch.randn(T, K, device=device), dim=-1).requires_grad_(True)
-    d_out = torch.randn(T, H, device=device).to(torch.bfloat16)
-    cases = []
-
-    def autograd_case(name, fn, parameters):
-        leaves = [x, weights, *parameters]
-
-        def forward():
-            with torch.no_grad():
-                fn(x, top, weights)
-
-        def step():
-            for leaf in leaves:  # assigned, not accumulated: no extra pass over the weights
-                leaf.grad = None
-            fn(x, top, weights).backward(d_out)
-
-        step()  # builds the workspace, compiles nothing
-        cases.append((name, forward, step))
-
-    autograd_case("mok.nn.MoE", module, list(module.parameters()))
-    layer = next(iter(module.workspace._layers.values()))
-    params = [
-        module.w_gate,
-        module.w_up,
-        module.w_down,
-        module.w_shared_gate,
-        module.w_shared_up,
-        module.w_shared_down,
-    ]
-    out = torch.empty(T, H, device=device, dtype=torch.bfloat16)
-    grads = [torch.empty_like(t) for t in (x, weights, *params[:3])]
-    grads += [torch.empty_like(p) if p is not None else None for p in params[3:]]
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def capsules(tensors):
-        return [None if t is None else to_dlpack(t.detach()) for t in tensors]
-
-    def native_forward():
-        return layer.forward(*capsules([x, top, weights, *params, out]), stream)
-
-    def native_step():
-        context = native_forward()
-        layer.backward(*capsules([x, top, weights, *params, d_out, *grads]), stream, context)
-
-    cases.append(("C++", native_forward, native_step))
-    if Is == 0:  # transformers' experts modules hold the routed experts only
-        for implementation in ("mok", "grouped_mm"):
-            hf = _hf_experts(
-                implementation,
-                module.w_gate.detach(),
-                module.w_up.detach(),
-                module.w_down.detach(),
-                K,
-            )
-            if hf is not None:
-                autograd_case(f"hf {implementation}", hf, list(hf.parameters()))
-    flop_forward = 6.0 * T * K * H * I + 6.0 * T * H * Is
-    info = {"shape": shape_name, "T": T, "H": H, "I": I, "E": E, "K": K, "Is": Is}
-    return info, flop_forward, cases, module
-
-
-def run(shape_name: str, calls: int, rounds: int, seed: int) -> dict:
-    info, flop_forward, cases, module = _cases(shape_name, seed)
+def run_shape(p: Problem, systems: list[System], calls: int, rounds: int) -> dict:
+    timed = [(s.name, *_callables(p, s)) for s in systems]
     samples: dict[str, list[float]] = {}
     for round_idx in range(rounds):
-        order = cases[round_idx % len(cases) :] + cases[: round_idx % len(cases)]
-        for name, forward, step in order:
-            for direction, fn in (("forward", forward), ("forward+backward", step)):
-                for mode in ("per call", "sustained"):
-                    key = f"{name}, {direction}, {mode}"
-                    samples.setdefault(key, []).append(_time(fn, calls, mode == "sustained"))
-    module.workspace.synchronize()
-    result = dict(info, rounds=rounds, calls=calls, systems=[name for name, _, _ in cases])
+        shift = round_idx % len(timed)
+        for name, forward, step in timed[shift:] + timed[:shift]:
+            for direction, fn in zip(DIRECTIONS, (forward, step)):
+                for mode in MODES:
+                    samples.setdefault(f"{name}|{direction}|{mode}", []).append(
+                        _time(fn, calls, mode == "sustained")
+                    )
+    p.module.workspace.synchronize()  # raises what the device found
+    result = {
+        "shape": p.shape_name,
+        "T": p.T,
+        "H": p.H,
+        "I": p.I,
+        "E": p.E,
+        "K": p.K,
+        "Is": p.Is,
+        "rounds": rounds,
+        "calls": calls,
+        "skipped": p.skipped,
+        "systems": {},
+    }
     for key, values in samples.items():
+        name, direction, mode = key.split("|")
         ms = statistics.median(values)
-        flop = flop_forward * (3 if "forward+backward" in key else 1)
-        result[key] = {"ms": ms, "tflops": flop / ms / 1e9, "rounds_ms": values}
+        flop = p.flop_forward * (3 if direction == "forward+backward" else 1)
+        entry = result["systems"].setdefault(name, {})
+        entry[f"{direction}, {mode}"] = {"ms": ms, "tflops": flop / ms / 1e9, "rounds_ms": values}
     return result
+
+
+def print_table(result: dict) -> None:
+    systems = result["systems"]
+    print(
+        f"{result['shape']} (T={result['T']} H={result['H']} I={result['I']} E={result['E']} "
+        f"K={result['K']} Is={result['Is']}), median of {result['rounds']} rotated rounds",
+        flush=True,
+    )
+    print(f"  {'system':<18} {'':<28} {'ms':>9} {'TFLOP/s':>9} {'time / mok':>11}")
+    for name, entries in systems.items():
+        for key, value in entries.items():
+            ratio = value["ms"] / systems["mok"][key]["ms"]
+            print(
+                f"  {name:<18} {key:<28} {value['ms']:9.3f} {value['tflops']:9.1f} {ratio:10.2f}x"
+            )
+    for name, why in result["skipped"].items():
+        print(f"  {name:<18} skipped: {why}")
+
+
+def plot(results: list[dict], path: str) -> None:
+    """TFLOP/s per shape and system, sustained: forward and forward + backward side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for result in results:
+        names += [n for n in result["systems"] if n not in names]
+    figure, axes = plt.subplots(1, 2, figsize=(14, 4.8), sharey=True)
+    width = 0.8 / max(len(names), 1)
+    for axis, direction in zip(axes, DIRECTIONS):
+        for i, name in enumerate(names):
+            heights = [
+                r["systems"].get(name, {}).get(f"{direction}, sustained", {}).get("tflops", 0.0)
+                for r in results
+            ]
+            axis.bar([x + i * width for x in range(len(results))], heights, width, label=name)
+        axis.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(results))])
+        axis.set_xticklabels([r["shape"] for r in results], rotation=20)
+        axis.set_title(f"{direction}, sustained")
+        axis.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s (bf16)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(names), fontsize=9)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3")
+    parser.add_argument("--shapes", default="qwen3", help="comma-separated named shapes")
+    parser.add_argument("--shape", default=None, help="one shape (the same as --shapes NAME)")
+    parser.add_argument(
+        "--shared", default="", help="shapes also run with a shared expert of width I (mok only)"
+    )
+    parser.add_argument("--no-peers", action="store_true", help="mok and its C++ layer only")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="a PNG of TFLOP/s per shape and system")
     args = parser.parse_args()
-    print(
-        f"mok bench (Python): {args.shape} on {torch.cuda.get_device_name()}, median of "
-        f"{args.rounds} rotated rounds",
-        flush=True,
-    )
-    result = run(args.shape, args.calls, args.rounds, args.seed)
-    print(f"  {'':<44} {'ms':>9} {'TFLOP/s':>9} {'time / mok.nn.MoE':>18}")
-    for key, value in result.items():
-        if isinstance(value, dict):
-            name, direction, mode = key.split(", ")
-            reference = result[f"mok.nn.MoE, {direction}, {mode}"]["ms"]
-            print(
-                f"  {key:<44} {value['ms']:9.3f} {value['tflops']:9.1f} "
-                f"{value['ms'] / reference:17.3f}x",
-                flush=True,
-            )
+    shapes = [args.shape] if args.shape else [s for s in args.shapes.split(",") if s]
+    runs = [(s, None) for s in shapes] + [(s, "I") for s in args.shared.split(",") if s]
+    device = torch.device("cuda")
+    print(f"mok bench (Python) on {torch.cuda.get_device_name()}", flush=True)
+    results = []
+    for shape_name, shared in runs:
+        from . import _C
+
+        width = _C.named_shape(shape_name).intermediate if shared else None
+        problem = make_problem(shape_name, device, args.seed, shared=width)
+        result = run_shape(
+            problem, systems_of(problem, peers=not args.no_peers), args.calls, args.rounds
+        )
+        print_table(result)
+        results.append(result)
+        problem.module.workspace.release()
+        del problem
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -80,11 +80,19 @@ MoeShape named_shape(std::string_view name, int32_t num_ranks) {
   MoeShape shape;
   shape.num_ranks = num_ranks;
   shape.top_k = 8;
-  if (name == "dsv3" || name == "dsv3_local" || name == "kimi_slice") {
+  if (name == "dsv3" || name == "dsv3_local" || name == "dsv3_e128" || name == "kimi_slice") {
     shape.hidden = 7168;
     shape.intermediate = 2048;
     shape.num_tokens = name == "kimi_slice" ? 2048 : 4096;
-    shape.num_experts = name == "dsv3" ? 256 : name == "dsv3_local" ? 32 : 8 * num_ranks;
+    shape.num_experts = name == "dsv3"         ? 256
+                        : name == "dsv3_local" ? 32
+                        : name == "dsv3_e128"  ? 128  // one GPU's experts of dsv3 at EP = 2
+                                               : 8 * num_ranks;
+  } else if (name == "sonic_e128") {  // SonicMoE's own 120B-class point
+    shape.hidden = 4096;
+    shape.intermediate = 1024;
+    shape.num_experts = 128;
+    shape.num_tokens = 32768;
   } else if (name == "qwen3") {
     shape.hidden = 2048;
     shape.intermediate = 768;
@@ -106,7 +114,7 @@ MoeShape named_shape(std::string_view name, int32_t num_ranks) {
 }
 
 std::vector<std::string> named_shape_names() {
-  return {"tiny", "qwen3", "dsv3", "dsv3_local", "kimi_slice"};
+  return {"tiny", "qwen3", "dsv3", "dsv3_local", "dsv3_e128", "sonic_e128", "kimi_slice"};
 }
 
 int64_t weight_bytes_per_rank(const MoeShape& shape) {

@@ -1,0 +1,226 @@
+"""The systems ``python -m mok.bench`` measures, each a differentiable ``(x, top_experts,
+router_weights) -> out`` over the same weights (one ``Problem``):
+
+- ``mok``: ``mok.nn.MoE`` (autograd over ``torch.ops.mok``);
+- ``mok C++``: the same layer called through ``mok._C`` (what PyTorch adds is the difference);
+- ``hf mok`` / ``hf grouped_mm``: transformers' Qwen3-MoE experts module with
+  ``experts_implementation="mok"`` / ``"grouped_mm"`` (what a transformers user runs today);
+- ``torch grouped_mm``: the pipeline a user writes by hand (argsort permute, ``torch._grouped_mm``
+  over each expert's rows, SwiGLU, weighted sum in fp32);
+- ``sonicmoe``: SonicMoE's given-routing entry point, when ``sonicmoe`` is importable.
+
+Peers hold routed experts only: with a shared expert only mok runs. A system that cannot be built
+here is left out with the reason (``Problem.skipped``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.dlpack import to_dlpack
+
+from . import _C
+from .nn import MoE
+
+
+@dataclass
+class System:
+    name: str
+    forward: Callable[[Tensor, Tensor, Tensor], Tensor]  # differentiable in x and router_weights
+    parameters: list[Tensor]
+    native_step: Callable[[], None] | None = None  # a whole fwd+bwd without autograd (mok C++)
+    native_forward: Callable[[], None] | None = None
+
+
+@dataclass
+class Problem:
+    """One shape's tensors: the routing is K distinct uniformly random experts per token, the
+    router weights a softmax over them, weights ~ N(0, 1/fan_in)."""
+
+    shape_name: str
+    T: int
+    H: int
+    I: int
+    E: int
+    K: int
+    Is: int
+    x: Tensor
+    top_experts: Tensor  # [T, K] int64
+    router_weights: Tensor  # [T, K] fp32
+    d_out: Tensor
+    module: MoE
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def flop_forward(self) -> float:
+        return 6.0 * self.T * self.K * self.H * self.I + 6.0 * self.T * self.H * self.Is
+
+
+def make_problem(
+    shape_name: str, device: torch.device, seed: int = 0, shared: int | None = None
+) -> Problem:
+    shape = _C.named_shape(shape_name)
+    T, H, I, E, K = (
+        shape.num_tokens,
+        shape.hidden,
+        shape.intermediate,
+        shape.num_experts,
+        shape.top_k,
+    )
+    Is = shape.shared_intermediate if shared is None else shared
+    gen = torch.Generator(device=device).manual_seed(seed)
+    module = MoE(E, H, I, shared_intermediate_size=Is, device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, device=device, generator=gen) / p.shape[-1] ** 0.5)
+    x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
+    scores = torch.rand(T, E, device=device, generator=gen)
+    top_scores, top = scores.topk(K, dim=1)
+    weights = torch.softmax(top_scores, dim=1)
+    d_out = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
+    name = shape_name if shared is None else f"{shape_name}+shared{Is}"
+    return Problem(name, T, H, I, E, K, Is, x, top, weights, d_out, module)
+
+
+def torch_grouped_mm_moe(x, top_experts, router_weights, gate_up, down):
+    """The torch pipeline: rows sorted by expert, one grouped GEMM per projection, SwiGLU, and the
+    weighted sum over each token's K slots in fp32 (deterministic: no atomics)."""
+    T, K = top_experts.shape
+    E = gate_up.shape[0]
+    flat = top_experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    rows = x[order // K]
+    gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    weighted = y.float() * router_weights.reshape(-1)[order, None]
+    slots = torch.empty_like(weighted).index_copy(0, order, weighted)
+    return slots.view(T, K, -1).sum(dim=1).to(x.dtype)
+
+
+def _fused_gate_up(module: MoE) -> Tensor:
+    return torch.cat((module.w_gate.detach(), module.w_up.detach()), dim=1)
+
+
+def _mok_systems(p: Problem) -> list[System]:
+    module = p.module
+    systems = [System("mok", module, list(module.parameters()))]
+    module(p.x, p.top_experts, p.router_weights)  # builds the workspace's layer
+    layer = next(iter(module.workspace._layers.values()))
+    params = [
+        module.w_gate,
+        module.w_up,
+        module.w_down,
+        module.w_shared_gate,
+        module.w_shared_up,
+        module.w_shared_down,
+    ]
+    out = torch.empty_like(p.x)
+    grads = [torch.empty_like(t) for t in (p.x, p.router_weights, *params[:3])]
+    grads += [torch.empty_like(w) if w is not None else None for w in params[3:]]
+    top32 = p.top_experts.to(torch.int32)
+
+    def capsules(tensors):
+        return [None if t is None else to_dlpack(t.detach()) for t in tensors]
+
+    def native_forward():
+        stream = torch.cuda.current_stream().cuda_stream
+        return layer.forward(*capsules([p.x, top32, p.router_weights, *params, out]), stream)
+
+    def native_step():
+        stream = torch.cuda.current_stream().cuda_stream
+        context = native_forward()
+        layer.backward(
+            *capsules([p.x, top32, p.router_weights, *params, p.d_out, *grads]), stream, context
+        )
+
+    systems.append(
+        System("mok C++", module, [], native_step=native_step, native_forward=native_forward)
+    )
+    return systems
+
+
+def _hf_system(p: Problem, implementation: str) -> System:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    if implementation == "mok":
+        import mok.integrations.transformers  # noqa: F401  registers "mok"
+    config = Qwen3MoeConfig(
+        hidden_size=p.H, moe_intermediate_size=p.I, num_experts=p.E, num_experts_per_tok=p.K
+    )
+    config._experts_implementation = implementation
+    experts = Qwen3MoeExperts(config).to(p.x.device, torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(_fused_gate_up(p.module))
+        experts.down_proj.copy_(p.module.w_down)
+    return System(f"hf {implementation}", experts, list(experts.parameters()))
+
+
+def _torch_system(p: Problem) -> System:
+    gate_up = _fused_gate_up(p.module).requires_grad_(True)
+    down = p.module.w_down.detach().clone().requires_grad_(True)
+
+    def forward(x, top, weights):
+        return torch_grouped_mm_moe(x, top, weights, gate_up, down)
+
+    return System("torch grouped_mm", forward, [gate_up, down])
+
+
+def _sonic_system(p: Problem) -> System:
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import moe_general_routing_inputs
+
+    # SonicMoE's layouts: w1 (2I, H, E) over [gate; up] rows (concat layout), w2 (H, I, E).
+    w13 = _fused_gate_up(p.module).requires_grad_(True)
+    w2 = p.module.w_down.detach().clone().requires_grad_(True)
+    token_of_pair = torch.arange(p.T, device=p.x.device, dtype=torch.int32).repeat_interleave(p.K)
+    experts_of_pair = p.top_experts.reshape(-1).to(torch.int32)
+
+    def forward(x, top, weights):
+        out, _ = moe_general_routing_inputs(
+            x,
+            weights.reshape(-1),
+            token_of_pair,
+            experts_of_pair,
+            w13.permute(1, 2, 0),
+            None,
+            w2.permute(1, 2, 0),
+            None,
+            p.E,
+            torch.cuda.current_stream().cuda_stream,
+            ActivationType.SWIGLU,
+            False,
+            True,
+        )
+        return out
+
+    return System("sonicmoe", forward, [w13, w2])
+
+
+def systems_of(p: Problem, peers: bool = True) -> list[System]:
+    """mok's systems, and the peers that run here (the others go to ``p.skipped`` with why)."""
+    systems = (
+        _mok_systems(p)
+        if p.x.device.type == "cuda"
+        else [System("mok", p.module, list(p.module.parameters()))]
+    )
+    if not peers or p.Is > 0:
+        if p.Is > 0:
+            p.skipped["peers"] = "a shared expert: the peers hold routed experts only"
+        return systems
+    for name, build in (
+        ("hf mok", lambda: _hf_system(p, "mok")),
+        ("hf grouped_mm", lambda: _hf_system(p, "grouped_mm")),
+        ("torch grouped_mm", lambda: _torch_system(p)),
+        ("sonicmoe", lambda: _sonic_system(p)),
+    ):
+        try:
+            systems.append(build())
+        except ImportError as error:
+            p.skipped[name] = f"not importable ({error})"
+    return systems

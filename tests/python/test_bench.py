@@ -1,0 +1,82 @@
+"""The benchmark's parts that run without a GPU: the torch grouped_mm peer computes the layer
+(against the float64 torch implementation, outputs and gradients), and the plot is drawn from a
+result (a PNG with one bar group per shape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import as_float64, make_problem, relative_error, torch_moe
+from mok.bench import plot
+from mok.bench_peers import torch_grouped_mm_moe
+
+
+def test_torch_grouped_mm_peer_computes_the_layer():
+    p = make_problem("cpu", T=40, E=4, K=2, seed=9)
+    p["top_experts"] = p["top_experts"].long()
+    gate_up = torch.cat((p["w_gate"], p["w_up"]), dim=1).requires_grad_(True)
+    down = p["w_down"].clone().requires_grad_(True)
+    x = p["x"].clone().requires_grad_(True)
+    weights = p["router_weights"].clone().requires_grad_(True)
+    out = torch_grouped_mm_moe(x, p["top_experts"], weights, gate_up, down)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out.backward(d_out)
+    exact = as_float64(p, requires_grad=True)
+    expected = torch_moe(exact)
+    expected.backward(d_out.double())
+    assert relative_error(out, expected) < 1e-2
+    assert relative_error(x.grad, exact["x"].grad) < 1e-2
+    assert relative_error(weights.grad, exact["router_weights"].grad) < 1e-2
+    expected_gate_up = torch.cat((exact["w_gate"].grad, exact["w_up"].grad), dim=1)
+    assert relative_error(gate_up.grad, expected_gate_up) < 1e-2
+    assert relative_error(down.grad, exact["w_down"].grad) < 1e-2
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    entry = lambda tflops: {"ms": 1.0, "tflops": tflops, "rounds_ms": [1.0]}  # noqa: E731
+    results = [
+        {
+            "shape": shape,
+            "systems": {
+                name: {
+                    f"{d}, {m}": entry(100.0 * (i + 1))
+                    for d in ("forward", "forward+backward")
+                    for m in ("per call", "sustained")
+                }
+                for i, name in enumerate(["mok", "hf grouped_mm"])
+            },
+        }
+        for shape in ("qwen3", "dsv3_local")
+    ]
+    path = tmp_path / "bench.png"
+    plot(results, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_every_system_of_a_problem_computes_the_same_layer():
+    """On the CPU (mok's reference, transformers' experts, the torch pipeline; sonicmoe skipped
+    when not importable): the systems the benchmark times agree on the output and gradients."""
+    pytest.importorskip("transformers")
+    from mok.bench import _callables
+    from mok.bench_peers import make_problem as bench_problem
+    from mok.bench_peers import systems_of
+
+    p = bench_problem("tiny", torch.device("cpu"), seed=1)
+    systems = systems_of(p)
+    names = [s.name for s in systems]
+    assert names[:4] == ["mok", "hf mok", "hf grouped_mm", "torch grouped_mm"], names
+    results = []
+    for system in systems:
+        x = p.x.clone().requires_grad_(True)
+        weights = p.router_weights.clone().requires_grad_(True)
+        out = system.forward(x, p.top_experts, weights)
+        out.backward(p.d_out)
+        results.append((out.detach(), x.grad, weights.grad))
+        forward, step = _callables(p, system)
+        forward()
+        step()
+    for name, got in zip(names[1:], results[1:]):
+        for a, b in zip(got, results[0]):
+            assert relative_error(a, b) < 2e-2, name
