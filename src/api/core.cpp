@@ -115,6 +115,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (ndim > 0 && numel() == 0) return true;  // no element: every stride describes it
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;
@@ -124,7 +125,7 @@ bool TensorView::is_contiguous() const {
 }
 
 bool TensorView::is_outer_strided() const {
-  if (ndim < 2) return is_contiguous();
+  if (ndim < 2 || numel() == 0) return is_contiguous();
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 1; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;

@@ -225,3 +225,23 @@ def test_expert_id_out_of_range_is_named_on_cpu():
     p["top_experts"][5, 1] = 9
     with pytest.raises(ValueError, match="top_experts"):
         moe_of(p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_tokens(device):
+    """T = 0 (a rank with no tokens this step): an empty output and exactly zero weight
+    gradients, also through PyTorch's [0, H] gradient with strides [0, 0]."""
+    p = make_problem(device, T=0, Is=64)
+    leaves = {
+        k: (
+            v.detach().requires_grad_(True)
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v
+        )
+        for k, v in p.items()
+    }
+    out = moe_of(leaves)
+    assert out.shape == (0, 128)
+    out.float().sum().backward()
+    for name in WEIGHTS:
+        assert torch.count_nonzero(leaves[name].grad) == 0, name
