@@ -12,7 +12,10 @@ namespace mok {
 
 enum class Precision : int32_t {
   kBF16 = 0,  // bf16 operands, fp32 accumulation
-  kFP8 = 1,   // reserved: not implemented yet
+  // e4m3 operands with fp32 block scales (1 x 128 activation groups, 128 x 128 weight blocks;
+  // mok/fp8.h): the CPU reference runs it (reference::Options::precision); the GPU layer does
+  // not yet (can_implement says so). H, I and Is must be multiples of 128.
+  kFP8Block = 1,
 };
 
 const char* precision_name(Precision precision);

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mok/config.h"
 #include "mok/layer_args.h"
 #include "mok/shape.h"
 
@@ -23,6 +24,9 @@ namespace mok::reference {
 
 struct Options {
   int num_threads = 0;  // 0 = MOK_NUM_THREADS from the environment, else all hardware threads
+  // kFP8Block: every GEMM on FP8 block-scaled operands, quantized as the GPU will (H, I and Is
+  // multiples of 128; src/reference/fp8_emulation.h); kBF16: the bf16 layer.
+  Precision precision = Precision::kBF16;
 };
 
 // Validates everything (check_forward_args on every rank, expert ids included) before any

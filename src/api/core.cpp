@@ -62,8 +62,8 @@ const char* precision_name(Precision precision) {
   switch (precision) {
     case Precision::kBF16:
       return "bf16";
-    case Precision::kFP8:
-      return "fp8";
+    case Precision::kFP8Block:
+      return "fp8_block";
   }
   return "unknown";
 }

@@ -9,6 +9,7 @@
 
 #include "ep_exchange.h"
 #include "expert_math.h"
+#include "fp8_emulation.h"
 #include "gemm_f32.h"
 #include "mok/reference.h"
 
@@ -25,8 +26,9 @@ struct SourceSlots {
   float* d_router_weights;  // the source's output [T, K], written in place (one writer per slot)
 };
 
-void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const BackwardArgs& owner_args,
-                       const OwnerSchedule& schedule, const std::vector<BackwardArgs>& rank_args,
+void run_owner_experts(ThreadPool& pool, const MoeShape& shape, bool fp8,
+                       const BackwardArgs& owner_args, const OwnerSchedule& schedule,
+                       const std::vector<BackwardArgs>& rank_args,
                        std::vector<SourceSlots>& sources) {
   const int64_t hidden = shape.hidden, inter = shape.intermediate, top_k = shape.top_k;
   std::vector<const bf16*> source_x, source_d_out;
@@ -63,7 +65,7 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const BackwardAr
           pool, owner.w_gate.data_as<const bf16>() + expert * owner.w_gate.outer_stride(),
           owner.w_up.data_as<const bf16>() + expert * owner.w_up.outer_stride(),
           owner.w_down.data_as<const bf16>() + expert * owner.w_down.outer_stride(), hidden, inter,
-          detail::WeightsFor::kBackward, weights);
+          detail::WeightsFor::kBackward, fp8, weights);
 
     std::vector<float> d_router_weights(static_cast<size_t>(rows));
     std::vector<float> dx(static_cast<size_t>(rows * hidden));
@@ -92,7 +94,7 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const BackwardAr
 
 // Shared expert backward over all tokens of one rank: writes its weight gradients and returns
 // its dx rows [T, H] (bf16 values as fp32).
-std::vector<float> shared_expert_backward(ThreadPool& pool, const MoeShape& shape,
+std::vector<float> shared_expert_backward(ThreadPool& pool, const MoeShape& shape, bool fp8,
                                           const BackwardArgs& args) {
   const int64_t tokens = shape.num_tokens, hidden = shape.hidden;
   const int64_t inter = shape.shared_intermediate;
@@ -108,7 +110,7 @@ std::vector<float> shared_expert_backward(ThreadPool& pool, const MoeShape& shap
     detail::load_expert_weights(pool, forward.w_shared_gate.data_as<const bf16>(),
                                 forward.w_shared_up.data_as<const bf16>(),
                                 forward.w_shared_down.data_as<const bf16>(), hidden, inter,
-                                detail::WeightsFor::kBackward, weights);
+                                detail::WeightsFor::kBackward, fp8, weights);
 
   std::vector<float> dx(static_cast<size_t>(tokens * hidden));
   detail::ExpertGradients grads;
@@ -144,6 +146,8 @@ void sum_dx_at_source(ThreadPool& pool, const MoeShape& shape, const BackwardArg
 void backward_ep(const MoeShape& shape, const std::vector<BackwardArgs>& rank_args,
                  const Options& options) {
   detail::validate_backward_ranks("backward_ep", shape, rank_args);
+  const bool fp8 = options.precision == Precision::kFP8Block;
+  if (fp8) detail::check_fp8_shape("backward_ep", shape);
   ThreadPool pool(resolve_num_threads(options.num_threads));
   const int32_t num_ranks = shape.num_ranks;
   const int64_t slots_per_rank = shape.num_tokens * shape.top_k;
@@ -163,12 +167,12 @@ void backward_ep(const MoeShape& shape, const std::vector<BackwardArgs>& rank_ar
 
   for (int32_t owner = 0; owner < num_ranks; ++owner) {
     const OwnerSchedule schedule(shape, routing, owner);
-    run_owner_experts(pool, shape, rank_args[owner], schedule, rank_args, sources);
+    run_owner_experts(pool, shape, fp8, rank_args[owner], schedule, rank_args, sources);
   }
   for (int32_t source = 0; source < num_ranks; ++source) {
     std::vector<float> shared_dx;
     if (shape.has_shared_expert())
-      shared_dx = shared_expert_backward(pool, shape, rank_args[source]);
+      shared_dx = shared_expert_backward(pool, shape, fp8, rank_args[source]);
     sum_dx_at_source(pool, shape, rank_args[source], shared_dx, sources[source].dx);
     sources[source].dx = {};
   }

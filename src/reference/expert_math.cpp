@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "fp8_emulation.h"
 #include "gemm_f32.h"
 
 namespace mok::reference::detail {
@@ -21,13 +22,53 @@ void round_in_place(ThreadPool& pool, float* values, int64_t rows, int64_t width
   });
 }
 
+// A copy of `rows` x `cols` activation values quantized for an FP8 product when `fp8` (groups
+// along each row: the product's reduction), else the values themselves.
+const float* operand(ThreadPool& pool, const float* values, int64_t rows, int64_t cols, bool fp8,
+                     std::vector<float>& storage) {
+  if (!fp8) return values;
+  storage.assign(values, values + rows * cols);
+  fp8_rows_in_place(pool, storage.data(), rows, cols, cols);
+  return storage.data();
+}
+
+// The FP8 weights: each matrix's dequantized blocks, then the same layouts as the bf16 path.
+void load_fp8_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
+                      int64_t hidden, int64_t intermediate, WeightsFor use,
+                      ExpertWeights& weights) {
+  const int64_t matrix = intermediate * hidden;
+  const std::vector<float> gate = fp8_block_weights(w_gate, intermediate, hidden);
+  const std::vector<float> up = fp8_block_weights(w_up, intermediate, hidden);
+  const std::vector<float> down = fp8_block_weights(w_down, hidden, intermediate);
+  weights.gate_up.resize(static_cast<size_t>(2 * matrix));
+  std::copy(gate.begin(), gate.end(), weights.gate_up.begin());
+  std::copy(up.begin(), up.end(), weights.gate_up.begin() + matrix);
+  if (use == WeightsFor::kForward) {
+    weights.down = down;
+    return;
+  }
+  weights.down_t.resize(static_cast<size_t>(matrix));
+  transpose_to_float(pool, down.data(), hidden, intermediate, intermediate, weights.down_t.data(),
+                     hidden);
+  weights.gate_up_t.resize(static_cast<size_t>(2 * matrix));
+  transpose_to_float(pool, gate.data(), intermediate, hidden, hidden, weights.gate_up_t.data(),
+                     2 * intermediate);
+  transpose_to_float(pool, up.data(), intermediate, hidden, hidden,
+                     weights.gate_up_t.data() + intermediate, 2 * intermediate);
+}
+
 }  // namespace
 
 void load_expert_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
-                         int64_t hidden, int64_t intermediate, WeightsFor use,
+                         int64_t hidden, int64_t intermediate, WeightsFor use, bool fp8,
                          ExpertWeights& weights) {
   weights.hidden = hidden;
   weights.intermediate = intermediate;
+  weights.fp8 = fp8;
+  if (fp8) {
+    load_fp8_weights(pool, w_gate, w_up, w_down, hidden, intermediate, use, weights);
+    return;
+  }
   const int64_t matrix = intermediate * hidden;
   weights.gate_up.resize(static_cast<size_t>(2 * matrix));
   convert_bf16_to_float(pool, w_gate, matrix, weights.gate_up.data());
@@ -52,9 +93,9 @@ void load_expert_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up,
 SwigluRows expert_swiglu(ThreadPool& pool, const ExpertWeights& weights, const float* x_rows,
                          int64_t rows, float swiglu_limit) {
   const int64_t hidden = weights.hidden, inter = weights.intermediate;
-  std::vector<float> gate_up(static_cast<size_t>(rows * 2 * inter));
-  gemm_nt(pool, rows, 2 * inter, hidden, x_rows, hidden, weights.gate_up.data(), hidden,
-          gate_up.data(), 2 * inter);
+  std::vector<float> gate_up(static_cast<size_t>(rows * 2 * inter)), x_fp8;
+  gemm_nt(pool, rows, 2 * inter, hidden, operand(pool, x_rows, rows, hidden, weights.fp8, x_fp8),
+          hidden, weights.gate_up.data(), hidden, gate_up.data(), 2 * inter);
 
   SwigluRows act;
   const size_t count = static_cast<size_t>(rows * inter);
@@ -88,8 +129,10 @@ SwigluRows expert_swiglu(ThreadPool& pool, const ExpertWeights& weights, const f
 void expert_down(ThreadPool& pool, const ExpertWeights& weights, const float* hidden, int64_t rows,
                  float* y) {
   const int64_t hidden_size = weights.hidden, inter = weights.intermediate;
-  gemm_nt(pool, rows, hidden_size, inter, hidden, inter, weights.down.data(), inter, y,
-          hidden_size);
+  std::vector<float> hidden_fp8;
+  gemm_nt(pool, rows, hidden_size, inter,
+          operand(pool, hidden, rows, inter, weights.fp8, hidden_fp8), inter, weights.down.data(),
+          inter, y, hidden_size);
   round_in_place(pool, y, rows, hidden_size);
 }
 
@@ -107,9 +150,10 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
   const SwigluRows act = expert_swiglu(pool, weights, x_rows, rows, swiglu_limit);
 
   // dh_raw = bf16(d_out . Wd[:, i]): the unweighted dgrad of down.
-  std::vector<float> dh_raw(static_cast<size_t>(rows * inter));
-  gemm_nt(pool, rows, inter, hidden, d_out_rows, hidden, weights.down_t.data(), hidden,
-          dh_raw.data(), inter);
+  std::vector<float> dh_raw(static_cast<size_t>(rows * inter)), d_out_fp8;
+  gemm_nt(pool, rows, inter, hidden,
+          operand(pool, d_out_rows, rows, hidden, weights.fp8, d_out_fp8), hidden,
+          weights.down_t.data(), hidden, dh_raw.data(), inter);
   round_in_place(pool, dh_raw.data(), rows, inter);
 
   // d_router_weights = <dh_raw, h>: computed directly, right for zero and negative weights.
@@ -144,8 +188,11 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
   });
 
   // dx = bf16(d_g . Wg[:, h] + d_u . Wu[:, h]): one reduction over 2I, rounded once.
-  gemm_nt(pool, rows, hidden, 2 * inter, d_gate_up.data(), 2 * inter, weights.gate_up_t.data(),
-          2 * inter, grads.dx, hidden);
+  std::vector<float> d_gate_up_fp8;
+  gemm_nt(pool, rows, hidden, 2 * inter,
+          operand(pool, d_gate_up.data(), rows, 2 * inter, weights.fp8, d_gate_up_fp8), 2 * inter,
+          weights.gate_up_t.data(), 2 * inter, grads.dx, hidden);
+  d_gate_up_fp8 = {};
   round_in_place(pool, grads.dx, rows, hidden);
 
   // Weight gradients reduce over the rows: transposed copies make the rows the depth of an NT
@@ -154,6 +201,10 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
   std::vector<float> hidden_t(static_cast<size_t>(inter * rows));
   transpose_to_float(pool, d_out_rows, rows, hidden, hidden, d_out_t.data(), rows);
   transpose_to_float(pool, weighted_hidden.data(), rows, inter, inter, hidden_t.data(), rows);
+  if (weights.fp8) {  // FP8 weight gradients reduce over the rows: groups of 128 rows
+    fp8_rows_in_place(pool, d_out_t.data(), hidden, rows, rows);
+    fp8_rows_in_place(pool, hidden_t.data(), inter, rows, rows);
+  }
   gemm_nt(pool, hidden, inter, rows, d_out_t.data(), rows, hidden_t.data(), rows, grads.d_w_down,
           inter);
   d_out_t = {};
@@ -163,6 +214,10 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
   std::vector<float> x_t(static_cast<size_t>(hidden * rows));
   transpose_to_float(pool, d_gate_up.data(), rows, 2 * inter, 2 * inter, d_gate_up_t.data(), rows);
   transpose_to_float(pool, x_rows, rows, hidden, hidden, x_t.data(), rows);
+  if (weights.fp8) {
+    fp8_rows_in_place(pool, d_gate_up_t.data(), 2 * inter, rows, rows);
+    fp8_rows_in_place(pool, x_t.data(), hidden, rows, rows);
+  }
   gemm_nt(pool, inter, hidden, rows, d_gate_up_t.data(), rows, x_t.data(), rows, grads.d_w_gate,
           hidden);
   gemm_nt(pool, inter, hidden, rows, d_gate_up_t.data() + inter * rows, rows, x_t.data(), rows,

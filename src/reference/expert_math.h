@@ -19,6 +19,10 @@ struct ExpertWeights {
   std::vector<float> down;       // [H, I] (forward only)
   std::vector<float> down_t;     // [I, H] (backward only): operand of dh_raw = d_out . Wd[:, i]
   std::vector<float> gate_up_t;  // [H, 2I] (backward only): operand of the fused dx reduction
+  // FP8 block-scaled GEMMs (Precision::kFP8Block): the weights above hold their dequantized
+  // 128 x 128-block values, and every activation operand is quantized in 1 x 128 groups along
+  // its reduction (fp8_emulation.h) before each product.
+  bool fp8 = false;
 };
 
 enum class WeightsFor { kForward, kBackward };
@@ -26,7 +30,7 @@ enum class WeightsFor { kForward, kBackward };
 // Fills `weights` (reusing its memory: experts of one call share a shape, so converting expert
 // after expert allocates and page-faults only once).
 void load_expert_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
-                         int64_t hidden, int64_t intermediate, WeightsFor use,
+                         int64_t hidden, int64_t intermediate, WeightsFor use, bool fp8,
                          ExpertWeights& weights);
 
 // Gate, up and hidden of a block of rows, every value bf16-representable.

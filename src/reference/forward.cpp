@@ -8,6 +8,7 @@
 
 #include "ep_exchange.h"
 #include "expert_math.h"
+#include "fp8_emulation.h"
 #include "gemm_f32.h"
 #include "mok/reference.h"
 
@@ -20,8 +21,9 @@ using detail::OwnerSchedule;
 
 // Runs the routed experts of one owner rank and pushes their output rows into the combine
 // slots of the source ranks.
-void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const ForwardArgs& owner_args,
-                       const OwnerSchedule& schedule, const std::vector<const bf16*>& source_x,
+void run_owner_experts(ThreadPool& pool, const MoeShape& shape, bool fp8,
+                       const ForwardArgs& owner_args, const OwnerSchedule& schedule,
+                       const std::vector<const bf16*>& source_x,
                        std::vector<std::vector<bf16>>& combine_slots) {
   const int64_t hidden = shape.hidden, inter = shape.intermediate, top_k = shape.top_k;
   const std::vector<bf16> received = detail::pull_rows(pool, schedule, source_x, hidden);
@@ -41,7 +43,7 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const ForwardArg
     detail::load_expert_weights(pool, w_gate + expert * owner_args.w_gate.outer_stride(),
                                 w_up + expert * owner_args.w_up.outer_stride(),
                                 w_down + expert * owner_args.w_down.outer_stride(), hidden, inter,
-                                detail::WeightsFor::kForward, weights);
+                                detail::WeightsFor::kForward, fp8, weights);
     const detail::SwigluRows act =
         detail::expert_swiglu(pool, weights, x_rows.data(), rows, shape.swiglu_limit);
     std::vector<float> y(static_cast<size_t>(rows * hidden));
@@ -57,16 +59,16 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, const ForwardArg
 }
 
 // The shared expert's output rows for all tokens of one rank: [T, H], bf16 values as fp32.
-std::vector<float> shared_expert_output(ThreadPool& pool, const MoeShape& shape,
+std::vector<float> shared_expert_output(ThreadPool& pool, const MoeShape& shape, bool fp8,
                                         const ForwardArgs& args) {
   const int64_t tokens = shape.num_tokens, hidden = shape.hidden;
   std::vector<float> x_rows(static_cast<size_t>(tokens * hidden));
   convert_bf16_to_float(pool, args.x.data_as<const bf16>(), tokens * hidden, x_rows.data());
   ExpertWeights weights;
-  detail::load_expert_weights(pool, args.w_shared_gate.data_as<const bf16>(),
-                              args.w_shared_up.data_as<const bf16>(),
-                              args.w_shared_down.data_as<const bf16>(), hidden,
-                              shape.shared_intermediate, detail::WeightsFor::kForward, weights);
+  detail::load_expert_weights(
+      pool, args.w_shared_gate.data_as<const bf16>(), args.w_shared_up.data_as<const bf16>(),
+      args.w_shared_down.data_as<const bf16>(), hidden, shape.shared_intermediate,
+      detail::WeightsFor::kForward, fp8, weights);
   const detail::SwigluRows act =
       detail::expert_swiglu(pool, weights, x_rows.data(), tokens, shape.swiglu_limit);
   std::vector<float> y(static_cast<size_t>(tokens * hidden));
@@ -98,6 +100,8 @@ void combine_at_source(ThreadPool& pool, const MoeShape& shape, const ForwardArg
 void forward_ep(const MoeShape& shape, const std::vector<ForwardArgs>& rank_args,
                 const Options& options) {
   detail::validate_forward_ranks("forward_ep", shape, rank_args);
+  const bool fp8 = options.precision == Precision::kFP8Block;
+  if (fp8) detail::check_fp8_shape("forward_ep", shape);
   ThreadPool pool(resolve_num_threads(options.num_threads));
   const int32_t num_ranks = shape.num_ranks;
 
@@ -117,11 +121,12 @@ void forward_ep(const MoeShape& shape, const std::vector<ForwardArgs>& rank_args
 
   for (int32_t owner = 0; owner < num_ranks; ++owner) {
     const OwnerSchedule schedule(shape, routing, owner);
-    run_owner_experts(pool, shape, rank_args[owner], schedule, source_x, combine_slots);
+    run_owner_experts(pool, shape, fp8, rank_args[owner], schedule, source_x, combine_slots);
   }
   for (int32_t source = 0; source < num_ranks; ++source) {
     std::vector<float> shared_y;
-    if (shape.has_shared_expert()) shared_y = shared_expert_output(pool, shape, rank_args[source]);
+    if (shape.has_shared_expert())
+      shared_y = shared_expert_output(pool, shape, fp8, rank_args[source]);
     combine_at_source(pool, shape, rank_args[source], shared_y, combine_slots[source]);
     combine_slots[source] = {};
   }

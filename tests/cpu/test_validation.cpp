@@ -141,7 +141,7 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   MoeConfig good;
   ASSERT_TRUE(can_implement(good, shape).ok());
   MoeConfig config = good;
-  config.precision = Precision::kFP8;
+  config.precision = Precision::kFP8Block;
   expect_error(can_implement(config, shape), ErrorCode::kUnsupported, {"precision = fp8"});
   config = good;
   config.minibatch_size = 100;
