@@ -25,7 +25,8 @@ struct RunOptions {
   int64_t check_tokens = -1;
   float clamp = 0;
   std::string routing = "uniform";
-  std::string local_dispatch;  // empty: MoeConfig's default
+  std::string local_dispatch;      // empty: MoeConfig's default
+  std::string precision = "bf16";  // bf16, fp8_block (the CPU reference only, for now)
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;  // GPU: trace the persistent kernels' tasks into this Chrome trace

@@ -12,6 +12,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   mok::MoeConfig config;
   if (!options.local_dispatch.empty())
     config.local_dispatch = mok::local_dispatch_from_name(options.local_dispatch);
+  config.precision = mok::precision_from_name(options.precision);
   config.persistent_forward = options.persistent_forward;
   config.persistent_backward = options.persistent_backward;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;

@@ -145,6 +145,59 @@ std::vector<Comparison> check_against_oracle(const mok::HostProblem& single,
   return results;
 }
 
+// The FP8 run against the bf16 reference on the same problem: every output's relative error
+// and cosine similarity (the bounds of docs/design.md, "FP8").
+constexpr double kFp8RelBound = 8e-2, kFp8CosineBound = 0.996;
+
+struct Fp8Comparison {
+  std::string name;
+  double rel = 0, cosine = 1;
+  bool finite = true;
+};
+
+std::vector<Fp8Comparison> compare_with_bf16(const mok::HostProblem& fp8,
+                                             const mok::HostProblem& bf16) {
+  std::vector<Fp8Comparison> results;
+  auto compare = [&](const char* name, auto field) {
+    double diff = 0, norm = 0, got_norm = 0, dot = 0;
+    bool finite = true, any = false;
+    for (size_t r = 0; r < fp8.ranks.size(); ++r) {
+      const auto& got = field(fp8.ranks[r]);
+      const auto& want = field(bf16.ranks[r]);
+      for (size_t i = 0; i < want.size(); ++i) {
+        const double a = value_of(got[i]), b = value_of(want[i]);
+        finite &= std::isfinite(a);
+        diff += (a - b) * (a - b);
+        norm += b * b;
+        got_norm += a * a;
+        dot += a * b;
+        any = true;
+      }
+    }
+    if (any)
+      results.push_back({name, std::sqrt(diff / norm), dot / std::sqrt(norm * got_norm), finite});
+  };
+  compare(
+      "out", [](const mok::HostRank& r) -> const auto& { return r.out; });
+  compare(
+      "d_x", [](const mok::HostRank& r) -> const auto& { return r.d_x; });
+  compare(
+      "d_router_weights", [](const mok::HostRank& r) -> const auto& { return r.d_router_weights; });
+  compare(
+      "d_w_gate", [](const mok::HostRank& r) -> const auto& { return r.d_w_gate; });
+  compare(
+      "d_w_up", [](const mok::HostRank& r) -> const auto& { return r.d_w_up; });
+  compare(
+      "d_w_down", [](const mok::HostRank& r) -> const auto& { return r.d_w_down; });
+  compare(
+      "d_w_shared_gate", [](const mok::HostRank& r) -> const auto& { return r.d_w_shared_gate; });
+  compare(
+      "d_w_shared_up", [](const mok::HostRank& r) -> const auto& { return r.d_w_shared_up; });
+  compare(
+      "d_w_shared_down", [](const mok::HostRank& r) -> const auto& { return r.d_w_shared_down; });
+  return results;
+}
+
 struct GpuScheduleCheck {
   bool ran = false;
   std::string device;
@@ -225,11 +278,60 @@ GpuScheduleCheck check_gpu_schedule(const mok::HostProblem& problem) {
 
 }  // namespace
 
+// `mok run --precision fp8_block` on the CPU: the FP8 reference against the bf16 reference of
+// the same problem (the fp64 oracle computes the bf16 layer, so it checks the bf16 run only).
+int report_fp8_run(const RunOptions& options, const mok::MoeShape& shape, mok::RoutingKind routing,
+                   const mok::HostProblem& fp8_problem, uint64_t hash, double forward_s,
+                   double backward_s) {
+  mok::HostProblem bf16_problem = mok::HostProblem::make(shape, routing, options.seed);
+  mok::reference::Options bf16_options;
+  bf16_options.num_threads = options.threads;
+  mok::reference::forward_ep(shape, bf16_problem.all_forward_args(), bf16_options);
+  mok::reference::backward_ep(shape, bf16_problem.all_backward_args(), bf16_options);
+  const std::vector<Fp8Comparison> results = compare_with_bf16(fp8_problem, bf16_problem);
+  bool passed = true;
+  std::printf(
+      "mok run: CPU reference of the MoE layer in FP8 (e4m3, 1x128 / 128x128 block "
+      "scales)\n");
+  std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
+              shape.to_string().c_str(), options.routing.c_str(),
+              static_cast<unsigned long long>(options.seed));
+  std::printf("  forward %.3f s, backward %.3f s\n", forward_s, backward_s);
+  std::printf("  against the bf16 reference (bounds: rel err %.0e, cosine %.3f):\n", kFp8RelBound,
+              kFp8CosineBound);
+  std::printf("  %-18s %12s %12s\n", "output", "rel err", "cosine");
+  for (const Fp8Comparison& c : results) {
+    const bool ok = c.finite && c.rel <= kFp8RelBound && c.cosine >= kFp8CosineBound;
+    passed &= ok;
+    std::printf("  %-18s %12.3e %12.6f%s\n", c.name.c_str(), c.rel, c.cosine,
+                ok ? "" : "  OUT OF BOUNDS");
+  }
+  std::printf("  determinism hash of all outputs: %016llx\n",
+              static_cast<unsigned long long>(hash));
+  std::printf("%s\n", passed ? "PASS" : "FAIL");
+  if (!options.json_path.empty()) {
+    std::ofstream json(options.json_path);
+    if (!json)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--json " + options.json_path + ": cannot open the file for writing");
+    json << "{\"precision\": \"fp8_block\", \"shape\": \"" << shape.to_string()
+         << "\", \"passed\": " << (passed ? "true" : "false") << ", \"hash\": \"" << std::hex
+         << hash << std::dec << "\", \"against_bf16\": {";
+    for (size_t i = 0; i < results.size(); ++i)
+      json << (i ? ", " : "") << "\"" << results[i].name << "\": {\"rel\": " << results[i].rel
+           << ", \"cosine\": " << results[i].cosine << "}";
+    json << "}}\n";
+  }
+  return passed ? 0 : 1;
+}
+
 int run_cpu(const RunOptions& options, const mok::MoeShape& shape) {
   const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
   check_fits_in_memory(shape, options.shape_name);
   mok::reference::Options reference_options;
   reference_options.num_threads = options.threads;
+  reference_options.precision = mok::precision_from_name(options.precision);
+  const bool fp8 = reference_options.precision == mok::Precision::kFP8Block;
 
   const int64_t pairs_per_group = shape.num_ranks * shape.num_tokens * shape.top_k;
   mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
@@ -250,6 +352,7 @@ int run_cpu(const RunOptions& options, const mok::MoeShape& shape) {
   const double forward_s = std::chrono::duration<double>(t1 - t0).count();
   const double backward_s = std::chrono::duration<double>(t2 - t1).count();
   const uint64_t hash = outputs_hash(problem);
+  if (fp8) return report_fp8_run(options, shape, routing, problem, hash, forward_s, backward_s);
 
   // The oracle checks the R = 1 equivalent; the reference's R-rank outputs equal it bitwise
   // (tests/cpu/test_ep_emulation.cpp), so check the single-rank run's outputs after running it.

@@ -19,6 +19,8 @@ enum class Precision : int32_t {
 };
 
 const char* precision_name(Precision precision);
+// The precision named `name` (bf16, fp8_block); throws mok::Error naming the valid names.
+Precision precision_from_name(const std::string& name);
 
 // The forward's local dispatch (the routed x rows in expert-grouped order, the gate/up GEMM's
 // A operand).

@@ -78,6 +78,13 @@ const char* local_dispatch_name(LocalDispatch dispatch) {
   return "unknown";
 }
 
+Precision precision_from_name(const std::string& name) {
+  for (const Precision precision : {Precision::kBF16, Precision::kFP8Block})
+    if (name == precision_name(precision)) return precision;
+  throw Error(ErrorCode::kInvalidArgument,
+              "precision '" + name + "' is unknown; valid: bf16, fp8_block");
+}
+
 LocalDispatch local_dispatch_from_name(const std::string& name) {
   for (LocalDispatch mode : {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps})
     if (name == local_dispatch_name(mode)) return mode;
