@@ -20,13 +20,18 @@ import mok
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, hidden, intermediate, num_experts, top_k, shared, device):
+    def __init__(self, hidden, intermediate, num_experts, top_k, shared, device, precision="bf16"):
         super().__init__()
         self.top_k = top_k
         self.norm = nn.RMSNorm(hidden, device=device, dtype=torch.bfloat16)
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=torch.float32)
         self.experts = mok.nn.MoE(
-            num_experts, hidden, intermediate, shared_intermediate_size=shared, device=device
+            num_experts,
+            hidden,
+            intermediate,
+            shared_intermediate_size=shared,
+            device=device,
+            config=mok.MoKConfig(precision=precision),
         )
         self.head = nn.Linear(hidden, hidden, bias=False, device=device, dtype=torch.bfloat16)
 
@@ -41,7 +46,15 @@ class MoEBlock(nn.Module):
 def train(args) -> list[float]:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    block = MoEBlock(args.hidden, args.intermediate, args.experts, args.top_k, args.shared, device)
+    block = MoEBlock(
+        args.hidden,
+        args.intermediate,
+        args.experts,
+        args.top_k,
+        args.shared,
+        device,
+        args.precision,
+    )
     teacher = torch.randn(args.hidden, args.hidden, device=device) / args.hidden**0.5
     optimizer = torch.optim.AdamW(block.parameters(), lr=args.lr)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
@@ -78,8 +91,25 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--print-every", type=int, default=25)
     parser.add_argument("--check-reproducible", action="store_true")
+    parser.add_argument(
+        "--precision", default="bf16", help="bf16, or fp8_block (the CPU reference so far)"
+    )
+    parser.add_argument(
+        "--compare-bf16",
+        action="store_true",
+        help="with --precision fp8_block: also train in bf16 from the same start, compare the losses",
+    )
     args = parser.parse_args()
     first = train(args)
+    if args.compare_bf16 and args.precision != "bf16":
+        bf16 = train(
+            argparse.Namespace(**{**vars(args), "precision": "bf16", "print_every": 10**9})
+        )
+        gap = max(abs(a - b) / b for a, b in zip(first, bf16))
+        print(
+            f"{args.precision} vs bf16 from the same start: final loss {first[-1]:.6f} vs "
+            f"{bf16[-1]:.6f}, largest relative gap over the run {gap:.2%}"
+        )
     if args.check_reproducible:
         second = train(args)
         same = first == second

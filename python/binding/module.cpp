@@ -148,6 +148,12 @@ void bind_shape_and_config(nb::module_& m) {
           [](MoeConfig& config, const std::string& name) {
             config.local_dispatch = local_dispatch_from_name(name);
           })
+      .def_prop_rw(
+          "precision",
+          [](const MoeConfig& config) { return std::string(precision_name(config.precision)); },
+          [](MoeConfig& config, const std::string& name) {
+            config.precision = precision_from_name(name);
+          })
       .def("check", [](const MoeConfig& config, const MoeShape& shape) {
         can_implement(config, shape).throw_if_error();
       });
@@ -159,15 +165,18 @@ void bind_reference(nb::module_& m) {
       [](const MoeShape& shape, const Array& x, const Array& top_experts,
          const Array& router_weights, const Array& w_gate, const Array& w_up, const Array& w_down,
          const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
-         const OptionalArray& w_shared_down, const Array& out) {
+         const OptionalArray& w_shared_down, const Array& out, const std::string& precision) {
         ForwardArgs args = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
                                         w_shared_gate, w_shared_up, w_shared_down);
         args.out = view_of(out, "out");
+        reference::Options options;
+        options.precision = precision_from_name(precision);
         nb::gil_scoped_release release;
-        reference::forward(shape, args);
+        reference::forward(shape, args, options);
       },
       "shape"_a, "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
-      "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a);
+      "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a,
+      "precision"_a = "bf16");
   m.def(
       "reference_backward",
       [](const MoeShape& shape, const Array& x, const Array& top_experts,
@@ -176,20 +185,24 @@ void bind_reference(nb::module_& m) {
          const OptionalArray& w_shared_down, const Array& d_out, const Array& d_x,
          const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
          const Array& d_w_down, const OptionalArray& d_w_shared_gate,
-         const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down) {
+         const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
+         const std::string& precision) {
         const BackwardArgs args =
             backward_args(forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
                                        w_shared_gate, w_shared_up, w_shared_down),
                           d_out,
                           {d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
                            d_w_shared_up, d_w_shared_down});
+        reference::Options options;
+        options.precision = precision_from_name(precision);
         nb::gil_scoped_release release;
-        reference::backward(shape, args);
+        reference::backward(shape, args, options);
       },
       "shape"_a, "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
       "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
       "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
-      "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none());
+      "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
+      "precision"_a = "bf16");
 }
 
 void bind_gpu_layer(nb::module_& m) {

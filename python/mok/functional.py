@@ -60,6 +60,9 @@ class MoKConfig:
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
     wait_timeout_s: device waits end with a diagnosis after this long.
+    precision: "bf16", or "fp8_block" (e4m3 GEMM operands with 1 x 128 / 128 x 128 fp32 block
+        scales; mok/fp8.h). FP8 runs on the CPU reference so far; a CUDA call with it raises
+        NotImplementedError.
     """
 
     fwd_num_comm_sms: int = 40
@@ -73,6 +76,7 @@ class MoKConfig:
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
+    precision: str = "bf16"
 
     def to_native(self) -> _C.MoeConfig:
         """The C++ layer's config (mok's checks name a bad field and what is valid)."""
@@ -86,6 +90,7 @@ class MoKConfig:
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s
+        config.precision = self.precision
         return config
 
 
@@ -463,7 +468,7 @@ def moe(
     rw2 = router_weights.reshape(-1, router_weights.shape[-1])
     if workspace is None:
         workspace = _default_workspace(config or _DEFAULT_CONFIG)
-    handle = workspace.handle if x.device.type == "cuda" else 0
+    handle = workspace.handle  # on CPU too: its config names the precision
     out = _MoeFunction.apply(
         x2,
         top2,

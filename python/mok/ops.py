@@ -50,6 +50,11 @@ def _gradient_capsules(grads: list[Tensor], shared_weights: tuple) -> list:
     return [*_capsules(*grads[:5]), *shared]
 
 
+def _cpu_precision(workspace: int) -> str:
+    """The CPU reference's precision: the workspace's config's (bf16 without a workspace)."""
+    return workspace_of(workspace).config.precision if workspace else "bf16"
+
+
 def _empty_gradient(like: Tensor) -> Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
@@ -117,7 +122,7 @@ def _forward_cpu(
     )
     shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _C.reference_forward(shape, *_capsules(*inputs), _dl(out))
+    _C.reference_forward(shape, *_capsules(*inputs), _dl(out), _cpu_precision(workspace))
     return out
 
 
@@ -225,7 +230,11 @@ def _backward_cpu(
         x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
     )
     _C.reference_backward(
-        shape, *_capsules(*inputs), _dl(d_out), *_gradient_capsules(grads, inputs[6:])
+        shape,
+        *_capsules(*inputs),
+        _dl(d_out),
+        *_gradient_capsules(grads, inputs[6:]),
+        _cpu_precision(workspace),
     )
     return grads
 

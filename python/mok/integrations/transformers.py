@@ -132,7 +132,7 @@ def mok_experts_forward(
     # Expert-parallel sentinels (ids past the experts) route nowhere, as mok's -1.
     top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
     workspace = _workspace_of(self) or functional._default_workspace(functional._DEFAULT_CONFIG)
-    handle = workspace.handle if hidden_states.device.type == "cuda" else 0
+    handle = workspace.handle  # on CPU too: its config names the precision
     return _FusedGateUpExperts.apply(
         hidden_states,
         top_k_index,
