@@ -1,0 +1,137 @@
+// The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers.
+//
+// Grid: one 256-thread CTA per 128 x 128 tile of the input. The CTA stages the tile in shared
+// memory (16-byte loads, bf16), then each thread owns half of one line of the tile: half a row
+// (forms whose groups run along rows, and the blocks' normal layout) or half a column (groups
+// along columns, and the blocks' transposed layout): 64 values. A group's amax is the two
+// halves' maximum (one shuffle); a block's is the CTA's (shuffles, then the 8 warps through
+// shared memory). Every maximum propagates NaN (FMNMX.NAN), as the host's does. The factors come
+// from fp8_group_scale (mok/fp8.h: two IEEE divisions), the conversion is the hardware's
+// cvt.rn.satfinite.e4m3x2.f32, and each thread writes its 64 codes as four 16-byte stores into
+// the output line (a row of the normal layout, a row of the transposed one).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#include "kernels/common/ptx.cuh"
+#include "kernels/stages/fp8_quantize.h"
+#include "mok/fp8.h"
+
+namespace mok::kernels {
+
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kThreads = 256;
+constexpr int kPitch = kTile + 8;  // bf16 per staged row: 16-byte aligned rows, fewer conflicts
+
+// Two values -> their e4m3 codes in the low and the high byte.
+__device__ __forceinline__ uint16_t to_e4m3x2(float low, float high) {
+  return static_cast<uint16_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(low, high), __NV_SATFINITE, __NV_E4M3));
+}
+
+template <Fp8QuantizeForm kForm>
+__global__ void __launch_bounds__(kThreads)
+    quantize_fp8_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
+                        float* scales) {
+  __shared__ __align__(16) __nv_bfloat16 tile[kTile][kPitch];
+  __shared__ float warp_amax[kThreads / 32];
+  const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  // Stage the tile: 128 rows x 16 vectors of 8 bf16.
+  for (int v = threadIdx.x; v < kTile * (kTile / 8); v += kThreads) {
+    const int r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
+    *reinterpret_cast<uint4*>(&tile[r][c]) =
+        *reinterpret_cast<const uint4*>(in + (row0 + r) * cols + col0 + c);
+  }
+  __syncthreads();
+
+  constexpr bool kAlongColumns =
+      kForm == Fp8QuantizeForm::kColumnGroups || kForm == Fp8QuantizeForm::kBlocksTransposed;
+  const int line = threadIdx.x / 2, half = threadIdx.x % 2;
+  float values[64];
+  for (int i = 0; i < 64; ++i) {
+    const int along = half * 64 + i;
+    values[i] = __bfloat162float(kAlongColumns ? tile[along][line] : tile[line][along]);
+  }
+  float amax = 0.0f;
+  for (int i = 0; i < 64; ++i) amax = ptx::max_nan(amax, fabsf(values[i]));
+  amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  if constexpr (kForm == Fp8QuantizeForm::kBlocks || kForm == Fp8QuantizeForm::kBlocksTransposed) {
+    for (int offset = 2; offset < 32; offset *= 2)
+      amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = warp_amax[0];
+    for (int w = 1; w < kThreads / 32; ++w) amax = ptx::max_nan(amax, warp_amax[w]);
+  }
+  const Fp8GroupScale factors = fp8_group_scale(amax);
+
+  // The output line: a row of `out` [rows, cols], or of the transposed [cols, rows].
+  const int64_t out_cols = kAlongColumns ? rows : cols;
+  const int64_t out_row = kAlongColumns ? col0 + line : row0 + line;
+  const int64_t out_col = (kAlongColumns ? row0 : col0) + half * 64;
+  uint4* destination = reinterpret_cast<uint4*>(out + out_row * out_cols + out_col);
+  for (int chunk = 0; chunk < 4; ++chunk) {
+    uint32_t words[4];
+    for (int w = 0; w < 4; ++w) {
+      const int i = chunk * 16 + w * 4;
+      const uint32_t low =
+          to_e4m3x2(values[i] * factors.inverse_scale, values[i + 1] * factors.inverse_scale);
+      const uint32_t high =
+          to_e4m3x2(values[i + 2] * factors.inverse_scale, values[i + 3] * factors.inverse_scale);
+      words[w] = low | (high << 16);
+    }
+    destination[chunk] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  if (half != 0) return;
+  switch (kForm) {
+    case Fp8QuantizeForm::kRowGroups:
+      scales[out_row * (cols / kTile) + tile_col] = factors.scale;
+      break;
+    case Fp8QuantizeForm::kColumnGroups:
+      scales[out_row * (rows / kTile) + tile_row] = factors.scale;
+      break;
+    case Fp8QuantizeForm::kBlocks:
+      if (line == 0) scales[tile_row * (cols / kTile) + tile_col] = factors.scale;
+      break;
+    case Fp8QuantizeForm::kBlocksTransposed:
+      if (line == 0) scales[tile_col * (rows / kTile) + tile_row] = factors.scale;
+      break;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
+                                void* out, float* scales, cudaStream_t stream) {
+  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0) return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile));
+  const auto* source = static_cast<const __nv_bfloat16*>(in);
+  auto* codes = static_cast<uint8_t*>(out);
+  switch (form) {
+    case Fp8QuantizeForm::kRowGroups:
+      quantize_fp8_kernel<Fp8QuantizeForm::kRowGroups>
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+      break;
+    case Fp8QuantizeForm::kColumnGroups:
+      quantize_fp8_kernel<Fp8QuantizeForm::kColumnGroups>
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+      break;
+    case Fp8QuantizeForm::kBlocks:
+      quantize_fp8_kernel<Fp8QuantizeForm::kBlocks>
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+      break;
+    case Fp8QuantizeForm::kBlocksTransposed:
+      quantize_fp8_kernel<Fp8QuantizeForm::kBlocksTransposed>
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace mok::kernels

@@ -1,0 +1,32 @@
+// The GPU quantizers of the FP8 path (issue 17; fp8_quantize.cu): bf16 [rows, cols] row-major to
+// e4m3 plus fp32 scales, bit-exact with the host quantizers of mok/fp8.h. Rows and cols are
+// multiples of 128. Four forms, each the operand of one FP8 GEMM (wgmma reads FP8 only K-major):
+//   kRowGroups        groups of 128 along each row; out [rows, cols], scales [rows, cols/128]
+//                     (activations whose reduction runs along the row: x, h, d_out, d_g, d_u)
+//   kColumnGroups     groups of 128 along each column, out transposed [cols, rows], scales
+//                     [cols, rows/128] (the weight gradients' operands: their reduction runs
+//                     over the rows, the tokens)
+//   kBlocks           128 x 128 blocks; out [rows, cols], scales [rows/128, cols/128] (weights)
+//   kBlocksTransposed the same blocks, out transposed [cols, rows], scales [cols/128, rows/128]
+//                     (the weights as the dgrads' K-major operands)
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace mok::kernels {
+
+enum class Fp8QuantizeForm : int32_t {
+  kRowGroups = 0,
+  kColumnGroups = 1,
+  kBlocks = 2,
+  kBlocksTransposed = 3,
+};
+
+// `in` bf16 [rows, cols]; `out` e4m3 and `scales` fp32 as the form says. One 256-thread CTA per
+// 128 x 128 tile. cudaErrorInvalidValue for extents that are not multiples of 128.
+cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
+                                void* out, float* scales, cudaStream_t stream);
+
+}  // namespace mok::kernels

@@ -1,0 +1,154 @@
+// The GPU FP8 quantizers (src/kernels/stages/fp8_quantize.cu) bit-exact with the host ones
+// (mok/fp8.h): every form (row groups, column groups transposed, blocks, blocks transposed) on
+// random values across 2^-24 .. 2^12 and on groups that break quantizers (all zero, a NaN, an
+// infinity, denormal bf16, tiny values, bf16's largest): the same codes, byte for byte, and the
+// same scales (NaN where the host's is NaN). Then the quantizer's bandwidth at a dsv3 weight.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "kernels/stages/fp8_quantize.h"
+#include "mok/fp8.h"
+#include "mok/testing/routing.h"
+
+namespace mok {
+namespace {
+
+using kernels::Fp8QuantizeForm;
+
+std::vector<bf16> special_matrix(int64_t rows, int64_t cols, uint64_t seed) {
+  SplitMix64 rng(seed);
+  std::vector<bf16> values(rows * cols);
+  for (bf16& v : values)
+    v = float_to_bf16(std::ldexp(static_cast<float>(rng.next() % 20001) / 10000.0f - 1.0f,
+                                 static_cast<int>(rng.next() % 37) - 24));
+  auto group = [&](int64_t row, int64_t group_idx, auto fill) {
+    for (int64_t c = group_idx * 128; c < group_idx * 128 + 128; ++c)
+      values[row * cols + c] = float_to_bf16(fill(c));
+  };
+  group(0, 0, [](int64_t) { return 0.0f; });
+  group(1, 1, [](int64_t c) { return c == 140 ? NAN : 1.0f; });
+  group(2, 0, [](int64_t c) { return c == 3 ? INFINITY : -2.0f; });
+  group(3, 1, [](int64_t c) { return (c % 2 ? 1 : -1) * 0x1p-130f; });
+  group(5, 0, [](int64_t c) { return static_cast<float>(c) * 0x1p-97f; });
+  group(6, 1, [](int64_t c) { return c == 200 ? 3.3895314e38f : 1.0f; });
+  return values;
+}
+
+std::vector<bf16> transposed(const std::vector<bf16>& values, int64_t rows, int64_t cols) {
+  std::vector<bf16> out(values.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = values[r * cols + c];
+  return out;
+}
+
+TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
+  const int64_t rows = 384, cols = 256;
+  const std::vector<bf16> input = special_matrix(rows, cols, 9);
+  const std::vector<bf16> input_t = transposed(input, rows, cols);
+  void *device_in = nullptr, *device_out = nullptr;
+  float* device_scales = nullptr;
+  ASSERT_EQ(cudaMalloc(&device_in, input.size() * sizeof(bf16)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_out, input.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_scales, rows * cols / 128 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(device_in, input.data(), input.size() * sizeof(bf16), cudaMemcpyHostToDevice),
+      cudaSuccess);
+  for (const Fp8QuantizeForm form :
+       {Fp8QuantizeForm::kRowGroups, Fp8QuantizeForm::kColumnGroups, Fp8QuantizeForm::kBlocks,
+        Fp8QuantizeForm::kBlocksTransposed}) {
+    SCOPED_TRACE(static_cast<int>(form));
+    std::vector<e4m3> want(input.size());
+    std::vector<float> want_scales;
+    switch (form) {
+      case Fp8QuantizeForm::kRowGroups:
+        want_scales.resize(rows * cols / 128);
+        quantize_fp8_rows(input.data(), rows, cols, want.data(), want_scales.data());
+        break;
+      case Fp8QuantizeForm::kColumnGroups:
+        want_scales.resize(rows * cols / 128);
+        quantize_fp8_rows(input_t.data(), cols, rows, want.data(), want_scales.data());
+        break;
+      case Fp8QuantizeForm::kBlocks:
+        want_scales.resize(rows * cols / 128 / 128);
+        quantize_fp8_blocks(input.data(), rows, cols, want.data(), want_scales.data());
+        break;
+      case Fp8QuantizeForm::kBlocksTransposed:
+        want_scales.resize(rows * cols / 128 / 128);
+        quantize_fp8_blocks(input_t.data(), cols, rows, want.data(), want_scales.data());
+        break;
+    }
+    ASSERT_EQ(cudaMemset(device_out, 0xab, input.size()), cudaSuccess);
+    ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, form, device_out, device_scales,
+                                           nullptr),
+              cudaSuccess);
+    std::vector<e4m3> got(input.size());
+    std::vector<float> got_scales(want_scales.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), device_out, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_scales.data(), device_scales, got_scales.size() * sizeof(float),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    int64_t wrong = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      if (got[i].bits != want[i].bits && ++wrong <= 5)
+        ADD_FAILURE() << "code " << i << ": GPU 0x" << std::hex << int(got[i].bits) << ", host 0x"
+                      << int(want[i].bits);
+    EXPECT_EQ(wrong, 0);
+    for (size_t i = 0; i < got_scales.size(); ++i) {
+      if (std::isnan(want_scales[i])) {
+        EXPECT_TRUE(std::isnan(got_scales[i])) << "scale " << i;
+      } else {
+        EXPECT_EQ(std::memcmp(&got_scales[i], &want_scales[i], sizeof(float)), 0)
+            << "scale " << i << ": GPU " << got_scales[i] << ", host " << want_scales[i];
+      }
+    }
+  }
+  EXPECT_EQ(kernels::launch_quantize_fp8(device_in, 100, cols, Fp8QuantizeForm::kRowGroups,
+                                         device_out, device_scales, nullptr),
+            cudaErrorInvalidValue);
+  cudaFree(device_in);
+  cudaFree(device_out);
+  cudaFree(device_scales);
+}
+
+// One dsv3 expert weight's worth of matrices at once (32 experts x [2048, 7168]): bytes read and
+// written per second, each form (printed; the quantization must hide under the GEMMs).
+TEST(Fp8QuantizeGpu, Bandwidth) {
+  const int64_t rows = 32 * 2048, cols = 7168;
+  void *in = nullptr, *out = nullptr;
+  float* scales = nullptr;
+  ASSERT_EQ(cudaMalloc(&in, rows * cols * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&out, rows * cols), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&scales, rows * cols / 128 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(in, 0x3c, rows * cols * 2), cudaSuccess);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (const Fp8QuantizeForm form :
+       {Fp8QuantizeForm::kRowGroups, Fp8QuantizeForm::kColumnGroups, Fp8QuantizeForm::kBlocks,
+        Fp8QuantizeForm::kBlocksTransposed}) {
+    ASSERT_EQ(kernels::launch_quantize_fp8(in, rows, cols, form, out, scales, nullptr),
+              cudaSuccess);
+    cudaEventRecord(start);
+    for (int i = 0; i < 10; ++i)
+      kernels::launch_quantize_fp8(in, rows, cols, form, out, scales, nullptr);
+    cudaEventRecord(stop);
+    ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    std::printf("  fp8 quantize form %d: %.3f ms, %.0f GB/s\n", static_cast<int>(form), ms / 10,
+                rows * cols * 3.0 / (ms / 10 * 1e-3) / 1e9);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(in);
+  cudaFree(out);
+  cudaFree(scales);
+}
+
+}  // namespace
+}  // namespace mok
