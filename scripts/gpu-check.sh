@@ -195,7 +195,8 @@ else
     if ls "$root"/.deps/peers/wheels/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target "$OUT/.sonic-site" \
         "$root"/.deps/peers/wheels/*.whl >>"$OUT/python.log" 2>&1 &&
-        bench_env=(env "PYTHONPATH=$OUT/.sonic-site:$OUT/.sonic-site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}")
+        bench_env=(env "PYTHONPATH=$OUT/.sonic-site:$OUT/.sonic-site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
+          TRITON_CACHE_AUTOTUNING=1 "MOK_BENCH_SONIC_PRECOMPILE=$root/.deps/peers/sonic_bench.py")
     fi
     bench_shapes="${MOK_PYTHON_BENCH_SHAPES-qwen3,dsv3_local}"
     if [ -n "$bench_shapes" ]; then

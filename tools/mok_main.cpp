@@ -53,8 +53,9 @@ mok run options:
   --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
                                128; default 4096)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
-                               the minibatch size; default 131072; fewer rows, less memory, and
-                               the backward recomputes all macrobatches but the first)
+                               the minibatch size; default 0: one macrobatch while the ring fits
+                               8 GiB; fewer rows, less memory, and the backward recomputes all
+                               macrobatches but the first)
   --push-dispatch              --gpus: dispatch by push instead of pull (same bits; the run
                                times the other way's forward too)
   --bulk-copies                --gpus: move dispatch/combine rows with the bulk-copy engine

@@ -312,6 +312,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
               static_cast<unsigned long long>(options.seed));
   std::printf("  work      %lld routed pairs, %.1f GFLOP forward, %.1f GFLOP backward\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9, backward_flop / 1e9);
+  const int64_t ring_rows = mok::macrobatch_ring_rows(config, shape, max_rows);
+  std::printf("  ring      %lld of %lld worst-case rows (%lld macrobatches, %.2f GB)\n",
+              static_cast<long long>(ring_rows), static_cast<long long>(max_rows),
+              static_cast<long long>((max_rows + ring_rows - 1) / ring_rows),
+              ring_rows * mok::macrobatch_ring_bytes_per_row(shape) / 1e9);
   std::printf("  times: median of 32 calls, mok and baseline interleaved in 8 rotated rounds\n");
   std::printf(
       "  roofline: the dense bf16 tensor peak at the card's top clock, %.0f TFLOP/s (%d SMs x "

@@ -45,7 +45,9 @@ struct MoeConfig {
   // d_g, d_u) of one macrobatch at a time. The layer walks the schedule's worst case (max_rows)
   // in macrobatches of this many rows; the backward recomputes all but the first. Same bits for
   // any size; memory of those buffers scales with min(macrobatch_size, max_rows).
-  int64_t macrobatch_size = 131072;
+  // kAutoMacrobatch (the default): one macrobatch while its ring fits kAutoMacrobatchRingBytes,
+  // else the largest multiple of minibatch_size that does (macrobatch_ring_rows).
+  int64_t macrobatch_size = 0;
   Precision precision = Precision::kBF16;
   double wait_timeout_s = 100.0;  // device spin-waits abort with a diagnosis after this long
   // How the forward gathers the routed x rows for the gate/up GEMM. Same bits either way; the
@@ -89,6 +91,20 @@ struct MoeConfig {
 };
 
 inline constexpr int32_t kMaxCommSms = 128;
+
+// MoeConfig::macrobatch_size = kAutoMacrobatch sizes the ring from the shape: one macrobatch
+// (no recompute in the backward) while the ring's buffers take at most kAutoMacrobatchRingBytes.
+// A recomputed row costs a third of its forward FLOPs again (the gate/up GEMM); 8 GiB holds one
+// macrobatch at every named shape (sonic_e128's 278528 worst-case rows: 7.4 GB).
+inline constexpr int64_t kAutoMacrobatch = 0;
+inline constexpr int64_t kAutoMacrobatchRingBytes = int64_t{8} << 30;
+
+// Bytes of the macrobatch ring per row: the x and d_out rows (H each) and the routed
+// intermediates h, g, u, d_g, d_u (I each), all bf16.
+int64_t macrobatch_ring_bytes_per_row(const MoeShape& shape);
+// Rows of the ring for a schedule of `max_rows` worst-case rows: min(macrobatch_size, max_rows),
+// or with kAutoMacrobatch the rule above (never fewer than minibatch_size rows).
+int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int64_t max_rows);
 
 // Checks the config against the shape it will run; the message names the knob and its value.
 Status can_implement(const MoeConfig& config, const MoeShape& shape);

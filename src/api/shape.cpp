@@ -1,6 +1,7 @@
 // MoeShape and MoeConfig checks, and the named shapes of DESIGN.md.
 #include "mok/shape.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -142,10 +143,11 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
     return bad("minibatch_size = " + std::to_string(config.minibatch_size) +
                "; valid: a positive multiple of " + std::to_string(kDefaultRowAlign) +
                " (the GEMM tile height)");
-  if (config.macrobatch_size < config.minibatch_size ||
-      config.macrobatch_size % config.minibatch_size != 0)
+  if (config.macrobatch_size != kAutoMacrobatch &&
+      (config.macrobatch_size < config.minibatch_size ||
+       config.macrobatch_size % config.minibatch_size != 0))
     return bad("macrobatch_size = " + std::to_string(config.macrobatch_size) +
-               "; valid: a positive multiple of minibatch_size = " +
+               "; valid: 0 (sized from the shape) or a positive multiple of minibatch_size = " +
                std::to_string(config.minibatch_size));
   if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
@@ -155,6 +157,20 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +
                "; valid: 0 (gather-kernel), 1 (producer-warps)");
   return Status::Ok();
+}
+
+int64_t macrobatch_ring_bytes_per_row(const MoeShape& shape) {
+  return 2 * (2 * shape.hidden + 5 * shape.intermediate);
+}
+
+int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int64_t max_rows) {
+  if (config.macrobatch_size != kAutoMacrobatch)
+    return std::min<int64_t>(config.macrobatch_size, max_rows);
+  const int64_t bytes_per_row = macrobatch_ring_bytes_per_row(shape);
+  if (max_rows * bytes_per_row <= kAutoMacrobatchRingBytes) return max_rows;
+  const int64_t fitting = kAutoMacrobatchRingBytes / bytes_per_row;
+  const int64_t rows = std::max<int64_t>(fitting / config.minibatch_size, 1) * config.minibatch_size;
+  return std::min<int64_t>(rows, max_rows);
 }
 
 }  // namespace mok

@@ -61,8 +61,9 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
   const ScheduleParams params = schedule_params(shape, rank);
   s.routed.layout = ScheduleLayout::make(params);
   const int64_t max_rows = params.max_rows();
-  // The macrobatch ring: one macrobatch when macrobatch_size covers the worst case.
-  s.ring_rows = std::min<int64_t>(config.macrobatch_size, max_rows);
+  // The macrobatch ring: one macrobatch when it covers the worst case (the default when that
+  // fits kAutoMacrobatchRingBytes).
+  s.ring_rows = macrobatch_ring_rows(config, shape, max_rows);
   s.num_macrobatches = static_cast<int32_t>((max_rows + s.ring_rows - 1) / s.ring_rows);
   s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
   s.routed.allocate(s.ring_rows, I, shape.num_local_experts());

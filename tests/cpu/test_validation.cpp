@@ -168,6 +168,31 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
                {"local_dispatch = 7", "gather-kernel", "producer-warps"});
 }
 
+// The default ring (kAutoMacrobatch): one macrobatch at every named shape, the byte budget's
+// largest multiple of minibatch_size beyond it, and an explicit size taken as given.
+TEST(ConfigValidation, AutoMacrobatchFitsItsBudget) {
+  const MoeConfig config;
+  ASSERT_EQ(config.macrobatch_size, kAutoMacrobatch);
+  for (const std::string& name : named_shape_names()) {
+    const MoeShape shape = named_shape(name);
+    const int64_t max_rows = schedule_params(shape).max_rows();
+    EXPECT_EQ(macrobatch_ring_rows(config, shape, max_rows), max_rows) << name;
+  }
+  const MoeShape sonic = named_shape("sonic_e128");
+  EXPECT_EQ(macrobatch_ring_bytes_per_row(sonic), 2 * (2 * 4096 + 5 * 1024));
+  const int64_t huge = 4 * schedule_params(sonic).max_rows();  // 29.6 GB of ring
+  const int64_t rows = macrobatch_ring_rows(config, sonic, huge);
+  EXPECT_EQ(rows % config.minibatch_size, 0);
+  EXPECT_LE(rows * macrobatch_ring_bytes_per_row(sonic), kAutoMacrobatchRingBytes);
+  EXPECT_GT((rows + config.minibatch_size) * macrobatch_ring_bytes_per_row(sonic),
+            kAutoMacrobatchRingBytes);
+  MoeConfig fixed;
+  fixed.macrobatch_size = 8192;
+  EXPECT_EQ(macrobatch_ring_rows(fixed, sonic, huge), 8192);
+  EXPECT_EQ(macrobatch_ring_rows(fixed, sonic, 1024), 1024) << "never more than the worst case";
+  EXPECT_TRUE(can_implement(fixed, sonic).ok());
+}
+
 TEST(ConfigValidation, LocalDispatchNamesRoundTrip) {
   for (LocalDispatch mode : {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps})
     EXPECT_EQ(local_dispatch_from_name(local_dispatch_name(mode)), mode);

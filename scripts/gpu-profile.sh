@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# A profiling call on a GPU device machine, lighter than gpu-check.sh: builds only the `mok` CLI
+# (Release), runs `mok run` on each shape of MOK_PROFILE_SHAPES (stage breakdowns, variants, the
+# ring; default "sonic_e128 dsv3_e128 dsv3"), then ncu on the expert GEMM kernels of the first
+# MOK_NCU_LAUNCHES launches (default 6: a forward's two GEMMs and a backward's four) at
+# MOK_NCU_SHAPE (default qwen3; empty: no ncu), clocks left alone. Outputs under $OUT (default
+# ./out): build.log, run_<shape>.log, ncu_<shape>.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+build_dir="${MOK_GPU_BUILD_DIR:-build-gpu}"
+export PATH="$PATH:/usr/local/cuda/bin"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi -L || { echo "no GPU visible"; exit 1; }
+generator=(-G "Unix Makefiles")
+command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+gtest=()
+[ -d .deps/googletest ] && gtest=("-DMOK_GTEST_SOURCE_DIR=$PWD/.deps/googletest")
+if ! { cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release "${generator[@]}" "${gtest[@]}" &&
+  cmake --build "$build_dir" -j "$(nproc)" --target mok; } >"$OUT/build.log" 2>&1; then
+  tail -30 "$OUT/build.log"
+  exit 1
+fi
+status=0
+for shape in ${MOK_PROFILE_SHAPES-sonic_e128 dsv3_e128 dsv3}; do
+  echo "== mok run --shape $shape"
+  timeout "${MOK_PROFILE_RUN_TIMEOUT:-200}" "./$build_dir/mok" run --shape "$shape" --check-tokens 64 \
+    >"$OUT/run_$shape.log" 2>&1 || status=1
+  grep -E "ring|forward |backward |forward\+backward|stages|^    |PASS|FAIL" "$OUT/run_$shape.log" | head -60
+done
+ncu_shape="${MOK_NCU_SHAPE-qwen3}"
+if [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1; then
+  echo "== ncu at $ncu_shape"
+  timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section Occupancy -k regex:expert_gemm_kernel --launch-count "${MOK_NCU_LAUNCHES:-6}" \
+    "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 >"$OUT/ncu_$ncu_shape.txt" 2>&1 ||
+    status=1
+  grep -E "expert_gemm_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
+    "$OUT/ncu_$ncu_shape.txt" | head -80
+fi
+exit "$status"
