@@ -80,3 +80,20 @@ def test_every_system_of_a_problem_computes_the_same_layer():
     for name, got in zip(names[1:], results[1:]):
         for a, b in zip(got, results[0]):
             assert relative_error(a, b) < 2e-2, name
+
+
+def test_measurement_order_pairs_the_systems_in_every_round():
+    """Each round times every (direction, mode) once per system, the systems back to back, and
+    the round's first system moves on by one each round."""
+    from mok.bench import DIRECTIONS, MODES, measurement_order
+
+    names = ["mok", "mok C++", "sonicmoe"]
+    order = measurement_order(names, rounds=4)
+    assert len(order) == 4 * len(DIRECTIONS) * len(MODES) * len(names)
+    for round_idx in range(4):
+        in_round = [entry for entry in order if entry[0] == round_idx]
+        assert in_round[0][3] == names[round_idx % len(names)]
+        for position in range(0, len(in_round), len(names)):
+            block = in_round[position : position + len(names)]
+            assert len({(d, m) for _, d, m, _ in block}) == 1
+            assert sorted(name for *_, name in block) == sorted(names)
