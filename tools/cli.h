@@ -33,6 +33,7 @@ struct RunOptions {
   bool cpu_only = false;
   bool persistent_forward = false;   // GPU: MoeConfig::persistent_forward
   bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward
+  bool cta_pairs = false;            // GPU: MoeConfig::gemm_cta_pairs
   int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs
   int64_t minibatch_size = -1;       // -1: MoeConfig's default
   int64_t macrobatch_size = -1;      // -1: MoeConfig's default

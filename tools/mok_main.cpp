@@ -50,6 +50,8 @@ mok run options:
                                times both ways either way)
   --persistent-backward        GPU: run the routed experts' backward as one persistent kernel
                                (the run checks and times both ways either way)
+  --cta-pairs                  GPU: run the expert GEMMs in clusters of two CTAs that multicast
+                               the weight tile they share (the run times both ways either way)
   --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
                                128; default 4096)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
@@ -96,6 +98,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--persistent-forward") {
       options.persistent_forward = true;
+      continue;
+    }
+    if (flag == "--cta-pairs") {
+      options.cta_pairs = true;
       continue;
     }
     if (flag == "--persistent-backward") {

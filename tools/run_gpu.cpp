@@ -29,12 +29,14 @@ std::string variant_name(const mok::MoeConfig& config) {
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
          (config.persistent_forward ? ", persistent forward GEMM kernel"
                                     : ", two forward GEMM kernels") +
-         (config.check_finite ? ", check_finite scan" : "");
+         (config.check_finite ? ", check_finite scan" : "") +
+         (config.gemm_cta_pairs ? ", CTA pairs" : "");
 }
 
 // "kernel sequence" or "persistent kernel".
 std::string backward_name(const mok::MoeConfig& config) {
-  return config.persistent_backward ? "persistent kernel" : "kernel sequence";
+  return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
+         (config.gemm_cta_pairs ? ", CTA pairs" : "");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,
@@ -170,6 +172,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     other.persistent_backward = !config.persistent_backward;
     other.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
     backward_variants.push_back({other, std::make_unique<mok::GpuLayer>(shape, other)});
+    // And the expert GEMMs the other way: in CTA pairs multicasting B, or alone.
+    mok::MoeConfig paired = config;
+    paired.gemm_cta_pairs = !config.gemm_cta_pairs;
+    backward_variants.push_back({paired, std::make_unique<mok::GpuLayer>(shape, paired)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     mok::HostRank result = mok::output_buffers(shape);
@@ -277,6 +283,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         ring_layer.backward(backward_args, stream, &step);
       },
       [&] { checked_layer.forward(args, stream); },
+      [&] { backward_variants[1].layer->forward(args, stream); },  // the CTA pairs flipped
   };
   for (BackwardVariant& variant : backward_variants)
     timed.push_back([&] {
@@ -287,12 +294,13 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = medians[7];
-  const size_t first_backward_variant = 9;  // the closures above before the variants
+  const size_t first_backward_variant = 10;  // the closures above before the variants
   const std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms},
       {variant_name(other_dispatch), medians[5]},
       {variant_name(other_gemms), medians[6]},
-      {variant_name(checked), medians[8]}};
+      {variant_name(checked), medians[8]},
+      {variant_name(backward_variants[1].config), medians[9]}};
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = checked_layer.synchronize(stream);
   if (!checked_status.ok())

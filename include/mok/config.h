@@ -65,6 +65,10 @@ struct MoeConfig {
   // boundaries. Same bits either way. With several macrobatches the backward runs its kernel
   // sequence.
   bool persistent_backward = false;
+  // The expert GEMM kernels (not the persistent ones) in clusters of two CTAs that take two row
+  // tiles of one expert (or of one expert's weight gradient) together and multicast the weight
+  // tile they share: a third less L2 traffic per FLOP. Same bits either way.
+  bool gemm_cta_pairs = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

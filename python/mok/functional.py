@@ -57,6 +57,8 @@ class MoKConfig:
     all_gather_top_experts_chunk_bytes: accepted for MoK's code and unused.
     persistent_forward, persistent_backward: run each direction's expert GEMMs as one persistent
         kernel (same bits).
+    gemm_cta_pairs: run the expert GEMMs in clusters of two CTAs that multicast the weight tile
+        they share (same bits).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -74,6 +76,7 @@ class MoKConfig:
     all_gather_top_experts_chunk_bytes: int = 2048
     persistent_forward: bool = False
     persistent_backward: bool = False
+    gemm_cta_pairs: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
@@ -88,6 +91,7 @@ class MoKConfig:
         config.macrobatch_size = self.macrobatch_size
         config.persistent_forward = self.persistent_forward
         config.persistent_backward = self.persistent_backward
+        config.gemm_cta_pairs = self.gemm_cta_pairs
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s

@@ -15,8 +15,8 @@ namespace mok {
 
 namespace {
 
-// Tensor maps: K-major operands are read in [128 rows x 64] boxes (A) or [128|256 x 64] (B);
-// MN-major ones in [64 K-rows x 64] boxes.
+// Tensor maps: K-major operands are read in [128 rows x 64] boxes (A, and B: a 256-row B tile in
+// two, so that a CTA pair can multicast one each); MN-major ones in [64 K-rows x 64] boxes.
 CUtensorMap k_major_rows(const void* base, int64_t width, int64_t rows, const char* what) {
   return make_tensor_map_2d(base, width, rows, 64, 128, what);
 }
@@ -74,7 +74,7 @@ kernels::ForwardSetMaps forward_set_maps(const GpuLayer::State& s, const ExpertS
   maps.w_gate = k_major_weights(f.weights.gate, H, I, E, 128, "w_gate", f.weights.gate_stride);
   maps.w_up = k_major_weights(f.weights.up, H, I, E, 128, "w_up", f.weights.up_stride);
   maps.hidden_in = k_major_rows(set.hidden.pointer, I, R, "hidden");
-  maps.w_down = k_major_weights(f.weights.down, I, H, E, 256, "w_down", f.weights.down_stride);
+  maps.w_down = k_major_weights(f.weights.down, I, H, E, 128, "w_down", f.weights.down_stride);
   maps.hidden_out = output_rows(set.hidden.pointer, I, R, "hidden");
   maps.gate_out = output_rows(set.gate.pointer, I, R, "gate (forward context)");
   maps.up_out = output_rows(set.up.pointer, I, R, "up (forward context)");
@@ -168,7 +168,9 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetB
 void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
             const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
             cudaStream_t stream, const char* what) {
-  cuda_check(kernels::launch_expert_gemm(form, maps, params, s.sm_count, stream), what);
+  cuda_check(
+      kernels::launch_expert_gemm(form, maps, params, s.sm_count, s.config.gemm_cta_pairs, stream),
+      what);
 }
 
 }  // namespace
@@ -204,7 +206,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
 
   maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
   maps.b0 = maps.b1 =
-      k_major_weights(f.weights.down, I, H, E, 256, "w_down", f.weights.down_stride);
+      k_major_weights(f.weights.down, I, H, E, 128, "w_down", f.weights.down_stride);
   maps.out = output_rows(f.out, H, f.out_rows, "expert output rows");
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);

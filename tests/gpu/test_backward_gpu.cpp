@@ -27,7 +27,7 @@ using test::make_shape;
 constexpr double kTolerance = 1e-2;
 
 void check_backward(const char* name, const MoeShape& shape, RoutingKind routing, uint64_t seed,
-                    bool signed_router_weights = false) {
+                    bool signed_router_weights = false, const MoeConfig& config = {}) {
   SCOPED_TRACE(std::string(name) + " " + shape.to_string() + " routing " +
                routing_kind_name(routing));
   HostProblem problem = HostProblem::make(shape, routing, seed);
@@ -40,7 +40,7 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   reference::backward(problem.shape, problem.backward_args(0));
   const HostRank& want = problem.ranks[0];
   DeviceProblem device(problem, 0);
-  GpuLayer layer(shape, MoeConfig{});
+  GpuLayer layer(shape, config);
   const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
 
   struct Output {
@@ -90,6 +90,25 @@ TEST(BackwardGpu, MatchesReference) {
   check_backward("wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform, ++seed);
 }
 
+// The GEMMs in CTA pairs (MoeConfig::gemm_cta_pairs) against the reference: pairs of one expert
+// multicasting B (wide: 4 row tiles per expert), pairs across experts, odd tile counts, phantom
+// weight-gradient tiles (I = 384, the shared experts), no rows at all.
+TEST(BackwardGpu, CtaPairsMatchReference) {
+  MoeConfig pairs;
+  pairs.gemm_cta_pairs = true;
+  uint64_t seed = 900;
+  check_backward("tiny shared+clamp", make_shape(64, 256, 128, 8, 2, 1, 192, 0.3f),
+                 RoutingKind::kUniform, ++seed, false, pairs);
+  check_backward("medium skewed shared", make_shape(333, 1024, 384, 16, 4, 1, 128, 0.5f),
+                 RoutingKind::kSkewed, ++seed, false, pairs);
+  check_backward("all to one expert", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneExpert,
+                 ++seed, false, pairs);
+  check_backward("zero tokens", make_shape(0, 512, 256, 8, 4, 1, 64), RoutingKind::kUniform, ++seed,
+                 false, pairs);
+  check_backward("wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform, ++seed,
+                 false, pairs);
+}
+
 // Every tuning knob leaves the bits alone (DESIGN.md §7): forward and backward outputs are
 // bitwise identical across minibatch / macrobatch sizes and the fused local dispatch.
 // Every output, bit for bit, whatever the minibatch and macrobatch sizes, the local dispatch
@@ -101,7 +120,7 @@ TEST(BackwardGpu, MatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(11);
+  std::vector<MoeConfig> configs(14);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -130,6 +149,16 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   // dispatch) instead of by its spare warps.
   configs[10].persistent_backward = true;
   configs[10].local_dispatch = LocalDispatch::kGatherKernel;
+  // CTA pairs multicasting B (MoeConfig::gemm_cta_pairs): row-tile pairs across two experts and
+  // odd tile counts (I = 384: three weight-gradient row tiles; the shared expert's one), with
+  // macrobatches (weight gradients resumed from partials, experts without rows in a macrobatch)
+  // and with the gather kernel.
+  configs[11].gemm_cta_pairs = true;
+  configs[12].gemm_cta_pairs = true;
+  configs[12].minibatch_size = 128;
+  configs[12].macrobatch_size = 256;
+  configs[13].gemm_cta_pairs = true;
+  configs[13].local_dispatch = LocalDispatch::kGatherKernel;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -145,7 +174,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << " macrobatch " << config.macrobatch_size << " local dispatch "
                      << local_dispatch_name(config.local_dispatch) << " persistent forward "
                      << config.persistent_forward << " persistent backward "
-                     << config.persistent_backward << (with_context ? "" : ", no context"));
+                     << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
+                     << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

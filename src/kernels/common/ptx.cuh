@@ -54,6 +54,30 @@ __device__ __forceinline__ unsigned long long acquire_load_u64(const unsigned lo
   return value;
 }
 
+// ---- clusters ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t cluster_cta_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// Arrives on the mbarrier at `barrier`'s offset in the shared memory of cluster CTA `cta` (this
+// CTA's own included), releasing this thread's earlier accesses at cluster scope.
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* barrier, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(smem_addr(barrier)), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
+               : "memory");
+}
+
+// Every thread of every CTA of the cluster (divergent callers allowed: not .aligned).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 // ---- TMA (bulk tensor copies) --------------------------------------------------------------
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
@@ -86,6 +110,31 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* m
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(barrier)), "r"(coord_inner),
       "r"(coord_middle), "r"(coord_outer)
+      : "memory");
+}
+
+// The same loads multicast: the box lands at `smem_dst`'s offset in every cluster CTA of
+// `cta_mask` and completes on the mbarrier at `barrier`'s offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map,
+                                                      uint64_t* barrier, int32_t coord_inner,
+                                                      int32_t coord_outer, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(barrier)), "r"(coord_inner),
+      "r"(coord_outer), "h"(cta_mask)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d_multicast(void* smem_dst, const CUtensorMap* map,
+                                                      uint64_t* barrier, int32_t coord_inner,
+                                                      int32_t coord_middle, int32_t coord_outer,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(barrier)), "r"(coord_inner),
+      "r"(coord_middle), "r"(coord_outer), "h"(cta_mask)
       : "memory");
 }
 

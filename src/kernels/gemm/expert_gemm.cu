@@ -16,6 +16,13 @@
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
 // (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
+// CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two CTAs walk "pair tiles", two
+// row tiles 2p and 2p + 1 (row-tile forms: of the same column tile; kWeightGrad: of the same
+// expert and column tile), one per CTA. Where both tiles read the same B (the same expert), each
+// CTA loads half of B and multicasts it to both (gemm_loads.cuh): 32 KB of L2 reads per CTA and
+// K-block instead of 48. A stage is reused once both CTAs' consumers released it (each consumer
+// warp arrives on its own and its peer's empty barrier), so the pair runs in lockstep; a CTA
+// whose tile does not exist (an odd tile count) passes the stages empty ("phantom").
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -37,10 +44,11 @@ struct TileSpace {
   int m_begin;  // row-tile forms: the first row tile of the launch's macrobatch
   int num_m_tiles;
   int num_n_tiles;
-  int num_tiles;
+  int m_units;    // per column tile (and expert): num_m_tiles, or with pairs their pair count
+  int num_units;  // the tiles (or pair tiles) the grid walks
 };
 
-template <ExpertGemmForm kForm>
+template <ExpertGemmForm kForm, bool kPaired>
 __device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) {
   using Traits = FormTraits<kForm>;
   TileSpace space;
@@ -50,12 +58,13 @@ __device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) 
     const int begin = min(params.macrobatch.tile_begin, filled);
     space.m_begin = begin;
     space.num_m_tiles = min(params.macrobatch.tile_end, filled) - begin;
-    space.num_tiles = space.num_m_tiles * space.num_n_tiles;
   } else {
     space.m_begin = 0;
     space.num_m_tiles = (params.m_extent + BLOCK_M - 1) / BLOCK_M;
-    space.num_tiles = params.num_experts * space.num_m_tiles * space.num_n_tiles;
   }
+  space.m_units = kPaired ? (space.num_m_tiles + 1) / 2 : space.num_m_tiles;
+  space.num_units =
+      space.m_units * space.num_n_tiles * (Traits::kRowTiles ? 1 : params.num_experts);
   return space;
 }
 
@@ -70,27 +79,26 @@ __host__ __device__ constexpr bool offsets_in_shared(int num_experts) {
   return num_experts + 1 <= kMaxSharedOffsets;
 }
 
+// The coordinates of the tile at row tile `m_local` (of the launch's row tiles, or of M),
+// column tile `n_tile` and, for kWeightGrad, expert `expert`.
 template <ExpertGemmForm kForm>
-__device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
-                                                const TileSpace& space, int tile,
-                                                const int32_t* expert_offsets) {
+__device__ __forceinline__ TileCoord tile_coord_at(const ExpertGemmParams& params,
+                                                   const TileSpace& space, int m_local, int n_tile,
+                                                   int expert, const int32_t* expert_offsets) {
   TileCoord coord;
+  coord.n_tile = n_tile;
   if constexpr (FormTraits<kForm>::kRowTiles) {
-    grouped_tile(tile, space.num_m_tiles, space.num_n_tiles, &coord.m_tile, &coord.n_tile);
-    coord.m_tile += space.m_begin;
+    coord.m_tile = m_local + space.m_begin;
     coord.expert = params.tile_expert[coord.m_tile];
     coord.k_row0 = 0;
     const int k_total =
         kForm == ExpertGemmForm::kGateUpGradStore ? 2 * params.k_extent : params.k_extent;
     coord.num_k_blocks = k_total / BLOCK_K;
   } else {
-    const int per_expert = space.num_m_tiles * space.num_n_tiles;
-    coord.expert = tile / per_expert;
-    const int local = tile - coord.expert * per_expert;
-    coord.n_tile = local / space.num_m_tiles;
-    coord.m_tile = local % space.num_m_tiles;
-    const int segment_begin = expert_offsets[coord.expert];
-    const int segment_end = expert_offsets[coord.expert + 1];
+    coord.expert = expert;
+    coord.m_tile = m_local;
+    const int segment_begin = expert_offsets[expert];
+    const int segment_end = expert_offsets[expert + 1];
     if (params.macrobatch.rows > 0) {
       // This macrobatch's share of the expert's rows, read from the ring (macrobatch.h).
       const WeightGradSlice slice = weight_grad_slice(
@@ -107,6 +115,48 @@ __device__ __forceinline__ TileCoord tile_coord(const ExpertGemmParams& params,
     }
   }
   return coord;
+}
+
+// One CTA's tile of walk unit `unit`: with pairs, the row tile of its rank in the pair tile,
+// whether that tile exists (not: a phantom with its partner's K-blocks) and whether the pair
+// reads the same B (then multicast). Row-tile forms group the units kTileGroupM row tiles (or
+// pairs) at a time, swept n-major (task_order.h); kWeightGrad walks expert by expert, m fastest.
+struct UnitTile {
+  TileCoord coord;
+  bool phantom = false;
+  bool shares_b = false;
+};
+
+template <ExpertGemmForm kForm, bool kPaired>
+__device__ __forceinline__ UnitTile unit_tile(const ExpertGemmParams& params,
+                                              const TileSpace& space, int unit, int rank,
+                                              const int32_t* expert_offsets) {
+  int m_unit, n_tile, expert = 0;
+  if constexpr (FormTraits<kForm>::kRowTiles) {
+    grouped_tile(unit, space.m_units, space.num_n_tiles, &m_unit, &n_tile);
+  } else {
+    const int per_expert = space.m_units * space.num_n_tiles;
+    expert = unit / per_expert;
+    const int local = unit - expert * per_expert;
+    n_tile = local / space.m_units;
+    m_unit = local % space.m_units;
+  }
+  UnitTile tile;
+  if constexpr (!kPaired) {
+    tile.coord = tile_coord_at<kForm>(params, space, m_unit, n_tile, expert, expert_offsets);
+  } else {
+    const int first = 2 * m_unit;
+    const bool partner_exists = first + 1 < space.num_m_tiles;
+    tile.phantom = rank == 1 && !partner_exists;
+    tile.coord = tile_coord_at<kForm>(params, space, tile.phantom ? first : first + rank, n_tile,
+                                      expert, expert_offsets);
+    if constexpr (FormTraits<kForm>::kRowTiles)
+      tile.shares_b = partner_exists && params.tile_expert[space.m_begin + first] ==
+                                            params.tile_expert[space.m_begin + first + 1];
+    else
+      tile.shares_b = partner_exists;  // one expert's [M, N]: the same B rows
+  }
+  return tile;
 }
 
 // A weight-gradient tile's fp32 accumulator between two macrobatches: each consumer thread's 128
@@ -141,7 +191,8 @@ using FormStorage = GemmSharedStorage<kNumStages>;
 // non-wgmma definition of its registers) makes ptxas serialize every wgmma of the kernel (C7515):
 // that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
 // launches for macrobatches after the first can resume, and only they pay it.
-template <ExpertGemmForm kForm, bool kResumes = false>
+// kPaired: launched in clusters of two CTAs (CTA pairs, above).
+template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
     const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
@@ -161,9 +212,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       expert_offsets = shared_offsets;  // visible after init_pipeline's barrier
     }
   }
-  init_pipeline(smem);
-  const TileSpace space = tile_space<kForm>(params);
+  init_pipeline<kPaired>(smem);
+  const TileSpace space = tile_space<kForm, kPaired>(params);
   const int warpgroup = threadIdx.x / 128;
+  // The walk: CTA c takes units c, c + grid, ...; a pair (clusters of two along x) its units
+  // together, one tile per rank.
+  const int rank = kPaired ? static_cast<int>(ptx::cluster_cta_rank()) : 0;
+  const int first_unit = kPaired ? blockIdx.x / 2 : blockIdx.x;
+  const int unit_stride = kPaired ? gridDim.x / 2 : gridDim.x;
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
@@ -174,14 +230,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       ptx::prefetch_tensor_map(&tmap_b0);
       const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
       PipelineState<Storage::kNumStagesHere> state;
-      for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
-        const TileCoord coord = tile_coord<kForm>(params, space, tile, expert_offsets);
+      for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
+        const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, expert_offsets);
+        const TileCoord& coord = tile.coord;
+        if (coord.skip) continue;  // kWeightGrad: no rows in this macrobatch (both of a pair)
+        if (tile.phantom) {
+          for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+            produce_stage(params.wait, smem, state, 0,
+                          [](__nv_bfloat16*, __nv_bfloat16*, uint64_t*) {});
+          continue;
+        }
         if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
+        const PairLoad pair{static_cast<uint16_t>(tile.shares_b ? 0b11 : 0), rank};
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
                         [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
                           issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord,
-                                             k_block, a_dst, b_dst, full);
+                                             k_block, a_dst, b_dst, full, pair);
                         });
       }
     } else if (gathers && threadIdx.x >= 32) {
@@ -193,16 +258,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const int consumer_idx = warpgroup - 1;
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
-    for (int tile = blockIdx.x; tile < space.num_tiles; tile += gridDim.x) {
-      const TileCoord coord = tile_coord<kForm>(params, space, tile, expert_offsets);
+    for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
+      const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, expert_offsets);
+      const TileCoord& coord = tile.coord;
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
+      if constexpr (kPaired) {
+        if (tile.phantom) {
+          pass_phantom_tile(params.wait, smem, state, coord.num_k_blocks);
+          continue;
+        }
+      }
       // kWeightGrad across a macrobatch boundary.
       const bool resumes = kResumes && coord.load_slot >= 0;
       if constexpr (kResumes) {
         if (resumes)
           load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
       }
-      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor>(
+      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor, kPaired>(
           params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
       if (coord.store_slot >= 0)
         store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
@@ -213,43 +285,81 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     // Outstanding TMA stores read the staging tile: it must outlive them.
     if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
   }
+  // The peer may still arrive on this CTA's barriers until its last stage: both leave together.
+  if constexpr (kPaired) ptx::cluster_sync();
 }
 
-template <ExpertGemmForm kForm, bool kResumes = false>
+template <ExpertGemmForm kForm, bool kResumes, bool kPaired>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
   size_t smem_bytes = sizeof(FormStorage) + 1024;
   if (!FormTraits<kForm>::kRowTiles && offsets_in_shared(params.num_experts))
     smem_bytes += (static_cast<size_t>(params.num_experts) + 1) * sizeof(int32_t);
-  cudaError_t status = cudaFuncSetAttribute(expert_gemm_kernel<kForm, kResumes>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired>;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  expert_gemm_kernel<kForm, kResumes><<<num_ctas, kNumThreads, smem_bytes, stream>>>(
-      maps.a0, maps.a1, maps.b0, maps.b1, maps.out, maps.out2, maps.out3, params);
-  return cudaGetLastError();
+  if constexpr (!kPaired) {
+    kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps.a0, maps.a1, maps.b0, maps.b1,
+                                                          maps.out, maps.out2, maps.out3, params);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.blockDim = dim3(kNumThreads);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    // Persistent: as many pairs as fit at once (a GPC with an odd number of free SMs leaves
+    // one out). Asked once per kernel (one GPU model per process is assumed).
+    static int max_clusters = -1;
+    if (max_clusters < 0) {
+      config.gridDim = dim3(2 * (num_ctas / 2));
+      status = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config);
+      if (status != cudaSuccess) return status;
+    }
+    const int pairs = max_clusters < num_ctas / 2 ? max_clusters : num_ctas / 2;
+    if (pairs < 1) return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
+    config.gridDim = dim3(2 * pairs);
+    return cudaLaunchKernelEx(&config, kernel, maps.a0, maps.a1, maps.b0, maps.b1, maps.out,
+                              maps.out2, maps.out3, params);
+  }
+}
+
+template <ExpertGemmForm kForm, bool kResumes = false>
+cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
+                          bool cta_pairs, cudaStream_t stream) {
+  if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, stream);
+  return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
-                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream) {
+                               const ExpertGemmParams& params, int num_ctas, bool cta_pairs,
+                               cudaStream_t stream) {
+  using Form = ExpertGemmForm;
   switch (form) {
-    case ExpertGemmForm::kGateUpSwiGLU:
-      return launch_form<ExpertGemmForm::kGateUpSwiGLU>(maps, params, num_ctas, stream);
-    case ExpertGemmForm::kDownStore:
-      return launch_form<ExpertGemmForm::kDownStore>(maps, params, num_ctas, stream);
-    case ExpertGemmForm::kGateUpStore:
-      return launch_form<ExpertGemmForm::kGateUpStore>(maps, params, num_ctas, stream);
-    case ExpertGemmForm::kDownGrad:
-      return launch_form<ExpertGemmForm::kDownGrad>(maps, params, num_ctas, stream);
-    case ExpertGemmForm::kGateUpGradStore:
-      return launch_form<ExpertGemmForm::kGateUpGradStore>(maps, params, num_ctas, stream);
-    case ExpertGemmForm::kWeightGrad:
+    case Form::kGateUpSwiGLU:
+      return launch_either<Form::kGateUpSwiGLU>(maps, params, num_ctas, cta_pairs, stream);
+    case Form::kDownStore:
+      return launch_either<Form::kDownStore>(maps, params, num_ctas, cta_pairs, stream);
+    case Form::kGateUpStore:
+      return launch_either<Form::kGateUpStore>(maps, params, num_ctas, cta_pairs, stream);
+    case Form::kDownGrad:
+      return launch_either<Form::kDownGrad>(maps, params, num_ctas, cta_pairs, stream);
+    case Form::kGateUpGradStore:
+      return launch_either<Form::kGateUpGradStore>(maps, params, num_ctas, cta_pairs, stream);
+    case Form::kWeightGrad:
       // Macrobatch 0 (and a single macrobatch) starts every tile from zero.
       if (params.macrobatch.rows > 0 && params.macrobatch.index > 0)
-        return launch_form<ExpertGemmForm::kWeightGrad, true>(maps, params, num_ctas, stream);
-      return launch_form<ExpertGemmForm::kWeightGrad>(maps, params, num_ctas, stream);
+        return launch_either<Form::kWeightGrad, true>(maps, params, num_ctas, cta_pairs, stream);
+      return launch_either<Form::kWeightGrad>(maps, params, num_ctas, cta_pairs, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -257,13 +367,19 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
 // Loaded up front by expert-parallel groups (kernel_preload.h).
 namespace {
 const KernelPreloadList kPreload(
-    "expert_gemm.cu", {kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>),
-                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore>),
-                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore>),
-                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad>),
-                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore>),
-                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad>),
-                       kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>)});
+    "expert_gemm.cu",
+    {kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>)});
 }  // namespace
 
 }  // namespace mok::kernels

@@ -65,16 +65,36 @@ struct PipelineState {
   }
 };
 
-template <typename Storage>
+// A stage is free again once every consumer warp that reads it has arrived: this CTA's, and
+// with kPaired its cluster peer's too (a CTA pair multicasts B into both CTAs' stages, so each
+// producer waits for both CTAs' consumers; expert_gemm.cu).
+template <bool kPaired>
+constexpr uint32_t kEmptyArrivals = (kPaired ? 2 : 1) * kConsumerThreads / 32;
+
+template <bool kPaired = false, typename Storage>
 __device__ __forceinline__ void init_pipeline(Storage& smem) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < Storage::kNumStagesHere; ++s) {
       ptx::mbarrier_init(&smem.full[s], 1);
-      ptx::mbarrier_init(&smem.empty[s], kConsumerThreads / 32);  // one arrive per consumer warp
+      ptx::mbarrier_init(&smem.empty[s], kEmptyArrivals<kPaired>);
     }
     ptx::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kPaired)
+    ptx::cluster_sync();  // the peer's barriers exist before anything arrives on them
+  else
+    __syncthreads();
+}
+
+// One consumer warp's release of a stage (called by one lane).
+template <bool kPaired>
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  if constexpr (kPaired) {
+    ptx::mbarrier_arrive_cluster(empty, 0);
+    ptx::mbarrier_arrive_cluster(empty, 1);
+  } else {
+    ptx::mbarrier_arrive(empty);
+  }
 }
 
 // Producer side of one K-block: waits for the stage to be free, arms it, and calls
@@ -115,7 +135,7 @@ constexpr uint64_t k16_step() {
 // ptxas spill, so the epilogue handles that case.
 // With `accumulate`, acc already holds a partial sum (a weight gradient resumed across a
 // macrobatch boundary) and the first wgmma adds to it instead of overwriting it.
-template <bool kAMnMajor, bool kBMnMajor, typename Storage, typename State>
+template <bool kAMnMajor, bool kBMnMajor, bool kPaired = false, typename Storage, typename State>
 __device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& smem, State& state,
                                              int num_k_blocks, int consumer_idx, float (&acc)[128],
                                              bool accumulate = false) {
@@ -138,13 +158,25 @@ __device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& s
     ptx::wgmma_commit();
     ptx::fence_registers(acc);
     ptx::wgmma_wait<1>();
-    if (previous_stage >= 0 && releases) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+    if (previous_stage >= 0 && releases) release_stage<kPaired>(&smem.empty[previous_stage]);
     previous_stage = state.stage;
     state.advance();
   }
   ptx::wgmma_wait<0>();
   ptx::fence_registers(acc);
-  if (releases) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+  if (releases) release_stage<kPaired>(&smem.empty[previous_stage]);
+}
+
+// A CTA pair's phantom tile (its partner's row tile has no counterpart here): the stages go
+// round as for a real tile, empty of data, so both CTAs walk the same stage sequence.
+template <typename Storage, typename State>
+__device__ __forceinline__ void pass_phantom_tile(const WaitContext& wait, Storage& smem,
+                                                  State& state, int num_k_blocks) {
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
+    if (threadIdx.x % 32 == 0) release_stage<true>(&smem.empty[state.stage]);
+    state.advance();
+  }
 }
 
 // Accumulator fragment coordinates of wgmma m64nN (fp32): register j*4 + i*2 + c holds

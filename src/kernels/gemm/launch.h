@@ -20,7 +20,10 @@ struct ExpertGemmMaps {
   // form has them.
   CUtensorMap out, out2, out3;
 };
+// cta_pairs: clusters of two CTAs that multicast a shared B tile (expert_gemm.cu); num_ctas is
+// then rounded down to the pairs that fit at once.
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
-                               const ExpertGemmParams& params, int num_ctas, cudaStream_t stream);
+                               const ExpertGemmParams& params, int num_ctas, bool cta_pairs,
+                               cudaStream_t stream);
 
 }  // namespace mok::kernels

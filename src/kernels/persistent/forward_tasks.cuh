@@ -154,7 +154,9 @@ struct DownTask {
                                                     uint64_t* full) {
     const int k = k_block * BLOCK_K;
     ptx::tma_load_2d(a_dst, &maps.hidden_in, full, k, a_row_of(params, queued));
-    ptx::tma_load_3d(b_dst, &maps.w_down, full, k, coord.n_tile * BLOCK_N, coord.expert);
+    for (int half = 0; half < 2; ++half)  // w_down's boxes are 128 rows (expert_stages.cpp)
+      ptx::tma_load_3d(b_dst + half * 128 * BLOCK_K, &maps.w_down, full, k,
+                       coord.n_tile * BLOCK_N + half * 128, coord.expert);
   }
   __device__ __forceinline__ static void run(TaskConsumerScope& scope, const ForwardSetMaps& maps,
                                              const ForwardGemmsParams& params,

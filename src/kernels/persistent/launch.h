@@ -18,7 +18,7 @@ struct ForwardSetMaps {
   CUtensorMap w_gate;      // [E_loc, I, H], [128 x 64] boxes
   CUtensorMap w_up;        // likewise
   CUtensorMap hidden_in;   // A of down: h [rows, I], [128 x 64] boxes
-  CUtensorMap w_down;      // [E_loc, H, I], [256 x 64] boxes
+  CUtensorMap w_down;      // [E_loc, H, I], [128 x 64] boxes (two per 256-row tile)
   CUtensorMap hidden_out;  // stores, [1, rows, N] maps with [128 rows x 64] boxes: h,
   CUtensorMap gate_out;    // bf16(g), bf16(u) (the forward context),
   CUtensorMap up_out;
