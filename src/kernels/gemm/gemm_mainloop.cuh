@@ -89,12 +89,8 @@ __device__ __forceinline__ void init_pipeline(Storage& smem) {
 // One consumer warp's release of a stage (called by one lane).
 template <bool kPaired>
 __device__ __forceinline__ void release_stage(uint64_t* empty) {
-  if constexpr (kPaired) {
-    ptx::mbarrier_arrive_cluster(empty, 0);
-    ptx::mbarrier_arrive_cluster(empty, 1);
-  } else {
-    ptx::mbarrier_arrive(empty);
-  }
+  ptx::mbarrier_arrive(empty);
+  if constexpr (kPaired) ptx::mbarrier_arrive_cluster(empty, ptx::cluster_cta_rank() ^ 1);
 }
 
 // Producer side of one K-block: waits for the stage to be free, arms it, and calls
