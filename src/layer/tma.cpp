@@ -26,13 +26,15 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
 }
 
 CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims,
-                   const cuuint64_t* strides_bytes, const cuuint32_t* box, const char* what) {
+                   const cuuint64_t* strides_bytes, const cuuint32_t* box, const char* what,
+                   CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   CUtensorMap map{};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  CUresult result = encode_function()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides_bytes,
-      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  CUresult result =
+      encode_function()(&map, type, rank, const_cast<void*>(base), dims, strides_bytes, box,
+                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
     std::string extents;
     for (int d = 0; d < rank; ++d) extents += (d ? ", " : "") + std::to_string(dims[d]);
@@ -66,6 +68,27 @@ CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, i
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer),
                              1};
   return encode(base, 3, dims, strides, box, what);
+}
+
+CUtensorMap make_tensor_map(const void* base, TmaElement element, int rank, const int64_t* dims,
+                            const int64_t* strides_bytes, const int32_t* box, bool swizzle_128b,
+                            const char* what) {
+  if (rank < 1 || rank > 3)
+    throw Error(ErrorCode::kInvalidArgument, std::string("make_tensor_map: rank = ") +
+                                                 std::to_string(rank) + " for " + what +
+                                                 "; valid: 1, 2 or 3");
+  cuuint64_t dims_u[3], strides_u[2];
+  cuuint32_t box_u[3];
+  for (int d = 0; d < rank; ++d) {
+    dims_u[d] = static_cast<cuuint64_t>(dims[d]);
+    box_u[d] = static_cast<cuuint32_t>(box[d]);
+    if (d > 0) strides_u[d - 1] = static_cast<cuuint64_t>(strides_bytes[d - 1]);
+  }
+  const CUtensorMapDataType type = element == TmaElement::kBF16   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : element == TmaElement::kE4M3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  return encode(base, rank, dims_u, strides_u, box_u, what, type,
+                swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 }  // namespace mok
