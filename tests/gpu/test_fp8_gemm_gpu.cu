@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/gemm/fp8_gemm.h"
+#include "kernels/stages/fp8_quantize.h"
 #include "layer/tma.h"
 #include "mok/fp8.h"
 #include "mok/schedule.h"
@@ -148,6 +149,32 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
   const double relative = std::sqrt(error_sq / want_sq);
   std::printf("  fp8 grouped GEMM vs the block-scaled product: relative error %.2e\n", relative);
   EXPECT_LT(relative, 4e-3) << "bf16 output rounding is ~2e-3 RMS";
+
+  // The chain the layer will run: the operands quantized on the GPU (row groups with their
+  // scales group-major, blocks per expert) give the same output bits.
+  void* a_bf16 = nullptr;
+  void* b_bf16 = nullptr;
+  ASSERT_EQ(cudaMalloc(&a_bf16, a.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&b_bf16, b.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(a_bf16, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b_bf16, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(kernels::launch_quantize_fp8(a_bf16, rows, k, kernels::Fp8QuantizeForm::kRowGroups,
+                                         problem.a, problem.a_scales, nullptr),
+            cudaSuccess);
+  for (int64_t e = 0; e < experts; ++e)
+    ASSERT_EQ(kernels::launch_quantize_fp8(static_cast<char*>(b_bf16) + e * n * k * 2, n, k,
+                                           kernels::Fp8QuantizeForm::kBlocks,
+                                           static_cast<char*>(problem.b) + e * n * k,
+                                           problem.b_scales + e * (n / 128) * (k / 128), nullptr),
+              cudaSuccess);
+  ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
+  ASSERT_EQ(problem.run(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(again.data(), problem.out, again.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0)
+      << "GPU-quantized operands give other bits than the host-quantized ones";
+  cudaFree(a_bf16);
+  cudaFree(b_bf16);
 }
 
 // The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,

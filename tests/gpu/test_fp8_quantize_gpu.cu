@@ -46,6 +46,14 @@ std::vector<bf16> transposed(const std::vector<bf16>& values, int64_t rows, int6
   return out;
 }
 
+// The host quantizers' [lines, groups] scales in the GPU group forms' [groups, lines] layout.
+std::vector<float> group_major(const std::vector<float>& scales, int64_t lines, int64_t groups) {
+  std::vector<float> out(scales.size());
+  for (int64_t l = 0; l < lines; ++l)
+    for (int64_t g = 0; g < groups; ++g) out[g * lines + l] = scales[l * groups + g];
+  return out;
+}
+
 TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
   const int64_t rows = 384, cols = 256;
   const std::vector<bf16> input = special_matrix(rows, cols, 9);
@@ -68,10 +76,12 @@ TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
       case Fp8QuantizeForm::kRowGroups:
         want_scales.resize(rows * cols / 128);
         quantize_fp8_rows(input.data(), rows, cols, want.data(), want_scales.data());
+        want_scales = group_major(want_scales, rows, cols / 128);
         break;
       case Fp8QuantizeForm::kColumnGroups:
         want_scales.resize(rows * cols / 128);
         quantize_fp8_rows(input_t.data(), cols, rows, want.data(), want_scales.data());
+        want_scales = group_major(want_scales, cols, rows / 128);
         break;
       case Fp8QuantizeForm::kBlocks:
         want_scales.resize(rows * cols / 128 / 128);

@@ -87,11 +87,11 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (half != 0) return;
   switch (kForm) {
-    case Fp8QuantizeForm::kRowGroups:
-      scales[out_row * (cols / kTile) + tile_col] = factors.scale;
+    case Fp8QuantizeForm::kRowGroups:  // group-major: [cols / 128, rows]
+      scales[tile_col * rows + out_row] = factors.scale;
       break;
-    case Fp8QuantizeForm::kColumnGroups:
-      scales[out_row * (rows / kTile) + tile_row] = factors.scale;
+    case Fp8QuantizeForm::kColumnGroups:  // group-major: [rows / 128, cols]
+      scales[tile_row * cols + out_row] = factors.scale;
       break;
     case Fp8QuantizeForm::kBlocks:
       if (line == 0) scales[tile_row * (cols / kTile) + tile_col] = factors.scale;

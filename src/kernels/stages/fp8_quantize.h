@@ -1,11 +1,14 @@
 // The GPU quantizers of the FP8 path (issue 17; fp8_quantize.cu): bf16 [rows, cols] row-major to
 // e4m3 plus fp32 scales, bit-exact with the host quantizers of mok/fp8.h. Rows and cols are
 // multiples of 128. Four forms, each the operand of one FP8 GEMM (wgmma reads FP8 only K-major):
-//   kRowGroups        groups of 128 along each row; out [rows, cols], scales [rows, cols/128]
+//   kRowGroups        groups of 128 along each row; out [rows, cols], scales [cols/128, rows]
 //                     (activations whose reduction runs along the row: x, h, d_out, d_g, d_u)
 //   kColumnGroups     groups of 128 along each column, out transposed [cols, rows], scales
-//                     [cols, rows/128] (the weight gradients' operands: their reduction runs
+//                     [rows/128, cols] (the weight gradients' operands: their reduction runs
 //                     over the rows, the tokens)
+// The group forms write their scales group-major (one K-block's 128 row scales contiguous), the
+// layout the FP8 GEMM loads per K-block with TMA (gemm/fp8_gemm.h); the host quantizers write
+// them [rows, groups].
 //   kBlocks           128 x 128 blocks; out [rows, cols], scales [rows/128, cols/128] (weights)
 //   kBlocksTransposed the same blocks, out transposed [cols, rows], scales [cols/128, rows/128]
 //                     (the weights as the dgrads' K-major operands)
