@@ -57,6 +57,7 @@ struct Fp8GemmProblem {
     maps.a_scales =
         make_tensor_map(a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box, false, "A scales");
     maps.out = make_tensor_map_3d(out, n, rows, 1, 64, 128, "out");
+    maps.out2 = maps.out;
     params.header = header;
     params.tile_expert = tile_expert;
     params.b_scales = b_scales;
@@ -175,6 +176,32 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
       << "GPU-quantized operands give other bits than the host-quantized ones";
   cudaFree(a_bf16);
   cudaFree(b_bf16);
+
+  // Split outputs (the gate/up GEMM's g and u buffers): columns [0, 128) to out as
+  // [rows, 128], [128, 384) to out2 as [rows, 256], each the same bits as before.
+  void *first = nullptr, *second = nullptr;
+  ASSERT_EQ(cudaMalloc(&first, rows * 128 * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&second, rows * 256 * 2), cudaSuccess);
+  problem.maps.out = make_tensor_map_3d(first, 128, rows, 1, 64, 128, "out (first columns)");
+  problem.maps.out2 = make_tensor_map_3d(second, 256, rows, 1, 64, 128, "out2 (the rest)");
+  problem.params.n_split = 128;
+  ASSERT_EQ(problem.run(), cudaSuccess);
+  std::vector<bf16> got_first(rows * 128), got_second(rows * 256);
+  ASSERT_EQ(cudaMemcpy(got_first.data(), first, got_first.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got_second.data(), second, got_second.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  int64_t differ = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      const bf16 value = c < 128 ? got_first[r * 128 + c] : got_second[r * 256 + c - 128];
+      differ += std::memcmp(&value, &got[r * n + c], 2) != 0;
+    }
+  EXPECT_EQ(differ, 0) << "split outputs differ from the single output";
+  problem.params.n_split = 100;
+  EXPECT_EQ(problem.run(), cudaErrorInvalidValue);
+  cudaFree(first);
+  cudaFree(second);
 }
 
 // The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,

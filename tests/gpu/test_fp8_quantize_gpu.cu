@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "kernels/stages/fp8_quantize.h"
+#include "kernels/stages/swiglu.cuh"
+#include "kernels/stages/swiglu_quantize.h"
 #include "mok/fp8.h"
 #include "mok/testing/routing.h"
 
@@ -123,6 +125,75 @@ TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
   cudaFree(device_in);
   cudaFree(device_out);
   cudaFree(device_scales);
+}
+
+// h of every element with the epilogue's SwiGLU (swiglu.cuh), one thread each: the ground truth
+// of the fused pass's h.
+__global__ void swiglu_reference_kernel(const __nv_bfloat16* gate, const __nv_bfloat16* up,
+                                        int64_t count, float limit, __nv_bfloat16* h) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count)
+    h[i] = __float2bfloat16_rn(
+        kernels::swiglu_forward(__bfloat162float(gate[i]), __bfloat162float(up[i]), limit));
+}
+
+// The FP8 forward's SwiGLU + quantization pass: the codes and scales of quantizing, with the host
+// quantizer, the h that the bf16 path computes. Groups with a NaN, a gate far in the negative
+// (the division's slow path), zeros; with and without a clamp.
+TEST(Fp8QuantizeGpu, SwigluQuantizeMatchesTheHost) {
+  const int64_t rows = 256, inter = 384, count = rows * inter;
+  std::vector<bf16> gate = special_matrix(rows, inter, 21), up = special_matrix(rows, inter, 22);
+  for (int64_t c = 0; c < 128; ++c) gate[8 * inter + 128 + c] = float_to_bf16(-200.0f);
+  gate[9 * inter + 5] = float_to_bf16(NAN);
+  for (int64_t c = 0; c < 128; ++c) up[10 * inter + c] = float_to_bf16(0.0f);
+  void *device_gate = nullptr, *device_up = nullptr, *device_h = nullptr, *device_codes = nullptr;
+  float* device_scales = nullptr;
+  ASSERT_EQ(cudaMalloc(&device_gate, count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_up, count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_h, count * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_codes, count), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_scales, count / 128 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device_gate, gate.data(), count * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device_up, up.data(), count * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const float limit : {INFINITY, 0.5f}) {
+    SCOPED_TRACE(limit);
+    swiglu_reference_kernel<<<static_cast<unsigned>((count + 255) / 256), 256>>>(
+        static_cast<const __nv_bfloat16*>(device_gate),
+        static_cast<const __nv_bfloat16*>(device_up), count, limit,
+        static_cast<__nv_bfloat16*>(device_h));
+    ASSERT_EQ(cudaMemset(device_codes, 0xab, count), cudaSuccess);
+    ASSERT_EQ(kernels::launch_swiglu_quantize_fp8(device_gate, device_up, rows, inter, limit,
+                                                  device_codes, device_scales, nullptr),
+              cudaSuccess);
+    std::vector<bf16> h(count);
+    std::vector<e4m3> got(count), want(count);
+    std::vector<float> got_scales(count / 128), want_scales(count / 128);
+    ASSERT_EQ(cudaMemcpy(h.data(), device_h, count * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got.data(), device_codes, count, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_scales.data(), device_scales, got_scales.size() * sizeof(float),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    quantize_fp8_rows(h.data(), rows, inter, want.data(), want_scales.data());
+    want_scales = group_major(want_scales, rows, inter / 128);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < count; ++i)
+      if (got[i].bits != want[i].bits && ++wrong <= 5)
+        ADD_FAILURE() << "code " << i << ": fused 0x" << std::hex << int(got[i].bits)
+                      << ", quantized h 0x" << int(want[i].bits);
+    EXPECT_EQ(wrong, 0);
+    for (size_t i = 0; i < got_scales.size(); ++i) {
+      if (std::isnan(want_scales[i]))
+        EXPECT_TRUE(std::isnan(got_scales[i])) << "scale " << i;
+      else
+        EXPECT_EQ(std::memcmp(&got_scales[i], &want_scales[i], sizeof(float)), 0) << "scale " << i;
+    }
+  }
+  EXPECT_EQ(kernels::launch_swiglu_quantize_fp8(device_gate, device_up, rows, 100, INFINITY,
+                                                device_codes, device_scales, nullptr),
+            cudaErrorInvalidValue);
+  for (void* p :
+       {device_gate, device_up, device_h, device_codes, static_cast<void*>(device_scales)})
+    cudaFree(p);
 }
 
 // One dsv3 expert weight's worth of matrices at once (32 experts x [2048, 7168]): bytes read and

@@ -49,12 +49,10 @@ struct alignas(1024) Fp8SharedStorage {
 };
 static_assert(sizeof(Fp8SharedStorage) + 1024 <= 227 * 1024, "fits the SM's shared memory");
 
-__global__ void __launch_bounds__(kNumThreads, 1)
-    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                            const __grid_constant__ CUtensorMap tmap_b,
-                            const __grid_constant__ CUtensorMap tmap_a_scales,
-                            const __grid_constant__ CUtensorMap tmap_out,
-                            const Fp8GemmParams params) {
+__global__ void __launch_bounds__(kNumThreads, 1) fp8_grouped_gemm_kernel(
+    const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+    const __grid_constant__ CUtensorMap tmap_a_scales, const __grid_constant__ CUtensorMap tmap_out,
+    const __grid_constant__ CUtensorMap tmap_out2, const Fp8GemmParams params) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Fp8SharedStorage& smem = *reinterpret_cast<Fp8SharedStorage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -138,7 +136,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       });
       publish_staging_tile();
       if (issuer) {
-        store_chunks(&tmap_out, staging, 0, kFp8TileN / 64, n_tile * kFp8TileN, params.n_extent,
+        const int column = n_tile * kFp8TileN;
+        const bool second = params.n_split > 0 && column >= params.n_split;
+        store_chunks(second ? &tmap_out2 : &tmap_out, staging, 0, kFp8TileN / 64,
+                     second ? column - params.n_split : column,
+                     second ? params.n_extent - params.n_split
+                            : (params.n_split > 0 ? params.n_split : params.n_extent),
                      m_tile * BLOCK_M, 0);
         ptx::bulk_commit_group();
       }
@@ -151,7 +154,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, cudaStream_t stream) {
-  if (params.n_extent % kFp8TileN != 0 || params.k_extent % kFp8BlockK != 0 || params.k_extent <= 0)
+  if (params.n_extent % kFp8TileN != 0 || params.k_extent % kFp8BlockK != 0 ||
+      params.k_extent <= 0 || params.n_split < 0 || params.n_split % kFp8TileN != 0 ||
+      params.n_split >= params.n_extent)
     return cudaErrorInvalidValue;
   const size_t smem_bytes = sizeof(Fp8SharedStorage) + 1024;
   cudaError_t status =
@@ -159,7 +164,7 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
                            static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
   fp8_grouped_gemm_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(
-      maps.a, maps.b, maps.a_scales, maps.out, params);
+      maps.a, maps.b, maps.a_scales, maps.out, maps.out2, params);
   return cudaGetLastError();
 }
 

@@ -21,6 +21,7 @@ struct Fp8GemmMaps {
   CUtensorMap b;         // e4m3 [E, N, K]: boxes [1, 128 x 128], 128-byte swizzle
   CUtensorMap a_scales;  // fp32 [K / 128, rows] (group-major): boxes [1 x 128], no swizzle
   CUtensorMap out;       // bf16 [1, rows, N]: boxes [128 rows x 64] (the staging-tile epilogue)
+  CUtensorMap out2;      // with n_split: columns [n_split, N) go here instead, at n - n_split
 };
 
 struct Fp8GemmParams {
@@ -28,7 +29,10 @@ struct Fp8GemmParams {
   const int32_t* tile_expert;    // expert of each row tile
   const float* b_scales;         // [E, N / 128, K / 128]
   int32_t n_extent;              // N, a multiple of 128
-  int32_t k_extent;              // K, a multiple of 128
+  // 0, or a multiple of 128 below N: the output's columns from n_split on go to out2 (the
+  // gate/up GEMM over [Wg; Wu] writes g and u to their own buffers).
+  int32_t n_split;
+  int32_t k_extent;  // K, a multiple of 128
   WaitContext wait;
 };
 
