@@ -204,6 +204,128 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
   cudaFree(second);
 }
 
+// Quantizes [rows, cols] bf16 along its rows' direction transposed, as the weight gradients'
+// operands are: codes [cols, rows] in groups of 128 rows, scales group-major [rows / 128, cols].
+void quantize_columns(const std::vector<bf16>& values, int64_t rows, int64_t cols,
+                      std::vector<e4m3>& codes, std::vector<float>& scales) {
+  std::vector<bf16> transposed(values.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) transposed[c * rows + r] = values[r * cols + c];
+  codes.resize(values.size());
+  std::vector<float> line_scales(values.size() / 128);
+  quantize_fp8_rows(transposed.data(), cols, rows, codes.data(), line_scales.data());
+  scales.resize(line_scales.size());
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t g = 0; g < rows / 128; ++g)
+      scales[g * cols + c] = line_scales[c * (rows / 128) + g];
+}
+
+// The weight-gradient form: per expert over its rows (one expert without rows: zeros), both
+// operands with per-line scales; against the product in double, and the GPU quantizer's operands
+// give the same bits.
+TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
+  const int64_t rows = 640, m = 256, n = 384, experts = 3;
+  const std::vector<int32_t> offsets = {0, 256, 256, 640};
+  std::vector<bf16> a = random_bf16(rows * m, 11, 1.0f), b = random_bf16(rows * n, 12, 0.5f);
+  for (int64_t r = 0; r < rows; ++r)  // rows of different magnitudes: each group its own scale
+    for (int64_t c = 0; c < m; ++c)
+      a[r * m + c] = float_to_bf16(bf16_to_float(a[r * m + c]) * std::ldexp(1.0f, r % 7 - 3));
+  std::vector<e4m3> a_q, b_q;
+  std::vector<float> a_scales, b_scales;
+  quantize_columns(a, rows, m, a_q, a_scales);
+  quantize_columns(b, rows, n, b_q, b_scales);
+
+  void *a_codes = nullptr, *b_codes = nullptr, *out = nullptr;
+  float *device_a_scales = nullptr, *device_b_scales = nullptr;
+  int32_t* device_offsets = nullptr;
+  ASSERT_EQ(cudaMalloc(&a_codes, a_q.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&b_codes, b_q.size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&out, experts * m * n * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_a_scales, a_scales.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_b_scales, b_scales.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&device_offsets, offsets.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(a_codes, a_q.data(), a_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b_codes, b_q.data(), b_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(device_a_scales, a_scales.data(), a_scales.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(device_b_scales, b_scales.data(), b_scales.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device_offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  kernels::Fp8GemmMaps maps{};
+  const int32_t tile_box[2] = {128, 128}, scale_box[2] = {128, 1};
+  const int64_t a_dims[2] = {rows, m}, a_strides[1] = {rows};
+  const int64_t b_dims[2] = {rows, n}, b_strides[1] = {rows};
+  maps.a = make_tensor_map(a_codes, TmaElement::kE4M3, 2, a_dims, a_strides, tile_box, true, "A");
+  maps.b = make_tensor_map(b_codes, TmaElement::kE4M3, 2, b_dims, b_strides, tile_box, true, "B");
+  const int64_t sa_dims[2] = {m, rows / 128}, sa_strides[1] = {m * 4};
+  const int64_t sb_dims[2] = {n, rows / 128}, sb_strides[1] = {n * 4};
+  maps.a_scales = make_tensor_map(device_a_scales, TmaElement::kF32, 2, sa_dims, sa_strides,
+                                  scale_box, false, "A scales");
+  maps.b_scales = make_tensor_map(device_b_scales, TmaElement::kF32, 2, sb_dims, sb_strides,
+                                  scale_box, false, "B scales");
+  maps.out = make_tensor_map_3d(out, n, m, experts, 64, 128, "weight gradients");
+  kernels::Fp8GemmParams params;
+  params.form = kernels::Fp8GemmForm::kWeightGrad;
+  params.expert_offsets = device_offsets;
+  params.num_experts = static_cast<int32_t>(experts);
+  params.m_extent = static_cast<int32_t>(m);
+  params.n_extent = static_cast<int32_t>(n);
+  params.wait = {10'000'000'000ull, 0, nullptr};
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  ASSERT_EQ(cudaMemset(out, 0xff, experts * m * n * 2), cudaSuccess);
+  ASSERT_EQ(kernels::launch_fp8_grouped_gemm(maps, params, sms, nullptr), cudaSuccess);
+  std::vector<bf16> got(experts * m * n);
+  ASSERT_EQ(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+
+  double error_sq = 0, want_sq = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0;
+        for (int64_t g = offsets[e] / 128; g < offsets[e + 1] / 128; ++g) {
+          double block = 0;
+          for (int64_t r = g * 128; r < g * 128 + 128; ++r)
+            block += static_cast<double>(e4m3_to_float(a_q[i * rows + r])) *
+                     e4m3_to_float(b_q[j * rows + r]);
+          want += block * a_scales[g * m + i] * b_scales[g * n + j];
+        }
+        const double value = bf16_to_float(got[(e * m + i) * n + j]);
+        ASSERT_TRUE(std::isfinite(value)) << "expert " << e << " (" << i << ", " << j << ")";
+        if (e == 1) ASSERT_EQ(value, 0.0) << "the expert without rows";
+        error_sq += (value - want) * (value - want);
+        want_sq += want * want;
+      }
+  const double relative = std::sqrt(error_sq / want_sq);
+  std::printf("  fp8 weight gradients vs the block-scaled product: relative error %.2e\n",
+              relative);
+  EXPECT_LT(relative, 4e-3);
+
+  // The column-group quantizer's operands: the same bits.
+  void *a_bf16 = nullptr, *b_bf16 = nullptr;
+  ASSERT_EQ(cudaMalloc(&a_bf16, a.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&b_bf16, b.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(a_bf16, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b_bf16, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(kernels::launch_quantize_fp8(a_bf16, rows, m, kernels::Fp8QuantizeForm::kColumnGroups,
+                                         a_codes, device_a_scales, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(kernels::launch_quantize_fp8(b_bf16, rows, n, kernels::Fp8QuantizeForm::kColumnGroups,
+                                         b_codes, device_b_scales, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(kernels::launch_fp8_grouped_gemm(maps, params, sms, nullptr), cudaSuccess);
+  std::vector<bf16> again(got.size());
+  ASSERT_EQ(cudaMemcpy(again.data(), out, again.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0);
+  for (void* p :
+       {a_codes, b_codes, out, static_cast<void*>(device_a_scales),
+        static_cast<void*>(device_b_scales), static_cast<void*>(device_offsets), a_bf16, b_bf16})
+    cudaFree(p);
+}
+
 // The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,
 // K = H = 7168; median of 10 launches, TFLOP/s printed.
 TEST(Fp8GemmGpu, Throughput) {

@@ -1,21 +1,24 @@
-// The FP8 block-scaled grouped GEMM (fp8_gemm.h): DeepSeek-V3's recipe on Hopper's FP8 tensor
+// The FP8 block-scaled grouped GEMMs (fp8_gemm.h): DeepSeek-V3's recipe on Hopper's FP8 tensor
 // cores, with the fp32 promotion at every 128-long K-block.
 //
 // Grid: persistent, one 384-thread CTA per SM; CTA c takes tiles c, c + grid, ... of 128 x 128
-// outputs, grouped by row tiles (task_order.h's grouped_tile) so that running CTAs share B.
+// outputs: kRowTiles grouped by row tiles (task_order.h's grouped_tile) so that running CTAs
+// share B; kWeightGrad expert by expert, m fastest.
 // Warp roles:
 //   warpgroup 0   producer: one thread loads each K-block of 128 into a stage with TMA: the A
-//                 tile [128 rows x 128] e4m3 (16 KB), the B tile [128 x 128] e4m3 (16 KB) and
-//                 the A tile's 128 row scales (512 B), all completing on full[s]; it gives its
-//                 registers away (setmaxnreg.dec).
+//                 and B tiles [128 x 128] e4m3 (16 KB each), the A tile's 128 line scales
+//                 (512 B) and, kWeightGrad, the B tile's (512 B), all completing on full[s]; it
+//                 gives its registers away (setmaxnreg.dec).
 //   warpgroups 1, 2  consumers: each owns 64 rows and two 64 x 128 fp32 register tiles. Per
 //                 K-block: four wgmma m64n128k32 e4m3 into the fresh tile (scale-d 0 first),
-//                 wait for them, read its rows' scales from the stage, release the stage
-//                 (empty[s]), then add the tile into the running sum times scale_a * scale_b:
+//                 wait for them, then add the tile into the running sum times its scales:
 //                 Hopper's FP8 accumulation keeps too few bits for long sums, so no sum runs in
-//                 the tensor core longer than one 128-long block. The K-block's scale_b is read
-//                 from global memory before the stage is waited for.
-// Pipeline: kFp8Stages stages of 32.5 KB (the 128-byte swizzle TMA writes and wgmma reads); the
+//                 the tensor core longer than one 128-long block. kRowTiles: scale_a[row] *
+//                 scale_b (one per weight block, read from global memory before the stage is
+//                 waited for), the stage released before the promotion; kWeightGrad:
+//                 scale_a[m] * scale_b[n] per element (the B scales read from the stage, so
+//                 the stage is released after it).
+// Pipeline: kFp8Stages stages of 33 KB (the 128-byte swizzle TMA writes and wgmma reads); the
 // epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
 // overlapping the next tile's mainloop.
 #include <cuda.h>
@@ -44,23 +47,57 @@ struct alignas(1024) Fp8SharedStorage {
   uint8_t b[kFp8Stages][kFp8TileBytes];
   __nv_bfloat16 store_tile[BLOCK_M * kFp8TileN];  // two [128 x 64] chunks (epilogue.cuh)
   float a_scales[kFp8Stages][BLOCK_M];
+  float b_scales[kFp8Stages][kFp8TileN];  // kWeightGrad
   uint64_t full[kFp8Stages];
   uint64_t empty[kFp8Stages];
 };
 static_assert(sizeof(Fp8SharedStorage) + 1024 <= 227 * 1024, "fits the SM's shared memory");
 
-__global__ void __launch_bounds__(kNumThreads, 1) fp8_grouped_gemm_kernel(
-    const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-    const __grid_constant__ CUtensorMap tmap_a_scales, const __grid_constant__ CUtensorMap tmap_out,
-    const __grid_constant__ CUtensorMap tmap_out2, const Fp8GemmParams params) {
+struct Fp8Tile {
+  int m_tile, n_tile, expert;
+  int k_block0;  // kWeightGrad: the expert's first row / 128
+  int num_k_blocks;
+};
+
+template <Fp8GemmForm kForm>
+__device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params, int tile, int num_m_tiles,
+                                            int num_n_tiles) {
+  Fp8Tile t;
+  if constexpr (kForm == Fp8GemmForm::kRowTiles) {
+    grouped_tile(tile, num_m_tiles, num_n_tiles, &t.m_tile, &t.n_tile);
+    t.expert = params.tile_expert[t.m_tile];
+    t.k_block0 = 0;
+    t.num_k_blocks = params.k_extent / kFp8BlockK;
+  } else {
+    const int per_expert = num_m_tiles * num_n_tiles;
+    t.expert = tile / per_expert;
+    const int local = tile - t.expert * per_expert;
+    t.n_tile = local / num_m_tiles;
+    t.m_tile = local % num_m_tiles;
+    const int begin = params.expert_offsets[t.expert], end = params.expert_offsets[t.expert + 1];
+    t.k_block0 = begin / kFp8BlockK;
+    t.num_k_blocks = (end - begin) / kFp8BlockK;
+  }
+  return t;
+}
+
+template <Fp8GemmForm kForm>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
+                            const __grid_constant__ CUtensorMap tmap_b,
+                            const __grid_constant__ CUtensorMap tmap_a_scales,
+                            const __grid_constant__ CUtensorMap tmap_b_scales,
+                            const __grid_constant__ CUtensorMap tmap_out,
+                            const __grid_constant__ CUtensorMap tmap_out2,
+                            const Fp8GemmParams params) {
+  constexpr bool kWeightGrad = kForm == Fp8GemmForm::kWeightGrad;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Fp8SharedStorage& smem = *reinterpret_cast<Fp8SharedStorage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   init_pipeline(smem);
-  const int num_m_tiles = params.header->num_tiles;
+  const int num_m_tiles = kWeightGrad ? params.m_extent / BLOCK_M : params.header->num_tiles;
   const int num_n_tiles = params.n_extent / kFp8TileN;
-  const int num_k_blocks = params.k_extent / kFp8BlockK;
-  const int num_tiles = num_m_tiles * num_n_tiles;
+  const int num_tiles = num_m_tiles * num_n_tiles * (kWeightGrad ? params.num_experts : 1);
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
@@ -69,20 +106,27 @@ __global__ void __launch_bounds__(kNumThreads, 1) fp8_grouped_gemm_kernel(
       ptx::prefetch_tensor_map(&tmap_a);
       ptx::prefetch_tensor_map(&tmap_b);
       PipelineState<kFp8Stages> state;
+      constexpr uint32_t kBytes = 2 * kFp8TileBytes + (kWeightGrad ? 2 : 1) * kFp8ScaleBytes;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        int m_tile, n_tile;
-        grouped_tile(tile, num_m_tiles, num_n_tiles, &m_tile, &n_tile);
-        const int expert = params.tile_expert[m_tile];
-        for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+        const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+        for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
           const int s = state.stage;
+          const int k_group = t.k_block0 + k_block;
           mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
-          ptx::mbarrier_arrive_expect_tx(&smem.full[s], 2 * kFp8TileBytes + kFp8ScaleBytes);
-          ptx::tma_load_2d(smem.a[s], &tmap_a, &smem.full[s], k_block * kFp8BlockK,
-                           m_tile * BLOCK_M);
-          ptx::tma_load_3d(smem.b[s], &tmap_b, &smem.full[s], k_block * kFp8BlockK,
-                           n_tile * kFp8TileN, expert);
-          ptx::tma_load_2d(smem.a_scales[s], &tmap_a_scales, &smem.full[s], m_tile * BLOCK_M,
-                           k_block);
+          ptx::mbarrier_arrive_expect_tx(&smem.full[s], kBytes);
+          ptx::tma_load_2d(smem.a[s], &tmap_a, &smem.full[s], k_group * kFp8BlockK,
+                           t.m_tile * BLOCK_M);
+          if constexpr (kWeightGrad) {
+            ptx::tma_load_2d(smem.b[s], &tmap_b, &smem.full[s], k_group * kFp8BlockK,
+                             t.n_tile * kFp8TileN);
+            ptx::tma_load_2d(smem.b_scales[s], &tmap_b_scales, &smem.full[s], t.n_tile * kFp8TileN,
+                             k_group);
+          } else {
+            ptx::tma_load_3d(smem.b[s], &tmap_b, &smem.full[s], k_group * kFp8BlockK,
+                             t.n_tile * kFp8TileN, t.expert);
+          }
+          ptx::tma_load_2d(smem.a_scales[s], &tmap_a_scales, &smem.full[s], t.m_tile * BLOCK_M,
+                           k_group);
           state.advance();
         }
       }
@@ -92,19 +136,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) fp8_grouped_gemm_kernel(
     const int consumer_idx = warpgroup - 1;
     const bool issuer = threadIdx.x == BLOCK_M;
     const int row0 = consumer_idx * 64 + fragment_row(0), row1 = row0 + 8;
+    const int column0 = fragment_col(0);  // + 8 j: this thread's column pair of group j
     PipelineState<kFp8Stages> state;
     float block[64];  // one K-block's products (wgmma accumulator)
     float sum[64];    // the promoted fp32 sum
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      int m_tile, n_tile;
-      grouped_tile(tile, num_m_tiles, num_n_tiles, &m_tile, &n_tile);
-      const int expert = params.tile_expert[m_tile];
+      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
       const float* b_scales =
-          params.b_scales + (static_cast<int64_t>(expert) * num_n_tiles + n_tile) * num_k_blocks;
-      float scale_b = __ldg(b_scales);
-      for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+          kWeightGrad
+              ? nullptr
+              : params.b_scales +
+                    (static_cast<int64_t>(t.expert) * num_n_tiles + t.n_tile) * t.num_k_blocks;
+      float scale_b = kWeightGrad ? 1.0f : __ldg(b_scales);
+      for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
         const int s = state.stage;
-        const float next_scale_b = k_block + 1 < num_k_blocks ? __ldg(b_scales + k_block + 1) : 0;
+        float next_scale_b = 1.0f;
+        if constexpr (!kWeightGrad)
+          next_scale_b = k_block + 1 < t.num_k_blocks ? __ldg(b_scales + k_block + 1) : 0.0f;
         mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], state.phase);
         const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
         const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
@@ -118,31 +166,55 @@ __global__ void __launch_bounds__(kNumThreads, 1) fp8_grouped_gemm_kernel(
         ptx::fence_registers(block);
         const float factor0 = smem.a_scales[s][row0] * scale_b;
         const float factor1 = smem.a_scales[s][row1] * scale_b;
-        __syncwarp();  // every lane has read its scales before the stage is handed back
-        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
-        state.advance();
-        // Fragment register j * 4 + i * 2 + c holds row row0 + 8 i (fragment_row).
-#pragma unroll
-        for (int r = 0; r < 64; ++r) {
-          const float factor = (r / 2) % 2 == 0 ? factor0 : factor1;
-          sum[r] = k_block == 0 ? block[r] * factor : fmaf(block[r], factor, sum[r]);
+        if constexpr (!kWeightGrad) {
+          __syncwarp();  // every lane has read its scales before the stage is handed back
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
         }
+        // Fragment register j * 4 + i * 2 + c: row row0 + 8 i, column column0 + 8 j + c.
+#pragma unroll
+        for (int j = 0; j < kFp8TileN / 8; ++j) {
+          float2 column_scale = make_float2(1.0f, 1.0f);
+          if constexpr (kWeightGrad)
+            column_scale = *reinterpret_cast<const float2*>(&smem.b_scales[s][column0 + 8 * j]);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float row_factor = i == 0 ? factor0 : factor1;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int r = j * 4 + i * 2 + c;
+              const float factor = row_factor * (c == 0 ? column_scale.x : column_scale.y);
+              sum[r] = k_block == 0 ? block[r] * factor : fmaf(block[r], factor, sum[r]);
+            }
+          }
+        }
+        if constexpr (kWeightGrad) {
+          __syncwarp();  // the B scales were read from the stage too
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
+        }
+        state.advance();
         scale_b = next_scale_b;
       }
+      const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
       acquire_staging_tile(issuer);
       char* staging = reinterpret_cast<char*>(smem.store_tile);
       stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx, [&](int i, int j) {
-        return make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
+        return empty ? make_float2(0.0f, 0.0f)
+                     : make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
       });
       publish_staging_tile();
       if (issuer) {
-        const int column = n_tile * kFp8TileN;
-        const bool second = params.n_split > 0 && column >= params.n_split;
-        store_chunks(second ? &tmap_out2 : &tmap_out, staging, 0, kFp8TileN / 64,
-                     second ? column - params.n_split : column,
-                     second ? params.n_extent - params.n_split
-                            : (params.n_split > 0 ? params.n_split : params.n_extent),
-                     m_tile * BLOCK_M, 0);
+        const int column = t.n_tile * kFp8TileN;
+        if constexpr (kWeightGrad) {
+          store_chunks(&tmap_out, staging, 0, kFp8TileN / 64, column, params.n_extent,
+                       t.m_tile * BLOCK_M, t.expert);
+        } else {
+          const bool second = params.n_split > 0 && column >= params.n_split;
+          store_chunks(second ? &tmap_out2 : &tmap_out, staging, 0, kFp8TileN / 64,
+                       second ? column - params.n_split : column,
+                       second ? params.n_extent - params.n_split
+                              : (params.n_split > 0 ? params.n_split : params.n_extent),
+                       t.m_tile * BLOCK_M, 0);
+        }
         ptx::bulk_commit_group();
       }
     }
@@ -150,22 +222,33 @@ __global__ void __launch_bounds__(kNumThreads, 1) fp8_grouped_gemm_kernel(
   }
 }
 
+template <Fp8GemmForm kForm>
+cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, int num_ctas,
+                        cudaStream_t stream) {
+  const size_t smem_bytes = sizeof(Fp8SharedStorage) + 1024;
+  cudaError_t status = cudaFuncSetAttribute(fp8_grouped_gemm_kernel<kForm>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  fp8_grouped_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(
+      maps.a, maps.b, maps.a_scales, maps.b_scales, maps.out, maps.out2, params);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, cudaStream_t stream) {
-  if (params.n_extent % kFp8TileN != 0 || params.k_extent % kFp8BlockK != 0 ||
-      params.k_extent <= 0 || params.n_split < 0 || params.n_split % kFp8TileN != 0 ||
-      params.n_split >= params.n_extent)
+  if (params.n_extent <= 0 || params.n_extent % kFp8TileN != 0) return cudaErrorInvalidValue;
+  if (params.form == Fp8GemmForm::kWeightGrad) {
+    if (params.m_extent <= 0 || params.m_extent % BLOCK_M != 0 || params.num_experts < 0)
+      return cudaErrorInvalidValue;
+    return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, stream);
+  }
+  if (params.k_extent <= 0 || params.k_extent % kFp8BlockK != 0 || params.n_split < 0 ||
+      params.n_split % kFp8TileN != 0 || params.n_split >= params.n_extent)
     return cudaErrorInvalidValue;
-  const size_t smem_bytes = sizeof(Fp8SharedStorage) + 1024;
-  cudaError_t status =
-      cudaFuncSetAttribute(fp8_grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem_bytes));
-  if (status != cudaSuccess) return status;
-  fp8_grouped_gemm_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(
-      maps.a, maps.b, maps.a_scales, maps.out, maps.out2, params);
-  return cudaGetLastError();
+  return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, stream);
 }
 
 }  // namespace mok::kernels

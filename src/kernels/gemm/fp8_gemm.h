@@ -1,10 +1,18 @@
-// The FP8 block-scaled grouped GEMM (fp8_gemm.cu; issue 17), shared by the host launcher and the
-// kernel (plain data). For 128-row tiles of A that each belong to one expert (the schedule's):
-//   out[row, n] = sum over K-blocks kb of 128 values of
-//                 (sum_k A_q[row, k] * B_q[e, n, k]) * scale_a[kb][row] * scale_b[e][n/128][kb]
-// with A_q, B_q e4m3 (both K-major: wgmma reads FP8 only that way), the scales fp32 in
-// mok/fp8.h's recipe (1 x 128 groups of A along K, 128 x 128 blocks of B) and out bf16. This is
-// the product the CPU reference computes from the dequantized operands, up to fp32 rounding.
+// The FP8 block-scaled grouped GEMMs (fp8_gemm.cu; issue 17), shared by the host launcher and
+// the kernel (plain data). Both operands e4m3 and K-major (wgmma reads FP8 only that way), fp32
+// scales in mok/fp8.h's recipe, bf16 out; every product is summed per 128-long K-block on the
+// tensor cores and promoted into fp32 with its scales, which is the CPU reference's product of
+// the dequantized operands up to fp32 rounding. Two forms:
+//   kRowTiles    for 128-row tiles of A that each belong to one expert (the schedule's):
+//                out[row, n] = sum_kb (A_q[row, kb] . B_q[e, n, kb]) * scale_a[kb][row] *
+//                              scale_b[e][n / 128][kb]
+//                A is an activation in 1 x 128 groups, B a weight in 128 x 128 blocks: the
+//                forward's gate/up and down, and the dgrads with the weights quantized
+//                transposed.
+//   kWeightGrad  per expert e over its rows [offsets[e], offsets[e + 1]) (multiples of 128):
+//                out[e][m, n] = sum_kb (A_q[m, kb] . B_q[n, kb]) * scale_a[kb][m] * scale_b[kb][n]
+//                Both are activations transposed, in groups of 128 rows (the column-group
+//                quantizer's output); an expert without rows gets zeros.
 #pragma once
 
 #include <cuda.h>
@@ -16,28 +24,35 @@
 
 namespace mok::kernels {
 
+enum class Fp8GemmForm : int32_t { kRowTiles = 0, kWeightGrad = 1 };
+
 struct Fp8GemmMaps {
-  CUtensorMap a;         // e4m3 [rows, K]: boxes [128 rows x 128], 128-byte swizzle
-  CUtensorMap b;         // e4m3 [E, N, K]: boxes [1, 128 x 128], 128-byte swizzle
-  CUtensorMap a_scales;  // fp32 [K / 128, rows] (group-major): boxes [1 x 128], no swizzle
-  CUtensorMap out;       // bf16 [1, rows, N]: boxes [128 rows x 64] (the staging-tile epilogue)
+  CUtensorMap a;         // e4m3 [rows, K] (kWeightGrad: [M, rows]): boxes [128 x 128], swizzled
+  CUtensorMap b;         // e4m3 [E, N, K] (kWeightGrad: 2-D [N, rows]): 128 x 128 boxes, swizzled
+  CUtensorMap a_scales;  // fp32 [K / 128, rows] (kWeightGrad: [rows / 128, M]): boxes [1 x 128]
+  CUtensorMap b_scales;  // kWeightGrad: fp32 [rows / 128, N], boxes [1 x 128]
+  CUtensorMap out;       // bf16 [1, rows, N] (kWeightGrad: [E, M, N]): boxes [128 rows x 64]
   CUtensorMap out2;      // with n_split: columns [n_split, N) go here instead, at n - n_split
 };
 
 struct Fp8GemmParams {
-  const ScheduleHeader* header;  // num_tiles: the 128-row tiles of A
-  const int32_t* tile_expert;    // expert of each row tile
-  const float* b_scales;         // [E, N / 128, K / 128]
-  int32_t n_extent;              // N, a multiple of 128
-  // 0, or a multiple of 128 below N: the output's columns from n_split on go to out2 (the
-  // gate/up GEMM over [Wg; Wu] writes g and u to their own buffers).
-  int32_t n_split;
-  int32_t k_extent;  // K, a multiple of 128
-  WaitContext wait;
+  Fp8GemmForm form = Fp8GemmForm::kRowTiles;
+  const ScheduleHeader* header = nullptr;   // kRowTiles: num_tiles, the 128-row tiles of A
+  const int32_t* tile_expert = nullptr;     // kRowTiles: expert of each row tile
+  const float* b_scales = nullptr;          // kRowTiles: [E, N / 128, K / 128]
+  const int32_t* expert_offsets = nullptr;  // kWeightGrad: [E + 1] row offsets
+  int32_t num_experts = 0;                  // kWeightGrad: E
+  int32_t m_extent = 0;                     // kWeightGrad: M, a multiple of 128
+  int32_t n_extent = 0;                     // N, a multiple of 128
+  // kRowTiles: 0, or a multiple of 128 below N: the output's columns from n_split on go to out2
+  // (the gate/up GEMM over [Wg; Wu] writes g and u to their own buffers).
+  int32_t n_split = 0;
+  int32_t k_extent = 0;  // kRowTiles: K, a multiple of 128
+  WaitContext wait{};
 };
 
-// One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for N or K not
-// multiples of 128.
+// One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
+// that are not multiples of 128.
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, cudaStream_t stream);
 
