@@ -3,8 +3,10 @@
 # (Release), runs `mok run` on each shape of MOK_PROFILE_SHAPES (stage breakdowns, variants, the
 # ring; default "sonic_e128 dsv3_e128 dsv3"), then ncu on the expert GEMM kernels of the first
 # MOK_NCU_LAUNCHES launches (default 6: a forward's two GEMMs and a backward's four) at
-# MOK_NCU_SHAPE (default qwen3; empty: no ncu), clocks left alone. Outputs under $OUT (default
-# ./out): build.log, run_<shape>.log, ncu_<shape>.txt.
+# MOK_NCU_SHAPE (default qwen3; empty: no ncu), clocks left alone. MOK_PROFILE_TESTS (a
+# GoogleTest filter, e.g. "Fp8*:BackwardGpu.CtaPairs*") also builds the GPU tests and runs those
+# first (gpu_tests.log). Outputs under $OUT (default ./out): build.log, run_<shape>.log,
+# ncu_<shape>.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -18,11 +20,18 @@ command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 gtest=()
 [ -d .deps/googletest ] && gtest=("-DMOK_GTEST_SOURCE_DIR=$PWD/.deps/googletest")
 if ! { cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release "${generator[@]}" "${gtest[@]}" &&
-  cmake --build "$build_dir" -j "$(nproc)" --target mok; } >"$OUT/build.log" 2>&1; then
+  cmake --build "$build_dir" -j "$(nproc)" --target mok \
+    $([ -n "${MOK_PROFILE_TESTS:-}" ] && echo mok_gpu_tests); } >"$OUT/build.log" 2>&1; then
   tail -30 "$OUT/build.log"
   exit 1
 fi
 status=0
+if [ -n "${MOK_PROFILE_TESTS:-}" ]; then
+  echo "== GPU tests: $MOK_PROFILE_TESTS"
+  timeout "${MOK_PROFILE_TESTS_TIMEOUT:-300}" "./$build_dir/mok_gpu_tests" \
+    --gtest_filter="$MOK_PROFILE_TESTS" >"$OUT/gpu_tests.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|fp8|TFLOP|error" "$OUT/gpu_tests.log" | head -60
+fi
 for shape in ${MOK_PROFILE_SHAPES-sonic_e128 dsv3_e128 dsv3}; do
   echo "== mok run --shape $shape"
   timeout "${MOK_PROFILE_RUN_TIMEOUT:-200}" "./$build_dir/mok" run --shape "$shape" --check-tokens 64 \
