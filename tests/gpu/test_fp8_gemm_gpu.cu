@@ -177,11 +177,34 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
   cudaFree(a_bf16);
   cudaFree(b_bf16);
 
-  // Split outputs (the gate/up GEMM's g and u buffers): columns [0, 128) to out as
-  // [rows, 128], [128, 384) to out2 as [rows, 256], each the same bits as before.
+  // Split columns (the gate/up GEMM: Wg and Wu, g and u): columns [0, 128) from B's first 128
+  // rows of each expert to out [rows, 128], columns [128, 384) from B2 = the other 256 rows to
+  // out2 [rows, 256], each part with its own dense block scales: the same bits as before.
   void *first = nullptr, *second = nullptr;
+  float *first_scales = nullptr, *second_scales = nullptr;
   ASSERT_EQ(cudaMalloc(&first, rows * 128 * 2), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&second, rows * 256 * 2), cudaSuccess);
+  const int64_t k_groups = k / 128;
+  std::vector<float> scales_first, scales_second;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t nb = 0; nb < n / 128; ++nb)
+      for (int64_t g = 0; g < k_groups; ++g)
+        (nb == 0 ? scales_first : scales_second)
+            .push_back(b_scales[(e * (n / 128) + nb) * k_groups + g]);
+  ASSERT_EQ(cudaMalloc(&first_scales, scales_first.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&second_scales, scales_second.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(first_scales, scales_first.data(), scales_first.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(second_scales, scales_second.data(), scales_second.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  const int64_t b2_dims[3] = {k, 256, experts}, b2_strides[2] = {k, n * k};
+  const int32_t b2_box[3] = {128, 128, 1};
+  problem.maps.b2 = make_tensor_map(static_cast<char*>(problem.b) + 128 * k, TmaElement::kE4M3, 3,
+                                    b2_dims, b2_strides, b2_box, true, "B2");
+  problem.params.b_scales = first_scales;
+  problem.params.b2_scales = second_scales;
   problem.maps.out = make_tensor_map_3d(first, 128, rows, 1, 64, 128, "out (first columns)");
   problem.maps.out2 = make_tensor_map_3d(second, 256, rows, 1, 64, 128, "out2 (the rest)");
   problem.params.n_split = 128;
@@ -200,8 +223,52 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
   EXPECT_EQ(differ, 0) << "split outputs differ from the single output";
   problem.params.n_split = 100;
   EXPECT_EQ(problem.run(), cudaErrorInvalidValue);
-  cudaFree(first);
-  cudaFree(second);
+  problem.params.n_split = 0;
+  problem.params.b_scales = problem.b_scales;
+  problem.maps.out = problem.maps.out2 =
+      make_tensor_map_3d(problem.out, n, rows, 1, 64, 128, "out");
+
+  // Split K (the gate/up dgrad: [d_g | d_u] times [Wg; Wu]): K-blocks [0, 256) from A and B,
+  // [256, 640) from A2 and B2 (the same tensors at a K offset; each part with its own scales):
+  // the same bits as one K.
+  const int64_t k_first = 256, k_second = k - k_first;
+  const int64_t a2_dims[2] = {k_second, rows}, a2_strides[1] = {k};
+  problem.maps.a2 = make_tensor_map(static_cast<char*>(problem.a) + k_first, TmaElement::kE4M3, 2,
+                                    a2_dims, a2_strides, b2_box, true, "A2");
+  const int64_t b2k_dims[3] = {k_second, n, experts}, b2k_strides[2] = {k, n * k};
+  problem.maps.b2 = make_tensor_map(static_cast<char*>(problem.b) + k_first, TmaElement::kE4M3, 3,
+                                    b2k_dims, b2k_strides, b2_box, true, "B2 (K)");
+  const int64_t s2_dims[2] = {rows, k_second / 128}, s2_strides[1] = {rows * 4};
+  const int32_t s_box[2] = {128, 1};
+  problem.maps.a2_scales =
+      make_tensor_map(problem.a_scales + (k_first / 128) * rows, TmaElement::kF32, 2, s2_dims,
+                      s2_strides, s_box, false, "A2 scales");
+  std::vector<float> k_scales_first, k_scales_second;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t nb = 0; nb < n / 128; ++nb)
+      for (int64_t g = 0; g < k_groups; ++g)
+        (g < k_first / 128 ? k_scales_first : k_scales_second)
+            .push_back(b_scales[(e * (n / 128) + nb) * k_groups + g]);
+  ASSERT_EQ(cudaMemcpy(first_scales, k_scales_first.data(), k_scales_first.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  float* k_second_scales = nullptr;
+  ASSERT_EQ(cudaMalloc(&k_second_scales, k_scales_second.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(k_second_scales, k_scales_second.data(), k_scales_second.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  problem.params.b_scales = first_scales;
+  problem.params.b2_scales = k_second_scales;
+  problem.params.k_split = static_cast<int32_t>(k_first);
+  ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
+  ASSERT_EQ(problem.run(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(again.data(), problem.out, again.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0)
+      << "a split K gives other bits than one K";
+  for (void* p : {first, second, static_cast<void*>(first_scales),
+                  static_cast<void*>(second_scales), static_cast<void*>(k_second_scales)})
+    cudaFree(p);
 }
 
 // Quantizes [rows, cols] bf16 along its rows' direction transposed, as the weight gradients'

@@ -81,15 +81,56 @@ __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params, int til
   return t;
 }
 
+// Where a K-block of a kRowTiles tile comes from (the splits of fp8_gemm.h): A's and B's maps,
+// the K offset inside them and B's scale.
+struct Fp8Sources {
+  const CUtensorMap* a;
+  const CUtensorMap* a_scales;
+  const CUtensorMap* b;
+  int k_group;  // K-block inside the chosen part
+  int b_n_tile;
+};
+
+__device__ __forceinline__ Fp8Sources row_tile_sources(const Fp8GemmMaps& maps,
+                                                       const Fp8GemmParams& params,
+                                                       const Fp8Tile& t, int k_block) {
+  Fp8Sources src{&maps.a, &maps.a_scales, &maps.b, k_block, t.n_tile};
+  if (params.n_split > 0 && t.n_tile * kFp8TileN >= params.n_split) {
+    src.b = &maps.b2;
+    src.b_n_tile = t.n_tile - params.n_split / kFp8TileN;
+  } else if (params.k_split > 0 && k_block * kFp8BlockK >= params.k_split) {
+    src.a = &maps.a2;
+    src.a_scales = &maps.a2_scales;
+    src.b = &maps.b2;
+    src.k_group = k_block - params.k_split / kFp8BlockK;
+  }
+  return src;
+}
+
+// B's scale of K-block `k_block` of a kRowTiles tile: [E, N_part / 128, K_part / 128] of its part.
+__device__ __forceinline__ float row_tile_b_scale(const Fp8GemmParams& params, const Fp8Tile& t,
+                                                  int k_block) {
+  const int num_k_blocks = params.k_extent / kFp8BlockK;
+  if (params.n_split > 0) {
+    const int split_tiles = params.n_split / kFp8TileN;
+    const bool second = t.n_tile >= split_tiles;
+    const int part_tiles = second ? params.n_extent / kFp8TileN - split_tiles : split_tiles;
+    const int n = second ? t.n_tile - split_tiles : t.n_tile;
+    return __ldg((second ? params.b2_scales : params.b_scales) +
+                 (static_cast<int64_t>(t.expert) * part_tiles + n) * num_k_blocks + k_block);
+  }
+  const int n_tiles = params.n_extent / kFp8TileN;
+  const int split_blocks = params.k_split > 0 ? params.k_split / kFp8BlockK : num_k_blocks;
+  const bool second = k_block >= split_blocks;
+  const int part_blocks = second ? num_k_blocks - split_blocks : split_blocks;
+  return __ldg((second ? params.b2_scales : params.b_scales) +
+               (static_cast<int64_t>(t.expert) * n_tiles + t.n_tile) * part_blocks +
+               (second ? k_block - split_blocks : k_block));
+}
+
 template <Fp8GemmForm kForm>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                            const __grid_constant__ CUtensorMap tmap_b,
-                            const __grid_constant__ CUtensorMap tmap_a_scales,
-                            const __grid_constant__ CUtensorMap tmap_b_scales,
-                            const __grid_constant__ CUtensorMap tmap_out,
-                            const __grid_constant__ CUtensorMap tmap_out2,
-                            const Fp8GemmParams params) {
+    fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   constexpr bool kWeightGrad = kForm == Fp8GemmForm::kWeightGrad;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Fp8SharedStorage& smem = *reinterpret_cast<Fp8SharedStorage*>(
@@ -103,8 +144,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      ptx::prefetch_tensor_map(&tmap_a);
-      ptx::prefetch_tensor_map(&tmap_b);
+      ptx::prefetch_tensor_map(&maps.a);
+      ptx::prefetch_tensor_map(&maps.b);
       PipelineState<kFp8Stages> state;
       constexpr uint32_t kBytes = 2 * kFp8TileBytes + (kWeightGrad ? 2 : 1) * kFp8ScaleBytes;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -114,19 +155,24 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           const int k_group = t.k_block0 + k_block;
           mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
           ptx::mbarrier_arrive_expect_tx(&smem.full[s], kBytes);
-          ptx::tma_load_2d(smem.a[s], &tmap_a, &smem.full[s], k_group * kFp8BlockK,
-                           t.m_tile * BLOCK_M);
           if constexpr (kWeightGrad) {
-            ptx::tma_load_2d(smem.b[s], &tmap_b, &smem.full[s], k_group * kFp8BlockK,
+            ptx::tma_load_2d(smem.a[s], &maps.a, &smem.full[s], k_group * kFp8BlockK,
+                             t.m_tile * BLOCK_M);
+            ptx::tma_load_2d(smem.b[s], &maps.b, &smem.full[s], k_group * kFp8BlockK,
                              t.n_tile * kFp8TileN);
-            ptx::tma_load_2d(smem.b_scales[s], &tmap_b_scales, &smem.full[s], t.n_tile * kFp8TileN,
+            ptx::tma_load_2d(smem.a_scales[s], &maps.a_scales, &smem.full[s], t.m_tile * BLOCK_M,
+                             k_group);
+            ptx::tma_load_2d(smem.b_scales[s], &maps.b_scales, &smem.full[s], t.n_tile * kFp8TileN,
                              k_group);
           } else {
-            ptx::tma_load_3d(smem.b[s], &tmap_b, &smem.full[s], k_group * kFp8BlockK,
-                             t.n_tile * kFp8TileN, t.expert);
+            const Fp8Sources src = row_tile_sources(maps, params, t, k_block);
+            ptx::tma_load_2d(smem.a[s], src.a, &smem.full[s], src.k_group * kFp8BlockK,
+                             t.m_tile * BLOCK_M);
+            ptx::tma_load_3d(smem.b[s], src.b, &smem.full[s], src.k_group * kFp8BlockK,
+                             src.b_n_tile * kFp8TileN, t.expert);
+            ptx::tma_load_2d(smem.a_scales[s], src.a_scales, &smem.full[s], t.m_tile * BLOCK_M,
+                             src.k_group);
           }
-          ptx::tma_load_2d(smem.a_scales[s], &tmap_a_scales, &smem.full[s], t.m_tile * BLOCK_M,
-                           k_group);
           state.advance();
         }
       }
@@ -142,17 +188,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     float sum[64];    // the promoted fp32 sum
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-      const float* b_scales =
-          kWeightGrad
-              ? nullptr
-              : params.b_scales +
-                    (static_cast<int64_t>(t.expert) * num_n_tiles + t.n_tile) * t.num_k_blocks;
-      float scale_b = kWeightGrad ? 1.0f : __ldg(b_scales);
+      float scale_b = kWeightGrad || t.num_k_blocks == 0 ? 1.0f : row_tile_b_scale(params, t, 0);
       for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
         const int s = state.stage;
         float next_scale_b = 1.0f;
         if constexpr (!kWeightGrad)
-          next_scale_b = k_block + 1 < t.num_k_blocks ? __ldg(b_scales + k_block + 1) : 0.0f;
+          next_scale_b =
+              k_block + 1 < t.num_k_blocks ? row_tile_b_scale(params, t, k_block + 1) : 0.0f;
         mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], state.phase);
         const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
         const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
@@ -205,11 +247,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (issuer) {
         const int column = t.n_tile * kFp8TileN;
         if constexpr (kWeightGrad) {
-          store_chunks(&tmap_out, staging, 0, kFp8TileN / 64, column, params.n_extent,
+          store_chunks(&maps.out, staging, 0, kFp8TileN / 64, column, params.n_extent,
                        t.m_tile * BLOCK_M, t.expert);
         } else {
           const bool second = params.n_split > 0 && column >= params.n_split;
-          store_chunks(second ? &tmap_out2 : &tmap_out, staging, 0, kFp8TileN / 64,
+          store_chunks(second ? &maps.out2 : &maps.out, staging, 0, kFp8TileN / 64,
                        second ? column - params.n_split : column,
                        second ? params.n_extent - params.n_split
                               : (params.n_split > 0 ? params.n_split : params.n_extent),
@@ -230,8 +272,7 @@ cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, in
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  fp8_grouped_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(
-      maps.a, maps.b, maps.a_scales, maps.b_scales, maps.out, maps.out2, params);
+  fp8_grouped_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
   return cudaGetLastError();
 }
 
@@ -246,7 +287,9 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
     return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, stream);
   }
   if (params.k_extent <= 0 || params.k_extent % kFp8BlockK != 0 || params.n_split < 0 ||
-      params.n_split % kFp8TileN != 0 || params.n_split >= params.n_extent)
+      params.n_split % kFp8TileN != 0 || params.n_split >= params.n_extent || params.k_split < 0 ||
+      params.k_split % kFp8BlockK != 0 || params.k_split >= params.k_extent ||
+      (params.n_split > 0 && params.k_split > 0))
     return cudaErrorInvalidValue;
   return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, stream);
 }

@@ -26,20 +26,28 @@ namespace mok::kernels {
 
 enum class Fp8GemmForm : int32_t { kRowTiles = 0, kWeightGrad = 1 };
 
+// kRowTiles reads two operands as two tensors each where the layer keeps them apart: with
+// n_split, the output columns [n_split, N) come from B2 (at n - n_split) and go to out2 (the
+// gate/up GEMM: Wg and Wu, g and u); with k_split, the K-blocks [k_split, K) come from A2 and B2
+// (at k - k_split: the gate/up dgrad's [d_g | d_u] times [Wg; Wu]).
 struct Fp8GemmMaps {
-  CUtensorMap a;         // e4m3 [rows, K] (kWeightGrad: [M, rows]): boxes [128 x 128], swizzled
-  CUtensorMap b;         // e4m3 [E, N, K] (kWeightGrad: 2-D [N, rows]): 128 x 128 boxes, swizzled
-  CUtensorMap a_scales;  // fp32 [K / 128, rows] (kWeightGrad: [rows / 128, M]): boxes [1 x 128]
-  CUtensorMap b_scales;  // kWeightGrad: fp32 [rows / 128, N], boxes [1 x 128]
-  CUtensorMap out;       // bf16 [1, rows, N] (kWeightGrad: [E, M, N]): boxes [128 rows x 64]
-  CUtensorMap out2;      // with n_split: columns [n_split, N) go here instead, at n - n_split
+  CUtensorMap a;          // e4m3 [rows, K] (kWeightGrad: [M, rows]): boxes [128 x 128], swizzled
+  CUtensorMap a2;         // k_split: A's second part
+  CUtensorMap b;          // e4m3 [E, N, K] (kWeightGrad: 2-D [N, rows]): 128 x 128, swizzled
+  CUtensorMap b2;         // n_split or k_split: B's second part
+  CUtensorMap a_scales;   // fp32 [K / 128, rows] (kWeightGrad: [rows / 128, M]): boxes [1 x 128]
+  CUtensorMap a2_scales;  // k_split: A2's
+  CUtensorMap b_scales;   // kWeightGrad: fp32 [rows / 128, N], boxes [1 x 128]
+  CUtensorMap out;        // bf16 [1, rows, N] (kWeightGrad: [E, M, N]): boxes [128 rows x 64]
+  CUtensorMap out2;       // n_split: the columns from n_split on
 };
 
 struct Fp8GemmParams {
   Fp8GemmForm form = Fp8GemmForm::kRowTiles;
   const ScheduleHeader* header = nullptr;   // kRowTiles: num_tiles, the 128-row tiles of A
   const int32_t* tile_expert = nullptr;     // kRowTiles: expert of each row tile
-  const float* b_scales = nullptr;          // kRowTiles: [E, N / 128, K / 128]
+  const float* b_scales = nullptr;          // kRowTiles: B's [E, N / 128, K / 128] (of its part)
+  const float* b2_scales = nullptr;         // kRowTiles with a split: B2's, laid out alike
   const int32_t* expert_offsets = nullptr;  // kWeightGrad: [E + 1] row offsets
   int32_t num_experts = 0;                  // kWeightGrad: E
   int32_t m_extent = 0;                     // kWeightGrad: M, a multiple of 128
@@ -48,6 +56,7 @@ struct Fp8GemmParams {
   // (the gate/up GEMM over [Wg; Wu] writes g and u to their own buffers).
   int32_t n_split = 0;
   int32_t k_extent = 0;  // kRowTiles: K, a multiple of 128
+  int32_t k_split = 0;   // kRowTiles: 0, or a multiple of 128 below K (not with n_split)
   WaitContext wait{};
 };
 
