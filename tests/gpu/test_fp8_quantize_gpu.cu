@@ -127,6 +127,55 @@ TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
   cudaFree(device_scales);
 }
 
+// A batch (the experts' weights in one launch): every entry as its own launch would quantize it,
+// for each form, with the entries read at a stride larger than dense (an expert-strided view).
+TEST(Fp8QuantizeGpu, BatchesQuantizeEachEntry) {
+  const int64_t rows = 256, cols = 384, count = 3, in_stride = rows * cols + 128 * cols;
+  const std::vector<bf16> input = special_matrix(in_stride * count / cols, cols, 31);
+  void *device_in = nullptr, *batched = nullptr, *single = nullptr;
+  float *batched_scales = nullptr, *single_scales = nullptr;
+  ASSERT_EQ(cudaMalloc(&device_in, input.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&batched, count * rows * cols), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&single, count * rows * cols), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&batched_scales, count * rows * cols / 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&single_scales, count * rows * cols / 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device_in, input.data(), input.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  for (const Fp8QuantizeForm form :
+       {Fp8QuantizeForm::kRowGroups, Fp8QuantizeForm::kColumnGroups, Fp8QuantizeForm::kBlocks,
+        Fp8QuantizeForm::kBlocksTransposed}) {
+    SCOPED_TRACE(static_cast<int>(form));
+    const bool blocks =
+        form == Fp8QuantizeForm::kBlocks || form == Fp8QuantizeForm::kBlocksTransposed;
+    const int64_t scale_count = rows * cols / (blocks ? 128 * 128 : 128);
+    kernels::Fp8QuantizeBatch batch;
+    batch.count = count;
+    batch.in_stride = in_stride;
+    ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, form, batched, batched_scales,
+                                           nullptr, batch),
+              cudaSuccess);
+    for (int64_t b = 0; b < count; ++b)
+      ASSERT_EQ(
+          kernels::launch_quantize_fp8(static_cast<const bf16*>(device_in) + b * in_stride, rows,
+                                       cols, form, static_cast<char*>(single) + b * rows * cols,
+                                       single_scales + b * scale_count, nullptr),
+          cudaSuccess);
+    std::vector<char> a(count * rows * cols), b(count * rows * cols);
+    std::vector<float> sa(count * scale_count), sb(count * scale_count);
+    ASSERT_EQ(cudaMemcpy(a.data(), batched, a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(b.data(), single, b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(sa.data(), batched_scales, sa.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(sb.data(), single_scales, sb.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+    EXPECT_EQ(std::memcmp(sa.data(), sb.data(), sa.size() * 4), 0);
+  }
+  for (void* p : {device_in, batched, single, static_cast<void*>(batched_scales),
+                  static_cast<void*>(single_scales)})
+    cudaFree(p);
+}
+
 // h of every element with the epilogue's SwiGLU (swiglu.cuh), one thread each: the ground truth
 // of the fused pass's h.
 __global__ void swiglu_reference_kernel(const __nv_bfloat16* gate, const __nv_bfloat16* up,

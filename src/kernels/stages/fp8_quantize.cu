@@ -34,7 +34,10 @@ __device__ __forceinline__ uint16_t to_e4m3x2(float low, float high) {
 template <Fp8QuantizeForm kForm>
 __global__ void __launch_bounds__(kThreads)
     quantize_fp8_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
-                        float* scales) {
+                        float* scales, Fp8QuantizeBatch batch) {
+  in += blockIdx.z * batch.in_stride;
+  out += blockIdx.z * batch.out_stride;
+  scales += blockIdx.z * batch.scales_stride;
   __shared__ __align__(16) __nv_bfloat16 tile[kTile][kPitch];
   __shared__ float warp_amax[kThreads / 32];
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
@@ -105,28 +108,39 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
-                                void* out, float* scales, cudaStream_t stream) {
-  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0) return cudaErrorInvalidValue;
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile));
+                                void* out, float* scales, cudaStream_t stream,
+                                const Fp8QuantizeBatch& requested) {
+  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0 || requested.count < 0 ||
+      requested.count > 65535)
+    return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
+  Fp8QuantizeBatch batch = requested;
+  const bool blocks =
+      form == Fp8QuantizeForm::kBlocks || form == Fp8QuantizeForm::kBlocksTransposed;
+  if (batch.in_stride == 0) batch.in_stride = rows * cols;
+  if (batch.out_stride == 0) batch.out_stride = rows * cols;
+  if (batch.scales_stride == 0)
+    batch.scales_stride = rows * cols / (blocks ? kTile * kTile : kTile);
+  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile),
+                  static_cast<unsigned>(batch.count));
   const auto* source = static_cast<const __nv_bfloat16*>(in);
   auto* codes = static_cast<uint8_t*>(out);
   switch (form) {
     case Fp8QuantizeForm::kRowGroups:
       quantize_fp8_kernel<Fp8QuantizeForm::kRowGroups>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
       break;
     case Fp8QuantizeForm::kColumnGroups:
       quantize_fp8_kernel<Fp8QuantizeForm::kColumnGroups>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
       break;
     case Fp8QuantizeForm::kBlocks:
       quantize_fp8_kernel<Fp8QuantizeForm::kBlocks>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
       break;
     case Fp8QuantizeForm::kBlocksTransposed:
       quantize_fp8_kernel<Fp8QuantizeForm::kBlocksTransposed>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales);
+          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -27,9 +27,22 @@ enum class Fp8QuantizeForm : int32_t {
   kBlocksTransposed = 3,
 };
 
+// Several matrices of one shape in one launch (the experts' weights): entry b reads `in` +
+// b * in_stride bf16 and writes `out` + b * out_stride codes and `scales` + b * scales_stride
+// floats; a stride of 0 means the entries are dense (rows * cols, rows * cols, the form's scale
+// count).
+struct Fp8QuantizeBatch {
+  int64_t count = 1;
+  int64_t in_stride = 0;
+  int64_t out_stride = 0;
+  int64_t scales_stride = 0;
+};
+
 // `in` bf16 [rows, cols]; `out` e4m3 and `scales` fp32 as the form says. One 256-thread CTA per
-// 128 x 128 tile. cudaErrorInvalidValue for extents that are not multiples of 128.
+// 128 x 128 tile (and batch entry). cudaErrorInvalidValue for extents that are not multiples of
+// 128.
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
-                                void* out, float* scales, cudaStream_t stream);
+                                void* out, float* scales, cudaStream_t stream,
+                                const Fp8QuantizeBatch& batch = {});
 
 }  // namespace mok::kernels
