@@ -26,7 +26,7 @@ struct RunOptions {
   float clamp = 0;
   std::string routing = "uniform";
   std::string local_dispatch;      // empty: MoeConfig's default
-  std::string precision = "bf16";  // bf16, fp8_block (the CPU reference only, for now)
+  std::string precision = "bf16";  // bf16, fp8_block
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;  // GPU: trace the persistent kernels' tasks into this Chrome trace
@@ -99,6 +99,10 @@ std::string cuda_device_name();
 int run_cpu(const RunOptions& options, const mok::MoeShape& shape);
 // `mok run` on one GPU: mok's layer against the unfused baseline, checked against the reference.
 int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::string& device_name);
+// The same with MoeConfig::precision = kFP8Block (run_gpu_fp8.cpp): FP8 against the CPU
+// reference's FP8 and timed beside the bf16 layer.
+int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
+                const std::string& device_name);
 // `mok run --gpus N`: the expert-parallel layer on N GPUs, one process (tools/run_ep.cpp).
 int run_ep(const RunOptions& options, const mok::MoeShape& shape);
 

@@ -204,14 +204,11 @@ int run_command(RunOptions options) {
     options.shape_name = device_name.empty() || options.ranks > 1 ? "tiny" : "dsv3_local";
   const mok::MoeShape shape = shape_from_options(options);
   const bool fp8 = mok::precision_from_name(options.precision) == mok::Precision::kFP8Block;
-  if (fp8 && !device_name.empty() && shape.num_ranks == 1)
-    throw Error(ErrorCode::kUnsupported,
-                "--precision fp8_block runs on the CPU reference only so far (the GPU layer's FP8 "
-                "path is not built yet); valid here: --cpu --precision fp8_block");
   RunOptions checked = options;  // the CPU reference runs FP8; the other knobs as the GPU's
   checked.precision = "bf16";
   config_from_options(checked, shape);  // a bad value is an error on the CPU path too
-  if (!device_name.empty() && shape.num_ranks == 1) return run_gpu(options, shape, device_name);
+  if (!device_name.empty() && shape.num_ranks == 1)
+    return fp8 ? run_gpu_fp8(options, shape, device_name) : run_gpu(options, shape, device_name);
   if (!options.trace_path.empty())
     throw Error(ErrorCode::kInvalidArgument,
                 "--trace-tasks " + options.trace_path +

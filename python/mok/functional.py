@@ -64,8 +64,8 @@ class MoKConfig:
     local_dispatch: "producer-warps" (default) or "gather-kernel".
     wait_timeout_s: device waits end with a diagnosis after this long.
     precision: "bf16", or "fp8_block" (e4m3 GEMM operands with 1 x 128 / 128 x 128 fp32 block
-        scales; mok/fp8.h). FP8 runs on the CPU reference so far; a CUDA call with it raises
-        NotImplementedError.
+        scales; mok/fp8.h): the CPU reference, or mok's FP8 kernels on CUDA (one GPU, one
+        macrobatch, hidden and intermediate sizes multiples of 128).
     """
 
     fwd_num_comm_sms: int = 40

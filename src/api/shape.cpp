@@ -127,10 +127,40 @@ int64_t weight_bytes_per_rank(const MoeShape& shape) {
 Status can_implement(const MoeConfig& config, const MoeShape& shape) {
   MOK_RETURN_IF_ERROR(can_implement(shape));
   auto bad = [](const std::string& text) { return Status::invalid("config: " + text); };
-  if (config.precision != Precision::kBF16)
+  if (config.precision == Precision::kFP8Block) {
+    // The FP8 path (src/layer/fp8_stages.cpp): the single-GPU kernel sequence, one macrobatch.
+    auto fp8_unsupported = [](const std::string& what) {
+      return Status::unsupported("config: precision = fp8_block " + what);
+    };
+    for (auto [field, value] :
+         {std::pair{"hidden", shape.hidden}, std::pair{"intermediate", shape.intermediate},
+          std::pair{"shared_intermediate", shape.shared_intermediate}})
+      if (value % 128 != 0)
+        return fp8_unsupported(std::string("needs ") + field +
+                               " a multiple of 128 (its groups "
+                               "and blocks); got " +
+                               std::to_string(value));
+    if (shape.num_ranks != 1)
+      return fp8_unsupported("runs on one GPU so far; got num_ranks = " +
+                             std::to_string(shape.num_ranks) + "; valid: 1");
+    if (config.persistent_forward || config.persistent_backward)
+      return fp8_unsupported(
+          "runs the kernel sequences; valid: persistent_forward and "
+          "persistent_backward false");
+    const int64_t max_rows = schedule_params(shape).max_rows();
+    if (macrobatch_ring_rows(config, shape, max_rows) < max_rows)
+      return fp8_unsupported(
+          "holds one macrobatch; macrobatch_size = " + std::to_string(config.macrobatch_size) +
+          " cuts the " + std::to_string(max_rows) +
+          " worst-case rows; valid: 0 or >= " + std::to_string(max_rows));
+    if (shape.has_shared_expert() && shape.num_tokens % 128 != 0)
+      return fp8_unsupported("with a shared expert needs num_tokens a multiple of 128; got " +
+                             std::to_string(shape.num_tokens));
+  } else if (config.precision != Precision::kBF16) {
     return Status::unsupported(std::string("config: precision = ") +
-                               precision_name(config.precision) +
-                               " is not implemented yet; valid: bf16");
+                               std::to_string(static_cast<int32_t>(config.precision)) +
+                               "; valid: bf16, fp8_block");
+  }
   for (auto [field, value] : {std::pair{"fwd_num_comm_sms", config.fwd_num_comm_sms},
                               std::pair{"bwd_num_comm_sms", config.bwd_num_comm_sms}}) {
     const int32_t low = shape.num_ranks > 1 ? 1 : 0;
@@ -169,7 +199,8 @@ int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int
   const int64_t bytes_per_row = macrobatch_ring_bytes_per_row(shape);
   if (max_rows * bytes_per_row <= kAutoMacrobatchRingBytes) return max_rows;
   const int64_t fitting = kAutoMacrobatchRingBytes / bytes_per_row;
-  const int64_t rows = std::max<int64_t>(fitting / config.minibatch_size, 1) * config.minibatch_size;
+  const int64_t rows =
+      std::max<int64_t>(fitting / config.minibatch_size, 1) * config.minibatch_size;
   return std::min<int64_t>(rows, max_rows);
 }
 

@@ -67,15 +67,50 @@ class PersistentBackward final : public BackwardEngine {
   bool gathers_;
 };
 
+// MoeConfig::precision = kFP8Block: the kernel sequences on FP8 operands, one macrobatch
+// (can_implement), the shared expert after the routed rows went back.
+class Fp8Forward final : public ForwardEngine {
+ public:
+  void macrobatch(const GpuLayer::State& s, const ExpertSetForward& routed, const ExpertSetForward*,
+                  const kernels::FusedGather&, int32_t, cudaStream_t stream,
+                  const StageMarker& mark) override {
+    stages::forward_experts_fp8(s, routed, s.fp8_routed, stream, mark);
+  }
+  void shared_expert(const GpuLayer::State& s, const ExpertSetForward* shared, cudaStream_t stream,
+                     const StageMarker& mark) override {
+    if (shared == nullptr) return;
+    stages::forward_experts_fp8(s, *shared, s.fp8_shared, stream, no_marks);
+    mark("shared expert");
+  }
+};
+
+class Fp8Backward final : public BackwardEngine {
+ public:
+  bool gathers_in_kernel() const override { return false; }
+  void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,
+                  const ExpertSetBackward*, bool recompute, const BackwardRows&, int32_t,
+                  cudaStream_t stream, const StageMarker& mark) override {
+    stages::backward_experts_fp8(s, routed, recompute, s.fp8_routed, stream, mark);
+  }
+  void shared_expert(const GpuLayer::State& s, const ExpertSetBackward* shared, bool recompute,
+                     cudaStream_t stream, const StageMarker& mark) override {
+    if (shared == nullptr) return;
+    stages::backward_experts_fp8(s, *shared, recompute, s.fp8_shared, stream, no_marks);
+    mark("shared expert");
+  }
+};
+
 }  // namespace
 
 std::unique_ptr<ForwardEngine> make_forward_engine(const GpuLayer::State& s) {
+  if (s.config.precision == Precision::kFP8Block) return std::make_unique<Fp8Forward>();
   if (s.config.persistent_forward) return std::make_unique<PersistentForward>();
   return std::make_unique<TwoKernelForward>();
 }
 
 std::unique_ptr<BackwardEngine> make_backward_engine(const GpuLayer::State& s,
                                                      const TokenExchange& exchange) {
+  if (s.config.precision == Precision::kFP8Block) return std::make_unique<Fp8Backward>();
   // The persistent backward holds one macrobatch; with more the sequence runs (same bits).
   if (s.config.persistent_backward && s.num_macrobatches == 1)
     return std::make_unique<PersistentBackward>(exchange.gathers_in_kernel());

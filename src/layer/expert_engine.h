@@ -10,7 +10,9 @@
 //             in one persistent kernel, the shared expert's tasks in the same ticket stream and,
 //             where the exchange allows, the row gathers on its spare warps. With several
 //             macrobatches the layer runs the SequenceBackward (design.md says why).
-// Same bits whichever runs (tests). Every function enqueues work on `stream`.
+//   FP8 (MoeConfig::precision = kFP8Block): Fp8Forward / Fp8Backward, the kernel sequences on
+//             e4m3 operands with block scales (layer/fp8_stages.cpp), one macrobatch
+// Same bits whichever bf16 engine runs (tests). Every function enqueues work on `stream`.
 #pragma once
 
 #include <memory>

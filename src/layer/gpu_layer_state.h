@@ -15,6 +15,7 @@
 #include "kernels/common/wait_types.h"
 #include "kernels/gemm/expert_gemm_params.h"
 #include "layer/cuda_buffer.h"
+#include "layer/fp8_buffers.h"
 #include "mok/gpu_layer.h"
 #include "mok/layer_args.h"
 #include "mok/schedule.h"
@@ -77,6 +78,8 @@ struct GpuLayer::State {
   DeviceBuffer d_out_rows;  // [ring_rows, H]: routed d_out rows (backward)
   DeviceBuffer expert_out;  // [max_rows, H]: expert output rows / backward dx rows, schedule order
   DeviceBuffer shared_out;  // [T, H]: the shared expert's output (forward) or dx (backward)
+  // MoeConfig::precision = kFP8Block: each expert set's FP8 operands (layer/fp8_buffers.h).
+  Fp8SetBuffers fp8_routed, fp8_shared;
   // Counter buffers, zeroed once and never reset (epochs); their layouts are
   // kernels/common/counter_layouts.h: the fused local dispatch's (gather_counters), the
   // persistent forward's (forward_counters) and, with MoeConfig::persistent_backward, the
@@ -219,6 +222,13 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSetBackwa
                                  const kernels::FusedGather& d_out_gather,
                                  const kernels::FusedGather& x_gather, cudaStream_t stream,
                                  const StageMarker& mark);
+
+// FP8 (MoeConfig::precision = kFP8Block; layer/fp8_stages.cpp): forward_experts and
+// backward_experts on e4m3 operands with block scales, one macrobatch, the set's FP8 buffers.
+void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& set,
+                         const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark);
+void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& set, bool recompute,
+                          const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark);
 
 }  // namespace stages
 }  // namespace mok

@@ -76,6 +76,8 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
         std::max(round_up(I, 128) * round_up(H, 256), round_up(H, 128) * round_up(I, 256));
     s.wgrad_partials.allocate(3 * 2 * s.partial_floats * 4, "weight-gradient partial sums");
   }
+  if (config.precision == Precision::kFP8Block)
+    s.fp8_routed.allocate(s.ring_rows, H, I, shape.num_local_experts());
   // The shared expert's row tiles (its counters follow the routed ones'; its tiles run in the
   // persistent forward's last launch).
   const int64_t shared_tiles = shape.has_shared_expert() ? (T + 127) / 128 : 0;
@@ -122,6 +124,9 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
         "upload shared expert schedule");
     s.shared.allocate(round_up(std::max<int64_t>(T, 1), 128), shape.shared_intermediate, 1);
     s.shared_out.allocate(T * H * 2, "shared output buffer");
+    if (config.precision == Precision::kFP8Block)
+      s.fp8_shared.allocate(round_up(std::max<int64_t>(T, 1), 128), H, shape.shared_intermediate,
+                            1);
   }
 
   cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&s.diagnosis), sizeof(kernels::WaitDiagnosis),

@@ -132,6 +132,9 @@ class LocalExchange final : public TokenExchange {
 }  // namespace
 
 std::unique_ptr<TokenExchange> make_local_exchange(const MoeConfig& config) {
+  // The FP8 GEMMs read quantized rows: the rows are gathered (bf16) before they are quantized.
+  if (config.precision == Precision::kFP8Block)
+    return std::make_unique<LocalExchange>(LocalDispatch::kGatherKernel);
   return std::make_unique<LocalExchange>(config.local_dispatch);
 }
 

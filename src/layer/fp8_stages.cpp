@@ -1,0 +1,277 @@
+// The FP8 stages of one expert set (MoeConfig::precision = kFP8Block, one macrobatch, the
+// kernel sequence; gpu_layer_state.h): the bf16 path's stages with every GEMM on e4m3 operands
+// with block scales (kernels/gemm/fp8_gemm.h), quantized where the CPU reference quantizes
+// them (src/reference/fp8_emulation.h), so the layer matches that reference at the bf16
+// tolerance. Buffers and layouts: layer/fp8_buffers.h.
+//
+//   forward   weights -> blocks; x rows -> row groups; gate/up GEMM (B = Wg | Wu, out g | u: the
+//             forward context, bf16 as in bf16); SwiGLU fused with h's quantization; down GEMM
+//             -> the expert output rows
+//   backward  (recompute: x rows and the gate/up GEMM again); weights -> blocks transposed;
+//             d_out rows -> row groups; down dgrad -> dh_raw; the bf16 path's SwiGLU backward
+//             (d_g, d_u, h_w, d_router_weights); d_g, d_u -> row groups; gate/up dgrad (K split
+//             d_g | d_u against Wg^T | Wu^T) -> dx rows; d_g, d_u, x, d_out, h_w -> column groups
+//             transposed; the three weight-gradient GEMMs
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/gemm/fp8_gemm.h"
+#include "kernels/stages/fp8_quantize.h"
+#include "kernels/stages/launch.h"
+#include "kernels/stages/swiglu_quantize.h"
+#include "layer/fp8_buffers.h"
+#include "layer/gpu_layer_state.h"
+#include "layer/tma.h"
+
+namespace mok {
+
+namespace {
+
+using kernels::Fp8QuantizeForm;
+
+// `rows` rows of `width` bf16 at `in` quantized as `form` into `out`.
+void quantize(const void* in, int64_t rows, int64_t width, Fp8QuantizeForm form,
+              const Fp8Operand& out, cudaStream_t stream, const char* what) {
+  cuda_check(kernels::launch_quantize_fp8(in, rows, width, form, out.codes.pointer,
+                                          out.scale_data(), stream),
+             std::string("FP8 quantization of ") + what);
+}
+
+// Weights [E, n, k] (experts `stride` elements apart, 0 = dense) in 128 x 128 blocks, as they
+// are or transposed to [E, k, n].
+void quantize_weights(const void* weights, int64_t experts, int64_t n, int64_t k, int64_t stride,
+                      bool transposed, const Fp8Operand& out, cudaStream_t stream,
+                      const char* what) {
+  kernels::Fp8QuantizeBatch batch;
+  batch.count = experts;
+  batch.in_stride = stride;
+  cuda_check(
+      kernels::launch_quantize_fp8(
+          weights, n, k, transposed ? Fp8QuantizeForm::kBlocksTransposed : Fp8QuantizeForm::kBlocks,
+          out.codes.pointer, out.scale_data(), stream, batch),
+      std::string("FP8 quantization of ") + what);
+}
+
+constexpr int32_t kTileBox[2] = {128, 128};
+constexpr int32_t kScaleBox[2] = {128, 1};
+
+// e4m3 [rows, width], [128 x 128] boxes.
+CUtensorMap codes_2d(const Fp8Operand& op, int64_t rows, int64_t width, const char* what) {
+  const int64_t dims[2] = {width, rows}, strides[1] = {width};
+  return make_tensor_map(op.codes.pointer, TmaElement::kE4M3, 2, dims, strides, kTileBox, true,
+                         what);
+}
+// e4m3 [E, n, k], [1, 128 x 128] boxes.
+CUtensorMap codes_3d(const Fp8Operand& op, int64_t experts, int64_t n, int64_t k,
+                     const char* what) {
+  const int64_t dims[3] = {k, n, experts}, strides[2] = {k, n * k};
+  const int32_t box[3] = {128, 128, 1};
+  return make_tensor_map(op.codes.pointer, TmaElement::kE4M3, 3, dims, strides, box, true, what);
+}
+// fp32 group-major scales [groups, lines], [1 x 128] boxes.
+CUtensorMap scales_2d(const Fp8Operand& op, int64_t lines, int64_t groups, const char* what) {
+  const int64_t dims[2] = {lines, groups}, strides[1] = {lines * 4};
+  return make_tensor_map(op.scales.pointer, TmaElement::kF32, 2, dims, strides, kScaleBox, false,
+                         what);
+}
+// The staging-tile epilogue's bf16 output [rows, width] (one batch entry).
+CUtensorMap output_map(void* base, int64_t width, int64_t rows, const char* what) {
+  return make_tensor_map_3d(base, width, rows, 1, 64, 128, what);
+}
+
+kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet& set) {
+  kernels::Fp8GemmParams params;
+  const ScheduleView view = set.view();
+  params.form = kernels::Fp8GemmForm::kRowTiles;
+  params.header = view.header;
+  params.tile_expert = view.tile_expert;
+  params.wait = s.wait_context();
+  return params;
+}
+
+void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
+            const kernels::Fp8GemmParams& params, cudaStream_t stream, const char* what) {
+  cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, stream), what);
+}
+
+// g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, `fp8.w_gate`
+// and `fp8.w_up`, quantized before).
+void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBuffers& fp8,
+                  int64_t rows, cudaStream_t stream) {
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows;
+  kernels::Fp8GemmMaps maps{};
+  maps.a = codes_2d(fp8.x_rows, rows, H, "x rows (FP8)");
+  maps.a_scales = scales_2d(fp8.x_rows, rows, H / 128, "x rows' scales");
+  maps.b = codes_3d(fp8.w_gate, E, I, H, "w_gate (FP8)");
+  maps.b2 = codes_3d(fp8.w_up, E, I, H, "w_up (FP8)");
+  maps.out = output_map(set.gate.pointer, I, R, "gate");
+  maps.out2 = output_map(set.up.pointer, I, R, "up");
+  kernels::Fp8GemmParams params = row_tile_params(s, set);
+  params.b_scales = fp8.w_gate.scale_data();
+  params.b2_scales = fp8.w_up.scale_data();
+  params.n_extent = static_cast<int32_t>(2 * I);
+  params.n_split = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  launch(s, maps, params, stream, "FP8 gate/up GEMM");
+}
+
+void check_dense(const ExpertWeights& weights, int64_t matrix_elements, int64_t down_elements) {
+  for (const int64_t stride : {weights.gate_stride, weights.up_stride})
+    if (stride != 0 && stride != matrix_elements)
+      throw Error(ErrorCode::kUnsupported,
+                  "precision fp8_block: expert-strided gate/up weights (expert stride " +
+                      std::to_string(stride) + " elements) are not supported yet; pass dense " +
+                      "[E, I, H] tensors");
+  if (weights.down_stride != 0 && weights.down_stride != down_elements)
+    throw Error(ErrorCode::kUnsupported,
+                "precision fp8_block: an expert-strided w_down is not supported yet");
+}
+
+}  // namespace
+
+namespace stages {
+
+void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
+                         const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark) {
+  const ExpertSet& set = *f.set;
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows, rows = f.rows_in_map;
+  check_dense(f.weights, I * H, H * I);
+  quantize_weights(f.weights.gate, E, I, H, f.weights.gate_stride, false, fp8.w_gate, stream,
+                   "w_gate");
+  quantize_weights(f.weights.up, E, I, H, f.weights.up_stride, false, fp8.w_up, stream, "w_up");
+  quantize_weights(f.weights.down, E, H, I, f.weights.down_stride, false, fp8.w_down, stream,
+                   "w_down");
+  quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+  mark("FP8 quantization of the weights and x rows");
+  gate_up_gemm(s, set, fp8, rows, stream);
+  cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
+                                                 s.shape.swiglu_limit, fp8.h.codes.pointer,
+                                                 fp8.h.scale_data(), stream),
+             "FP8 SwiGLU + quantization of h");
+  mark("FP8 gate/up GEMM + SwiGLU");
+
+  kernels::Fp8GemmMaps maps{};
+  maps.a = codes_2d(fp8.h, R, I, "h (FP8)");
+  maps.a_scales = scales_2d(fp8.h, R, I / 128, "h's scales");
+  maps.b = codes_3d(fp8.w_down, E, H, I, "w_down (FP8)");
+  maps.out = maps.out2 = output_map(f.out, H, f.out_rows, "expert output rows");
+  kernels::Fp8GemmParams params = row_tile_params(s, set);
+  params.b_scales = fp8.w_down.scale_data();
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(I);
+  launch(s, maps, params, stream, "FP8 down GEMM");
+  mark("FP8 down GEMM");
+}
+
+void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, bool recompute,
+                          const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark) {
+  const ExpertSet& set = *b.set;
+  const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
+  const int64_t R = set.capacity_rows, rows = b.rows_in_map;
+  check_dense(b.weights, I * H, H * I);
+  if (R != rows)  // can_implement: the shared expert's T is a multiple of 128 in FP8
+    throw Error(ErrorCode::kInternal, "FP8 backward: " + std::to_string(rows) +
+                                          " rows in the maps, " + std::to_string(R) +
+                                          " in the set's buffers");
+  if (recompute) {
+    quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, false, fp8.w_gate, stream,
+                     "w_gate");
+    quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, false, fp8.w_up, stream, "w_up");
+    quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+    gate_up_gemm(s, set, fp8, rows, stream);
+    mark("FP8 gate/up recompute");
+  }
+  quantize_weights(b.weights.down, E, H, I, b.weights.down_stride, true, fp8.w_down_t, stream,
+                   "w_down (transposed)");
+  quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, true, fp8.w_gate_t, stream,
+                   "w_gate (transposed)");
+  quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, true, fp8.w_up_t, stream,
+                   "w_up (transposed)");
+  quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
+           "d_out rows");
+  mark("FP8 quantization of the weights and d_out rows");
+
+  // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
+  kernels::Fp8GemmMaps maps{};
+  maps.a = codes_2d(fp8.d_out_rows, rows, H, "d_out rows (FP8)");
+  maps.a_scales = scales_2d(fp8.d_out_rows, rows, H / 128, "d_out rows' scales");
+  maps.b = codes_3d(fp8.w_down_t, E, I, H, "w_down transposed (FP8)");
+  maps.out = maps.out2 = output_map(set.hidden.pointer, I, R, "dh_raw");
+  kernels::Fp8GemmParams params = row_tile_params(s, set);
+  params.b_scales = fp8.w_down_t.scale_data();
+  params.n_extent = static_cast<int32_t>(I);
+  params.k_extent = static_cast<int32_t>(H);
+  launch(s, maps, params, stream, "FP8 down dgrad GEMM");
+  mark("FP8 down dgrad");
+  const ScheduleView view = set.view();
+  cuda_check(kernels::launch_swiglu_backward(
+                 view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
+                 view.row_pair, b.router.weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
+                 set.d_up.pointer, set.hidden.pointer, b.router.grads, b.router.grad_peers,
+                 b.router.pairs_per_rank, stream, 0, INT64_MAX),
+             "SwiGLU backward launch");
+  mark("SwiGLU backward + router weight gradient");
+
+  // dx rows = [d_g | d_u] [Wg; Wu]: K split at I.
+  quantize(set.d_gate.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_gate, stream, "d_gate");
+  quantize(set.d_up.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_up, stream, "d_up");
+  maps = {};
+  maps.a = codes_2d(fp8.d_gate, R, I, "d_gate (FP8)");
+  maps.a2 = codes_2d(fp8.d_up, R, I, "d_up (FP8)");
+  maps.a_scales = scales_2d(fp8.d_gate, R, I / 128, "d_gate's scales");
+  maps.a2_scales = scales_2d(fp8.d_up, R, I / 128, "d_up's scales");
+  maps.b = codes_3d(fp8.w_gate_t, E, H, I, "w_gate transposed (FP8)");
+  maps.b2 = codes_3d(fp8.w_up_t, E, H, I, "w_up transposed (FP8)");
+  maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows");
+  params = row_tile_params(s, set);
+  params.b_scales = fp8.w_gate_t.scale_data();
+  params.b2_scales = fp8.w_up_t.scale_data();
+  params.n_extent = static_cast<int32_t>(H);
+  params.k_extent = static_cast<int32_t>(2 * I);
+  params.k_split = static_cast<int32_t>(I);
+  launch(s, maps, params, stream, "FP8 gate/up dgrad GEMM");
+  mark("FP8 gate/up dgrad");
+
+  // Weight gradients: K = the expert's rows (zero on padding rows), both operands transposed in
+  // groups of 128 rows.
+  quantize(set.d_gate.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.d_gate_t, stream,
+           "d_gate (transposed)");
+  quantize(set.d_up.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.d_up_t, stream,
+           "d_up (transposed)");
+  quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, stream, "x rows (transposed)");
+  quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.d_out_t, stream,
+           "d_out rows (transposed)");
+  quantize(set.hidden.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.h_w_t, stream,
+           "h_w (transposed)");
+  auto weight_grad = [&](const Fp8Operand& a, int64_t m, const Fp8Operand& b_op, int64_t n,
+                         void* out, int64_t out_stride, const char* what) {
+    kernels::Fp8GemmMaps wgrad_maps{};
+    wgrad_maps.a = codes_2d(a, m, rows, what);
+    wgrad_maps.b = codes_2d(b_op, n, rows, what);
+    wgrad_maps.a_scales = scales_2d(a, m, rows / 128, what);
+    wgrad_maps.b_scales = scales_2d(b_op, n, rows / 128, what);
+    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what, out_stride);
+    kernels::Fp8GemmParams wgrad;
+    wgrad.form = kernels::Fp8GemmForm::kWeightGrad;
+    wgrad.expert_offsets = view.expert_offsets;
+    wgrad.num_experts = static_cast<int32_t>(E);
+    wgrad.m_extent = static_cast<int32_t>(m);
+    wgrad.n_extent = static_cast<int32_t>(n);
+    wgrad.wait = s.wait_context();
+    launch(s, wgrad_maps, wgrad, stream, what);
+  };
+  weight_grad(fp8.d_gate_t, I, fp8.x_t, H, b.grads.d_w_gate, b.grads.d_w_gate_stride,
+              "FP8 weight gradient of gate");
+  weight_grad(fp8.d_up_t, I, fp8.x_t, H, b.grads.d_w_up, b.grads.d_w_up_stride,
+              "FP8 weight gradient of up");
+  weight_grad(fp8.d_out_t, H, fp8.h_w_t, I, b.grads.d_w_down, b.grads.d_w_down_stride,
+              "FP8 weight gradient of down");
+  mark("FP8 weight gradients");
+}
+
+}  // namespace stages
+}  // namespace mok

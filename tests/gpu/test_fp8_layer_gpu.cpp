@@ -1,0 +1,98 @@
+// The single-GPU layer in FP8 (MoeConfig::precision = kFP8Block): every output against the CPU
+// reference's FP8 math (the same quantization, summed in another order) at the bf16 tolerance,
+// on uniform and adversarial routings, with a shared expert and a clamp; bitwise across runs and
+// with or without the forward context; and the distance to the bf16 layer printed. Shapes the
+// FP8 path does not run are refused by name before anything runs.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+
+#include "gpu_step.h"
+#include "mok/gpu_layer.h"
+#include "mok/reference.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
+#include "test_util.h"
+
+namespace mok {
+namespace {
+
+using test::make_shape;
+
+MoeConfig fp8_config() {
+  MoeConfig config;
+  config.precision = Precision::kFP8Block;
+  return config;
+}
+
+void check_fp8(const char* name, const MoeShape& shape, RoutingKind routing, uint64_t seed) {
+  SCOPED_TRACE(std::string(name) + " " + shape.to_string() + " routing " +
+               routing_kind_name(routing));
+  HostProblem problem = HostProblem::make(shape, routing, seed);
+  HostProblem bf16 = problem;
+  problem.poison_outputs();
+  reference::Options options;
+  options.precision = Precision::kFP8Block;
+  reference::forward(problem.shape, problem.forward_args(0), options);
+  reference::backward(problem.shape, problem.backward_args(0), options);
+  reference::forward(bf16.shape, bf16.forward_args(0));
+  reference::backward(bf16.shape, bf16.backward_args(0));
+  DeviceProblem device(problem, 0);
+  GpuLayer layer(shape, fp8_config());
+  const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
+  test::expect_near_reference(got, problem.ranks[0]);
+  std::printf("  %-22s %-40s %-10s", name, shape.to_string().c_str(), routing_kind_name(routing));
+  test::for_each_output(got, problem.ranks[0],
+                        [&](const char* output, const auto& g, const auto& w) {
+                          if (w.empty()) return;
+                          std::printf(" %s %.1e", output, test::relative_error(g, w));
+                        });
+  std::printf("\n  %-22s against bf16:", "");
+  test::for_each_output(got, bf16.ranks[0], [&](const char* output, const auto& g, const auto& w) {
+    if (!w.empty()) std::printf(" %s %.1e", output, test::relative_error(g, w));
+  });
+  std::printf("\n");
+  for (const bool with_context : {true, false}) {
+    const HostRank again = test::gpu_step(layer, device, problem, with_context);
+    test::for_each_output(again, got, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b))
+          << output << (with_context ? " differs across runs" : " differs when recomputing");
+    });
+  }
+}
+
+TEST(Fp8LayerGpu, MatchesTheFp8Reference) {
+  uint64_t seed = 700;
+  check_fp8("small", make_shape(96, 256, 128, 8, 2), RoutingKind::kUniform, ++seed);
+  check_fp8("shared + clamp", make_shape(256, 512, 256, 8, 2, 1, 128, 0.5f), RoutingKind::kUniform,
+            ++seed);
+  check_fp8("skewed", make_shape(333, 1024, 384, 16, 4), RoutingKind::kSkewed, ++seed);
+  check_fp8("holes", make_shape(200, 512, 256, 8, 4), RoutingKind::kHoles, ++seed);
+  check_fp8("all to one expert", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneExpert, ++seed);
+  check_fp8("no routes", make_shape(130, 512, 256, 8, 4), RoutingKind::kNoRoutes, ++seed);
+  check_fp8("wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform, ++seed);
+}
+
+TEST(Fp8LayerGpu, RefusesWhatItDoesNotRun) {
+  MoeConfig config = fp8_config();
+  auto refused = [&](const MoeShape& shape, const MoeConfig& c, const char* text) {
+    const Status status = can_implement(c, shape);
+    EXPECT_EQ(status.code, ErrorCode::kUnsupported) << text;
+    EXPECT_NE(status.message.find(text), std::string::npos) << status.message;
+    EXPECT_THROW(GpuLayer(shape, c), Error);
+  };
+  refused(make_shape(64, 192, 128, 8, 2), config, "hidden a multiple of 128");
+  refused(make_shape(100, 256, 128, 8, 2, 1, 128), config, "num_tokens a multiple of 128");
+  MoeConfig persistent = config;
+  persistent.persistent_backward = true;
+  refused(make_shape(64, 256, 128, 8, 2), persistent, "kernel sequences");
+  MoeConfig ring = config;
+  ring.minibatch_size = 128;
+  ring.macrobatch_size = 128;
+  refused(make_shape(64, 256, 128, 8, 2), ring, "one macrobatch");
+}
+
+}  // namespace
+}  // namespace mok

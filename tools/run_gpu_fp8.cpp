@@ -1,0 +1,154 @@
+// `mok run --precision fp8_block` on a GPU: the layer in FP8 against the CPU reference's FP8 math
+// on a slice of tokens (out, d_x, d_router_weights, at the bf16 tolerance), bitwise across runs
+// and with or without the forward context; then the FP8 and the bf16 layer timed interleaved
+// (forward, and a training step from the forward's context), with the distance between them.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "mok/gpu_layer.h"
+#include "mok/reference.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
+
+namespace mok::cli {
+
+int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
+                const std::string& device_name) {
+  constexpr double kGpuTolerance = 1e-2;
+  const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
+  mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
+  int64_t routed_pairs = 0;
+  for (int32_t expert : problem.ranks[0].top_experts) routed_pairs += expert >= 0;
+  const double forward_flop = 6.0 * routed_pairs * shape.hidden * shape.intermediate +
+                              6.0 * shape.num_tokens * shape.hidden * shape.shared_intermediate;
+
+  mok::DeviceProblem device(problem, 0);
+  const mok::MoeConfig config = config_from_options(options, shape);
+  RunOptions bf16_options = options;
+  bf16_options.precision = "bf16";
+  const mok::MoeConfig bf16_config = config_from_options(bf16_options, shape);
+  mok::GpuLayer layer(shape, config), bf16_layer(shape, bf16_config);
+  cudaStream_t stream;
+  CLI_CUDA_CHECK(cudaStreamCreate(&stream));
+  const mok::ForwardArgs args = device.forward_args();
+  const mok::BackwardArgs backward_args = device.backward_args();
+
+  // FP8 with the forward context, FP8 recomputing it, bf16: every output downloaded.
+  std::vector<mok::HostRank> results(3, mok::output_buffers(shape));
+  for (int run = 0; run < 3; ++run) {
+    device.poison_outputs();
+    mok::GpuLayer& which = run < 2 ? layer : bf16_layer;
+    const mok::ForwardContext context = which.forward(args, stream);
+    which.backward(backward_args, stream, run == 1 ? nullptr : &context);
+    which.synchronize(stream).throw_if_error();
+    device.download_outputs(results[run]);
+  }
+  const bool deterministic = mok::outputs_equal(results[0], results[1]);
+
+  // The FP8 reference on a slice of tokens: each token's out, d_x and d_router_weights depend on
+  // that token only (the weight gradients on every token: compared with bf16's below, printed).
+  const int64_t check_count =
+      std::min<int64_t>(shape.num_tokens, options.check_tokens >= 0 ? options.check_tokens : 128);
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i < check_count; ++i) tokens.push_back(i * shape.num_tokens / check_count);
+  mok::HostProblem slice = problem.token_slice(tokens);
+  mok::reference::Options reference_options;
+  reference_options.num_threads = options.threads;
+  reference_options.precision = mok::Precision::kFP8Block;
+  if (check_count > 0) {
+    mok::reference::forward(slice.shape, slice.forward_args(0), reference_options);
+    mok::reference::backward(slice.shape, slice.backward_args(0), reference_options);
+  }
+  const mok::HostRank& want = slice.ranks[0];
+  auto compare_slice = [&](const std::string& name, const auto& got, const auto& expected,
+                           int64_t width) {
+    ErrorAccumulator acc;
+    for (size_t slot = 0; slot < tokens.size(); ++slot)
+      for (int64_t col = 0; col < width; ++col)
+        acc.add(value_of(got[tokens[slot] * width + col]), value_of(expected[slot * width + col]));
+    return acc.result(name);
+  };
+  const mok::HostRank& fp8 = results[0];
+  const std::vector<Comparison> errors = {
+      compare_slice("out", fp8.out, want.out, shape.hidden),
+      compare_slice("d_x", fp8.d_x, want.d_x, shape.hidden),
+      compare_slice("d_router_w", fp8.d_router_weights, want.d_router_weights, shape.top_k)};
+  auto compare_whole = [](const std::string& name, const auto& got, const auto& expected) {
+    ErrorAccumulator acc;
+    for (size_t i = 0; i < got.size(); ++i) acc.add(value_of(got[i]), value_of(expected[i]));
+    return acc.result(name);
+  };
+  const mok::HostRank& bf16 = results[2];
+  const std::vector<Comparison> against_bf16 = {
+      compare_whole("out", fp8.out, bf16.out), compare_whole("d_x", fp8.d_x, bf16.d_x),
+      compare_whole("d_w_gate", fp8.d_w_gate, bf16.d_w_gate),
+      compare_whole("d_w_up", fp8.d_w_up, bf16.d_w_up),
+      compare_whole("d_w_down", fp8.d_w_down, bf16.d_w_down)};
+
+  // Interleaved rounds (the card's clock follows its power limit): FP8 and bf16, forward and a
+  // training step from the forward's context.
+  const std::vector<std::function<void()>> timed = {
+      [&] { layer.forward(args, stream); }, [&] { bf16_layer.forward(args, stream); },
+      [&] {
+        const mok::ForwardContext step = layer.forward(args, stream);
+        layer.backward(backward_args, stream, &step);
+      },
+      [&] {
+        const mok::ForwardContext step = bf16_layer.forward(args, stream);
+        bf16_layer.backward(backward_args, stream, &step);
+      }};
+  const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
+  CLI_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  bool passed = deterministic;
+  for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
+  std::printf("mok run: FP8 (fp8_block) on %s (EP = 1)\n", device_name.c_str());
+  std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
+              shape.to_string().c_str(), options.routing.c_str(),
+              static_cast<unsigned long long>(options.seed));
+  std::printf("  times: median of 32 calls, FP8 and bf16 interleaved in 8 rotated rounds\n");
+  std::printf("  %-22s %10s %10s %10s %10s %9s\n", "", "fp8 ms", "TFLOP/s", "bf16 ms", "TFLOP/s",
+              "speedup");
+  const double flops[2] = {forward_flop, 3 * forward_flop};
+  const char* names[2] = {"forward", "forward+backward"};
+  for (int d = 0; d < 2; ++d)
+    std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[2 * d],
+                flops[d] / medians[2 * d] / 1e9, medians[2 * d + 1],
+                flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[2 * d]);
+  std::printf("  against the CPU reference's FP8 on %lld of %lld tokens (tolerance %.0e):\n",
+              static_cast<long long>(check_count), static_cast<long long>(shape.num_tokens),
+              kGpuTolerance);
+  print_comparisons(errors, 22);
+  std::printf("  FP8 against the bf16 layer, whole shape (not a bound: the format's error):\n");
+  print_comparisons(against_bf16, 22);
+  std::printf("  bitwise identical across runs, with and without the forward context: %s\n",
+              deterministic ? "yes" : "NO");
+  std::printf("%s\n", passed ? "PASS" : "FAIL");
+  if (!options.json_path.empty()) {
+    std::ofstream json(options.json_path);
+    json << "{\n  \"device\": \"" << json_escape(device_name) << "\", \"precision\": \"fp8_block\""
+         << ", \"shape_name\": \"" << options.shape_name << "\", \"shape\": \"" << shape.to_string()
+         << "\", \"routing\": \"" << options.routing << "\",\n"
+         << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
+         << "  \"fp8_ms\": {\"forward\": " << medians[0] << ", \"forward_backward\": " << medians[2]
+         << "},\n  \"bf16_ms\": {\"forward\": " << medians[1]
+         << ", \"forward_backward\": " << medians[3] << "},\n  \"errors\": {";
+    for (size_t i = 0; i < errors.size(); ++i)
+      json << (i ? ", " : "") << "\"" << errors[i].name << "\": " << errors[i].rel;
+    json << "},\n  \"against_bf16\": {";
+    for (size_t i = 0; i < against_bf16.size(); ++i)
+      json << (i ? ", " : "") << "\"" << against_bf16[i].name << "\": " << against_bf16[i].rel;
+    json << "},\n  \"deterministic\": " << (deterministic ? "true" : "false")
+         << ", \"passed\": " << (passed ? "true" : "false") << "\n}\n";
+  }
+  return passed ? 0 : 1;
+}
+
+}  // namespace mok::cli
