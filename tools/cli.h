@@ -15,6 +15,7 @@
 #include "mok/dtype.h"
 #include "mok/error.h"
 #include "mok/shape.h"
+#include "mok/testing/host_problem.h"
 
 namespace mok::cli {
 
@@ -68,6 +69,31 @@ struct ErrorAccumulator {
 
 inline double value_of(const mok::bf16& value) { return mok::bf16_to_float(value); }
 inline double value_of(float value) { return value; }
+
+// Relative error of a whole output (two GPU runs, or a GPU run against another precision).
+template <typename T>
+Comparison compare_all(const std::string& name, const std::vector<T>& got,
+                       const std::vector<T>& want) {
+  ErrorAccumulator acc;
+  for (size_t i = 0; i < got.size(); ++i) acc.add(value_of(got[i]), value_of(want[i]));
+  return acc.result(name);
+}
+
+// The CPU reference (at `precision`) on `check_tokens` evenly spaced tokens of a problem (-1:
+// 128): each token's out, d_x and d_router_weights depend on that token only, so a whole-shape
+// GPU result is checked on them without the reference's cost for every token.
+class TokenSliceReference {
+ public:
+  TokenSliceReference(const mok::HostProblem& problem, int64_t check_tokens, int threads,
+                      mok::Precision precision);
+  int64_t count() const { return static_cast<int64_t>(tokens_.size()); }
+  // out, d_x and d_router_w of `got` on the slice's tokens, each name prefixed.
+  std::vector<Comparison> compare(const mok::HostRank& got, const std::string& prefix) const;
+
+ private:
+  std::vector<int64_t> tokens_;
+  mok::HostProblem slice_;
+};
 
 // Throws mok::Error naming the failed CUDA call.
 #define CLI_CUDA_CHECK(call)                                                          \

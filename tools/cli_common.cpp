@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "mok/reference.h"
 
 namespace mok::cli {
 
@@ -97,6 +98,38 @@ std::string cuda_device_name() {
   cudaDeviceProp props{};
   if (cudaGetDeviceProperties(&props, 0) != cudaSuccess) return "";
   return props.name;
+}
+
+TokenSliceReference::TokenSliceReference(const mok::HostProblem& problem, int64_t check_tokens,
+                                         int threads, mok::Precision precision) {
+  const int64_t total = problem.shape.num_tokens;
+  const int64_t count = std::min<int64_t>(total, check_tokens >= 0 ? check_tokens : 128);
+  for (int64_t i = 0; i < count; ++i) tokens_.push_back(i * total / count);
+  slice_ = problem.token_slice(tokens_);
+  mok::reference::Options options;
+  options.num_threads = threads;
+  options.precision = precision;
+  if (count > 0) {
+    mok::reference::forward(slice_.shape, slice_.forward_args(0), options);
+    mok::reference::backward(slice_.shape, slice_.backward_args(0), options);
+  }
+}
+
+std::vector<Comparison> TokenSliceReference::compare(const mok::HostRank& got,
+                                                     const std::string& prefix) const {
+  const mok::HostRank& want = slice_.ranks[0];
+  auto on_slice = [&](const std::string& name, const auto& values, const auto& expected,
+                      int64_t width) {
+    ErrorAccumulator acc;
+    for (size_t slot = 0; slot < tokens_.size(); ++slot)
+      for (int64_t col = 0; col < width; ++col)
+        acc.add(value_of(values[tokens_[slot] * width + col]),
+                value_of(expected[slot * width + col]));
+    return acc.result(prefix + name);
+  };
+  const int64_t hidden = slice_.shape.hidden;
+  return {on_slice("out", got.out, want.out, hidden), on_slice("d_x", got.d_x, want.d_x, hidden),
+          on_slice("d_router_w", got.d_router_weights, want.d_router_weights, slice_.shape.top_k)};
 }
 
 }  // namespace mok::cli

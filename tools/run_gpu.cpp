@@ -96,15 +96,6 @@ Peak bf16_peak() {
   return peak;
 }
 
-// Relative error of a whole output (for gradients compared between two GPU runs).
-template <typename T>
-Comparison compare_all(const std::string& name, const std::vector<T>& got,
-                       const std::vector<T>& want) {
-  ErrorAccumulator acc;
-  for (size_t i = 0; i < got.size(); ++i) acc.add(value_of(got[i]), value_of(want[i]));
-  return acc.result(name);
-}
-
 }  // namespace
 
 // The GPU path of `mok run` (one GPU): mok's forward and backward against the unfused cuBLAS
@@ -193,35 +184,12 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     backward_variants_bitwise &= variant.bitwise;
   }
 
-  const int64_t total_tokens = shape.num_tokens;
-  const int64_t check_count =
-      std::min<int64_t>(total_tokens, options.check_tokens >= 0 ? options.check_tokens : 128);
-  std::vector<int64_t> tokens;
-  for (int64_t i = 0; i < check_count; ++i) tokens.push_back(i * total_tokens / check_count);
-  mok::HostProblem slice = problem.token_slice(tokens);
-  mok::reference::Options reference_options;
-  reference_options.num_threads = options.threads;
-  if (check_count > 0) {
-    mok::reference::forward(slice.shape, slice.forward_args(0), reference_options);
-    mok::reference::backward(slice.shape, slice.backward_args(0), reference_options);
-  }
-  const mok::HostRank& want = slice.ranks[0];
-  auto compare_slice = [&](const std::string& name, const auto& got, const auto& expected,
-                           int64_t width) {
-    ErrorAccumulator acc;
-    for (size_t slot = 0; slot < tokens.size(); ++slot)
-      for (int64_t col = 0; col < width; ++col)
-        acc.add(value_of(got[tokens[slot] * width + col]), value_of(expected[slot * width + col]));
-    return acc.result(name);
-  };
-  std::vector<Comparison> errors;
-  for (int run : {0, 2}) {
-    const std::string who = run == 0 ? "mok " : "baseline ";
-    errors.push_back(compare_slice(who + "out", results[run].out, want.out, shape.hidden));
-    errors.push_back(compare_slice(who + "d_x", results[run].d_x, want.d_x, shape.hidden));
-    errors.push_back(compare_slice(who + "d_router_w", results[run].d_router_weights,
-                                   want.d_router_weights, shape.top_k));
-  }
+  const TokenSliceReference reference(problem, options.check_tokens, options.threads,
+                                      mok::Precision::kBF16);
+  const int64_t check_count = reference.count();
+  std::vector<Comparison> errors = reference.compare(first, "mok ");
+  for (const Comparison& error : reference.compare(results[2], "baseline "))
+    errors.push_back(error);
   std::vector<Comparison> grad_errors = {
       compare_all("d_w_gate", first.d_w_gate, results[2].d_w_gate),
       compare_all("d_w_up", first.d_w_up, results[2].d_w_up),
@@ -374,7 +342,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
   }
   std::printf("  against the CPU reference on %lld of %lld tokens (tolerance %.0e):\n",
-              static_cast<long long>(check_count), static_cast<long long>(total_tokens),
+              static_cast<long long>(check_count), static_cast<long long>(shape.num_tokens),
               kGpuTolerance);
   print_comparisons(errors, 22);
   std::printf("  mok weight gradients against the baseline's, whole shape:\n");

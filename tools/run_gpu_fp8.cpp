@@ -52,45 +52,19 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   }
   const bool deterministic = mok::outputs_equal(results[0], results[1]);
 
-  // The FP8 reference on a slice of tokens: each token's out, d_x and d_router_weights depend on
-  // that token only (the weight gradients on every token: compared with bf16's below, printed).
-  const int64_t check_count =
-      std::min<int64_t>(shape.num_tokens, options.check_tokens >= 0 ? options.check_tokens : 128);
-  std::vector<int64_t> tokens;
-  for (int64_t i = 0; i < check_count; ++i) tokens.push_back(i * shape.num_tokens / check_count);
-  mok::HostProblem slice = problem.token_slice(tokens);
-  mok::reference::Options reference_options;
-  reference_options.num_threads = options.threads;
-  reference_options.precision = mok::Precision::kFP8Block;
-  if (check_count > 0) {
-    mok::reference::forward(slice.shape, slice.forward_args(0), reference_options);
-    mok::reference::backward(slice.shape, slice.backward_args(0), reference_options);
-  }
-  const mok::HostRank& want = slice.ranks[0];
-  auto compare_slice = [&](const std::string& name, const auto& got, const auto& expected,
-                           int64_t width) {
-    ErrorAccumulator acc;
-    for (size_t slot = 0; slot < tokens.size(); ++slot)
-      for (int64_t col = 0; col < width; ++col)
-        acc.add(value_of(got[tokens[slot] * width + col]), value_of(expected[slot * width + col]));
-    return acc.result(name);
-  };
+  // The FP8 reference on a slice of tokens (the weight gradients depend on every token: they
+  // are compared with bf16's below, printed).
+  const TokenSliceReference reference(problem, options.check_tokens, options.threads,
+                                      mok::Precision::kFP8Block);
+  const int64_t check_count = reference.count();
   const mok::HostRank& fp8 = results[0];
-  const std::vector<Comparison> errors = {
-      compare_slice("out", fp8.out, want.out, shape.hidden),
-      compare_slice("d_x", fp8.d_x, want.d_x, shape.hidden),
-      compare_slice("d_router_w", fp8.d_router_weights, want.d_router_weights, shape.top_k)};
-  auto compare_whole = [](const std::string& name, const auto& got, const auto& expected) {
-    ErrorAccumulator acc;
-    for (size_t i = 0; i < got.size(); ++i) acc.add(value_of(got[i]), value_of(expected[i]));
-    return acc.result(name);
-  };
+  const std::vector<Comparison> errors = reference.compare(fp8, "");
   const mok::HostRank& bf16 = results[2];
   const std::vector<Comparison> against_bf16 = {
-      compare_whole("out", fp8.out, bf16.out), compare_whole("d_x", fp8.d_x, bf16.d_x),
-      compare_whole("d_w_gate", fp8.d_w_gate, bf16.d_w_gate),
-      compare_whole("d_w_up", fp8.d_w_up, bf16.d_w_up),
-      compare_whole("d_w_down", fp8.d_w_down, bf16.d_w_down)};
+      compare_all("out", fp8.out, bf16.out), compare_all("d_x", fp8.d_x, bf16.d_x),
+      compare_all("d_w_gate", fp8.d_w_gate, bf16.d_w_gate),
+      compare_all("d_w_up", fp8.d_w_up, bf16.d_w_up),
+      compare_all("d_w_down", fp8.d_w_down, bf16.d_w_down)};
 
   // Interleaved rounds (the card's clock follows its power limit): FP8 and bf16, forward and a
   // training step from the forward's context.

@@ -96,6 +96,22 @@ void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
   cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, stream), what);
 }
 
+// out [out_rows, n] = a [rows, k] times each row tile's expert's b [n, k]^T (one part each).
+void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8Operand& a,
+                   int64_t rows, int64_t k, const Fp8Operand& b, int64_t n, void* out,
+                   int64_t out_rows, cudaStream_t stream, const char* what) {
+  kernels::Fp8GemmMaps maps{};
+  maps.a = codes_2d(a, rows, k, what);
+  maps.a_scales = scales_2d(a, rows, k / 128, what);
+  maps.b = codes_3d(b, set.num_experts, n, k, what);
+  maps.out = maps.out2 = output_map(out, n, out_rows, what);
+  kernels::Fp8GemmParams params = row_tile_params(s, set);
+  params.b_scales = b.scale_data();
+  params.n_extent = static_cast<int32_t>(n);
+  params.k_extent = static_cast<int32_t>(k);
+  launch(s, maps, params, stream, what);
+}
+
 // g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, `fp8.w_gate`
 // and `fp8.w_up`, quantized before).
 void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBuffers& fp8,
@@ -154,16 +170,7 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
              "FP8 SwiGLU + quantization of h");
   mark("FP8 gate/up GEMM + SwiGLU");
 
-  kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.h, R, I, "h (FP8)");
-  maps.a_scales = scales_2d(fp8.h, R, I / 128, "h's scales");
-  maps.b = codes_3d(fp8.w_down, E, H, I, "w_down (FP8)");
-  maps.out = maps.out2 = output_map(f.out, H, f.out_rows, "expert output rows");
-  kernels::Fp8GemmParams params = row_tile_params(s, set);
-  params.b_scales = fp8.w_down.scale_data();
-  params.n_extent = static_cast<int32_t>(H);
-  params.k_extent = static_cast<int32_t>(I);
-  launch(s, maps, params, stream, "FP8 down GEMM");
+  row_tile_gemm(s, set, fp8.h, R, I, fp8.w_down, H, f.out, f.out_rows, stream, "FP8 down GEMM");
   mark("FP8 down GEMM");
 }
 
@@ -196,16 +203,8 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   mark("FP8 quantization of the weights and d_out rows");
 
   // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
-  kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.d_out_rows, rows, H, "d_out rows (FP8)");
-  maps.a_scales = scales_2d(fp8.d_out_rows, rows, H / 128, "d_out rows' scales");
-  maps.b = codes_3d(fp8.w_down_t, E, I, H, "w_down transposed (FP8)");
-  maps.out = maps.out2 = output_map(set.hidden.pointer, I, R, "dh_raw");
-  kernels::Fp8GemmParams params = row_tile_params(s, set);
-  params.b_scales = fp8.w_down_t.scale_data();
-  params.n_extent = static_cast<int32_t>(I);
-  params.k_extent = static_cast<int32_t>(H);
-  launch(s, maps, params, stream, "FP8 down dgrad GEMM");
+  row_tile_gemm(s, set, fp8.d_out_rows, rows, H, fp8.w_down_t, I, set.hidden.pointer, R, stream,
+                "FP8 down dgrad GEMM");
   mark("FP8 down dgrad");
   const ScheduleView view = set.view();
   cuda_check(kernels::launch_swiglu_backward(
@@ -219,7 +218,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   // dx rows = [d_g | d_u] [Wg; Wu]: K split at I.
   quantize(set.d_gate.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_gate, stream, "d_gate");
   quantize(set.d_up.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_up, stream, "d_up");
-  maps = {};
+  kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(fp8.d_gate, R, I, "d_gate (FP8)");
   maps.a2 = codes_2d(fp8.d_up, R, I, "d_up (FP8)");
   maps.a_scales = scales_2d(fp8.d_gate, R, I / 128, "d_gate's scales");
@@ -227,7 +226,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   maps.b = codes_3d(fp8.w_gate_t, E, H, I, "w_gate transposed (FP8)");
   maps.b2 = codes_3d(fp8.w_up_t, E, H, I, "w_up transposed (FP8)");
   maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows");
-  params = row_tile_params(s, set);
+  kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = fp8.w_gate_t.scale_data();
   params.b2_scales = fp8.w_up_t.scale_data();
   params.n_extent = static_cast<int32_t>(H);
