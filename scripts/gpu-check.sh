@@ -23,6 +23,8 @@
 # qwen3 dsv3") and the communication benchmark at each group size up to the machine's (issue 5:
 # how the layer scales; with MOK_SKIP_TESTS=1 MOK_SKIP_SANITIZERS=1 MOK_SKIP_DEFAULT_RUN=1
 # MOK_BENCH_SHAPES="" it is the whole call).
+# MOK_FP8_SHAPES (default "dsv3_local qwen3") runs `mok run --precision fp8_block` on each;
+# MOK_PYTHON_BENCH_FP8=1 adds mok in FP8 to the Python benchmark.
 # MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. MOK_TRACE_TASKS=1
 # makes the benchmark runs trace the persistent kernels' tasks (`mok run --trace-tasks`: a
 # summary in run.log, the Chrome traces as trace_<shape>.json.gz). A failing step is recorded and the script goes on
@@ -203,6 +205,7 @@ else
       run_step python_bench "$OUT/python.log" timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" \
         "${bench_env[@]}" python3 -m mok.bench --shapes "$bench_shapes" \
         --shared "${MOK_PYTHON_BENCH_SHARED-}" --json "$OUT/tmp_python_bench.json" \
+        $([ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && echo --fp8) \
         $([ "${MOK_PYTHON_BENCH_PLOT:-0}" = 1 ] && echo --plot "$OUT/bench.png")
       if [ -s "$OUT/tmp_python_bench.json" ]; then
         python_json="\"bench\": $(cat "$OUT/tmp_python_bench.json")"
@@ -242,6 +245,13 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
     run_step "bench_$name" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
       "${shared_args[@]}" --json "$OUT/tmp_bench.json" $(trace_args "$name")
     add_bench_json "$name" "$OUT/tmp_bench.json"
+  done
+  # The FP8 layer against its CPU reference, timed beside bf16 (MOK_FP8_SHAPES, default
+  # "dsv3_local qwen3"; empty: none).
+  for shape in ${MOK_FP8_SHAPES-dsv3_local qwen3}; do
+    run_step "fp8_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
+      --precision fp8_block --check-tokens 32 --json "$OUT/tmp_fp8.json"
+    add_bench_json "fp8_$shape" "$OUT/tmp_fp8.json"
   done
   # The main job as a newcomer runs it: no arguments (dsv3_local on a GPU).
   # SM clock, power and temperature every 100 ms during the default run (does the card hold its

@@ -201,6 +201,7 @@ def main() -> None:
         "--shared", default="", help="shapes also run with a shared expert of width I (mok only)"
     )
     parser.add_argument("--no-peers", action="store_true", help="mok and its C++ layer only")
+    parser.add_argument("--fp8", action="store_true", help="also mok in FP8 (fp8_block)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -232,7 +233,10 @@ def main() -> None:
         width = _C.named_shape(shape_name).intermediate if shared else None
         problem = make_problem(shape_name, device, args.seed, shared=width)
         result = run_shape(
-            problem, systems_of(problem, peers=not args.no_peers), args.calls, args.rounds
+            problem,
+            systems_of(problem, peers=not args.no_peers, fp8=args.fp8),
+            args.calls,
+            args.rounds,
         )
         print_table(result)
         results.append(result)

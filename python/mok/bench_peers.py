@@ -3,6 +3,7 @@ router_weights) -> out`` over the same weights (one ``Problem``):
 
 - ``mok``: ``mok.nn.MoE`` (autograd over ``torch.ops.mok``);
 - ``mok C++``: the same layer called through ``mok._C`` (what PyTorch adds is the difference);
+- ``mok fp8`` (``--fp8``): ``mok.nn.MoE`` with ``precision="fp8_block"`` on the same weights;
 - ``hf mok`` / ``hf grouped_mm``: transformers' Qwen3-MoE experts module with
   ``experts_implementation="mok"`` / ``"grouped_mm"`` (what a transformers user runs today);
 - ``torch grouped_mm``: the pipeline a user writes by hand (argsort permute, ``torch._grouped_mm``
@@ -144,6 +145,24 @@ def _mok_systems(p: Problem) -> list[System]:
     return systems
 
 
+def _mok_fp8_system(p: Problem) -> System:
+    """mok.nn.MoE in FP8 (``precision="fp8_block"``) over copies of the same weights."""
+    from .functional import MoKConfig
+
+    module = MoE(
+        p.E,
+        p.H,
+        p.I,
+        shared_intermediate_size=p.Is,
+        device=p.x.device,
+        config=MoKConfig(precision="fp8_block"),
+    )
+    with torch.no_grad():
+        for mine, theirs in zip(module.parameters(), p.module.parameters()):
+            mine.copy_(theirs)
+    return System("mok fp8", module, list(module.parameters()))
+
+
 def _hf_system(p: Problem, implementation: str) -> System:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -202,13 +221,16 @@ def _sonic_system(p: Problem) -> System:
     return System("sonicmoe", forward, [w13, w2])
 
 
-def systems_of(p: Problem, peers: bool = True) -> list[System]:
-    """mok's systems, and the peers that run here (the others go to ``p.skipped`` with why)."""
+def systems_of(p: Problem, peers: bool = True, fp8: bool = False) -> list[System]:
+    """mok's systems (with ``fp8``, mok in FP8 too), and the peers that run here (the others go
+    to ``p.skipped`` with why)."""
     systems = (
         _mok_systems(p)
         if p.x.device.type == "cuda"
         else [System("mok", p.module, list(p.module.parameters()))]
     )
+    if fp8:
+        systems.append(_mok_fp8_system(p))
     if not peers or p.Is > 0:
         if p.Is > 0:
             p.skipped["peers"] = "a shared expert: the peers hold routed experts only"
