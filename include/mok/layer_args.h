@@ -24,6 +24,12 @@ struct ForwardArgs {
   TensorView w_shared_up;     // [Is, H] bf16, absent when Is = 0
   TensorView w_shared_down;   // [H, Is] bf16, absent when Is = 0
   TensorView out;             // [T, H] bf16, written
+  // MoeConfig::precision = kFP8Block: a nonzero value names the contents of the six weights.
+  // The layer then keeps the weights it quantized in a call with the same value and weight
+  // pointers, on the same stream, instead of quantizing them again. A caller changes it whenever
+  // it changes the weights, e.g. once per optimizer step. 0 (the default) quantizes on every
+  // call. bf16 ignores it.
+  uint64_t weights_version = 0;
 };
 
 struct BackwardArgs {

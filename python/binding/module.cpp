@@ -214,17 +214,20 @@ void bind_gpu_layer(nb::module_& m) {
           [](GpuLayer& layer, const Array& x, const Array& top_experts, const Array& router_weights,
              const Array& w_gate, const Array& w_up, const Array& w_down,
              const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
-             const OptionalArray& w_shared_down, const Array& out, uintptr_t stream) {
+             const OptionalArray& w_shared_down, const Array& out, uintptr_t stream,
+             uint64_t weights_version) {
             ForwardArgs args = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
                                             w_shared_gate, w_shared_up, w_shared_down);
             args.out = view_of(out, "out");
+            args.weights_version = weights_version;
             return layer.forward(args, stream_of(stream)).generation;
           },
           "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
           "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a,
-          "stream"_a,
+          "stream"_a, "weights_version"_a = 0,
           "Launches the forward on `stream`; returns the context (0 never names one) that a "
-          "backward of the same inputs may start from.")
+          "backward of the same inputs may start from. `weights_version`: "
+          "ForwardArgs::weights_version (FP8: nonzero keeps quantized weights between calls).")
       .def(
           "backward",
           [](GpuLayer& layer, const Array& x, const Array& top_experts, const Array& router_weights,
@@ -234,11 +237,12 @@ void bind_gpu_layer(nb::module_& m) {
              const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
              const Array& d_w_down, const OptionalArray& d_w_shared_gate,
              const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
-             uintptr_t stream, uint64_t context) {
+             uintptr_t stream, uint64_t context, uint64_t weights_version) {
+            ForwardArgs forward = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
+                                               w_shared_gate, w_shared_up, w_shared_down);
+            forward.weights_version = weights_version;
             const BackwardArgs args =
-                backward_args(forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
-                                           w_shared_gate, w_shared_up, w_shared_down),
-                              d_out,
+                backward_args(forward, d_out,
                               {d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
                                d_w_shared_up, d_w_shared_down});
             const ForwardContext forward_context{context};
@@ -248,7 +252,7 @@ void bind_gpu_layer(nb::module_& m) {
           "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
           "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
           "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
-          "stream"_a, "context"_a = 0,
+          "stream"_a, "context"_a = 0, "weights_version"_a = 0,
           "Launches the backward on `stream`: from `context` (a forward's) if nonzero, else "
           "recomputing the forward's intermediates.")
       .def(

@@ -25,6 +25,8 @@ through a ``torch.autograd.Function`` over them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 from torch.utils.dlpack import to_dlpack
@@ -53,6 +55,28 @@ def _gradient_capsules(grads: list[Tensor], shared_weights: tuple) -> list:
 def _cpu_precision(workspace: int) -> str:
     """The CPU reference's precision: the workspace's config's (bf16 without a workspace)."""
     return workspace_of(workspace).config.precision if workspace else "bf16"
+
+
+_weight_ids = itertools.count(1)
+
+
+def _weights_version(space, weights) -> int:
+    """ForwardArgs::weights_version for an FP8 layer: nonzero, and the same while the same weight
+    tensors (each named by an id it carries) are unchanged (their version counters), so the
+    layer keeps their quantization between calls; 0 (quantize every call) in bf16 and while a
+    CUDA graph is captured, since a replay must quantize the weights its step updated."""
+    if space.config.precision != "fp8_block" or torch.cuda.is_current_stream_capturing():
+        return 0
+    parts = []
+    for w in weights:
+        if w is None:
+            continue
+        weight_id = getattr(w, "_mok_weight_id", None)
+        if weight_id is None:
+            weight_id = next(_weight_ids)
+            w._mok_weight_id = weight_id
+        parts.append((weight_id, w._version))
+    return (hash(tuple(parts)) & 0x7FFFFFFFFFFFFFFF) | 1
 
 
 def _empty_gradient(like: Tensor) -> Tensor:
@@ -89,8 +113,10 @@ def forward(
     layer = space.layer(key, x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     stream = torch.cuda.current_stream(x.device).cuda_stream
+    version = _weights_version(space, inputs[3:])
+    extra = {"weights_version": version} if version else {}
     with torch.cuda.device(x.device):
-        context = layer.forward(*_capsules(*inputs), _dl(out), stream)
+        context = layer.forward(*_capsules(*inputs), _dl(out), stream, **extra)
     space.record_forward(key, x.device, context, fingerprint(*inputs))
     return out
 
@@ -191,9 +217,16 @@ def backward(
     )
     context = space.context_for(key, x.device, fingerprint(*inputs)) if use_context else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
+    version = _weights_version(space, inputs[3:])
+    extra = {"weights_version": version} if version else {}
     with torch.cuda.device(x.device):
         layer.backward(
-            *_capsules(*inputs), _dl(d_out), *_gradient_capsules(grads, inputs[6:]), stream, context
+            *_capsules(*inputs),
+            _dl(d_out),
+            *_gradient_capsules(grads, inputs[6:]),
+            stream,
+            context,
+            **extra,
         )
     return grads
 

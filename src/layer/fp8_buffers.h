@@ -29,8 +29,20 @@ struct Fp8Operand {
   float* scale_data() const { return scales.as<float>(); }
 };
 
+// Which weights a set of quantized ones holds (ForwardArgs::weights_version; 0 names none).
+struct Fp8WeightKey {
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+  uint64_t version = 0;
+  bool operator==(const Fp8WeightKey&) const = default;
+};
+
 struct Fp8SetBuffers {
   Fp8Operand w_gate, w_up, w_down, w_down_t, w_gate_t, w_up_t;
+  // What w_gate, w_up, w_down hold, and what the transposed ones hold (the stages keep them
+  // while a call names the same weights; layer/fp8_stages.cpp).
+  mutable Fp8WeightKey weights_key, transposed_key;
   Fp8Operand x_rows, d_out_rows, h, d_gate, d_up;
   Fp8Operand x_t, d_out_t, d_gate_t, d_up_t, h_w_t;
 

@@ -54,6 +54,15 @@ void quantize_weights(const void* weights, int64_t experts, int64_t n, int64_t k
       std::string("FP8 quantization of ") + what);
 }
 
+Fp8WeightKey key_of(const ExpertWeights& weights) {
+  return {weights.gate, weights.up, weights.down, weights.version};
+}
+// True when `key` says the buffers already hold these weights' quantization (a nonzero version
+// and the same pointers). The caller sets the key once it has quantized them.
+bool holds_weights(const Fp8WeightKey& key, const ExpertWeights& weights) {
+  return weights.version != 0 && key == key_of(weights);
+}
+
 constexpr int32_t kTileBox[2] = {128, 128};
 constexpr int32_t kScaleBox[2] = {128, 1};
 
@@ -156,11 +165,14 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
-  quantize_weights(f.weights.gate, E, I, H, f.weights.gate_stride, false, fp8.w_gate, stream,
-                   "w_gate");
-  quantize_weights(f.weights.up, E, I, H, f.weights.up_stride, false, fp8.w_up, stream, "w_up");
-  quantize_weights(f.weights.down, E, H, I, f.weights.down_stride, false, fp8.w_down, stream,
-                   "w_down");
+  if (!holds_weights(fp8.weights_key, f.weights)) {
+    quantize_weights(f.weights.gate, E, I, H, f.weights.gate_stride, false, fp8.w_gate, stream,
+                     "w_gate");
+    quantize_weights(f.weights.up, E, I, H, f.weights.up_stride, false, fp8.w_up, stream, "w_up");
+    quantize_weights(f.weights.down, E, H, I, f.weights.down_stride, false, fp8.w_down, stream,
+                     "w_down");
+    fp8.weights_key = key_of(f.weights);
+  }
   quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
   mark("FP8 quantization of the weights and x rows");
   gate_up_gemm(s, set, fp8, rows, stream);
@@ -185,19 +197,27 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
                                           " rows in the maps, " + std::to_string(R) +
                                           " in the set's buffers");
   if (recompute) {
-    quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, false, fp8.w_gate, stream,
-                     "w_gate");
-    quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, false, fp8.w_up, stream, "w_up");
+    if (!holds_weights(fp8.weights_key, b.weights)) {
+      quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, false, fp8.w_gate, stream,
+                       "w_gate");
+      quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, false, fp8.w_up, stream, "w_up");
+      quantize_weights(b.weights.down, E, H, I, b.weights.down_stride, false, fp8.w_down, stream,
+                       "w_down");
+      fp8.weights_key = key_of(b.weights);
+    }
     quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
     gate_up_gemm(s, set, fp8, rows, stream);
     mark("FP8 gate/up recompute");
   }
-  quantize_weights(b.weights.down, E, H, I, b.weights.down_stride, true, fp8.w_down_t, stream,
-                   "w_down (transposed)");
-  quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, true, fp8.w_gate_t, stream,
-                   "w_gate (transposed)");
-  quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, true, fp8.w_up_t, stream,
-                   "w_up (transposed)");
+  if (!holds_weights(fp8.transposed_key, b.weights)) {
+    quantize_weights(b.weights.down, E, H, I, b.weights.down_stride, true, fp8.w_down_t, stream,
+                     "w_down (transposed)");
+    quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, true, fp8.w_gate_t, stream,
+                     "w_gate (transposed)");
+    quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, true, fp8.w_up_t, stream,
+                     "w_up (transposed)");
+    fp8.transposed_key = key_of(b.weights);
+  }
   quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
            "d_out rows");
   mark("FP8 quantization of the weights and d_out rows");

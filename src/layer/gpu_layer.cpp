@@ -97,10 +97,12 @@ namespace {
 
 ExpertWeights routed_weights(const ForwardArgs& args) {
   return {args.w_gate.data,           args.w_up.data,           args.w_down.data,
-          args.w_gate.outer_stride(), args.w_up.outer_stride(), args.w_down.outer_stride()};
+          args.w_gate.outer_stride(), args.w_up.outer_stride(), args.w_down.outer_stride(),
+          args.weights_version};
 }
 ExpertWeights shared_weights(const ForwardArgs& args) {
-  return {args.w_shared_gate.data, args.w_shared_up.data, args.w_shared_down.data};
+  return {args.w_shared_gate.data, args.w_shared_up.data, args.w_shared_down.data, 0, 0, 0,
+          args.weights_version};
 }
 
 // The pipeline's forward (the diagram at the top); `mark(name)` after each stage (profiles).

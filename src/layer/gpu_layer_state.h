@@ -148,6 +148,7 @@ struct ExpertWeights {
   const void* up = nullptr;    // [E, I, H]
   const void* down = nullptr;  // [E, H, I]
   int64_t gate_stride = 0, up_stride = 0, down_stride = 0;
+  uint64_t version = 0;  // ForwardArgs::weights_version
 };
 
 struct WeightGrads {

@@ -75,6 +75,48 @@ TEST(Fp8LayerGpu, MatchesTheFp8Reference) {
   check_fp8("wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform, ++seed);
 }
 
+// ForwardArgs::weights_version: a layer that keeps its quantized weights between calls gives the
+// bits of one that quantizes every call, and quantizes again when the version changes (weights
+// rescaled in place, as an optimizer step does).
+TEST(Fp8LayerGpu, KeptWeightsGiveTheSameBits) {
+  const MoeShape shape = make_shape(256, 512, 256, 8, 2, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 77);
+  DeviceProblem device(problem, 0);
+  GpuLayer every_call(shape, fp8_config()), keeping(shape, fp8_config());
+  auto step = [&](GpuLayer& layer, uint64_t version) {
+    device.poison_outputs();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ForwardArgs args = device.forward_args();
+    args.weights_version = version;
+    BackwardArgs backward_args = device.backward_args();
+    backward_args.forward.weights_version = version;
+    const ForwardContext context = layer.forward(args, nullptr);
+    layer.backward(backward_args, nullptr, &context);
+    EXPECT_TRUE(layer.synchronize(nullptr).ok());
+    HostRank result = output_buffers(shape);
+    device.download_outputs(result);
+    return result;
+  };
+  auto expect_same = [](const HostRank& a, const HostRank& b, const char* when) {
+    test::for_each_output(a, b, [&](const char* output, const auto& x, const auto& y) {
+      EXPECT_TRUE(test::bitwise_equal(x, y)) << output << " " << when;
+    });
+  };
+  const HostRank want = step(every_call, 0);
+  expect_same(step(keeping, 5), want, "(first call of version 5)");
+  expect_same(step(keeping, 5), want, "(version 5 kept)");
+  // Halve w_down in place (a bf16 halving is exact), as a new version of the weights.
+  const ForwardArgs args = device.forward_args();
+  std::vector<bf16> down(args.w_down.nbytes() / 2);
+  ASSERT_EQ(cudaMemcpy(down.data(), args.w_down.data, args.w_down.nbytes(), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  for (bf16& v : down) v = float_to_bf16(0.5f * bf16_to_float(v));
+  ASSERT_EQ(cudaMemcpy(args.w_down.data, down.data(), args.w_down.nbytes(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  const HostRank changed = step(every_call, 0);
+  expect_same(step(keeping, 6), changed, "(version 6 after the weights changed)");
+}
+
 TEST(Fp8LayerGpu, RefusesWhatItDoesNotRun) {
   MoeConfig config = fp8_config();
   auto refused = [&](const MoeShape& shape, const MoeConfig& c, const char* text) {
