@@ -68,8 +68,15 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
 
   // Interleaved rounds (the card's clock follows its power limit): FP8 and bf16, forward and a
   // training step from the forward's context.
+  // The FP8 layer both ways: quantizing the weights in every call (version 0), and keeping
+  // them (a nonzero ForwardArgs::weights_version: micro-batches between optimizer steps).
+  mok::ForwardArgs kept_args = args;
+  kept_args.weights_version = 1;
+  mok::BackwardArgs kept_backward = backward_args;
+  kept_backward.forward.weights_version = 1;
   const std::vector<std::function<void()>> timed = {
-      [&] { layer.forward(args, stream); }, [&] { bf16_layer.forward(args, stream); },
+      [&] { layer.forward(args, stream); },
+      [&] { bf16_layer.forward(args, stream); },
       [&] {
         const mok::ForwardContext step = layer.forward(args, stream);
         layer.backward(backward_args, stream, &step);
@@ -77,6 +84,11 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
       [&] {
         const mok::ForwardContext step = bf16_layer.forward(args, stream);
         bf16_layer.backward(backward_args, stream, &step);
+      },
+      [&] { layer.forward(kept_args, stream); },
+      [&] {
+        const mok::ForwardContext step = layer.forward(kept_args, stream);
+        layer.backward(kept_backward, stream, &step);
       }};
   const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -96,6 +108,11 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
     std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[2 * d],
                 flops[d] / medians[2 * d] / 1e9, medians[2 * d + 1],
                 flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[2 * d]);
+  std::printf("  with the quantized weights kept between calls (weights_version):\n");
+  for (int d = 0; d < 2; ++d)
+    std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[4 + d],
+                flops[d] / medians[4 + d] / 1e9, medians[2 * d + 1],
+                flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[4 + d]);
   std::printf("  against the CPU reference's FP8 on %lld of %lld tokens (tolerance %.0e):\n",
               static_cast<long long>(check_count), static_cast<long long>(shape.num_tokens),
               kGpuTolerance);
@@ -112,6 +129,8 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
          << "\", \"routing\": \"" << options.routing << "\",\n"
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"fp8_ms\": {\"forward\": " << medians[0] << ", \"forward_backward\": " << medians[2]
+         << "},\n  \"fp8_kept_weights_ms\": {\"forward\": " << medians[4]
+         << ", \"forward_backward\": " << medians[5]
          << "},\n  \"bf16_ms\": {\"forward\": " << medians[1]
          << ", \"forward_backward\": " << medians[3] << "},\n  \"errors\": {";
     for (size_t i = 0; i < errors.size(); ++i)
