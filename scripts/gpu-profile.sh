@@ -34,7 +34,11 @@ if [ -n "${MOK_PROFILE_TESTS:-}" ]; then
 fi
 for shape in ${MOK_PROFILE_SHAPES-sonic_e128 dsv3_e128 dsv3}; do
   echo "== mok run --shape $shape"
-  timeout "${MOK_PROFILE_RUN_TIMEOUT:-200}" "./$build_dir/mok" run --shape "$shape" --check-tokens 64 \
+  # dsv3 (22.5 GB of weights): the CPU check of a token slice holds the weights several times
+  # over in host memory; it is skipped there (MOK_PROFILE_CHECK_TOKENS sets it for the others).
+  check_tokens="${MOK_PROFILE_CHECK_TOKENS:-64}"
+  [ "$shape" = dsv3 ] && check_tokens=0
+  timeout "${MOK_PROFILE_RUN_TIMEOUT:-200}" "./$build_dir/mok" run --shape "$shape" --check-tokens "$check_tokens" \
     >"$OUT/run_$shape.log" 2>&1 || status=1
   grep -E "ring|forward |backward |forward\+backward|stages|^    |PASS|FAIL" "$OUT/run_$shape.log" | head -60
 done
