@@ -65,7 +65,10 @@ class MoKConfig:
     wait_timeout_s: device waits end with a diagnosis after this long.
     precision: "bf16", or "fp8_block" (e4m3 GEMM operands with 1 x 128 / 128 x 128 fp32 block
         scales; mok/fp8.h): the CPU reference, or mok's FP8 kernels on CUDA (one GPU, one
-        macrobatch, hidden and intermediate sizes multiples of 128).
+        macrobatch, hidden and intermediate sizes multiples of 128, and with a shared expert a
+        token count that is a multiple of 128; other calls raise NotImplementedError saying
+        which). The quantized weights are kept between calls while the weight tensors are
+        unchanged (their version counters), except inside a captured CUDA graph.
     """
 
     fwd_num_comm_sms: int = 40
