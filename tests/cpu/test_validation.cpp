@@ -193,6 +193,42 @@ TEST(ConfigValidation, AutoMacrobatchFitsItsBudget) {
   EXPECT_TRUE(can_implement(fixed, sonic).ok());
 }
 
+// What the GPU's FP8 path runs (one GPU, the kernel sequences, one macrobatch, extents and,
+// with a shared expert, tokens in multiples of 128) and what it refuses, by name.
+TEST(ConfigValidation, Fp8RunsWhatItSupportsAndNamesTheRest) {
+  MoeConfig fp8;
+  fp8.precision = Precision::kFP8Block;
+  MoeShape shape = named_shape("tiny");
+  shape.hidden = 256;
+  shape.intermediate = 128;
+  EXPECT_TRUE(can_implement(fp8, shape).ok()) << can_implement(fp8, shape).message;
+  EXPECT_TRUE(can_implement(fp8, named_shape("dsv3_local")).ok());
+  EXPECT_TRUE(can_implement(fp8, named_shape("qwen3")).ok());
+  MoeShape odd = shape;
+  odd.hidden = 192;
+  expect_error(can_implement(fp8, odd), ErrorCode::kUnsupported,
+               {"precision = fp8_block", "hidden a multiple of 128", "192"});
+  odd = shape;
+  odd.num_ranks = 2;
+  odd.num_experts = 16;
+  expect_error(can_implement(fp8, odd), ErrorCode::kUnsupported, {"num_ranks = 2"});
+  MoeConfig persistent = fp8;
+  persistent.persistent_forward = true;
+  expect_error(can_implement(persistent, shape), ErrorCode::kUnsupported, {"kernel sequences"});
+  MoeConfig ring = fp8;
+  ring.minibatch_size = 128;
+  ring.macrobatch_size = 128;
+  expect_error(can_implement(ring, shape), ErrorCode::kUnsupported,
+               {"one macrobatch", "macrobatch_size = 128"});
+  MoeShape shared = shape;
+  shared.shared_intermediate = 128;
+  shared.num_tokens = 200;
+  expect_error(can_implement(fp8, shared), ErrorCode::kUnsupported,
+               {"num_tokens a multiple of 128", "200"});
+  shared.num_tokens = 256;
+  EXPECT_TRUE(can_implement(fp8, shared).ok());
+}
+
 TEST(ConfigValidation, LocalDispatchNamesRoundTrip) {
   for (LocalDispatch mode : {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps})
     EXPECT_EQ(local_dispatch_from_name(local_dispatch_name(mode)), mode);
