@@ -53,9 +53,10 @@ def _time(fn, calls: int, sustained: bool) -> float:
 
 
 def _callables(p: Problem, system: System):
-    """(forward, forward+backward) of one system, each a call with no arguments."""
+    """(forward, forward+backward, release) of one system, each a call with no arguments;
+    release drops the gradients a step left (so that only one system holds them at a time)."""
     if system.native_step is not None:
-        return system.native_forward, system.native_step
+        return system.native_forward, system.native_step, lambda: None
     x = p.x.detach().clone().requires_grad_(True)
     weights = p.router_weights.detach().clone().requires_grad_(True)
     leaves = [x, weights, *system.parameters]
@@ -69,8 +70,13 @@ def _callables(p: Problem, system: System):
             leaf.grad = None
         system.forward(x, p.top_experts, weights).backward(p.d_out)
 
+    def release():
+        for leaf in leaves:
+            leaf.grad = None
+
     step()  # warm-up: workspaces, autotuning, caches
-    return forward, step
+    release()
+    return forward, step, release
 
 
 def measurement_order(names: list[str], rounds: int) -> list[tuple[int, str, str, str]]:
@@ -103,6 +109,7 @@ def run_shape(p: Problem, systems: list[System], calls: int, rounds: int) -> dic
         samples.setdefault(f"{name}|{direction}|{mode}", []).append(
             _time(fn, calls, mode == "sustained")
         )
+        timed[name][2]()  # its gradients go before the next system runs
     p.module.workspace.synchronize()  # raises what the device found
     result = {
         "shape": p.shape_name,

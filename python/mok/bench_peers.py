@@ -180,9 +180,14 @@ def _hf_system(p: Problem, implementation: str) -> System:
     return System(f"hf {implementation}", experts, list(experts.parameters()))
 
 
-def _torch_system(p: Problem) -> System:
-    gate_up = _fused_gate_up(p.module).requires_grad_(True)
-    down = p.module.w_down.detach().clone().requires_grad_(True)
+def _torch_system(p: Problem, shared_with: System | None = None) -> System:
+    """The torch pipeline; over the weights of `shared_with` (transformers' experts, whose
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I] are its layouts) when given, else a copy."""
+    if shared_with is not None:
+        gate_up, down = shared_with.parameters
+    else:
+        gate_up = _fused_gate_up(p.module).requires_grad_(True)
+        down = p.module.w_down.detach().clone().requires_grad_(True)
 
     def forward(x, top, weights):
         return torch_grouped_mm_moe(x, top, weights, gate_up, down)
@@ -235,12 +240,28 @@ def systems_of(p: Problem, peers: bool = True, fp8: bool = False) -> list[System
         if p.Is > 0:
             p.skipped["peers"] = "a shared expert: the peers hold routed experts only"
         return systems
+    # Each peer holds its own copy of the weights and, while it steps, their gradients: one
+    # whose copy would leave less than that much memory free again is left out (dsv3: 22.5 GB).
+    weight_bytes = sum(t.numel() * t.element_size() for t in p.module.parameters())
+
+    def hf_grouped_mm() -> System | None:
+        return next((s for s in systems if s.name == "hf grouped_mm"), None)
+
     for name, build in (
-        ("hf mok", lambda: _hf_system(p, "mok")),
-        ("hf grouped_mm", lambda: _hf_system(p, "grouped_mm")),
-        ("torch grouped_mm", lambda: _torch_system(p)),
         ("sonicmoe", lambda: _sonic_system(p)),
+        ("hf grouped_mm", lambda: _hf_system(p, "grouped_mm")),
+        ("torch grouped_mm", lambda: _torch_system(p, hf_grouped_mm())),
+        ("hf mok", lambda: _hf_system(p, "mok")),
     ):
+        shares = name == "torch grouped_mm" and hf_grouped_mm() is not None
+        if p.x.device.type == "cuda" and not shares:
+            free, _ = torch.cuda.mem_get_info(p.x.device)
+            if free < 3 * weight_bytes + (4 << 30):
+                p.skipped[name] = (
+                    f"not enough GPU memory beside the others: {free / 2**30:.1f} GiB free, its "
+                    f"weights and their gradients take {2 * weight_bytes / 2**30:.1f} GiB"
+                )
+                continue
         try:
             systems.append(build())
         except ImportError as error:
