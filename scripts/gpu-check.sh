@@ -351,8 +351,8 @@ if [ "${MOK_SKIP_SANITIZERS:-0}" = 1 ]; then
   record sanitizer skipped
 elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" ]; then
   : >"$OUT/sanitizer.log"
-  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:BackwardGpu.StaleContextIsRejected:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.MatchesReferenceAndTheKernelSequence:NonFiniteGpu.CheckFiniteReportsTheFirstNonFiniteInput:-ScheduleGpu.Timing}"
-  race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.TaskTraceRecordsEveryTask}"
+  memcheck_filter="${MOK_SANITIZER_FILTER:-ScheduleGpu.*:ForwardGpu.FreshInputsEachRun:ForwardGpu.LocalDispatchModesAreBitwiseEqual:BackwardGpu.StaleContextIsRejected:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.MatchesReferenceAndTheKernelSequence:NonFiniteGpu.CheckFiniteReportsTheFirstNonFiniteInput:Fp8QuantizeGpu.BitExactWithTheHostQuantizers:Fp8QuantizeGpu.SwigluQuantizeMatchesTheHost:Fp8GemmGpu.MatchesTheBlockScaledProduct:Fp8GemmGpu.WeightGradientMatchesTheBlockScaledProduct:Fp8LayerGpu.KeptWeightsGiveTheSameBits:BackwardGpu.CtaPairsMatchReference:-ScheduleGpu.Timing}"
+  race_filter="${MOK_RACECHECK_FILTER:-ScheduleGpu.LowestBadPairAcrossChunksAndLanes:ForwardGpu.BadExpertIdIsReportedAtSynchronize:PersistentForwardGpu.MatchesReferenceAndFeedsTheBackward:PersistentBackwardGpu.TaskTraceRecordsEveryTask:Fp8GemmGpu.WeightGradientMatchesTheBlockScaledProduct}"
   run_step sanitizer_memcheck "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
     --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$memcheck_filter"
   run_step sanitizer_racecheck "$OUT/sanitizer.log" timeout 180 "$sanitizer" --tool racecheck \
