@@ -8,7 +8,8 @@ router_weights) -> out`` over the same weights (one ``Problem``):
   ``experts_implementation="mok"`` / ``"grouped_mm"`` (what a transformers user runs today);
 - ``torch grouped_mm``: the pipeline a user writes by hand (argsort permute, ``torch._grouped_mm``
   over each expert's rows, SwiGLU, weighted sum in fp32);
-- ``sonicmoe``: SonicMoE's given-routing entry point, when ``sonicmoe`` is importable.
+- ``sonicmoe``: SonicMoE's given-routing entry point, when ``sonicmoe`` is importable;
+- ``torch fp8`` (``--fp8``, CUDA): the FP8 pipeline a torch user writes (bench_torch_fp8).
 
 Peers hold routed experts only: with a shared expert only mok runs. A system that cannot be built
 here is left out with the reason (``Problem.skipped``).
@@ -195,6 +196,24 @@ def _torch_system(p: Problem, shared_with: System | None = None) -> System:
     return System("torch grouped_mm", forward, [gate_up, down])
 
 
+def _torch_fp8_system(p: Problem, shared_with: System | None = None) -> System:
+    """The torch FP8 pipeline (bench_torch_fp8), over transformers' expert weights when given."""
+    from .bench_torch_fp8 import torch_fp8_moe
+
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise ImportError("this torch has no torch._scaled_grouped_mm")
+    if shared_with is not None:
+        gate_up, down = shared_with.parameters
+    else:
+        gate_up = _fused_gate_up(p.module).requires_grad_(True)
+        down = p.module.w_down.detach().clone().requires_grad_(True)
+
+    def forward(x, top, weights):
+        return torch_fp8_moe(x, top, weights, gate_up, down)
+
+    return System("torch fp8", forward, [gate_up, down])
+
+
 def _sonic_system(p: Problem) -> System:
     from sonicmoe.enums import ActivationType
     from sonicmoe.functional import moe_general_routing_inputs
@@ -247,13 +266,16 @@ def systems_of(p: Problem, peers: bool = True, fp8: bool = False) -> list[System
     def hf_grouped_mm() -> System | None:
         return next((s for s in systems if s.name == "hf grouped_mm"), None)
 
-    for name, build in (
+    builders = [
         ("sonicmoe", lambda: _sonic_system(p)),
         ("hf grouped_mm", lambda: _hf_system(p, "grouped_mm")),
         ("torch grouped_mm", lambda: _torch_system(p, hf_grouped_mm())),
         ("hf mok", lambda: _hf_system(p, "mok")),
-    ):
-        shares = name == "torch grouped_mm" and hf_grouped_mm() is not None
+    ]
+    if fp8 and p.x.device.type == "cuda":  # FP8 tensor cores only
+        builders.insert(3, ("torch fp8", lambda: _torch_fp8_system(p, hf_grouped_mm())))
+    for name, build in builders:
+        shares = name.startswith("torch") and hf_grouped_mm() is not None
         if p.x.device.type == "cuda" and not shares:
             free, _ = torch.cuda.mem_get_info(p.x.device)
             if free < 3 * weight_bytes + (4 << 30):

@@ -104,3 +104,39 @@ def test_measurement_order_pairs_the_systems_in_every_round():
             block = in_round[position : position + len(names)]
             assert len({(d, m) for _, d, m, _ in block}) == 1
             assert sorted(name for *_, name in block) == sorted(names)
+
+
+def test_torch_fp8_peer_computes_the_layer(monkeypatch):
+    """The torch FP8 pipeline's math on the CPU, with torch._scaled_grouped_mm (CUDA only)
+    emulated by its definition (dequantized operands, one product per group): its output and
+    gradients within FP8's error of the float64 layer."""
+    from mok import bench_torch_fp8
+
+    def emulated(a, b_kn, scale_a, scale_b, offsets):
+        out, start = [], 0
+        for group, end in enumerate(offsets.tolist()):
+            lhs = a[start:end].float() * scale_a[start:end, None]
+            rhs = b_kn[group].float() * scale_b[group][None, :]
+            out.append(lhs @ rhs)
+            start = end
+        return torch.cat(out).to(torch.bfloat16)
+
+    monkeypatch.setattr(bench_torch_fp8, "_scaled", emulated)
+    p = make_problem("cpu", T=64, E=4, K=2, seed=13)
+    p["top_experts"] = p["top_experts"].long()
+    gate_up = torch.cat((p["w_gate"], p["w_up"]), dim=1).requires_grad_(True)
+    down = p["w_down"].clone().requires_grad_(True)
+    x = p["x"].clone().requires_grad_(True)
+    weights = p["router_weights"].clone().requires_grad_(True)
+    out = bench_torch_fp8.torch_fp8_moe(x, p["top_experts"], weights, gate_up, down)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out.backward(d_out)
+    exact = as_float64(p, requires_grad=True)
+    expected = torch_moe(exact)
+    expected.backward(d_out.double())
+    assert relative_error(out, expected) < 0.1
+    assert relative_error(x.grad, exact["x"].grad) < 0.1
+    assert relative_error(weights.grad, exact["router_weights"].grad) < 0.1
+    expected_gate_up = torch.cat((exact["w_gate"].grad, exact["w_up"].grad), dim=1)
+    assert relative_error(gate_up.grad, expected_gate_up) < 0.1
+    assert relative_error(down.grad, exact["w_down"].grad) < 0.1
