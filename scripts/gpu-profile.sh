@@ -32,15 +32,21 @@ if [ -n "${MOK_PROFILE_TESTS:-}" ]; then
     --gtest_filter="$MOK_PROFILE_TESTS" >"$OUT/gpu_tests.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|fp8|TFLOP|error" "$OUT/gpu_tests.log" | head -60
 fi
-for shape in ${MOK_PROFILE_SHAPES-sonic_e128 dsv3_e128 dsv3}; do
-  echo "== mok run --shape $shape"
+# An entry SHAPE:fp8 runs the layer in FP8 (mok run --precision fp8_block, beside bf16).
+for entry in ${MOK_PROFILE_SHAPES-sonic_e128 dsv3_e128 dsv3}; do
+  shape="${entry%%:*}"
+  precision_args=()
+  [ "$entry" != "$shape" ] && precision_args=(--precision fp8_block)
+  echo "== mok run --shape $shape ${precision_args[*]}"
   # dsv3 (22.5 GB of weights): the CPU check of a token slice holds the weights several times
   # over in host memory; it is skipped there (MOK_PROFILE_CHECK_TOKENS sets it for the others).
   check_tokens="${MOK_PROFILE_CHECK_TOKENS:-64}"
   [ "$shape" = dsv3 ] && check_tokens=0
-  timeout "${MOK_PROFILE_RUN_TIMEOUT:-200}" "./$build_dir/mok" run --shape "$shape" --check-tokens "$check_tokens" \
-    >"$OUT/run_$shape.log" 2>&1 || status=1
-  grep -E "ring|forward |backward |forward\+backward|stages|^    |PASS|FAIL" "$OUT/run_$shape.log" | head -60
+  log="$OUT/run_${entry/:/_}.log"
+  timeout "${MOK_PROFILE_RUN_TIMEOUT:-200}" "./$build_dir/mok" run --shape "$shape" \
+    --check-tokens "$check_tokens" "${precision_args[@]}" >"$log" 2>&1 || status=1
+  grep -E "ring|forward |backward |forward\+backward|stages|^    |^  [a-z_]+ +max|PASS|FAIL|rror" \
+    "$log" | head -60
 done
 ncu_shape="${MOK_NCU_SHAPE-qwen3}"
 if [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1; then
