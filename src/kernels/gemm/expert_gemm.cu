@@ -33,6 +33,7 @@
 #include "kernels/gemm/gemm_loads.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/launch.h"
+#include "kernels/gemm/tile_walk.h"
 #include "kernels/persistent/task_order.h"
 #include "kernels/stages/dispatch_local.cuh"
 
@@ -131,30 +132,23 @@ template <ExpertGemmForm kForm, bool kPaired>
 __device__ __forceinline__ UnitTile unit_tile(const ExpertGemmParams& params,
                                               const TileSpace& space, int unit, int rank,
                                               const int32_t* expert_offsets) {
-  int m_unit, n_tile, expert = 0;
-  if constexpr (FormTraits<kForm>::kRowTiles) {
-    grouped_tile(unit, space.m_units, space.num_n_tiles, &m_unit, &n_tile);
-  } else {
-    const int per_expert = space.m_units * space.num_n_tiles;
-    expert = unit / per_expert;
-    const int local = unit - expert * per_expert;
-    n_tile = local / space.m_units;
-    m_unit = local % space.m_units;
-  }
+  constexpr bool kRowTiles = FormTraits<kForm>::kRowTiles;
+  const WalkUnit walk = walk_unit(unit, space.m_units, space.num_n_tiles, kRowTiles);
   UnitTile tile;
   if constexpr (!kPaired) {
-    tile.coord = tile_coord_at<kForm>(params, space, m_unit, n_tile, expert, expert_offsets);
+    tile.coord =
+        tile_coord_at<kForm>(params, space, walk.m_unit, walk.n_tile, walk.expert, expert_offsets);
   } else {
-    const int first = 2 * m_unit;
-    const bool partner_exists = first + 1 < space.num_m_tiles;
-    tile.phantom = rank == 1 && !partner_exists;
-    tile.coord = tile_coord_at<kForm>(params, space, tile.phantom ? first : first + rank, n_tile,
-                                      expert, expert_offsets);
-    if constexpr (FormTraits<kForm>::kRowTiles)
-      tile.shares_b = partner_exists && params.tile_expert[space.m_begin + first] ==
-                                            params.tile_expert[space.m_begin + first + 1];
+    const PairRow row = pair_row(walk.m_unit, rank, space.num_m_tiles);
+    tile.phantom = row.phantom;
+    tile.coord =
+        tile_coord_at<kForm>(params, space, row.m_tile, walk.n_tile, walk.expert, expert_offsets);
+    const int first = 2 * walk.m_unit;
+    if constexpr (kRowTiles)
+      tile.shares_b = row.partner_exists && params.tile_expert[space.m_begin + first] ==
+                                                params.tile_expert[space.m_begin + first + 1];
     else
-      tile.shares_b = partner_exists;  // one expert's [M, N]: the same B rows
+      tile.shares_b = row.partner_exists;  // one expert's [M, N]: the same B rows
   }
   return tile;
 }
