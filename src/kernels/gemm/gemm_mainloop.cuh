@@ -16,6 +16,10 @@
 // Operands may be K-major (rows contiguous along K: x * W^T, h * Wd^T) or MN-major (contiguous
 // along M or N: the dgrad forms' weights, and both operands of the weight gradients, whose K is
 // the token rows); wgmma reads either from the swizzled tiles through its transpose bits.
+// CTA pairs (kPaired; expert_gemm.cu): each consumer warp releases a stage on its own CTA's
+// empty barrier and on its peer's, since the peer's producer multicasts into this CTA's stage
+// too; the barriers then count both CTAs' consumer warps. A phantom tile (pass_phantom_tile)
+// waits for and releases its stages without reading them.
 #pragma once
 
 #include <cuda_bf16.h>
