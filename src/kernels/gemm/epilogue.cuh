@@ -92,34 +92,40 @@ __device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char*
                         batch);
 }
 
-// kGateUpSwiGLU after g and u are staged (bf16): once their store has read the tile, each
-// thread turns its 16-byte units of g (chunks 0-1) into h = swiglu(g, u) in place, reading u
-// from chunks 2-3, and the issuer stores h to `out`. h depends only on bf16(g) and bf16(u), so
-// the bits are those of computing it from the accumulators; doing it from shared memory, one
-// unit at a time, keeps the division's slow path from spilling the accumulators.
-// Thread t handles the units t + 256 q of chunks 0-1 (eight columns each).
+// kGateUpSwiGLU after g and u are staged (bf16): each thread computes h = swiglu(g, u) of its
+// 16-byte units of g (chunks 0-1) and u (chunks 2-3) while their store reads the tile, writes h
+// over g once the store has read it, and the issuer stores h to `out`. h depends only on bf16(g)
+// and bf16(u), so the bits are those of computing it from the accumulators; doing it from shared
+// memory, one unit at a time, keeps the division's slow path from spilling the accumulators. Thread
+// t handles the units t + 256 q of chunks 0-1 (eight columns each).
 __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
                                              const ExpertGemmParams& params, int col_base, int row,
                                              bool issuer) {
   constexpr int kUnitsPerThread = 2 * BLOCK_M * 8 / kConsumerThreads;
   const int thread = threadIdx.x - BLOCK_M;
-  acquire_staging_tile(issuer);
-#pragma unroll 1
-  for (int q = 0; q < kUnitsPerThread; ++q) {
+  auto gate_unit_at = [&](int q) {
     const int unit = thread + kConsumerThreads * q;
     const int chunk = unit / (BLOCK_M * 8), tile_row = (unit / 8) % BLOCK_M;
-    uint4* gate_unit = reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + tile_row * 128 +
-                                                (((unit % 8) ^ (tile_row % 8)) << 4));
+    return reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + tile_row * 128 +
+                                    (((unit % 8) ^ (tile_row % 8)) << 4));
+  };
+  // h from the staged g and u while the store of g and u reads them (reads beside reads); it is
+  // written over g only once that store has read the tile.
+  uint4 h[kUnitsPerThread];
+#pragma unroll
+  for (int q = 0; q < kUnitsPerThread; ++q) {
+    const uint4* gate_unit = gate_unit_at(q);
     const uint4 gate = *gate_unit;
     const uint4 up = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(gate_unit) +
                                                      2 * kStageChunkBytes);
     // The branch-free division first; `a / b` for a unit with an operand outside its range
     // (swiglu.cuh: the same bits).
-    uint4 h;
-    if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h))
-      swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h);
-    *gate_unit = h;
+    if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h[q]))
+      swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h[q]);
   }
+  acquire_staging_tile(issuer);
+#pragma unroll
+  for (int q = 0; q < kUnitsPerThread; ++q) *gate_unit_at(q) = h[q];
   publish_staging_tile();
   if (issuer) {
     store_chunks(out, tile, 0, 2, col_base, params.n_extent, row, 0);
