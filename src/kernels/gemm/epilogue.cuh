@@ -96,8 +96,9 @@ __device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char*
 // 16-byte units of g (chunks 0-1) and u (chunks 2-3) while their store reads the tile, writes h
 // over g once the store has read it, and the issuer stores h to `out`. h depends only on bf16(g)
 // and bf16(u), so the bits are those of computing it from the accumulators; doing it from shared
-// memory, one unit at a time, keeps the division's slow path from spilling the accumulators. Thread
-// t handles the units t + 256 q of chunks 0-1 (eight columns each).
+// memory, 16 bytes at a time, keeps the division's slow path from spilling the accumulators
+// (the eight units' h take 32 registers: no spills). Thread t handles the units t + 256 q of
+// chunks 0-1 (eight columns each).
 __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
                                              const ExpertGemmParams& params, int col_base, int row,
                                              bool issuer) {
