@@ -167,3 +167,35 @@ TEST(Fp8, QuantizedValuesAreWithinHalfAStep) {
 
 }  // namespace
 }  // namespace mok
+
+namespace mok {
+namespace {
+
+// A weight quantized in blocks and then transposed is the transposed weight quantized in blocks:
+// each block keeps its amax and each value its code. So the dgrads' transposed operands can be
+// derived from the forward's quantized weights (or from weights a caller gives pre-quantized)
+// without the bf16 weights.
+TEST(Fp8, TransposingBlockQuantizedWeightsIsQuantizingTheTranspose) {
+  const int64_t rows = 256, cols = 384;
+  SplitMix64 rng(31);
+  std::vector<bf16> w(rows * cols), w_t(rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float value = std::ldexp(static_cast<float>(rng.next() % 20001) / 10000.0f - 1.0f,
+                                     static_cast<int>(rng.next() % 12) - 6);
+      w[r * cols + c] = w_t[c * rows + r] = float_to_bf16(value);
+    }
+  std::vector<e4m3> codes(w.size()), codes_t(w.size());
+  std::vector<float> scales(rows * cols / (128 * 128)), scales_t(scales.size());
+  quantize_fp8_blocks(w.data(), rows, cols, codes.data(), scales.data());
+  quantize_fp8_blocks(w_t.data(), cols, rows, codes_t.data(), scales_t.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      ASSERT_EQ(codes[r * cols + c].bits, codes_t[c * rows + r].bits) << r << ", " << c;
+  for (int64_t br = 0; br < rows / 128; ++br)
+    for (int64_t bc = 0; bc < cols / 128; ++bc)
+      ASSERT_EQ(scales[br * (cols / 128) + bc], scales_t[bc * (rows / 128) + br]);
+}
+
+}  // namespace
+}  // namespace mok
