@@ -88,20 +88,28 @@ def make_problem(
     return Problem(name, T, H, I, E, K, Is, x, top, weights, d_out, module)
 
 
-def torch_grouped_mm_moe(x, top_experts, router_weights, gate_up, down):
-    """The torch pipeline: rows sorted by expert, one grouped GEMM per projection, SwiGLU, and the
-    weighted sum over each token's K slots in fp32 (deterministic: no atomics)."""
+def sorted_moe(x, top_experts, router_weights, num_experts, experts):
+    """The torch pipelines' frame: rows sorted by expert (stable), ``experts(rows, offsets)``
+    (offsets: each expert's end row), and the weighted sum over each token's K slots in fp32
+    (deterministic: no atomics)."""
     T, K = top_experts.shape
-    E = gate_up.shape[0]
     flat = top_experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offsets = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    rows = x[order // K]
-    gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+    y = experts(x[order // K], offsets)
     weighted = y.float() * router_weights.reshape(-1)[order, None]
     slots = torch.empty_like(weighted).index_copy(0, order, weighted)
     return slots.view(T, K, -1).sum(dim=1).to(x.dtype)
+
+
+def torch_grouped_mm_moe(x, top_experts, router_weights, gate_up, down):
+    """The torch pipeline: one grouped GEMM per projection and SwiGLU between them."""
+
+    def experts(rows, offsets):
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+
+    return sorted_moe(x, top_experts, router_weights, gate_up.shape[0], experts)
 
 
 def _fused_gate_up(module: MoE) -> Tensor:
@@ -181,14 +189,19 @@ def _hf_system(p: Problem, implementation: str) -> System:
     return System(f"hf {implementation}", experts, list(experts.parameters()))
 
 
-def _torch_system(p: Problem, shared_with: System | None = None) -> System:
-    """The torch pipeline; over the weights of `shared_with` (transformers' experts, whose
-    gate_up_proj [E, 2I, H] and down_proj [E, H, I] are its layouts) when given, else a copy."""
+def _torch_weights(p: Problem, shared_with: System | None) -> tuple[Tensor, Tensor]:
+    """gate_up [E, 2I, H] and down [E, H, I] for a torch pipeline: those of `shared_with`
+    (transformers' experts: the same layouts) when given, else copies of the problem's."""
     if shared_with is not None:
         gate_up, down = shared_with.parameters
-    else:
-        gate_up = _fused_gate_up(p.module).requires_grad_(True)
-        down = p.module.w_down.detach().clone().requires_grad_(True)
+        return gate_up, down
+    gate_up = _fused_gate_up(p.module).requires_grad_(True)
+    return gate_up, p.module.w_down.detach().clone().requires_grad_(True)
+
+
+def _torch_system(p: Problem, shared_with: System | None = None) -> System:
+    """The torch pipeline over `_torch_weights`."""
+    gate_up, down = _torch_weights(p, shared_with)
 
     def forward(x, top, weights):
         return torch_grouped_mm_moe(x, top, weights, gate_up, down)
@@ -202,11 +215,7 @@ def _torch_fp8_system(p: Problem, shared_with: System | None = None) -> System:
 
     if not hasattr(torch, "_scaled_grouped_mm"):
         raise ImportError("this torch has no torch._scaled_grouped_mm")
-    if shared_with is not None:
-        gate_up, down = shared_with.parameters
-    else:
-        gate_up = _fused_gate_up(p.module).requires_grad_(True)
-        down = p.module.w_down.detach().clone().requires_grad_(True)
+    gate_up, down = _torch_weights(p, shared_with)
 
     def forward(x, top, weights):
         return torch_fp8_moe(x, top, weights, gate_up, down)

@@ -75,15 +75,13 @@ class _Fp8Experts(torch.autograd.Function):
 def torch_fp8_moe(
     x: Tensor, top_experts: Tensor, router_weights: Tensor, gate_up: Tensor, down: Tensor
 ) -> Tensor:
-    """The layer: rows sorted by expert, the FP8 experts, the weighted sum over each token's K
-    slots in fp32 (as the bf16 torch pipeline of ``bench_peers``)."""
-    T, K = top_experts.shape
-    E = gate_up.shape[0]
-    flat = top_experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offsets = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    rows = x[order // K]
-    y = _Fp8Experts.apply(rows, offsets, gate_up, down)
-    weighted = y.float() * router_weights.reshape(-1)[order, None]
-    slots = torch.empty_like(weighted).index_copy(0, order, weighted)
-    return slots.view(T, K, -1).sum(dim=1).to(x.dtype)
+    """The layer: the FP8 experts in the bf16 torch pipeline's frame (``bench_peers``)."""
+    from .bench_peers import sorted_moe
+
+    return sorted_moe(
+        x,
+        top_experts,
+        router_weights,
+        gate_up.shape[0],
+        lambda rows, offsets: _Fp8Experts.apply(rows, offsets, gate_up, down),
+    )

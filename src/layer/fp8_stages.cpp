@@ -66,6 +66,19 @@ bool holds_weights(const Fp8WeightKey& key, const ExpertWeights& weights) {
 constexpr int32_t kTileBox[2] = {128, 128};
 constexpr int32_t kScaleBox[2] = {128, 1};
 
+// The forward's weights (w_gate, w_up, w_down in blocks) unless the buffers hold them already.
+void quantize_forward_weights(const ExpertWeights& weights, int64_t experts, int64_t hidden,
+                              int64_t inter, const Fp8SetBuffers& fp8, cudaStream_t stream) {
+  if (holds_weights(fp8.weights_key, weights)) return;
+  quantize_weights(weights.gate, experts, inter, hidden, weights.gate_stride, false, fp8.w_gate,
+                   stream, "w_gate");
+  quantize_weights(weights.up, experts, inter, hidden, weights.up_stride, false, fp8.w_up, stream,
+                   "w_up");
+  quantize_weights(weights.down, experts, hidden, inter, weights.down_stride, false, fp8.w_down,
+                   stream, "w_down");
+  fp8.weights_key = key_of(weights);
+}
+
 // e4m3 [rows, width], [128 x 128] boxes.
 CUtensorMap codes_2d(const Fp8Operand& op, int64_t rows, int64_t width, const char* what) {
   const int64_t dims[2] = {width, rows}, strides[1] = {width};
@@ -165,14 +178,7 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
-  if (!holds_weights(fp8.weights_key, f.weights)) {
-    quantize_weights(f.weights.gate, E, I, H, f.weights.gate_stride, false, fp8.w_gate, stream,
-                     "w_gate");
-    quantize_weights(f.weights.up, E, I, H, f.weights.up_stride, false, fp8.w_up, stream, "w_up");
-    quantize_weights(f.weights.down, E, H, I, f.weights.down_stride, false, fp8.w_down, stream,
-                     "w_down");
-    fp8.weights_key = key_of(f.weights);
-  }
+  quantize_forward_weights(f.weights, E, H, I, fp8, stream);
   quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
   mark("FP8 quantization of the weights and x rows");
   gate_up_gemm(s, set, fp8, rows, stream);
@@ -197,14 +203,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
                                           " rows in the maps, " + std::to_string(R) +
                                           " in the set's buffers");
   if (recompute) {
-    if (!holds_weights(fp8.weights_key, b.weights)) {
-      quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, false, fp8.w_gate, stream,
-                       "w_gate");
-      quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, false, fp8.w_up, stream, "w_up");
-      quantize_weights(b.weights.down, E, H, I, b.weights.down_stride, false, fp8.w_down, stream,
-                       "w_down");
-      fp8.weights_key = key_of(b.weights);
-    }
+    quantize_forward_weights(b.weights, E, H, I, fp8, stream);
     quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
     gate_up_gemm(s, set, fp8, rows, stream);
     mark("FP8 gate/up recompute");

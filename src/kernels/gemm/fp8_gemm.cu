@@ -29,6 +29,7 @@
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/gemm_mainloop.cuh"
+#include "kernels/gemm/tile_walk.h"
 #include "kernels/persistent/task_order.h"
 
 namespace mok::kernels {
@@ -62,18 +63,17 @@ struct Fp8Tile {
 template <Fp8GemmForm kForm>
 __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params, int tile, int num_m_tiles,
                                             int num_n_tiles) {
+  constexpr bool kRowTiles = kForm == Fp8GemmForm::kRowTiles;
+  const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, kRowTiles);
   Fp8Tile t;
-  if constexpr (kForm == Fp8GemmForm::kRowTiles) {
-    grouped_tile(tile, num_m_tiles, num_n_tiles, &t.m_tile, &t.n_tile);
+  t.m_tile = walk.m_unit;
+  t.n_tile = walk.n_tile;
+  if constexpr (kRowTiles) {
     t.expert = params.tile_expert[t.m_tile];
     t.k_block0 = 0;
     t.num_k_blocks = params.k_extent / kFp8BlockK;
   } else {
-    const int per_expert = num_m_tiles * num_n_tiles;
-    t.expert = tile / per_expert;
-    const int local = tile - t.expert * per_expert;
-    t.n_tile = local / num_m_tiles;
-    t.m_tile = local % num_m_tiles;
+    t.expert = walk.expert;
     const int begin = params.expert_offsets[t.expert], end = params.expert_offsets[t.expert + 1];
     t.k_block0 = begin / kFp8BlockK;
     t.num_k_blocks = (end - begin) / kFp8BlockK;
