@@ -381,70 +381,23 @@ class _MoeFunction(torch.autograd.Function):
     still holds it, else recomputes."""
 
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        top_experts,
-        router_weights,
-        w_gate,
-        w_up,
-        w_down,
-        w_shared_gate,
-        w_shared_up,
-        w_shared_down,
-        swiglu_limit,
-        handle,
-    ):
-        out = torch.ops.mok.forward(
-            x,
-            top_experts,
-            router_weights,
-            w_gate,
-            w_up,
-            w_down,
-            w_shared_gate,
-            w_shared_up,
-            w_shared_down,
-            swiglu_limit,
-            handle,
-        )
-        ctx.save_for_backward(
-            x,
-            top_experts,
-            router_weights,
-            w_gate,
-            w_up,
-            w_down,
-            w_shared_gate,
-            w_shared_up,
-            w_shared_down,
-        )
+    def forward(ctx, *args):
+        # args: the nine inputs of torch.ops.mok.forward, then swiglu_limit and the workspace.
+        inputs, (swiglu_limit, handle) = args[:9], args[9:]
+        out = torch.ops.mok.forward(*inputs, swiglu_limit, handle)
+        ctx.save_for_backward(*inputs)
         ctx.swiglu_limit = swiglu_limit
         ctx.handle = handle
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, top_experts, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = (
-            ctx.saved_tensors
-        )
+        inputs = ctx.saved_tensors
         grads = torch.ops.mok.backward(
-            d_out.contiguous(),
-            x,
-            top_experts,
-            router_weights,
-            w_gate,
-            w_up,
-            w_down,
-            ws_gate,
-            ws_up,
-            ws_down,
-            ctx.swiglu_limit,
-            ctx.handle,
-            True,
+            d_out.contiguous(), *inputs, ctx.swiglu_limit, ctx.handle, True
         )
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = grads[:5]
-        shared = _shared_gradients(grads, (ws_gate, ws_up, ws_down))
+        shared = _shared_gradients(grads, inputs[6:])
         return (d_x, None, d_router_weights, d_w_gate, d_w_up, d_w_down, *shared, None, None)
 
 

@@ -83,6 +83,29 @@ def _empty_gradient(like: Tensor) -> Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
+def _layer_key(inputs: tuple, swiglu_limit: float, num_ranks: int = 1):
+    """The layer a call's nine inputs (x, top_experts, router_weights, the six weights) need."""
+    x, top_experts, _, w_gate, _, _, w_shared_gate, _, _ = inputs
+    return layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, num_ranks)
+
+
+def _gradients_like(inputs: tuple) -> list[Tensor]:
+    """The backward's eight outputs for the nine inputs: d_x, d_router_weights, the routed
+    weights' gradients, and the shared expert's (empty without one)."""
+    x, _, router_weights, w_gate, w_up, w_down, *shared_weights = inputs
+
+    def like(tensor):
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+    shared = [like(w) if w is not None else _empty_gradient(w_gate) for w in shared_weights]
+    return [like(x), like(router_weights), like(w_gate), like(w_up), like(w_down), *shared]
+
+
+# The CUDA implementations carry the ops' schemas (torch.library infers them from these
+# signatures); the CPU and fake ones take the same arguments positionally: the nine inputs, then
+# swiglu_limit and workspace (backward: d_out first, use_context last).
+
+
 @torch.library.custom_op("mok::forward", mutates_args=(), device_types="cuda")
 def forward(
     x: Tensor,
@@ -109,7 +132,7 @@ def forward(
         w_shared_down,
     )
     space = workspace_of(workspace)
-    key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
+    key = _layer_key(inputs, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     stream = torch.cuda.current_stream(x.device).cuda_stream
@@ -122,64 +145,21 @@ def forward(
 
 
 @forward.register_kernel("cpu")
-def _forward_cpu(
-    x,
-    top_experts,
-    router_weights,
-    w_gate,
-    w_up,
-    w_down,
-    w_shared_gate,
-    w_shared_up,
-    w_shared_down,
-    swiglu_limit,
-    workspace,
-):
-    inputs = (
-        x,
-        top_experts,
-        router_weights,
-        w_gate,
-        w_up,
-        w_down,
-        w_shared_gate,
-        w_shared_up,
-        w_shared_down,
+def _forward_cpu(*args):
+    inputs, (swiglu_limit, workspace) = args[:9], args[9:]
+    out = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
+    _C.reference_forward(
+        _layer_key(inputs, swiglu_limit).shape(1),
+        *_capsules(*inputs),
+        _dl(out),
+        _cpu_precision(workspace),
     )
-    shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _C.reference_forward(shape, *_capsules(*inputs), _dl(out), _cpu_precision(workspace))
     return out
 
 
 @forward.register_fake
-def _forward_fake(
-    x,
-    top_experts,
-    router_weights,
-    w_gate,
-    w_up,
-    w_down,
-    w_shared_gate,
-    w_shared_up,
-    w_shared_down,
-    swiglu_limit,
-    workspace,
-):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _gradients_like(
-    x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
-):
-    def like(tensor):
-        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
-
-    shared = [
-        like(w) if w is not None else _empty_gradient(w_gate)
-        for w in (w_shared_gate, w_shared_up, w_shared_down)
-    ]
-    return [like(x), like(router_weights), like(w_gate), like(w_up), like(w_down), *shared]
+def _forward_fake(*args):
+    return torch.empty_like(args[0], memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")
@@ -210,11 +190,9 @@ def backward(
         w_shared_down,
     )
     space = workspace_of(workspace)
-    key = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, space.num_ranks)
+    key = _layer_key(inputs, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
-    grads = _gradients_like(
-        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
-    )
+    grads = _gradients_like(inputs)
     context = space.context_for(key, x.device, fingerprint(*inputs)) if use_context else 0
     stream = torch.cuda.current_stream(x.device).cuda_stream
     version = _weights_version(space, inputs[3:])
@@ -232,38 +210,11 @@ def backward(
 
 
 @backward.register_kernel("cpu")
-def _backward_cpu(
-    d_out,
-    x,
-    top_experts,
-    router_weights,
-    w_gate,
-    w_up,
-    w_down,
-    w_shared_gate,
-    w_shared_up,
-    w_shared_down,
-    swiglu_limit,
-    workspace,
-    use_context,
-):
-    inputs = (
-        x,
-        top_experts,
-        router_weights,
-        w_gate,
-        w_up,
-        w_down,
-        w_shared_gate,
-        w_shared_up,
-        w_shared_down,
-    )
-    shape = layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit).shape(1)
-    grads = _gradients_like(
-        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
-    )
+def _backward_cpu(*args):
+    d_out, inputs, (swiglu_limit, workspace, _) = args[0], args[1:10], args[10:]
+    grads = _gradients_like(inputs)
     _C.reference_backward(
-        shape,
+        _layer_key(inputs, swiglu_limit).shape(1),
         *_capsules(*inputs),
         _dl(d_out),
         *_gradient_capsules(grads, inputs[6:]),
@@ -273,21 +224,5 @@ def _backward_cpu(
 
 
 @backward.register_fake
-def _backward_fake(
-    d_out,
-    x,
-    top_experts,
-    router_weights,
-    w_gate,
-    w_up,
-    w_down,
-    w_shared_gate,
-    w_shared_up,
-    w_shared_down,
-    swiglu_limit,
-    workspace,
-    use_context,
-):
-    return _gradients_like(
-        x, router_weights, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down
-    )
+def _backward_fake(*args):
+    return _gradients_like(args[1:10])

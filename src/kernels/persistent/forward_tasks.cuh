@@ -25,6 +25,7 @@
 
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/expert_gemm_params.h"
+#include "kernels/gemm/gemm_loads.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/persistent/launch.h"
 #include "kernels/persistent/task_order.h"
@@ -86,14 +87,6 @@ __device__ __forceinline__ TileCoord coord_of(const ForwardGemmsParams& params,
   return coord;
 }
 
-// The A operand's first row of a task: routed rows (x rows, h) live in the macrobatch's ring, the
-// shared expert's are x and its own h, whole.
-__device__ __forceinline__ int a_row_of(const ForwardGemmsParams& params,
-                                        const ForwardQueuedTask& task) {
-  const bool shared = is_shared(static_cast<TaskKind>(task.kind));
-  return task.m_tile * BLOCK_M - (shared ? 0 : params.gate_up.macrobatch.ring_row_base);
-}
-
 // gate_up(m, n): a 128 x (128 gate + 128 up) tile with the SwiGLU epilogue (h, and bf16 g and u
 // as the forward context).
 struct GateUpTask {
@@ -110,10 +103,10 @@ struct GateUpTask {
                                                     const TileCoord& coord, int k_block,
                                                     __nv_bfloat16* a_dst, __nv_bfloat16* b_dst,
                                                     uint64_t* full) {
-    const int k = k_block * BLOCK_K;
-    ptx::tma_load_2d(a_dst, &maps.x_rows, full, k, a_row_of(params, queued));
-    ptx::tma_load_3d(b_dst, &maps.w_gate, full, k, coord.n_tile * 128, coord.expert);
-    ptx::tma_load_3d(b_dst + 128 * BLOCK_K, &maps.w_up, full, k, coord.n_tile * 128, coord.expert);
+    issue_loads<ExpertGemmForm::kGateUpSwiGLU>(
+        &maps.x_rows, &maps.x_rows, &maps.w_gate, &maps.w_up,
+        gemm_params_of(params, static_cast<TaskKind>(queued.kind)), coord, k_block, a_dst, b_dst,
+        full);
   }
   __device__ __forceinline__ static void run(TaskConsumerScope& scope, const ForwardSetMaps& maps,
                                              const ForwardGemmsParams& params,
@@ -152,11 +145,10 @@ struct DownTask {
                                                     const TileCoord& coord, int k_block,
                                                     __nv_bfloat16* a_dst, __nv_bfloat16* b_dst,
                                                     uint64_t* full) {
-    const int k = k_block * BLOCK_K;
-    ptx::tma_load_2d(a_dst, &maps.hidden_in, full, k, a_row_of(params, queued));
-    for (int half = 0; half < 2; ++half)  // w_down's boxes are 128 rows (expert_stages.cpp)
-      ptx::tma_load_3d(b_dst + half * 128 * BLOCK_K, &maps.w_down, full, k,
-                       coord.n_tile * BLOCK_N + half * 128, coord.expert);
+    issue_loads<ExpertGemmForm::kDownStore>(
+        &maps.hidden_in, &maps.hidden_in, &maps.w_down, &maps.w_down,
+        gemm_params_of(params, static_cast<TaskKind>(queued.kind)), coord, k_block, a_dst, b_dst,
+        full);
   }
   __device__ __forceinline__ static void run(TaskConsumerScope& scope, const ForwardSetMaps& maps,
                                              const ForwardGemmsParams& params,
