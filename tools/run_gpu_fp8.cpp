@@ -91,6 +91,13 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
         layer.backward(kept_backward, stream, &step);
       }};
   const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
+  // Where the FP8 time goes, with the weights kept (their quantization is a stage only when
+  // they change) and quantized every call.
+  const auto forward_stages = layer.profile_forward(kept_args, stream, 10);
+  const mok::ForwardContext stage_context = layer.forward(kept_args, stream);
+  const auto backward_stages = layer.profile_backward(kept_backward, stream, 10, &stage_context);
+  const auto requantizing_stages = layer.profile_forward(args, stream, 10);
+  layer.synchronize(stream).throw_if_error();
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
 
   bool passed = deterministic;
@@ -113,6 +120,14 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
     std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[4 + d],
                 flops[d] / medians[4 + d] / 1e9, medians[2 * d + 1],
                 flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[4 + d]);
+  const std::pair<const char*, const std::vector<std::pair<std::string, float>>*> stage_lists[] =
+      {{"forward, weights kept", &forward_stages},
+       {"backward, weights kept", &backward_stages},
+       {"forward, weights quantized", &requantizing_stages}};
+  for (const auto& [title, stages] : stage_lists) {
+    std::printf("  FP8 %s: stages (median of 10, events between stages):\n", title);
+    for (const auto& [name, ms] : *stages) std::printf("    %-44s %9.3f ms\n", name.c_str(), ms);
+  }
   std::printf("  against the CPU reference's FP8 on %lld of %lld tokens (tolerance %.0e):\n",
               static_cast<long long>(check_count), static_cast<long long>(shape.num_tokens),
               kGpuTolerance);

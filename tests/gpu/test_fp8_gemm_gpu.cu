@@ -249,7 +249,9 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
       for (int64_t g = 0; g < k_groups; ++g)
         (g < k_first / 128 ? k_scales_first : k_scales_second)
             .push_back(b_scales[(e * (n / 128) + nb) * k_groups + g]);
-  ASSERT_EQ(cudaMemcpy(first_scales, k_scales_first.data(), k_scales_first.size() * 4,
+  float* k_first_scales = nullptr;  // more than the n split's first scales: every N-block
+  ASSERT_EQ(cudaMalloc(&k_first_scales, k_scales_first.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(k_first_scales, k_scales_first.data(), k_scales_first.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
   float* k_second_scales = nullptr;
@@ -257,7 +259,7 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
   ASSERT_EQ(cudaMemcpy(k_second_scales, k_scales_second.data(), k_scales_second.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
-  problem.params.b_scales = first_scales;
+  problem.params.b_scales = k_first_scales;
   problem.params.b2_scales = k_second_scales;
   problem.params.k_split = static_cast<int32_t>(k_first);
   ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
@@ -267,7 +269,8 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0)
       << "a split K gives other bits than one K";
   for (void* p : {first, second, static_cast<void*>(first_scales),
-                  static_cast<void*>(second_scales), static_cast<void*>(k_second_scales)})
+                  static_cast<void*>(second_scales), static_cast<void*>(k_first_scales),
+                  static_cast<void*>(k_second_scales)})
     cudaFree(p);
 }
 

@@ -183,19 +183,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const bool issuer = threadIdx.x == BLOCK_M;
     const int row0 = consumer_idx * 64 + fragment_row(0), row1 = row0 + 8;
     const int column0 = fragment_col(0);  // + 8 j: this thread's column pair of group j
-    PipelineState<kFp8Stages> state;
-    float block[64];  // one K-block's products (wgmma accumulator)
-    float sum[64];    // the promoted fp32 sum
+    PipelineState<kFp8Stages> load_state, release_state;
+    float block0[64], block1[64];  // two K-blocks' products in flight (wgmma accumulators)
+    float sum[64];                 // the promoted fp32 sum
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-      float scale_b = kWeightGrad || t.num_k_blocks == 0 ? 1.0f : row_tile_b_scale(params, t, 0);
-      for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
-        const int s = state.stage;
-        float next_scale_b = 1.0f;
-        if constexpr (!kWeightGrad)
-          next_scale_b =
-              k_block + 1 < t.num_k_blocks ? row_tile_b_scale(params, t, k_block + 1) : 0.0f;
-        mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], state.phase);
+      // B's scale of each K-block in flight (kRowTiles; read from global memory as it issues).
+      float scale_b0 = 1.0f, scale_b1 = 1.0f;
+      // Waits for K-block `k_block`'s stage and issues its four wgmma into `block`.
+      auto issue = [&](int k_block, float(&block)[64], float& scale_b) {
+        if constexpr (!kWeightGrad) scale_b = row_tile_b_scale(params, t, k_block);
+        const int s = load_state.stage;
+        mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], load_state.phase);
         const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
         const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
         ptx::fence_registers(block);
@@ -204,8 +203,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int k = 0; k < kFp8BlockK / 32; ++k)  // 32 bytes = 2 descriptor units per step
           ptx::wgmma_m64n128k32_e4m3(block, desc_a + 2 * k, desc_b + 2 * k, k > 0);
         ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
+        load_state.advance();
+      };
+      // Adds the oldest K-block's finished products into the sum times their scales and hands
+      // its stage back.
+      auto promote = [&](float(&block)[64], float scale_b) {
         ptx::fence_registers(block);
+        const int s = release_state.stage;
         const float factor0 = smem.a_scales[s][row0] * scale_b;
         const float factor1 = smem.a_scales[s][row1] * scale_b;
         if constexpr (!kWeightGrad) {
@@ -225,7 +229,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             for (int c = 0; c < 2; ++c) {
               const int r = j * 4 + i * 2 + c;
               const float factor = row_factor * (c == 0 ? column_scale.x : column_scale.y);
-              sum[r] = k_block == 0 ? block[r] * factor : fmaf(block[r], factor, sum[r]);
+              sum[r] = fmaf(block[r], factor, sum[r]);
             }
           }
         }
@@ -233,8 +237,35 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           __syncwarp();  // the B scales were read from the stage too
           if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
         }
-        state.advance();
-        scale_b = next_scale_b;
+        release_state.advance();
+      };
+      // K-block k + 1 runs on the tensor cores while K-block k is promoted: the two buffers
+      // alternate (even blocks in block0), so the promotion's FMAs hide under the wgmma.
+      // -0 + x is x for every x, -0 included: the first block's sum is its bare product.
+#pragma unroll
+      for (int r = 0; r < 64; ++r) sum[r] = -0.0f;
+      // At the loop's head K-block k is in flight in block0, always (so that ptxas sees one
+      // state there and keeps the wgmma asynchronous); every exit waits for everything.
+      if (t.num_k_blocks > 0) {
+        issue(0, block0, scale_b0);
+        for (int k_block = 0;; k_block += 2) {
+          if (k_block + 1 == t.num_k_blocks) {
+            ptx::wgmma_wait<0>();
+            promote(block0, scale_b0);
+            break;
+          }
+          issue(k_block + 1, block1, scale_b1);
+          ptx::wgmma_wait<1>();
+          promote(block0, scale_b0);
+          if (k_block + 2 == t.num_k_blocks) {
+            ptx::wgmma_wait<0>();
+            promote(block1, scale_b1);
+            break;
+          }
+          issue(k_block + 2, block0, scale_b0);
+          ptx::wgmma_wait<1>();
+          promote(block1, scale_b1);
+        }
       }
       const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
       acquire_staging_tile(issuer);
