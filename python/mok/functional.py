@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, ops
 from ._workspace import Workspace
 
 __all__ = [
@@ -384,7 +384,7 @@ class _MoeFunction(torch.autograd.Function):
     def forward(ctx, *args):
         # args: the nine inputs of torch.ops.mok.forward, then swiglu_limit and the workspace.
         inputs, (swiglu_limit, handle) = args[:9], args[9:]
-        out = torch.ops.mok.forward(*inputs, swiglu_limit, handle)
+        out = ops.forward_eager(*inputs, swiglu_limit, handle)
         ctx.save_for_backward(*inputs)
         ctx.swiglu_limit = swiglu_limit
         ctx.handle = handle
@@ -393,9 +393,7 @@ class _MoeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         inputs = ctx.saved_tensors
-        grads = torch.ops.mok.backward(
-            d_out.contiguous(), *inputs, ctx.swiglu_limit, ctx.handle, True
-        )
+        grads = ops.backward_eager(d_out.contiguous(), *inputs, ctx.swiglu_limit, ctx.handle, True)
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = grads[:5]
         shared = _shared_gradients(grads, inputs[6:])
         return (d_x, None, d_router_weights, d_w_gate, d_w_up, d_w_down, *shared, None, None)

@@ -25,6 +25,7 @@ through a ``torch.autograd.Function`` over them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -106,8 +107,15 @@ def _gradients_like(inputs: tuple) -> list[Tensor]:
 # swiglu_limit and workspace (backward: d_out first, use_context last).
 
 
-@torch.library.custom_op("mok::forward", mutates_args=(), device_types="cuda")
-def forward(
+def _run_on(device: torch.device):
+    """The CUDA device context for a call on `device`: none when it is current already (the
+    usual case; entering one costs microseconds in every call)."""
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _forward_cuda(
     x: Tensor,
     top_experts: Tensor,
     router_weights: Tensor,
@@ -135,13 +143,18 @@ def forward(
     key = _layer_key(inputs, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = torch._C._cuda_getCurrentRawStream(x.device.index)
     version = _weights_version(space, inputs[3:])
     extra = {"weights_version": version} if version else {}
-    with torch.cuda.device(x.device):
+    with _run_on(x.device):
         context = layer.forward(*_capsules(*inputs), _dl(out), stream, **extra)
     space.record_forward(key, x.device, context, fingerprint(*inputs))
     return out
+
+
+forward = torch.library.custom_op("mok::forward", mutates_args=(), device_types="cuda")(
+    _forward_cuda
+)
 
 
 @forward.register_kernel("cpu")
@@ -162,8 +175,7 @@ def _forward_fake(*args):
     return torch.empty_like(args[0], memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")
-def backward(
+def _backward_cuda(
     d_out: Tensor,
     x: Tensor,
     top_experts: Tensor,
@@ -194,10 +206,10 @@ def backward(
     layer = space.layer(key, x.device)
     grads = _gradients_like(inputs)
     context = space.context_for(key, x.device, fingerprint(*inputs)) if use_context else 0
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = torch._C._cuda_getCurrentRawStream(x.device.index)
     version = _weights_version(space, inputs[3:])
     extra = {"weights_version": version} if version else {}
-    with torch.cuda.device(x.device):
+    with _run_on(x.device):
         layer.backward(
             *_capsules(*inputs),
             _dl(d_out),
@@ -207,6 +219,11 @@ def backward(
             **extra,
         )
     return grads
+
+
+backward = torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")(
+    _backward_cuda
+)
 
 
 @backward.register_kernel("cpu")
@@ -226,3 +243,35 @@ def _backward_cpu(*args):
 @backward.register_fake
 def _backward_fake(*args):
     return _gradients_like(args[1:10])
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _dispatch_free(tensors) -> bool:
+    """True when a call can go straight to the CUDA implementation: eager (no torch.compile
+    tracing), no torch function or dispatch mode active (fake tensors, functionalization, debug
+    modes), and plain CUDA tensors only (no subclass: DTensor, FakeTensor). The dispatcher would
+    pick that implementation anyway; skipping it saves its per-call cost (tens of microseconds
+    of host time, which a call timed alone sees in full)."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack() != 0
+    ):
+        return False
+    return all(t is None or (type(t) in _PLAIN and t.is_cuda) for t in tensors)
+
+
+def forward_eager(*args) -> Tensor:
+    """``torch.ops.mok.forward(*args)``, without the dispatcher when ``_dispatch_free``."""
+    if _dispatch_free(args[:9]):
+        return _forward_cuda(*args)
+    return torch.ops.mok.forward(*args)
+
+
+def backward_eager(*args) -> list[Tensor]:
+    """``torch.ops.mok.backward(*args)``, without the dispatcher when ``_dispatch_free``."""
+    if _dispatch_free(args[:10]):
+        return _backward_cuda(*args)
+    return torch.ops.mok.backward(*args)

@@ -1,5 +1,5 @@
 // The single-GPU layer in FP8 (MoeConfig::precision = kFP8Block): every output against the CPU
-// reference's FP8 math (the same quantization, summed in another order) at the bf16 tolerance,
+// reference's FP8 math (the same quantization, summed in another order) at 1.5x the bf16 tolerance,
 // on uniform and adversarial routings, with a shared expert and a clamp; bitwise across runs and
 // with or without the forward context; and the distance to the bf16 layer printed. Shapes the
 // FP8 path does not run are refused by name before anything runs.
@@ -20,6 +20,13 @@ namespace mok {
 namespace {
 
 using test::make_shape;
+
+// 1.5 x the bf16 tolerance (1e-2). The GPU's FP8 GEMMs sum each 128-long block on the tensor
+// cores, whose FP8 accumulation keeps fewer bits than the reference's fp32. A g, u, dh or d_g
+// that lands one bf16 ulp away then moves a group's amax, and so that group's scale: every
+// value of the group is requantized against it. On H200 the outputs sit at 2-7e-3 against the
+// reference, one weight gradient at 1.0e-2 (design.md, "FP8 against its reference").
+constexpr double kFp8ReferenceTolerance = 1.5e-2;
 
 MoeConfig fp8_config() {
   MoeConfig config;
@@ -42,7 +49,7 @@ void check_fp8(const char* name, const MoeShape& shape, RoutingKind routing, uin
   DeviceProblem device(problem, 0);
   GpuLayer layer(shape, fp8_config());
   const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
-  test::expect_near_reference(got, problem.ranks[0]);
+  test::expect_near_reference(got, problem.ranks[0], kFp8ReferenceTolerance);
   std::printf("  %-22s %-40s %-10s", name, shape.to_string().c_str(), routing_kind_name(routing));
   test::for_each_output(got, problem.ranks[0],
                         [&](const char* output, const auto& g, const auto& w) {

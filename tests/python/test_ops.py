@@ -87,3 +87,44 @@ def test_ops_leave_their_inputs_untouched(device):
     )
     for k, v in before.items():
         assert torch.equal(v, p[k]), k
+
+
+def test_dispatch_free_only_for_plain_eager_cuda_tensors():
+    """The eager shortcut past the dispatcher (ops.forward_eager) is taken only where the
+    dispatcher would pick the CUDA implementation anyway."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mok import ops
+
+    cpu = torch.zeros(2, 2)
+    assert not ops._dispatch_free([cpu, None])
+    with FakeTensorMode():
+        fake = torch.zeros(2, 2)
+    assert not ops._dispatch_free([fake])
+    if torch.cuda.is_available():
+        cuda = torch.zeros(2, 2, device="cuda")
+        assert ops._dispatch_free([cuda, torch.nn.Parameter(cuda.clone()), None])
+        with torch.overrides.TorchFunctionMode():
+            assert not ops._dispatch_free([cuda])
+        assert not ops._dispatch_free([cuda, cpu])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_entries_match_the_ops(device):
+    """ops.forward_eager / backward_eager (what mok.functional.moe and mok.nn.MoE call) give
+    the ops' bits, with or without the dispatcher."""
+    from mok import ops
+
+    p = make_problem(device, Is=64, T=40)
+    weights, handle = op_args(p, device)
+    args = (p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
+    out = torch.ops.mok.forward(*args)
+    eager = ops.forward_eager(*args)
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    d_out = torch.randn_like(out)
+    backward_args = (d_out, *args, True)
+    for a, b in zip(torch.ops.mok.backward(*backward_args), ops.backward_eager(*backward_args)):
+        assert torch.equal(
+            a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+            b.view(torch.int16) if b.dtype == torch.bfloat16 else b,
+        )

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The Python benchmark alone on a GPU device machine (lighter than gpu-check.sh): installs the
+# package with the machine's PyTorch (no network), SonicMoE from the carried wheels in
+# .deps/peers/wheels into a private folder (MOK_BENCH_SONIC=0 leaves it out: its autotuning
+# takes minutes per shape on a fresh machine), then `python -m mok.bench` on
+# MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1.
+# Outputs under $OUT: setup.log, bench.log, bench.json, bench.png.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+export PATH="$PATH:/usr/local/cuda/bin"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi -L || { echo "no GPU visible"; exit 1; }
+if ! env MOK_PYTHON_SYSTEM=1 scripts/setup-python.sh >"$OUT/setup.log" 2>&1; then
+  tail -30 "$OUT/setup.log"
+  exit 1
+fi
+bench_env=()
+site="$(mktemp -d)"
+if [ "${MOK_BENCH_SONIC:-1}" = 1 ] && ls .deps/peers/wheels/*.whl >/dev/null 2>&1 &&
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+    .deps/peers/wheels/*.whl >>"$OUT/setup.log" 2>&1; then
+  bench_env=(env "PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
+    TRITON_CACHE_AUTOTUNING=1 "MOK_BENCH_SONIC_PRECOMPILE=$root/.deps/peers/sonic_bench.py")
+fi
+fp8=()
+[ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && fp8=(--fp8)
+timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.bench \
+  --shapes "${MOK_PYTHON_BENCH_SHAPES:-qwen3,dsv3_local}" "${fp8[@]}" --json "$OUT/bench.json" \
+  --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1
+status=$?
+cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
+rm -rf "$site"
+exit "$status"
