@@ -4,7 +4,8 @@
 # .deps/peers/wheels into a private folder (MOK_BENCH_SONIC=0 leaves it out: its autotuning
 # takes minutes per shape on a fresh machine), then `python -m mok.bench` on
 # MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1.
-# Outputs under $OUT: setup.log, bench.log, bench.json, bench.png.
+# MOK_PYTHON_TESTS=1 runs the Python tests (pytest, CUDA cases included) before the benchmark.
+# Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -16,6 +17,12 @@ nvidia-smi -L || { echo "no GPU visible"; exit 1; }
 if ! env MOK_PYTHON_SYSTEM=1 scripts/setup-python.sh >"$OUT/setup.log" 2>&1; then
   tail -30 "$OUT/setup.log"
   exit 1
+fi
+status=0
+if [ "${MOK_PYTHON_TESTS:-0}" = 1 ]; then  # the Python tests first (pytest.log)
+  (cd tests/python && timeout "${MOK_PYTHON_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs \
+    -p no:cacheprovider .) >"$OUT/pytest.log" 2>&1 || status=1
+  grep -E "passed|failed|FAILED|Error" "$OUT/pytest.log" | tail -15
 fi
 bench_env=()
 site="$(mktemp -d)"
@@ -29,8 +36,7 @@ fp8=()
 [ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && fp8=(--fp8)
 timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.bench \
   --shapes "${MOK_PYTHON_BENCH_SHAPES:-qwen3,dsv3_local}" "${fp8[@]}" --json "$OUT/bench.json" \
-  --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1
-status=$?
+  --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1 || status=1
 cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
 rm -rf "$site"
 exit "$status"
