@@ -108,8 +108,8 @@ def test_fp8_on_cuda_matches_the_cpu_reference():
     d_out = torch.randn(128, 256, generator=gen).to(torch.bfloat16)
     results = []
     for module, device in ((cpu, "cpu"), (cuda, "cuda")):
-        xd = x.to(device).requires_grad_(True)
-        wd = weights.to(device).requires_grad_(True)
+        xd = x.to(device).detach().requires_grad_(True)
+        wd = weights.to(device).detach().requires_grad_(True)
         out = module(xd, top.to(device), wd)
         out.backward(d_out.to(device))
         grads = [xd.grad, wd.grad] + [p.grad for p in module.parameters()]

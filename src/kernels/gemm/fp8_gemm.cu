@@ -14,9 +14,9 @@
 //                 m64n128k32 e4m3 into a fresh tile (scale-d 0 first); while the next block's
 //                 run, the finished tile is added into the sum times its scales: Hopper's FP8
 //                 accumulation keeps too few bits for long sums, so no sum runs in the tensor
-//                 core longer than one 128-long block. kRowTiles also issues the next tile's
-//                 first block before the epilogue. kRowTiles: scale_a[row] *
-//                 scale_b (one per weight block, read from global memory before the stage is
+//                 core longer than one 128-long block. (Issuing the next tile's first block
+//                 before the epilogue measured 3-6% slower; docs/perf.md.) kRowTiles: scale_a[row]
+//                 * scale_b (one per weight block, read from global memory before the stage is
 //                 waited for), the stage released before the promotion; kWeightGrad:
 //                 scale_a[m] * scale_b[n] per element (the B scales read from the stage, so
 //                 the stage is released after it).
@@ -188,87 +188,75 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     PipelineState<kFp8Stages> load_state, release_state;
     float block0[64], block1[64];  // two K-blocks' products in flight (wgmma accumulators)
     float sum[64];                 // the promoted fp32 sum
-    // B's scale of each K-block in flight (kRowTiles; read from global memory as it issues).
-    float scale_b0 = 1.0f, scale_b1 = 1.0f;
-    // Waits for K-block `k_block` of tile `t`'s stage and issues its four wgmma into `block`.
-    auto issue = [&](const Fp8Tile& t, int k_block, float(&block)[64], float& scale_b) {
-      if constexpr (!kWeightGrad) scale_b = row_tile_b_scale(params, t, k_block);
-      const int s = load_state.stage;
-      mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], load_state.phase);
-      const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
-      const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
-      ptx::fence_registers(block);
-      ptx::wgmma_fence();
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+      // B's scale of each K-block in flight (kRowTiles; read from global memory as it issues).
+      float scale_b0 = 1.0f, scale_b1 = 1.0f;
+      // Waits for K-block `k_block`'s stage and issues its four wgmma into `block`.
+      auto issue = [&](int k_block, float(&block)[64], float& scale_b) {
+        if constexpr (!kWeightGrad) scale_b = row_tile_b_scale(params, t, k_block);
+        const int s = load_state.stage;
+        mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], load_state.phase);
+        const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
+        const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
+        ptx::fence_registers(block);
+        ptx::wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kFp8BlockK / 32; ++k)  // 32 bytes = 2 descriptor units per step
-        ptx::wgmma_m64n128k32_e4m3(block, desc_a + 2 * k, desc_b + 2 * k, k > 0);
-      ptx::wgmma_commit();
-      load_state.advance();
-    };
-    // Adds the oldest K-block's finished products into the sum times their scales and hands
-    // its stage back.
-    auto promote = [&](float(&block)[64], float scale_b) {
-      ptx::fence_registers(block);
-      const int s = release_state.stage;
-      const float factor0 = smem.a_scales[s][row0] * scale_b;
-      const float factor1 = smem.a_scales[s][row1] * scale_b;
-      if constexpr (!kWeightGrad) {
-        __syncwarp();  // every lane has read its scales before the stage is handed back
-        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
-      }
-      // Fragment register j * 4 + i * 2 + c: row row0 + 8 i, column column0 + 8 j + c.
+        for (int k = 0; k < kFp8BlockK / 32; ++k)  // 32 bytes = 2 descriptor units per step
+          ptx::wgmma_m64n128k32_e4m3(block, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+        ptx::wgmma_commit();
+        load_state.advance();
+      };
+      // Adds the oldest K-block's finished products into the sum times their scales and hands
+      // its stage back.
+      auto promote = [&](float(&block)[64], float scale_b) {
+        ptx::fence_registers(block);
+        const int s = release_state.stage;
+        const float factor0 = smem.a_scales[s][row0] * scale_b;
+        const float factor1 = smem.a_scales[s][row1] * scale_b;
+        if constexpr (!kWeightGrad) {
+          __syncwarp();  // every lane has read its scales before the stage is handed back
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
+        }
+        // Fragment register j * 4 + i * 2 + c: row row0 + 8 i, column column0 + 8 j + c.
 #pragma unroll
-      for (int j = 0; j < kFp8TileN / 8; ++j) {
-        float2 column_scale = make_float2(1.0f, 1.0f);
-        if constexpr (kWeightGrad)
-          column_scale = *reinterpret_cast<const float2*>(&smem.b_scales[s][column0 + 8 * j]);
+        for (int j = 0; j < kFp8TileN / 8; ++j) {
+          float2 column_scale = make_float2(1.0f, 1.0f);
+          if constexpr (kWeightGrad)
+            column_scale = *reinterpret_cast<const float2*>(&smem.b_scales[s][column0 + 8 * j]);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float row_factor = i == 0 ? factor0 : factor1;
+          for (int i = 0; i < 2; ++i) {
+            const float row_factor = i == 0 ? factor0 : factor1;
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int r = j * 4 + i * 2 + c;
-            const float factor = row_factor * (c == 0 ? column_scale.x : column_scale.y);
-            sum[r] = fmaf(block[r], factor, sum[r]);
+            for (int c = 0; c < 2; ++c) {
+              const int r = j * 4 + i * 2 + c;
+              const float factor = row_factor * (c == 0 ? column_scale.x : column_scale.y);
+              sum[r] = fmaf(block[r], factor, sum[r]);
+            }
           }
         }
-      }
-      if constexpr (kWeightGrad) {
-        __syncwarp();  // the B scales were read from the stage too
-        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
-      }
-      release_state.advance();
-    };
-    // K-block k + 1 runs on the tensor cores while K-block k is promoted: the two buffers
-    // alternate (even blocks in block0), so the promotion's FMAs hide under the wgmma.
-    // kRowTiles issues a tile's first K-block before the previous tile's epilogue, so that the
-    // tensor cores run it while the sum is staged and stored. Not kWeightGrad: there ptxas
-    // serializes every wgmma when a block is in flight across the epilogue (C7514; 24 bytes
-    // spilled, its column scales leave it fewer registers), and also when the sum is reset
-    // after the first block's issue, hence the reset before it.
-    constexpr bool kEarlyFirstBlock = !kWeightGrad;
-    int tile = blockIdx.x;
-    Fp8Tile t{};
-    if (kEarlyFirstBlock && tile < num_tiles) {
-      t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-      if (t.num_k_blocks > 0) issue(t, 0, block0, scale_b0);
-    }
-    while (tile < num_tiles) {
-      if constexpr (!kEarlyFirstBlock) t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-        // -0 + x is x for every x, -0 included: the first block's sum is its bare product.
+        if constexpr (kWeightGrad) {
+          __syncwarp();  // the B scales were read from the stage too
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
+        }
+        release_state.advance();
+      };
+      // K-block k + 1 runs on the tensor cores while K-block k is promoted: the two buffers
+      // alternate (even blocks in block0), so the promotion's FMAs hide under the wgmma.
+      // -0 + x is x for every x, -0 included: the first block's sum is its bare product.
 #pragma unroll
       for (int r = 0; r < 64; ++r) sum[r] = -0.0f;
       // At the loop's head K-block k is in flight in block0, always (so that ptxas sees one
       // state there and keeps the wgmma asynchronous); every exit waits for everything.
       if (t.num_k_blocks > 0) {
-        if constexpr (!kEarlyFirstBlock) issue(t, 0, block0, scale_b0);
+        issue(0, block0, scale_b0);
         for (int k_block = 0;; k_block += 2) {
           if (k_block + 1 == t.num_k_blocks) {
             ptx::wgmma_wait<0>();
             promote(block0, scale_b0);
             break;
           }
-          issue(t, k_block + 1, block1, scale_b1);
+          issue(k_block + 1, block1, scale_b1);
           ptx::wgmma_wait<1>();
           promote(block0, scale_b0);
           if (k_block + 2 == t.num_k_blocks) {
@@ -276,16 +264,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             promote(block1, scale_b1);
             break;
           }
-          issue(t, k_block + 2, block0, scale_b0);
+          issue(k_block + 2, block0, scale_b0);
           ptx::wgmma_wait<1>();
           promote(block1, scale_b1);
         }
-      }
-      const int next_tile = tile + static_cast<int>(gridDim.x);
-      Fp8Tile next{};
-      if (kEarlyFirstBlock && next_tile < num_tiles) {
-        next = fp8_tile<kForm>(params, next_tile, num_m_tiles, num_n_tiles);
-        if (next.num_k_blocks > 0) issue(next, 0, block0, scale_b0);
       }
       const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
       acquire_staging_tile(issuer);
@@ -310,8 +292,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         ptx::bulk_commit_group();
       }
-      tile = next_tile;
-      if constexpr (kEarlyFirstBlock) t = next;
     }
     if (issuer) ptx::bulk_wait_group<0>();  // the last store reads the staging tile
   }
