@@ -268,9 +268,9 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
             cudaSuccess);
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0)
       << "a split K gives other bits than one K";
-  for (void* p : {first, second, static_cast<void*>(first_scales),
-                  static_cast<void*>(second_scales), static_cast<void*>(k_first_scales),
-                  static_cast<void*>(k_second_scales)})
+  for (void* p :
+       {first, second, static_cast<void*>(first_scales), static_cast<void*>(second_scales),
+        static_cast<void*>(k_first_scales), static_cast<void*>(k_second_scales)})
     cudaFree(p);
 }
 

@@ -83,7 +83,7 @@ def test_every_system_of_a_problem_computes_the_same_layer():
         forward()
         step()
         release()
-        assert all(leaf.grad is None for leaf in system.parameters), name
+        assert all(leaf.grad is None for leaf in system.parameters), system.name
     for name, got in zip(names[1:], results[1:]):
         for a, b in zip(got, results[0]):
             assert relative_error(a, b) < 2e-2, name
