@@ -92,7 +92,7 @@ def main():
     parser.add_argument("--print-every", type=int, default=25)
     parser.add_argument("--check-reproducible", action="store_true")
     parser.add_argument(
-        "--precision", default="bf16", help="bf16, or fp8_block (the CPU reference so far)"
+        "--precision", default="bf16", help="bf16, or fp8_block (DeepSeek-V3's block-scaled e4m3)"
     )
     parser.add_argument(
         "--compare-bf16",
