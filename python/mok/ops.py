@@ -20,7 +20,9 @@ from it when the latest forward of that layer ran on these very input tensors, u
 way. ``workspace`` is a handle from ``mok.functional`` or ``mok.nn.MoE`` (0 on CPU, where
 nothing is kept). Without a shared expert its three weights are None and its gradients are empty.
 Autograd is not registered on the ops: ``mok.functional.moe`` and ``mok.nn.MoE`` differentiate
-through a ``torch.autograd.Function`` over them.
+through a ``torch.autograd.Function`` over them, which calls ``forward_eager`` / ``backward_eager``:
+the ops, or in plain eager CUDA calls their CUDA implementations directly (the dispatcher's host
+time is a tenth of a small layer's forward when a call is timed alone).
 """
 
 from __future__ import annotations
