@@ -8,7 +8,6 @@
 # Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-root="$PWD"
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -26,12 +25,8 @@ if [ "${MOK_PYTHON_TESTS:-0}" = 1 ]; then  # the Python tests first (pytest.log)
 fi
 bench_env=()
 site="$(mktemp -d)"
-if [ "${MOK_BENCH_SONIC:-1}" = 1 ] && ls .deps/peers/wheels/*.whl >/dev/null 2>&1 &&
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
-    .deps/peers/wheels/*.whl >>"$OUT/setup.log" 2>&1; then
-  bench_env=(env "PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
-    TRITON_CACHE_AUTOTUNING=1 "MOK_BENCH_SONIC_PRECOMPILE=$root/.deps/peers/sonic_bench.py")
-fi
+source scripts/sonic-env.sh
+[ "${MOK_BENCH_SONIC:-1}" = 1 ] && sonic_bench_env "$site" "$OUT/setup.log"
 fp8=()
 [ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && fp8=(--fp8)
 timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.bench \

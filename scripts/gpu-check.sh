@@ -193,13 +193,8 @@ else
     # SonicMoE when its wheels were carried in .deps/peers/wheels: installed into a private
     # folder for this step only), all shapes in one process; MOK_PYTHON_BENCH_PLOT=1 adds
     # bench.png (the device tool returns 8 files: leave room for it).
-    bench_env=()
-    if ls "$root"/.deps/peers/wheels/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target "$OUT/.sonic-site" \
-        "$root"/.deps/peers/wheels/*.whl >>"$OUT/python.log" 2>&1 &&
-        bench_env=(env "PYTHONPATH=$OUT/.sonic-site:$OUT/.sonic-site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
-          TRITON_CACHE_AUTOTUNING=1 "MOK_BENCH_SONIC_PRECOMPILE=$root/.deps/peers/sonic_bench.py")
-    fi
+    source "$root/scripts/sonic-env.sh"
+    sonic_bench_env "$OUT/.sonic-site" "$OUT/python.log"
     bench_shapes="${MOK_PYTHON_BENCH_SHAPES-qwen3,dsv3_local}"
     if [ -n "$bench_shapes" ]; then
       run_step python_bench "$OUT/python.log" timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" \

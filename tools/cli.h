@@ -109,6 +109,14 @@ std::string json_escape(const std::string& text);
 // `warmup` calls; `settle` (optional) runs before each timed call (e.g. waits for other GPUs).
 double median_ms(const std::function<void()>& body, cudaStream_t stream, int warmup, int iterations,
                  const std::function<void()>& settle = {});
+// The layer's useful FLOPs over the whole group: 6 H I per routed (token, slot) pair and 6 H Is
+// per token (gate, up, down); a backward is twice the forward.
+struct FlopCount {
+  int64_t routed_pairs = 0;
+  double forward = 0;
+};
+FlopCount count_flop(const mok::HostProblem& problem);
+
 // Median milliseconds of each body, in `rounds` rounds that visit every body in turn, the
 // round's first body rotating (a body's place in a round moves its time by ~2% on a
 // power-capped card): one warm-up, then `per_round` timed calls each.

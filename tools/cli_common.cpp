@@ -58,6 +58,17 @@ double median_ms(const std::function<void()>& body, cudaStream_t stream, int war
 // (one warm-up call, then `per_round` timed calls, each synchronized). Round r starts at body
 // r: a body's place in the round changes its time by ~2% (the card's power state), so every
 // body takes every place once when rounds = bodies.size().
+FlopCount count_flop(const mok::HostProblem& problem) {
+  const mok::MoeShape& shape = problem.shape;
+  FlopCount count;
+  for (const mok::HostRank& rank : problem.ranks)
+    for (int32_t expert : rank.top_experts) count.routed_pairs += expert >= 0;
+  count.forward =
+      6.0 * count.routed_pairs * shape.hidden * shape.intermediate +
+      6.0 * shape.num_ranks * shape.num_tokens * shape.hidden * shape.shared_intermediate;
+  return count;
+}
+
 std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& bodies,
                                           cudaStream_t stream, int rounds, int per_round,
                                           const std::function<void()>& settle) {

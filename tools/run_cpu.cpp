@@ -91,14 +91,9 @@ uint64_t hash_vector(uint64_t hash, const std::vector<T>& values) {
 // Hash of every output of every rank, in a fixed order.
 uint64_t outputs_hash(const mok::HostProblem& problem) {
   uint64_t hash = 0xcbf29ce484222325ull;
-  for (const mok::HostRank& rank : problem.ranks) {
-    hash = hash_vector(hash, rank.out);
-    hash = hash_vector(hash, rank.d_x);
-    hash = hash_vector(hash, rank.d_router_weights);
-    for (const auto* grad : {&rank.d_w_gate, &rank.d_w_up, &rank.d_w_down, &rank.d_w_shared_gate,
-                             &rank.d_w_shared_up, &rank.d_w_shared_down})
-      hash = hash_vector(hash, *grad);
-  }
+  for (const mok::HostRank& rank : problem.ranks)
+    mok::for_each_output_field(
+        [&](const char*, auto member) { hash = hash_vector(hash, rank.*member); });
   return hash;
 }
 
@@ -158,12 +153,12 @@ struct Fp8Comparison {
 std::vector<Fp8Comparison> compare_with_bf16(const mok::HostProblem& fp8,
                                              const mok::HostProblem& bf16) {
   std::vector<Fp8Comparison> results;
-  auto compare = [&](const char* name, auto field) {
+  mok::for_each_output_field([&](const char* name, auto member) {
     double diff = 0, norm = 0, got_norm = 0, dot = 0;
     bool finite = true, any = false;
     for (size_t r = 0; r < fp8.ranks.size(); ++r) {
-      const auto& got = field(fp8.ranks[r]);
-      const auto& want = field(bf16.ranks[r]);
+      const auto& got = fp8.ranks[r].*member;
+      const auto& want = bf16.ranks[r].*member;
       for (size_t i = 0; i < want.size(); ++i) {
         const double a = value_of(got[i]), b = value_of(want[i]);
         finite &= std::isfinite(a);
@@ -176,25 +171,7 @@ std::vector<Fp8Comparison> compare_with_bf16(const mok::HostProblem& fp8,
     }
     if (any)
       results.push_back({name, std::sqrt(diff / norm), dot / std::sqrt(norm * got_norm), finite});
-  };
-  compare(
-      "out", [](const mok::HostRank& r) -> const auto& { return r.out; });
-  compare(
-      "d_x", [](const mok::HostRank& r) -> const auto& { return r.d_x; });
-  compare(
-      "d_router_weights", [](const mok::HostRank& r) -> const auto& { return r.d_router_weights; });
-  compare(
-      "d_w_gate", [](const mok::HostRank& r) -> const auto& { return r.d_w_gate; });
-  compare(
-      "d_w_up", [](const mok::HostRank& r) -> const auto& { return r.d_w_up; });
-  compare(
-      "d_w_down", [](const mok::HostRank& r) -> const auto& { return r.d_w_down; });
-  compare(
-      "d_w_shared_gate", [](const mok::HostRank& r) -> const auto& { return r.d_w_shared_gate; });
-  compare(
-      "d_w_shared_up", [](const mok::HostRank& r) -> const auto& { return r.d_w_shared_up; });
-  compare(
-      "d_w_shared_down", [](const mok::HostRank& r) -> const auto& { return r.d_w_shared_down; });
+  });
   return results;
 }
 
@@ -335,12 +312,9 @@ int run_cpu(const RunOptions& options, const mok::MoeShape& shape) {
 
   const int64_t pairs_per_group = shape.num_ranks * shape.num_tokens * shape.top_k;
   mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
-  int64_t routed_pairs = 0;
-  for (const mok::HostRank& rank : problem.ranks)
-    for (int32_t expert : rank.top_experts) routed_pairs += expert >= 0;
-  const double forward_flop =
-      6.0 * routed_pairs * shape.hidden * shape.intermediate +
-      6.0 * shape.num_ranks * shape.num_tokens * shape.hidden * shape.shared_intermediate;
+  const FlopCount flop = count_flop(problem);
+  const int64_t routed_pairs = flop.routed_pairs;
+  const double forward_flop = flop.forward;
 
   problem.poison_outputs();
   using Clock = std::chrono::steady_clock;

@@ -48,14 +48,9 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
                                                            std::to_string(device_count) + " GPUs");
   const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
   mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
-  int64_t routed_pairs = 0;
-  for (const mok::HostRank& rank : problem.ranks)
-    for (int32_t expert : rank.top_experts) routed_pairs += expert >= 0;
-  // Per GPU: the group's useful FLOPs divided by its size.
-  const double forward_flop =
-      (6.0 * routed_pairs * shape.hidden * shape.intermediate +
-       6.0 * shape.num_tokens * num_ranks * shape.hidden * shape.shared_intermediate) /
-      num_ranks;
+  const FlopCount flop = count_flop(problem);
+  const int64_t routed_pairs = flop.routed_pairs;
+  const double forward_flop = flop.forward / num_ranks;  // per GPU: the group's, shared
 
   // The reference on a slice of every rank's tokens (token-local outputs depend on that token
   // only): the single-rank equivalent holds all ranks' tokens in rank order.

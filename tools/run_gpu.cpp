@@ -106,10 +106,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   constexpr double kGpuTolerance = 1e-2;
   const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
   mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
-  int64_t routed_pairs = 0;
-  for (int32_t expert : problem.ranks[0].top_experts) routed_pairs += expert >= 0;
-  const double forward_flop = 6.0 * routed_pairs * shape.hidden * shape.intermediate +
-                              6.0 * shape.num_tokens * shape.hidden * shape.shared_intermediate;
+  const FlopCount flop = count_flop(problem);
+  const int64_t routed_pairs = flop.routed_pairs;
+  const double forward_flop = flop.forward;
   const double backward_flop = 2 * forward_flop;
 
   mok::DeviceProblem device(problem, 0);

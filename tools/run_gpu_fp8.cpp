@@ -24,10 +24,7 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   constexpr double kGpuTolerance = 1e-2;
   const mok::RoutingKind routing = mok::routing_kind_from_name(options.routing);
   mok::HostProblem problem = mok::HostProblem::make(shape, routing, options.seed);
-  int64_t routed_pairs = 0;
-  for (int32_t expert : problem.ranks[0].top_experts) routed_pairs += expert >= 0;
-  const double forward_flop = 6.0 * routed_pairs * shape.hidden * shape.intermediate +
-                              6.0 * shape.num_tokens * shape.hidden * shape.shared_intermediate;
+  const double forward_flop = count_flop(problem).forward;
 
   mok::DeviceProblem device(problem, 0);
   const mok::MoeConfig config = config_from_options(options, shape);
@@ -120,10 +117,10 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
     std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[4 + d],
                 flops[d] / medians[4 + d] / 1e9, medians[2 * d + 1],
                 flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[4 + d]);
-  const std::pair<const char*, const std::vector<std::pair<std::string, float>>*> stage_lists[] =
-      {{"forward, weights kept", &forward_stages},
-       {"backward, weights kept", &backward_stages},
-       {"forward, weights quantized", &requantizing_stages}};
+  const std::pair<const char*, const std::vector<std::pair<std::string, float>>*> stage_lists[] = {
+      {"forward, weights kept", &forward_stages},
+      {"backward, weights kept", &backward_stages},
+      {"forward, weights quantized", &requantizing_stages}};
   for (const auto& [title, stages] : stage_lists) {
     std::printf("  FP8 %s: stages (median of 10, events between stages):\n", title);
     for (const auto& [name, ms] : *stages) std::printf("    %-44s %9.3f ms\n", name.c_str(), ms);

@@ -291,7 +291,7 @@ def forward(
     shared weights bf16 [Is, H], [Is, H], [H, Is] or None; routed bf16 [E_loc, I, H],
     [E_loc, I, H], [E_loc, H, I]; swiglu_limit: gate = min(gate, L), up = clamp(up, -L, L)."""
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
-    out = torch.ops.mok.forward(
+    out = ops.forward_eager(
         x,
         schedule.top_experts,
         router_weights,
@@ -350,7 +350,7 @@ def backward(
             f"argument `forward_context` is a {type(forward_context).__name__}; expected a MoKForwardContext"
         )
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
-    grads = torch.ops.mok.backward(
+    grads = ops.backward_eager(
         grad_output.contiguous(),
         x,
         schedule.top_experts,

@@ -140,14 +140,13 @@ HostRank output_buffers(const MoeShape& shape) {
 }
 
 bool outputs_equal(const HostRank& a, const HostRank& b) {
-  auto same = [](const auto& x, const auto& y) {
-    return x.size() == y.size() &&
-           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0);
-  };
-  return same(a.out, b.out) && same(a.d_x, b.d_x) && same(a.d_router_weights, b.d_router_weights) &&
-         same(a.d_w_gate, b.d_w_gate) && same(a.d_w_up, b.d_w_up) && same(a.d_w_down, b.d_w_down) &&
-         same(a.d_w_shared_gate, b.d_w_shared_gate) && same(a.d_w_shared_up, b.d_w_shared_up) &&
-         same(a.d_w_shared_down, b.d_w_shared_down);
+  bool equal = true;
+  for_each_output_field([&](const char*, auto member) {
+    const auto &x = a.*member, &y = b.*member;
+    equal &= x.size() == y.size() &&
+             (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0);
+  });
+  return equal;
 }
 
 HostProblem HostProblem::make(const MoeShape& shape, RoutingKind routing, uint64_t seed) {
@@ -368,12 +367,14 @@ void HostProblem::poison_outputs() {
   poison_bf16.bits = kPoisonBf16Bits;
   float poison_f32;
   std::memcpy(&poison_f32, &kPoisonF32Bits, sizeof(poison_f32));
-  for (HostRank& rank : ranks) {
-    for (auto* buffer : {&rank.out, &rank.d_x, &rank.d_w_gate, &rank.d_w_up, &rank.d_w_down,
-                         &rank.d_w_shared_gate, &rank.d_w_shared_up, &rank.d_w_shared_down})
-      std::fill(buffer->begin(), buffer->end(), poison_bf16);
-    std::fill(rank.d_router_weights.begin(), rank.d_router_weights.end(), poison_f32);
-  }
+  for (HostRank& rank : ranks)
+    for_each_output_field([&](const char*, auto member) {
+      auto& buffer = rank.*member;
+      if constexpr (std::is_same_v<typename std::decay_t<decltype(buffer)>::value_type, float>)
+        std::fill(buffer.begin(), buffer.end(), poison_f32);
+      else
+        std::fill(buffer.begin(), buffer.end(), poison_bf16);
+    });
 }
 
 oracle::Inputs HostProblem::to_oracle_inputs() const {

@@ -106,15 +106,7 @@ inline void run_reference(HostProblem& problem, int num_threads = 0) {
 // Calls fn(name, a, b) for every output tensor of two ranks; the pairs have the same type.
 template <typename Fn>
 void for_each_output(const HostRank& a, const HostRank& b, Fn&& fn) {
-  fn("out", a.out, b.out);
-  fn("d_x", a.d_x, b.d_x);
-  fn("d_router_weights", a.d_router_weights, b.d_router_weights);
-  fn("d_w_gate", a.d_w_gate, b.d_w_gate);
-  fn("d_w_up", a.d_w_up, b.d_w_up);
-  fn("d_w_down", a.d_w_down, b.d_w_down);
-  fn("d_w_shared_gate", a.d_w_shared_gate, b.d_w_shared_gate);
-  fn("d_w_shared_up", a.d_w_shared_up, b.d_w_shared_up);
-  fn("d_w_shared_down", a.d_w_shared_down, b.d_w_shared_down);
+  for_each_output_field([&](const char* name, auto member) { fn(name, a.*member, b.*member); });
 }
 
 }  // namespace mok::test

@@ -15,6 +15,18 @@ WEIGHTS = ["w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared
 TOLERANCE = 1e-2
 
 
+def as_leaves(p):
+    """The problem with every floating-point tensor a fresh leaf that requires grad."""
+    return {
+        k: (
+            v.detach().requires_grad_(True)
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v
+        )
+        for k, v in p.items()
+    }
+
+
 def moe_of(p, swiglu_limit=None):
     return F.moe(
         p["x"],
@@ -47,14 +59,7 @@ CASES = {
 def test_moe_matches_float64_torch(device, case):
     limit = 1.5 if case == "clamp" else None
     p = make_problem(device, seed=len(case), **CASES[case])
-    leaves = {
-        k: (
-            v.detach().requires_grad_(True)
-            if isinstance(v, torch.Tensor) and v.is_floating_point()
-            else v
-        )
-        for k, v in p.items()
-    }
+    leaves = as_leaves(p)
     out = moe_of(leaves, limit)
     d_out = (
         torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
@@ -232,14 +237,7 @@ def test_no_tokens(device):
     """T = 0 (a rank with no tokens this step): an empty output and exactly zero weight
     gradients, also through PyTorch's [0, H] gradient with strides [0, 0]."""
     p = make_problem(device, T=0, Is=64)
-    leaves = {
-        k: (
-            v.detach().requires_grad_(True)
-            if isinstance(v, torch.Tensor) and v.is_floating_point()
-            else v
-        )
-        for k, v in p.items()
-    }
+    leaves = as_leaves(p)
     out = moe_of(leaves)
     assert out.shape == (0, 128)
     out.float().sum().backward()

@@ -13,6 +13,8 @@ from conftest import DEVICES, make_problem
 
 
 def op_args(p, device):
+    """torch.ops.mok.forward's arguments for problem `p` (a backward takes d_out, these, and
+    use_context)."""
     handle = 0
     if device == "cuda":
         T, H = p["x"].shape
@@ -32,28 +34,19 @@ def op_args(p, device):
         p["w_shared_up"],
         p["w_shared_down"],
     )
-    return weights, handle
+    return (p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shared", [0, 64])
 def test_opcheck_forward_and_backward(device, shared):
     p = make_problem(device, Is=shared, T=40)
-    weights, handle = op_args(p, device)
-    forward_args = (p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
+    forward_args = op_args(p, device)
+    weights = forward_args[3:9]
     torch.library.opcheck(torch.ops.mok.forward.default, forward_args)
     out = torch.ops.mok.forward(*forward_args)
     d_out = torch.randn_like(out)
-    backward_args = (
-        d_out,
-        p["x"],
-        p["top_experts"],
-        p["router_weights"],
-        *weights,
-        math.inf,
-        handle,
-        True,
-    )
+    backward_args = (d_out, *forward_args, True)
     torch.library.opcheck(torch.ops.mok.backward.default, backward_args)
     grads = torch.ops.mok.backward(*backward_args)
     assert [tuple(g.shape) for g in grads[:5]] == [
@@ -71,20 +64,9 @@ def test_opcheck_forward_and_backward(device, shared):
 def test_ops_leave_their_inputs_untouched(device):
     p = make_problem(device, Is=64)
     before = {k: v.clone() for k, v in p.items() if isinstance(v, torch.Tensor)}
-    weights, handle = op_args(p, device)
-    out = torch.ops.mok.forward(
-        p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle
-    )
-    torch.ops.mok.backward(
-        torch.ones_like(out),
-        p["x"],
-        p["top_experts"],
-        p["router_weights"],
-        *weights,
-        math.inf,
-        handle,
-        True,
-    )
+    args = op_args(p, device)
+    out = torch.ops.mok.forward(*args)
+    torch.ops.mok.backward(torch.ones_like(out), *args, True)
     for k, v in before.items():
         assert torch.equal(v, p[k]), k
 
@@ -116,8 +98,7 @@ def test_eager_entries_match_the_ops(device):
     from mok import ops
 
     p = make_problem(device, Is=64, T=40)
-    weights, handle = op_args(p, device)
-    args = (p["x"], p["top_experts"], p["router_weights"], *weights, math.inf, handle)
+    args = op_args(p, device)
     out = torch.ops.mok.forward(*args)
     eager = ops.forward_eager(*args)
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))

@@ -41,6 +41,21 @@ struct HostRank {
   std::vector<bf16> d_w_shared_down;                 // [H, Is]
 };
 
+// Calls fn(name, member) for every output of a HostRank, in the layer's order: `member` is a
+// pointer to the HostRank field (std::vector<bf16> or std::vector<float>).
+template <typename Fn>
+void for_each_output_field(Fn&& fn) {
+  fn("out", &HostRank::out);
+  fn("d_x", &HostRank::d_x);
+  fn("d_router_weights", &HostRank::d_router_weights);
+  fn("d_w_gate", &HostRank::d_w_gate);
+  fn("d_w_up", &HostRank::d_w_up);
+  fn("d_w_down", &HostRank::d_w_down);
+  fn("d_w_shared_gate", &HostRank::d_w_shared_gate);
+  fn("d_w_shared_up", &HostRank::d_w_shared_up);
+  fn("d_w_shared_down", &HostRank::d_w_shared_down);
+}
+
 struct HostProblem {
   MoeShape shape;
   std::vector<HostRank> ranks;  // shape.num_ranks entries

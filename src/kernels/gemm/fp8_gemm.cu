@@ -247,7 +247,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
       for (int r = 0; r < 64; ++r) sum[r] = -0.0f;
       // At the loop's head K-block k is in flight in block0, always (so that ptxas sees one
-      // state there and keeps the wgmma asynchronous); every exit waits for everything.
+      // state there and keeps the wgmma asynchronous); every exit waits for everything. The two
+      // halves stay written out: folded into one lambda over (block0, block1) and (block1,
+      // block0), ptxas serialized the wgmma again (C7514).
       if (t.num_k_blocks > 0) {
         issue(0, block0, scale_b0);
         for (int k_block = 0;; k_block += 2) {
