@@ -7,11 +7,24 @@
 
 #include <vector>
 
+#include "mok/config.h"
 #include "mok/error.h"
 #include "mok/shape.h"
 #include "mok/tensor.h"
 
 namespace mok {
+
+// A weight given already in FP8 (MoeConfig::precision = kFP8Block), in the layout mok
+// quantizes bf16 weights into (mok/fp8.h's quantize_fp8_blocks, expert by expert): `codes`
+// e4m3 (DType::kFloat8E4M3) with the bf16 weight's shape, [E_loc, n, k] or [n, k] for the
+// shared expert, and `scales` fp32 with one value per 128 x 128 block, [E_loc, n/128, k/128] or
+// [n/128, k/128]; value ~ e4m3_to_float(codes[.., r, c]) * scales[.., r/128, c/128]. Both
+// contiguous, n and k multiples of 128.
+struct Fp8BlockWeight {
+  TensorView codes;
+  TensorView scales;
+  bool present() const { return codes.present() || scales.present(); }
+};
 
 struct ForwardArgs {
   TensorView x;               // [T, H] bf16
@@ -30,7 +43,24 @@ struct ForwardArgs {
   // it changes the weights, e.g. once per optimizer step. 0 (the default) quantizes on every
   // call. bf16 ignores it.
   uint64_t weights_version = 0;
+  // Pre-quantized weights (precision fp8_block only). A matrix given here leaves its bf16 view
+  // above absent: the layer reads these codes and scales as they are and never quantizes that
+  // matrix. The backward's transposed copies are the same codes and scales transposed
+  // (bit-identical to quantizing the transposed bf16 weight: a block's amax is the same both
+  // ways). The weight gradients are still written in bf16 into the d_w_* tensors.
+  Fp8BlockWeight w_gate_fp8;         // [E_loc, I, H]
+  Fp8BlockWeight w_up_fp8;           // [E_loc, I, H]
+  Fp8BlockWeight w_down_fp8;         // [E_loc, H, I]
+  Fp8BlockWeight w_shared_gate_fp8;  // [Is, H]
+  Fp8BlockWeight w_shared_up_fp8;    // [Is, H]
+  Fp8BlockWeight w_shared_down_fp8;  // [H, Is]
 };
+
+// True when any weight of `args` is given pre-quantized.
+bool has_fp8_weights(const ForwardArgs& args);
+// Ok unless `args` gives pre-quantized weights to a layer whose precision is not fp8_block
+// (`call` names the call in the message).
+Status check_weight_precision(const char* call, const ForwardArgs& args, Precision precision);
 
 struct BackwardArgs {
   ForwardArgs forward;          // the forward's inputs (forward.out is not used)
@@ -80,7 +110,8 @@ struct NamedTensor {
   const char* name;
   const TensorView* view;
 };
-// The nine inputs of a call (x, top_experts, router_weights, the six weights), in that order.
+// The inputs of a call: x, top_experts, router_weights, the six weights, then the codes and
+// scales of the pre-quantized weights (absent views where none are given), in that order.
 std::vector<NamedTensor> named_inputs(const ForwardArgs& args);
 // The eight outputs of a backward call (d_x, d_router_weights, the six weight gradients).
 std::vector<NamedTensor> named_outputs(const BackwardArgs& args);

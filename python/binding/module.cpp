@@ -3,6 +3,7 @@
 // one build serves every PyTorch version. What it binds:
 //   MoeShape, MoeConfig, named_shape     the layer's shape and tuning knobs
 //   reference_forward / _backward        the CPU reference on CPU tensors (GIL released)
+//   quantize_weight_fp8                  bf16 weights to pre-quantized FP8 (codes, scales)
 //   GpuLayer                             the single-GPU layer: its workspace is allocated when it
 //                                        is built (before any CUDA-graph capture); forward and
 //                                        backward launch on the stream given as an integer (the
@@ -28,6 +29,7 @@
 
 #include "mok/config.h"
 #include "mok/error.h"
+#include "mok/fp8_weights.h"
 #include "mok/gpu_layer.h"
 #include "mok/layer_args.h"
 #include "mok/reference.h"
@@ -50,20 +52,55 @@ using OptionalArray = std::optional<Array>;
 
 cudaStream_t stream_of(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
+using ScaleArrays = std::vector<OptionalArray>;
+
+// A call's tensors. A weight whose dtype is float8_e4m3fn holds the codes of a pre-quantized
+// weight (ForwardArgs::w_*_fp8): its block scales are `weight_scales` at the weight's index
+// (gate, up, down, shared gate, shared up, shared down). An empty `weight_scales` gives none.
 ForwardArgs forward_args(const Array& x, const Array& top_experts, const Array& router_weights,
                          const Array& w_gate, const Array& w_up, const Array& w_down,
                          const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
-                         const OptionalArray& w_shared_down) {
+                         const OptionalArray& w_shared_down, const ScaleArrays& weight_scales) {
   ForwardArgs args;
   args.x = view_of(x, "x");
   args.top_experts = view_of(top_experts, "top_experts");
   args.router_weights = view_of(router_weights, "router_weights");
-  args.w_gate = view_of(w_gate, "w_gate");
-  args.w_up = view_of(w_up, "w_up");
-  args.w_down = view_of(w_down, "w_down");
-  args.w_shared_gate = view_of(w_shared_gate, "w_shared_gate");
-  args.w_shared_up = view_of(w_shared_up, "w_shared_up");
-  args.w_shared_down = view_of(w_shared_down, "w_shared_down");
+  if (!weight_scales.empty() && weight_scales.size() != 6)
+    throw Error(ErrorCode::kInvalidArgument,
+                "argument `weight_scales` has " + std::to_string(weight_scales.size()) +
+                    " entries; expected 6 (gate, up, down, shared gate, shared up, shared down; "
+                    "None for a bf16 weight) or none");
+  struct Weight {
+    const char* name;
+    TensorView* values;
+    Fp8BlockWeight* fp8;
+  };
+  const Weight weights[6] = {{"w_gate", &args.w_gate, &args.w_gate_fp8},
+                             {"w_up", &args.w_up, &args.w_up_fp8},
+                             {"w_down", &args.w_down, &args.w_down_fp8},
+                             {"w_shared_gate", &args.w_shared_gate, &args.w_shared_gate_fp8},
+                             {"w_shared_up", &args.w_shared_up, &args.w_shared_up_fp8},
+                             {"w_shared_down", &args.w_shared_down, &args.w_shared_down_fp8}};
+  const TensorView given[6] = {
+      view_of(w_gate, "w_gate"),           view_of(w_up, "w_up"),
+      view_of(w_down, "w_down"),           view_of(w_shared_gate, "w_shared_gate"),
+      view_of(w_shared_up, "w_shared_up"), view_of(w_shared_down, "w_shared_down")};
+  for (int i = 0; i < 6; ++i) {
+    const OptionalArray& scales =
+        weight_scales.empty() ? OptionalArray{} : weight_scales[static_cast<size_t>(i)];
+    const bool codes = given[i].present() && given[i].dtype == DType::kFloat8E4M3;
+    if (!codes) {
+      if (scales.has_value())
+        throw Error(ErrorCode::kInvalidArgument,
+                    std::string("argument `weight_scales[") + std::to_string(i) +
+                        "]` was given but `" + weights[i].name +
+                        "` is not float8_e4m3fn codes; pass None for a bf16 weight");
+      *weights[i].values = given[i];
+      continue;
+    }
+    weights[i].fp8->codes = given[i];
+    weights[i].fp8->scales = view_of(scales, "weight_scales");
+  }
   return args;
 }
 
@@ -166,9 +203,10 @@ void bind_reference(nb::module_& m) {
       [](const MoeShape& shape, const Array& x, const Array& top_experts,
          const Array& router_weights, const Array& w_gate, const Array& w_up, const Array& w_down,
          const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
-         const OptionalArray& w_shared_down, const Array& out, const std::string& precision) {
+         const OptionalArray& w_shared_down, const Array& out, const std::string& precision,
+         const ScaleArrays& weight_scales) {
         ForwardArgs args = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
-                                        w_shared_gate, w_shared_up, w_shared_down);
+                                        w_shared_gate, w_shared_up, w_shared_down, weight_scales);
         args.out = view_of(out, "out");
         reference::Options options;
         options.precision = precision_from_name(precision);
@@ -177,7 +215,7 @@ void bind_reference(nb::module_& m) {
       },
       "shape"_a, "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
       "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a,
-      "precision"_a = "bf16");
+      "precision"_a = "bf16", "weight_scales"_a = ScaleArrays{});
   m.def(
       "reference_backward",
       [](const MoeShape& shape, const Array& x, const Array& top_experts,
@@ -187,10 +225,10 @@ void bind_reference(nb::module_& m) {
          const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
          const Array& d_w_down, const OptionalArray& d_w_shared_gate,
          const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
-         const std::string& precision) {
+         const std::string& precision, const ScaleArrays& weight_scales) {
         const BackwardArgs args =
             backward_args(forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
-                                       w_shared_gate, w_shared_up, w_shared_down),
+                                       w_shared_gate, w_shared_up, w_shared_down, weight_scales),
                           d_out,
                           {d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
                            d_w_shared_up, d_w_shared_down});
@@ -203,7 +241,20 @@ void bind_reference(nb::module_& m) {
       "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
       "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
       "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
-      "precision"_a = "bf16");
+      "precision"_a = "bf16", "weight_scales"_a = ScaleArrays{});
+}
+
+void bind_fp8_weights(nb::module_& m) {
+  m.def(
+      "quantize_weight_fp8",
+      [](const Array& weight, const Array& codes, const Array& scales, uintptr_t stream) {
+        quantize_weight_fp8(view_of(weight, "weight"), view_of(codes, "codes"),
+                            view_of(scales, "scales"), stream_of(stream))
+            .throw_if_error();
+      },
+      "weight"_a, "codes"_a, "scales"_a, "stream"_a = 0,
+      "mok/fp8_weights.h: a bf16 weight [E, n, k] or [n, k] into pre-quantized codes and "
+      "128 x 128 block scales (CPU, or CUDA on `stream`).");
 }
 
 void bind_gpu_layer(nb::module_& m) {
@@ -215,19 +266,22 @@ void bind_gpu_layer(nb::module_& m) {
              const Array& w_gate, const Array& w_up, const Array& w_down,
              const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
              const OptionalArray& w_shared_down, const Array& out, uintptr_t stream,
-             uint64_t weights_version) {
-            ForwardArgs args = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
-                                            w_shared_gate, w_shared_up, w_shared_down);
+             uint64_t weights_version, const ScaleArrays& weight_scales) {
+            ForwardArgs args =
+                forward_args(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+                             w_shared_up, w_shared_down, weight_scales);
             args.out = view_of(out, "out");
             args.weights_version = weights_version;
             return layer.forward(args, stream_of(stream)).generation;
           },
           "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
           "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a,
-          "stream"_a, "weights_version"_a = 0,
+          "stream"_a, "weights_version"_a = 0, "weight_scales"_a = ScaleArrays{},
           "Launches the forward on `stream`; returns the context (0 never names one) that a "
           "backward of the same inputs may start from. `weights_version`: "
-          "ForwardArgs::weights_version (FP8: nonzero keeps quantized weights between calls).")
+          "ForwardArgs::weights_version (FP8: nonzero keeps quantized weights between calls). "
+          "A float8_e4m3fn weight is pre-quantized: its 128 x 128 block scales are "
+          "`weight_scales` at its index (gate, up, down, shared gate, shared up, shared down).")
       .def(
           "backward",
           [](GpuLayer& layer, const Array& x, const Array& top_experts, const Array& router_weights,
@@ -237,9 +291,11 @@ void bind_gpu_layer(nb::module_& m) {
              const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
              const Array& d_w_down, const OptionalArray& d_w_shared_gate,
              const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
-             uintptr_t stream, uint64_t context, uint64_t weights_version) {
-            ForwardArgs forward = forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
-                                               w_shared_gate, w_shared_up, w_shared_down);
+             uintptr_t stream, uint64_t context, uint64_t weights_version,
+             const ScaleArrays& weight_scales) {
+            ForwardArgs forward =
+                forward_args(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
+                             w_shared_up, w_shared_down, weight_scales);
             forward.weights_version = weights_version;
             const BackwardArgs args =
                 backward_args(forward, d_out,
@@ -252,9 +308,10 @@ void bind_gpu_layer(nb::module_& m) {
           "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
           "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
           "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
-          "stream"_a, "context"_a = 0, "weights_version"_a = 0,
+          "stream"_a, "context"_a = 0, "weights_version"_a = 0, "weight_scales"_a = ScaleArrays{},
           "Launches the backward on `stream`: from `context` (a forward's) if nonzero, else "
-          "recomputing the forward's intermediates.")
+          "recomputing the forward's intermediates. Pre-quantized weights as in forward; their "
+          "gradients are bf16.")
       .def(
           "holds_context",
           [](const GpuLayer& layer, uint64_t context) {
@@ -331,6 +388,7 @@ NB_MODULE(_C, m) {
       [](const std::exception_ptr& error, void*) { translate_errors(error); });
   bind_shape_and_config(m);
   bind_reference(m);
+  bind_fp8_weights(m);
   bind_gpu_layer(m);
 #if MOK_HAS_NCCL
   m.attr("has_nccl") = true;

@@ -23,10 +23,12 @@ DType dtype_of(const dlpack::dtype& dtype, const char* name) {
     if (code == dlpack::dtype_code::Float && dtype.bits == 32) return DType::kFloat32;
     if (code == dlpack::dtype_code::Int && dtype.bits == 32) return DType::kInt32;
     if (code == dlpack::dtype_code::Int && dtype.bits == 64) return DType::kInt64;
+    if (code == dlpack::dtype_code::Float8_E4M3FN && dtype.bits == 8) return DType::kFloat8E4M3;
   }
   throw Error(ErrorCode::kInvalidArgument,
               std::string("argument `") + name + "` has dtype " + dtype_string(dtype) +
-                  "; mok takes bfloat16, float32, int32 or int64 tensors");
+                  "; mok takes bfloat16, float32, int32 or int64 tensors, and float8_e4m3fn "
+                  "for pre-quantized weights");
 }
 
 }  // namespace

@@ -9,7 +9,12 @@ more general than MoK, the docstrings say so:
 - H, I and Is any multiple of 64; int32 or int64 ``top_experts``; any number of tokens;
 - no capacity: ``schedule_capacity_multiplier`` is accepted and unused, since mok's schedule
   holds every routed row whatever the routing (no token is ever dropped);
-- Hopper (sm_90a) GPUs, and every op also runs on CPU tensors through mok's CPU reference.
+- Hopper (sm_90a) GPUs, and every op also runs on CPU tensors through mok's CPU reference;
+- with ``precision="fp8_block"``, any weight may be given pre-quantized, as MoK's
+  ``(fp8, scale)`` tuple: ``float8_e4m3fn`` codes of the weight's shape and fp32 scales, one per
+  128 x 128 block of each expert's matrix ([E_loc, n/128, k/128], or [n/128, k/128] for the
+  shared expert), ``weight ~ codes * scale`` of its block: the layout mok's own quantization of a
+  bf16 weight produces (``quantize_weight``). ``backward`` returns that weight's gradient in bf16.
 
 The workspace holds the forward context (the schedule, the routed rows, g and u) that a backward
 starts from, so a context names the latest forward of its workspace's layer; ``backward`` with a
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack
 
 from . import _C, ops
 from ._workspace import Workspace
@@ -39,6 +45,7 @@ __all__ = [
     "backward",
     "recompute_forward_context",
     "moe",
+    "quantize_weight",
     "synchronize",
 ]
 
@@ -273,6 +280,56 @@ def _limit(swiglu_limit: float | None) -> float:
     return math.inf if swiglu_limit is None else float(swiglu_limit)
 
 
+def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """A bf16 weight [E, n, k] or [n, k] (n, k multiples of 128) as the ``(codes, scales)`` pair
+    that FP8 workspaces take in its place: ``float8_e4m3fn`` codes of its shape and fp32 scales,
+    one per 128 x 128 block. The bits the layer's own quantization of that weight gives (on CUDA
+    on the current stream, without synchronizing; on CPU the reference's quantizer)."""
+    n, k = weight.shape[-2:]
+    codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+    scales = torch.empty(
+        (*weight.shape[:-2], n // 128, k // 128), dtype=torch.float32, device=weight.device
+    )
+    if not weight.is_cuda:
+        _C.quantize_weight_fp8(to_dlpack(weight.detach()), to_dlpack(codes), to_dlpack(scales))
+        return codes, scales
+    with torch.cuda.device(weight.device):
+        stream = torch._C._cuda_getCurrentRawStream(weight.device.index)
+        _C.quantize_weight_fp8(
+            to_dlpack(weight.detach()), to_dlpack(codes), to_dlpack(scales), stream
+        )
+    return codes, scales
+
+
+_WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down")
+
+
+def _split_weights(weights) -> tuple[list, list]:
+    """The six weights (gate, up, down, shared gate, shared up, shared down) as the ops take
+    them: each tensor as it is, each ``(codes, scales)`` tuple as its codes, and the ops'
+    ``weight_scales`` (empty when no weight is pre-quantized)."""
+    tensors, scales = [], []
+    for name, weight in zip(_WEIGHT_NAMES, weights):
+        if isinstance(weight, (tuple, list)):
+            if len(weight) != 2 or not all(isinstance(t, Tensor) for t in weight):
+                raise ValueError(
+                    f"argument `{name}` is a {type(weight).__name__} of {len(weight)} items; "
+                    "a pre-quantized weight is a (codes, scales) pair of tensors"
+                )
+            codes, weight_scales = weight
+            if codes.dtype != torch.float8_e4m3fn:
+                raise ValueError(
+                    f"argument `{name}`: pre-quantized codes have dtype {codes.dtype}; "
+                    "expected torch.float8_e4m3fn"
+                )
+            tensors.append(codes)
+            scales.append(weight_scales)
+        else:
+            tensors.append(weight)
+            scales.append(None)
+    return tensors, (scales if any(t is not None for t in scales) else [])
+
+
 def forward(
     config: MoKConfig,
     workspace: Workspace,
@@ -289,20 +346,21 @@ def forward(
 ) -> tuple[Tensor, MoKForwardContext]:
     """The layer's forward: ``(out, context)``. x bf16 [T, H]; router_weights fp32 [T, K];
     shared weights bf16 [Is, H], [Is, H], [H, Is] or None; routed bf16 [E_loc, I, H],
-    [E_loc, I, H], [E_loc, H, I]; swiglu_limit: gate = min(gate, L), up = clamp(up, -L, L)."""
+    [E_loc, I, H], [E_loc, H, I]; any weight an ``(fp8, scale)`` pair in an FP8 workspace (the
+    module docstring); swiglu_limit: gate = min(gate, L), up = clamp(up, -L, L)."""
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
+    weights, weight_scales = _split_weights(
+        (routed_gate_weights, routed_up_weights, routed_down_weights)
+        + (shared_gate_weights, shared_up_weights, shared_down_weights)
+    )
     out = ops.forward_eager(
         x,
         schedule.top_experts,
         router_weights,
-        routed_gate_weights,
-        routed_up_weights,
-        routed_down_weights,
-        shared_gate_weights,
-        shared_up_weights,
-        shared_down_weights,
+        *weights,
         _limit(swiglu_limit),
         workspace.handle,
+        weight_scales,
     )
     return out, MoKForwardContext(True)
 
@@ -350,20 +408,20 @@ def backward(
             f"argument `forward_context` is a {type(forward_context).__name__}; expected a MoKForwardContext"
         )
     _check_workspace(workspace, x, int(schedule.top_experts.shape[1]))
+    weights, weight_scales = _split_weights(
+        (routed_gate_weights, routed_up_weights, routed_down_weights)
+        + (shared_gate_weights, shared_up_weights, shared_down_weights)
+    )
     grads = ops.backward_eager(
         grad_output.contiguous(),
         x,
         schedule.top_experts,
         router_weights,
-        routed_gate_weights,
-        routed_up_weights,
-        routed_down_weights,
-        shared_gate_weights,
-        shared_up_weights,
-        shared_down_weights,
+        *weights,
         _limit(swiglu_limit),
         workspace.handle,
         forward_context.use_context,
+        weight_scales,
     )
     return (
         *grads[:5],
@@ -382,21 +440,29 @@ class _MoeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        # args: the nine inputs of torch.ops.mok.forward, then swiglu_limit and the workspace.
-        inputs, (swiglu_limit, handle) = args[:9], args[9:]
-        out = ops.forward_eager(*inputs, swiglu_limit, handle)
-        ctx.save_for_backward(*inputs)
+        # args: the nine inputs of torch.ops.mok.forward, then swiglu_limit, the workspace and
+        # the weight scales.
+        inputs, (swiglu_limit, handle, weight_scales) = args[:9], args[9:]
+        out = ops.forward_eager(*inputs, swiglu_limit, handle, weight_scales)
+        ctx.save_for_backward(*inputs, *weight_scales)
         ctx.swiglu_limit = swiglu_limit
         ctx.handle = handle
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        inputs = ctx.saved_tensors
-        grads = ops.backward_eager(d_out.contiguous(), *inputs, ctx.swiglu_limit, ctx.handle, True)
-        d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = grads[:5]
-        shared = _shared_gradients(grads, inputs[6:])
-        return (d_x, None, d_router_weights, d_w_gate, d_w_up, d_w_down, *shared, None, None)
+        saved = ctx.saved_tensors
+        inputs, weight_scales = saved[:9], list(saved[9:])
+        grads = ops.backward_eager(
+            d_out.contiguous(), *inputs, ctx.swiglu_limit, ctx.handle, True, weight_scales
+        )
+        d_x, d_router_weights = grads[:2]
+        # Pre-quantized weights (FP8 codes) take no gradient: the caller's master weights do.
+        weight_grads = [
+            g if w is not None and w.dtype != torch.float8_e4m3fn else None
+            for g, w in zip(grads[2:], inputs[3:])
+        ]
+        return (d_x, None, d_router_weights, *weight_grads, None, None, None)
 
 
 def moe(
@@ -417,7 +483,8 @@ def moe(
     """The whole layer as one differentiable call: ``out[t] = sum_k w[t,k] expert_{e[t,k]}(x[t])
     + shared(x[t])`` with SwiGLU experts. Gradients flow to x, router_weights and every weight.
     x [T, H] bf16 (leading dimensions are flattened); top_experts [T, K] int32/int64;
-    router_weights [T, K] fp32; weights as in ``forward``. `workspace` defaults to one shared
+    router_weights [T, K] fp32; weights as in ``forward`` (a pre-quantized ``(codes, scales)``
+    weight gets no gradient: use ``backward`` for its bf16 gradient). `workspace` defaults to one shared
     workspace per config (the default config's is made at import, so ``torch.compile`` traces
     this call without a graph break): layers of one shape then share a layer, and a backward
     whose context another call replaced recomputes (``mok.nn.MoE`` holds its own)."""
@@ -428,17 +495,8 @@ def moe(
     if workspace is None:
         workspace = _default_workspace(config or _DEFAULT_CONFIG)
     handle = workspace.handle  # on CPU too: its config names the precision
-    out = _MoeFunction.apply(
-        x2,
-        top2,
-        rw2,
-        w_gate,
-        w_up,
-        w_down,
-        w_shared_gate,
-        w_shared_up,
-        w_shared_down,
-        _limit(swiglu_limit),
-        handle,
+    weights, weight_scales = _split_weights(
+        (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     )
+    out = _MoeFunction.apply(x2, top2, rw2, *weights, _limit(swiglu_limit), handle, weight_scales)
     return out.reshape(*leading, out.shape[-1])

@@ -1,10 +1,15 @@
 """mok's ``torch.library`` ops, in the ``mok`` namespace: few and coarse.
 
 - ``mok::forward(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
-  w_shared_up, w_shared_down, swiglu_limit, workspace) -> out``
+  w_shared_up, w_shared_down, swiglu_limit, workspace, weight_scales) -> out``
 - ``mok::backward(d_out, x, top_experts, router_weights, <the six weights>, swiglu_limit,
-  workspace, use_context) -> (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down,
+  workspace, use_context, weight_scales) -> (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down,
   d_w_shared_gate, d_w_shared_up, d_w_shared_down)``
+
+``weight_scales`` is empty, or six entries (gate, up, down, shared gate, shared up, shared down):
+a weight given pre-quantized (an FP8 workspace only) is its ``float8_e4m3fn`` codes in the
+weight's place, with its fp32 scales, one per 128 x 128 block ([E_loc, n/128, k/128]), at its
+index; None for a bf16 weight. Gradients are bf16 either way.
 
 Each has a CUDA implementation (mok's kernels, launched on PyTorch's current stream with outputs
 from PyTorch's allocator and no host synchronization, so a training step can be captured in a
@@ -94,11 +99,13 @@ def _layer_key(inputs: tuple, swiglu_limit: float, num_ranks: int = 1):
 
 def _gradients_like(inputs: tuple) -> list[Tensor]:
     """The backward's eight outputs for the nine inputs: d_x, d_router_weights, the routed
-    weights' gradients, and the shared expert's (empty without one)."""
+    weights' gradients, and the shared expert's (empty without one); bf16 for a weight given as
+    FP8 codes."""
     x, _, router_weights, w_gate, w_up, w_down, *shared_weights = inputs
 
     def like(tensor):
-        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        dtype = torch.bfloat16 if tensor.dtype == torch.float8_e4m3fn else tensor.dtype
+        return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
 
     shared = [like(w) if w is not None else _empty_gradient(w_gate) for w in shared_weights]
     return [like(x), like(router_weights), like(w_gate), like(w_up), like(w_down), *shared]
@@ -106,7 +113,7 @@ def _gradients_like(inputs: tuple) -> list[Tensor]:
 
 # The CUDA implementations carry the ops' schemas (torch.library infers them from these
 # signatures); the CPU and fake ones take the same arguments positionally: the nine inputs, then
-# swiglu_limit and workspace (backward: d_out first, use_context last).
+# swiglu_limit and workspace (backward: d_out first, then use_context), weight_scales last.
 
 
 def _run_on(device: torch.device):
@@ -129,6 +136,7 @@ def _forward_cuda(
     w_shared_down: Tensor | None,
     swiglu_limit: float,
     workspace: int,
+    weight_scales: list[Tensor | None],
 ) -> Tensor:
     inputs = (
         x,
@@ -146,11 +154,13 @@ def _forward_cuda(
     layer = space.layer(key, x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-    version = _weights_version(space, inputs[3:])
+    version = _weights_version(space, (*inputs[3:], *weight_scales))
     extra = {"weights_version": version} if version else {}
+    if weight_scales:
+        extra["weight_scales"] = _capsules(*weight_scales)
     with _run_on(x.device):
         context = layer.forward(*_capsules(*inputs), _dl(out), stream, **extra)
-    space.record_forward(key, x.device, context, fingerprint(*inputs))
+    space.record_forward(key, x.device, context, fingerprint(*inputs, *weight_scales))
     return out
 
 
@@ -161,13 +171,14 @@ forward = torch.library.custom_op("mok::forward", mutates_args=(), device_types=
 
 @forward.register_kernel("cpu")
 def _forward_cpu(*args):
-    inputs, (swiglu_limit, workspace) = args[:9], args[9:]
+    inputs, (swiglu_limit, workspace, weight_scales) = args[:9], args[9:]
     out = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
     _C.reference_forward(
         _layer_key(inputs, swiglu_limit).shape(1),
         *_capsules(*inputs),
         _dl(out),
         _cpu_precision(workspace),
+        weight_scales=_capsules(*weight_scales),
     )
     return out
 
@@ -191,6 +202,7 @@ def _backward_cuda(
     swiglu_limit: float,
     workspace: int,
     use_context: bool,
+    weight_scales: list[Tensor | None],
 ) -> list[Tensor]:
     inputs = (
         x,
@@ -207,10 +219,14 @@ def _backward_cuda(
     key = _layer_key(inputs, swiglu_limit, space.num_ranks)
     layer = space.layer(key, x.device)
     grads = _gradients_like(inputs)
-    context = space.context_for(key, x.device, fingerprint(*inputs)) if use_context else 0
+    context = (
+        space.context_for(key, x.device, fingerprint(*inputs, *weight_scales)) if use_context else 0
+    )
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-    version = _weights_version(space, inputs[3:])
+    version = _weights_version(space, (*inputs[3:], *weight_scales))
     extra = {"weights_version": version} if version else {}
+    if weight_scales:
+        extra["weight_scales"] = _capsules(*weight_scales)
     with _run_on(x.device):
         layer.backward(
             *_capsules(*inputs),
@@ -230,7 +246,7 @@ backward = torch.library.custom_op("mok::backward", mutates_args=(), device_type
 
 @backward.register_kernel("cpu")
 def _backward_cpu(*args):
-    d_out, inputs, (swiglu_limit, workspace, _) = args[0], args[1:10], args[10:]
+    d_out, inputs, (swiglu_limit, workspace, _, weight_scales) = args[0], args[1:10], args[10:]
     grads = _gradients_like(inputs)
     _C.reference_backward(
         _layer_key(inputs, swiglu_limit).shape(1),
@@ -238,6 +254,7 @@ def _backward_cpu(*args):
         _dl(d_out),
         *_gradient_capsules(grads, inputs[6:]),
         _cpu_precision(workspace),
+        weight_scales=_capsules(*weight_scales),
     )
     return grads
 

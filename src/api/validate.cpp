@@ -113,6 +113,28 @@ Status check_no_overlap(const char* call, const std::vector<NamedTensor>& inputs
   return Status::Ok();
 }
 
+// A weight given in one of its two forms: bf16 (`name`) or pre-quantized (`name`_fp8, codes
+// with the weight's dims and one scale per 128 x 128 block of its last two).
+Status check_weight(CallChecker& checker, const std::string& name, const TensorView& weight,
+                    const Fp8BlockWeight& fp8, const std::vector<Dim>& dims, bool outer_strided) {
+  if (!fp8.present()) return checker.check(name, weight, {DType::kBFloat16}, dims, outer_strided);
+  const std::string fp8_name = name + "_fp8";
+  if (weight.present())
+    return checker.fail(name, "was given together with `" + fp8_name +
+                                  "`; pass the weight either as bf16 or pre-quantized");
+  std::vector<Dim> scale_dims = dims;
+  static const char* kBlockLabels[] = {"n/128", "k/128"};
+  for (size_t d = dims.size() - 2; d < dims.size(); ++d) {
+    if (dims[d].extent % 128 != 0)
+      return checker.fail(fp8_name, std::string("needs ") + dims[d].label + " = " +
+                                        std::to_string(dims[d].extent) +
+                                        " to be a multiple of 128 (the FP8 weight blocks)");
+    scale_dims[d] = {kBlockLabels[d + 2 - dims.size()], dims[d].extent / 128};
+  }
+  MOK_RETURN_IF_ERROR(checker.check(fp8_name + ".codes", fp8.codes, {DType::kFloat8E4M3}, dims));
+  return checker.check(fp8_name + ".scales", fp8.scales, {DType::kFloat32}, scale_dims);
+}
+
 Status check_inputs(CallChecker& checker, const MoeShape& shape, const ForwardArgs& args) {
   const Dim T{"T", shape.num_tokens}, H{"H", shape.hidden}, I{"I", shape.intermediate},
       K{"K", shape.top_k}, E{"E_loc", shape.num_local_experts()},
@@ -122,20 +144,29 @@ Status check_inputs(CallChecker& checker, const MoeShape& shape, const ForwardAr
       checker.check("top_experts", args.top_experts, {DType::kInt32, DType::kInt64}, {T, K}));
   MOK_RETURN_IF_ERROR(
       checker.check("router_weights", args.router_weights, {DType::kFloat32}, {T, K}));
-  MOK_RETURN_IF_ERROR(checker.check("w_gate", args.w_gate, {DType::kBFloat16}, {E, I, H}, true));
-  MOK_RETURN_IF_ERROR(checker.check("w_up", args.w_up, {DType::kBFloat16}, {E, I, H}, true));
-  MOK_RETURN_IF_ERROR(checker.check("w_down", args.w_down, {DType::kBFloat16}, {E, H, I}, true));
+  MOK_RETURN_IF_ERROR(
+      check_weight(checker, "w_gate", args.w_gate, args.w_gate_fp8, {E, I, H}, true));
+  MOK_RETURN_IF_ERROR(check_weight(checker, "w_up", args.w_up, args.w_up_fp8, {E, I, H}, true));
+  MOK_RETURN_IF_ERROR(
+      check_weight(checker, "w_down", args.w_down, args.w_down_fp8, {E, H, I}, true));
   if (shape.has_shared_expert()) {
-    MOK_RETURN_IF_ERROR(
-        checker.check("w_shared_gate", args.w_shared_gate, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(
-        checker.check("w_shared_up", args.w_shared_up, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(
-        checker.check("w_shared_down", args.w_shared_down, {DType::kBFloat16}, {H, Is}));
+    MOK_RETURN_IF_ERROR(check_weight(checker, "w_shared_gate", args.w_shared_gate,
+                                     args.w_shared_gate_fp8, {Is, H}, false));
+    MOK_RETURN_IF_ERROR(check_weight(checker, "w_shared_up", args.w_shared_up, args.w_shared_up_fp8,
+                                     {Is, H}, false));
+    MOK_RETURN_IF_ERROR(check_weight(checker, "w_shared_down", args.w_shared_down,
+                                     args.w_shared_down_fp8, {H, Is}, false));
   } else {
     MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_gate", args.w_shared_gate));
     MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_up", args.w_shared_up));
     MOK_RETURN_IF_ERROR(checker.check_absent("w_shared_down", args.w_shared_down));
+    for (const auto& [name, fp8] : {std::pair<const char*, const Fp8BlockWeight*>{
+                                        "w_shared_gate_fp8", &args.w_shared_gate_fp8},
+                                    {"w_shared_up_fp8", &args.w_shared_up_fp8},
+                                    {"w_shared_down_fp8", &args.w_shared_down_fp8}}) {
+      MOK_RETURN_IF_ERROR(checker.check_absent(std::string(name) + ".codes", fp8->codes));
+      MOK_RETURN_IF_ERROR(checker.check_absent(std::string(name) + ".scales", fp8->scales));
+    }
   }
   return Status::Ok();
 }
@@ -241,7 +272,34 @@ std::vector<NamedTensor> named_inputs(const ForwardArgs& args) {
           {"w_down", &args.w_down},
           {"w_shared_gate", &args.w_shared_gate},
           {"w_shared_up", &args.w_shared_up},
-          {"w_shared_down", &args.w_shared_down}};
+          {"w_shared_down", &args.w_shared_down},
+          {"w_gate_fp8.codes", &args.w_gate_fp8.codes},
+          {"w_gate_fp8.scales", &args.w_gate_fp8.scales},
+          {"w_up_fp8.codes", &args.w_up_fp8.codes},
+          {"w_up_fp8.scales", &args.w_up_fp8.scales},
+          {"w_down_fp8.codes", &args.w_down_fp8.codes},
+          {"w_down_fp8.scales", &args.w_down_fp8.scales},
+          {"w_shared_gate_fp8.codes", &args.w_shared_gate_fp8.codes},
+          {"w_shared_gate_fp8.scales", &args.w_shared_gate_fp8.scales},
+          {"w_shared_up_fp8.codes", &args.w_shared_up_fp8.codes},
+          {"w_shared_up_fp8.scales", &args.w_shared_up_fp8.scales},
+          {"w_shared_down_fp8.codes", &args.w_shared_down_fp8.codes},
+          {"w_shared_down_fp8.scales", &args.w_shared_down_fp8.scales}};
+}
+
+Status check_weight_precision(const char* call, const ForwardArgs& args, Precision precision) {
+  if (precision == Precision::kFP8Block || !has_fp8_weights(args)) return Status::Ok();
+  return Status::invalid(std::string(call) + ": pre-quantized FP8 weights (w_*_fp8) were given " +
+                         "but the precision is " + precision_name(precision) +
+                         "; pass bf16 weights, or use precision fp8_block");
+}
+
+bool has_fp8_weights(const ForwardArgs& args) {
+  for (const Fp8BlockWeight* fp8 :
+       {&args.w_gate_fp8, &args.w_up_fp8, &args.w_down_fp8, &args.w_shared_gate_fp8,
+        &args.w_shared_up_fp8, &args.w_shared_down_fp8})
+    if (fp8->present()) return true;
+  return false;
 }
 
 std::vector<NamedTensor> named_outputs(const BackwardArgs& args) {

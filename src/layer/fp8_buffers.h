@@ -1,7 +1,9 @@
 // The FP8 path's buffers of one expert set (MoeConfig::precision = kFP8Block;
 // layer/fp8_stages.cpp fills and reads them). Every operand is e4m3 codes plus fp32 scales in
 // the FP8 GEMM's layouts (kernels/gemm/fp8_gemm.h):
-//   weights, blocks of 128 x 128, quantized on every call from the bf16 weights:
+//   weights, blocks of 128 x 128, quantized from the bf16 weights (on every call, or once per
+//   ForwardArgs::weights_version); a weight given pre-quantized is read where the caller keeps
+//   it instead, and only its transposed copy lives here:
 //     w_gate, w_up  [E, I, H], scales [E, I/128, H/128]   the forward gate/up GEMM's B and B2
 //     w_down        [E, H, I], scales [E, H/128, I/128]   the down GEMM's B
 //     w_down_t      [E, I, H] (Wd transposed)             the down dgrad's B
@@ -19,6 +21,14 @@
 
 namespace mok {
 
+// An FP8 operand where it lives: e4m3 codes and their fp32 scales (a buffer below, or a
+// caller's pre-quantized weight, ForwardArgs::w_*_fp8).
+struct Fp8View {
+  const void* codes = nullptr;
+  const float* scales = nullptr;
+  bool present() const { return codes != nullptr; }
+};
+
 struct Fp8Operand {
   DeviceBuffer codes;   // e4m3, one byte each
   DeviceBuffer scales;  // fp32
@@ -27,6 +37,7 @@ struct Fp8Operand {
     scales.allocate(scale_count * 4, what + " (scales)");
   }
   float* scale_data() const { return scales.as<float>(); }
+  Fp8View view() const { return {codes.pointer, scale_data()}; }
 };
 
 // Which weights a set of quantized ones holds (ForwardArgs::weights_version; 0 names none).

@@ -4,10 +4,12 @@
 // them (src/reference/fp8_emulation.h), so the layer matches that reference at the bf16
 // tolerance. Buffers and layouts: layer/fp8_buffers.h.
 //
-//   forward   weights -> blocks; x rows -> row groups; gate/up GEMM (B = Wg | Wu, out g | u: the
+//   forward   weights -> blocks (unless given pre-quantized); x rows -> row groups; gate/up GEMM (B
+//   = Wg | Wu, out g | u: the
 //             forward context, bf16 as in bf16); SwiGLU fused with h's quantization; down GEMM
 //             -> the expert output rows
-//   backward  (recompute: x rows and the gate/up GEMM again); weights -> blocks transposed;
+//   backward  (recompute: x rows and the gate/up GEMM again); weights -> blocks transposed
+//             (pre-quantized ones: their codes and scales transposed, the same bits);
 //             d_out rows -> row groups; down dgrad -> dh_raw; the bf16 path's SwiGLU backward
 //             (d_g, d_u, h_w, d_router_weights); d_g, d_u -> row groups; gate/up dgrad (K split
 //             d_g | d_u against Wg^T | Wu^T) -> dx rows; d_g, d_u, x, d_out, h_w -> column groups
@@ -54,8 +56,13 @@ void quantize_weights(const void* weights, int64_t experts, int64_t n, int64_t k
       std::string("FP8 quantization of ") + what);
 }
 
+// A matrix's identity in the keys: its bf16 pointer, or its pre-quantized codes'.
+const void* identity(const void* values, const Fp8View& given) {
+  return given.present() ? given.codes : values;
+}
 Fp8WeightKey key_of(const ExpertWeights& weights) {
-  return {weights.gate, weights.up, weights.down, weights.version};
+  return {identity(weights.gate, weights.gate_fp8), identity(weights.up, weights.up_fp8),
+          identity(weights.down, weights.down_fp8), weights.version};
 }
 // True when `key` says the buffers already hold these weights' quantization (a nonzero version
 // and the same pointers). The caller sets the key once it has quantized them.
@@ -66,37 +73,72 @@ bool holds_weights(const Fp8WeightKey& key, const ExpertWeights& weights) {
 constexpr int32_t kTileBox[2] = {128, 128};
 constexpr int32_t kScaleBox[2] = {128, 1};
 
-// The forward's weights (w_gate, w_up, w_down in blocks) unless the buffers hold them already.
-void quantize_forward_weights(const ExpertWeights& weights, int64_t experts, int64_t hidden,
-                              int64_t inter, const Fp8SetBuffers& fp8, cudaStream_t stream) {
-  if (holds_weights(fp8.weights_key, weights)) return;
-  quantize_weights(weights.gate, experts, inter, hidden, weights.gate_stride, false, fp8.w_gate,
-                   stream, "w_gate");
-  quantize_weights(weights.up, experts, inter, hidden, weights.up_stride, false, fp8.w_up, stream,
-                   "w_up");
-  quantize_weights(weights.down, experts, hidden, inter, weights.down_stride, false, fp8.w_down,
-                   stream, "w_down");
+// The forward's weights in blocks: each given pre-quantized, or quantized into the buffers
+// unless they hold it already.
+struct ForwardWeights {
+  Fp8View gate, up, down;
+};
+ForwardWeights forward_weights(const ExpertWeights& weights, int64_t experts, int64_t hidden,
+                               int64_t inter, const Fp8SetBuffers& fp8, cudaStream_t stream) {
+  const bool held = holds_weights(fp8.weights_key, weights);
+  auto block = [&](const void* values, const Fp8View& given, int64_t n, int64_t k, int64_t stride,
+                   const Fp8Operand& buffer, const char* what) {
+    if (given.present()) return given;
+    if (!held) quantize_weights(values, experts, n, k, stride, false, buffer, stream, what);
+    return buffer.view();
+  };
+  const ForwardWeights out{
+      block(weights.gate, weights.gate_fp8, inter, hidden, weights.gate_stride, fp8.w_gate,
+            "w_gate"),
+      block(weights.up, weights.up_fp8, inter, hidden, weights.up_stride, fp8.w_up, "w_up"),
+      block(weights.down, weights.down_fp8, hidden, inter, weights.down_stride, fp8.w_down,
+            "w_down")};
   fp8.weights_key = key_of(weights);
+  return out;
+}
+
+// The backward's weights as the dgrads' K-major operands, [E, k, n] from [E, n, k]: a bf16
+// weight quantized transposed, a pre-quantized one transposed code by code (the same bits).
+void transposed_weights(const ExpertWeights& weights, int64_t experts, int64_t hidden,
+                        int64_t inter, const Fp8SetBuffers& fp8, cudaStream_t stream) {
+  if (holds_weights(fp8.transposed_key, weights)) return;
+  auto transpose = [&](const void* values, const Fp8View& given, int64_t n, int64_t k,
+                       int64_t stride, const Fp8Operand& out, const char* what) {
+    if (!given.present()) {
+      quantize_weights(values, experts, n, k, stride, true, out, stream, what);
+      return;
+    }
+    kernels::Fp8QuantizeBatch batch;
+    batch.count = experts;
+    cuda_check(
+        kernels::launch_transpose_fp8_blocks(given.codes, given.scales, n, k, out.codes.pointer,
+                                             out.scale_data(), stream, batch),
+        std::string("FP8 transposition of ") + what);
+  };
+  transpose(weights.down, weights.down_fp8, hidden, inter, weights.down_stride, fp8.w_down_t,
+            "w_down (transposed)");
+  transpose(weights.gate, weights.gate_fp8, inter, hidden, weights.gate_stride, fp8.w_gate_t,
+            "w_gate (transposed)");
+  transpose(weights.up, weights.up_fp8, inter, hidden, weights.up_stride, fp8.w_up_t,
+            "w_up (transposed)");
+  fp8.transposed_key = key_of(weights);
 }
 
 // e4m3 [rows, width], [128 x 128] boxes.
-CUtensorMap codes_2d(const Fp8Operand& op, int64_t rows, int64_t width, const char* what) {
+CUtensorMap codes_2d(const Fp8View& op, int64_t rows, int64_t width, const char* what) {
   const int64_t dims[2] = {width, rows}, strides[1] = {width};
-  return make_tensor_map(op.codes.pointer, TmaElement::kE4M3, 2, dims, strides, kTileBox, true,
-                         what);
+  return make_tensor_map(op.codes, TmaElement::kE4M3, 2, dims, strides, kTileBox, true, what);
 }
 // e4m3 [E, n, k], [1, 128 x 128] boxes.
-CUtensorMap codes_3d(const Fp8Operand& op, int64_t experts, int64_t n, int64_t k,
-                     const char* what) {
+CUtensorMap codes_3d(const Fp8View& op, int64_t experts, int64_t n, int64_t k, const char* what) {
   const int64_t dims[3] = {k, n, experts}, strides[2] = {k, n * k};
   const int32_t box[3] = {128, 128, 1};
-  return make_tensor_map(op.codes.pointer, TmaElement::kE4M3, 3, dims, strides, box, true, what);
+  return make_tensor_map(op.codes, TmaElement::kE4M3, 3, dims, strides, box, true, what);
 }
 // fp32 group-major scales [groups, lines], [1 x 128] boxes.
-CUtensorMap scales_2d(const Fp8Operand& op, int64_t lines, int64_t groups, const char* what) {
+CUtensorMap scales_2d(const Fp8View& op, int64_t lines, int64_t groups, const char* what) {
   const int64_t dims[2] = {lines, groups}, strides[1] = {lines * 4};
-  return make_tensor_map(op.scales.pointer, TmaElement::kF32, 2, dims, strides, kScaleBox, false,
-                         what);
+  return make_tensor_map(op.scales, TmaElement::kF32, 2, dims, strides, kScaleBox, false, what);
 }
 // The staging-tile epilogue's bf16 output [rows, width] (one batch entry).
 CUtensorMap output_map(void* base, int64_t width, int64_t rows, const char* what) {
@@ -119,43 +161,44 @@ void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
 }
 
 // out [out_rows, n] = a [rows, k] times each row tile's expert's b [n, k]^T (one part each).
-void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8Operand& a,
-                   int64_t rows, int64_t k, const Fp8Operand& b, int64_t n, void* out,
-                   int64_t out_rows, cudaStream_t stream, const char* what) {
+void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View& a, int64_t rows,
+                   int64_t k, const Fp8View& b, int64_t n, void* out, int64_t out_rows,
+                   cudaStream_t stream, const char* what) {
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(a, rows, k, what);
   maps.a_scales = scales_2d(a, rows, k / 128, what);
   maps.b = codes_3d(b, set.num_experts, n, k, what);
   maps.out = maps.out2 = output_map(out, n, out_rows, what);
   kernels::Fp8GemmParams params = row_tile_params(s, set);
-  params.b_scales = b.scale_data();
+  params.b_scales = b.scales;
   params.n_extent = static_cast<int32_t>(n);
   params.k_extent = static_cast<int32_t>(k);
   launch(s, maps, params, stream, what);
 }
 
-// g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, `fp8.w_gate`
-// and `fp8.w_up`, quantized before).
+// g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, quantized
+// before).
 void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBuffers& fp8,
-                  int64_t rows, cudaStream_t stream) {
+                  const ForwardWeights& weights, int64_t rows, cudaStream_t stream) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.x_rows, rows, H, "x rows (FP8)");
-  maps.a_scales = scales_2d(fp8.x_rows, rows, H / 128, "x rows' scales");
-  maps.b = codes_3d(fp8.w_gate, E, I, H, "w_gate (FP8)");
-  maps.b2 = codes_3d(fp8.w_up, E, I, H, "w_up (FP8)");
+  maps.a = codes_2d(fp8.x_rows.view(), rows, H, "x rows (FP8)");
+  maps.a_scales = scales_2d(fp8.x_rows.view(), rows, H / 128, "x rows' scales");
+  maps.b = codes_3d(weights.gate, E, I, H, "w_gate (FP8)");
+  maps.b2 = codes_3d(weights.up, E, I, H, "w_up (FP8)");
   maps.out = output_map(set.gate.pointer, I, R, "gate");
   maps.out2 = output_map(set.up.pointer, I, R, "up");
   kernels::Fp8GemmParams params = row_tile_params(s, set);
-  params.b_scales = fp8.w_gate.scale_data();
-  params.b2_scales = fp8.w_up.scale_data();
+  params.b_scales = weights.gate.scales;
+  params.b2_scales = weights.up.scales;
   params.n_extent = static_cast<int32_t>(2 * I);
   params.n_split = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
   launch(s, maps, params, stream, "FP8 gate/up GEMM");
 }
 
+// Pre-quantized matrices are dense (check_forward_args); their bf16 strides are 0.
 void check_dense(const ExpertWeights& weights, int64_t matrix_elements, int64_t down_elements) {
   for (const int64_t stride : {weights.gate_stride, weights.up_stride})
     if (stride != 0 && stride != matrix_elements)
@@ -178,17 +221,18 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
-  quantize_forward_weights(f.weights, E, H, I, fp8, stream);
+  const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, stream);
   quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
   mark("FP8 quantization of the weights and x rows");
-  gate_up_gemm(s, set, fp8, rows, stream);
+  gate_up_gemm(s, set, fp8, weights, rows, stream);
   cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
                                                  s.shape.swiglu_limit, fp8.h.codes.pointer,
                                                  fp8.h.scale_data(), stream),
              "FP8 SwiGLU + quantization of h");
   mark("FP8 gate/up GEMM + SwiGLU");
 
-  row_tile_gemm(s, set, fp8.h, R, I, fp8.w_down, H, f.out, f.out_rows, stream, "FP8 down GEMM");
+  row_tile_gemm(s, set, fp8.h.view(), R, I, weights.down, H, f.out, f.out_rows, stream,
+                "FP8 down GEMM");
   mark("FP8 down GEMM");
 }
 
@@ -203,27 +247,19 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
                                           " rows in the maps, " + std::to_string(R) +
                                           " in the set's buffers");
   if (recompute) {
-    quantize_forward_weights(b.weights, E, H, I, fp8, stream);
+    const ForwardWeights weights = forward_weights(b.weights, E, H, I, fp8, stream);
     quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
-    gate_up_gemm(s, set, fp8, rows, stream);
+    gate_up_gemm(s, set, fp8, weights, rows, stream);
     mark("FP8 gate/up recompute");
   }
-  if (!holds_weights(fp8.transposed_key, b.weights)) {
-    quantize_weights(b.weights.down, E, H, I, b.weights.down_stride, true, fp8.w_down_t, stream,
-                     "w_down (transposed)");
-    quantize_weights(b.weights.gate, E, I, H, b.weights.gate_stride, true, fp8.w_gate_t, stream,
-                     "w_gate (transposed)");
-    quantize_weights(b.weights.up, E, I, H, b.weights.up_stride, true, fp8.w_up_t, stream,
-                     "w_up (transposed)");
-    fp8.transposed_key = key_of(b.weights);
-  }
+  transposed_weights(b.weights, E, H, I, fp8, stream);
   quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
            "d_out rows");
   mark("FP8 quantization of the weights and d_out rows");
 
   // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
-  row_tile_gemm(s, set, fp8.d_out_rows, rows, H, fp8.w_down_t, I, set.hidden.pointer, R, stream,
-                "FP8 down dgrad GEMM");
+  row_tile_gemm(s, set, fp8.d_out_rows.view(), rows, H, fp8.w_down_t.view(), I, set.hidden.pointer,
+                R, stream, "FP8 down dgrad GEMM");
   mark("FP8 down dgrad");
   const ScheduleView view = set.view();
   cuda_check(kernels::launch_swiglu_backward(
@@ -238,12 +274,12 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   quantize(set.d_gate.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_gate, stream, "d_gate");
   quantize(set.d_up.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_up, stream, "d_up");
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.d_gate, R, I, "d_gate (FP8)");
-  maps.a2 = codes_2d(fp8.d_up, R, I, "d_up (FP8)");
-  maps.a_scales = scales_2d(fp8.d_gate, R, I / 128, "d_gate's scales");
-  maps.a2_scales = scales_2d(fp8.d_up, R, I / 128, "d_up's scales");
-  maps.b = codes_3d(fp8.w_gate_t, E, H, I, "w_gate transposed (FP8)");
-  maps.b2 = codes_3d(fp8.w_up_t, E, H, I, "w_up transposed (FP8)");
+  maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)");
+  maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)");
+  maps.a_scales = scales_2d(fp8.d_gate.view(), R, I / 128, "d_gate's scales");
+  maps.a2_scales = scales_2d(fp8.d_up.view(), R, I / 128, "d_up's scales");
+  maps.b = codes_3d(fp8.w_gate_t.view(), E, H, I, "w_gate transposed (FP8)");
+  maps.b2 = codes_3d(fp8.w_up_t.view(), E, H, I, "w_up transposed (FP8)");
   maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows");
   kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = fp8.w_gate_t.scale_data();
@@ -268,10 +304,10 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   auto weight_grad = [&](const Fp8Operand& a, int64_t m, const Fp8Operand& b_op, int64_t n,
                          void* out, int64_t out_stride, const char* what) {
     kernels::Fp8GemmMaps wgrad_maps{};
-    wgrad_maps.a = codes_2d(a, m, rows, what);
-    wgrad_maps.b = codes_2d(b_op, n, rows, what);
-    wgrad_maps.a_scales = scales_2d(a, m, rows / 128, what);
-    wgrad_maps.b_scales = scales_2d(b_op, n, rows / 128, what);
+    wgrad_maps.a = codes_2d(a.view(), m, rows, what);
+    wgrad_maps.b = codes_2d(b_op.view(), n, rows, what);
+    wgrad_maps.a_scales = scales_2d(a.view(), m, rows / 128, what);
+    wgrad_maps.b_scales = scales_2d(b_op.view(), n, rows / 128, what);
     wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what, out_stride);
     kernels::Fp8GemmParams wgrad;
     wgrad.form = kernels::Fp8GemmForm::kWeightGrad;

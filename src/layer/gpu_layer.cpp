@@ -95,14 +95,27 @@ std::vector<TaskTrace> GpuLayer::task_traces(cudaStream_t stream) {
 
 namespace {
 
+Fp8View fp8_view(const Fp8BlockWeight& weight) {
+  return {weight.codes.data, weight.scales.data_as<const float>()};
+}
 ExpertWeights routed_weights(const ForwardArgs& args) {
-  return {args.w_gate.data,           args.w_up.data,           args.w_down.data,
-          args.w_gate.outer_stride(), args.w_up.outer_stride(), args.w_down.outer_stride(),
-          args.weights_version};
+  return {args.w_gate.data,         args.w_up.data,
+          args.w_down.data,         args.w_gate.outer_stride(),
+          args.w_up.outer_stride(), args.w_down.outer_stride(),
+          args.weights_version,     fp8_view(args.w_gate_fp8),
+          fp8_view(args.w_up_fp8),  fp8_view(args.w_down_fp8)};
 }
 ExpertWeights shared_weights(const ForwardArgs& args) {
-  return {args.w_shared_gate.data, args.w_shared_up.data, args.w_shared_down.data, 0, 0, 0,
-          args.weights_version};
+  return {args.w_shared_gate.data,
+          args.w_shared_up.data,
+          args.w_shared_down.data,
+          0,
+          0,
+          0,
+          args.weights_version,
+          fp8_view(args.w_shared_gate_fp8),
+          fp8_view(args.w_shared_up_fp8),
+          fp8_view(args.w_shared_down_fp8)};
 }
 
 // The pipeline's forward (the diagram at the top); `mark(name)` after each stage (profiles).
@@ -195,6 +208,7 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
 ForwardContext GpuLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  check_weight_precision("forward", args, s.config.precision).throw_if_error();
   if (args.x.device_id != s.device)
     throw Error(ErrorCode::kInvalidArgument,
                 "forward: tensors are on cuda:" + std::to_string(args.x.device_id) +
@@ -233,6 +247,7 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                         const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  check_weight_precision("backward", args.forward, s.config.precision).throw_if_error();
   if (args.d_out.device_id != s.device)
     throw Error(ErrorCode::kInvalidArgument,
                 "backward: tensors are on cuda:" + std::to_string(args.d_out.device_id) +
@@ -312,6 +327,7 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const Forwa
                                                                      int iterations) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  check_weight_precision("forward", args, s.config.precision).throw_if_error();
   return profile_stages(s, "profile_forward", stream, iterations,
                         [&](const StageMarker& mark) { run_forward(s, args, stream, mark); });
 }
@@ -320,6 +336,7 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(
     const BackwardArgs& args, cudaStream_t stream, int iterations, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
+  check_weight_precision("backward", args.forward, s.config.precision).throw_if_error();
   const bool use_context = context_is_current(s, context);
   if (!use_context) ++s.generation;
   return profile_stages(s, "profile_backward", stream, iterations, [&](const StageMarker& mark) {

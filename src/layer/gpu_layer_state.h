@@ -149,6 +149,8 @@ struct ExpertWeights {
   const void* down = nullptr;  // [E, H, I]
   int64_t gate_stride = 0, up_stride = 0, down_stride = 0;
   uint64_t version = 0;  // ForwardArgs::weights_version
+  // FP8: the matrices given pre-quantized (ForwardArgs::w_*_fp8; their bf16 pointer is null).
+  Fp8View gate_fp8, up_fp8, down_fp8;
 };
 
 struct WeightGrads {

@@ -61,11 +61,8 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, bool fp8,
 
     // An expert without rows needs no operands: expert_backward only zeroes its gradients.
     if (rows > 0)
-      detail::load_expert_weights(
-          pool, owner.w_gate.data_as<const bf16>() + expert * owner.w_gate.outer_stride(),
-          owner.w_up.data_as<const bf16>() + expert * owner.w_up.outer_stride(),
-          owner.w_down.data_as<const bf16>() + expert * owner.w_down.outer_stride(), hidden, inter,
-          detail::WeightsFor::kBackward, fp8, weights);
+      detail::load_expert_weights(pool, detail::routed_matrices(shape, owner, expert), hidden,
+                                  inter, detail::WeightsFor::kBackward, fp8, weights);
 
     std::vector<float> d_router_weights(static_cast<size_t>(rows));
     std::vector<float> dx(static_cast<size_t>(rows * hidden));
@@ -107,9 +104,7 @@ std::vector<float> shared_expert_backward(ThreadPool& pool, const MoeShape& shap
   weights.hidden = hidden;
   weights.intermediate = inter;
   if (tokens > 0)
-    detail::load_expert_weights(pool, forward.w_shared_gate.data_as<const bf16>(),
-                                forward.w_shared_up.data_as<const bf16>(),
-                                forward.w_shared_down.data_as<const bf16>(), hidden, inter,
+    detail::load_expert_weights(pool, detail::shared_matrices(forward), hidden, inter,
                                 detail::WeightsFor::kBackward, fp8, weights);
 
   std::vector<float> dx(static_cast<size_t>(tokens * hidden));
@@ -145,7 +140,7 @@ void sum_dx_at_source(ThreadPool& pool, const MoeShape& shape, const BackwardArg
 
 void backward_ep(const MoeShape& shape, const std::vector<BackwardArgs>& rank_args,
                  const Options& options) {
-  detail::validate_backward_ranks("backward_ep", shape, rank_args);
+  detail::validate_backward_ranks("backward_ep", shape, rank_args, options.precision);
   const bool fp8 = options.precision == Precision::kFP8Block;
   if (fp8) detail::check_fp8_shape("backward_ep", shape);
   ThreadPool pool(resolve_num_threads(options.num_threads));

@@ -51,12 +51,13 @@ void throw_for_rank(const Status& status, const char* call, size_t rank, size_t 
 }  // namespace
 
 void validate_forward_ranks(const char* call, const MoeShape& shape,
-                            const std::vector<ForwardArgs>& rank_args) {
+                            const std::vector<ForwardArgs>& rank_args, Precision precision) {
   check_rank_count(call, shape, rank_args.size());
   std::vector<std::vector<NamedTensor>> inputs, outputs;
   for (size_t rank = 0; rank < rank_args.size(); ++rank) {
     const ForwardArgs& args = rank_args[rank];
     throw_for_rank(check_forward_args(shape, args, DeviceType::kCPU), call, rank, rank_args.size());
+    throw_for_rank(check_weight_precision(call, args, precision), call, rank, rank_args.size());
     check_top_experts(shape, args.top_experts, static_cast<int32_t>(rank)).throw_if_error();
     inputs.push_back(named_inputs(args));
     outputs.push_back({{"out", &args.out}});
@@ -65,12 +66,14 @@ void validate_forward_ranks(const char* call, const MoeShape& shape,
 }
 
 void validate_backward_ranks(const char* call, const MoeShape& shape,
-                             const std::vector<BackwardArgs>& rank_args) {
+                             const std::vector<BackwardArgs>& rank_args, Precision precision) {
   check_rank_count(call, shape, rank_args.size());
   std::vector<std::vector<NamedTensor>> inputs, outputs;
   for (size_t rank = 0; rank < rank_args.size(); ++rank) {
     const BackwardArgs& args = rank_args[rank];
     throw_for_rank(check_backward_args(shape, args, DeviceType::kCPU), call, rank,
+                   rank_args.size());
+    throw_for_rank(check_weight_precision(call, args.forward, precision), call, rank,
                    rank_args.size());
     check_top_experts(shape, args.forward.top_experts, static_cast<int32_t>(rank)).throw_if_error();
     inputs.push_back(named_inputs(args.forward));

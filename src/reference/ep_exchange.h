@@ -13,13 +13,13 @@
 
 namespace mok::reference::detail {
 
-// Checks rank_args.size() == shape.num_ranks, check_forward_args / check_backward_args and
-// check_top_experts on every rank, and that no output of one rank overlaps a tensor of another
-// rank. Throws mok::Error naming the call, the rank and the argument.
+// Checks rank_args.size() == shape.num_ranks, check_forward_args / check_backward_args,
+// check_weight_precision and check_top_experts on every rank, and that no output of one rank
+// overlaps a tensor of another rank. Throws mok::Error naming the call, the rank and the argument.
 void validate_forward_ranks(const char* call, const MoeShape& shape,
-                            const std::vector<ForwardArgs>& rank_args);
+                            const std::vector<ForwardArgs>& rank_args, Precision precision);
 void validate_backward_ranks(const char* call, const MoeShape& shape,
-                             const std::vector<BackwardArgs>& rank_args);
+                             const std::vector<BackwardArgs>& rank_args, Precision precision);
 
 // Throws unless shape.num_ranks == 1 (the single-rank forms).
 void require_single_rank(const char* call, const MoeShape& shape);

@@ -32,62 +32,68 @@ const float* operand(ThreadPool& pool, const float* values, int64_t rows, int64_
   return storage.data();
 }
 
-// The FP8 weights: each matrix's dequantized blocks, then the same layouts as the bf16 path.
-void load_fp8_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
-                      int64_t hidden, int64_t intermediate, WeightsFor use,
-                      ExpertWeights& weights) {
-  const int64_t matrix = intermediate * hidden;
-  const std::vector<float> gate = fp8_block_weights(w_gate, intermediate, hidden);
-  const std::vector<float> up = fp8_block_weights(w_up, intermediate, hidden);
-  const std::vector<float> down = fp8_block_weights(w_down, hidden, intermediate);
-  weights.gate_up.resize(static_cast<size_t>(2 * matrix));
-  std::copy(gate.begin(), gate.end(), weights.gate_up.begin());
-  std::copy(up.begin(), up.end(), weights.gate_up.begin() + matrix);
-  if (use == WeightsFor::kForward) {
-    weights.down = down;
-    return;
+// A matrix [rows, cols] as fp32 into `out`: bf16 values converted, or in FP8 the values of its
+// 128 x 128 blocks, quantized here or given quantized, dequantized.
+void load_matrix(ThreadPool& pool, const WeightMatrix& matrix, int64_t rows, int64_t cols, bool fp8,
+                 float* out) {
+  if (matrix.codes != nullptr) {
+    fp8_dequantize_blocks(pool, matrix.codes, matrix.scales, rows, cols, out);
+  } else if (fp8) {
+    fp8_block_weights(pool, matrix.values, rows, cols, out);
+  } else {
+    convert_bf16_to_float(pool, matrix.values, rows * cols, out);
   }
-  weights.down_t.resize(static_cast<size_t>(matrix));
-  transpose_to_float(pool, down.data(), hidden, intermediate, intermediate, weights.down_t.data(),
-                     hidden);
-  weights.gate_up_t.resize(static_cast<size_t>(2 * matrix));
-  transpose_to_float(pool, gate.data(), intermediate, hidden, hidden, weights.gate_up_t.data(),
-                     2 * intermediate);
-  transpose_to_float(pool, up.data(), intermediate, hidden, hidden,
-                     weights.gate_up_t.data() + intermediate, 2 * intermediate);
 }
 
 }  // namespace
 
-void load_expert_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
-                         int64_t hidden, int64_t intermediate, WeightsFor use, bool fp8,
-                         ExpertWeights& weights) {
+ExpertMatrices routed_matrices(const MoeShape& shape, const ForwardArgs& args, int64_t expert) {
+  const int64_t matrix = shape.intermediate * shape.hidden, blocks = matrix / (128 * 128);
+  auto pick = [&](const TensorView& values, const Fp8BlockWeight& fp8) {
+    if (fp8.present())
+      return WeightMatrix{nullptr, fp8.codes.data_as<const e4m3>() + expert * matrix,
+                          fp8.scales.data_as<const float>() + expert * blocks};
+    return WeightMatrix{values.data_as<const bf16>() + expert * values.outer_stride()};
+  };
+  return {pick(args.w_gate, args.w_gate_fp8), pick(args.w_up, args.w_up_fp8),
+          pick(args.w_down, args.w_down_fp8)};
+}
+
+ExpertMatrices shared_matrices(const ForwardArgs& args) {
+  auto pick = [](const TensorView& values, const Fp8BlockWeight& fp8) {
+    if (fp8.present())
+      return WeightMatrix{nullptr, fp8.codes.data_as<const e4m3>(),
+                          fp8.scales.data_as<const float>()};
+    return WeightMatrix{values.data_as<const bf16>()};
+  };
+  return {pick(args.w_shared_gate, args.w_shared_gate_fp8),
+          pick(args.w_shared_up, args.w_shared_up_fp8),
+          pick(args.w_shared_down, args.w_shared_down_fp8)};
+}
+
+void load_expert_weights(ThreadPool& pool, const ExpertMatrices& matrices, int64_t hidden,
+                         int64_t intermediate, WeightsFor use, bool fp8, ExpertWeights& weights) {
   weights.hidden = hidden;
   weights.intermediate = intermediate;
   weights.fp8 = fp8;
-  if (fp8) {
-    load_fp8_weights(pool, w_gate, w_up, w_down, hidden, intermediate, use, weights);
-    return;
-  }
   const int64_t matrix = intermediate * hidden;
   weights.gate_up.resize(static_cast<size_t>(2 * matrix));
-  convert_bf16_to_float(pool, w_gate, matrix, weights.gate_up.data());
-  convert_bf16_to_float(pool, w_up, matrix, weights.gate_up.data() + matrix);
-  if (use == WeightsFor::kForward) {
-    weights.down.resize(static_cast<size_t>(matrix));
-    convert_bf16_to_float(pool, w_down, matrix, weights.down.data());
-  } else {
-    // dh_raw[i] = sum_n d_out[n] * Wd[n][i] and dx[h] = sum_i d_g[i] Wg[i][h] + d_u[i] Wu[i][h]
-    // reduce over the weights' other index: transposed copies make them NT products too.
-    weights.down_t.resize(static_cast<size_t>(matrix));
-    transpose_to_float(pool, w_down, hidden, intermediate, intermediate, weights.down_t.data(),
-                       hidden);
-    weights.gate_up_t.resize(static_cast<size_t>(2 * matrix));
-    transpose_to_float(pool, w_gate, intermediate, hidden, hidden, weights.gate_up_t.data(),
-                       2 * intermediate);
-    transpose_to_float(pool, w_up, intermediate, hidden, hidden,
-                       weights.gate_up_t.data() + intermediate, 2 * intermediate);
-  }
+  load_matrix(pool, matrices.gate, intermediate, hidden, fp8, weights.gate_up.data());
+  load_matrix(pool, matrices.up, intermediate, hidden, fp8, weights.gate_up.data() + matrix);
+  std::vector<float>& down = use == WeightsFor::kForward ? weights.down : weights.staging;
+  down.resize(static_cast<size_t>(matrix));
+  load_matrix(pool, matrices.down, hidden, intermediate, fp8, down.data());
+  if (use == WeightsFor::kForward) return;
+  // dh_raw[i] = sum_n d_out[n] * Wd[n][i] and dx[h] = sum_i d_g[i] Wg[i][h] + d_u[i] Wu[i][h]
+  // reduce over the weights' other index: transposed copies make them NT products too.
+  weights.down_t.resize(static_cast<size_t>(matrix));
+  transpose_to_float(pool, down.data(), hidden, intermediate, intermediate, weights.down_t.data(),
+                     hidden);
+  weights.gate_up_t.resize(static_cast<size_t>(2 * matrix));
+  transpose_to_float(pool, weights.gate_up.data(), intermediate, hidden, hidden,
+                     weights.gate_up_t.data(), 2 * intermediate);
+  transpose_to_float(pool, weights.gate_up.data() + matrix, intermediate, hidden, hidden,
+                     weights.gate_up_t.data() + intermediate, 2 * intermediate);
 }
 
 SwigluRows expert_swiglu(ThreadPool& pool, const ExpertWeights& weights, const float* x_rows,

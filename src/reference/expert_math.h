@@ -7,6 +7,9 @@
 #include <vector>
 
 #include "mok/dtype.h"
+#include "mok/fp8.h"
+#include "mok/layer_args.h"
+#include "mok/shape.h"
 #include "thread_pool.h"
 
 namespace mok::reference::detail {
@@ -19,6 +22,7 @@ struct ExpertWeights {
   std::vector<float> down;       // [H, I] (forward only)
   std::vector<float> down_t;     // [I, H] (backward only): operand of dh_raw = d_out . Wd[:, i]
   std::vector<float> gate_up_t;  // [H, 2I] (backward only): operand of the fused dx reduction
+  std::vector<float> staging;    // [H, I] (backward only): Wd before its transposition
   // FP8 block-scaled GEMMs (Precision::kFP8Block): the weights above hold their dequantized
   // 128 x 128-block values, and every activation operand is quantized in 1 x 128 groups along
   // its reduction (fp8_emulation.h) before each product.
@@ -27,11 +31,25 @@ struct ExpertWeights {
 
 enum class WeightsFor { kForward, kBackward };
 
+// One matrix of an expert as the call gives it: bf16 values, or (precision fp8_block) e4m3
+// codes with one fp32 scale per 128 x 128 block (ForwardArgs's pre-quantized weights).
+struct WeightMatrix {
+  const bf16* values = nullptr;
+  const e4m3* codes = nullptr;
+  const float* scales = nullptr;
+};
+struct ExpertMatrices {
+  WeightMatrix gate, up, down;
+};
+
+// The matrices of routed expert `expert` (local index) of `args`, and of its shared expert.
+ExpertMatrices routed_matrices(const MoeShape& shape, const ForwardArgs& args, int64_t expert);
+ExpertMatrices shared_matrices(const ForwardArgs& args);
+
 // Fills `weights` (reusing its memory: experts of one call share a shape, so converting expert
-// after expert allocates and page-faults only once).
-void load_expert_weights(ThreadPool& pool, const bf16* w_gate, const bf16* w_up, const bf16* w_down,
-                         int64_t hidden, int64_t intermediate, WeightsFor use, bool fp8,
-                         ExpertWeights& weights);
+// after expert allocates and page-faults only once). Pre-quantized matrices need `fp8`.
+void load_expert_weights(ThreadPool& pool, const ExpertMatrices& matrices, int64_t hidden,
+                         int64_t intermediate, WeightsFor use, bool fp8, ExpertWeights& weights);
 
 // Gate, up and hidden of a block of rows, every value bf16-representable.
 struct SwigluRows {

@@ -27,10 +27,6 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, bool fp8,
                        std::vector<std::vector<bf16>>& combine_slots) {
   const int64_t hidden = shape.hidden, inter = shape.intermediate, top_k = shape.top_k;
   const std::vector<bf16> received = detail::pull_rows(pool, schedule, source_x, hidden);
-  const bf16* w_gate = owner_args.w_gate.data_as<const bf16>();
-  const bf16* w_up = owner_args.w_up.data_as<const bf16>();
-  const bf16* w_down = owner_args.w_down.data_as<const bf16>();
-
   ExpertWeights weights;
   for (int64_t expert = 0; expert < shape.num_local_experts(); ++expert) {
     const int64_t rows = schedule.routed_rows(expert);
@@ -39,11 +35,8 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, bool fp8,
     std::vector<float> x_rows(static_cast<size_t>(rows * hidden));
     detail::gather_segment(pool, schedule, received.data(), begin, rows, hidden, x_rows.data());
 
-    // Each expert's matrix (the weights may be views with a larger expert stride).
-    detail::load_expert_weights(pool, w_gate + expert * owner_args.w_gate.outer_stride(),
-                                w_up + expert * owner_args.w_up.outer_stride(),
-                                w_down + expert * owner_args.w_down.outer_stride(), hidden, inter,
-                                detail::WeightsFor::kForward, fp8, weights);
+    detail::load_expert_weights(pool, detail::routed_matrices(shape, owner_args, expert), hidden,
+                                inter, detail::WeightsFor::kForward, fp8, weights);
     const detail::SwigluRows act =
         detail::expert_swiglu(pool, weights, x_rows.data(), rows, shape.swiglu_limit);
     std::vector<float> y(static_cast<size_t>(rows * hidden));
@@ -65,10 +58,9 @@ std::vector<float> shared_expert_output(ThreadPool& pool, const MoeShape& shape,
   std::vector<float> x_rows(static_cast<size_t>(tokens * hidden));
   convert_bf16_to_float(pool, args.x.data_as<const bf16>(), tokens * hidden, x_rows.data());
   ExpertWeights weights;
-  detail::load_expert_weights(
-      pool, args.w_shared_gate.data_as<const bf16>(), args.w_shared_up.data_as<const bf16>(),
-      args.w_shared_down.data_as<const bf16>(), hidden, shape.shared_intermediate,
-      detail::WeightsFor::kForward, fp8, weights);
+  detail::load_expert_weights(pool, detail::shared_matrices(args), hidden,
+                              shape.shared_intermediate, detail::WeightsFor::kForward, fp8,
+                              weights);
   const detail::SwigluRows act =
       detail::expert_swiglu(pool, weights, x_rows.data(), tokens, shape.swiglu_limit);
   std::vector<float> y(static_cast<size_t>(tokens * hidden));
@@ -99,7 +91,7 @@ void combine_at_source(ThreadPool& pool, const MoeShape& shape, const ForwardArg
 
 void forward_ep(const MoeShape& shape, const std::vector<ForwardArgs>& rank_args,
                 const Options& options) {
-  detail::validate_forward_ranks("forward_ep", shape, rank_args);
+  detail::validate_forward_ranks("forward_ep", shape, rank_args, options.precision);
   const bool fp8 = options.precision == Precision::kFP8Block;
   if (fp8) detail::check_fp8_shape("forward_ep", shape);
   ThreadPool pool(resolve_num_threads(options.num_threads));

@@ -40,17 +40,22 @@ void check_fp8_shape(const char* call, const MoeShape& shape) {
                                                    " to be a multiple of 128 (the FP8 groups)");
 }
 
-std::vector<float> fp8_block_weights(const bf16* values, int64_t rows, int64_t cols) {
+void fp8_dequantize_blocks(ThreadPool& pool, const e4m3* codes, const float* scales, int64_t rows,
+                           int64_t cols, float* out) {
+  const int64_t block_cols = cols / kFp8GroupSize;
+  pool.parallel_for(rows, [&](int64_t r) {
+    const float* block_scales = scales + (r / kFp8GroupSize) * block_cols;
+    for (int64_t c = 0; c < cols; ++c)
+      out[r * cols + c] = e4m3_to_float(codes[r * cols + c]) * block_scales[c / kFp8GroupSize];
+  });
+}
+
+void fp8_block_weights(ThreadPool& pool, const bf16* values, int64_t rows, int64_t cols,
+                       float* out) {
   std::vector<e4m3> codes(static_cast<size_t>(rows * cols));
   std::vector<float> scales(static_cast<size_t>(rows / kFp8GroupSize * (cols / kFp8GroupSize)));
   quantize_fp8_blocks(values, rows, cols, codes.data(), scales.data());
-  std::vector<float> out(codes.size());
-  const int64_t block_cols = cols / kFp8GroupSize;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      out[r * cols + c] = e4m3_to_float(codes[r * cols + c]) *
-                          scales[(r / kFp8GroupSize) * block_cols + c / kFp8GroupSize];
-  return out;
+  fp8_dequantize_blocks(pool, codes.data(), scales.data(), rows, cols, out);
 }
 
 void fp8_rows_in_place(ThreadPool& pool, float* values, int64_t rows, int64_t cols, int64_t ld) {

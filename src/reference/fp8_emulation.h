@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mok/dtype.h"
+#include "mok/fp8.h"
 #include "mok/shape.h"
 #include "thread_pool.h"
 
@@ -19,9 +20,15 @@ namespace mok::reference::detail {
 // (the FP8 groups and blocks).
 void check_fp8_shape(const char* call, const MoeShape& shape);
 
-// `values` [rows, cols] row-major (cols a multiple of 128) quantized in 128 x 128 blocks,
-// dequantized to fp32.
-std::vector<float> fp8_block_weights(const bf16* values, int64_t rows, int64_t cols);
+// `values` [rows, cols] row-major (both multiples of 128) quantized in 128 x 128 blocks,
+// dequantized to fp32 into `out`.
+void fp8_block_weights(ThreadPool& pool, const bf16* values, int64_t rows, int64_t cols,
+                       float* out);
+
+// Pre-quantized `codes` [rows, cols] with one scale per 128 x 128 block (`scales` [rows/128,
+// cols/128]) dequantized into `out`: e4m3_to_float(code) * scale, the value the GPU's GEMMs use.
+void fp8_dequantize_blocks(ThreadPool& pool, const e4m3* codes, const float* scales, int64_t rows,
+                           int64_t cols, float* out);
 
 // Quantizes and dequantizes each row of `values` [rows, cols] (row stride `ld`) in place, in
 // groups of 128 from the row's start; the last group may be shorter (as a tile padded with zero

@@ -40,6 +40,7 @@ struct DeviceProblem::Buffers {
       w_shared_up, w_shared_down;
   DeviceBuffer out, d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
       d_w_shared_up, d_w_shared_down;
+  DeviceBuffer fp8_codes[HostFp8Weights::kCount], fp8_scales[HostFp8Weights::kCount];
   DeviceBuffer* outputs[9] = {&out,
                               &d_x,
                               &d_router_weights,
@@ -109,11 +110,32 @@ LayerPointers DeviceProblem::pointers() const {
 }
 
 ForwardArgs DeviceProblem::forward_args() {
-  return make_forward_args(shape_, pointers(), DeviceType::kCUDA, device_);
+  ForwardArgs args = make_forward_args(shape_, pointers(), DeviceType::kCUDA, device_);
+  if (fp8_weights_ != 0) {
+    const void* codes[HostFp8Weights::kCount];
+    const float* scales[HostFp8Weights::kCount];
+    for (int i = 0; i < HostFp8Weights::kCount; ++i) {
+      codes[i] = buffers_->fp8_codes[i].pointer;
+      scales[i] = buffers_->fp8_scales[i].as<float>();
+    }
+    give_fp8_weights(shape_, args, codes, scales, fp8_weights_);
+  }
+  return args;
 }
 
 BackwardArgs DeviceProblem::backward_args() {
-  return make_backward_args(shape_, pointers(), DeviceType::kCUDA, device_);
+  BackwardArgs args = make_backward_args(shape_, pointers(), DeviceType::kCUDA, device_);
+  args.forward = forward_args();
+  args.forward.out = TensorView{};  // as make_backward_args leaves it
+  return args;
+}
+
+void DeviceProblem::upload_fp8_weights(const HostFp8Weights& weights, unsigned which) {
+  for (int i = 0; i < HostFp8Weights::kCount; ++i) {
+    upload(buffers_->fp8_codes[i], weights.codes[i], "FP8 weight codes");
+    upload(buffers_->fp8_scales[i], weights.scales[i], "FP8 weight scales");
+  }
+  fp8_weights_ = which;
 }
 
 void DeviceProblem::poison_outputs() {

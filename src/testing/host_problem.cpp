@@ -238,6 +238,85 @@ BackwardArgs HostProblem::backward_args(int32_t rank_index) {
   return make_backward_args(shape, pointers_of(ranks[rank_index]), DeviceType::kCPU);
 }
 
+HostFp8Weights HostFp8Weights::quantize(const MoeShape& shape, const HostRank& rank) {
+  const int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
+  const int64_t E = shape.num_local_experts();
+  struct Matrix {
+    const std::vector<bf16>* values;
+    int64_t count, rows, cols;
+  };
+  const Matrix matrices[kCount] = {{&rank.w_gate, E, I, H},       {&rank.w_up, E, I, H},
+                                   {&rank.w_down, E, H, I},       {&rank.w_shared_gate, 1, Is, H},
+                                   {&rank.w_shared_up, 1, Is, H}, {&rank.w_shared_down, 1, H, Is}};
+  HostFp8Weights out;
+  for (int i = 0; i < kCount; ++i) {
+    const Matrix& m = matrices[i];
+    if (m.values->empty()) continue;
+    const int64_t values = m.rows * m.cols, blocks = values / (kFp8GroupSize * kFp8GroupSize);
+    out.codes[i].resize(static_cast<size_t>(m.count * values));
+    out.scales[i].resize(static_cast<size_t>(m.count * blocks));
+    for (int64_t e = 0; e < m.count; ++e)
+      quantize_fp8_blocks(m.values->data() + e * values, m.rows, m.cols,
+                          out.codes[i].data() + e * values, out.scales[i].data() + e * blocks);
+  }
+  return out;
+}
+
+void give_fp8_weights(const MoeShape& shape, ForwardArgs& args,
+                      const void* const codes[HostFp8Weights::kCount],
+                      const float* const scales[HostFp8Weights::kCount], unsigned which) {
+  const int64_t H = shape.hidden, I = shape.intermediate, Is = shape.shared_intermediate;
+  const int64_t E = shape.num_local_experts(), B = kFp8GroupSize;
+  struct Target {
+    TensorView* values;
+    Fp8BlockWeight* fp8;
+    std::vector<int64_t> dims;
+  };
+  const Target targets[HostFp8Weights::kCount] = {
+      {&args.w_gate, &args.w_gate_fp8, {E, I, H}},
+      {&args.w_up, &args.w_up_fp8, {E, I, H}},
+      {&args.w_down, &args.w_down_fp8, {E, H, I}},
+      {&args.w_shared_gate, &args.w_shared_gate_fp8, {Is, H}},
+      {&args.w_shared_up, &args.w_shared_up_fp8, {Is, H}},
+      {&args.w_shared_down, &args.w_shared_down_fp8, {H, Is}}};
+  for (int i = 0; i < HostFp8Weights::kCount; ++i) {
+    if ((which >> i & 1u) == 0 || (i >= 3 && !shape.has_shared_expert())) continue;
+    const Target& t = targets[i];
+    std::vector<int64_t> block_dims = t.dims;
+    block_dims[block_dims.size() - 1] /= B;
+    block_dims[block_dims.size() - 2] /= B;
+    auto view = [&](const void* data, DType dtype, const std::vector<int64_t>& dims) {
+      TensorView v;
+      v.data = const_cast<void*>(data);
+      v.dtype = dtype;
+      v.ndim = static_cast<int32_t>(dims.size());
+      int64_t stride = 1;
+      for (int d = v.ndim - 1; d >= 0; --d) {
+        v.shape[d] = dims[d];
+        v.strides[d] = stride;
+        stride *= dims[d];
+      }
+      v.device_type = args.x.device_type;
+      v.device_id = args.x.device_id;
+      return v;
+    };
+    t.fp8->codes = view(codes[i], DType::kFloat8E4M3, t.dims);
+    t.fp8->scales = view(scales[i], DType::kFloat32, block_dims);
+    *t.values = TensorView{};
+  }
+}
+
+void give_fp8_weights(const MoeShape& shape, ForwardArgs& args, const HostFp8Weights& weights,
+                      unsigned which) {
+  const void* codes[HostFp8Weights::kCount];
+  const float* scales[HostFp8Weights::kCount];
+  for (int i = 0; i < HostFp8Weights::kCount; ++i) {
+    codes[i] = weights.codes[i].data();
+    scales[i] = weights.scales[i].data();
+  }
+  give_fp8_weights(shape, args, codes, scales, which);
+}
+
 std::vector<ForwardArgs> HostProblem::all_forward_args() {
   std::vector<ForwardArgs> args;
   for (int32_t rank = 0; rank < shape.num_ranks; ++rank) args.push_back(forward_args(rank));

@@ -2,7 +2,8 @@
 // reference on the same problems, every output within the bounds that e4m3's 3 mantissa bits
 // allow (docs/design.md, "FP8"): relative error below 8% and cosine similarity above 0.996 for
 // the outputs and every gradient (and above 1%: the FP8 path did run); bitwise the same for any
-// thread count; shapes whose H, I or Is is not a multiple of 128 refused, naming the field.
+// thread count; shapes whose H, I or Is is not a multiple of 128 refused, naming the field;
+// pre-quantized weights giving the bits of the bf16 weights they came from, and checked.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -96,6 +97,82 @@ TEST(Fp8Reference, RefusesExtentsThatAreNotWholeGroups) {
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(std::string(error.what()).find("hidden = 192"), std::string::npos) << error.what();
+  }
+}
+
+// Weights given pre-quantized (ForwardArgs::w_*_fp8) in mok's own block layout: the same bits
+// as bf16 weights that the reference quantizes, all six given or some, forward and backward.
+TEST(Fp8Reference, PreQuantizedWeightsGiveTheSameBits) {
+  const MoeShape shape = test::make_shape(150, 256, 128, 6, 2, 1, 128);
+  HostProblem want = HostProblem::make(shape, RoutingKind::kSkewed, 5);
+  reference::Options options;
+  options.precision = Precision::kFP8Block;
+  reference::forward(shape, want.forward_args(0), options);
+  reference::backward(shape, want.backward_args(0), options);
+  const HostFp8Weights quantized = HostFp8Weights::quantize(shape, want.ranks[0]);
+  for (const unsigned which : {0x3fu, 0x04u, 0x38u}) {
+    SCOPED_TRACE("pre-quantized weights mask " + std::to_string(which));
+    HostProblem got = HostProblem::make(shape, RoutingKind::kSkewed, 5);
+    got.poison_outputs();
+    ForwardArgs forward = got.forward_args(0);
+    give_fp8_weights(shape, forward, quantized, which);
+    BackwardArgs backward = got.backward_args(0);
+    give_fp8_weights(shape, backward.forward, quantized, which);
+    reference::forward(shape, forward, options);
+    reference::backward(shape, backward, options);
+    test::for_each_output(got.ranks[0], want.ranks[0],
+                          [&](const char* name, const auto& a, const auto& b) {
+                            EXPECT_TRUE(test::bitwise_equal(a, b)) << name;
+                          });
+  }
+}
+
+TEST(Fp8Reference, PreQuantizedWeightsAreChecked) {
+  const MoeShape shape = test::make_shape(64, 256, 128, 4, 2, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 1);
+  const HostFp8Weights quantized = HostFp8Weights::quantize(shape, problem.ranks[0]);
+  reference::Options fp8;
+  fp8.precision = Precision::kFP8Block;
+  auto expect_refused = [&](const ForwardArgs& args, const reference::Options& options,
+                            const char* fragment) {
+    try {
+      reference::forward(shape, args, options);
+      ADD_FAILURE() << "accepted; expected an error containing: " << fragment;
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
+    }
+  };
+  const ForwardArgs valid = [&] {
+    ForwardArgs args = problem.forward_args(0);
+    give_fp8_weights(shape, args, quantized);
+    return args;
+  }();
+  ForwardArgs both = valid;
+  both.w_gate = problem.forward_args(0).w_gate;
+  expect_refused(both, fp8, "`w_gate` was given together with `w_gate_fp8`");
+  ForwardArgs wrong_dtype = valid;
+  wrong_dtype.w_down_fp8.codes.dtype = DType::kBFloat16;
+  expect_refused(wrong_dtype, fp8, "`w_down_fp8.codes` has dtype bf16");
+  ForwardArgs wrong_scales = valid;
+  wrong_scales.w_up_fp8.scales.shape[2] = 1;
+  expect_refused(wrong_scales, fp8, "`w_up_fp8.scales` has shape [4, 1, 1]");
+  ForwardArgs missing_scales = valid;
+  missing_scales.w_shared_down_fp8.scales = TensorView{};
+  expect_refused(missing_scales, fp8, "`w_shared_down_fp8.scales` is missing");
+  expect_refused(valid, reference::Options{}, "pre-quantized FP8 weights (w_*_fp8) were given");
+
+  const MoeShape no_shared = test::make_shape(64, 256, 128, 4, 2);
+  HostProblem plain = HostProblem::make(no_shared, RoutingKind::kUniform, 1);
+  ForwardArgs stray = plain.forward_args(0);
+  stray.w_shared_gate_fp8 = valid.w_shared_gate_fp8;
+  try {
+    reference::forward(no_shared, stray, fp8);
+    ADD_FAILURE() << "a shared expert's FP8 weight was accepted without a shared expert";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("`w_shared_gate_fp8.codes` was given"),
+              std::string::npos)
+        << error.what();
   }
 }
 

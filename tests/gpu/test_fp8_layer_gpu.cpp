@@ -2,7 +2,8 @@
 // reference's FP8 math (the same quantization, summed in another order) at 1.5x the bf16 tolerance,
 // on uniform and adversarial routings, with a shared expert and a clamp; bitwise across runs and
 // with or without the forward context; and the distance to the bf16 layer printed. Shapes the
-// FP8 path does not run are refused by name before anything runs.
+// FP8 path does not run are refused by name before anything runs. Pre-quantized weights give
+// the bits of the bf16 weights they came from.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -122,6 +123,56 @@ TEST(Fp8LayerGpu, KeptWeightsGiveTheSameBits) {
             cudaSuccess);
   const HostRank changed = step(every_call, 0);
   expect_same(step(keeping, 6), changed, "(version 6 after the weights changed)");
+}
+
+// Weights given pre-quantized (ForwardArgs::w_*_fp8): the bits of the same weights given as
+// bf16, all six pre-quantized or only some, with and without the forward context, and kept
+// across calls of one weights_version. A bf16 layer refuses them by name.
+TEST(Fp8LayerGpu, PreQuantizedWeightsGiveTheSameBits) {
+  const MoeShape shape = make_shape(256, 512, 256, 8, 2, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 78);
+  const HostFp8Weights quantized = HostFp8Weights::quantize(shape, problem.ranks[0]);
+  DeviceProblem bf16_weights(problem, 0);
+  GpuLayer layer(shape, fp8_config());
+  const HostRank want = test::gpu_step(layer, bf16_weights, problem, /*with_context=*/true);
+  for (const unsigned which : {0x3fu, 0x04u, 0x38u}) {
+    SCOPED_TRACE("pre-quantized weights mask " + std::to_string(which));
+    DeviceProblem device(problem, 0);
+    device.upload_fp8_weights(quantized, which);
+    GpuLayer given(shape, fp8_config());
+    for (const bool with_context : {true, false}) {
+      const HostRank got = test::gpu_step(given, device, problem, with_context);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : " (recomputed)");
+      });
+    }
+    for (int call = 0; call < 2; ++call) {  // the transposed copies kept for version 3
+      device.poison_outputs();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ForwardArgs args = device.forward_args();
+      args.weights_version = 3;
+      BackwardArgs backward = device.backward_args();
+      backward.forward.weights_version = 3;
+      const ForwardContext context = given.forward(args, nullptr);
+      given.backward(backward, nullptr, &context);
+      ASSERT_TRUE(given.synchronize(nullptr).ok());
+      HostRank got = output_buffers(shape);
+      device.download_outputs(got);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " (version 3, call " << call << ")";
+      });
+    }
+  }
+  DeviceProblem device(problem, 0);
+  device.upload_fp8_weights(quantized);
+  GpuLayer bf16_layer(shape, MoeConfig{});
+  try {
+    bf16_layer.forward(device.forward_args(), nullptr);
+    ADD_FAILURE() << "a bf16 layer accepted pre-quantized weights";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("pre-quantized FP8 weights"), std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(Fp8LayerGpu, RefusesWhatItDoesNotRun) {

@@ -2,7 +2,8 @@
 // (mok/fp8.h): every form (row groups, column groups transposed, blocks, blocks transposed) on
 // random values across 2^-24 .. 2^12 and on groups that break quantizers (all zero, a NaN, an
 // infinity, denormal bf16, tiny values, bf16's largest): the same codes, byte for byte, and the
-// same scales (NaN where the host's is NaN). Then the quantizer's bandwidth at a dsv3 weight.
+// same scales (NaN where the host's is NaN); pre-quantized blocks transposed into the same bits
+// as quantizing the transposed weight. Then the quantizer's bandwidth at a dsv3 weight.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -173,6 +174,60 @@ TEST(Fp8QuantizeGpu, BatchesQuantizeEachEntry) {
   }
   for (void* p : {device_in, batched, single, static_cast<void*>(batched_scales),
                   static_cast<void*>(single_scales)})
+    cudaFree(p);
+}
+
+// Pre-quantized weights transposed for the dgrads (launch_transpose_fp8_blocks): the codes
+// and scales that quantizing the transposed bf16 weight gives (kBlocksTransposed), byte for
+// byte, for a batch of experts holding NaN, infinite, zero and denormal-range blocks.
+TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
+  const int64_t rows = 256, cols = 384, count = 3, values = rows * cols;
+  const int64_t blocks = values / (128 * 128);
+  const std::vector<bf16> input = special_matrix(count * rows, cols, 41);
+  void *device_in = nullptr, *codes = nullptr, *want = nullptr, *got = nullptr;
+  float *scales = nullptr, *want_scales = nullptr, *got_scales = nullptr;
+  ASSERT_EQ(cudaMalloc(&device_in, input.size() * 2), cudaSuccess);
+  for (void** p : {&codes, &want, &got}) ASSERT_EQ(cudaMalloc(p, count * values), cudaSuccess);
+  for (float** p : {&scales, &want_scales, &got_scales})
+    ASSERT_EQ(cudaMalloc(p, count * blocks * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device_in, input.data(), input.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  kernels::Fp8QuantizeBatch batch;
+  batch.count = count;
+  ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, Fp8QuantizeForm::kBlocks, codes,
+                                         scales, nullptr, batch),
+            cudaSuccess);
+  ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, Fp8QuantizeForm::kBlocksTransposed,
+                                         want, want_scales, nullptr, batch),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemset(got, 0xab, count * values), cudaSuccess);
+  ASSERT_EQ(kernels::launch_transpose_fp8_blocks(codes, scales, rows, cols, got, got_scales,
+                                                 nullptr, batch),
+            cudaSuccess);
+  std::vector<uint8_t> a(count * values), b(count * values);
+  std::vector<float> sa(count * blocks), sb(count * blocks);
+  ASSERT_EQ(cudaMemcpy(a.data(), got, a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b.data(), want, b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(sa.data(), got_scales, sa.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(sb.data(), want_scales, sb.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  int64_t wrong = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i] && ++wrong <= 5)
+      ADD_FAILURE() << "code " << i << ": transposed 0x" << std::hex << int(a[i])
+                    << ", quantized transposed 0x" << int(b[i]);
+  EXPECT_EQ(wrong, 0);
+  for (size_t i = 0; i < sa.size(); ++i) {
+    if (std::isnan(sb[i]))
+      EXPECT_TRUE(std::isnan(sa[i])) << "scale " << i;
+    else
+      EXPECT_EQ(std::memcmp(&sa[i], &sb[i], 4), 0)
+          << "scale " << i << ": " << sa[i] << " vs " << sb[i];
+  }
+  EXPECT_EQ(
+      kernels::launch_transpose_fp8_blocks(codes, scales, 100, cols, got, got_scales, nullptr),
+      cudaErrorInvalidValue);
+  for (void* p : {device_in, codes, want, got, static_cast<void*>(scales),
+                  static_cast<void*>(want_scales), static_cast<void*>(got_scales)})
     cudaFree(p);
 }
 

@@ -13,8 +13,8 @@ from conftest import DEVICES, make_problem
 
 
 def op_args(p, device):
-    """torch.ops.mok.forward's arguments for problem `p` (a backward takes d_out, these, and
-    use_context)."""
+    """torch.ops.mok.forward's arguments for problem `p` but its last, weight_scales (a backward
+    takes d_out, these, use_context and weight_scales)."""
     handle = 0
     if device == "cuda":
         T, H = p["x"].shape
@@ -41,12 +41,13 @@ def op_args(p, device):
 @pytest.mark.parametrize("shared", [0, 64])
 def test_opcheck_forward_and_backward(device, shared):
     p = make_problem(device, Is=shared, T=40)
-    forward_args = op_args(p, device)
-    weights = forward_args[3:9]
+    args = op_args(p, device)
+    weights = args[3:9]
+    forward_args = (*args, [])
     torch.library.opcheck(torch.ops.mok.forward.default, forward_args)
     out = torch.ops.mok.forward(*forward_args)
     d_out = torch.randn_like(out)
-    backward_args = (d_out, *forward_args, True)
+    backward_args = (d_out, *args, True, [])
     torch.library.opcheck(torch.ops.mok.backward.default, backward_args)
     grads = torch.ops.mok.backward(*backward_args)
     assert [tuple(g.shape) for g in grads[:5]] == [
@@ -65,8 +66,8 @@ def test_ops_leave_their_inputs_untouched(device):
     p = make_problem(device, Is=64)
     before = {k: v.clone() for k, v in p.items() if isinstance(v, torch.Tensor)}
     args = op_args(p, device)
-    out = torch.ops.mok.forward(*args)
-    torch.ops.mok.backward(torch.ones_like(out), *args, True)
+    out = torch.ops.mok.forward(*args, [])
+    torch.ops.mok.backward(torch.ones_like(out), *args, True, [])
     for k, v in before.items():
         assert torch.equal(v, p[k]), k
 
@@ -99,11 +100,11 @@ def test_eager_entries_match_the_ops(device):
 
     p = make_problem(device, Is=64, T=40)
     args = op_args(p, device)
-    out = torch.ops.mok.forward(*args)
-    eager = ops.forward_eager(*args)
+    out = torch.ops.mok.forward(*args, [])
+    eager = ops.forward_eager(*args, [])
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
     d_out = torch.randn_like(out)
-    backward_args = (d_out, *args, True)
+    backward_args = (d_out, *args, True, [])
     for a, b in zip(torch.ops.mok.backward(*backward_args), ops.backward_eager(*backward_args)):
         assert torch.equal(
             a.view(torch.int16) if a.dtype == torch.bfloat16 else a,

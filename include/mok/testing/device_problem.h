@@ -27,12 +27,16 @@ class DeviceProblem {
   void download_outputs(HostRank& rank) const;
   // Copies new routing (same shape) to the device.
   void upload_routing(const std::vector<int32_t>& top_experts);
+  // Copies `weights` to the device: from then on forward_args() and backward_args() give the
+  // weights whose bit is set in `which` pre-quantized (give_fp8_weights), the others as bf16.
+  void upload_fp8_weights(const HostFp8Weights& weights, unsigned which = 0x3f);
 
  private:
   struct Buffers;
   LayerPointers pointers() const;
   MoeShape shape_;
   int device_ = 0;
+  unsigned fp8_weights_ = 0;  // upload_fp8_weights's `which`
   std::unique_ptr<Buffers> buffers_;
 };
 

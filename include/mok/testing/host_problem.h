@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "mok/dtype.h"
+#include "mok/fp8.h"
 #include "mok/layer_args.h"
 #include "mok/reference.h"
 #include "mok/shape.h"
@@ -98,6 +99,27 @@ struct HostProblem {
   // The inputs as mok::oracle::Inputs (d_out included). Needs shape.num_ranks == 1.
   oracle::Inputs to_oracle_inputs() const;
 };
+
+// One rank's six weights quantized as ForwardArgs's pre-quantized weights (mok/fp8.h's
+// 128 x 128 blocks, expert by expert), in the order gate, up, down, shared gate, shared up,
+// shared down (the shared ones empty when the shape has none). H, I and Is multiples of 128.
+struct HostFp8Weights {
+  static constexpr int kCount = 6;
+  std::vector<e4m3> codes[kCount];
+  std::vector<float> scales[kCount];
+  static HostFp8Weights quantize(const MoeShape& shape, const HostRank& rank);
+};
+
+// Gives `args` its weights pre-quantized: views over codes[i] and scales[i] (in
+// HostFp8Weights's order; host vectors or device copies, on args.x's device) for each weight
+// whose bit is set in `which` (bit i = weight i; the shared ones only where the shape has a
+// shared expert), their bf16 views made absent.
+void give_fp8_weights(const MoeShape& shape, ForwardArgs& args,
+                      const void* const codes[HostFp8Weights::kCount],
+                      const float* const scales[HostFp8Weights::kCount], unsigned which = 0x3f);
+// The same over the host vectors of `weights` (CPU tensors).
+void give_fp8_weights(const MoeShape& shape, ForwardArgs& args, const HostFp8Weights& weights,
+                      unsigned which = 0x3f);
 
 // Sizes (zero-filled) every output buffer of `rank` for one rank of `shape`.
 void allocate_outputs(const MoeShape& shape, HostRank& rank);

@@ -88,7 +88,7 @@ class _FusedGateUpExperts(torch.autograd.Function):
         intermediate = down.shape[-1]
         gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
         out = ops.forward_eager(
-            x, top_experts, router_weights, gate, up, down, None, None, None, math.inf, handle
+            x, top_experts, router_weights, gate, up, down, None, None, None, math.inf, handle, []
         )
         ctx.save_for_backward(x, top_experts, router_weights, gate_up, down)
         ctx.handle = handle
@@ -113,6 +113,7 @@ class _FusedGateUpExperts(torch.autograd.Function):
             math.inf,
             ctx.handle,
             True,
+            [],
         )
         d_x, d_router_weights, d_gate, d_up, d_down = grads[:5]
         return d_x, None, d_router_weights, torch.cat((d_gate, d_up), dim=1), d_down, None

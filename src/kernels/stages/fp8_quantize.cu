@@ -1,4 +1,5 @@
-// The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers.
+// The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers, and the
+// transposition of pre-quantized weight blocks.
 //
 // Grid: one 256-thread CTA per 128 x 128 tile of the input. The CTA stages the tile in shared
 // memory (16-byte loads, bf16), then each thread owns half of one line of the tile: half a row
@@ -105,7 +106,63 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One 128 x 128 block of codes transposed through shared memory: 16-byte loads of its rows,
+// then each thread gathers 64 bytes of one column (half a line of the output) and writes them
+// as four 16-byte stores. The pitch keeps the staged rows 16-byte aligned.
+constexpr int kCodePitch = kTile + 16;
+
+__global__ void __launch_bounds__(kThreads)
+    transpose_fp8_blocks_kernel(const uint8_t* codes, const float* scales, int64_t rows,
+                                int64_t cols, uint8_t* out, float* out_scales,
+                                Fp8QuantizeBatch batch) {
+  codes += blockIdx.z * batch.in_stride;
+  out += blockIdx.z * batch.out_stride;
+  scales += blockIdx.z * batch.scales_stride;
+  out_scales += blockIdx.z * batch.scales_stride;
+  __shared__ __align__(16) uint8_t tile[kTile][kCodePitch];
+  const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  for (int v = threadIdx.x; v < kTile * (kTile / 16); v += kThreads) {
+    const int r = v / (kTile / 16), c = (v % (kTile / 16)) * 16;
+    *reinterpret_cast<uint4*>(&tile[r][c]) =
+        *reinterpret_cast<const uint4*>(codes + (row0 + r) * cols + col0 + c);
+  }
+  __syncthreads();
+  const int line = threadIdx.x / 2, half = threadIdx.x % 2;
+  uint4* destination = reinterpret_cast<uint4*>(out + (col0 + line) * rows + row0 + half * 64);
+  for (int chunk = 0; chunk < 4; ++chunk) {
+    uint32_t words[4];
+    for (int w = 0; w < 4; ++w) {
+      const int r = half * 64 + chunk * 16 + w * 4;
+      words[w] = uint32_t(tile[r][line]) | (uint32_t(tile[r + 1][line]) << 8) |
+                 (uint32_t(tile[r + 2][line]) << 16) | (uint32_t(tile[r + 3][line]) << 24);
+    }
+    destination[chunk] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  if (threadIdx.x == 0)
+    out_scales[tile_col * (rows / kTile) + tile_row] = scales[tile_row * (cols / kTile) + tile_col];
+}
+
 }  // namespace
+
+cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, int64_t rows,
+                                        int64_t cols, void* out, float* out_scales,
+                                        cudaStream_t stream, const Fp8QuantizeBatch& requested) {
+  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0 || requested.count < 0 ||
+      requested.count > 65535)
+    return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
+  Fp8QuantizeBatch batch = requested;
+  if (batch.in_stride == 0) batch.in_stride = rows * cols;
+  if (batch.out_stride == 0) batch.out_stride = rows * cols;
+  if (batch.scales_stride == 0) batch.scales_stride = rows * cols / (kTile * kTile);
+  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile),
+                  static_cast<unsigned>(batch.count));
+  transpose_fp8_blocks_kernel<<<grid, kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(codes), scales, rows, cols, static_cast<uint8_t*>(out),
+      out_scales, batch);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
                                 void* out, float* scales, cudaStream_t stream,

@@ -1,6 +1,7 @@
 // The GPU quantizers of the FP8 path (issue 17; fp8_quantize.cu): bf16 [rows, cols] row-major to
 // e4m3 plus fp32 scales, bit-exact with the host quantizers of mok/fp8.h. Rows and cols are
-// multiples of 128. Four forms, each the operand of one FP8 GEMM (wgmma reads FP8 only K-major):
+// multiples of 128 (and a transposition of codes already in blocks, below). Four forms, each the
+// operand of one FP8 GEMM (wgmma reads FP8 only K-major):
 //   kRowGroups        groups of 128 along each row; out [rows, cols], scales [cols/128, rows]
 //                     (activations whose reduction runs along the row: x, h, d_out, d_g, d_u)
 //   kColumnGroups     groups of 128 along each column, out transposed [cols, rows], scales
@@ -44,5 +45,14 @@ struct Fp8QuantizeBatch {
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
                                 void* out, float* scales, cudaStream_t stream,
                                 const Fp8QuantizeBatch& batch = {});
+
+// Pre-quantized weights (ForwardArgs::w_*_fp8) as the dgrads' operands: e4m3 `codes` [rows,
+// cols] in 128 x 128 blocks with `scales` [rows/128, cols/128] to `out` [cols, rows] and
+// `out_scales` [cols/128, rows/128], the bits kBlocksTransposed writes for the weight they
+// came from (a block's amax, and so each code, is the same both ways). Batch strides count
+// codes and scales (0: dense). One 256-thread CTA per block and batch entry.
+cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, int64_t rows,
+                                        int64_t cols, void* out, float* out_scales,
+                                        cudaStream_t stream, const Fp8QuantizeBatch& batch = {});
 
 }  // namespace mok::kernels
