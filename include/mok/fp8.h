@@ -1,5 +1,5 @@
-// FP8 (OCP E4M3, "e4m3fn") values and the block-scaled quantization of mok's FP8 path (issue 17,
-// in progress: the layer does not run in FP8 yet).
+// FP8 (OCP E4M3, "e4m3fn") values and the block-scaled quantization of mok's FP8 path
+// (MoeConfig::precision = kFP8Block).
 //
 // E4M3: 1 sign, 4 exponent (bias 7) and 3 mantissa bits; finite values up to 448, subnormals
 // down to 2^-9, no infinities, NaN = 0x7F / 0xFF. float_to_e4m3 rounds to nearest, ties to even,
@@ -7,11 +7,16 @@
 // cvt.rn.satfinite.e4m3x2.f32 (and __nv_cvt_float_to_fp8 with __NV_SATFINITE) does, so the CPU
 // reference and the GPU kernels quantize identically.
 //
-// Block scaling (the DeepSeek-V3 recipe): one fp32 scale per group of 128 consecutive values of
-// a row (activations, 1 x 128) or per 128 x 128 block (weights). A group with largest magnitude
-// `amax` is quantized as q = e4m3(x * (448 / amax)) and stored with scale = amax / 448, so
-// x ~ q * scale. Both divisions are IEEE float divisions, computed once per group; amax is
-// clamped below at kFp8MinAmax (2^-100) so that a zero or denormal group keeps finite factors
+// Block scaling (the DeepSeek-V3 recipe, with power-of-two scales): one fp32 scale per group of
+// 128 consecutive values of a row (activations, 1 x 128) or per 128 x 128 block (weights). A
+// group with largest magnitude `amax` gets the smallest power of two `scale` with
+// amax / scale <= 448, and is stored as q = e4m3(x / scale), so x ~ q * scale. Scaling by a power
+// of two is exact both ways, so q's only error is e4m3's rounding (the same relative precision
+// as an exact amax / 448 scale: the group's largest value lands in [224, 448] instead of at
+// 448). And a value that moves by an ulp moves its group's scale only when amax crosses a power
+// of two, not every time: the GPU's GEMMs, whose block sums differ from fp32 in the last bits,
+// then requantize their outputs as the CPU reference does (docs/design.md, "FP8 scales"). amax
+// is clamped below at kFp8MinAmax (2^-100) so that a zero or denormal group keeps finite factors
 // (its values quantize to zero or small codes). No clamp from above and none at DeepGEMM's 1e-4:
 // gradients of 1e-6 and smaller are common in training and keep their range.
 #pragma once
@@ -94,13 +99,28 @@ struct Fp8GroupScale {
   float inverse_scale;
 };
 
-// A group holding a NaN has a NaN amax, and NaN factors: all its values quantize to NaN. An
-// infinite amax gives scale inf and inverse 0: the group dequantizes to NaN. Non-finite values
-// stay visible either way.
+MOK_HOST_DEVICE inline float fp8_float_of_bits(uint32_t word) {
+  float value;
+  memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+// The factors of a group with largest magnitude `amax`: scale = 2^e for the smallest e with
+// amax / 2^e <= 448 = 1.75 * 2^8, from amax's bits (amax = 1.m * 2^E: e = E - 8, or E - 7 when
+// 1.m > 1.75), and its exact inverse 2^-e; e stays within [-108, 120], so both are normal
+// floats. A group holding a NaN has a NaN amax, and NaN factors: all its values quantize to
+// NaN. An infinite amax gives scale inf and inverse 0: the group dequantizes to NaN. Non-finite
+// values stay visible either way.
 MOK_HOST_DEVICE inline Fp8GroupScale fp8_group_scale(float amax) {
   if (amax != amax) return Fp8GroupScale{amax, amax};
   const float clamped = amax > kFp8MinAmax ? amax : kFp8MinAmax;
-  return Fp8GroupScale{clamped / kE4m3Max, kE4m3Max / clamped};
+  uint32_t word;
+  memcpy(&word, &clamped, sizeof(word));
+  if (word >= 0x7f800000u) return Fp8GroupScale{clamped, 0.0f};  // inf
+  const int32_t exponent = static_cast<int32_t>(word >> 23) - 127;
+  const int32_t e = exponent - 8 + ((word & 0x7fffffu) > 0x600000u ? 1 : 0);
+  return Fp8GroupScale{fp8_float_of_bits(static_cast<uint32_t>(e + 127) << 23),
+                       fp8_float_of_bits(static_cast<uint32_t>(127 - e) << 23)};
 }
 
 // Quantizes a row-major [rows, cols] bf16 matrix in 1 x 128 groups along each row (cols a

@@ -4,8 +4,8 @@
 // every exponent, including subnormals, and every rounding boundary of e4m3, since its ties sit
 // at bit 19 or above), on the neighbours of every tie, and on 2^22 random bit patterns; every
 // code decodes to the value CUDA's conversion back gives. The quantizers: scales and codes of
-// groups with known contents (zero, denormal, extreme, one large value, NaN), and every value
-// within half an e4m3 step of its scaled original.
+// groups with known contents (zero, denormal, extreme, one large value, the power-of-two scale's
+// boundary, NaN), and every value within half an e4m3 step of its scaled original.
 #include <cuda_fp8.h>
 #include <gtest/gtest.h>
 
@@ -102,30 +102,38 @@ TEST(Fp8, GroupScalesOfKnownGroups) {
     for (const e4m3 code : codes) EXPECT_EQ(code.bits, 0);
     EXPECT_TRUE(std::isfinite(scale) && scale > 0.0f);
   }
-  {  // the largest magnitude maps to 448, the scale to amax / 448
+  {  // the scale: the smallest power of two that brings amax to 448 or below (6 -> 384)
     const auto [codes, scale] = one_group({3.0f, -6.0f, 0.75f});
-    EXPECT_EQ(scale, 6.0f / 448.0f);
-    EXPECT_EQ(codes[1].bits, 0xfe);  // -448
-    EXPECT_EQ(e4m3_to_float(codes[0]), 224.0f);
-    EXPECT_EQ(e4m3_to_float(codes[2]), 56.0f);
+    EXPECT_EQ(scale, 0x1p-6f);
+    EXPECT_EQ(codes[1].bits, 0xfc);  // -384
+    EXPECT_EQ(e4m3_to_float(codes[0]), 192.0f);
+    EXPECT_EQ(e4m3_to_float(codes[2]), 48.0f);
   }
-  {  // tiny values (2^-90, far below DeepGEMM's 1e-4 clamp): still quantized around 448
+  {  // amax = 1.75 * 2^k maps to 448 exactly; above 1.75 * 2^k the next power of two
+    const auto [codes, scale] = one_group({7.0f});
+    EXPECT_EQ(scale, 0x1p-6f);
+    EXPECT_EQ(codes[0].bits, 0x7e);  // 448
+    const auto [codes_above, scale_above] = one_group({7.5f});
+    EXPECT_EQ(scale_above, 0x1p-5f);
+    EXPECT_EQ(e4m3_to_float(codes_above[0]), 240.0f);
+  }
+  {  // tiny values (2^-90, far below DeepGEMM's 1e-4 clamp): still quantized to full codes
     const auto [codes, scale] = one_group({0x1p-90f, -0x1p-91f});
-    EXPECT_EQ(codes[0].bits, 0x7e);
-    EXPECT_EQ(codes[1].bits, 0xf6);  // -224
-    EXPECT_EQ(scale, 0x1p-90f / 448.0f);
+    EXPECT_EQ(codes[0].bits, 0x78);  // 256
+    EXPECT_EQ(codes[1].bits, 0xf0);  // -128
+    EXPECT_EQ(scale, 0x1p-98f);
   }
   {  // denormal bf16 values (2^-130, below the 2^-100 clamp): zero codes, finite factors
     const auto [codes, scale] = one_group({0x1p-130f, -0x1p-131f});
     EXPECT_EQ(codes[0].bits & 0x7f, 0);
     EXPECT_EQ(codes[1].bits & 0x7f, 0);
-    EXPECT_EQ(scale, kFp8MinAmax / 448.0f);
+    EXPECT_EQ(scale, 0x1p-108f);
   }
-  {  // extreme: bf16's largest finite value
+  {  // extreme: bf16's largest finite value (255 * 2^120 rounds to e4m3's 256)
     const auto [codes, scale] = one_group({3.3895314e38f, 1.0f});
-    EXPECT_EQ(codes[0].bits, 0x7e);
+    EXPECT_EQ(codes[0].bits, 0x78);
     EXPECT_EQ(codes[1].bits, 0);
-    EXPECT_TRUE(std::isfinite(scale));
+    EXPECT_EQ(scale, 0x1p120f);
   }
   {  // a NaN poisons its group
     const auto [codes, scale] = one_group({1.0f, NAN});

@@ -1,5 +1,5 @@
 // The single-GPU layer in FP8 (MoeConfig::precision = kFP8Block): every output against the CPU
-// reference's FP8 math (the same quantization, summed in another order) at 1.5x the bf16 tolerance,
+// reference's FP8 math (the same quantization, summed in another order) at the bf16 tolerance,
 // on uniform and adversarial routings, with a shared expert and a clamp; bitwise across runs and
 // with or without the forward context; and the distance to the bf16 layer printed. Shapes the
 // FP8 path does not run are refused by name before anything runs. Pre-quantized weights give
@@ -22,12 +22,13 @@ namespace {
 
 using test::make_shape;
 
-// 1.5 x the bf16 tolerance (1e-2). The GPU's FP8 GEMMs sum each 128-long block on the tensor
-// cores, whose FP8 accumulation keeps fewer bits than the reference's fp32. A g, u, dh or d_g
-// that lands one bf16 ulp away then moves a group's amax, and so that group's scale: every
-// value of the group is requantized against it. On H200 the outputs sit at 2-7e-3 against the
-// reference, one weight gradient at 1.0e-2 (design.md, "FP8 against its reference").
-constexpr double kFp8ReferenceTolerance = 1.5e-2;
+// The bf16 tolerance. The GPU's FP8 GEMMs sum each 128-long block on the tensor cores, whose
+// FP8 accumulation keeps fewer bits than the reference's fp32, so a g, u, dh or d_g can land one
+// bf16 ulp away. With amax / 448 scales that moved its group's scale whenever it was the
+// group's amax, and requantized the whole group: one weight gradient reached 1.0e-2 on H200
+// (session 11). Power-of-two scales move only when amax crosses a power of two (design.md,
+// "FP8 against its reference").
+constexpr double kFp8ReferenceTolerance = 1e-2;
 
 MoeConfig fp8_config() {
   MoeConfig config;
