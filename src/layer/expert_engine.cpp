@@ -72,14 +72,14 @@ class PersistentBackward final : public BackwardEngine {
 class Fp8Forward final : public ForwardEngine {
  public:
   void macrobatch(const GpuLayer::State& s, const ExpertSetForward& routed, const ExpertSetForward*,
-                  const kernels::FusedGather&, int32_t, cudaStream_t stream,
+                  const kernels::FusedGather& gather, int32_t, cudaStream_t stream,
                   const StageMarker& mark) override {
-    stages::forward_experts_fp8(s, routed, s.fp8_routed, stream, mark);
+    stages::forward_experts_fp8(s, routed, gather, s.fp8_routed, stream, mark);
   }
   void shared_expert(const GpuLayer::State& s, const ExpertSetForward* shared, cudaStream_t stream,
                      const StageMarker& mark) override {
     if (shared == nullptr) return;
-    stages::forward_experts_fp8(s, *shared, s.fp8_shared, stream, no_marks);
+    stages::forward_experts_fp8(s, *shared, kernels::FusedGather{}, s.fp8_shared, stream, no_marks);
     mark("shared expert");
   }
 };
@@ -88,14 +88,16 @@ class Fp8Backward final : public BackwardEngine {
  public:
   bool gathers_in_kernel() const override { return false; }
   void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,
-                  const ExpertSetBackward*, bool recompute, const BackwardRows&, int32_t,
+                  const ExpertSetBackward*, bool recompute, const BackwardRows& rows, int32_t,
                   cudaStream_t stream, const StageMarker& mark) override {
-    stages::backward_experts_fp8(s, routed, recompute, s.fp8_routed, stream, mark);
+    stages::backward_experts_fp8(s, routed, recompute, rows.d_out, rows.x, s.fp8_routed, stream,
+                                 mark);
   }
   void shared_expert(const GpuLayer::State& s, const ExpertSetBackward* shared, bool recompute,
                      cudaStream_t stream, const StageMarker& mark) override {
     if (shared == nullptr) return;
-    stages::backward_experts_fp8(s, *shared, recompute, s.fp8_shared, stream, no_marks);
+    stages::backward_experts_fp8(s, *shared, recompute, kernels::FusedGather{},
+                                 kernels::FusedGather{}, s.fp8_shared, stream, no_marks);
     mark("shared expert");
   }
 };

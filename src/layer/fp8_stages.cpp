@@ -4,12 +4,16 @@
 // them (src/reference/fp8_emulation.h), so the layer matches that reference at the bf16
 // tolerance. Buffers and layouts: layer/fp8_buffers.h.
 //
-//   forward   weights -> blocks (unless given pre-quantized); x rows -> row groups; gate/up GEMM (B
+//   forward   weights -> blocks (unless given pre-quantized); x rows -> row groups (the local
+//             exchange's rows: gathered from x and quantized in one pass, into row groups and
+//             the column groups the backward's context keeps); gate/up GEMM (B
 //   = Wg | Wu, out g | u: the
 //             forward context, bf16 as in bf16); SwiGLU fused with h's quantization; down GEMM
 //             -> the expert output rows
 //   backward  (recompute: x rows and the gate/up GEMM again); weights -> blocks transposed
-//             (pre-quantized ones: their codes and scales transposed, the same bits);
+//             (pre-quantized ones: their codes and scales transposed, the same bits); d_out rows
+//             (and x rows when recomputing) gathered and quantized both ways in one pass, or
+//             quantized from the exchange's rows;
 //             d_out rows -> row groups; down dgrad -> dh_raw; the bf16 path's SwiGLU backward
 //             (d_g, d_u, h_w, d_router_weights); d_g, d_u -> row groups; gate/up dgrad (K split
 //             d_g | d_u against Wg^T | Wu^T) -> dx rows; d_g, d_u, x, d_out, h_w -> column groups
@@ -155,6 +159,31 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   return params;
 }
 
+// The rows of `gather` (the local exchange's: schedule row r is token row_pair[r] / K of its
+// source), quantized as they are gathered into `row_groups` and / or `column_groups`.
+void gather_quantize(const GpuLayer::State& s, const ExpertSet& set,
+                     const kernels::FusedGather& gather, const Fp8Operand* row_groups,
+                     const Fp8Operand* column_groups, cudaStream_t stream, const char* what) {
+  const ScheduleView view = set.view();
+  kernels::Fp8GatherQuantize params;
+  params.header = view.header;
+  params.row_pair = view.row_pair;
+  params.top_k = gather.top_k;
+  params.tokens = gather.x;
+  params.cols = gather.hidden;
+  params.capacity_rows = set.capacity_rows;
+  if (row_groups != nullptr) {
+    params.row_codes = row_groups->codes.pointer;
+    params.row_scales = row_groups->scale_data();
+  }
+  if (column_groups != nullptr) {
+    params.column_codes = column_groups->codes.pointer;
+    params.column_scales = column_groups->scale_data();
+  }
+  cuda_check(kernels::launch_gather_quantize_fp8(params, stream),
+             std::string("FP8 gather + quantization of ") + what);
+}
+
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
             const kernels::Fp8GemmParams& params, cudaStream_t stream, const char* what) {
   cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, stream), what);
@@ -216,13 +245,21 @@ void check_dense(const ExpertWeights& weights, int64_t matrix_elements, int64_t 
 namespace stages {
 
 void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
-                         const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark) {
+                         const kernels::FusedGather& x_gather, const Fp8SetBuffers& fp8,
+                         cudaStream_t stream, const StageMarker& mark) {
   const ExpertSet& set = *f.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, stream);
-  quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+  if (x_gather.x != nullptr) {
+    if (rows != R)
+      throw Error(ErrorCode::kInternal, "FP8 forward: a gather over " + std::to_string(rows) +
+                                            " rows, " + std::to_string(R) + " in the buffers");
+    gather_quantize(s, set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
+  } else {
+    quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+  }
   mark("FP8 quantization of the weights and x rows");
   gate_up_gemm(s, set, fp8, weights, rows, stream);
   cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
@@ -237,7 +274,9 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
 }
 
 void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, bool recompute,
-                          const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark) {
+                          const kernels::FusedGather& d_out_gather,
+                          const kernels::FusedGather& x_gather, const Fp8SetBuffers& fp8,
+                          cudaStream_t stream, const StageMarker& mark) {
   const ExpertSet& set = *b.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows, rows = b.rows_in_map;
@@ -246,15 +285,24 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     throw Error(ErrorCode::kInternal, "FP8 backward: " + std::to_string(rows) +
                                           " rows in the maps, " + std::to_string(R) +
                                           " in the set's buffers");
+  // Gathered here (the local exchange): x's column groups come from this pass when recomputing,
+  // else from the forward's (its context); d_out's both ways. Else from the exchange's rows.
+  const bool gathered = d_out_gather.x != nullptr;
   if (recompute) {
     const ForwardWeights weights = forward_weights(b.weights, E, H, I, fp8, stream);
-    quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+    if (x_gather.x != nullptr)
+      gather_quantize(s, set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
+    else
+      quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
     gate_up_gemm(s, set, fp8, weights, rows, stream);
     mark("FP8 gate/up recompute");
   }
   transposed_weights(b.weights, E, H, I, fp8, stream);
-  quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
-           "d_out rows");
+  if (gathered)
+    gather_quantize(s, set, d_out_gather, &fp8.d_out_rows, &fp8.d_out_t, stream, "d_out rows");
+  else
+    quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
+             "d_out rows");
   mark("FP8 quantization of the weights and d_out rows");
 
   // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
@@ -296,9 +344,12 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
            "d_gate (transposed)");
   quantize(set.d_up.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.d_up_t, stream,
            "d_up (transposed)");
-  quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, stream, "x rows (transposed)");
-  quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.d_out_t, stream,
-           "d_out rows (transposed)");
+  if (!gathered) {
+    quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, stream,
+             "x rows (transposed)");
+    quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.d_out_t, stream,
+             "d_out rows (transposed)");
+  }
   quantize(set.hidden.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.h_w_t, stream,
            "h_w (transposed)");
   auto weight_grad = [&](const Fp8Operand& a, int64_t m, const Fp8Operand& b_op, int64_t n,

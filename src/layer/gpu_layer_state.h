@@ -228,10 +228,17 @@ void backward_experts_persistent(const GpuLayer::State& s, const ExpertSetBackwa
 
 // FP8 (MoeConfig::precision = kFP8Block; layer/fp8_stages.cpp): forward_experts and
 // backward_experts on e4m3 operands with block scales, one macrobatch, the set's FP8 buffers.
+// A gather with a source (`x` non-null: the local exchange's routed rows) is quantized as it is
+// gathered, and then no bf16 copy of those rows is made: the forward quantizes x rows both ways
+// (the backward's context then holds x's column groups), the backward d_out rows (and x rows
+// when it recomputes). Without one, the set's rows are read from `rows` / `d_out_rows`.
 void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& set,
-                         const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark);
+                         const kernels::FusedGather& x_gather, const Fp8SetBuffers& fp8,
+                         cudaStream_t stream, const StageMarker& mark);
 void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& set, bool recompute,
-                          const Fp8SetBuffers& fp8, cudaStream_t stream, const StageMarker& mark);
+                          const kernels::FusedGather& d_out_gather,
+                          const kernels::FusedGather& x_gather, const Fp8SetBuffers& fp8,
+                          cudaStream_t stream, const StageMarker& mark);
 
 }  // namespace stages
 }  // namespace mok

@@ -13,23 +13,31 @@ namespace mok {
 
 namespace {
 
-// The fused gather (dispatch_local.cuh) of the routed rows of `source` [T, H] for schedule rows
-// [row_begin, row_begin + row_count) into `rows` (at row - row_begin), with its ticket, epoch
-// and per-tile counts at `counters` (a GatherCounterLayout of the schedule's tiles).
-kernels::FusedGather fused_gather(const GpuLayer::State& s, const TensorView& source,
-                                  const DeviceBuffer& rows, unsigned long long* counters,
-                                  int64_t row_begin, int64_t row_count) {
-  const kernels::GatherCounterLayout layout = s.gather_counters;
+// A gather for the expert stages to run: the routed rows of `source` [T, H] for schedule rows
+// [row_begin, row_begin + row_count) into `rows` (at row - row_begin). The FP8 stages take it
+// as it is (they quantize the rows as they gather them); fused_gather adds the counters.
+kernels::FusedGather stage_gather(const GpuLayer::State& s, const TensorView& source,
+                                  const DeviceBuffer& rows, int64_t row_begin, int64_t row_count) {
   kernels::FusedGather gather{};
   gather.x = source.data_as<const __nv_bfloat16>();
   gather.rows = rows.as<__nv_bfloat16>();
   gather.hidden = static_cast<int32_t>(s.shape.hidden);
   gather.top_k = s.shape.top_k;
+  gather.row_begin = row_begin;
+  gather.row_end = row_begin + row_count;
+  return gather;
+}
+
+// The fused gather (dispatch_local.cuh) of stage_gather's rows, with its ticket, epoch and
+// per-tile counts at `counters` (a GatherCounterLayout of the schedule's tiles).
+kernels::FusedGather fused_gather(const GpuLayer::State& s, const TensorView& source,
+                                  const DeviceBuffer& rows, unsigned long long* counters,
+                                  int64_t row_begin, int64_t row_count) {
+  const kernels::GatherCounterLayout layout = s.gather_counters;
+  kernels::FusedGather gather = stage_gather(s, source, rows, row_begin, row_count);
   gather.ticket = counters + layout.ticket();
   gather.epoch = counters + layout.epoch();
   gather.tile_rows_done = counters + layout.tile_rows_done();
-  gather.row_begin = row_begin;
-  gather.row_end = row_begin + row_count;
   return gather;
 }
 
@@ -44,7 +52,9 @@ void gather_rows(const GpuLayer::State& s, const TensorView& source, const Devic
 
 class LocalExchange final : public TokenExchange {
  public:
-  explicit LocalExchange(LocalDispatch dispatch) : dispatch_(dispatch) {}
+  // `stage_gathers`: the expert stages gather the rows themselves (FP8: quantized as gathered).
+  LocalExchange(LocalDispatch dispatch, bool stage_gathers)
+      : dispatch_(dispatch), stage_gathers_(stage_gathers) {}
 
   void route_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
                      const StageMarker& mark) override {
@@ -55,6 +65,8 @@ class LocalExchange final : public TokenExchange {
   kernels::FusedGather forward_rows(GpuLayer::State& s, const ForwardArgs& args, int32_t m,
                                     cudaStream_t stream, const StageMarker& mark) override {
     const int64_t row_begin = m * s.ring_rows;
+    if (stage_gathers_ && s.shape.num_tokens > 0)
+      return stage_gather(s, args.x, s.rows, row_begin, s.ring_rows);
     if (dispatch_ == LocalDispatch::kProducerWarps && s.shape.num_tokens > 0)
       return fused_gather(s, args.x, s.rows, s.gather_state.as<unsigned long long>(), row_begin,
                           s.ring_rows);
@@ -83,6 +95,12 @@ class LocalExchange final : public TokenExchange {
                              bool recompute, bool in_kernel, cudaStream_t stream,
                              const StageMarker& mark) override {
     BackwardRows rows;
+    if (stage_gathers_ && s.shape.num_tokens > 0) {  // one macrobatch (FP8)
+      const int64_t max_rows = s.routed.layout.params.max_rows();
+      rows.d_out = stage_gather(s, args.d_out, s.d_out_rows, 0, max_rows);
+      if (recompute) rows.x = stage_gather(s, args.forward.x, s.rows, 0, max_rows);
+      return rows;
+    }
     if (in_kernel) {
       // One macrobatch: the whole schedule.
       const int64_t max_rows = s.routed.layout.params.max_rows();
@@ -127,15 +145,16 @@ class LocalExchange final : public TokenExchange {
   }
 
   LocalDispatch dispatch_;
+  bool stage_gathers_;
 };
 
 }  // namespace
 
 std::unique_ptr<TokenExchange> make_local_exchange(const MoeConfig& config) {
-  // The FP8 GEMMs read quantized rows: the rows are gathered (bf16) before they are quantized.
+  // The FP8 GEMMs read quantized rows: the FP8 stages quantize the rows as they gather them.
   if (config.precision == Precision::kFP8Block)
-    return std::make_unique<LocalExchange>(LocalDispatch::kGatherKernel);
-  return std::make_unique<LocalExchange>(config.local_dispatch);
+    return std::make_unique<LocalExchange>(LocalDispatch::kGatherKernel, true);
+  return std::make_unique<LocalExchange>(config.local_dispatch, false);
 }
 
 }  // namespace mok

@@ -3,7 +3,8 @@
 // random values across 2^-24 .. 2^12 and on groups that break quantizers (all zero, a NaN, an
 // infinity, denormal bf16, tiny values, bf16's largest): the same codes, byte for byte, and the
 // same scales (NaN where the host's is NaN); pre-quantized blocks transposed into the same bits
-// as quantizing the transposed weight. Then the quantizer's bandwidth at a dsv3 weight.
+// as quantizing the transposed weight; rows gathered through a schedule quantized as their
+// gathered copy. Then the quantizer's bandwidth at a dsv3 weight.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -228,6 +229,98 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
       cudaErrorInvalidValue);
   for (void* p : {device_in, codes, want, got, static_cast<void*>(scales),
                   static_cast<void*>(want_scales), static_cast<void*>(got_scales)})
+    cudaFree(p);
+}
+
+// The local exchange's FP8 rows (launch_gather_quantize_fp8): gathered from token rows through a
+// schedule with padding rows, tokens routed twice and a window past total_rows, they are the
+// bits the quantizers give for the gathered bf16 rows, both group forms, every row below
+// total_rows; and nothing is written past it.
+TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
+  const int64_t tokens = 200, cols = 384, top_k = 2, capacity = 640, total = 512;
+  const std::vector<bf16> x = special_matrix(tokens, cols, 51);
+  std::vector<int32_t> row_pair(capacity, -1);
+  SplitMix64 rng(52);
+  for (int64_t r = 0; r < total; ++r)
+    if (r % 7 != 3) row_pair[r] = static_cast<int32_t>(rng.next() % (tokens * top_k));
+  std::vector<bf16> gathered(capacity * cols);  // zero past total_rows and on padding rows
+  for (int64_t r = 0; r < total; ++r)
+    if (row_pair[r] >= 0)
+      std::memcpy(&gathered[r * cols], &x[(row_pair[r] / top_k) * cols], cols * sizeof(bf16));
+  ScheduleHeader header{};
+  header.total_rows = static_cast<int32_t>(total);
+  void *d_x = nullptr, *d_gathered = nullptr, *d_pairs = nullptr, *d_header = nullptr;
+  void *want_rows = nullptr, *want_cols = nullptr, *got_rows = nullptr, *got_cols = nullptr;
+  float *want_rs = nullptr, *want_cs = nullptr, *got_rs = nullptr, *got_cs = nullptr;
+  const int64_t values = capacity * cols, scale_count = values / 128;
+  ASSERT_EQ(cudaMalloc(&d_x, x.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_gathered, values * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_pairs, capacity * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_header, sizeof(header)), cudaSuccess);
+  for (void** p : {&want_rows, &want_cols, &got_rows, &got_cols})
+    ASSERT_EQ(cudaMalloc(p, values), cudaSuccess);
+  for (float** p : {&want_rs, &want_cs, &got_rs, &got_cs})
+    ASSERT_EQ(cudaMalloc(p, scale_count * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_x, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_gathered, gathered.data(), values * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_pairs, row_pair.data(), capacity * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_header, &header, sizeof(header), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(kernels::launch_quantize_fp8(d_gathered, capacity, cols, Fp8QuantizeForm::kRowGroups,
+                                         want_rows, want_rs, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(kernels::launch_quantize_fp8(d_gathered, capacity, cols, Fp8QuantizeForm::kColumnGroups,
+                                         want_cols, want_cs, nullptr),
+            cudaSuccess);
+  for (void* p : {got_rows, got_cols}) ASSERT_EQ(cudaMemset(p, 0xab, values), cudaSuccess);
+  for (float* p : {got_rs, got_cs}) ASSERT_EQ(cudaMemset(p, 0xab, scale_count * 4), cudaSuccess);
+  kernels::Fp8GatherQuantize params;
+  params.header = static_cast<const ScheduleHeader*>(d_header);
+  params.row_pair = static_cast<const int32_t*>(d_pairs);
+  params.top_k = static_cast<int32_t>(top_k);
+  params.tokens = d_x;
+  params.cols = cols;
+  params.capacity_rows = capacity;
+  params.row_codes = got_rows;
+  params.row_scales = got_rs;
+  params.column_codes = got_cols;
+  params.column_scales = got_cs;
+  ASSERT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaSuccess);
+  auto host = [](const void* device, int64_t bytes) {
+    std::vector<uint8_t> out(bytes);
+    EXPECT_EQ(cudaMemcpy(out.data(), device, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  };
+  const std::vector<uint8_t> wr = host(want_rows, values), gr = host(got_rows, values);
+  const std::vector<uint8_t> wc = host(want_cols, values), gc = host(got_cols, values);
+  const std::vector<uint8_t> wrs = host(want_rs, scale_count * 4),
+                             grs = host(got_rs, scale_count * 4);
+  const std::vector<uint8_t> wcs = host(want_cs, scale_count * 4),
+                             gcs = host(got_cs, scale_count * 4);
+  int64_t wrong = 0, untouched = 0;
+  for (int64_t r = 0; r < capacity; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const bool below = r < total;
+      const uint8_t row_code = gr[r * cols + c], col_code = gc[c * capacity + r];
+      if (below) {
+        wrong += row_code != wr[r * cols + c];
+        wrong += col_code != wc[c * capacity + r];
+      } else {
+        untouched += row_code == 0xab && col_code == 0xab;
+      }
+    }
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(untouched, (capacity - total) * cols) << "codes written past total_rows";
+  // Row-group scales [cols/128, capacity]; column-group scales [capacity/128, cols].
+  for (int64_t g = 0; g < cols / 128; ++g)
+    EXPECT_EQ(std::memcmp(&grs[g * capacity * 4], &wrs[g * capacity * 4], total * 4), 0) << g;
+  EXPECT_EQ(std::memcmp(gcs.data(), wcs.data(), total / 128 * cols * 4), 0);
+  params.capacity_rows = 100;
+  EXPECT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaErrorInvalidValue);
+  for (void* p : {d_x, d_gathered, d_pairs, d_header, want_rows, want_cols, got_rows, got_cols,
+                  static_cast<void*>(want_rs), static_cast<void*>(want_cs),
+                  static_cast<void*>(got_rs), static_cast<void*>(got_cs)})
     cudaFree(p);
 }
 

@@ -1,5 +1,5 @@
-// The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers, and the
-// transposition of pre-quantized weight blocks.
+// The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers, the
+// quantization of gathered rows, and the transposition of pre-quantized weight blocks.
 //
 // Grid: one 256-thread CTA per 128 x 128 tile of the input. The CTA stages the tile in shared
 // memory (16-byte loads, bf16), then each thread owns half of one line of the tile: half a row
@@ -32,51 +32,28 @@ __device__ __forceinline__ uint16_t to_e4m3x2(float low, float high) {
       __nv_cvt_float2_to_fp8x2(make_float2(low, high), __NV_SATFINITE, __NV_E4M3));
 }
 
-template <Fp8QuantizeForm kForm>
-__global__ void __launch_bounds__(kThreads)
-    quantize_fp8_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
-                        float* scales, Fp8QuantizeBatch batch) {
-  in += blockIdx.z * batch.in_stride;
-  out += blockIdx.z * batch.out_stride;
-  scales += blockIdx.z * batch.scales_stride;
-  __shared__ __align__(16) __nv_bfloat16 tile[kTile][kPitch];
-  __shared__ float warp_amax[kThreads / 32];
-  const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
-  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  // Stage the tile: 128 rows x 16 vectors of 8 bf16.
-  for (int v = threadIdx.x; v < kTile * (kTile / 8); v += kThreads) {
-    const int r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
-    *reinterpret_cast<uint4*>(&tile[r][c]) =
-        *reinterpret_cast<const uint4*>(in + (row0 + r) * cols + col0 + c);
-  }
-  __syncthreads();
+using StagedTile = __nv_bfloat16[kTile][kPitch];
 
-  constexpr bool kAlongColumns =
-      kForm == Fp8QuantizeForm::kColumnGroups || kForm == Fp8QuantizeForm::kBlocksTransposed;
-  const int line = threadIdx.x / 2, half = threadIdx.x % 2;
-  float values[64];
+// Thread (line, half)'s 64 values of a staged tile: half of row `line`, or of column `line`.
+template <bool kAlongColumns>
+__device__ __forceinline__ void load_line(const StagedTile& tile, int line, int half,
+                                          float (&values)[64]) {
   for (int i = 0; i < 64; ++i) {
     const int along = half * 64 + i;
     values[i] = __bfloat162float(kAlongColumns ? tile[along][line] : tile[line][along]);
   }
+}
+
+// The largest magnitude of the line the thread pair (lanes 2j, 2j + 1) holds, NaN if any.
+__device__ __forceinline__ float line_amax(const float (&values)[64]) {
   float amax = 0.0f;
   for (int i = 0; i < 64; ++i) amax = ptx::max_nan(amax, fabsf(values[i]));
-  amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  if constexpr (kForm == Fp8QuantizeForm::kBlocks || kForm == Fp8QuantizeForm::kBlocksTransposed) {
-    for (int offset = 2; offset < 32; offset *= 2)
-      amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
-    __syncthreads();
-    amax = warp_amax[0];
-    for (int w = 1; w < kThreads / 32; ++w) amax = ptx::max_nan(amax, warp_amax[w]);
-  }
-  const Fp8GroupScale factors = fp8_group_scale(amax);
+  return ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+}
 
-  // The output line: a row of `out` [rows, cols], or of the transposed [cols, rows].
-  const int64_t out_cols = kAlongColumns ? rows : cols;
-  const int64_t out_row = kAlongColumns ? col0 + line : row0 + line;
-  const int64_t out_col = (kAlongColumns ? row0 : col0) + half * 64;
-  uint4* destination = reinterpret_cast<uint4*>(out + out_row * out_cols + out_col);
+// The 64 values' codes as four 16-byte stores at `destination`.
+__device__ __forceinline__ void store_codes(const float (&values)[64], const Fp8GroupScale& factors,
+                                            uint4* destination) {
   for (int chunk = 0; chunk < 4; ++chunk) {
     uint32_t words[4];
     for (int w = 0; w < 4; ++w) {
@@ -89,21 +66,103 @@ __global__ void __launch_bounds__(kThreads)
     }
     destination[chunk] = make_uint4(words[0], words[1], words[2], words[3]);
   }
-  if (half != 0) return;
-  switch (kForm) {
-    case Fp8QuantizeForm::kRowGroups:  // group-major: [cols / 128, rows]
-      scales[tile_col * rows + out_row] = factors.scale;
-      break;
-    case Fp8QuantizeForm::kColumnGroups:  // group-major: [rows / 128, cols]
-      scales[tile_row * cols + out_row] = factors.scale;
-      break;
-    case Fp8QuantizeForm::kBlocks:
-      if (line == 0) scales[tile_row * (cols / kTile) + tile_col] = factors.scale;
-      break;
-    case Fp8QuantizeForm::kBlocksTransposed:
-      if (line == 0) scales[tile_col * (rows / kTile) + tile_row] = factors.scale;
-      break;
+}
+
+// The group forms of one staged tile (tile row `tile_row`, column `tile_col` of a [rows, cols]
+// matrix): kRowGroups into out [rows, cols] and scales [cols/128, rows]; kColumnGroups into out
+// [cols, rows] and scales [rows/128, cols].
+template <bool kAlongColumns>
+__device__ __forceinline__ void quantize_groups(const StagedTile& tile, int64_t tile_row,
+                                                int64_t tile_col, int64_t rows, int64_t cols,
+                                                uint8_t* out, float* scales) {
+  const int line = threadIdx.x / 2, half = threadIdx.x % 2;
+  float values[64];
+  load_line<kAlongColumns>(tile, line, half, values);
+  const Fp8GroupScale factors = fp8_group_scale(line_amax(values));
+  const int64_t out_cols = kAlongColumns ? rows : cols;
+  const int64_t out_row = (kAlongColumns ? tile_col : tile_row) * kTile + line;
+  const int64_t out_col = (kAlongColumns ? tile_row : tile_col) * kTile + half * 64;
+  store_codes(values, factors, reinterpret_cast<uint4*>(out + out_row * out_cols + out_col));
+  if (half == 0)
+    scales[(kAlongColumns ? tile_row * cols : tile_col * rows) + out_row] = factors.scale;
+}
+
+template <Fp8QuantizeForm kForm>
+__global__ void __launch_bounds__(kThreads)
+    quantize_fp8_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
+                        float* scales, Fp8QuantizeBatch batch) {
+  in += blockIdx.z * batch.in_stride;
+  out += blockIdx.z * batch.out_stride;
+  scales += blockIdx.z * batch.scales_stride;
+  __shared__ __align__(16) StagedTile tile;
+  __shared__ float warp_amax[kThreads / 32];
+  const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  // Stage the tile: 128 rows x 16 vectors of 8 bf16.
+  for (int v = threadIdx.x; v < kTile * (kTile / 8); v += kThreads) {
+    const int r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
+    *reinterpret_cast<uint4*>(&tile[r][c]) =
+        *reinterpret_cast<const uint4*>(in + (row0 + r) * cols + col0 + c);
   }
+  __syncthreads();
+
+  if constexpr (kForm == Fp8QuantizeForm::kRowGroups || kForm == Fp8QuantizeForm::kColumnGroups) {
+    quantize_groups<kForm == Fp8QuantizeForm::kColumnGroups>(tile, tile_row, tile_col, rows, cols,
+                                                             out, scales);
+  } else {
+    constexpr bool kTransposed = kForm == Fp8QuantizeForm::kBlocksTransposed;
+    const int line = threadIdx.x / 2, half = threadIdx.x % 2;
+    float values[64];
+    load_line<kTransposed>(tile, line, half, values);
+    float amax = line_amax(values);
+    for (int offset = 2; offset < 32; offset *= 2)
+      amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = warp_amax[0];
+    for (int w = 1; w < kThreads / 32; ++w) amax = ptx::max_nan(amax, warp_amax[w]);
+    const Fp8GroupScale factors = fp8_group_scale(amax);
+    // The output line: a row of `out` [rows, cols], or of the transposed [cols, rows].
+    const int64_t out_cols = kTransposed ? rows : cols;
+    const int64_t out_row = kTransposed ? col0 + line : row0 + line;
+    const int64_t out_col = (kTransposed ? row0 : col0) + half * 64;
+    store_codes(values, factors, reinterpret_cast<uint4*>(out + out_row * out_cols + out_col));
+    if (threadIdx.x == 0)
+      scales[kTransposed ? tile_col * (rows / kTile) + tile_row
+                         : tile_row * (cols / kTile) + tile_col] = factors.scale;
+  }
+}
+
+// Gathered rows quantized as they are staged (Fp8GatherQuantize): the tile's rows come from the
+// tokens' rows through the schedule (zeros for padding rows and rows past total_rows); a tile
+// wholly past total_rows writes nothing.
+__global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8GatherQuantize p) {
+  __shared__ __align__(16) StagedTile tile;
+  const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  const int64_t total_rows = p.header->total_rows;
+  if (row0 >= total_rows) return;
+  const auto* tokens = static_cast<const __nv_bfloat16*>(p.tokens);
+  for (int v = threadIdx.x; v < kTile * (kTile / 8); v += kThreads) {
+    const int r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
+    const int64_t row = row0 + r;
+    const int32_t pair = row < total_rows ? p.row_pair[row] : -1;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (pair >= 0)
+      value = __ldg(reinterpret_cast<const uint4*>(
+          tokens + static_cast<int64_t>(pair / p.top_k) * p.cols + col0 + c));
+    *reinterpret_cast<uint4*>(&tile[r][c]) = value;
+    if (p.rows_bf16 != nullptr && row < total_rows)
+      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.rows_bf16) + row * p.cols + col0 +
+                                c) = value;
+  }
+  __syncthreads();
+  if (p.row_codes != nullptr)
+    quantize_groups<false>(tile, tile_row, tile_col, p.capacity_rows, p.cols,
+                           static_cast<uint8_t*>(p.row_codes), p.row_scales);
+  if (p.column_codes != nullptr)
+    quantize_groups<true>(tile, tile_row, tile_col, p.capacity_rows, p.cols,
+                          static_cast<uint8_t*>(p.column_codes), p.column_scales);
 }
 
 // One 128 x 128 block of codes transposed through shared memory: 16-byte loads of its rows,
@@ -161,6 +220,19 @@ cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, 
   transpose_fp8_blocks_kernel<<<grid, kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(codes), scales, rows, cols, static_cast<uint8_t*>(out),
       out_scales, batch);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStream_t stream) {
+  if (params.cols <= 0 || params.cols % kTile != 0 || params.capacity_rows < 0 ||
+      params.capacity_rows % kTile != 0 || params.top_k <= 0 || params.header == nullptr ||
+      (params.row_codes != nullptr) != (params.row_scales != nullptr) ||
+      (params.column_codes != nullptr) != (params.column_scales != nullptr))
+    return cudaErrorInvalidValue;
+  if (params.capacity_rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(params.cols / kTile),
+                  static_cast<unsigned>(params.capacity_rows / kTile));
+  gather_quantize_fp8_kernel<<<grid, kThreads, 0, stream>>>(params);
   return cudaGetLastError();
 }
 

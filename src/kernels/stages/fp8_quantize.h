@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "mok/schedule.h"
+
 namespace mok::kernels {
 
 enum class Fp8QuantizeForm : int32_t {
@@ -45,6 +47,31 @@ struct Fp8QuantizeBatch {
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
                                 void* out, float* scales, cudaStream_t stream,
                                 const Fp8QuantizeBatch& batch = {});
+
+// The local exchange's FP8 rows, gathered and quantized in one pass, so that no bf16 copy of
+// the routed rows is written unless asked for. Schedule row r < header->total_rows is token
+// row_pair[r] / top_k's row of `tokens` [T, cols] bf16, or zeros (row_pair[r] < 0: padding).
+// Each output given is written for every row below total_rows, rows past it left as they are:
+//   rows_bf16                  [capacity_rows, cols] bf16, the gathered rows themselves
+//   row_codes, row_scales      kRowGroups: [capacity_rows, cols], scales [cols/128, capacity_rows]
+//   column_codes, column_scales  kColumnGroups: [cols, capacity_rows], scales
+//                              [capacity_rows/128, cols]
+// The codes and scales are the bits launch_quantize_fp8 gives for the gathered rows. One
+// 256-thread CTA per 128 x 128 tile; cols and capacity_rows multiples of 128.
+struct Fp8GatherQuantize {
+  const ScheduleHeader* header = nullptr;
+  const int32_t* row_pair = nullptr;
+  int32_t top_k = 0;
+  const void* tokens = nullptr;
+  int64_t cols = 0;
+  int64_t capacity_rows = 0;
+  void* rows_bf16 = nullptr;
+  void* row_codes = nullptr;
+  float* row_scales = nullptr;
+  void* column_codes = nullptr;
+  float* column_scales = nullptr;
+};
+cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStream_t stream);
 
 // Pre-quantized weights (ForwardArgs::w_*_fp8) as the dgrads' operands: e4m3 `codes` [rows,
 // cols] in 128 x 128 blocks with `scales` [rows/128, cols/128] to `out` [cols, rows] and
