@@ -161,9 +161,9 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
 
 // The rows of `gather` (the local exchange's: schedule row r is token row_pair[r] / K of its
 // source), quantized as they are gathered into `row_groups` and / or `column_groups`.
-void gather_quantize(const GpuLayer::State& s, const ExpertSet& set,
-                     const kernels::FusedGather& gather, const Fp8Operand* row_groups,
-                     const Fp8Operand* column_groups, cudaStream_t stream, const char* what) {
+void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
+                     const Fp8Operand* row_groups, const Fp8Operand* column_groups,
+                     cudaStream_t stream, const char* what) {
   const ScheduleView view = set.view();
   kernels::Fp8GatherQuantize params;
   params.header = view.header;
@@ -256,7 +256,7 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
     if (rows != R)
       throw Error(ErrorCode::kInternal, "FP8 forward: a gather over " + std::to_string(rows) +
                                             " rows, " + std::to_string(R) + " in the buffers");
-    gather_quantize(s, set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
+    gather_quantize(set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
   } else {
     quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
   }
@@ -291,7 +291,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   if (recompute) {
     const ForwardWeights weights = forward_weights(b.weights, E, H, I, fp8, stream);
     if (x_gather.x != nullptr)
-      gather_quantize(s, set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
+      gather_quantize(set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
     else
       quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
     gate_up_gemm(s, set, fp8, weights, rows, stream);
@@ -299,7 +299,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   }
   transposed_weights(b.weights, E, H, I, fp8, stream);
   if (gathered)
-    gather_quantize(s, set, d_out_gather, &fp8.d_out_rows, &fp8.d_out_t, stream, "d_out rows");
+    gather_quantize(set, d_out_gather, &fp8.d_out_rows, &fp8.d_out_t, stream, "d_out rows");
   else
     quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
              "d_out rows");

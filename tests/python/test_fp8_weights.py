@@ -87,7 +87,8 @@ def test_quantize_weight_same_bits_on_cpu_and_cuda():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("given", [MOK_ORDER, ("w_down",), ("w_shared_gate", "w_shared_up")])
 def test_pre_quantized_weights_give_the_same_bits(device, given):
-    p = make_problem(device, H=256, I=128, Is=128, seed=7)
+    # FP8 with a shared expert runs whole 128-row tiles of tokens on the GPU: T = 128.
+    p = make_problem(device, T=128, H=256, I=128, Is=128, seed=7)
     want = run_mok(p, device, [p[name] for name in MOK_ORDER])
     weights = [F.quantize_weight(p[name]) if name in given else p[name] for name in MOK_ORDER]
     for use_context in (True, False):
@@ -122,7 +123,7 @@ def test_ops_take_pre_quantized_weights(device):
     """torch.library.opcheck with float8 codes in the weights' places and their scales. Its
     schema test is left out: it compares inputs by arithmetic that float8 lacks (test_ops.py runs
     it on the same schema with bf16 weights)."""
-    p = make_problem(device, H=256, I=128, Is=128, T=40, seed=9)
+    p = make_problem(device, H=256, I=128, Is=128, T=128, seed=9)
     names = ("w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down")
     pairs = [F.quantize_weight(p[n]) for n in names]
     handle = workspace_for(p, device).handle

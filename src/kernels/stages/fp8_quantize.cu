@@ -135,26 +135,39 @@ __global__ void __launch_bounds__(kThreads)
 
 // Gathered rows quantized as they are staged (Fp8GatherQuantize): the tile's rows come from the
 // tokens' rows through the schedule (zeros for padding rows and rows past total_rows); a tile
-// wholly past total_rows writes nothing.
+// wholly past total_rows writes nothing. The tile's 128 token indices are read first, so that
+// each thread's eight 16-byte loads are independent and in flight together.
 __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8GatherQuantize p) {
+  constexpr int kVectorsPerThread = kTile * (kTile / 8) / kThreads;
   __shared__ __align__(16) StagedTile tile;
+  __shared__ int64_t tile_tokens[kTile];
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   const int64_t total_rows = p.header->total_rows;
   if (row0 >= total_rows) return;
-  const auto* tokens = static_cast<const __nv_bfloat16*>(p.tokens);
-  for (int v = threadIdx.x; v < kTile * (kTile / 8); v += kThreads) {
-    const int r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
-    const int64_t row = row0 + r;
+  if (threadIdx.x < kTile) {
+    const int64_t row = row0 + threadIdx.x;
     const int32_t pair = row < total_rows ? p.row_pair[row] : -1;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (pair >= 0)
-      value = __ldg(reinterpret_cast<const uint4*>(
-          tokens + static_cast<int64_t>(pair / p.top_k) * p.cols + col0 + c));
-    *reinterpret_cast<uint4*>(&tile[r][c]) = value;
-    if (p.rows_bf16 != nullptr && row < total_rows)
-      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.rows_bf16) + row * p.cols + col0 +
-                                c) = value;
+    tile_tokens[threadIdx.x] = pair >= 0 ? pair / p.top_k : -1;
+  }
+  __syncthreads();
+  const auto* tokens = static_cast<const __nv_bfloat16*>(p.tokens);
+  uint4 loaded[kVectorsPerThread];
+#pragma unroll
+  for (int k = 0; k < kVectorsPerThread; ++k) {
+    const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
+    const int64_t token = tile_tokens[r];
+    loaded[k] = token >= 0
+                    ? __ldg(reinterpret_cast<const uint4*>(tokens + token * p.cols + col0 + c))
+                    : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int k = 0; k < kVectorsPerThread; ++k) {
+    const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
+    *reinterpret_cast<uint4*>(&tile[r][c]) = loaded[k];
+    if (p.rows_bf16 != nullptr && row0 + r < total_rows)
+      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.rows_bf16) + (row0 + r) * p.cols +
+                                col0 + c) = loaded[k];
   }
   __syncthreads();
   if (p.row_codes != nullptr)
