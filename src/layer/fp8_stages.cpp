@@ -184,6 +184,24 @@ void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
              std::string("FP8 gather + quantization of ") + what);
 }
 
+// The set's rows `values` [R, width] (schedule order, rows to total_rows) quantized into both
+// group forms in one pass.
+void both_group_forms(const ExpertSet& set, const void* values, int64_t width,
+                      const Fp8Operand& row_groups, const Fp8Operand& column_groups,
+                      cudaStream_t stream, const char* what) {
+  kernels::Fp8GatherQuantize params;
+  params.header = set.view().header;
+  params.tokens = values;
+  params.cols = width;
+  params.capacity_rows = set.capacity_rows;
+  params.row_codes = row_groups.codes.pointer;
+  params.row_scales = row_groups.scale_data();
+  params.column_codes = column_groups.codes.pointer;
+  params.column_scales = column_groups.scale_data();
+  cuda_check(kernels::launch_gather_quantize_fp8(params, stream),
+             std::string("FP8 quantization of ") + what);
+}
+
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
             const kernels::Fp8GemmParams& params, cudaStream_t stream, const char* what) {
   cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, stream), what);
@@ -318,9 +336,10 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
              "SwiGLU backward launch");
   mark("SwiGLU backward + router weight gradient");
 
-  // dx rows = [d_g | d_u] [Wg; Wu]: K split at I.
-  quantize(set.d_gate.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_gate, stream, "d_gate");
-  quantize(set.d_up.pointer, R, I, Fp8QuantizeForm::kRowGroups, fp8.d_up, stream, "d_up");
+  // dx rows = [d_g | d_u] [Wg; Wu]: K split at I. d_g and d_u quantized both ways in one pass
+  // each (row groups for this dgrad, column groups for the weight gradients).
+  both_group_forms(set, set.d_gate.pointer, I, fp8.d_gate, fp8.d_gate_t, stream, "d_gate");
+  both_group_forms(set, set.d_up.pointer, I, fp8.d_up, fp8.d_up_t, stream, "d_up");
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)");
   maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)");
@@ -340,10 +359,6 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands transposed in
   // groups of 128 rows.
-  quantize(set.d_gate.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.d_gate_t, stream,
-           "d_gate (transposed)");
-  quantize(set.d_up.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.d_up_t, stream,
-           "d_up (transposed)");
   if (!gathered) {
     quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, stream,
              "x rows (transposed)");

@@ -235,7 +235,7 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
 // The local exchange's FP8 rows (launch_gather_quantize_fp8): gathered from token rows through a
 // schedule with padding rows, tokens routed twice and a window past total_rows, they are the
 // bits the quantizers give for the gathered bf16 rows, both group forms, every row below
-// total_rows; and nothing is written past it.
+// total_rows; and nothing is written past it. Without a row_pair, the rows themselves.
 TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
   const int64_t tokens = 200, cols = 384, top_k = 2, capacity = 640, total = 512;
   const std::vector<bf16> x = special_matrix(tokens, cols, 51);
@@ -316,6 +316,18 @@ TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
   for (int64_t g = 0; g < cols / 128; ++g)
     EXPECT_EQ(std::memcmp(&grs[g * capacity * 4], &wrs[g * capacity * 4], total * 4), 0) << g;
   EXPECT_EQ(std::memcmp(gcs.data(), wcs.data(), total / 128 * cols * 4), 0);
+  // Without a row_pair: the rows of the gathered copy itself, both forms in one pass.
+  for (void* p : {got_rows, got_cols}) ASSERT_EQ(cudaMemset(p, 0xab, values), cudaSuccess);
+  params.row_pair = nullptr;
+  params.tokens = d_gathered;
+  ASSERT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaSuccess);
+  const std::vector<uint8_t> ir = host(got_rows, values), ic = host(got_cols, values);
+  int64_t identity_wrong = 0;
+  for (int64_t r = 0; r < total; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      identity_wrong +=
+          (ir[r * cols + c] != wr[r * cols + c]) + (ic[c * capacity + r] != wc[c * capacity + r]);
+  EXPECT_EQ(identity_wrong, 0);
   params.capacity_rows = 100;
   EXPECT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaErrorInvalidValue);
   for (void* p : {d_x, d_gathered, d_pairs, d_header, want_rows, want_cols, got_rows, got_cols,

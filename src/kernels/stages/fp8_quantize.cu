@@ -147,8 +147,12 @@ __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8Gather
   if (row0 >= total_rows) return;
   if (threadIdx.x < kTile) {
     const int64_t row = row0 + threadIdx.x;
-    const int32_t pair = row < total_rows ? p.row_pair[row] : -1;
-    tile_tokens[threadIdx.x] = pair >= 0 ? pair / p.top_k : -1;
+    if (p.row_pair == nullptr) {  // the rows themselves
+      tile_tokens[threadIdx.x] = row < total_rows ? row : -1;
+    } else {
+      const int32_t pair = row < total_rows ? p.row_pair[row] : -1;
+      tile_tokens[threadIdx.x] = pair >= 0 ? pair / p.top_k : -1;
+    }
   }
   __syncthreads();
   const auto* tokens = static_cast<const __nv_bfloat16*>(p.tokens);
@@ -238,7 +242,8 @@ cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, 
 
 cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStream_t stream) {
   if (params.cols <= 0 || params.cols % kTile != 0 || params.capacity_rows < 0 ||
-      params.capacity_rows % kTile != 0 || params.top_k <= 0 || params.header == nullptr ||
+      params.capacity_rows % kTile != 0 || params.header == nullptr ||
+      (params.row_pair != nullptr && params.top_k <= 0) ||
       (params.row_codes != nullptr) != (params.row_scales != nullptr) ||
       (params.column_codes != nullptr) != (params.column_scales != nullptr))
     return cudaErrorInvalidValue;

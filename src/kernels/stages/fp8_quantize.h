@@ -51,6 +51,8 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
 // The local exchange's FP8 rows, gathered and quantized in one pass, so that no bf16 copy of
 // the routed rows is written unless asked for. Schedule row r < header->total_rows is token
 // row_pair[r] / top_k's row of `tokens` [T, cols] bf16, or zeros (row_pair[r] < 0: padding).
+// Without a row_pair, row r is row r of `tokens` itself ([capacity_rows, cols]): one pass for
+// both group forms of rows already in schedule order (d_g, d_u).
 // Each output given is written for every row below total_rows, rows past it left as they are:
 //   rows_bf16                  [capacity_rows, cols] bf16, the gathered rows themselves
 //   row_codes, row_scales      kRowGroups: [capacity_rows, cols], scales [cols/128, capacity_rows]
