@@ -12,9 +12,11 @@ namespace mok {
 
 enum class Precision : int32_t {
   kBF16 = 0,  // bf16 operands, fp32 accumulation
-  // e4m3 operands with fp32 block scales (1 x 128 activation groups, 128 x 128 weight blocks;
-  // mok/fp8.h): the CPU reference runs it (reference::Options::precision); the GPU layer does
-  // not yet (can_implement says so). H, I and Is must be multiples of 128.
+  // e4m3 operands with power-of-two fp32 block scales (1 x 128 activation groups, 128 x 128
+  // weight blocks; mok/fp8.h), on the GPU layer (one GPU, one macrobatch, the kernel sequences;
+  // can_implement names what it refuses) and the CPU reference (reference::Options::precision).
+  // H, I and Is must be multiples of 128. Weights may be given pre-quantized
+  // (ForwardArgs::w_*_fp8).
   kFP8Block = 1,
 };
 
