@@ -128,7 +128,8 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
   MOK_RETURN_IF_ERROR(can_implement(shape));
   auto bad = [](const std::string& text) { return Status::invalid("config: " + text); };
   if (config.precision == Precision::kFP8Block) {
-    // The FP8 path (src/layer/fp8_stages.cpp): the single-GPU kernel sequence, one macrobatch.
+    // The FP8 path (src/layer/fp8_stages.cpp): the kernel sequences, one macrobatch; on one GPU
+    // or, with the rows the expert-parallel exchange delivers in bf16, on every rank of a group.
     auto fp8_unsupported = [](const std::string& what) {
       return Status::unsupported("config: precision = fp8_block " + what);
     };
@@ -140,9 +141,6 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
                                " a multiple of 128 (its groups "
                                "and blocks); got " +
                                std::to_string(value));
-    if (shape.num_ranks != 1)
-      return fp8_unsupported("runs on one GPU so far; got num_ranks = " +
-                             std::to_string(shape.num_ranks) + "; valid: 1");
     if (config.persistent_forward || config.persistent_backward)
       return fp8_unsupported(
           "runs the kernel sequences; valid: persistent_forward and "

@@ -1,6 +1,7 @@
 // Expert-parallel emulation equals single-rank math, bitwise: R ranks exchanging rows through
 // their schedules produce exactly the bits of one rank holding every expert and the ranks'
-// tokens concatenated (rows are summed in (source rank, token, k) order on both sides).
+// tokens concatenated (rows are summed in (source rank, token, k) order on both sides); in bf16
+// and in FP8.
 #include <gtest/gtest.h>
 
 #include <ostream>
@@ -86,6 +87,43 @@ INSTANTIATE_TEST_SUITE_P(Ranks, EpEmulation, ::testing::ValuesIn(ep_cases()),
                            return "R" + std::to_string(info.param.num_ranks) + "_" +
                                   routing_kind_name(info.param.routing);
                          });
+
+// FP8 (precision fp8_block) across the group: the R-rank emulation quantizes each owner's rows
+// as the single-rank run quantizes the same rows (row groups per row; the weight gradients'
+// groups of 128 rows from each expert's first row, whose rows keep their order), so the bits
+// are the single rank's too.
+TEST(EpEmulationFp8, EqualsSingleRankBitwise) {
+  for (const int32_t ranks : {2, 4})
+    for (const RoutingKind routing :
+         {RoutingKind::kUniform, RoutingKind::kSkewed, RoutingKind::kEmptyRank}) {
+      SCOPED_TRACE("R=" + std::to_string(ranks) + " routing " + routing_kind_name(routing));
+      const MoeShape shape = test::make_shape(128, 256, 128, 8, 3, ranks, 128, 0.4f);
+      HostProblem problem = HostProblem::make(shape, routing, 31 + ranks);
+      HostProblem single = problem.single_rank_equivalent();
+      reference::Options options;
+      options.precision = Precision::kFP8Block;
+      for (HostProblem* p : {&problem, &single}) {
+        p->poison_outputs();
+        reference::forward_ep(p->shape, p->all_forward_args(), options);
+        reference::backward_ep(p->shape, p->all_backward_args(), options);
+      }
+      const HostRank& all = single.ranks[0];
+      const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k;
+      const int64_t expert_weights = shape.num_local_experts() * shape.intermediate * H;
+      for (int32_t rank = 0; rank < ranks; ++rank) {
+        const HostRank& mine = problem.ranks[rank];
+        expect_bitwise("out", rank, mine.out, test::slice(all.out, rank * T * H, T * H));
+        expect_bitwise("d_x", rank, mine.d_x, test::slice(all.d_x, rank * T * H, T * H));
+        expect_bitwise("d_router_weights", rank, mine.d_router_weights,
+                       test::slice(all.d_router_weights, rank * T * K, T * K));
+        expect_bitwise("d_w_gate", rank, mine.d_w_gate,
+                       test::slice(all.d_w_gate, rank * expert_weights, expert_weights));
+        expect_bitwise("d_w_down", rank, mine.d_w_down,
+                       test::slice(all.d_w_down, rank * expert_weights, expert_weights));
+      }
+      EXPECT_GT(test::norm2(all.d_x), 0.0);
+    }
+}
 
 // The emulation with several threads gives the same bits as with one.
 TEST(EpEmulationDeterminism, ThreadCountDoesNotMatter) {

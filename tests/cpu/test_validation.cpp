@@ -141,9 +141,6 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   MoeConfig good;
   ASSERT_TRUE(can_implement(good, shape).ok());
   MoeConfig config = good;
-  config.precision = Precision::kFP8Block;
-  expect_error(can_implement(config, shape), ErrorCode::kUnsupported, {"precision = fp8"});
-  config = good;
   config.minibatch_size = 100;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"minibatch_size = 100", "128"});
@@ -193,8 +190,8 @@ TEST(ConfigValidation, AutoMacrobatchFitsItsBudget) {
   EXPECT_TRUE(can_implement(fixed, sonic).ok());
 }
 
-// What the GPU's FP8 path runs (one GPU, the kernel sequences, one macrobatch, extents and,
-// with a shared expert, tokens in multiples of 128) and what it refuses, by name.
+// What the GPU's FP8 path runs (one GPU or a group, the kernel sequences, one macrobatch,
+// extents and, with a shared expert, tokens in multiples of 128) and what it refuses, by name.
 TEST(ConfigValidation, Fp8RunsWhatItSupportsAndNamesTheRest) {
   MoeConfig fp8;
   fp8.precision = Precision::kFP8Block;
@@ -208,10 +205,10 @@ TEST(ConfigValidation, Fp8RunsWhatItSupportsAndNamesTheRest) {
   odd.hidden = 192;
   expect_error(can_implement(fp8, odd), ErrorCode::kUnsupported,
                {"precision = fp8_block", "hidden a multiple of 128", "192"});
-  odd = shape;
-  odd.num_ranks = 2;
-  odd.num_experts = 16;
-  expect_error(can_implement(fp8, odd), ErrorCode::kUnsupported, {"num_ranks = 2"});
+  MoeShape group = shape;  // expert parallelism: the exchange's bf16 rows, quantized per rank
+  group.num_ranks = 2;
+  group.num_experts = 16;
+  EXPECT_TRUE(can_implement(fp8, group).ok()) << can_implement(fp8, group).message;
   MoeConfig persistent = fp8;
   persistent.persistent_forward = true;
   expect_error(can_implement(persistent, shape), ErrorCode::kUnsupported, {"kernel sequences"});

@@ -3,8 +3,8 @@
 // pointers): forward and backward against the CPU reference's R-rank emulation on the
 // adversarial routings of DESIGN.md §4, outputs poisoned first, bitwise identical across
 // repeated steps, with or without the forward context, with the bulk-copy and push-dispatch
-// data movement, with macrobatches, and with the persistent backward. Then the same layer with
-// one process per GPU (Communicator::create_rank), the form compute-sanitizer checks
+// data movement, with macrobatches, and with the persistent backward; in FP8 too. Then the same
+// layer with one process per GPU (Communicator::create_rank), the form compute-sanitizer checks
 // (rank_process.h).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -116,7 +116,8 @@ void expect_matches_reference(const std::string& label, int32_t rank, const Host
   std::printf("\n");
 }
 
-void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing, uint64_t seed) {
+void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing, uint64_t seed,
+              Precision precision = Precision::kBF16) {
   Group group = make_group();
   MoeShape shape = base_shape;
   shape.num_ranks = static_cast<int32_t>(group.devices.size());
@@ -125,11 +126,15 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
                routing_kind_name(routing));
   HostProblem problem = HostProblem::make(shape, routing, seed);
   problem.poison_outputs();
-  reference::forward_ep(shape, problem.all_forward_args());
-  reference::backward_ep(shape, problem.all_backward_args());
+  reference::Options options;
+  options.precision = precision;
+  reference::forward_ep(shape, problem.all_forward_args(), options);
+  reference::backward_ep(shape, problem.all_backward_args(), options);
   std::vector<std::unique_ptr<DeviceProblem>> device = upload_ranks(group, problem);
   MoeConfig config;
   config.wait_timeout_s = 20;
+  config.precision = precision;
+  const bool fp8 = precision == Precision::kFP8Block;
   EpLayer layer(shape, config, group.ranks);
   const std::vector<HostRank> first = ep_step(layer, device, problem, true);
   // The bulk-copy data movement and the push dispatch give the same bits (the push dispatch
@@ -138,8 +143,10 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   // gradients' partials across boundaries (pull and push dispatch).
   // The persistent backward: its SwiGLU tasks write the router-weight gradients into the
   // source ranks' buffers.
+  // FP8 holds one macrobatch and runs the kernel sequences: its variants are the data movement.
   for (const std::string variant : {"bulk copies", "push dispatch", "macrobatches",
                                     "push dispatch + macrobatches", "persistent backward"}) {
+    if (fp8 && variant != "bulk copies" && variant != "push dispatch") continue;
     MoeConfig variant_config = config;
     const bool push = variant.find("push") != std::string::npos;
     const bool macrobatches = variant.find("macrobatches") != std::string::npos;
@@ -195,6 +202,20 @@ TEST(EpLayerGpu, MatchesReferenceEmulation) {
   check_ep("skewed", make_shape(300, 512, 256, 8, 8), RoutingKind::kSkewed, ++seed);
   check_ep("no routes", make_shape(130, 512, 256, 4, 4, 1, 64), RoutingKind::kNoRoutes, ++seed);
   check_ep("one token", make_shape(1, 256, 128, 4, 2), RoutingKind::kUniform, ++seed);
+}
+
+// FP8 (precision fp8_block) across the group: the exchange delivers bf16 rows, each rank
+// quantizes its own; against the R-rank emulation's FP8 at the bf16 tolerance, and bitwise
+// across steps, with and without the context, and with the bulk-copy and push data movement.
+TEST(EpLayerGpu, Fp8MatchesReferenceEmulation) {
+  uint64_t seed = 960;
+  const Precision fp8 = Precision::kFP8Block;
+  check_ep("fp8 uniform", make_shape(256, 512, 256, 8, 4, 1, 128, 0.5f), RoutingKind::kUniform,
+           ++seed, fp8);
+  check_ep("fp8 one rank", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneRank, ++seed, fp8);
+  check_ep("fp8 empty rank", make_shape(256, 512, 256, 8, 4, 1, 128), RoutingKind::kEmptyRank,
+           ++seed, fp8);
+  check_ep("fp8 skewed", make_shape(300, 512, 256, 8, 8), RoutingKind::kSkewed, ++seed, fp8);
 }
 
 // A whole training step of every rank (forward, then backward from its context) captured once
