@@ -23,7 +23,8 @@
 # qwen3 dsv3") and the communication benchmark at each group size up to the machine's (issue 5:
 # how the layer scales; with MOK_SKIP_TESTS=1 MOK_SKIP_SANITIZERS=1 MOK_SKIP_DEFAULT_RUN=1
 # MOK_BENCH_SHAPES="" it is the whole call).
-# MOK_FP8_SHAPES (default "dsv3_local qwen3") runs `mok run --precision fp8_block` on each;
+# MOK_FP8_SHAPES (default "dsv3_local qwen3") runs `mok run --precision fp8_block` on each, and
+# the expert-parallel runs add kimi_slice in FP8 (MOK_EP_FP8=0 leaves it out);
 # MOK_PYTHON_BENCH_FP8=1 adds mok in FP8 to the Python benchmark.
 # MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. MOK_TRACE_TASKS=1
 # makes the benchmark runs trace the persistent kernels' tasks (`mok run --trace-tasks`: a
@@ -289,6 +290,12 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
           --gpus "$count" --shape "$shape" --json "$OUT/tmp_ep.json"
         add_bench_json "ep_${shape}_${count}gpus" "$OUT/tmp_ep.json"
       done
+      # The group in FP8 (the reference's FP8 math; the baseline stays bf16). MOK_EP_FP8=0: none.
+      if [ "${MOK_EP_FP8:-1}" = 1 ]; then
+        run_step "ep_fp8_kimi_slice_${count}gpus" "$OUT/run.log" timeout 240 "./$build_dir/mok" \
+          run --gpus "$count" --shape kimi_slice --precision fp8_block --json "$OUT/tmp_ep.json"
+        add_bench_json "ep_fp8_kimi_slice_${count}gpus" "$OUT/tmp_ep.json"
+      fi
     done
   fi
   # Dispatch / combine alone against a copy ceiling and NCCL all-to-all, balanced and skewed.

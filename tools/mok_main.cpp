@@ -41,7 +41,9 @@ mok run options:
   --threads N                  CPU threads of the reference (default: all)
   --check-tokens N             tokens the fp64 oracle checks (default: all that fit a budget)
   --precision P                bf16 (default) or fp8_block (e4m3 with 1x128 / 128x128 block
-                               scales; the CPU reference, checked against its bf16 run)
+                               scales): on a GPU timed beside bf16 and checked against the
+                               reference's FP8; with --gpus the group in FP8; on the CPU the
+                               reference, compared with its bf16 run
   --local-dispatch MODE        GPU: gather-kernel or producer-warps (default: the library's;
                                both give the same bits, the run times both)
   --gpus N                     the expert-parallel layer on GPUs 0..N-1 of this machine, one

@@ -2,8 +2,9 @@
 // them (Communicator::create_all). Checks every rank's token-local outputs (out, d_x,
 // d_router_weights) against the CPU reference on a slice of tokens, checks that a step is
 // bitwise identical with and without the forward context, and times forward and forward +
-// backward steps of the whole group. The NCCL all-to-all baseline is not written yet: the run
-// says so instead of printing a ratio.
+// backward steps of the whole group beside the NCCL all-to-all baseline (bf16; none with a
+// shared expert). With --precision fp8_block the group runs in FP8, checked against the
+// reference's FP8 math.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -63,9 +64,19 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   for (int32_t rank = 0; rank < num_ranks; ++rank)
     for (int64_t i = 0; i < per_rank; ++i)
       slice_tokens.push_back(rank * shape.num_tokens + i * shape.num_tokens / per_rank);
-  mok::HostProblem slice = problem.reference_slice(slice_tokens);
-  mok::reference::forward(slice.shape, slice.forward_args(0));
-  mok::reference::backward(slice.shape, slice.backward_args(0));
+  // In FP8 the layer is checked against the reference's FP8 math and the bf16 baseline against
+  // its bf16 math.
+  const mok::MoeConfig config = config_from_options(options, shape);
+  const bool fp8 = config.precision == mok::Precision::kFP8Block;
+  auto reference_slice = [&](mok::Precision precision) {
+    mok::HostProblem slice = problem.reference_slice(slice_tokens);
+    mok::reference::Options reference_options;
+    reference_options.precision = precision;
+    mok::reference::forward(slice.shape, slice.forward_args(0), reference_options);
+    mok::reference::backward(slice.shape, slice.backward_args(0), reference_options);
+    return slice;
+  };
+  const mok::HostProblem slice = reference_slice(config.precision);
 
   std::vector<int> devices;
   for (int32_t rank = 0; rank < num_ranks; ++rank) devices.push_back(rank);
@@ -79,7 +90,6 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     CLI_CUDA_CHECK(cudaStreamCreate(&runs[rank].stream));
     runs[rank].problem = std::make_unique<mok::DeviceProblem>(problem, rank);
   }
-  const mok::MoeConfig config = config_from_options(options, shape);
   mok::EpLayer layer(shape, config, ranks_here);
   std::unique_ptr<mok::EpBaseline> baseline;
   if (!shape.has_shared_expert()) baseline = std::make_unique<mok::EpBaseline>(shape, ranks_here);
@@ -137,9 +147,10 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   for (int32_t rank = 0; rank < num_ranks; ++rank)
     deterministic &= mok::outputs_equal(results[0][rank], results[1][rank]);
   // Token-local outputs of `got` (one entry per rank) against the reference slice.
-  auto slice_errors = [&](const std::vector<mok::HostRank>& got, const std::string& who) {
+  auto slice_errors = [&](const std::vector<mok::HostRank>& got, const mok::HostProblem& against,
+                          const std::string& who) {
     ErrorAccumulator out_error, dx_error, drw_error;
-    const mok::HostRank& want = slice.ranks[0];
+    const mok::HostRank& want = against.ranks[0];
     const int64_t H = shape.hidden, K = shape.top_k;
     for (size_t i = 0; i < slice_tokens.size(); ++i) {
       const int64_t rank = slice_tokens[i] / shape.num_tokens;
@@ -155,9 +166,12 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     return std::vector<Comparison>{out_error.result(who + " out"), dx_error.result(who + " d_x"),
                                    drw_error.result(who + " d_router_weights")};
   };
-  std::vector<Comparison> errors = slice_errors(results[0], "mok");
-  if (baseline)
-    for (const Comparison& error : slice_errors(results[2], "baseline")) errors.push_back(error);
+  std::vector<Comparison> errors = slice_errors(results[0], slice, fp8 ? "mok fp8" : "mok");
+  if (baseline) {
+    const mok::HostProblem bf16_slice = fp8 ? reference_slice(mok::Precision::kBF16) : slice;
+    for (const Comparison& error : slice_errors(results[2], bf16_slice, "baseline"))
+      errors.push_back(error);
+  }
 
   // Interleaved rotated rounds (the cards run into their power limit: docs/perf.md).
   // The layer with the bulk-copy data movement (same bits, see the tests), timed beside it.
@@ -187,9 +201,9 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   bool passed = deterministic;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kTolerance;
   std::printf(
-      "mok run: expert-parallel forward and backward on %d GPUs (one process), %s dispatch, %s "
-      "copies\n",
-      num_ranks, config.ep_push_dispatch ? "push" : "pull",
+      "mok run: expert-parallel forward and backward on %d GPUs (one process), %s, %s dispatch, "
+      "%s copies\n",
+      num_ranks, mok::precision_name(config.precision), config.ep_push_dispatch ? "push" : "pull",
       config.ep_bulk_copies ? "bulk" : "warp");
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
               shape.to_string().c_str(), options.routing.c_str(),
@@ -219,8 +233,9 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
               forward_flop / push_forward_ms / 1e9);
   std::printf(
       "  (TFLOP/s per GPU: the group's useful FLOPs / GPUs; baseline = NCCL all-to-all with "
-      "host split sizes around mok's single-GPU GEMMs)\n");
-  std::printf("  against the CPU reference on %lld tokens of each rank (tolerance %.0e):\n",
+      "host split sizes around mok's single-GPU GEMMs, in bf16)\n");
+  std::printf("  against the CPU reference%s on %lld tokens of each rank (tolerance %.0e):\n",
+              fp8 ? " (mok: its FP8 math; the baseline: bf16)" : "",
               static_cast<long long>(per_rank), kTolerance);
   print_comparisons(errors, 18);
   std::printf("  bitwise identical with and without the forward context, every rank: %s\n",
@@ -229,7 +244,8 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   if (!options.json_path.empty()) {
     std::ofstream json(options.json_path);
     json << "{\"gpus\": " << num_ranks << ", \"shape_name\": \"" << options.shape_name
-         << "\", \"shape\": \"" << shape.to_string() << "\", \"routing\": \"" << options.routing
+         << "\", \"shape\": \"" << shape.to_string() << "\", \"precision\": \""
+         << mok::precision_name(config.precision) << "\", \"routing\": \"" << options.routing
          << "\", \"forward_ms\": " << forward_ms << ", \"forward_backward_ms\": " << step_ms
          << ", \"push_dispatch\": " << (config.ep_push_dispatch ? "true" : "false")
          << ", \"bulk_copies\": " << (config.ep_bulk_copies ? "true" : "false")
