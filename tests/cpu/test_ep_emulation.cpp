@@ -36,19 +36,14 @@ void expect_bitwise(const char* name, int32_t rank, const std::vector<T>& actual
       << test::first_difference(actual, expected);
 }
 
-TEST_P(EpEmulation, EqualsSingleRankBitwise) {
-  const EpCase& param = GetParam();
-  // E = 8 experts, so R = 8 leaves one expert per rank; Is != I, clamp on.
-  const MoeShape shape = test::make_shape(40, 128, 64, 8, 3, param.num_ranks, 128, 0.4f);
-  HostProblem problem = HostProblem::make(shape, param.routing, 77 + param.num_ranks);
-  HostProblem single = problem.single_rank_equivalent();
-  test::run_reference(problem);
-  test::run_reference(single);
-
+// Every rank's routed outputs of `problem` (already run) against its slice of `single` (the
+// single-rank equivalent, run): tokens in rank order, experts in rank order.
+void expect_routed_outputs_equal(const HostProblem& problem, const HostProblem& single) {
+  const MoeShape& shape = problem.shape;
   const HostRank& all = single.ranks[0];
   const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k;
   const int64_t expert_weights = shape.num_local_experts() * shape.intermediate * H;
-  for (int32_t rank = 0; rank < param.num_ranks; ++rank) {
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
     const HostRank& mine = problem.ranks[rank];
     expect_bitwise("out", rank, mine.out, test::slice(all.out, rank * T * H, T * H));
     expect_bitwise("d_x", rank, mine.d_x, test::slice(all.d_x, rank * T * H, T * H));
@@ -60,16 +55,29 @@ TEST_P(EpEmulation, EqualsSingleRankBitwise) {
                    test::slice(all.d_w_up, rank * expert_weights, expert_weights));
     expect_bitwise("d_w_down", rank, mine.d_w_down,
                    test::slice(all.d_w_down, rank * expert_weights, expert_weights));
+  }
+  // The comparison has to mean something: some gradient is non-zero.
+  EXPECT_GT(test::norm2(all.d_x), 0.0);
+}
 
+TEST_P(EpEmulation, EqualsSingleRankBitwise) {
+  const EpCase& param = GetParam();
+  // E = 8 experts, so R = 8 leaves one expert per rank; Is != I, clamp on.
+  const MoeShape shape = test::make_shape(40, 128, 64, 8, 3, param.num_ranks, 128, 0.4f);
+  HostProblem problem = HostProblem::make(shape, param.routing, 77 + param.num_ranks);
+  HostProblem single = problem.single_rank_equivalent();
+  test::run_reference(problem);
+  test::run_reference(single);
+  expect_routed_outputs_equal(problem, single);
+  for (int32_t rank = 0; rank < param.num_ranks; ++rank) {
     // The shared expert is replicated: each rank's gradient covers its own tokens only.
+    const HostRank& mine = problem.ranks[rank];
     HostProblem alone = problem.rank_alone(rank);
     test::run_reference(alone);
     expect_bitwise("d_w_shared_gate", rank, mine.d_w_shared_gate, alone.ranks[0].d_w_shared_gate);
     expect_bitwise("d_w_shared_up", rank, mine.d_w_shared_up, alone.ranks[0].d_w_shared_up);
     expect_bitwise("d_w_shared_down", rank, mine.d_w_shared_down, alone.ranks[0].d_w_shared_down);
   }
-  // The comparison has to mean something: some gradient is non-zero.
-  EXPECT_GT(test::norm2(all.d_x), 0.0);
 }
 
 std::vector<EpCase> ep_cases() {
@@ -107,21 +115,7 @@ TEST(EpEmulationFp8, EqualsSingleRankBitwise) {
         reference::forward_ep(p->shape, p->all_forward_args(), options);
         reference::backward_ep(p->shape, p->all_backward_args(), options);
       }
-      const HostRank& all = single.ranks[0];
-      const int64_t T = shape.num_tokens, H = shape.hidden, K = shape.top_k;
-      const int64_t expert_weights = shape.num_local_experts() * shape.intermediate * H;
-      for (int32_t rank = 0; rank < ranks; ++rank) {
-        const HostRank& mine = problem.ranks[rank];
-        expect_bitwise("out", rank, mine.out, test::slice(all.out, rank * T * H, T * H));
-        expect_bitwise("d_x", rank, mine.d_x, test::slice(all.d_x, rank * T * H, T * H));
-        expect_bitwise("d_router_weights", rank, mine.d_router_weights,
-                       test::slice(all.d_router_weights, rank * T * K, T * K));
-        expect_bitwise("d_w_gate", rank, mine.d_w_gate,
-                       test::slice(all.d_w_gate, rank * expert_weights, expert_weights));
-        expect_bitwise("d_w_down", rank, mine.d_w_down,
-                       test::slice(all.d_w_down, rank * expert_weights, expert_weights));
-      }
-      EXPECT_GT(test::norm2(all.d_x), 0.0);
+      expect_routed_outputs_equal(problem, single);
     }
 }
 
