@@ -87,6 +87,16 @@ def _weights_version(space, weights) -> int:
     return (hash(tuple(parts)) & 0x7FFFFFFFFFFFFFFF) | 1
 
 
+def _weight_arguments(space, inputs: tuple, weight_scales: list) -> dict:
+    """The layer call's keyword arguments about its weights: the FP8 weights_version, and the
+    scales of pre-quantized weights."""
+    version = _weights_version(space, (*inputs[3:], *weight_scales))
+    extra = {"weights_version": version} if version else {}
+    if weight_scales:
+        extra["weight_scales"] = _capsules(*weight_scales)
+    return extra
+
+
 def _empty_gradient(like: Tensor) -> Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
@@ -154,10 +164,7 @@ def _forward_cuda(
     layer = space.layer(key, x.device)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-    version = _weights_version(space, (*inputs[3:], *weight_scales))
-    extra = {"weights_version": version} if version else {}
-    if weight_scales:
-        extra["weight_scales"] = _capsules(*weight_scales)
+    extra = _weight_arguments(space, inputs, weight_scales)
     with _run_on(x.device):
         context = layer.forward(*_capsules(*inputs), _dl(out), stream, **extra)
     space.record_forward(key, x.device, context, fingerprint(*inputs, *weight_scales))
@@ -223,10 +230,7 @@ def _backward_cuda(
         space.context_for(key, x.device, fingerprint(*inputs, *weight_scales)) if use_context else 0
     )
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-    version = _weights_version(space, (*inputs[3:], *weight_scales))
-    extra = {"weights_version": version} if version else {}
-    if weight_scales:
-        extra["weight_scales"] = _capsules(*weight_scales)
+    extra = _weight_arguments(space, inputs, weight_scales)
     with _run_on(x.device):
         layer.backward(
             *_capsules(*inputs),

@@ -159,39 +159,18 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   return params;
 }
 
-// The rows of `gather` (the local exchange's: schedule row r is token row_pair[r] / K of its
-// source), quantized as they are gathered into `row_groups` and / or `column_groups`.
-void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
-                     const Fp8Operand* row_groups, const Fp8Operand* column_groups,
-                     cudaStream_t stream, const char* what) {
-  const ScheduleView view = set.view();
-  kernels::Fp8GatherQuantize params;
-  params.header = view.header;
-  params.row_pair = view.row_pair;
-  params.top_k = gather.top_k;
-  params.tokens = gather.x;
-  params.cols = gather.hidden;
-  params.capacity_rows = set.capacity_rows;
-  if (row_groups != nullptr) {
-    params.row_codes = row_groups->codes.pointer;
-    params.row_scales = row_groups->scale_data();
-  }
-  if (column_groups != nullptr) {
-    params.column_codes = column_groups->codes.pointer;
-    params.column_scales = column_groups->scale_data();
-  }
-  cuda_check(kernels::launch_gather_quantize_fp8(params, stream),
-             std::string("FP8 gather + quantization of ") + what);
-}
-
-// The set's rows `values` [R, width] (schedule order, rows to total_rows) quantized into both
-// group forms in one pass.
-void both_group_forms(const ExpertSet& set, const void* values, int64_t width,
-                      const Fp8Operand& row_groups, const Fp8Operand& column_groups,
-                      cudaStream_t stream, const char* what) {
+// Rows in schedule order quantized into both group forms in one pass: row groups (a row-tile
+// GEMM's A) and column groups (a weight gradient's operand). With a row_pair they are gathered
+// from `source` [T, width] (schedule row r is token row_pair[r] / top_k); without one they are
+// `source` [R, width] itself.
+void quantize_both_ways(const ExpertSet& set, const void* source, const int32_t* row_pair,
+                        int32_t top_k, int64_t width, const Fp8Operand& row_groups,
+                        const Fp8Operand& column_groups, cudaStream_t stream, const char* what) {
   kernels::Fp8GatherQuantize params;
   params.header = set.view().header;
-  params.tokens = values;
+  params.row_pair = row_pair;
+  params.top_k = top_k;
+  params.tokens = source;
   params.cols = width;
   params.capacity_rows = set.capacity_rows;
   params.row_codes = row_groups.codes.pointer;
@@ -200,6 +179,28 @@ void both_group_forms(const ExpertSet& set, const void* values, int64_t width,
   params.column_scales = column_groups.scale_data();
   cuda_check(kernels::launch_gather_quantize_fp8(params, stream),
              std::string("FP8 quantization of ") + what);
+}
+
+// The rows of `gather` (the local exchange's), gathered and quantized both ways.
+void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
+                     const Fp8Operand& row_groups, const Fp8Operand& column_groups,
+                     cudaStream_t stream, const char* what) {
+  quantize_both_ways(set, gather.x, set.view().row_pair, gather.top_k, gather.hidden, row_groups,
+                     column_groups, stream, what);
+}
+
+// x's rows for the gate/up GEMM: gathered here both ways (`gather` from the local exchange; the
+// column groups are the backward's), or the exchange's `rows` [count, H] in row groups.
+void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, const void* rows,
+                     int64_t count, int64_t hidden, const Fp8SetBuffers& fp8, cudaStream_t stream) {
+  if (gather.x == nullptr) {
+    quantize(rows, count, hidden, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+    return;
+  }
+  if (count != set.capacity_rows)
+    throw Error(ErrorCode::kInternal, "FP8: a gather over " + std::to_string(count) + " rows, " +
+                                          std::to_string(set.capacity_rows) + " in the buffers");
+  gather_quantize(set, gather, fp8.x_rows, fp8.x_t, stream, "x rows");
 }
 
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
@@ -270,14 +271,7 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, stream);
-  if (x_gather.x != nullptr) {
-    if (rows != R)
-      throw Error(ErrorCode::kInternal, "FP8 forward: a gather over " + std::to_string(rows) +
-                                            " rows, " + std::to_string(R) + " in the buffers");
-    gather_quantize(set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
-  } else {
-    quantize(f.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
-  }
+  quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, stream);
   mark("FP8 quantization of the weights and x rows");
   gate_up_gemm(s, set, fp8, weights, rows, stream);
   cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
@@ -308,16 +302,13 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   const bool gathered = d_out_gather.x != nullptr;
   if (recompute) {
     const ForwardWeights weights = forward_weights(b.weights, E, H, I, fp8, stream);
-    if (x_gather.x != nullptr)
-      gather_quantize(set, x_gather, &fp8.x_rows, &fp8.x_t, stream, "x rows");
-    else
-      quantize(b.rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+    quantize_x_rows(set, x_gather, b.rows, rows, H, fp8, stream);
     gate_up_gemm(s, set, fp8, weights, rows, stream);
     mark("FP8 gate/up recompute");
   }
   transposed_weights(b.weights, E, H, I, fp8, stream);
   if (gathered)
-    gather_quantize(set, d_out_gather, &fp8.d_out_rows, &fp8.d_out_t, stream, "d_out rows");
+    gather_quantize(set, d_out_gather, fp8.d_out_rows, fp8.d_out_t, stream, "d_out rows");
   else
     quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
              "d_out rows");
@@ -338,8 +329,9 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
 
   // dx rows = [d_g | d_u] [Wg; Wu]: K split at I. d_g and d_u quantized both ways in one pass
   // each (row groups for this dgrad, column groups for the weight gradients).
-  both_group_forms(set, set.d_gate.pointer, I, fp8.d_gate, fp8.d_gate_t, stream, "d_gate");
-  both_group_forms(set, set.d_up.pointer, I, fp8.d_up, fp8.d_up_t, stream, "d_up");
+  quantize_both_ways(set, set.d_gate.pointer, nullptr, 0, I, fp8.d_gate, fp8.d_gate_t, stream,
+                     "d_gate");
+  quantize_both_ways(set, set.d_up.pointer, nullptr, 0, I, fp8.d_up, fp8.d_up_t, stream, "d_up");
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)");
   maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)");
