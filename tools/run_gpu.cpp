@@ -30,13 +30,15 @@ std::string variant_name(const mok::MoeConfig& config) {
          (config.persistent_forward ? ", persistent forward GEMM kernel"
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
-         (config.gemm_cta_pairs ? ", CTA pairs" : "");
+         (config.gemm_cta_pairs ? ", CTA pairs" : "") +
+         (config.skip_padding_rows ? "" : ", every tile at 128 rows");
 }
 
 // "kernel sequence" or "persistent kernel".
 std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
-         (config.gemm_cta_pairs ? ", CTA pairs" : "");
+         (config.gemm_cta_pairs ? ", CTA pairs" : "") +
+         (config.skip_padding_rows ? "" : ", every tile at 128 rows");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,
@@ -121,8 +123,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const mok::BackwardArgs backward_args = device.backward_args();
 
   // Correctness first, outputs poisoned before each run: mok with the forward context, mok
-  // recomputing the forward in the backward (must give the same bits), the baseline.
-  std::vector<mok::HostRank> results(3, mok::output_buffers(shape));
+  // recomputing the forward in the backward (must give the same bits), the baseline. Two host
+  // copies of the outputs, no more: at `dsv3` each holds 22.5 GB of weight gradients.
+  mok::HostRank first = mok::output_buffers(shape), scratch = mok::output_buffers(shape);
+  bool deterministic = false;
   for (int run = 0; run < 3; ++run) {
     device.poison_outputs();
     if (run < 2) {
@@ -134,11 +138,25 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       baseline.backward(backward_args, stream, /*saved_activations=*/true);
       CLI_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
-    device.download_outputs(results[run]);
+    device.download_outputs(run == 0 ? first : scratch);
+    if (run == 1) deterministic = mok::outputs_equal(first, scratch);
   }
-  const mok::HostRank& first = results[0];
-  const mok::HostRank& second = results[1];
-  const bool deterministic = mok::outputs_equal(first, second);
+  // The baseline's outputs (in scratch) are compared now: the variants below reuse the buffer.
+  const TokenSliceReference reference(problem, options.check_tokens, options.threads,
+                                      mok::Precision::kBF16);
+  const int64_t check_count = reference.count();
+  std::vector<Comparison> errors = reference.compare(first, "mok ");
+  for (const Comparison& error : reference.compare(scratch, "baseline ")) errors.push_back(error);
+  std::vector<Comparison> grad_errors = {compare_all("d_w_gate", first.d_w_gate, scratch.d_w_gate),
+                                         compare_all("d_w_up", first.d_w_up, scratch.d_w_up),
+                                         compare_all("d_w_down", first.d_w_down, scratch.d_w_down)};
+  if (shape.has_shared_expert()) {
+    grad_errors.push_back(
+        compare_all("d_w_shared_gate", first.d_w_shared_gate, scratch.d_w_shared_gate));
+    grad_errors.push_back(compare_all("d_w_shared_up", first.d_w_shared_up, scratch.d_w_shared_up));
+    grad_errors.push_back(
+        compare_all("d_w_shared_down", first.d_w_shared_down, scratch.d_w_shared_down));
+  }
 
   // The macrobatch ring (MoeConfig::macrobatch_size) cutting the worst case into about four
   // macrobatches: the same bits, and (timed below) what the backward's recompute of all but the
@@ -166,40 +184,24 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     mok::MoeConfig paired = config;
     paired.gemm_cta_pairs = !config.gemm_cta_pairs;
     backward_variants.push_back({paired, std::make_unique<mok::GpuLayer>(shape, paired)});
+    // And the padding rows skipped or computed (MoeConfig::skip_padding_rows).
+    mok::MoeConfig padded = config;
+    padded.skip_padding_rows = !config.skip_padding_rows;
+    backward_variants.push_back({padded, std::make_unique<mok::GpuLayer>(shape, padded)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
-    mok::HostRank result = mok::output_buffers(shape);
     device.poison_outputs();
     const mok::ForwardContext context = other.forward(args, stream);
     other.backward(backward_args, stream, &context);
     other.synchronize(stream).throw_if_error();
-    device.download_outputs(result);
-    return mok::outputs_equal(result, first);
+    device.download_outputs(scratch);
+    return mok::outputs_equal(scratch, first);
   };
   const bool ring_bitwise = same_bits_as_first(ring_layer);
   bool backward_variants_bitwise = true;
   for (BackwardVariant& variant : backward_variants) {
     variant.bitwise = same_bits_as_first(*variant.layer);
     backward_variants_bitwise &= variant.bitwise;
-  }
-
-  const TokenSliceReference reference(problem, options.check_tokens, options.threads,
-                                      mok::Precision::kBF16);
-  const int64_t check_count = reference.count();
-  std::vector<Comparison> errors = reference.compare(first, "mok ");
-  for (const Comparison& error : reference.compare(results[2], "baseline "))
-    errors.push_back(error);
-  std::vector<Comparison> grad_errors = {
-      compare_all("d_w_gate", first.d_w_gate, results[2].d_w_gate),
-      compare_all("d_w_up", first.d_w_up, results[2].d_w_up),
-      compare_all("d_w_down", first.d_w_down, results[2].d_w_down)};
-  if (shape.has_shared_expert()) {
-    grad_errors.push_back(
-        compare_all("d_w_shared_gate", first.d_w_shared_gate, results[2].d_w_shared_gate));
-    grad_errors.push_back(
-        compare_all("d_w_shared_up", first.d_w_shared_up, results[2].d_w_shared_up));
-    grad_errors.push_back(
-        compare_all("d_w_shared_down", first.d_w_shared_down, results[2].d_w_shared_down));
   }
 
   // Training step timing: forward, then the backward from the forward's saved activations
@@ -251,6 +253,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       },
       [&] { checked_layer.forward(args, stream); },
       [&] { backward_variants[1].layer->forward(args, stream); },  // the CTA pairs flipped
+      [&] { backward_variants[2].layer->forward(args, stream); },  // skip_padding_rows flipped
   };
   for (BackwardVariant& variant : backward_variants)
     timed.push_back([&] {
@@ -261,13 +264,14 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = medians[7];
-  const size_t first_backward_variant = 10;  // the closures above before the variants
+  const size_t first_backward_variant = 11;  // the closures above before the variants
   const std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms},
       {variant_name(other_dispatch), medians[5]},
       {variant_name(other_gemms), medians[6]},
       {variant_name(checked), medians[8]},
-      {variant_name(backward_variants[1].config), medians[9]}};
+      {variant_name(backward_variants[1].config), medians[9]},
+      {variant_name(backward_variants[2].config), medians[10]}};
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = checked_layer.synchronize(stream);
   if (!checked_status.ok())

@@ -71,6 +71,11 @@ struct MoeConfig {
   // tiles of one expert (or of one expert's weight gradient) together and multicast the weight
   // tile they share: a third less L2 traffic per FLOP. Same bits either way.
   bool gemm_cta_pairs = false;
+  // The expert GEMM kernels (not the persistent ones, not CTA pairs) skip the padding rows they
+  // can: an expert's last row tile that holds at most 64 routed rows runs at 64 rows (half its
+  // tensor-core work), and the weight gradients reduce each expert's routed rows rounded up to
+  // 64 instead of its 128-row segment. Same bits either way (docs/design.md).
+  bool skip_padding_rows = true;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

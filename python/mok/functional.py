@@ -66,6 +66,9 @@ class MoKConfig:
         kernel (same bits).
     gemm_cta_pairs: run the expert GEMMs in clusters of two CTAs that multicast the weight tile
         they share (same bits).
+    skip_padding_rows: run an expert's last row tile at 64 rows when it holds at most 64 routed
+        rows, and stop the weight gradients at the routed rows (same bits; off computes every
+        padding row).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -87,6 +90,7 @@ class MoKConfig:
     persistent_forward: bool = False
     persistent_backward: bool = False
     gemm_cta_pairs: bool = False
+    skip_padding_rows: bool = True
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
@@ -102,6 +106,7 @@ class MoKConfig:
         config.persistent_forward = self.persistent_forward
         config.persistent_backward = self.persistent_backward
         config.gemm_cta_pairs = self.gemm_cta_pairs
+        config.skip_padding_rows = self.skip_padding_rows
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s

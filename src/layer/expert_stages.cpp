@@ -46,7 +46,9 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.tile_expert = view.tile_expert;
   params.row_pair = view.row_pair;
   params.expert_offsets = view.expert_offsets;
+  params.expert_counts = view.expert_counts;
   params.num_experts = static_cast<int32_t>(set.num_experts);
+  params.skip_padding = s.config.skip_padding_rows ? 1 : 0;
   params.swiglu_limit = s.shape.swiglu_limit;
   params.wait = s.wait_context();
   return params;

@@ -120,7 +120,7 @@ TEST(BackwardGpu, CtaPairsMatchReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(14);
+  std::vector<MoeConfig> configs(16);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -159,6 +159,12 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[12].macrobatch_size = 256;
   configs[13].gemm_cta_pairs = true;
   configs[13].local_dispatch = LocalDispatch::kGatherKernel;
+  // Every row tile at 128 rows and every weight gradient over whole segments, alone and with
+  // macrobatches (MoeConfig::skip_padding_rows; the default skips what it can).
+  configs[14].skip_padding_rows = false;
+  configs[15].skip_padding_rows = false;
+  configs[15].minibatch_size = 128;
+  configs[15].macrobatch_size = 256;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -175,6 +181,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << local_dispatch_name(config.local_dispatch) << " persistent forward "
                      << config.persistent_forward << " persistent backward "
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
+                     << " skip padding " << config.skip_padding_rows
                      << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
@@ -182,6 +189,41 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
         });
       }
     }
+  }
+}
+
+// The 64-row tiles and the weight gradients cut to the routed rows (MoeConfig::skip_padding_rows)
+// give the bits of whole tiles, forward and backward, with and without the context, and within
+// the reference's tolerance. Experts of 16-300 rows, so most segments end in a 64-row tile
+// (checked on the routing), among them experts of 1-64 rows whose only tile is one, and a shared
+// expert whose last tile holds T % 128 = 40 rows; the dgrad forms run them too.
+TEST(BackwardGpu, SkipPaddingRowsKeepsTheBits) {
+  const MoeShape shape = make_shape(552, 1024, 512, 32, 8, 1, 256, 0.5f);
+  uint64_t seed = 1200;
+  for (const RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kSkewed}) {
+    HostProblem problem = HostProblem::make(shape, routing, ++seed);
+    std::vector<int64_t> counts(shape.num_experts, 0);
+    for (const int32_t expert : problem.ranks[0].top_experts)
+      if (expert >= 0) ++counts[expert];
+    const int64_t half_tiles = std::count_if(counts.begin(), counts.end(), [](int64_t count) {
+      return count % 128 > 0 && count % 128 <= 64;
+    });
+    SCOPED_TRACE(testing::Message() << routing_kind_name(routing) << ", " << half_tiles
+                                    << " experts end in a 64-row tile");
+    EXPECT_GE(half_tiles, 4);
+    DeviceProblem device(problem, 0);
+    MoeConfig whole;
+    whole.skip_padding_rows = false;
+    GpuLayer whole_layer(shape, whole);
+    GpuLayer skipping_layer(shape, MoeConfig{});
+    for (const bool with_context : {true, false}) {
+      const HostRank want = test::gpu_step(whole_layer, device, problem, with_context);
+      const HostRank got = test::gpu_step(skipping_layer, device, problem, with_context);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : ", no context");
+      });
+    }
+    check_backward("skip padding rows", shape, routing, seed);
   }
 }
 

@@ -41,6 +41,9 @@ struct TileCoord {
   bool skip = false;
   int load_slot = -1;
   int store_slot = -1;
+  // Row-tile forms: the expert's last tile holds at most 64 routed rows and runs as a 64-row
+  // tile (consume_tile's kHalf; expert_gemm.cu).
+  bool half = false;
 };
 
 struct OutputMaps {
@@ -52,12 +55,13 @@ struct OutputMaps {
 constexpr int kStageChunkBytes = BLOCK_M * 128;  // one [128 rows x 64 columns] bf16 chunk
 
 // Writes value(i, j) (two floats, rounded to a bf16 pair) for fragment row i and column groups
-// j in [kFirst, kLast) of this consumer warpgroup into the staging tile.
+// j in [kFirst, kLast) of this consumer warpgroup into the staging tile, at tile row row_base +
+// the fragment's row, column group j landing in chunk j / 8 of `tile`.
 template <int kFirst, int kLast, typename Value>
-__device__ __forceinline__ void stage_fragments(char* tile, int consumer_idx, Value value) {
+__device__ __forceinline__ void stage_fragments(char* tile, int row_base, Value value) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int row = consumer_idx * 64 + fragment_row(i);
+    const int row = row_base + fragment_row(i);
 #pragma unroll
     for (int j = kFirst; j < kLast; ++j) {
       const int offset = (j / 8) * kStageChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) +
@@ -65,6 +69,35 @@ __device__ __forceinline__ void stage_fragments(char* tile, int consumer_idx, Va
       const float2 pair = value(i, j);
       *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(pair.x, pair.y);
     }
+  }
+}
+
+// A consumer warpgroup's accumulators into the staging tile. A 128-row tile: consumer c's 64 rows
+// [64c, 64c + 64) of all 256 columns. A 64-row tile (coord.half): consumer c holds rows 0-63 of
+// columns [128c, 128c + 128) in its first 64 registers, so its 16 column groups land in chunks
+// 2c and 2c + 1 (one code path for both: the half skips groups 16-31). Rows 64-127 of a 64-row
+// tile hold only padding rows (a segment ends at a multiple of 128) and are staged as zeros,
+// which is what a 128-row tile computes there from the padding's zero A rows (with finite
+// weights); nothing reads a padding row's outputs but the weight gradients, which see zeros
+// either way.
+template <typename Value>
+__device__ __forceinline__ void stage_accumulators(char* tile, int consumer_idx, bool half,
+                                                   Value value) {
+  char* base = half ? tile + consumer_idx * 2 * kStageChunkBytes : tile;
+  const int row_base = half ? 0 : consumer_idx * 64;
+  stage_fragments<0, 16>(base, row_base, value);
+  if (!half) {
+    stage_fragments<16, 32>(base, row_base, value);
+    return;
+  }
+  // Rows 64-127 of the four chunks: 2048 16-byte units, eight per consumer thread.
+  const int thread = threadIdx.x - BLOCK_M;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int unit = thread + kConsumerThreads * q;
+    const int chunk = unit / (64 * 8), row = 64 + (unit / 8) % 64;
+    *reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + row * 128 +
+                              (((unit % 8) ^ (row % 8)) << 4)) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -152,7 +185,7 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
     // bf16(g) to chunks 0-1, bf16(u) to chunks 2-3, stored to out / out2 (kGateUpStore) or
     // out2 / out3 (kGateUpSwiGLU, the forward context).
     const int col_base = coord.n_tile * 128;
-    stage_fragments<0, 32>(tile, consumer_idx, fragment);
+    stage_accumulators(tile, consumer_idx, coord.half, fragment);
     publish_staging_tile();
     constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
     if (issuer) {
@@ -163,7 +196,7 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
     if constexpr (kSwiGLU) stage_swiglu(maps.out, tile, params, col_base, row, issuer);
   } else {
     const bool empty = coord.num_k_blocks == 0;  // kWeightGrad: an expert without rows
-    stage_fragments<0, 32>(tile, consumer_idx, [&](int i, int j) {
+    stage_accumulators(tile, consumer_idx, coord.half, [&](int i, int j) {
       return empty ? make_float2(0.0f, 0.0f) : fragment(i, j);
     });
     publish_staging_tile();

@@ -69,15 +69,35 @@ __device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) 
   return space;
 }
 
-// kWeightGrad: the experts' segment starts live in shared memory (copied once per CTA) when they
-// fit, since a tile's K-blocks depend on them and both the producer and the consumers compute
-// every tile's coordinates: a global load there sat between two tiles' mainloops.
-constexpr int kMaxSharedOffsets = 1025;  // E_loc + 1 entries (4 KB)
-static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 + kMaxSharedOffsets * 4 <= 227 * 1024,
-              "the offsets fit beside the ring and the staging tile");
+// kWeightGrad: the rows each expert's gradient reduces, [begin, end): its segment, or with
+// skip_padding its routed rows rounded up to BLOCK_K (the rows past them are zero padding in
+// both operands, so the bits are the same; the reference has no padding rows at all).
+struct SegmentRows {
+  int begin;
+  int end;
+};
+__device__ __forceinline__ SegmentRows segment_rows_of(const ExpertGemmParams& params, int e) {
+  const int begin = params.expert_offsets[e];
+  if (!params.skip_padding) return {begin, params.expert_offsets[e + 1]};
+  return {begin, begin + (params.expert_counts[e] + BLOCK_K - 1) / BLOCK_K * BLOCK_K};
+}
 
-__host__ __device__ constexpr bool offsets_in_shared(int num_experts) {
-  return num_experts + 1 <= kMaxSharedOffsets;
+// They live in shared memory (copied once per CTA) when they fit, since a tile's K-blocks depend
+// on them and both the producer and the consumers compute every tile's coordinates: a global
+// load there sat between two tiles' mainloops.
+constexpr int kMaxSharedExperts = 1024;  // E_loc entries of two int32 (8 KB)
+static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 +
+                      kMaxSharedExperts * sizeof(SegmentRows) <=
+                  227 * 1024,
+              "the segment rows fit beside the ring and the staging tile");
+
+__host__ __device__ constexpr bool segments_in_shared(int num_experts) {
+  return num_experts <= kMaxSharedExperts;
+}
+
+__device__ __forceinline__ SegmentRows segment_rows(const ExpertGemmParams& params,
+                                                    const SegmentRows* shared_rows, int e) {
+  return shared_rows != nullptr ? shared_rows[e] : segment_rows_of(params, e);
 }
 
 // The coordinates of the tile at row tile `m_local` (of the launch's row tiles, or of M),
@@ -85,7 +105,7 @@ __host__ __device__ constexpr bool offsets_in_shared(int num_experts) {
 template <ExpertGemmForm kForm>
 __device__ __forceinline__ TileCoord tile_coord_at(const ExpertGemmParams& params,
                                                    const TileSpace& space, int m_local, int n_tile,
-                                                   int expert, const int32_t* expert_offsets) {
+                                                   int expert, const SegmentRows* shared_rows) {
   TileCoord coord;
   coord.n_tile = n_tile;
   if constexpr (FormTraits<kForm>::kRowTiles) {
@@ -98,8 +118,9 @@ __device__ __forceinline__ TileCoord tile_coord_at(const ExpertGemmParams& param
   } else {
     coord.expert = expert;
     coord.m_tile = m_local;
-    const int segment_begin = expert_offsets[expert];
-    const int segment_end = expert_offsets[expert + 1];
+    const SegmentRows segment = segment_rows(params, shared_rows, expert);
+    const int segment_begin = segment.begin;
+    const int segment_end = segment.end;
     if (params.macrobatch.rows > 0) {
       // This macrobatch's share of the expert's rows, read from the ring (macrobatch.h).
       const WeightGradSlice slice = weight_grad_slice(
@@ -131,18 +152,18 @@ struct UnitTile {
 template <ExpertGemmForm kForm, bool kPaired>
 __device__ __forceinline__ UnitTile unit_tile(const ExpertGemmParams& params,
                                               const TileSpace& space, int unit, int rank,
-                                              const int32_t* expert_offsets) {
+                                              const SegmentRows* shared_rows) {
   constexpr bool kRowTiles = FormTraits<kForm>::kRowTiles;
   const WalkUnit walk = walk_unit(unit, space.m_units, space.num_n_tiles, kRowTiles);
   UnitTile tile;
   if constexpr (!kPaired) {
     tile.coord =
-        tile_coord_at<kForm>(params, space, walk.m_unit, walk.n_tile, walk.expert, expert_offsets);
+        tile_coord_at<kForm>(params, space, walk.m_unit, walk.n_tile, walk.expert, shared_rows);
   } else {
     const PairRow row = pair_row(walk.m_unit, rank, space.num_m_tiles);
     tile.phantom = row.phantom;
     tile.coord =
-        tile_coord_at<kForm>(params, space, row.m_tile, walk.n_tile, walk.expert, expert_offsets);
+        tile_coord_at<kForm>(params, space, row.m_tile, walk.n_tile, walk.expert, shared_rows);
     const int first = 2 * walk.m_unit;
     if constexpr (kRowTiles)
       tile.shares_b = row.partner_exists && params.tile_expert[space.m_begin + first] ==
@@ -180,6 +201,27 @@ __device__ __forceinline__ void store_partial(const float (&acc)[128], float* va
 // Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
 using FormStorage = GemmSharedStorage<kNumStages>;
 
+// Whether a row tile runs at 64 rows (skip_padding; not in CTA pairs, whose stages both CTAs
+// share): segments start at multiples of 128 and end in padding, so the tile holds at most 64
+// routed rows exactly when its row 64 is padding. The producer decides and passes the word to
+// the consumers with each K-block (GemmSharedStorage::half_tile), so they load nothing.
+template <ExpertGemmForm kForm, bool kPaired>
+__device__ __forceinline__ int32_t half_row_tile(const ExpertGemmParams& params,
+                                                 const TileCoord& coord) {
+  if constexpr (!FormTraits<kForm>::kRowTiles || kPaired) return 0;
+  if (!params.skip_padding) return 0;
+  return params.row_pair[static_cast<int64_t>(coord.m_tile) * BLOCK_M + BLOCK_M / 2] < 0 ? 1 : 0;
+}
+
+// Consumers: waits until the tile's first stage is loaded and reads the producer's word (the
+// mainloop waits on the same phase again, which passes at once).
+template <typename Storage, typename State>
+__device__ __forceinline__ bool loaded_tile_is_half(const WaitContext& wait, Storage& smem,
+                                                    const State& state) {
+  mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
+  return smem.half_tile[state.stage] != 0;
+}
+
 // kResumes (kWeightGrad only): the launch may continue tiles from fp32 partials of an earlier
 // macrobatch. A separate instantiation because loading the partial into the accumulator (a
 // non-wgmma definition of its registers) makes ptxas serialize every wgmma of the kernel (C7515):
@@ -197,13 +239,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
-  const int32_t* expert_offsets = params.expert_offsets;
+  const SegmentRows* shared_rows = nullptr;
   if constexpr (!Traits::kRowTiles) {
-    if (offsets_in_shared(params.num_experts)) {
-      int32_t* shared_offsets = reinterpret_cast<int32_t*>(&smem + 1);
-      for (int e = threadIdx.x; e <= params.num_experts; e += blockDim.x)
-        shared_offsets[e] = params.expert_offsets[e];
-      expert_offsets = shared_offsets;  // visible after init_pipeline's barrier
+    if (segments_in_shared(params.num_experts)) {
+      SegmentRows* rows = reinterpret_cast<SegmentRows*>(&smem + 1);
+      for (int e = threadIdx.x; e < params.num_experts; e += blockDim.x)
+        rows[e] = segment_rows_of(params, e);
+      shared_rows = rows;  // visible after init_pipeline's barrier
     }
   }
   init_pipeline<kPaired>(smem);
@@ -225,7 +267,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
       PipelineState<Storage::kNumStagesHere> state;
       for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
-        const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, expert_offsets);
+        const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, shared_rows);
         const TileCoord& coord = tile.coord;
         if (coord.skip) continue;  // kWeightGrad: no rows in this macrobatch (both of a pair)
         if (tile.phantom) {
@@ -234,14 +276,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
                           [](__nv_bfloat16*, __nv_bfloat16*, uint64_t*) {});
           continue;
         }
+        const int32_t half = half_row_tile<kForm, kPaired>(params, coord);
         if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
         const PairLoad pair{static_cast<uint16_t>(tile.shares_b ? 0b11 : 0), rank};
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
-          produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
-                        [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                          issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord,
-                                             k_block, a_dst, b_dst, full, pair);
-                        });
+          produce_stage(
+              params.wait, smem, state, kTileABytes + kTileBBytes,
+              [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+                issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord, k_block,
+                                   a_dst, b_dst, full, pair);
+              },
+              half);
       }
     } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,
@@ -253,8 +298,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
     for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
-      const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, expert_offsets);
-      const TileCoord& coord = tile.coord;
+      const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, shared_rows);
+      TileCoord coord = tile.coord;
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       if constexpr (kPaired) {
         if (tile.phantom) {
@@ -268,8 +313,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         if (resumes)
           load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
       }
-      consume_tile<Traits::kAMnMajor, Traits::kBMnMajor, kPaired>(
-          params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
+      if constexpr (Traits::kRowTiles && !kPaired) {
+        // The producer's word on the tile's height, with its first K-block.
+        coord.half = params.skip_padding && loaded_tile_is_half(params.wait, smem, state);
+      }
+      if (coord.half)
+        consume_tile<false, Traits::kBMnMajor, false, true>(params.wait, smem, state,
+                                                            coord.num_k_blocks, consumer_idx, acc);
+      else
+        consume_tile<Traits::kAMnMajor, Traits::kBMnMajor, kPaired>(
+            params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
       if (coord.store_slot >= 0)
         store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
       else
@@ -287,8 +340,8 @@ template <ExpertGemmForm kForm, bool kResumes, bool kPaired>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
   size_t smem_bytes = sizeof(FormStorage) + 1024;
-  if (!FormTraits<kForm>::kRowTiles && offsets_in_shared(params.num_experts))
-    smem_bytes += (static_cast<size_t>(params.num_experts) + 1) * sizeof(int32_t);
+  if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
+    smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
   auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));

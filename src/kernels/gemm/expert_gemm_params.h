@@ -75,9 +75,15 @@ struct ExpertGemmParams {
   const int32_t* tile_expert;     // local expert of each 128-row tile
   const int32_t* row_pair;        // pair index of each row, -1 = padding
   const int32_t* expert_offsets;  // segment starts (kWeightGrad)
+  const int32_t* expert_counts;   // routed rows of each segment (kWeightGrad with skip_padding)
   int32_t num_experts;            // E_loc (kWeightGrad)
-  int32_t m_extent;               // output rows M (kWeightGrad)
-  int32_t n_extent;               // output columns N
+  // MoeConfig::skip_padding_rows, for the standalone expert GEMM kernel (expert_gemm.cu): an
+  // expert's last row tile holding at most 64 routed rows runs at 64 rows, and a weight
+  // gradient's K stops at its expert's routed rows rounded up to BLOCK_K. The persistent
+  // kernels run every tile whole. Same bits either way.
+  int32_t skip_padding;
+  int32_t m_extent;    // output rows M (kWeightGrad)
+  int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)

@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
       acquire_staging_tile(issuer);
       char* staging = reinterpret_cast<char*>(smem.store_tile);
-      stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx, [&](int i, int j) {
+      stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx * 64, [&](int i, int j) {
         return empty ? make_float2(0.0f, 0.0f)
                      : make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
       });

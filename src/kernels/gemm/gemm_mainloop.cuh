@@ -51,6 +51,10 @@ struct alignas(1024) GemmSharedStorage {
   __nv_bfloat16 store_tile[BLOCK_M * BLOCK_N];
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  // Per stage, 1 when its K-block belongs to a 64-row tile (expert_gemm.cu): written by the
+  // producer after the stage is free and before it arms it, read by the consumers once it is
+  // loaded (the barrier's release and acquire order the two).
+  int32_t half_tile[kStages];
 };
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 <= 227 * 1024,
@@ -99,11 +103,14 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
 
 // Producer side of one K-block: waits for the stage to be free, arms it, and calls
 // `issue_loads(a_dst, b_dst, full_barrier)` which must issue TMA loads of exactly
-// `bytes` bytes completing on the barrier.
+// `bytes` bytes completing on the barrier. `half_tile` goes to the stage's word before the
+// barrier is armed, so the arrive's release orders it before the consumers' wait.
 template <typename Storage, typename State, typename IssueLoads>
 __device__ __forceinline__ void produce_stage(const WaitContext& wait, Storage& smem, State& state,
-                                              uint32_t bytes, IssueLoads issue_loads) {
+                                              uint32_t bytes, IssueLoads issue_loads,
+                                              int32_t half_tile = 0) {
   mbarrier_wait(wait, WaitSite::kGemmFreeStage, &smem.empty[state.stage], state.phase ^ 1);
+  smem.half_tile[state.stage] = half_tile;
   ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], bytes);
   issue_loads(smem.a[state.stage], smem.b[state.stage], &smem.full[state.stage]);
   state.advance();
@@ -135,26 +142,37 @@ constexpr uint64_t k16_step() {
 // ptxas spill, so the epilogue handles that case.
 // With `accumulate`, acc already holds a partial sum (a weight gradient resumed across a
 // macrobatch boundary) and the first wgmma adds to it instead of overwriting it.
-template <bool kAMnMajor, bool kBMnMajor, bool kPaired = false, typename Storage, typename State>
+// kHalf: a 64-row tile (K-major A): both consumers read A rows 0-63 and consumer c the B columns
+// [128c, 128c + 128), into acc's first 64 registers (m64n128k16: half the tensor-core work).
+template <bool kAMnMajor, bool kBMnMajor, bool kPaired = false, bool kHalf = false,
+          typename Storage, typename State>
 __device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& smem, State& state,
                                              int num_k_blocks, int consumer_idx, float (&acc)[128],
                                              bool accumulate = false) {
+  static_assert(!kHalf || !kAMnMajor, "64-row tiles are row tiles: A is K-major");
   const bool releases = (threadIdx.x % 32) == 0;
   if (num_k_blocks == 0) return;  // acc is left undefined: the epilogue writes zeros instead
   int previous_stage = -1;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
-    // Consumer c's 64 M rows: 64 K-major rows of 128 bytes, or MN chunk c; both 8 KB in.
+    // Consumer c's 64 M rows: 64 K-major rows of 128 bytes, or MN chunk c; both 8 KB in. A
+    // 64-row tile's B columns of consumer c: 128 K-major rows or two MN chunks, 16 KB in.
     const uint64_t desc_a =
-        operand_desc<kAMnMajor>(smem.a[state.stage] + consumer_idx * 64 * BLOCK_K);
-    const uint64_t desc_b = operand_desc<kBMnMajor>(smem.b[state.stage]);
+        operand_desc<kAMnMajor>(smem.a[state.stage] + (kHalf ? 0 : consumer_idx * 64 * BLOCK_K));
+    const uint64_t desc_b =
+        operand_desc<kBMnMajor>(smem.b[state.stage] + (kHalf ? consumer_idx * 128 * BLOCK_K : 0));
     ptx::fence_registers(acc);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < BLOCK_K / 16; ++k)
-      ptx::wgmma_m64n256k16_bf16<kAMnMajor, kBMnMajor>(acc, desc_a + k * k16_step<kAMnMajor>(),
-                                                       desc_b + k * k16_step<kBMnMajor>(),
-                                                       k_block > 0 || k > 0 || accumulate);
+    for (int k = 0; k < BLOCK_K / 16; ++k) {
+      const bool scale_d = k_block > 0 || k > 0 || accumulate;
+      if constexpr (kHalf)
+        ptx::wgmma_m64n128k16_bf16<kAMnMajor, kBMnMajor>(
+            acc, desc_a + k * k16_step<kAMnMajor>(), desc_b + k * k16_step<kBMnMajor>(), scale_d);
+      else
+        ptx::wgmma_m64n256k16_bf16<kAMnMajor, kBMnMajor>(
+            acc, desc_a + k * k16_step<kAMnMajor>(), desc_b + k * k16_step<kBMnMajor>(), scale_d);
+    }
     ptx::wgmma_commit();
     ptx::fence_registers(acc);
     ptx::wgmma_wait<1>();
