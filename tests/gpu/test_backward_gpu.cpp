@@ -196,7 +196,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
 // give the bits of whole tiles, forward and backward, with and without the context, and within
 // the reference's tolerance. Experts of 16-300 rows, so most segments end in a 64-row tile
 // (checked on the routing), among them experts of 1-64 rows whose only tile is one, and a shared
-// expert whose last tile holds T % 128 = 40 rows; the dgrad forms run them too.
+// expert whose last tile holds T % 128 = 40 rows: the forward's GEMMs and the backward's
+// recompute run them, and every weight gradient stops at its routed rows.
 TEST(BackwardGpu, SkipPaddingRowsKeepsTheBits) {
   const MoeShape shape = make_shape(552, 1024, 512, 32, 8, 1, 256, 0.5f);
   uint64_t seed = 1200;

@@ -201,25 +201,30 @@ __device__ __forceinline__ void store_partial(const float (&acc)[128], float* va
 // Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
 using FormStorage = GemmSharedStorage<kNumStages>;
 
-// Whether a row tile runs at 64 rows (skip_padding; not in CTA pairs, whose stages both CTAs
-// share): segments start at multiples of 128 and end in padding, so the tile holds at most 64
-// routed rows exactly when its row 64 is padding. The producer decides and passes the word to
-// the consumers with each K-block (GemmSharedStorage::half_tile), so they load nothing.
+// Which forms run 64-row tiles (skip_padding): the forward's, whose B (the weights) is K-major.
+// Not the dgrads: there a 64-row tile finishes its K loop in half the time of its expert's
+// 128-row tile on the same B columns, so the two stop sharing B through L2, and at `dsv3_e128`
+// the down dgrad ran 20% slower with them (docs/perf.md, session 13). Not in CTA pairs either,
+// whose two CTAs walk one stage sequence.
 template <ExpertGemmForm kForm, bool kPaired>
-__device__ __forceinline__ int32_t half_row_tile(const ExpertGemmParams& params,
-                                                 const TileCoord& coord) {
-  if constexpr (!FormTraits<kForm>::kRowTiles || kPaired) return 0;
-  if (!params.skip_padding) return 0;
-  return params.row_pair[static_cast<int64_t>(coord.m_tile) * BLOCK_M + BLOCK_M / 2] < 0 ? 1 : 0;
-}
+constexpr bool kHalfRowTiles =
+    FormTraits<kForm>::kRowTiles && !FormTraits<kForm>::kBMnMajor && !kPaired;
 
-// Consumers: waits until the tile's first stage is loaded and reads the producer's word (the
-// mainloop waits on the same phase again, which passes at once).
-template <typename Storage, typename State>
-__device__ __forceinline__ bool loaded_tile_is_half(const WaitContext& wait, Storage& smem,
-                                                    const State& state) {
-  mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
-  return smem.half_tile[state.stage] != 0;
+// Whether the row tile of walk unit `unit` runs at 64 rows: segments start at multiples of 128
+// and end in padding, so the tile holds at most 64 routed rows exactly when its row 64 is
+// padding. Only the consumers ask (the producer loads the same boxes either way), a tile ahead,
+// so the load's latency hides under the current tile.
+template <ExpertGemmForm kForm, bool kPaired>
+__device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
+                                              const TileSpace& space, int unit) {
+  if constexpr (!kHalfRowTiles<kForm, kPaired>) {
+    return false;
+  } else {
+    if (!params.skip_padding || unit >= space.num_units) return false;
+    const WalkUnit walk = walk_unit(unit, space.m_units, space.num_n_tiles, true);
+    const int64_t m_tile = walk.m_unit + space.m_begin;
+    return params.row_pair[m_tile * BLOCK_M + BLOCK_M / 2] < 0;
+  }
 }
 
 // kResumes (kWeightGrad only): the launch may continue tiles from fp32 partials of an earlier
@@ -276,17 +281,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
                           [](__nv_bfloat16*, __nv_bfloat16*, uint64_t*) {});
           continue;
         }
-        const int32_t half = half_row_tile<kForm, kPaired>(params, coord);
         if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
         const PairLoad pair{static_cast<uint16_t>(tile.shares_b ? 0b11 : 0), rank};
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
-          produce_stage(
-              params.wait, smem, state, kTileABytes + kTileBBytes,
-              [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord, k_block,
-                                   a_dst, b_dst, full, pair);
-              },
-              half);
+          produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
+                        [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
+                          issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord,
+                                             k_block, a_dst, b_dst, full, pair);
+                        });
       }
     } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,
@@ -297,9 +299,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const int consumer_idx = warpgroup - 1;
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
+    bool half_next = half_row_tile<kForm, kPaired>(params, space, first_unit);
     for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
       const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, shared_rows);
       TileCoord coord = tile.coord;
+      coord.half = half_next;
+      half_next = half_row_tile<kForm, kPaired>(params, space, unit + unit_stride);
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       if constexpr (kPaired) {
         if (tile.phantom) {
@@ -312,10 +317,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       if constexpr (kResumes) {
         if (resumes)
           load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
-      }
-      if constexpr (Traits::kRowTiles && !kPaired) {
-        // The producer's word on the tile's height, with its first K-block.
-        coord.half = params.skip_padding && loaded_tile_is_half(params.wait, smem, state);
       }
       if (coord.half)
         consume_tile<false, Traits::kBMnMajor, false, true>(params.wait, smem, state,

@@ -51,10 +51,6 @@ struct alignas(1024) GemmSharedStorage {
   __nv_bfloat16 store_tile[BLOCK_M * BLOCK_N];
   uint64_t full[kStages];
   uint64_t empty[kStages];
-  // Per stage, 1 when its K-block belongs to a 64-row tile (expert_gemm.cu): written by the
-  // producer after the stage is free and before it arms it, read by the consumers once it is
-  // loaded (the barrier's release and acquire order the two).
-  int32_t half_tile[kStages];
 };
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 <= 227 * 1024,
@@ -103,14 +99,11 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
 
 // Producer side of one K-block: waits for the stage to be free, arms it, and calls
 // `issue_loads(a_dst, b_dst, full_barrier)` which must issue TMA loads of exactly
-// `bytes` bytes completing on the barrier. `half_tile` goes to the stage's word before the
-// barrier is armed, so the arrive's release orders it before the consumers' wait.
+// `bytes` bytes completing on the barrier.
 template <typename Storage, typename State, typename IssueLoads>
 __device__ __forceinline__ void produce_stage(const WaitContext& wait, Storage& smem, State& state,
-                                              uint32_t bytes, IssueLoads issue_loads,
-                                              int32_t half_tile = 0) {
+                                              uint32_t bytes, IssueLoads issue_loads) {
   mbarrier_wait(wait, WaitSite::kGemmFreeStage, &smem.empty[state.stage], state.phase ^ 1);
-  smem.half_tile[state.stage] = half_tile;
   ptx::mbarrier_arrive_expect_tx(&smem.full[state.stage], bytes);
   issue_loads(smem.a[state.stage], smem.b[state.stage], &smem.full[state.stage]);
   state.advance();
