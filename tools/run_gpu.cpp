@@ -31,14 +31,14 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.skip_padding_rows ? "" : ", every tile at 128 rows");
+         (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
 // "kernel sequence" or "persistent kernel".
 std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.skip_padding_rows ? "" : ", every tile at 128 rows");
+         (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,

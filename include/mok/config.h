@@ -71,10 +71,12 @@ struct MoeConfig {
   // tiles of one expert (or of one expert's weight gradient) together and multicast the weight
   // tile they share: a third less L2 traffic per FLOP. Same bits either way.
   bool gemm_cta_pairs = false;
-  // The expert GEMM kernels (not the persistent ones, not CTA pairs) skip the padding rows they
-  // can: an expert's last row tile that holds at most 64 routed rows runs at 64 rows (half its
-  // tensor-core work), and the weight gradients reduce each expert's routed rows rounded up to
-  // 64 instead of its 128-row segment. Same bits either way (docs/design.md).
+  // The expert GEMM kernels (not the persistent ones) skip the padding rows they can: the
+  // weight gradients reduce each expert's routed rows rounded up to 64 instead of its 128-row
+  // segment, and where the experts average at most kHalfRowTilesMaxRowsPerExpert routed rows,
+  // the forward's GEMMs (not in CTA pairs) run an expert's last row tile at 64 rows when it
+  // holds at most 64 routed rows (half its tensor-core work). Same bits either way
+  // (docs/design.md).
   bool skip_padding_rows = true;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
@@ -102,6 +104,13 @@ struct MoeConfig {
 };
 
 inline constexpr int32_t kMaxCommSms = 128;
+
+// MoeConfig::skip_padding_rows: 64-row last tiles only where the experts average this many
+// routed rows or fewer. A 64-row tile saves half its work but finishes its K loop before its
+// expert's 128-row tiles on the same weight columns, which then read them from HBM again
+// instead of L2: measured 0-6% faster forwards at 128 and 256 rows per expert (`dsv3`,
+// `dsv3_e128`), 1-4% slower at 512 (`qwen3`; docs/perf.md, session 13).
+inline constexpr int32_t kHalfRowTilesMaxRowsPerExpert = 256;
 
 // MoeConfig::macrobatch_size = kAutoMacrobatch sizes the ring from the shape: one macrobatch
 // (no recompute in the backward) while the ring's buffers take at most kAutoMacrobatchRingBytes.

@@ -66,9 +66,9 @@ class MoKConfig:
         kernel (same bits).
     gemm_cta_pairs: run the expert GEMMs in clusters of two CTAs that multicast the weight tile
         they share (same bits).
-    skip_padding_rows: run an expert's last row tile at 64 rows when it holds at most 64 routed
-        rows, and stop the weight gradients at the routed rows (same bits; off computes every
-        padding row).
+    skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
+        experts average at most 256 routed rows, run an expert's last row tile of the forward's
+        GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".

@@ -49,6 +49,13 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.expert_counts = view.expert_counts;
   params.num_experts = static_cast<int32_t>(set.num_experts);
   params.skip_padding = s.config.skip_padding_rows ? 1 : 0;
+  // 64-row last tiles where the padding is a large part of the row tiles' work: experts of at
+  // most kHalfRowTilesMaxRowsPerExpert routed rows on average (the routed set: R*T*K / E; the
+  // shared expert: T).
+  const ScheduleParams& schedule = set.layout.params;
+  const bool few_rows =
+      schedule.num_pairs() <= int64_t{kHalfRowTilesMaxRowsPerExpert} * schedule.num_experts;
+  params.half_row_tiles = s.config.skip_padding_rows && few_rows ? 1 : 0;
   params.swiglu_limit = s.shape.swiglu_limit;
   params.wait = s.wait_context();
   return params;

@@ -194,10 +194,10 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
 
 // The 64-row tiles and the weight gradients cut to the routed rows (MoeConfig::skip_padding_rows)
 // give the bits of whole tiles, forward and backward, with and without the context, and within
-// the reference's tolerance. Experts of 16-300 rows, so most segments end in a 64-row tile
-// (checked on the routing), among them experts of 1-64 rows whose only tile is one, and a shared
-// expert whose last tile holds T % 128 = 40 rows: the forward's GEMMs and the backward's
-// recompute run them, and every weight gradient stops at its routed rows.
+// the reference's tolerance. 138 routed rows per expert on average (64-row tiles run below 256),
+// so most segments end in a 64-row tile (checked on the routing): the forward's GEMMs and the
+// backward's recompute run them. Every weight gradient stops at its routed rows, the shared
+// expert's too (T % 128 = 40).
 TEST(BackwardGpu, SkipPaddingRowsKeepsTheBits) {
   const MoeShape shape = make_shape(552, 1024, 512, 32, 8, 1, 256, 0.5f);
   uint64_t seed = 1200;

@@ -220,7 +220,7 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
   if constexpr (!kHalfRowTiles<kForm, kPaired>) {
     return false;
   } else {
-    if (!params.skip_padding || unit >= space.num_units) return false;
+    if (!params.half_row_tiles || unit >= space.num_units) return false;
     const WalkUnit walk = walk_unit(unit, space.m_units, space.num_n_tiles, true);
     const int64_t m_tile = walk.m_unit + space.m_begin;
     return params.row_pair[m_tile * BLOCK_M + BLOCK_M / 2] < 0;

@@ -77,11 +77,13 @@ struct ExpertGemmParams {
   const int32_t* expert_offsets;  // segment starts (kWeightGrad)
   const int32_t* expert_counts;   // routed rows of each segment (kWeightGrad with skip_padding)
   int32_t num_experts;            // E_loc (kWeightGrad)
-  // MoeConfig::skip_padding_rows, for the standalone expert GEMM kernel (expert_gemm.cu): an
-  // expert's last row tile holding at most 64 routed rows runs at 64 rows, and a weight
-  // gradient's K stops at its expert's routed rows rounded up to BLOCK_K. The persistent
-  // kernels run every tile whole. Same bits either way.
+  // MoeConfig::skip_padding_rows, for the standalone expert GEMM kernel (expert_gemm.cu): a
+  // weight gradient's K stops at its expert's routed rows rounded up to BLOCK_K (skip_padding),
+  // and, where the experts average few rows (half_row_tiles), the forward GEMMs run an expert's
+  // last row tile at 64 rows when it holds at most 64 routed rows. The persistent kernels run
+  // every tile whole. Same bits either way.
   int32_t skip_padding;
+  int32_t half_row_tiles;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
