@@ -106,10 +106,11 @@ struct MoeConfig {
 inline constexpr int32_t kMaxCommSms = 128;
 
 // MoeConfig::skip_padding_rows: 64-row last tiles only where the experts average this many
-// routed rows or fewer. A 64-row tile saves half its work but finishes its K loop before its
-// expert's 128-row tiles on the same weight columns, which then read them from HBM again
-// instead of L2: measured 0-6% faster forwards at 128 and 256 rows per expert (`dsv3`,
-// `dsv3_e128`), 1-4% slower at 512 (`qwen3`; docs/perf.md, session 13).
+// routed rows or fewer, where the padding is 20-31% of the row tiles' work. A 64-row tile saves
+// half its work but finishes its K loop before its expert's 128-row tiles on the same weight
+// columns, which then read them from HBM again instead of L2: the forwards at 128 and 256 rows
+// per expert (`dsv3`, `dsv3_e128`) ran 0-6% faster, at 512 (`qwen3`, 10% padding) no faster
+// (docs/perf.md, session 13).
 inline constexpr int32_t kHalfRowTilesMaxRowsPerExpert = 256;
 
 // MoeConfig::macrobatch_size = kAutoMacrobatch sizes the ring from the shape: one macrobatch

@@ -201,7 +201,7 @@ __device__ __forceinline__ void store_partial(const float (&acc)[128], float* va
 // Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
 using FormStorage = GemmSharedStorage<kNumStages>;
 
-// Which forms run 64-row tiles (skip_padding): the forward's, whose B (the weights) is K-major.
+// Which forms run 64-row tiles (half_row_tiles): the forward's, whose B (the weights) is K-major.
 // Not the dgrads: there a 64-row tile finishes its K loop in half the time of its expert's
 // 128-row tile on the same B columns, so the two stop sharing B through L2, and at `dsv3_e128`
 // the down dgrad ran 20% slower with them (docs/perf.md, session 13). Not in CTA pairs either,
