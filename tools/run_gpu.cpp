@@ -38,7 +38,8 @@ std::string variant_name(const mok::MoeConfig& config) {
 std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.skip_padding_rows ? "" : ", padding rows computed");
+         (config.skip_padding_rows ? "" : ", padding rows computed") +
+         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,
@@ -188,6 +189,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     mok::MoeConfig padded = config;
     padded.skip_padding_rows = !config.skip_padding_rows;
     backward_variants.push_back({padded, std::make_unique<mok::GpuLayer>(shape, padded)});
+    // And the weight gradients with the consumers on different tiles, or on one.
+    mok::MoeConfig pingpong = config;
+    pingpong.weight_grad_pingpong = !config.weight_grad_pingpong;
+    backward_variants.push_back({pingpong, std::make_unique<mok::GpuLayer>(shape, pingpong)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     device.poison_outputs();

@@ -78,6 +78,11 @@ struct MoeConfig {
   // holds at most 64 routed rows (half its tensor-core work). Same bits either way
   // (docs/design.md).
   bool skip_padding_rows = true;
+  // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
+  // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile
+  // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same
+  // bits either way. Off until it is measured faster (written in session 13, not yet run).
+  bool weight_grad_pingpong = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

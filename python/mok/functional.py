@@ -69,6 +69,8 @@ class MoKConfig:
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
+    weight_grad_pingpong: compute the weight gradients with the two consumer warpgroups of a
+        CTA on different tiles (same bits; off by default until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -91,6 +93,7 @@ class MoKConfig:
     persistent_backward: bool = False
     gemm_cta_pairs: bool = False
     skip_padding_rows: bool = True
+    weight_grad_pingpong: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
@@ -107,6 +110,7 @@ class MoKConfig:
         config.persistent_backward = self.persistent_backward
         config.gemm_cta_pairs = self.gemm_cta_pairs
         config.skip_padding_rows = self.skip_padding_rows
+        config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s

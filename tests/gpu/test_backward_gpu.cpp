@@ -109,6 +109,41 @@ TEST(BackwardGpu, CtaPairsMatchReference) {
                  false, pairs);
 }
 
+// The weight gradients in ping-pong (MoeConfig::weight_grad_pingpong) against the reference and
+// bitwise against the default tiles: 128 x 128 tiles with partial ones (the shared expert's
+// Is = 192: M and N of 192), experts without rows (all to one expert), several tiles per CTA
+// (wide), no tokens at all.
+TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
+  MoeConfig pingpong;
+  pingpong.weight_grad_pingpong = true;
+  uint64_t seed = 1300;
+  struct Case {
+    const char* name;
+    MoeShape shape;
+    RoutingKind routing;
+  };
+  const Case cases[] = {
+      {"tiny shared+clamp", make_shape(64, 256, 128, 8, 2, 1, 192, 0.3f), RoutingKind::kUniform},
+      {"medium skewed shared", make_shape(333, 1024, 384, 16, 4, 1, 128, 0.5f),
+       RoutingKind::kSkewed},
+      {"all to one expert", make_shape(200, 512, 256, 8, 4), RoutingKind::kOneExpert},
+      {"zero tokens", make_shape(0, 512, 256, 8, 4, 1, 64), RoutingKind::kUniform},
+      {"wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform},
+  };
+  for (const Case& c : cases) {
+    check_backward(c.name, c.shape, c.routing, ++seed, false, pingpong);
+    HostProblem problem = HostProblem::make(c.shape, c.routing, seed);
+    DeviceProblem device(problem, 0);
+    GpuLayer default_layer(c.shape, MoeConfig{});
+    GpuLayer pingpong_layer(c.shape, pingpong);
+    const HostRank want = test::gpu_step(default_layer, device, problem, /*with_context=*/true);
+    const HostRank got = test::gpu_step(pingpong_layer, device, problem, /*with_context=*/true);
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << c.name << ": " << output;
+    });
+  }
+}
+
 // Every tuning knob leaves the bits alone (DESIGN.md §7): forward and backward outputs are
 // bitwise identical across minibatch / macrobatch sizes and the fused local dispatch.
 // Every output, bit for bit, whatever the minibatch and macrobatch sizes, the local dispatch
@@ -120,7 +155,7 @@ TEST(BackwardGpu, CtaPairsMatchReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(16);
+  std::vector<MoeConfig> configs(18);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -165,6 +200,13 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[15].skip_padding_rows = false;
   configs[15].minibatch_size = 128;
   configs[15].macrobatch_size = 256;
+  // The weight gradients in ping-pong (one macrobatch; with macrobatches the launcher runs the
+  // 128 x 256 tiles, so config 17 checks that fallback), with and without the padding cut.
+  configs[16].weight_grad_pingpong = true;
+  configs[16].skip_padding_rows = false;
+  configs[17].weight_grad_pingpong = true;
+  configs[17].minibatch_size = 128;
+  configs[17].macrobatch_size = 512;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -181,8 +223,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << local_dispatch_name(config.local_dispatch) << " persistent forward "
                      << config.persistent_forward << " persistent backward "
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
-                     << " skip padding " << config.skip_padding_rows
-                     << (with_context ? "" : ", no context"));
+                     << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
+                     << config.weight_grad_pingpong << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

@@ -297,13 +297,14 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),  \
       "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-// D[64 x 128] (+)= A[64 x 16] * B[16 x 128]^T into the first 64 of a m64n256 accumulator's
-// registers (its columns 0-127 in the same fragment layout): a 64-row tile's half of B per
-// consumer warpgroup (expert_gemm.cu). Per output element the same products and order as
-// m64n256k16, so the same bits.
-template <int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[128], uint64_t desc_a,
+// D[64 x 128] (+)= A[64 x 16] * B[16 x 128]^T into the first 64 registers of `d`: a 64-register
+// accumulator (weight_grad_pingpong.cu's halves of a 128 x 128 tile), or a m64n256
+// accumulator's columns 0-127 in the same fragment layout (expert_gemm.cu's 64-row tiles). Per
+// output element the same products and order as m64n256k16, so the same bits.
+template <int kTransA, int kTransB, int kRegisters>
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[kRegisters], uint64_t desc_a,
                                                       uint64_t desc_b, bool accumulate) {
+  static_assert(kRegisters >= 64, "m64n128 fp32 accumulates into 64 registers per thread");
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MOK_WGMMA_64_ACCUMULATORS
@@ -340,6 +341,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // Named barrier among `thread_count` threads (a multiple of 32), id 1..15 (0 is __syncthreads).
 __device__ __forceinline__ void named_barrier_sync(int id, int thread_count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(thread_count) : "memory");
+}
+// Arrives on the named barrier without waiting: a signal to the threads that bar.sync on it
+// (arrivals and syncs together make thread_count).
+__device__ __forceinline__ void named_barrier_arrive(int id, int thread_count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(thread_count) : "memory");
 }
 
 // 16 bytes from shared memory (`address` in the shared window), as an ordered (volatile) access.

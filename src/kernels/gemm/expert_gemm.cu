@@ -34,6 +34,7 @@
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/launch.h"
 #include "kernels/gemm/tile_walk.h"
+#include "kernels/gemm/weight_grad_segments.cuh"
 #include "kernels/persistent/task_order.h"
 #include "kernels/stages/dispatch_local.cuh"
 
@@ -69,36 +70,10 @@ __device__ __forceinline__ TileSpace tile_space(const ExpertGemmParams& params) 
   return space;
 }
 
-// kWeightGrad: the rows each expert's gradient reduces, [begin, end): its segment, or with
-// skip_padding its routed rows rounded up to BLOCK_K (the rows past them are zero padding in
-// both operands, so the bits are the same; the reference has no padding rows at all).
-struct SegmentRows {
-  int begin;
-  int end;
-};
-__device__ __forceinline__ SegmentRows segment_rows_of(const ExpertGemmParams& params, int e) {
-  const int begin = params.expert_offsets[e];
-  if (!params.skip_padding) return {begin, params.expert_offsets[e + 1]};
-  return {begin, begin + (params.expert_counts[e] + BLOCK_K - 1) / BLOCK_K * BLOCK_K};
-}
-
-// They live in shared memory (copied once per CTA) when they fit, since a tile's K-blocks depend
-// on them and both the producer and the consumers compute every tile's coordinates: a global
-// load there sat between two tiles' mainloops.
-constexpr int kMaxSharedExperts = 1024;  // E_loc entries of two int32 (8 KB)
 static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 +
                       kMaxSharedExperts * sizeof(SegmentRows) <=
                   227 * 1024,
               "the segment rows fit beside the ring and the staging tile");
-
-__host__ __device__ constexpr bool segments_in_shared(int num_experts) {
-  return num_experts <= kMaxSharedExperts;
-}
-
-__device__ __forceinline__ SegmentRows segment_rows(const ExpertGemmParams& params,
-                                                    const SegmentRows* shared_rows, int e) {
-  return shared_rows != nullptr ? shared_rows[e] : segment_rows_of(params, e);
-}
 
 // The coordinates of the tile at row tile `m_local` (of the launch's row tiles, or of M),
 // column tile `n_tile` and, for kWeightGrad, expert `expert`.
@@ -245,14 +220,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~uintptr_t{1023});
   const SegmentRows* shared_rows = nullptr;
-  if constexpr (!Traits::kRowTiles) {
-    if (segments_in_shared(params.num_experts)) {
-      SegmentRows* rows = reinterpret_cast<SegmentRows*>(&smem + 1);
-      for (int e = threadIdx.x; e < params.num_experts; e += blockDim.x)
-        rows[e] = segment_rows_of(params, e);
-      shared_rows = rows;  // visible after init_pipeline's barrier
-    }
-  }
+  if constexpr (!Traits::kRowTiles)  // visible after init_pipeline's barrier
+    shared_rows = copy_segment_rows(params, reinterpret_cast<SegmentRows*>(&smem + 1));
   init_pipeline<kPaired>(smem);
   const TileSpace space = tile_space<kForm, kPaired>(params);
   const int warpgroup = threadIdx.x / 128;
@@ -404,6 +373,8 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
     case Form::kGateUpGradStore:
       return launch_either<Form::kGateUpGradStore>(maps, params, num_ctas, cta_pairs, stream);
     case Form::kWeightGrad:
+      if (params.weight_grad_pingpong && params.macrobatch.rows == 0 && !cta_pairs)
+        return launch_weight_grad_pingpong(maps, params, num_ctas, stream);
       // Macrobatch 0 (and a single macrobatch) starts every tile from zero.
       if (params.macrobatch.rows > 0 && params.macrobatch.index > 0)
         return launch_either<Form::kWeightGrad, true>(maps, params, num_ctas, cta_pairs, stream);

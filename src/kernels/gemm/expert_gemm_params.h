@@ -84,6 +84,9 @@ struct ExpertGemmParams {
   // every tile whole. Same bits either way.
   int32_t skip_padding;
   int32_t half_row_tiles;
+  // MoeConfig::weight_grad_pingpong: kWeightGrad in weight_grad_pingpong.cu (one macrobatch, no
+  // CTA pairs; expert_gemm.cu's form otherwise).
+  int32_t weight_grad_pingpong;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)

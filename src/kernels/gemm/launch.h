@@ -22,8 +22,17 @@ struct ExpertGemmMaps {
 };
 // cta_pairs: clusters of two CTAs that multicast a shared B tile (expert_gemm.cu); num_ctas is
 // then rounded down to the pairs that fit at once.
+// kWeightGrad with params.weight_grad_pingpong, one macrobatch and no pairs runs
+// launch_weight_grad_pingpong instead.
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
                                const ExpertGemmParams& params, int num_ctas, bool cta_pairs,
                                cudaStream_t stream);
+
+// The weight gradients with the consumer warpgroups on different 128 x 128 tiles
+// (weight_grad_pingpong.cu): reads a0 (A, [rows, M] MN-major), b0 (B, [rows, N] MN-major) and
+// writes out ([E_loc, M, N]) as the kWeightGrad form does, one macrobatch (params.macrobatch.rows
+// = 0). The same bits.
+cudaError_t launch_weight_grad_pingpong(const ExpertGemmMaps& maps, const ExpertGemmParams& params,
+                                        int num_ctas, cudaStream_t stream);
 
 }  // namespace mok::kernels
