@@ -117,9 +117,11 @@ struct FlopCount {
 };
 FlopCount count_flop(const mok::HostProblem& problem);
 
-// Median milliseconds of each body, in `rounds` rounds that visit every body in turn, the
-// round's first body rotating (a body's place in a round moves its time by ~2% on a
-// power-capped card): one warm-up, then `per_round` timed calls each.
+// Median milliseconds of each body, in `rounds` rounds that visit every body, in a new order each
+// round (a fixed-seed shuffle after the first): one warm-up, then `per_round` timed calls each.
+// On a power-capped card a body's time depends on what ran just before it. With the rounds only
+// rotated, each body always followed the same one, and in session 13 a forward that followed a
+// training step timed ~3% slower than the same kernels after another forward (docs/perf.md).
 std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& bodies,
                                           cudaStream_t stream, int rounds, int per_round,
                                           const std::function<void()>& settle = {});

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <random>
 #include <vector>
 
 #include "cli.h"
@@ -73,12 +74,15 @@ std::vector<double> interleaved_median_ms(const std::vector<std::function<void()
                                           cudaStream_t stream, int rounds, int per_round,
                                           const std::function<void()>& settle) {
   std::vector<std::vector<double>> samples(bodies.size());
-  for (int round = 0; round < rounds; ++round)
-    for (size_t place = 0; place < bodies.size(); ++place) {
-      const size_t body = (place + round) % bodies.size();
+  std::vector<size_t> order(bodies.size());
+  for (size_t body = 0; body < order.size(); ++body) order[body] = body;
+  std::mt19937 shuffler(0x6d6f6b);  // fixed: every run visits the bodies in the same orders
+  for (int round = 0; round < rounds; ++round) {
+    if (round > 0) std::shuffle(order.begin(), order.end(), shuffler);
+    for (const size_t body : order)
       for (int call = 0; call < per_round; ++call)
         samples[body].push_back(median_ms(bodies[body], stream, call == 0 ? 1 : 0, 1, settle));
-    }
+  }
   std::vector<double> medians;
   for (std::vector<double>& values : samples) {
     std::sort(values.begin(), values.end());

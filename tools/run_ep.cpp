@@ -173,7 +173,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
       errors.push_back(error);
   }
 
-  // Interleaved rotated rounds (the cards run into their power limit: docs/perf.md).
+  // Interleaved rounds in shuffled orders (the cards run into their power limit: docs/perf.md).
   // The layer with the bulk-copy data movement (same bits, see the tests), timed beside it.
   // And the other dispatch (push against pull, measured before push becomes the default).
   mok::MoeConfig bulk_config = config;
@@ -211,7 +211,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   std::printf("  work      %lld routed pairs in the group, %.1f GFLOP forward per GPU\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9);
   std::printf(
-      "  times on rank 0's stream, every rank launched, median of %zu rounds x 5, rotated:\n",
+      "  times on rank 0's stream, every rank launched, median of %zu rounds x 5, shuffled:\n",
       bodies.size());
   std::printf("    %-18s %10s %9s %10s %9s %8s\n", "", "mok ms", "TFLOP/s", "base ms", "TFLOP/s",
               "speedup");

@@ -301,7 +301,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
               static_cast<long long>(ring_rows), static_cast<long long>(max_rows),
               static_cast<long long>((max_rows + ring_rows - 1) / ring_rows),
               ring_rows * mok::macrobatch_ring_bytes_per_row(shape) / 1e9);
-  std::printf("  times: median of 32 calls, mok and baseline interleaved in 8 rotated rounds\n");
+  std::printf(
+      "  times: median of 32 calls, mok and baseline interleaved in 8 rounds of shuffled order\n");
   std::printf(
       "  roofline: the dense bf16 tensor peak at the card's top clock, %.0f TFLOP/s (%d SMs x "
       "%.0f FLOP/clock x %.0f MHz); under its power limit the card runs lower\n",
