@@ -243,3 +243,23 @@ def test_no_tokens(device):
     out.float().sum().backward()
     for name in WEIGHTS:
         assert torch.count_nonzero(leaves[name].grad) == 0, name
+
+
+def test_config_switches_reach_the_native_config():
+    """Every on/off knob of MoKConfig is carried into the C++ layer's config, both ways."""
+    switches = [
+        "persistent_forward",
+        "persistent_backward",
+        "gemm_cta_pairs",
+        "skip_padding_rows",
+        "weight_grad_pingpong",
+        "check_finite",
+    ]
+    default = F.MoKConfig()
+    for name in switches:
+        flipped = F.MoKConfig(**{name: not getattr(default, name)})
+        native = flipped.to_native()
+        assert getattr(native, name) == getattr(flipped, name), name
+        for other in switches:
+            if other != name:
+                assert getattr(native, other) == getattr(default, other), (name, other)
