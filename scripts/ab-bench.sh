@@ -8,8 +8,8 @@
 # A TREE is a directory with mok's sources: `.` for the working tree, or an old commit exported
 # on the development machine with `scripts/ab-bench.sh --export REV` (into .ab/REV, git-ignored:
 # carry it to the device with the run tool's `carry`). Rounds: MOK_AB_ROUNDS (default 2). Logs
-# go to $OUT/ab-<tree>-<round>.log and a table of the lines matching MOK_AB_GREP (default: the
-# forward / backward / weight-gradient lines) to $OUT/ab.log.
+# go to $OUT/ab-<shape>-<tree>-<round>.log and a table of the lines matching MOK_AB_GREP (default: the
+# forward / backward / weight-gradient lines) to $OUT/ab-<shape>.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -57,18 +57,26 @@ for i in "${!pids[@]}"; do
   fi
 done
 pattern="${MOK_AB_GREP:-^  (forward|backward|forward\+backward) |weight gradients  |training step}"
-: >"$OUT/ab.log"
+# Logs carry the shape (`--shape NAME` among the run's arguments), so that several calls in one
+# device command keep each other's: ab-<shape>.log and ab-<shape>-<tree>-<round>.log.
+label=default
+args=("$@")
+for i in "${!args[@]}"; do
+  [ "${args[$i]}" = --shape ] && [ $((i + 1)) -lt ${#args[@]} ] && label="${args[$((i + 1))]}"
+done
+summary="$OUT/ab-$label.log"
+: >"$summary"
 # Each round starts at the next tree: the first run after the build finds a cooler card, which
 # held a higher clock (session 7: the same forward code 4.9 ms first in its round, 5.1-5.2 later).
 for round in $(seq 1 "${MOK_AB_ROUNDS:-2}"); do
   for offset in "${!trees[@]}"; do
     tree="${trees[$(((offset + round - 1) % ${#trees[@]}))]}"
     name="$(basename "$(cd "$tree" && pwd)")"
-    log="$OUT/ab-$name-$round.log"
+    log="$OUT/ab-$label-$name-$round.log"
     "$tree/build-ab/mok" run "$@" >"$log" 2>&1 || echo "(mok run exited $?)" >>"$log"
     {
       echo "== $name, round $round"
       grep -E "$pattern" "$log" || tail -n 5 "$log"
-    } | tee -a "$OUT/ab.log"
+    } | tee -a "$summary"
   done
 done
