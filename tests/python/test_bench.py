@@ -12,25 +12,32 @@ from mok.bench import plot
 from mok.bench_peers import torch_grouped_mm_moe
 
 
-def test_torch_grouped_mm_peer_computes_the_layer():
-    p = make_problem("cpu", T=40, E=4, K=2, seed=9)
+def check_peer_against_float64(peer, seed, d_out_seed, T, tolerance):
+    """Runs `peer(x, top_experts, router_weights, gate_up, down)` forward and backward on a small
+    problem and compares its output and every gradient with the float64 torch layer."""
+    p = make_problem("cpu", T=T, E=4, K=2, seed=seed)
     p["top_experts"] = p["top_experts"].long()
     gate_up = torch.cat((p["w_gate"], p["w_up"]), dim=1).requires_grad_(True)
     down = p["w_down"].clone().requires_grad_(True)
     x = p["x"].clone().requires_grad_(True)
     weights = p["router_weights"].clone().requires_grad_(True)
-    out = torch_grouped_mm_moe(x, p["top_experts"], weights, gate_up, down)
-    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out = peer(x, p["top_experts"], weights, gate_up, down)
+    generator = torch.Generator().manual_seed(d_out_seed)
+    d_out = torch.randn(out.shape, generator=generator).to(torch.bfloat16)
     out.backward(d_out)
     exact = as_float64(p, requires_grad=True)
     expected = torch_moe(exact)
     expected.backward(d_out.double())
-    assert relative_error(out, expected) < 1e-2
-    assert relative_error(x.grad, exact["x"].grad) < 1e-2
-    assert relative_error(weights.grad, exact["router_weights"].grad) < 1e-2
+    assert relative_error(out, expected) < tolerance
+    assert relative_error(x.grad, exact["x"].grad) < tolerance
+    assert relative_error(weights.grad, exact["router_weights"].grad) < tolerance
     expected_gate_up = torch.cat((exact["w_gate"].grad, exact["w_up"].grad), dim=1)
-    assert relative_error(gate_up.grad, expected_gate_up) < 1e-2
-    assert relative_error(down.grad, exact["w_down"].grad) < 1e-2
+    assert relative_error(gate_up.grad, expected_gate_up) < tolerance
+    assert relative_error(down.grad, exact["w_down"].grad) < tolerance
+
+
+def test_torch_grouped_mm_peer_computes_the_layer():
+    check_peer_against_float64(torch_grouped_mm_moe, seed=9, d_out_seed=4, T=40, tolerance=1e-2)
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -122,21 +129,6 @@ def test_torch_fp8_peer_computes_the_layer(monkeypatch):
         return torch.cat(out).to(torch.bfloat16)
 
     monkeypatch.setattr(bench_torch_fp8, "_scaled", emulated)
-    p = make_problem("cpu", T=64, E=4, K=2, seed=13)
-    p["top_experts"] = p["top_experts"].long()
-    gate_up = torch.cat((p["w_gate"], p["w_up"]), dim=1).requires_grad_(True)
-    down = p["w_down"].clone().requires_grad_(True)
-    x = p["x"].clone().requires_grad_(True)
-    weights = p["router_weights"].clone().requires_grad_(True)
-    out = bench_torch_fp8.torch_fp8_moe(x, p["top_experts"], weights, gate_up, down)
-    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    out.backward(d_out)
-    exact = as_float64(p, requires_grad=True)
-    expected = torch_moe(exact)
-    expected.backward(d_out.double())
-    assert relative_error(out, expected) < 0.1
-    assert relative_error(x.grad, exact["x"].grad) < 0.1
-    assert relative_error(weights.grad, exact["router_weights"].grad) < 0.1
-    expected_gate_up = torch.cat((exact["w_gate"].grad, exact["w_up"].grad), dim=1)
-    assert relative_error(gate_up.grad, expected_gate_up) < 0.1
-    assert relative_error(down.grad, exact["w_down"].grad) < 0.1
+    check_peer_against_float64(
+        bench_torch_fp8.torch_fp8_moe, seed=13, d_out_seed=2, T=64, tolerance=0.1
+    )
