@@ -7,7 +7,8 @@
 # GoogleTest filter, e.g. "Fp8*:BackwardGpu.CtaPairs*") also builds the GPU tests and runs those
 # first (gpu_tests.log). Outputs under $OUT (default ./out): build.log, run_<shape>.log,
 # ncu_<shape>.txt. MOK_NCU_KERNEL (a regex, default expert_gemm_kernel) and MOK_NCU_RUN_ARGS (more
-# `mok run` arguments, e.g. "--precision fp8_block") pick what ncu profiles.
+# `mok run` arguments, e.g. "--precision fp8_block") pick what ncu profiles; MOK_NCU_ARGS adds
+# ncu arguments (e.g. "--section ComputeWorkloadAnalysis").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -54,7 +55,7 @@ if [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1; then
   echo "== ncu at $ncu_shape"
   timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-    --section Occupancy -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" \
+    --section Occupancy ${MOK_NCU_ARGS:-} -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" \
     --launch-count "${MOK_NCU_LAUNCHES:-6}" "./$build_dir/mok" run --shape "$ncu_shape" \
     --check-tokens 1 ${MOK_NCU_RUN_ARGS:-} >"$OUT/ncu_$ncu_shape.txt" 2>&1 || status=1
   grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \

@@ -91,6 +91,7 @@ __device__ __forceinline__ void consume_pingpong_tile(const WaitContext& wait,
                                                       int num_k_blocks, float (&low)[64],
                                                       float (&high)[64]) {
   const bool releases = threadIdx.x % 32 == 0;
+  if (num_k_blocks == 0) return;  // an expert without rows: the epilogue stores zeros
   int previous_stage = -1;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
@@ -117,7 +118,6 @@ __device__ __forceinline__ void consume_pingpong_tile(const WaitContext& wait,
     previous_stage = state.stage;
     state.advance();
   }
-  if (num_k_blocks == 0) return;  // an expert without rows: the epilogue stores zeros
   ptx::wgmma_wait<0>();
   ptx::fence_registers(low);
   ptx::fence_registers(high);
