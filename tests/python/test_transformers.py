@@ -134,3 +134,31 @@ def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
         experts.gate_up_proj.grad, torch.cat((separate.w_gate.grad, separate.w_up.grad), dim=1)
     )
     assert torch.equal(experts.down_proj.grad, separate.w_down.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gate_up_gradient_is_written_in_place(device):
+    """The backward writes the gate and up gradients into the halves of one [E, 2I, H] tensor
+    (no concatenation after): the eight outputs view it, and its bits are those of the op's two
+    separate gradients."""
+    from mok import ops
+
+    torch.manual_seed(3)
+    E, H, I, T, K = 8, 128, 128, 40, 2
+    gate_up = (0.05 * torch.randn(E, 2 * I, H)).to(torch.bfloat16).to(device)
+    down = (0.05 * torch.randn(E, H, I)).to(torch.bfloat16).to(device)
+    x = torch.randn(T, H).to(torch.bfloat16).to(device)
+    top = torch.randint(0, E, (T, K)).to(torch.int32).to(device)
+    weights = torch.rand(T, K).to(device)
+    d_out = torch.randn(T, H).to(torch.bfloat16).to(device)
+    args = (d_out, x, top, weights, gate_up[:, :I], gate_up[:, I:], down, None, None, None)
+    space = mok.functional._default_workspace(mok.functional._DEFAULT_CONFIG)
+    rest = (float("inf"), space.handle, False, [])
+    grads, d_gate_up = ops.backward_fused_gate_up_eager(*args, *rest)
+    separate = ops.backward_eager(*args, *rest)
+    assert d_gate_up.shape == (E, 2 * I, H) and d_gate_up.is_contiguous()
+    assert grads[2].data_ptr() == d_gate_up.data_ptr()
+    assert grads[3].data_ptr() == d_gate_up[:, I:].data_ptr()
+    assert torch.equal(d_gate_up, torch.cat((separate[2], separate[3]), dim=1))
+    for got, want in zip(grads[:2] + grads[4:5], separate[:2] + separate[4:5]):
+        assert torch.equal(got, want)
