@@ -2,10 +2,11 @@
 # The Python benchmark alone on a GPU device machine (lighter than gpu-check.sh): installs the
 # package with the machine's PyTorch (no network), SonicMoE from the carried wheels in
 # .deps/peers/wheels into a private folder (MOK_BENCH_SONIC=0 leaves it out: its autotuning
-# takes minutes per shape on a fresh machine), then `python -m mok.bench` on
+# takes minutes per shape on a fresh machine, unless .deps/quack-autotune was carried: see
+# scripts/sonic-env.sh), then `python -m mok.bench` on
 # MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1.
 # MOK_PYTHON_TESTS=1 runs the Python tests (pytest, CUDA cases included) before the benchmark.
-# Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png.
+# Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png, quack-autotune.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -33,5 +34,6 @@ timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.benc
   --shapes "${MOK_PYTHON_BENCH_SHAPES:-qwen3,dsv3_local}" "${fp8[@]}" --json "$OUT/bench.json" \
   --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1 || status=1
 cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
+sonic_save_autotune "$OUT"  # quack-autotune.tgz: carry it next time (scripts/sonic-env.sh)
 rm -rf "$site"
 exit "$status"

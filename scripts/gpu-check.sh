@@ -207,6 +207,8 @@ else
         python_json="\"bench\": $(cat "$OUT/tmp_python_bench.json")"
         rm -f "$OUT/tmp_python_bench.json"
       fi
+      # The device returns 8 files: QuACK's autotuning results only when asked (sonic-env.sh).
+      [ "${MOK_SAVE_QUACK_AUTOTUNE:-0}" = 1 ] && sonic_save_autotune "$OUT"
       rm -rf "$OUT/.sonic-site"
     fi
   fi
