@@ -54,6 +54,9 @@ mok run options:
                                (the run checks and times both ways either way)
   --cta-pairs                  GPU: run the expert GEMMs in clusters of two CTAs that multicast
                                the weight tile they share (the run times both ways either way)
+  --quick                      GPU: time only the layer against the baseline, check it against
+                               the reference, skip the ring, the variants and the stage
+                               breakdowns (for A/B runs of two builds; a third of the time)
   --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
                                128; default 4096)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
@@ -104,6 +107,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--cta-pairs") {
       options.cta_pairs = true;
+      continue;
+    }
+    if (flag == "--quick") {
+      options.quick = true;
       continue;
     }
     if (flag == "--persistent-backward") {
@@ -188,6 +195,13 @@ mok::MoeShape shape_from_options(const RunOptions& options) {
   return shape;
 }
 
+// --quick on a run it does not apply to.
+[[noreturn]] void refuse_quick(const std::string& this_run) {
+  throw Error(ErrorCode::kInvalidArgument, "--quick times the single-GPU bf16 layer; this run is " +
+                                               this_run +
+                                               "; valid: a single-GPU bf16 run on a GPU");
+}
+
 int run_command(RunOptions options) {
   if (options.gpus < 0)
     throw Error(ErrorCode::kInvalidArgument,
@@ -197,6 +211,7 @@ int run_command(RunOptions options) {
       throw Error(ErrorCode::kInvalidArgument, "--ranks " + std::to_string(options.ranks) +
                                                    " with --gpus " + std::to_string(options.gpus) +
                                                    "; valid: one rank per GPU (omit --ranks)");
+    if (options.quick) refuse_quick("the expert-parallel layer (--gpus)");
     options.ranks = options.gpus;
     if (options.shape_name.empty()) options.shape_name = "kimi_slice";
     return run_ep(options, shape_from_options(options));
@@ -209,6 +224,11 @@ int run_command(RunOptions options) {
   RunOptions checked = options;  // the CPU reference runs FP8; the other knobs as the GPU's
   checked.precision = "bf16";
   config_from_options(checked, shape);  // a bad value is an error on the CPU path too
+  if (options.quick && (device_name.empty() || shape.num_ranks != 1 || fp8))
+    refuse_quick(fp8                   ? "an FP8 run"
+                 : options.cpu_only    ? "the CPU reference (--cpu)"
+                 : device_name.empty() ? "the CPU reference (no GPU)"
+                                       : "the CPU reference (--ranks > 1)");
   if (!device_name.empty() && shape.num_ranks == 1)
     return fp8 ? run_gpu_fp8(options, shape, device_name) : run_gpu(options, shape, device_name);
   if (!options.trace_path.empty())

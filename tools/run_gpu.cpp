@@ -168,7 +168,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   ring_config.macrobatch_size = std::max<int64_t>(1, (max_rows / 4 + 127) / 128) * 128;
   const int64_t ring_macrobatches =
       (max_rows + ring_config.macrobatch_size - 1) / ring_config.macrobatch_size;
-  mok::GpuLayer ring_layer(shape, ring_config);
+  // --quick: the layer against the baseline only (no ring, variants or stages; A/B runs).
+  const bool full = !options.quick;
+  std::unique_ptr<mok::GpuLayer> ring_layer;
+  if (full) ring_layer = std::make_unique<mok::GpuLayer>(shape, ring_config);
   // The backward the other way (same bits): the kernel sequence or the persistent kernel.
   struct BackwardVariant {
     mok::MoeConfig config;
@@ -176,7 +179,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     bool bitwise = false;
   };
   std::vector<BackwardVariant> backward_variants;
-  {
+  if (full) {
     mok::MoeConfig other = config;
     other.persistent_backward = !config.persistent_backward;
     other.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
@@ -202,7 +205,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     device.download_outputs(scratch);
     return mok::outputs_equal(scratch, first);
   };
-  const bool ring_bitwise = same_bits_as_first(ring_layer);
+  const bool ring_bitwise = !full || same_bits_as_first(*ring_layer);
   bool backward_variants_bitwise = true;
   for (BackwardVariant& variant : backward_variants) {
     variant.bitwise = same_bits_as_first(*variant.layer);
@@ -211,12 +214,16 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
 
   // Training step timing: forward, then the backward from the forward's saved activations
   // (mok's context; the baseline keeps its permuted x and gate/up outputs as autograd would).
-  const auto forward_stages = layer.profile_forward(args, stream, 10);
-  const mok::ForwardContext context = layer.forward(args, stream);
-  const auto backward_stages = layer.profile_backward(backward_args, stream, 10, &context);
+  using Stages = std::vector<std::pair<std::string, float>>;
+  Stages forward_stages, backward_stages;
+  if (full) {
+    forward_stages = layer.profile_forward(args, stream, 10);
+    const mok::ForwardContext context = layer.forward(args, stream);
+    backward_stages = layer.profile_backward(backward_args, stream, 10, &context);
+  }
   // The other backward's stages too (the persistent kernel's, or the sequence's), on the same
   // card under the same load: the kernel's traced span leaves the launches out.
-  std::vector<std::vector<std::pair<std::string, float>>> variant_stages;
+  std::vector<Stages> variant_stages;
   for (BackwardVariant& variant : backward_variants) {
     const mok::ForwardContext variant_context = variant.layer->forward(args, stream);
     variant_stages.push_back(
@@ -233,8 +240,12 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   // And the forward with MoeConfig::check_finite: what its input scan costs.
   mok::MoeConfig checked = config;
   checked.check_finite = true;
-  mok::GpuLayer other_dispatch_layer(shape, other_dispatch), other_gemms_layer(shape, other_gemms),
-      checked_layer(shape, checked);
+  std::unique_ptr<mok::GpuLayer> other_dispatch_layer, other_gemms_layer, checked_layer;
+  if (full) {
+    other_dispatch_layer = std::make_unique<mok::GpuLayer>(shape, other_dispatch);
+    other_gemms_layer = std::make_unique<mok::GpuLayer>(shape, other_gemms);
+    checked_layer = std::make_unique<mok::GpuLayer>(shape, checked);
+  }
   // Interleaved rounds: the card runs into its power limit within a second of GEMM load and
   // lowers its clock (clocks.log of scripts/gpu-check.sh), so timing one side after the other
   // would hand the later one a slower card.
@@ -250,35 +261,43 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         baseline.backward(backward_args, stream, true);
       },
       [&] { layer.backward(backward_args, stream); },
-      [&] { other_dispatch_layer.forward(args, stream); },
-      [&] { other_gemms_layer.forward(args, stream); },
-      [&] {
-        const mok::ForwardContext step = ring_layer.forward(args, stream);
-        ring_layer.backward(backward_args, stream, &step);
-      },
-      [&] { checked_layer.forward(args, stream); },
-      [&] { backward_variants[1].layer->forward(args, stream); },  // the CTA pairs flipped
-      [&] { backward_variants[2].layer->forward(args, stream); },  // skip_padding_rows flipped
   };
-  for (BackwardVariant& variant : backward_variants)
-    timed.push_back([&] {
-      const mok::ForwardContext step = variant.layer->forward(args, stream);
-      variant.layer->backward(backward_args, stream, &step);
-    });
+  if (full) {
+    timed.insert(timed.end(), {
+                                  [&] { other_dispatch_layer->forward(args, stream); },
+                                  [&] { other_gemms_layer->forward(args, stream); },
+                                  [&] {
+                                    const mok::ForwardContext step =
+                                        ring_layer->forward(args, stream);
+                                    ring_layer->backward(backward_args, stream, &step);
+                                  },
+                                  [&] { checked_layer->forward(args, stream); },
+                                  // the CTA pairs flipped, skip_padding_rows flipped
+                                  [&] { backward_variants[1].layer->forward(args, stream); },
+                                  [&] { backward_variants[2].layer->forward(args, stream); },
+                              });
+    for (BackwardVariant& variant : backward_variants)
+      timed.push_back([&] {
+        const mok::ForwardContext step = variant.layer->forward(args, stream);
+        variant.layer->backward(backward_args, stream, &step);
+      });
+  }
   const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
-  const double mok_recompute_ms = medians[4], ring_step_ms = medians[7];
+  const double mok_recompute_ms = medians[4], ring_step_ms = full ? medians[7] : 0.0;
   const size_t first_backward_variant = 11;  // the closures above before the variants
-  const std::vector<std::pair<std::string, double>> forward_variants_ms = {
-      {variant_name(config), mok_forward_ms},
-      {variant_name(other_dispatch), medians[5]},
-      {variant_name(other_gemms), medians[6]},
-      {variant_name(checked), medians[8]},
-      {variant_name(backward_variants[1].config), medians[9]},
-      {variant_name(backward_variants[2].config), medians[10]}};
+  std::vector<std::pair<std::string, double>> forward_variants_ms = {
+      {variant_name(config), mok_forward_ms}};
+  if (full)
+    forward_variants_ms.insert(forward_variants_ms.end(),
+                               {{variant_name(other_dispatch), medians[5]},
+                                {variant_name(other_gemms), medians[6]},
+                                {variant_name(checked), medians[8]},
+                                {variant_name(backward_variants[1].config), medians[9]},
+                                {variant_name(backward_variants[2].config), medians[10]}});
   // The inputs are finite: the checked layer must have nothing to report.
-  const mok::Status checked_status = checked_layer.synchronize(stream);
+  const mok::Status checked_status = full ? checked_layer->synchronize(stream) : mok::Status::Ok();
   if (!checked_status.ok())
     std::printf("  check_finite reported finite inputs: %s\n", checked_status.message.c_str());
   const double mok_backward_ms = mok_step_ms - mok_forward_ms;
@@ -321,14 +340,17 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       "  (backward = forward+backward minus forward, both from saved activations; mok's backward\n"
       "   recomputing the forward instead: %.3f ms, %.1f TFLOP/s)\n",
       mok_recompute_ms, backward_flop / mok_recompute_ms / 1e9);
-  std::printf(
-      "  training step with %lld macrobatches of %lld rows (the ring; backward recomputes all\n"
-      "   but the first): %.3f ms, %.1f TFLOP/s, bitwise equal to one macrobatch: %s\n",
-      static_cast<long long>(ring_macrobatches),
-      static_cast<long long>(ring_config.macrobatch_size), ring_step_ms,
-      (forward_flop + backward_flop) / ring_step_ms / 1e9, ring_bitwise ? "yes" : "NO");
-  std::printf("  backward variants (training steps; this run's backward: %s):\n",
-              backward_name(config).c_str());
+  if (!full) std::printf("  (--quick: no ring, variants or stages)\n");
+  if (full) {
+    std::printf(
+        "  training step with %lld macrobatches of %lld rows (the ring; backward recomputes all\n"
+        "   but the first): %.3f ms, %.1f TFLOP/s, bitwise equal to one macrobatch: %s\n",
+        static_cast<long long>(ring_macrobatches),
+        static_cast<long long>(ring_config.macrobatch_size), ring_step_ms,
+        (forward_flop + backward_flop) / ring_step_ms / 1e9, ring_bitwise ? "yes" : "NO");
+    std::printf("  backward variants (training steps; this run's backward: %s):\n",
+                backward_name(config).c_str());
+  }
   for (size_t i = 0; i < backward_variants.size(); ++i) {
     const double ms = medians[first_backward_variant + i];
     std::printf("    %-44s %9.3f ms %8.1f TFLOP/s, bitwise equal: %s\n",
@@ -336,13 +358,15 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                 (forward_flop + backward_flop) / ms / 1e9,
                 backward_variants[i].bitwise ? "yes" : "NO");
   }
-  std::printf("  forward variants (same bits):\n");
-  for (const auto& [name, ms] : forward_variants_ms)
-    std::printf("    %-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, forward_flop / ms / 1e9);
-  for (const auto* stages : {&forward_stages, &backward_stages}) {
-    std::printf("  mok %s stages (median of 10, events between stages):\n",
-                stages == &forward_stages ? "forward" : "backward");
-    for (const auto& [name, ms] : *stages) std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
+  if (full) {
+    std::printf("  forward variants (same bits):\n");
+    for (const auto& [name, ms] : forward_variants_ms)
+      std::printf("    %-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, forward_flop / ms / 1e9);
+    for (const auto* stages : {&forward_stages, &backward_stages}) {
+      std::printf("  mok %s stages (median of 10, events between stages):\n",
+                  stages == &forward_stages ? "forward" : "backward");
+      for (const auto& [name, ms] : *stages) std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
+    }
   }
   for (size_t i = 0; i < backward_variants.size(); ++i) {
     std::printf("  backward stages, %s (median of 10):\n",
@@ -404,7 +428,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         json << (first_error ? "" : ", ") << "\"" << error.name << "\": " << error.rel;
         first_error = false;
       }
-    json << "},\n  \"macrobatches\": {\"count\": " << ring_macrobatches
+    json << "},\n  \"macrobatches\": {\"count\": " << (full ? ring_macrobatches : 0)
          << ", \"rows\": " << ring_config.macrobatch_size << ", \"step_ms\": " << ring_step_ms
          << ", \"bitwise\": " << (ring_bitwise ? "true" : "false") << "}";
     json << ",\n  \"backward_variants\": {";
