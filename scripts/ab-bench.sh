@@ -6,7 +6,8 @@
 #   scripts/ab-bench.sh TREE... -- MOK_RUN_ARGS...
 #
 # A TREE is a directory with mok's sources: `.` for the working tree, or an old commit exported
-# on the development machine with `scripts/ab-bench.sh --export REV` (into .ab/REV, git-ignored:
+# on the development machine with `scripts/ab-bench.sh --export REV` (into .ab/REV, with any
+# character but letters, digits, '.', '_' and '-' made '-'; git-ignored:
 # carry it to the device with the run tool's `carry`). Rounds: MOK_AB_ROUNDS (default 2). Logs
 # go to $OUT/ab-<shape>-<tree>-<round>.log and a table of the lines matching MOK_AB_GREP (default: the
 # forward / backward / weight-gradient lines) to $OUT/ab-<shape>.log.
@@ -15,9 +16,12 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 if [ "${1:-}" = --export ]; then
   rev="${2:?usage: scripts/ab-bench.sh --export REV}"
-  mkdir -p ".ab/$rev"
-  git archive "$rev" | tar -x -C ".ab/$rev"
-  echo "exported $rev into .ab/$rev"
+  # A folder name the device returns logs for: letters, digits, '.', '_' and '-' only
+  # (perf/x~1 -> perf-x-1).
+  dir=".ab/$(printf '%s' "$rev" | tr -c 'A-Za-z0-9._-' '-')"
+  mkdir -p "$dir"
+  git archive "$rev" | tar -x -C "$dir"
+  echo "exported $rev into $dir"
   exit 0
 fi
 trees=()
