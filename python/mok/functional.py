@@ -474,6 +474,23 @@ class _MoeFunction(torch.autograd.Function):
         return (d_x, None, d_router_weights, *weight_grads, None, None, None)
 
 
+def _autocast_to_bf16(device_type: str) -> bool:
+    """Whether torch.autocast runs in bf16 on `device_type`. mok then takes fp32 inputs and
+    weights as autocast's matmuls do: bf16 copies made per call (differentiable, so the gradients
+    return in the leaves' own dtype), router weights in fp32; the output is bf16."""
+    return (
+        torch.is_autocast_enabled(device_type)
+        and torch.get_autocast_dtype(device_type) == torch.bfloat16
+    )
+
+
+def _bf16(tensor: Tensor | None) -> Tensor | None:
+    """`tensor` in bf16 if it is fp32 (autocast's cast); anything else as it is."""
+    if tensor is None or tensor.dtype != torch.float32:
+        return tensor
+    return tensor.to(torch.bfloat16)
+
+
 def moe(
     x: Tensor,
     top_experts: Tensor,
@@ -496,7 +513,9 @@ def moe(
     weight gets no gradient: use ``backward`` for its bf16 gradient). `workspace` defaults to one shared
     workspace per config (the default config's is made at import, so ``torch.compile`` traces
     this call without a graph break): layers of one shape then share a layer, and a backward
-    whose context another call replaced recomputes (``mok.nn.MoE`` holds its own)."""
+    whose context another call replaced recomputes (``mok.nn.MoE`` holds its own). Under
+    ``torch.autocast(dtype=torch.bfloat16)`` fp32 x and weights (fp32 master weights) are cast
+    to bf16 per call, as autocast does for a matmul, and router weights to fp32."""
     leading = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     top2 = top_experts.reshape(-1, top_experts.shape[-1])
@@ -507,5 +526,8 @@ def moe(
     weights, weight_scales = _split_weights(
         (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     )
+    if _autocast_to_bf16(x.device.type):
+        x2, rw2 = _bf16(x2), rw2.float()
+        weights = [_bf16(w) for w in weights]
     out = _MoeFunction.apply(x2, top2, rw2, *weights, _limit(swiglu_limit), handle, weight_scales)
     return out.reshape(*leading, out.shape[-1])

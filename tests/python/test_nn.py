@@ -49,6 +49,37 @@ def train(device, steps=5, compile_backend=None, seed=0):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp32_weights_under_bf16_autocast_give_the_bf16_bits(device):
+    """fp32 master weights (module.float()) under torch.autocast(dtype=torch.bfloat16): the
+    layer runs on bf16 copies, so its output is the bf16 module's, bit for bit, and every
+    gradient is the bf16 module's in fp32. Without autocast fp32 weights are refused."""
+    reference = make_module(device)
+    master = make_module(device).float()
+    with torch.no_grad():
+        for a, b in zip(master.parameters(), reference.parameters()):
+            a.copy_(b.float())
+    top, weights = routing(48, 8, 2, 3, device)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(48, 128, generator=gen).to(torch.bfloat16).to(device)
+    d_out = torch.randn(48, 128, generator=gen).to(torch.bfloat16).to(device)
+
+    x_ref = x.clone().requires_grad_(True)
+    out_ref = reference(x_ref, top, weights)
+    out_ref.backward(d_out)
+    x_master = x.float().requires_grad_(True)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        out = master(x_master, top, weights)
+    out.backward(d_out)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out_ref)
+    assert x_master.grad.dtype == torch.float32 and torch.equal(x_master.grad, x_ref.grad.float())
+    for (name, a), b in zip(master.named_parameters(), reference.parameters()):
+        assert a.grad.dtype == torch.float32, name
+        assert torch.equal(a.grad, b.grad.float()), name
+    with pytest.raises(ValueError, match="bfloat16|bf16"):
+        master(x.float(), top, weights)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_parameters_and_layouts(device):
     module = make_module(device)
     names = [n for n, _ in module.named_parameters()]

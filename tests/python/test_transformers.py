@@ -162,3 +162,36 @@ def test_fused_gate_up_gradient_is_written_in_place(device):
     assert torch.equal(d_gate_up, torch.cat((separate[2], separate[3]), dim=1))
     for got, want in zip(grads[:2] + grads[4:5], separate[:2] + separate[4:5]):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_experts_under_bf16_autocast_give_the_bf16_bits(device):
+    """An fp32 model under torch.autocast(dtype=torch.bfloat16) (the Trainer's bf16=True): the
+    experts run on bf16 copies of gate_up_proj and down_proj, with the bf16 experts' output and
+    gradients (those in fp32)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = qwen3_moe_config()
+    config._experts_implementation = "mok"
+    torch.manual_seed(0)
+    bf16 = Qwen3MoeExperts(config).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in bf16.parameters():
+            p.normal_(0, 0.05)
+    fp32 = Qwen3MoeExperts(config).to(device, torch.float32)
+    with torch.no_grad():
+        for a, b in zip(fp32.parameters(), bf16.parameters()):
+            a.copy_(b.float())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
+    top = torch.randint(0, 8, (40, 2), generator=gen).to(device)
+    weights = torch.rand(40, 2, generator=gen).to(device)
+    d_out = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
+    out_ref = bf16(x, top, weights)
+    out_ref.backward(d_out)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        out = fp32(x.float(), top, weights)
+    out.backward(d_out)
+    assert torch.equal(out, out_ref)
+    for a, b in zip(fp32.parameters(), bf16.parameters()):
+        assert a.grad.dtype == torch.float32 and torch.equal(a.grad, b.grad.float())

@@ -11,7 +11,8 @@ models whose experts store ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows)
 ``down_proj`` [E, H, I] with a SiLU gate, through mok (the router and any shared expert stay
 transformers' own). Layouts mok cannot serve raise ``NotImplementedError`` saying why: gpt-oss
 (interleaved gate/up, biases, its own clamped activation), transposed or biased experts, other
-activations. The model must be bf16.
+activations. The model must be bf16, or fp32 under ``torch.autocast(dtype=torch.bfloat16)``
+(the experts then run on bf16 copies of their weights, made per call).
 
 Each experts module gets its own mok workspace (made on its first eager call; ``prepare(model)``
 makes them all up front, e.g. before ``torch.compile``), so its backward starts from its forward's
@@ -125,12 +126,17 @@ def mok_experts_forward(
 ) -> Tensor:
     """The experts' forward through mok: ``sum_k top_k_weights[t, k] * expert(hidden_states[t])``."""
     _check_layout(self)
+    gate_up, down = self.gate_up_proj, self.down_proj
+    if functional._autocast_to_bf16(hidden_states.device.type):
+        # An fp32 model under bf16 autocast (the Trainer's bf16=True): bf16 copies per call.
+        hidden_states, gate_up, down = (functional._bf16(t) for t in (hidden_states, gate_up, down))
     if hidden_states.dtype != torch.bfloat16:
         raise ValueError(
             f"argument `hidden_states` has dtype {hidden_states.dtype}; mok's layer is bf16 "
-            "(load the model with dtype=torch.bfloat16)"
+            "(load the model with dtype=torch.bfloat16, or run it under "
+            "torch.autocast(dtype=torch.bfloat16))"
         )
-    num_experts = self.gate_up_proj.shape[0]
+    num_experts = gate_up.shape[0]
     # Expert-parallel sentinels (ids past the experts) route nowhere, as mok's -1.
     top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
     workspace = _workspace_of(self) or functional._default_workspace(functional._DEFAULT_CONFIG)
@@ -139,8 +145,8 @@ def mok_experts_forward(
         hidden_states,
         top_k_index,
         top_k_weights.float(),
-        self.gate_up_proj,
-        self.down_proj.contiguous(),
+        gate_up,
+        down.contiguous(),
         handle,
     )
 
