@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from .bench_peers import Problem, System, make_problem, systems_of
+from .bench_peers import SYSTEM_NAMES, Problem, System, make_problem, systems_of
 
 DIRECTIONS = ("forward", "forward+backward")
 MODES = ("per call", "sustained")
@@ -216,6 +216,12 @@ def main() -> None:
         "--shared", default="", help="shapes also run with a shared expert of width I (mok only)"
     )
     parser.add_argument("--no-peers", action="store_true", help="mok and its C++ layer only")
+    parser.add_argument(
+        "--systems",
+        default="",
+        help="comma-separated systems to run (default: all that run here; mok always): "
+        + ", ".join(SYSTEM_NAMES),
+    )
     parser.add_argument("--fp8", action="store_true", help="also mok in FP8 (fp8_block)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
@@ -232,6 +238,7 @@ def main() -> None:
     if args.sonic_precompile:
         _install_sonic_precompile(args.sonic_precompile)
     shapes = [args.shape] if args.shape else [s for s in args.shapes.split(",") if s]
+    only = {s.strip() for s in args.systems.split(",") if s.strip()} or None
     runs = [(s, None) for s in shapes] + [(s, "I") for s in args.shared.split(",") if s]
     device = torch.device("cuda")
     print(f"mok bench (Python) on {torch.cuda.get_device_name()}", flush=True)
@@ -249,7 +256,7 @@ def main() -> None:
         problem = make_problem(shape_name, device, args.seed, shared=width)
         result = run_shape(
             problem,
-            systems_of(problem, peers=not args.no_peers, fp8=args.fp8),
+            systems_of(problem, peers=not args.no_peers, fp8=args.fp8, only=only),
             args.calls,
             args.rounds,
         )

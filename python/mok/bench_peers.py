@@ -254,15 +254,44 @@ def _sonic_system(p: Problem) -> System:
     return System("sonicmoe", forward, [w13, w2])
 
 
-def systems_of(p: Problem, peers: bool = True, fp8: bool = False) -> list[System]:
+SYSTEM_NAMES = (
+    "mok",
+    "mok C++",
+    "mok fp8",
+    "sonicmoe",
+    "hf grouped_mm",
+    "torch grouped_mm",
+    "torch fp8",
+    "hf mok",
+)
+
+
+def systems_of(
+    p: Problem, peers: bool = True, fp8: bool = False, only: set[str] | None = None
+) -> list[System]:
     """mok's systems (with ``fp8``, mok in FP8 too), and the peers that run here (the others go
-    to ``p.skipped`` with why)."""
+    to ``p.skipped`` with why). ``only``: the names (SYSTEM_NAMES) to build, "mok" always among
+    them (every ratio is to it); the others are not built at all (their memory and warm-up
+    spared), and ``p.skipped`` says so."""
+    if only is not None:
+        unknown = sorted(set(only) - set(SYSTEM_NAMES))
+        if unknown:
+            raise ValueError(f"argument `only` names {unknown}; valid: {', '.join(SYSTEM_NAMES)}")
+        only = set(only) | {"mok"}
+
+    def wanted(name: str) -> bool:
+        if only is None or name in only:
+            return True
+        p.skipped[name] = "not among the systems asked for (--systems)"
+        return False
+
     systems = (
         _mok_systems(p)
         if p.x.device.type == "cuda"
         else [System("mok", p.module, list(p.module.parameters()))]
     )
-    if fp8:
+    systems = [s for s in systems if wanted(s.name)]
+    if fp8 and wanted("mok fp8"):
         systems.append(_mok_fp8_system(p))
     if not peers or p.Is > 0:
         if p.Is > 0:
@@ -284,6 +313,8 @@ def systems_of(p: Problem, peers: bool = True, fp8: bool = False) -> list[System
     if fp8 and p.x.device.type == "cuda":  # FP8 tensor cores only
         builders.insert(3, ("torch fp8", lambda: _torch_fp8_system(p, hf_grouped_mm())))
     for name, build in builders:
+        if not wanted(name):
+            continue
         shares = name.startswith("torch") and hf_grouped_mm() is not None
         if p.x.device.type == "cuda" and not shares:
             free, _ = torch.cuda.mem_get_info(p.x.device)

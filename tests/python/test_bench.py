@@ -132,3 +132,18 @@ def test_torch_fp8_peer_computes_the_layer(monkeypatch):
     check_peer_against_float64(
         bench_torch_fp8.torch_fp8_moe, seed=13, d_out_seed=2, T=64, tolerance=0.1
     )
+
+
+def test_systems_filter_builds_only_those_asked_for():
+    """--systems: only the named systems are built (mok always), the rest are reported as not
+    asked for, and an unknown name is an error that lists the valid ones."""
+    pytest.importorskip("transformers")
+    from mok.bench_peers import make_problem as bench_problem
+    from mok.bench_peers import systems_of
+
+    p = bench_problem("tiny", torch.device("cpu"), seed=1)
+    systems = systems_of(p, only={"hf grouped_mm"})
+    assert [s.name for s in systems] == ["mok", "hf grouped_mm"]
+    assert "torch grouped_mm" in p.skipped and "hf mok" in p.skipped
+    with pytest.raises(ValueError, match="valid: mok"):
+        systems_of(bench_problem("tiny", torch.device("cpu"), seed=1), only={"sonic"})
