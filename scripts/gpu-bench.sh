@@ -4,7 +4,8 @@
 # .deps/peers/wheels into a private folder (MOK_BENCH_SONIC=0 leaves it out: its autotuning
 # takes minutes per shape on a fresh machine, unless .deps/quack-autotune was carried: see
 # scripts/sonic-env.sh), then `python -m mok.bench` on
-# MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1.
+# MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1,
+# --systems MOK_PYTHON_BENCH_SYSTEMS when set (e.g. "sonicmoe,hf grouped_mm,torch grouped_mm").
 # MOK_PYTHON_TESTS=1 runs the Python tests (pytest, CUDA cases included) before the benchmark.
 # Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png, quack-autotune.tgz.
 set -uo pipefail
@@ -31,7 +32,8 @@ source scripts/sonic-env.sh
 fp8=()
 [ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && fp8=(--fp8)
 timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.bench \
-  --shapes "${MOK_PYTHON_BENCH_SHAPES:-qwen3,dsv3_local}" "${fp8[@]}" --json "$OUT/bench.json" \
+  --shapes "${MOK_PYTHON_BENCH_SHAPES:-qwen3,dsv3_local}" --systems "${MOK_PYTHON_BENCH_SYSTEMS:-}" \
+  "${fp8[@]}" --json "$OUT/bench.json" \
   --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1 || status=1
 cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
 sonic_save_autotune "$OUT"  # quack-autotune.tgz: carry it next time (scripts/sonic-env.sh)
