@@ -8,11 +8,20 @@
 //   down(b, m, n)       128 x 256 tile of the expert output rows      waits: all gate_up(m, *)
 //   shared_gate_up(m, n)  the shared expert's gate/up tile: every token, one expert
 //   shared_down(m, n)   its down tile                       waits: all shared_gate_up(m, *)
+//   push(b, m)          expert parallelism (num_ranks > 1): row tile m's rows into their
+//                       source ranks' combine slots               waits: all down(m, *)
 //   combine(k)          the fixed-order sum of token block k       waits: every (shared) down
+//                       here; with pushes also the rows every other rank pushes to block k
 // Order (a software pipeline over minibatches: the gate/up tiles of b+1 run between the gate/up
 // and the down tiles of b, so a down tile rarely waits for a gate/up tile still in flight):
-//   gather(0) gate_up(0) | gather(1) gate_up(1) down(0) | gather(2) gate_up(2) down(1) | ...
-//   ... down(last) | shared_gate_up(*) | shared_down(*) | combine(*)
+//   gather(0) gate_up(0) | gather(1) gate_up(1) down(0) push(0) | gather(2) gate_up(2) down(1)
+//   push(1) | ... down(last) push(last) | shared_gate_up(*) | shared_down(*) | combine(*)
+// Under expert parallelism the gather of a row tile is the pull dispatch of its rows (each from
+// its source rank's published x), and push(b, m) sends its rows back as soon as they exist
+// (docs/design.md, "communication inside the persistent kernels": a plan; the device kernels
+// run the GEMM tiles only so far). The one wait on another rank is combine(k) on the rows
+// pushed to it (remote_dependency_of), and every push is earlier in its own rank's order than
+// that rank's combines, so the group finishes with any number of resident CTAs per rank.
 // The shared expert's tiles depend on no routed task: after the routed ones, they fill the
 // routed down tiles' last wave (and its own down tiles, shorter, make the kernel's tail).
 // With plan.memory_tasks = 0 the order holds the GEMM tiles only (the persistent GEMM kernel:
@@ -37,6 +46,7 @@ enum class TaskKind : int32_t {
   kCombine = 3,
   kSharedGateUp = 4,
   kSharedDown = 5,
+  kPush = 6,
 };
 
 MOK_HOST_DEVICE inline bool is_gate_up(TaskKind kind) {
@@ -58,6 +68,9 @@ struct ForwardPlan {
   int32_t shared_m_tiles = 0;
   int32_t shared_gate_up_n_tiles = 0;
   int32_t shared_down_n_tiles = 0;
+  // Expert parallelism: the group's ranks. With more than one (and memory tasks) every routed
+  // row tile has a push task, and the combine also waits for the other ranks' pushes.
+  int32_t num_ranks = 1;
 };
 
 struct Task {
@@ -77,11 +90,17 @@ enum class CounterKind : int32_t {
   kGateUpDone = 2,
   kDownDone = 3,
   kSharedGateUpDone = 4,
+  kRowDownDone = 5,  // a routed row tile's down tiles (push waits on it)
+  kRowsPushed = 6,   // rows the other ranks pushed into a combine block's slots (on this rank)
 };
+// A target the order does not know: the number of rows the other ranks push into the block,
+// which the rank counts from its own routing (its tokens' slots routed to other ranks' experts).
+constexpr int64_t kTargetFromRouting = -1;
 struct Dependency {
   CounterKind counter;
-  int32_t index;   // row tile for kRowsGathered / k(Shared)GateUpDone; 0 for kDownDone
-  int64_t target;  // number of producer tasks
+  int32_t index;   // row tile for kRowsGathered / k(Shared)GateUpDone / kRowDownDone; combine
+                   // block for kRowsPushed; 0 for kDownDone
+  int64_t target;  // number of producer tasks (kRowsPushed: rows, kTargetFromRouting)
 };
 
 // The tile sizes the orders count in: the expert GEMM's BLOCK_M and BLOCK_N (the task kinds'
@@ -147,25 +166,35 @@ MOK_HOST_DEVICE inline int32_t minibatch_tiles(const ForwardPlan& plan, int32_t 
 }
 
 // The segments of the order: segment s is (kind, minibatch). Segment 0 is gather(0), 1 is
-// gate_up(0); then three per minibatch b >= 0: gather(b+1), gate_up(b+1), down(b) (the gather
-// and gate_up of a minibatch past the last are empty); then the shared expert's gate/up and
-// down segments (empty without one); then one combine segment.
+// gate_up(0); then four per minibatch b >= 0: gather(b+1), gate_up(b+1), down(b), push(b) (the
+// gather and gate_up of a minibatch past the last are empty, and so is every push without
+// expert parallelism); then the shared expert's gate/up and down segments (empty without one);
+// then one combine segment.
+constexpr int32_t kSegmentsPerMinibatch = 4;
 MOK_HOST_DEVICE inline int32_t num_segments(const ForwardPlan& plan) {
-  return 2 + 3 * num_minibatches(plan) + 2 + 1;
+  return 2 + kSegmentsPerMinibatch * num_minibatches(plan) + 2 + 1;
+}
+
+MOK_HOST_DEVICE inline bool has_pushes(const ForwardPlan& plan) {
+  return plan.num_ranks > 1 && plan.memory_tasks != 0;
 }
 
 MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment, TaskKind* kind,
                                        int32_t* minibatch) {
   const int32_t batches = num_minibatches(plan);
+  const int32_t routed_end = 2 + kSegmentsPerMinibatch * batches;
   if (segment < 2) {
     *kind = segment == 0 ? TaskKind::kGather : TaskKind::kGateUp;
     *minibatch = 0;
-  } else if (segment < 2 + 3 * batches) {
-    const int32_t b = (segment - 2) / 3, which = (segment - 2) % 3;
-    *kind = which == 0 ? TaskKind::kGather : which == 1 ? TaskKind::kGateUp : TaskKind::kDown;
-    *minibatch = which == 2 ? b : b + 1;
-  } else if (segment < 2 + 3 * batches + 2) {
-    *kind = segment == 2 + 3 * batches ? TaskKind::kSharedGateUp : TaskKind::kSharedDown;
+  } else if (segment < routed_end) {
+    const int32_t b = (segment - 2) / kSegmentsPerMinibatch;
+    const int32_t which = (segment - 2) % kSegmentsPerMinibatch;
+    constexpr TaskKind kKinds[kSegmentsPerMinibatch] = {TaskKind::kGather, TaskKind::kGateUp,
+                                                        TaskKind::kDown, TaskKind::kPush};
+    *kind = kKinds[which];
+    *minibatch = which < 2 ? b + 1 : b;
+  } else if (segment < routed_end + 2) {
+    *kind = segment == routed_end ? TaskKind::kSharedGateUp : TaskKind::kSharedDown;
     *minibatch = -1;
   } else {
     *kind = TaskKind::kCombine;
@@ -175,6 +204,7 @@ MOK_HOST_DEVICE inline void segment_at(const ForwardPlan& plan, int32_t segment,
 
 MOK_HOST_DEVICE inline int64_t segment_size(const ForwardPlan& plan, TaskKind kind, int32_t b) {
   if ((kind == TaskKind::kCombine || kind == TaskKind::kGather) && plan.memory_tasks == 0) return 0;
+  if (kind == TaskKind::kPush && !has_pushes(plan)) return 0;
   if (kind == TaskKind::kCombine) return plan.combine_blocks;
   if (kind == TaskKind::kSharedGateUp)
     return static_cast<int64_t>(plan.shared_m_tiles) * plan.shared_gate_up_n_tiles;
@@ -182,7 +212,7 @@ MOK_HOST_DEVICE inline int64_t segment_size(const ForwardPlan& plan, TaskKind ki
     return static_cast<int64_t>(plan.shared_m_tiles) * plan.shared_down_n_tiles;
   if (b >= num_minibatches(plan)) return 0;
   const int64_t tiles = minibatch_tiles(plan, b);
-  if (kind == TaskKind::kGather) return tiles;
+  if (kind == TaskKind::kGather || kind == TaskKind::kPush) return tiles;
   return tiles * (kind == TaskKind::kGateUp ? plan.gate_up_n_tiles : plan.down_n_tiles);
 }
 
@@ -245,7 +275,7 @@ MOK_HOST_DEVICE inline Task task_in_segment(const ForwardPlan& plan, int32_t seg
   Task task{kind, b, -1, -1, -1};
   if (kind == TaskKind::kCombine) {
     task.block = static_cast<int32_t>(local_ticket);
-  } else if (kind == TaskKind::kGather) {
+  } else if (kind == TaskKind::kGather || kind == TaskKind::kPush) {
     task.m_tile = minibatch_first_tile(plan, b) + static_cast<int32_t>(local_ticket);
   } else if (is_shared(kind)) {
     grouped_tile(
@@ -289,11 +319,22 @@ MOK_HOST_DEVICE inline Dependency dependency_of(const ForwardPlan& plan, const T
       return {CounterKind::kNone, 0, 0};
     case TaskKind::kSharedDown:
       return {CounterKind::kSharedGateUpDone, task.m_tile, plan.shared_gate_up_n_tiles};
+    case TaskKind::kPush:
+      return {CounterKind::kRowDownDone, task.m_tile, plan.down_n_tiles};
     case TaskKind::kCombine:
+      // Every down tile here: the routed rows of this rank's own tokens are read in place.
       return {CounterKind::kDownDone, 0,
               static_cast<int64_t>(plan.num_m_tiles) * plan.down_n_tiles +
                   static_cast<int64_t>(plan.shared_m_tiles) * plan.shared_down_n_tiles};
   }
+  return {CounterKind::kNone, 0, 0};
+}
+
+// The wait on other ranks, after dependency_of's (kNone but for a combine under expert
+// parallelism): the rows the other ranks push into its block.
+MOK_HOST_DEVICE inline Dependency remote_dependency_of(const ForwardPlan& plan, const Task& task) {
+  if (task.kind == TaskKind::kCombine && has_pushes(plan))
+    return {CounterKind::kRowsPushed, task.block, kTargetFromRouting};
   return {CounterKind::kNone, 0, 0};
 }
 
