@@ -100,10 +100,8 @@ def test_gpt_oss_is_refused_with_the_reason():
         model(input_ids=torch.randint(0, 256, (1, 8)))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
-    """The experts module's gate_up_proj reaches mok as two expert-strided views (no copy):
-    output and gradients bitwise those of mok.nn.MoE holding the halves as separate tensors."""
+def mok_experts(device):
+    """A tiny Qwen3-MoE experts module on mok, bf16, its weights N(0, 0.05) (seed 0)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     config = qwen3_moe_config()
@@ -113,6 +111,14 @@ def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.05)
+    return experts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
+    """The experts module's gate_up_proj reaches mok as two expert-strided views (no copy):
+    output and gradients bitwise those of mok.nn.MoE holding the halves as separate tensors."""
+    experts = mok_experts(device)
     separate = mok.nn.MoE(8, 128, 128, device=device)
     separate.load_hf_experts(experts.gate_up_proj.detach(), experts.down_proj.detach())
     gen = torch.Generator().manual_seed(2)
@@ -171,14 +177,8 @@ def test_fp32_experts_under_bf16_autocast_give_the_bf16_bits(device):
     gradients (those in fp32)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = qwen3_moe_config()
-    config._experts_implementation = "mok"
-    torch.manual_seed(0)
-    bf16 = Qwen3MoeExperts(config).to(device, torch.bfloat16)
-    with torch.no_grad():
-        for p in bf16.parameters():
-            p.normal_(0, 0.05)
-    fp32 = Qwen3MoeExperts(config).to(device, torch.float32)
+    bf16 = mok_experts(device)
+    fp32 = Qwen3MoeExperts(bf16.config).to(device, torch.float32)
     with torch.no_grad():
         for a, b in zip(fp32.parameters(), bf16.parameters()):
             a.copy_(b.float())
