@@ -515,7 +515,9 @@ def moe(
     this call without a graph break): layers of one shape then share a layer, and a backward
     whose context another call replaced recomputes (``mok.nn.MoE`` holds its own). Under
     ``torch.autocast(dtype=torch.bfloat16)`` fp32 x and weights (fp32 master weights) are cast
-    to bf16 per call, as autocast does for a matmul, and router weights to fp32."""
+    to bf16 per call, as autocast does for a matmul, and router weights to fp32. bf16 or fp16
+    router weights (FSDP2's mixed precision casts forward inputs to bf16) are taken as their
+    exact fp32 values."""
     leading = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     top2 = top_experts.reshape(-1, top_experts.shape[-1])
@@ -527,7 +529,11 @@ def moe(
         (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     )
     if _autocast_to_bf16(x.device.type):
-        x2, rw2 = _bf16(x2), rw2.float()
+        x2 = _bf16(x2)
         weights = [_bf16(w) for w in weights]
+    if rw2.dtype in (torch.bfloat16, torch.float16) or _autocast_to_bf16(x.device.type):
+        # Exact in fp32 (a differentiable cast: the gradient returns in the caller's dtype):
+        # FSDP2's MixedPrecisionPolicy casts every floating forward input to bf16.
+        rw2 = rw2.float()
     out = _MoeFunction.apply(x2, top2, rw2, *weights, _limit(swiglu_limit), handle, weight_scales)
     return out.reshape(*leading, out.shape[-1])
