@@ -80,6 +80,33 @@ def test_fp32_weights_under_bf16_autocast_give_the_bf16_bits(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(device, reentrant):
+    """torch.utils.checkpoint around the module (its forward runs again inside the backward):
+    the same gradients, bit for bit, as without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    module = make_module(device)
+    top, weights = routing(32, 8, 2, 5, device)
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    x = x.to(device)
+
+    def grads(checkpointed):
+        for p in module.parameters():
+            p.grad = None
+        leaf_x, leaf_w = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        if checkpointed:
+            out = checkpoint(module, leaf_x, top, leaf_w, use_reentrant=reentrant)
+        else:
+            out = module(leaf_x, top, leaf_w)
+        out.float().pow(2).mean().backward()
+        return [leaf_x.grad, leaf_w.grad] + [p.grad.clone() for p in module.parameters()]
+
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_parameters_and_layouts(device):
     module = make_module(device)
     names = [n for n, _ in module.named_parameters()]
