@@ -98,10 +98,41 @@ def fingerprint(*tensors) -> tuple:
     )
 
 
+def _config_fields(config: _C.MoeConfig) -> dict:
+    """Every field of a native config, by name (to rebuild it: it does not pickle)."""
+    return {
+        name: getattr(config, name)
+        for name, attribute in vars(type(config)).items()
+        if isinstance(attribute, property)
+    }
+
+
+def _fresh_workspace(
+    config_fields: dict, num_ranks: int, expected: tuple[int, int, int] | None
+) -> "Workspace":
+    config = _C.MoeConfig()
+    for name, value in config_fields.items():
+        setattr(config, name, value)
+    return Workspace(config, None, num_ranks, expected)
+
+
 class Workspace:
     """The layers of this process's devices (and of one expert-parallel group, when
     ``communicator`` is given). Making one allocates nothing: each layer is built by its first
     call, on the device of its tensors."""
+
+    def __reduce__(self):
+        """Copied (``copy.deepcopy`` of a module: an EMA copy) and pickled (``torch.save`` of a
+        module) as a fresh workspace with the same config and nothing built: its layers are
+        device memory and the last forward's context, which belong to the module it serves. An
+        expert-parallel workspace holds this process's communicator and is not copied."""
+        if self.communicator is not None:
+            raise TypeError(
+                "an expert-parallel mok workspace (mok.nn.MoE(..., group=...)) cannot be copied "
+                "or pickled: it holds this process's communicator; save the module's state_dict "
+                "and load it into a module built with its group"
+            )
+        return (_fresh_workspace, (_config_fields(self.config), self.num_ranks, self.expected))
 
     def __init__(
         self,

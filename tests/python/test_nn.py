@@ -107,6 +107,28 @@ def test_activation_checkpointing_gives_the_same_gradients(device, reentrant):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_deepcopy_and_torch_save_give_a_working_module(device):
+    """copy.deepcopy (an EMA copy of the model) and torch.save / torch.load of the module: the
+    copy computes the same bits with a workspace of its own (same config, nothing built)."""
+    import copy
+    import io
+
+    module = make_module(device)
+    top, weights = routing(32, 8, 2, 7, device)
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    x = x.to(device)
+    want = module(x, top, weights)
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(module), torch.load(buffer, weights_only=False)):
+        assert copied.workspace is not module.workspace
+        assert copied.workspace.handle != module.workspace.handle
+        assert copied.workspace.config.minibatch_size == module.workspace.config.minibatch_size
+        assert torch.equal(copied(x, top, weights), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_parameters_and_layouts(device):
     module = make_module(device)
     names = [n for n, _ in module.named_parameters()]

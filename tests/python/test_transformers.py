@@ -195,3 +195,20 @@ def test_fp32_experts_under_bf16_autocast_give_the_bf16_bits(device):
     assert torch.equal(out, out_ref)
     for a, b in zip(fp32.parameters(), bf16.parameters()):
         assert a.grad.dtype == torch.float32 and torch.equal(a.grad, b.grad.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deepcopy_of_mok_experts_after_a_call(device):
+    """copy.deepcopy of an experts module that has run (and so holds its mok workspace): the copy
+    runs with a workspace of its own and gives the same output."""
+    import copy
+
+    experts = mok_experts(device)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(24, 128, generator=gen).to(torch.bfloat16).to(device)
+    top = torch.randint(0, 8, (24, 2), generator=gen).to(device)
+    weights = torch.rand(24, 2, generator=gen).to(device)
+    want = experts(x, top, weights)
+    copied = copy.deepcopy(experts)
+    assert copied._mok_workspace is not experts._mok_workspace
+    assert torch.equal(copied(x, top, weights), want)
