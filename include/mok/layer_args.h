@@ -62,6 +62,9 @@ bool has_fp8_weights(const ForwardArgs& args);
 // (`call` names the call in the message).
 Status check_weight_precision(const char* call, const ForwardArgs& args, Precision precision);
 
+// The weight gradients are all given or all absent. Absent (frozen experts: a fine-tune that
+// trains the router, the attention or adapters only), the backward computes d_x and
+// d_router_weights alone and skips the weight-gradient GEMMs, the largest stage of a backward.
 struct BackwardArgs {
   ForwardArgs forward;          // the forward's inputs (forward.out is not used)
   TensorView d_out;             // [T, H] bf16
@@ -74,6 +77,10 @@ struct BackwardArgs {
   TensorView d_w_shared_up;     // [Is, H] bf16, written; absent when Is = 0
   TensorView d_w_shared_down;   // [H, Is] bf16, written; absent when Is = 0
 };
+
+// Whether a backward call asks for the weight gradients (check_backward_args checks that they
+// are all given or all absent).
+inline bool wants_weight_gradients(const BackwardArgs& args) { return args.d_w_gate.present(); }
 
 // Where one rank's tensors live, each row-major and contiguous with the shapes above (top_experts
 // int32). The shared-expert pointers are ignored when the shape has no shared expert.

@@ -104,10 +104,11 @@ ForwardArgs forward_args(const Array& x, const Array& top_experts, const Array& 
   return args;
 }
 
-// The outputs of a backward call, in mok's order.
+// The outputs of a backward call, in mok's order; the weight gradients None when frozen
+// (BackwardArgs: all of them absent).
 struct GradientArrays {
-  Array d_x, d_router_weights, d_w_gate, d_w_up, d_w_down;
-  OptionalArray d_w_shared_gate, d_w_shared_up, d_w_shared_down;
+  Array d_x, d_router_weights;
+  OptionalArray d_w_gate, d_w_up, d_w_down, d_w_shared_gate, d_w_shared_up, d_w_shared_down;
 };
 
 BackwardArgs backward_args(ForwardArgs forward, const Array& d_out, const GradientArrays& grads) {
@@ -224,8 +225,8 @@ void bind_reference(nb::module_& m) {
          const Array& router_weights, const Array& w_gate, const Array& w_up, const Array& w_down,
          const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
          const OptionalArray& w_shared_down, const Array& d_out, const Array& d_x,
-         const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
-         const Array& d_w_down, const OptionalArray& d_w_shared_gate,
+         const Array& d_router_weights, const OptionalArray& d_w_gate, const OptionalArray& d_w_up,
+         const OptionalArray& d_w_down, const OptionalArray& d_w_shared_gate,
          const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
          const std::string& precision, const ScaleArrays& weight_scales) {
         const BackwardArgs args =
@@ -241,7 +242,7 @@ void bind_reference(nb::module_& m) {
       },
       "shape"_a, "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
       "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
-      "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
+      "d_x"_a, "d_router_weights"_a, "d_w_gate"_a.none(), "d_w_up"_a.none(), "d_w_down"_a.none(),
       "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
       "precision"_a = "bf16", "weight_scales"_a = ScaleArrays{});
 }
@@ -290,11 +291,11 @@ void bind_gpu_layer(nb::module_& m) {
              const Array& w_gate, const Array& w_up, const Array& w_down,
              const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
              const OptionalArray& w_shared_down, const Array& d_out, const Array& d_x,
-             const Array& d_router_weights, const Array& d_w_gate, const Array& d_w_up,
-             const Array& d_w_down, const OptionalArray& d_w_shared_gate,
-             const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
-             uintptr_t stream, uint64_t context, uint64_t weights_version,
-             const ScaleArrays& weight_scales) {
+             const Array& d_router_weights, const OptionalArray& d_w_gate,
+             const OptionalArray& d_w_up, const OptionalArray& d_w_down,
+             const OptionalArray& d_w_shared_gate, const OptionalArray& d_w_shared_up,
+             const OptionalArray& d_w_shared_down, uintptr_t stream, uint64_t context,
+             uint64_t weights_version, const ScaleArrays& weight_scales) {
             ForwardArgs forward =
                 forward_args(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
                              w_shared_up, w_shared_down, weight_scales);
@@ -308,9 +309,10 @@ void bind_gpu_layer(nb::module_& m) {
           },
           "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
           "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
-          "d_x"_a, "d_router_weights"_a, "d_w_gate"_a, "d_w_up"_a, "d_w_down"_a,
-          "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
-          "stream"_a, "context"_a = 0, "weights_version"_a = 0, "weight_scales"_a = ScaleArrays{},
+          "d_x"_a, "d_router_weights"_a, "d_w_gate"_a.none(), "d_w_up"_a.none(),
+          "d_w_down"_a.none(), "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(),
+          "d_w_shared_down"_a.none(), "stream"_a, "context"_a = 0, "weights_version"_a = 0,
+          "weight_scales"_a = ScaleArrays{},
           "Launches the backward on `stream`: from `context` (a forward's) if nonzero, else "
           "recomputing the forward's intermediates. Pre-quantized weights as in forward; their "
           "gradients are bf16.")

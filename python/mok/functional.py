@@ -462,13 +462,22 @@ class _MoeFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         saved = ctx.saved_tensors
         inputs, weight_scales = saved[:9], list(saved[9:])
+        # Frozen weights (none of the six needs a gradient: a fine-tune of the router, the
+        # attention or adapters): the backward skips the weight-gradient GEMMs.
+        wanted = any(ctx.needs_input_grad[3:9])
         grads = ops.backward_eager(
-            d_out.contiguous(), *inputs, ctx.swiglu_limit, ctx.handle, True, weight_scales
+            d_out.contiguous(),
+            *inputs,
+            ctx.swiglu_limit,
+            ctx.handle,
+            True,
+            weight_scales,
+            wanted,
         )
         d_x, d_router_weights = grads[:2]
         # Pre-quantized weights (FP8 codes) take no gradient: the caller's master weights do.
         weight_grads = [
-            g if w is not None and w.dtype != torch.float8_e4m3fn else None
+            g if wanted and w is not None and w.dtype != torch.float8_e4m3fn else None
             for g, w in zip(grads[2:], inputs[3:])
         ]
         return (d_x, None, d_router_weights, *weight_grads, None, None, None)

@@ -55,7 +55,10 @@ def _capsules(*tensors):
 
 
 def _gradient_capsules(grads: list[Tensor], shared_weights: tuple) -> list:
-    """The backward's eight outputs as capsules; the shared expert's are None without one."""
+    """The backward's eight outputs as capsules; the shared expert's are None without one, and
+    every weight gradient's is None when they are empty (frozen weights: not computed)."""
+    if grads[2].dim() != 3:  # _gradients_like's empty ones
+        return [*_capsules(*grads[:2]), None, None, None, None, None, None]
     shared = [_dl(g) if w is not None else None for g, w in zip(grads[5:], shared_weights)]
     return [*_capsules(*grads[:5]), *shared]
 
@@ -107,16 +110,22 @@ def _layer_key(inputs: tuple, swiglu_limit: float, num_ranks: int = 1):
     return layer_key(x, top_experts, w_gate, w_shared_gate, swiglu_limit, num_ranks)
 
 
-def _gradients_like(inputs: tuple, d_gate_up: Tensor | None = None) -> list[Tensor]:
+def _gradients_like(
+    inputs: tuple, d_gate_up: Tensor | None = None, weight_grads: bool = True
+) -> list[Tensor]:
     """The backward's eight outputs for the nine inputs: d_x, d_router_weights, the routed
     weights' gradients, and the shared expert's (empty without one); bf16 for a weight given as
     FP8 codes. With `d_gate_up` ([E, 2I, H]) the gate and up gradients are its two halves, which
-    the kernels write through their expert stride."""
+    the kernels write through their expert stride. Without `weight_grads` (frozen weights) the
+    six weight gradients are empty and not computed."""
     x, _, router_weights, w_gate, w_up, w_down, *shared_weights = inputs
 
     def like(tensor):
         dtype = torch.bfloat16 if tensor.dtype == torch.float8_e4m3fn else tensor.dtype
         return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+
+    if not weight_grads:
+        return [like(x), like(router_weights)] + [_empty_gradient(w_gate) for _ in range(6)]
 
     if d_gate_up is None:
         d_gate, d_up = like(w_gate), like(w_up)
@@ -216,6 +225,7 @@ def _backward_cuda(
     workspace: int,
     use_context: bool,
     weight_scales: list[Tensor | None],
+    weight_grads: bool = True,
 ) -> list[Tensor]:
     inputs = (
         x,
@@ -229,7 +239,13 @@ def _backward_cuda(
         w_shared_down,
     )
     return _backward_cuda_into(
-        _gradients_like(inputs), d_out, inputs, swiglu_limit, workspace, use_context, weight_scales
+        _gradients_like(inputs, weight_grads=weight_grads),
+        d_out,
+        inputs,
+        swiglu_limit,
+        workspace,
+        use_context,
+        weight_scales,
     )
 
 
@@ -271,12 +287,18 @@ backward = torch.library.custom_op("mok::backward", mutates_args=(), device_type
 
 @backward.register_kernel("cpu")
 def _backward_cpu(*args):
-    return _backward_cpu_into(_gradients_like(args[1:10]), *args)
+    return _backward_cpu_into(_gradients_like(args[1:10], weight_grads=_wants(args)), *args)
+
+
+def _wants(args: tuple) -> bool:
+    """The op's weight_grads argument (positional, after weight_scales; True when left out)."""
+    return bool(args[14]) if len(args) > 14 else True
 
 
 def _backward_cpu_into(grads: list[Tensor], *args) -> list[Tensor]:
     """The CPU reference's backward into the eight outputs `grads`."""
-    d_out, inputs, (swiglu_limit, workspace, _, weight_scales) = args[0], args[1:10], args[10:]
+    d_out, inputs = args[0], args[1:10]
+    swiglu_limit, workspace, _, weight_scales = args[10:14]
     _C.reference_backward(
         _layer_key(inputs, swiglu_limit).shape(1),
         *_capsules(*inputs),
@@ -290,7 +312,7 @@ def _backward_cpu_into(grads: list[Tensor], *args) -> list[Tensor]:
 
 @backward.register_fake
 def _backward_fake(*args):
-    return _gradients_like(args[1:10])
+    return _gradients_like(args[1:10], weight_grads=_wants(args))
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)

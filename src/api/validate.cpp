@@ -194,22 +194,36 @@ Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
   MOK_RETURN_IF_ERROR(checker.check("d_x", args.d_x, {DType::kBFloat16}, {T, H}));
   MOK_RETURN_IF_ERROR(
       checker.check("d_router_weights", args.d_router_weights, {DType::kFloat32}, {T, K}));
-  MOK_RETURN_IF_ERROR(
-      checker.check("d_w_gate", args.d_w_gate, {DType::kBFloat16}, {E, I, H}, true));
-  MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, {DType::kBFloat16}, {E, I, H}, true));
-  MOK_RETURN_IF_ERROR(
-      checker.check("d_w_down", args.d_w_down, {DType::kBFloat16}, {E, H, I}, true));
-  if (shape.has_shared_expert()) {
-    MOK_RETURN_IF_ERROR(
-        checker.check("d_w_shared_gate", args.d_w_shared_gate, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(
-        checker.check("d_w_shared_up", args.d_w_shared_up, {DType::kBFloat16}, {Is, H}));
-    MOK_RETURN_IF_ERROR(
-        checker.check("d_w_shared_down", args.d_w_shared_down, {DType::kBFloat16}, {H, Is}));
+  if (!wants_weight_gradients(args)) {
+    // Frozen weights: every weight gradient absent (one given alone names the mix).
+    for (const auto& [name, view] :
+         {std::pair<const char*, const TensorView*>{"d_w_up", &args.d_w_up},
+          {"d_w_down", &args.d_w_down},
+          {"d_w_shared_gate", &args.d_w_shared_gate},
+          {"d_w_shared_up", &args.d_w_shared_up},
+          {"d_w_shared_down", &args.d_w_shared_down}})
+      if (view->present())
+        return checker.fail(name,
+                            "was given without d_w_gate; the weight gradients are all "
+                            "given, or all absent (frozen weights)");
   } else {
-    MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_gate", args.d_w_shared_gate));
-    MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_up", args.d_w_shared_up));
-    MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_down", args.d_w_shared_down));
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_gate", args.d_w_gate, {DType::kBFloat16}, {E, I, H}, true));
+    MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, {DType::kBFloat16}, {E, I, H}, true));
+    MOK_RETURN_IF_ERROR(
+        checker.check("d_w_down", args.d_w_down, {DType::kBFloat16}, {E, H, I}, true));
+    if (shape.has_shared_expert()) {
+      MOK_RETURN_IF_ERROR(
+          checker.check("d_w_shared_gate", args.d_w_shared_gate, {DType::kBFloat16}, {Is, H}));
+      MOK_RETURN_IF_ERROR(
+          checker.check("d_w_shared_up", args.d_w_shared_up, {DType::kBFloat16}, {Is, H}));
+      MOK_RETURN_IF_ERROR(
+          checker.check("d_w_shared_down", args.d_w_shared_down, {DType::kBFloat16}, {H, Is}));
+    } else {
+      MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_gate", args.d_w_shared_gate));
+      MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_up", args.d_w_shared_up));
+      MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_down", args.d_w_shared_down));
+    }
   }
   std::vector<NamedTensor> inputs = named_inputs(args.forward);
   inputs.push_back({"d_out", &args.d_out});

@@ -54,6 +54,8 @@ class PersistentBackward final : public BackwardEngine {
  public:
   explicit PersistentBackward(bool gathers) : gathers_(gathers) {}
   bool gathers_in_kernel() const override { return gathers_; }
+  // Its weight-gradient tiles are tasks of the one launch's order.
+  bool skips_weight_gradients() const override { return false; }
   void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,
                   const ExpertSetBackward* shared, bool recompute, const BackwardRows& rows,
                   int32_t, cudaStream_t stream, const StageMarker& mark) override {

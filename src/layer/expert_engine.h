@@ -41,6 +41,8 @@ class BackwardEngine {
   virtual ~BackwardEngine() = default;
   // Whether this engine gathers the macrobatch's rows inside its kernel (BackwardRows).
   virtual bool gathers_in_kernel() const = 0;
+  // Whether a backward without weight gradients (frozen weights, BackwardArgs) can skip them.
+  virtual bool skips_weight_gradients() const { return true; }
   // Macrobatch m of the routed experts (`recompute`: g and u again first); `shared` as in
   // ForwardEngine::macrobatch.
   virtual void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,

@@ -343,6 +343,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
     wgrad.macrobatch = macrobatch(matrix);
     launch(s, kernels::ExpertGemmForm::kWeightGrad, wgrad_maps, wgrad, stream, what);
   };
+  if (grads.d_w_gate == nullptr) return;  // frozen weights (BackwardArgs): none asked for
   weight_grad(0, set.d_gate.pointer, R, I, x_rows, H, grads.d_w_gate, grads.d_w_gate_stride,
               "weight gradient of gate");
   weight_grad(1, set.d_up.pointer, R, I, x_rows, H, grads.d_w_up, grads.d_w_up_stride,

@@ -350,7 +350,8 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   mark("FP8 gate/up dgrad");
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands transposed in
-  // groups of 128 rows.
+  // groups of 128 rows. None with frozen weights (BackwardArgs), nor their operands.
+  if (b.grads.d_w_gate == nullptr) return;
   if (!gathered) {
     quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, stream,
              "x rows (transposed)");

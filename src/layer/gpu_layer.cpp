@@ -189,7 +189,7 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
   }
   s.exchange->return_rows(s, stream, mark, "push dx");
   s.backward_engine->shared_expert(s, shared, !use_context, stream, mark);
-  if (s.shape.has_shared_expert() && T == 0) {
+  if (s.shape.has_shared_expert() && T == 0 && wants_weight_gradients(args)) {
     for (const TensorView* grad :
          {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
       cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream),
@@ -239,6 +239,20 @@ bool context_is_current(const GpuLayer::State& s, const ForwardContext* context)
 
 }  // namespace
 
+namespace {
+
+// Frozen weights (no weight gradients asked for) with an engine that cannot skip them.
+void check_frozen_weights(const GpuLayer::State& s, const BackwardArgs& args, const char* call) {
+  if (wants_weight_gradients(args) || s.backward_engine->skips_weight_gradients()) return;
+  throw Error(ErrorCode::kInvalidArgument,
+              std::string(call) +
+                  ": the weight gradients are absent (frozen weights), which the persistent "
+                  "backward (MoeConfig::persistent_backward) computes in its one launch; pass "
+                  "them, or turn persistent_backward off");
+}
+
+}  // namespace
+
 bool GpuLayer::holds_context(const ForwardContext& context) const {
   return context.generation != 0 && context.generation == state_->generation;
 }
@@ -248,6 +262,7 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   check_weight_precision("backward", args.forward, s.config.precision).throw_if_error();
+  check_frozen_weights(s, args, "backward");
   if (args.d_out.device_id != s.device)
     throw Error(ErrorCode::kInvalidArgument,
                 "backward: tensors are on cuda:" + std::to_string(args.d_out.device_id) +
@@ -337,6 +352,7 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   check_weight_precision("backward", args.forward, s.config.precision).throw_if_error();
+  check_frozen_weights(s, args, "profile_backward");
   const bool use_context = context_is_current(s, context);
   if (!use_context) ++s.generation;
   return profile_stages(s, "profile_backward", stream, iterations, [&](const StageMarker& mark) {

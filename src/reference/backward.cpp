@@ -69,11 +69,13 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, bool fp8,
     detail::ExpertGradients grads;
     grads.d_router_weights = d_router_weights.data();
     grads.dx = dx.data();
-    grads.d_w_gate =
-        owner_args.d_w_gate.data_as<bf16>() + expert * owner_args.d_w_gate.outer_stride();
-    grads.d_w_up = owner_args.d_w_up.data_as<bf16>() + expert * owner_args.d_w_up.outer_stride();
-    grads.d_w_down =
-        owner_args.d_w_down.data_as<bf16>() + expert * owner_args.d_w_down.outer_stride();
+    if (wants_weight_gradients(owner_args)) {
+      grads.d_w_gate =
+          owner_args.d_w_gate.data_as<bf16>() + expert * owner_args.d_w_gate.outer_stride();
+      grads.d_w_up = owner_args.d_w_up.data_as<bf16>() + expert * owner_args.d_w_up.outer_stride();
+      grads.d_w_down =
+          owner_args.d_w_down.data_as<bf16>() + expert * owner_args.d_w_down.outer_stride();
+    }
     detail::expert_backward(pool, weights, x_rows.data(), d_out_rows.data(), row_weights.data(),
                             rows, shape.swiglu_limit, grads);
 
@@ -110,9 +112,11 @@ std::vector<float> shared_expert_backward(ThreadPool& pool, const MoeShape& shap
   std::vector<float> dx(static_cast<size_t>(tokens * hidden));
   detail::ExpertGradients grads;
   grads.dx = dx.data();
-  grads.d_w_gate = args.d_w_shared_gate.data_as<bf16>();
-  grads.d_w_up = args.d_w_shared_up.data_as<bf16>();
-  grads.d_w_down = args.d_w_shared_down.data_as<bf16>();
+  if (wants_weight_gradients(args)) {
+    grads.d_w_gate = args.d_w_shared_gate.data_as<bf16>();
+    grads.d_w_up = args.d_w_shared_up.data_as<bf16>();
+    grads.d_w_down = args.d_w_shared_down.data_as<bf16>();
+  }
   detail::expert_backward(pool, weights, x_rows.data(), d_out_rows.data(), nullptr, tokens,
                           shape.swiglu_limit, grads);
   return dx;

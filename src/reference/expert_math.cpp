@@ -146,8 +146,10 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
                      const float* d_out_rows, const float* row_weights, int64_t rows,
                      float swiglu_limit, const ExpertGradients& grads) {
   const int64_t hidden = weights.hidden, inter = weights.intermediate;
+  const bool weight_gradients = grads.d_w_gate != nullptr;  // null: frozen weights
   if (rows == 0) {
     // An expert nobody routed to: its gradients are zero (the outputs are still written).
+    if (!weight_gradients) return;
     std::fill(grads.d_w_gate, grads.d_w_gate + inter * hidden, bf16{});
     std::fill(grads.d_w_up, grads.d_w_up + inter * hidden, bf16{});
     std::fill(grads.d_w_down, grads.d_w_down + inter * hidden, bf16{});
@@ -200,6 +202,7 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
           weights.gate_up_t.data(), 2 * inter, grads.dx, hidden);
   d_gate_up_fp8 = {};
   round_in_place(pool, grads.dx, rows, hidden);
+  if (!weight_gradients) return;
 
   // Weight gradients reduce over the rows: transposed copies make the rows the depth of an NT
   // product, summed in row order.

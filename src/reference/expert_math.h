@@ -67,7 +67,8 @@ SwigluRows expert_swiglu(ThreadPool& pool, const ExpertWeights& weights, const f
 void expert_down(ThreadPool& pool, const ExpertWeights& weights, const float* hidden, int64_t rows,
                  float* y);
 
-// Where expert_backward writes. d_router_weights may be null (the shared expert has none).
+// Where expert_backward writes. d_router_weights may be null (the shared expert has none), and
+// so may the three weight gradients together (frozen weights: not computed).
 struct ExpertGradients {
   float* d_router_weights = nullptr;  // [rows]: <dh_raw, h>, fp32
   float* dx = nullptr;                // [rows, H]: bf16 values as fp32

@@ -378,6 +378,52 @@ bool still_poisoned(const std::vector<bf16>& values) {
   return true;
 }
 
+// Frozen weights (every weight gradient absent): the same d_x and d_router_weights, bit for
+// bit, as the full backward, on one rank and in a 2-rank group, with a shared expert; the
+// weight-gradient buffers are not written. A partial set is refused, naming the argument.
+TEST(ReferenceFrozenWeights, SameInputGradientsAndNoWeightGradients) {
+  for (int32_t ranks : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << ranks << " ranks");
+    const MoeShape shape = make_shape(48, 128, 64, 8, 2, ranks, 64, 0.5f);
+    HostProblem full = HostProblem::make(shape, RoutingKind::kSkewed, 21);
+    test::run_reference(full);
+    HostProblem frozen = HostProblem::make(shape, RoutingKind::kSkewed, 21);
+    frozen.poison_outputs();
+    std::vector<ForwardArgs> forward_args = frozen.all_forward_args();
+    std::vector<BackwardArgs> backward_args = frozen.all_backward_args();
+    for (BackwardArgs& args : backward_args) {
+      for (TensorView* grad : {&args.d_w_gate, &args.d_w_up, &args.d_w_down, &args.d_w_shared_gate,
+                               &args.d_w_shared_up, &args.d_w_shared_down})
+        *grad = TensorView{};
+      EXPECT_FALSE(wants_weight_gradients(args));
+    }
+    reference::forward_ep(shape, forward_args);
+    reference::backward_ep(shape, backward_args);
+    for (int32_t r = 0; r < ranks; ++r) {
+      EXPECT_TRUE(test::bitwise_equal(frozen.ranks[r].d_x, full.ranks[r].d_x)) << "rank " << r;
+      EXPECT_TRUE(
+          test::bitwise_equal(frozen.ranks[r].d_router_weights, full.ranks[r].d_router_weights))
+          << "rank " << r;
+      EXPECT_TRUE(still_poisoned(frozen.ranks[r].d_w_gate)) << "rank " << r;
+      EXPECT_TRUE(still_poisoned(frozen.ranks[r].d_w_shared_down)) << "rank " << r;
+    }
+  }
+  const MoeShape shape = make_shape(16, 128, 64, 4, 2, 1);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 3);
+  reference::forward(shape, problem.forward_args(0));
+  BackwardArgs partial = problem.backward_args(0);
+  partial.d_w_gate = TensorView{};
+  try {
+    reference::backward(shape, partial);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("`d_w_up` was given without d_w_gate"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
 TEST(ReferenceValidation, WrongRankCountIsRejected) {
   HostProblem problem =
       HostProblem::make(make_shape(8, 128, 64, 4, 2, 2), RoutingKind::kUniform, 1);

@@ -329,6 +329,53 @@ TEST(BackwardGpu, StaleContextIsRejected) {
   EXPECT_THROW(layer.backward(device.backward_args(), nullptr, &latest), Error);
 }
 
+// Frozen weights (every weight gradient absent): d_x and d_router_weights bitwise those of the
+// full backward, the weight-gradient buffers untouched, with the kernel sequence, several
+// macrobatches and FP8-free bf16; the persistent backward refuses, naming the way out.
+TEST(BackwardGpu, FrozenWeightsSkipTheirGradients) {
+  const MoeShape shape = make_shape(300, 256, 192, 6, 2, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 78);
+  DeviceProblem device(problem, 0);
+  std::vector<MoeConfig> configs(2);
+  configs[1].minibatch_size = 128;
+  configs[1].macrobatch_size = 256;
+  for (const MoeConfig& config : configs) {
+    SCOPED_TRACE(testing::Message() << "macrobatch " << config.macrobatch_size);
+    GpuLayer layer(shape, config);
+    const HostRank want = test::gpu_step(layer, device, problem, /*with_context=*/true);
+    device.poison_outputs();
+    BackwardArgs frozen = device.backward_args();
+    for (TensorView* grad :
+         {&frozen.d_w_gate, &frozen.d_w_up, &frozen.d_w_down, &frozen.d_w_shared_gate,
+          &frozen.d_w_shared_up, &frozen.d_w_shared_down})
+      *grad = TensorView{};
+    const ForwardContext context = layer.forward(device.forward_args(), nullptr);
+    layer.backward(frozen, nullptr, &context);
+    const Status status = layer.synchronize(nullptr);
+    ASSERT_TRUE(status.ok()) << status.message;
+    HostRank got = output_buffers(shape);
+    device.download_outputs(got);
+    EXPECT_TRUE(test::bitwise_equal(got.d_x, want.d_x));
+    EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
+    for (const auto* grad : {&got.d_w_gate, &got.d_w_down, &got.d_w_shared_up})
+      for (bf16 value : *grad) ASSERT_EQ(value.bits, kPoisonBf16Bits);
+  }
+  MoeConfig persistent;
+  persistent.persistent_backward = true;
+  GpuLayer layer(shape, persistent);
+  BackwardArgs frozen = device.backward_args();
+  for (TensorView* grad : {&frozen.d_w_gate, &frozen.d_w_up, &frozen.d_w_down,
+                           &frozen.d_w_shared_gate, &frozen.d_w_shared_up, &frozen.d_w_shared_down})
+    *grad = TensorView{};
+  try {
+    layer.backward(frozen, nullptr, nullptr);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("persistent_backward"), std::string::npos)
+        << error.what();
+  }
+}
+
 // The routed gate and up weights as the two halves of one fused [E, 2I, H] tensor (Hugging Face's
 // gate_up_proj), their gradients written into the halves of one fused gradient: expert-strided
 // views, read and written through TMA maps with the larger expert stride. The same bits as

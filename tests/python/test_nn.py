@@ -129,6 +129,46 @@ def test_deepcopy_and_torch_save_give_a_working_module(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_frozen_weights_skip_their_gradients(device):
+    """Every weight frozen (requires_grad False: a fine-tune of the router or the attention):
+    the backward computes d_x and the router weights' gradient alone, bit for bit those of the
+    full backward, and leaves the weights without gradients."""
+    module = make_module(device)
+    top, weights = routing(32, 8, 2, 9, device)
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    x = x.to(device)
+
+    def grads():
+        leaf_x, leaf_w = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        module(leaf_x, top, leaf_w).float().pow(2).mean().backward()
+        return leaf_x.grad, leaf_w.grad
+
+    want = grads()
+    for p in module.parameters():
+        p.grad = None
+        p.requires_grad_(False)
+    got = grads()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(p.grad is None for p in module.parameters())
+    # The op itself leaves the six weight gradients empty: not computed.
+    from mok import ops
+
+    params = [module.w_gate, module.w_up, module.w_down]
+    params += [module.w_shared_gate, module.w_shared_up, module.w_shared_down]
+    d_out = torch.ones(32, 128, dtype=torch.bfloat16, device=device)
+    outputs = ops.backward_eager(
+        d_out, x, top, weights, *params, float("inf"), module.workspace.handle, False, [], False
+    )
+    assert all(g.numel() == 0 for g in outputs[2:])
+    assert torch.equal(
+        outputs[0],
+        ops.backward_eager(
+            d_out, x, top, weights, *params, float("inf"), module.workspace.handle, False, []
+        )[0],
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_parameters_and_layouts(device):
     module = make_module(device)
     names = [n for n, _ in module.named_parameters()]
