@@ -113,3 +113,22 @@ def torch_moe(p, swiglu_limit=None):
 def relative_error(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_frozen_weights(module, x, top_experts, router_weights):
+    """Freezing every weight of `module` (requires_grad off) leaves the gradients of x and the
+    router weights bit for bit as they were, and the weights without gradients."""
+
+    def input_gradients():
+        leaf_x = x.clone().requires_grad_(True)
+        leaf_w = router_weights.clone().requires_grad_(True)
+        module(leaf_x, top_experts, leaf_w).float().pow(2).mean().backward()
+        return leaf_x.grad, leaf_w.grad
+
+    want = input_gradients()
+    for p in module.parameters():
+        p.grad = None
+        p.requires_grad_(False)
+    got = input_gradients()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(p.grad is None for p in module.parameters())

@@ -101,43 +101,14 @@ class _FusedGateUpExperts(torch.autograd.Function):
         x, top_experts, router_weights, gate_up, down = ctx.saved_tensors
         intermediate = down.shape[-1]
         gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        args = (d_out.contiguous(), x, top_experts, router_weights, gate, up, down)
+        args += (None, None, None, math.inf, ctx.handle, True, [])
         if not (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
             # Frozen experts (a fine-tune of the router, the attention or adapters): no weight
             # gradients computed.
-            grads = ops.backward_eager(
-                d_out.contiguous(),
-                x,
-                top_experts,
-                router_weights,
-                gate,
-                up,
-                down,
-                None,
-                None,
-                None,
-                math.inf,
-                ctx.handle,
-                True,
-                [],
-                False,
-            )
+            grads = ops.backward_eager(*args, False)
             return grads[0], None, grads[1], None, None, None
-        grads, d_gate_up = ops.backward_fused_gate_up_eager(
-            d_out.contiguous(),
-            x,
-            top_experts,
-            router_weights,
-            gate,
-            up,
-            down,
-            None,
-            None,
-            None,
-            math.inf,
-            ctx.handle,
-            True,
-            [],
-        )
+        grads, d_gate_up = ops.backward_fused_gate_up_eager(*args)
         d_x, d_router_weights, _, _, d_down = grads[:5]
         return d_x, None, d_router_weights, d_gate_up, d_down, None
 
