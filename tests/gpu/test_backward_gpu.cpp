@@ -331,7 +331,7 @@ TEST(BackwardGpu, StaleContextIsRejected) {
 
 // Frozen weights (every weight gradient absent): d_x and d_router_weights bitwise those of the
 // full backward, the weight-gradient buffers untouched, with the kernel sequence, several
-// macrobatches and FP8-free bf16; the persistent backward refuses, naming the way out.
+// macrobatches and in FP8; the persistent backward refuses, naming the way out.
 TEST(BackwardGpu, FrozenWeightsSkipTheirGradients) {
   const MoeShape shape = make_shape(300, 256, 192, 6, 2, 1, 128);
   HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 78);
@@ -359,6 +359,29 @@ TEST(BackwardGpu, FrozenWeightsSkipTheirGradients) {
     EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
     for (const auto* grad : {&got.d_w_gate, &got.d_w_down, &got.d_w_shared_up})
       for (bf16 value : *grad) ASSERT_EQ(value.bits, kPoisonBf16Bits);
+  }
+  {  // FP8, on its own shape (sizes multiples of 128)
+    SCOPED_TRACE("fp8_block");
+    const MoeShape fp8_shape = make_shape(96, 256, 128, 8, 2);
+    HostProblem fp8_problem = HostProblem::make(fp8_shape, RoutingKind::kUniform, 79);
+    DeviceProblem fp8_device(fp8_problem, 0);
+    MoeConfig fp8;
+    fp8.precision = Precision::kFP8Block;
+    GpuLayer layer(fp8_shape, fp8);
+    const HostRank want = test::gpu_step(layer, fp8_device, fp8_problem, /*with_context=*/true);
+    fp8_device.poison_outputs();
+    BackwardArgs frozen = fp8_device.backward_args();
+    for (TensorView* grad : {&frozen.d_w_gate, &frozen.d_w_up, &frozen.d_w_down})
+      *grad = TensorView{};
+    const ForwardContext context = layer.forward(fp8_device.forward_args(), nullptr);
+    layer.backward(frozen, nullptr, &context);
+    const Status status = layer.synchronize(nullptr);
+    ASSERT_TRUE(status.ok()) << status.message;
+    HostRank got = output_buffers(fp8_shape);
+    fp8_device.download_outputs(got);
+    EXPECT_TRUE(test::bitwise_equal(got.d_x, want.d_x));
+    EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
+    for (bf16 value : got.d_w_up) ASSERT_EQ(value.bits, kPoisonBf16Bits);
   }
   MoeConfig persistent;
   persistent.persistent_backward = true;
