@@ -282,6 +282,20 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         variant.layer->backward(backward_args, stream, &step);
       });
   }
+  // The training step with frozen weights (no weight gradients asked for: a fine-tune of the
+  // router, the attention or adapters), on this layer; the persistent backward refuses it.
+  mok::BackwardArgs frozen_args = backward_args;
+  for (mok::TensorView* grad :
+       {&frozen_args.d_w_gate, &frozen_args.d_w_up, &frozen_args.d_w_down,
+        &frozen_args.d_w_shared_gate, &frozen_args.d_w_shared_up, &frozen_args.d_w_shared_down})
+    *grad = mok::TensorView{};
+  const bool times_frozen = full && !config.persistent_backward;
+  const size_t frozen_index = timed.size();
+  if (times_frozen)
+    timed.push_back([&] {
+      const mok::ForwardContext step = layer.forward(args, stream);
+      layer.backward(frozen_args, stream, &step);
+    });
   const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
@@ -358,6 +372,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                 (forward_flop + backward_flop) / ms / 1e9,
                 backward_variants[i].bitwise ? "yes" : "NO");
   }
+  if (times_frozen)
+    std::printf("    %-44s %9.3f ms (%.2fx the step's time)\n",
+                "frozen weights (no weight gradients)", medians[frozen_index],
+                medians[frozen_index] / mok_step_ms);
   if (full) {
     std::printf("  forward variants (same bits):\n");
     for (const auto& [name, ms] : forward_variants_ms)
