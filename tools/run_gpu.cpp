@@ -284,11 +284,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   }
   // The training step with frozen weights (no weight gradients asked for: a fine-tune of the
   // router, the attention or adapters), on this layer; the persistent backward refuses it.
-  mok::BackwardArgs frozen_args = backward_args;
-  for (mok::TensorView* grad :
-       {&frozen_args.d_w_gate, &frozen_args.d_w_up, &frozen_args.d_w_down,
-        &frozen_args.d_w_shared_gate, &frozen_args.d_w_shared_up, &frozen_args.d_w_shared_down})
-    *grad = mok::TensorView{};
+  const mok::BackwardArgs frozen_args = mok::without_weight_gradients(backward_args);
   const bool times_frozen = full && !config.persistent_backward;
   const size_t frozen_index = timed.size();
   if (times_frozen)

@@ -82,6 +82,14 @@ struct BackwardArgs {
 // are all given or all absent).
 inline bool wants_weight_gradients(const BackwardArgs& args) { return args.d_w_gate.present(); }
 
+// The same call with frozen weights: every weight gradient absent.
+inline BackwardArgs without_weight_gradients(BackwardArgs args) {
+  for (TensorView* grad : {&args.d_w_gate, &args.d_w_up, &args.d_w_down, &args.d_w_shared_gate,
+                           &args.d_w_shared_up, &args.d_w_shared_down})
+    *grad = TensorView{};
+  return args;
+}
+
 // Where one rank's tensors live, each row-major and contiguous with the shapes above (top_experts
 // int32). The shared-expert pointers are ignored when the shape has no shared expert.
 struct LayerPointers {

@@ -537,10 +537,11 @@ def moe(
     weights, weight_scales = _split_weights(
         (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     )
-    if _autocast_to_bf16(x.device.type):
+    autocast = _autocast_to_bf16(x.device.type)
+    if autocast:
         x2 = _bf16(x2)
         weights = [_bf16(w) for w in weights]
-    if rw2.dtype in (torch.bfloat16, torch.float16) or _autocast_to_bf16(x.device.type):
+    if autocast or rw2.dtype in (torch.bfloat16, torch.float16):
         # Exact in fp32 (a differentiable cast: the gradient returns in the caller's dtype):
         # FSDP2's MixedPrecisionPolicy casts every floating forward input to bf16.
         rw2 = rw2.float()

@@ -13,13 +13,17 @@
 namespace mok::test {
 
 // Forward, then backward from the forward's context, or recomputing the forward when
-// `with_context` is false; every output downloaded.
+// `with_context` is false; every output downloaded (without `weight_gradients`, frozen weights:
+// their buffers keep the poison).
 inline HostRank gpu_step(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem,
-                         bool with_context, cudaStream_t stream = nullptr) {
+                         bool with_context, cudaStream_t stream = nullptr,
+                         bool weight_gradients = true) {
   device.poison_outputs();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison's memsets: the legacy stream
   const ForwardContext context = layer.forward(device.forward_args(), stream);
-  layer.backward(device.backward_args(), stream, with_context ? &context : nullptr);
+  const BackwardArgs args =
+      weight_gradients ? device.backward_args() : without_weight_gradients(device.backward_args());
+  layer.backward(args, stream, with_context ? &context : nullptr);
   const Status status = layer.synchronize(stream);
   EXPECT_TRUE(status.ok()) << status.message;
   HostRank result = output_buffers(problem.shape);

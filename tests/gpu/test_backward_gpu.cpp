@@ -332,66 +332,44 @@ TEST(BackwardGpu, StaleContextIsRejected) {
 // Frozen weights (every weight gradient absent): d_x and d_router_weights bitwise those of the
 // full backward, the weight-gradient buffers untouched, with the kernel sequence, several
 // macrobatches and in FP8; the persistent backward refuses, naming the way out.
+// One frozen step against the full one on the same layer: d_x and d_router_weights bitwise
+// equal, and the weight gradients never written (the poison stays).
+void expect_frozen_step_matches(const MoeShape& shape, const MoeConfig& config, RoutingKind routing,
+                                uint64_t seed) {
+  HostProblem problem = HostProblem::make(shape, routing, seed);
+  DeviceProblem device(problem, 0);
+  GpuLayer layer(shape, config);
+  const HostRank want = test::gpu_step(layer, device, problem, /*with_context=*/true);
+  const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true, nullptr,
+                                      /*weight_gradients=*/false);
+  EXPECT_TRUE(test::bitwise_equal(got.d_x, want.d_x));
+  EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
+  for (const auto* grad : {&got.d_w_gate, &got.d_w_down, &got.d_w_shared_up})
+    for (bf16 value : *grad) ASSERT_EQ(value.bits, kPoisonBf16Bits);
+}
+
 TEST(BackwardGpu, FrozenWeightsSkipTheirGradients) {
   const MoeShape shape = make_shape(300, 256, 192, 6, 2, 1, 128);
-  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 78);
-  DeviceProblem device(problem, 0);
-  std::vector<MoeConfig> configs(2);
-  configs[1].minibatch_size = 128;
-  configs[1].macrobatch_size = 256;
-  for (const MoeConfig& config : configs) {
+  MoeConfig macrobatches;
+  macrobatches.minibatch_size = 128;
+  macrobatches.macrobatch_size = 256;
+  for (const MoeConfig& config : {MoeConfig{}, macrobatches}) {
     SCOPED_TRACE(testing::Message() << "macrobatch " << config.macrobatch_size);
-    GpuLayer layer(shape, config);
-    const HostRank want = test::gpu_step(layer, device, problem, /*with_context=*/true);
-    device.poison_outputs();
-    BackwardArgs frozen = device.backward_args();
-    for (TensorView* grad :
-         {&frozen.d_w_gate, &frozen.d_w_up, &frozen.d_w_down, &frozen.d_w_shared_gate,
-          &frozen.d_w_shared_up, &frozen.d_w_shared_down})
-      *grad = TensorView{};
-    const ForwardContext context = layer.forward(device.forward_args(), nullptr);
-    layer.backward(frozen, nullptr, &context);
-    const Status status = layer.synchronize(nullptr);
-    ASSERT_TRUE(status.ok()) << status.message;
-    HostRank got = output_buffers(shape);
-    device.download_outputs(got);
-    EXPECT_TRUE(test::bitwise_equal(got.d_x, want.d_x));
-    EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
-    for (const auto* grad : {&got.d_w_gate, &got.d_w_down, &got.d_w_shared_up})
-      for (bf16 value : *grad) ASSERT_EQ(value.bits, kPoisonBf16Bits);
+    expect_frozen_step_matches(shape, config, RoutingKind::kSkewed, 78);
   }
-  {  // FP8, on its own shape (sizes multiples of 128)
-    SCOPED_TRACE("fp8_block");
-    const MoeShape fp8_shape = make_shape(96, 256, 128, 8, 2);
-    HostProblem fp8_problem = HostProblem::make(fp8_shape, RoutingKind::kUniform, 79);
-    DeviceProblem fp8_device(fp8_problem, 0);
+  {
+    SCOPED_TRACE("fp8_block");  // on its own shape: sizes multiples of 128
     MoeConfig fp8;
     fp8.precision = Precision::kFP8Block;
-    GpuLayer layer(fp8_shape, fp8);
-    const HostRank want = test::gpu_step(layer, fp8_device, fp8_problem, /*with_context=*/true);
-    fp8_device.poison_outputs();
-    BackwardArgs frozen = fp8_device.backward_args();
-    for (TensorView* grad : {&frozen.d_w_gate, &frozen.d_w_up, &frozen.d_w_down})
-      *grad = TensorView{};
-    const ForwardContext context = layer.forward(fp8_device.forward_args(), nullptr);
-    layer.backward(frozen, nullptr, &context);
-    const Status status = layer.synchronize(nullptr);
-    ASSERT_TRUE(status.ok()) << status.message;
-    HostRank got = output_buffers(fp8_shape);
-    fp8_device.download_outputs(got);
-    EXPECT_TRUE(test::bitwise_equal(got.d_x, want.d_x));
-    EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
-    for (bf16 value : got.d_w_up) ASSERT_EQ(value.bits, kPoisonBf16Bits);
+    expect_frozen_step_matches(make_shape(96, 256, 128, 8, 2), fp8, RoutingKind::kUniform, 79);
   }
   MoeConfig persistent;
   persistent.persistent_backward = true;
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 78);
+  DeviceProblem device(problem, 0);
   GpuLayer layer(shape, persistent);
-  BackwardArgs frozen = device.backward_args();
-  for (TensorView* grad : {&frozen.d_w_gate, &frozen.d_w_up, &frozen.d_w_down,
-                           &frozen.d_w_shared_gate, &frozen.d_w_shared_up, &frozen.d_w_shared_down})
-    *grad = TensorView{};
   try {
-    layer.backward(frozen, nullptr, nullptr);
+    layer.backward(without_weight_gradients(device.backward_args()), nullptr, nullptr);
     FAIL() << "expected an error";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("persistent_backward"), std::string::npos)
