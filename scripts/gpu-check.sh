@@ -15,8 +15,8 @@
 # GPUs, `mok comm-bench`; the multi-GPU tests run on all of them.
 # To save device time: MOK_SKIP_DEFAULT_RUN=1, MOK_SKIP_SANITIZERS=1, MOK_BENCH_SHAPES="" (no
 # extra shapes; default qwen3, while `mok run` with no arguments covers dsv3_local),
-# MOK_SKIP_TESTS=1 (no ctest), MOK_SKIP_EP=1 (no `mok run --gpus`), MOK_SKIP_COMM_BENCH=1. A
-# call of the device tool may run 10 minutes: on 2 GPUs run the tests and benchmarks with
+# MOK_SKIP_TESTS=1 (no ctest), MOK_SKIP_CPU_TESTS=1 (no CPU suite: CI runs it), MOK_SKIP_EP=1
+# (no `mok run --gpus`), MOK_SKIP_COMM_BENCH=1. A call of the device tool may run 10 minutes: on 2 GPUs run the tests and benchmarks with
 # MOK_SKIP_SANITIZERS=1 in one call and the sanitizers alone (MOK_SKIP_TESTS=1
 # MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_SKIP_EP=1 MOK_SKIP_COMM_BENCH=1) in another.
 # MOK_EP_GPU_COUNTS="1 2 4 8" runs the expert-parallel layer (MOK_EP_SHAPES, e.g. "kimi_slice
@@ -142,10 +142,14 @@ if [ "$built" = 1 ] && [ "${MOK_SKIP_TESTS:-0}" = 1 ]; then
 elif [ "$built" = 1 ]; then
   # CPU tests in parallel; the GPU suite alone, so that its timings see an idle machine.
   tmp_log="$(mktemp)"
-  run_step ctest_cpu "$tmp_log" bash -c "cd '$build_dir' && ctest --output-on-failure -L cpu -j '$(nproc)' --timeout 300"
-  cat "$tmp_log" >>"$OUT/ctest.log"
-  cpu_counts="$(ctest_counts "$tmp_log")"
-  : >"$tmp_log"
+  if [ "${MOK_SKIP_CPU_TESTS:-0}" = 1 ]; then
+    record ctest_cpu skipped
+  else
+    run_step ctest_cpu "$tmp_log" bash -c "cd '$build_dir' && ctest --output-on-failure -L cpu -j '$(nproc)' --timeout 300"
+    cat "$tmp_log" >>"$OUT/ctest.log"
+    cpu_counts="$(ctest_counts "$tmp_log")"
+    : >"$tmp_log"
+  fi
   run_step ctest_gpu "$tmp_log" bash -c "cd '$build_dir' && MOK_RESULTS_DIR='$OUT' ctest --verbose -L gpu --timeout 420"
   cat "$tmp_log" >>"$OUT/ctest.log"
   gpu_counts="$(ctest_counts "$tmp_log")"

@@ -17,12 +17,32 @@ else
     python3 -m venv "$venv"
   fi
   python="$venv/bin/python"
-  # The versions the GPU machine has (torch's CPU and CUDA builds share these pins).
-  requirements=(torch==2.11.0 nanobind==3.1.0 scikit-build-core==1.1.0 pytest==9.1.1
-                numpy==2.4.6 transformers==5.17.0 ruff==0.14.0 matplotlib==3.11.2)
-  if ! "$python" -c "import torch, nanobind, scikit_build_core, pytest, numpy, transformers, ruff, matplotlib" 2>/dev/null; then
+  # The versions the GPU machine has (torch's CPU and CUDA builds share these pins). No pip
+  # cache: the wheels are installed once per environment, and disk is what CI runs short of.
+  pip_install=("$python" -m pip install -q --no-cache-dir)
+  if ! "$python" -c "import torch" 2>/dev/null; then
+    # PyPI's Linux torch is its CUDA build, whose dependencies are 2.7 GB of NVIDIA libraries
+    # and 0.6 GB of triton. The CUDA toolkit on this project's machines has all but three of
+    # those libraries, and the tests need no triton; so torch goes in without its dependencies,
+    # the three libraries come as wheels and its Python dependencies by name (a third of the
+    # disk at the peak). Where torch then does not import, it is installed whole.
+    torch_lean=(torch==2.11.0 nvidia-cufile==1.15.1.6 nvidia-cusparselt-cu13==0.8.0
+                nvidia-nvshmem-cu13==3.4.5)
+    torch_python_deps=(filelock==4.3.1 typing-extensions==4.16.0 sympy==1.14.0 mpmath==1.3.0
+                       networkx==3.6.1 jinja2==3.1.6 markupsafe==3.0.4 fsspec==2026.9.0)
+    echo "setup-python: installing ${torch_lean[*]} (without torch's CUDA dependencies) into $venv"
+    "${pip_install[@]}" --no-deps "${torch_lean[@]}"
+    "${pip_install[@]}" "${torch_python_deps[@]}"
+    if ! "$python" -c "import torch" 2>/dev/null; then
+      echo "setup-python: torch does not import without its CUDA dependencies here; installing them"
+      "${pip_install[@]}" torch==2.11.0
+    fi
+  fi
+  requirements=(nanobind==3.1.0 scikit-build-core==1.1.0 pytest==9.1.1 numpy==2.4.6
+                transformers==5.17.0 ruff==0.14.0 matplotlib==3.11.2)
+  if ! "$python" -c "import nanobind, scikit_build_core, pytest, numpy, transformers, ruff, matplotlib" 2>/dev/null; then
     echo "setup-python: installing ${requirements[*]} into $venv"
-    "$python" -m pip install -q "${requirements[@]}"
+    "${pip_install[@]}" "${requirements[@]}"
   fi
 fi
 # Build against the NCCL that PyTorch loads (its nvidia-nccl wheel), as scripts/gpu-check.sh does.

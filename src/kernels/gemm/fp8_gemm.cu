@@ -135,8 +135,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   constexpr bool kWeightGrad = kForm == Fp8GemmForm::kWeightGrad;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Fp8SharedStorage& smem = *reinterpret_cast<Fp8SharedStorage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  Fp8SharedStorage& smem = ptx::align_shared_1024<Fp8SharedStorage>(smem_raw);
   init_pipeline(smem);
   const int num_m_tiles = kWeightGrad ? params.m_extent / BLOCK_M : params.header->num_tiles;
   const int num_n_tiles = params.n_extent / kFp8TileN;

@@ -162,8 +162,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                 const __grid_constant__ CUtensorMap tmap_out,
                                 const ExpertGemmParams params) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  PingPongStorage& smem = *reinterpret_cast<PingPongStorage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  PingPongStorage& smem = ptx::align_shared_1024<PingPongStorage>(smem_raw);
   const SegmentRows* shared_rows =
       copy_segment_rows(params, reinterpret_cast<SegmentRows*>(&smem + 1));
   if (threadIdx.x == 0) {

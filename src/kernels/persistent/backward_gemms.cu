@@ -162,8 +162,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     backward_gemms_kernel(const __grid_constant__ BackwardGemmsMaps maps,
                           const __grid_constant__ BackwardGemmsParams params) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                              ~uintptr_t{1023});
+  Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   auto& queue =
       *reinterpret_cast<TaskQueue<QueuedTask>*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
   // Each set's expert row-tile starts (E_loc + 1 entries, then 2 for the shared expert).

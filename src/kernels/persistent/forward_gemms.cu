@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     forward_gemms_kernel(const __grid_constant__ ForwardGemmsMaps maps,
                          const __grid_constant__ ForwardGemmsParams params) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                              ~uintptr_t{1023});
+  Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   auto& queue =
       *reinterpret_cast<TaskQueue<QueuedTask>*>(reinterpret_cast<char*>(&smem) + sizeof(Storage));
   if (threadIdx.x == 0) queue.init();
