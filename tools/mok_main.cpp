@@ -54,10 +54,6 @@ mok run options:
                                (the run checks and times both ways either way)
   --cta-pairs                  GPU: run the expert GEMMs in clusters of two CTAs that multicast
                                the weight tile they share (the run times both ways either way)
-  --weight-prefetch N          GPU: the expert GEMMs prefetch the weights N K-blocks ahead into
-                               L2 (default 0: none; the run times 4 against 0 either way)
-  --evict-first                GPU: store the forward context and the weight gradients with
-                               L2's evict-first policy (the run times both ways either way)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -113,10 +109,6 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.cta_pairs = true;
       continue;
     }
-    if (flag == "--evict-first") {
-      options.evict_first = true;
-      continue;
-    }
     if (flag == "--quick") {
       options.quick = true;
       continue;
@@ -139,8 +131,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
         "--clamp",           "--routing",      "--seed",
         "--threads",         "--check-tokens", "--json",
         "--local-dispatch",  "--gpus",         "--minibatch-size",
-        "--macrobatch-size", "--trace-tasks",  "--precision",
-        "--weight-prefetch"};
+        "--macrobatch-size", "--trace-tasks",  "--precision"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -184,8 +175,6 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.minibatch_size = parse_int(flag, value);
     else if (flag == "--macrobatch-size")
       options.macrobatch_size = parse_int(flag, value);
-    else if (flag == "--weight-prefetch")
-      options.weight_prefetch = static_cast<int32_t>(parse_int(flag, value));
     else
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
   }

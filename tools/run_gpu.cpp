@@ -24,19 +24,6 @@ namespace mok::cli {
 
 namespace {
 
-// The weight prefetch distance the run times against none (MoeConfig::weight_prefetch_k_blocks):
-// four K-blocks, one more than the ring's stages, so a box reaches L2 about a stage's wait
-// before its load is issued.
-constexpr int32_t kTimedWeightPrefetchKBlocks = 4;
-
-// ", weight prefetch N K-blocks[, evict-first stores]" where those knobs are on.
-std::string tuning_name(const mok::MoeConfig& config) {
-  return (config.weight_prefetch_k_blocks > 0
-              ? ", weight prefetch " + std::to_string(config.weight_prefetch_k_blocks) + " K-blocks"
-              : std::string()) +
-         (config.evict_first_stores ? ", evict-first stores" : "");
-}
-
 // "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)[, check_finite scan]".
 std::string variant_name(const mok::MoeConfig& config) {
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
@@ -44,7 +31,7 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.skip_padding_rows ? "" : ", padding rows computed") + tuning_name(config);
+         (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
 // "kernel sequence" or "persistent kernel".
@@ -52,8 +39,7 @@ std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
-         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "") +
-         tuning_name(config);
+         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,
@@ -210,15 +196,6 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     mok::MoeConfig pingpong = config;
     pingpong.weight_grad_pingpong = !config.weight_grad_pingpong;
     backward_variants.push_back({pingpong, std::make_unique<mok::GpuLayer>(shape, pingpong)});
-    // And the weights prefetched into L2 ahead of their loads, or not; and the forward context
-    // and weight gradients stored evict-first, or not.
-    mok::MoeConfig prefetch = config;
-    prefetch.weight_prefetch_k_blocks =
-        config.weight_prefetch_k_blocks > 0 ? 0 : kTimedWeightPrefetchKBlocks;
-    backward_variants.push_back({prefetch, std::make_unique<mok::GpuLayer>(shape, prefetch)});
-    mok::MoeConfig evict_first = config;
-    evict_first.evict_first_stores = !config.evict_first_stores;
-    backward_variants.push_back({evict_first, std::make_unique<mok::GpuLayer>(shape, evict_first)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     device.poison_outputs();
@@ -295,12 +272,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                     ring_layer->backward(backward_args, stream, &step);
                                   },
                                   [&] { checked_layer->forward(args, stream); },
-                                  // the CTA pairs, skip_padding_rows, the weight prefetch and
-                                  // the evict-first stores flipped
+                                  // the CTA pairs flipped, skip_padding_rows flipped
                                   [&] { backward_variants[1].layer->forward(args, stream); },
                                   [&] { backward_variants[2].layer->forward(args, stream); },
-                                  [&] { backward_variants[4].layer->forward(args, stream); },
-                                  [&] { backward_variants[5].layer->forward(args, stream); },
                               });
     for (BackwardVariant& variant : backward_variants)
       timed.push_back([&] {
@@ -322,7 +296,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = full ? medians[7] : 0.0;
-  const size_t first_backward_variant = 13;  // the closures above before the variants
+  const size_t first_backward_variant = 11;  // the closures above before the variants
   std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms}};
   if (full)
@@ -331,9 +305,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                 {variant_name(other_gemms), medians[6]},
                                 {variant_name(checked), medians[8]},
                                 {variant_name(backward_variants[1].config), medians[9]},
-                                {variant_name(backward_variants[2].config), medians[10]},
-                                {variant_name(backward_variants[4].config), medians[11]},
-                                {variant_name(backward_variants[5].config), medians[12]}});
+                                {variant_name(backward_variants[2].config), medians[10]}});
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = full ? checked_layer->synchronize(stream) : mok::Status::Ok();
   if (!checked_status.ok())

@@ -83,16 +83,6 @@ struct MoeConfig {
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same
   // bits either way. Off until it is measured faster (written in session 13, not yet run).
   bool weight_grad_pingpong = false;
-  // The expert GEMM kernels (not the persistent ones) ask L2 for the weight boxes of the K-block
-  // this many ahead of the one whose loads they issue (a TMA prefetch, no shared memory), so a
-  // weight box that only one CTA reads (many experts per GPU: one row tile each) comes from HBM
-  // under the K-blocks before it. 0 = none; at most kMaxWeightPrefetchKBlocks. Same bits
-  // either way. Off until it is measured faster.
-  int32_t weight_prefetch_k_blocks = 0;
-  // The GEMMs store the forward context (g and u, which only the backward reads) and the weight
-  // gradients with L2's evict-first policy, so they leave L2 before the weights and rows the
-  // GEMMs share. Same bits either way. Off until it is measured faster.
-  bool evict_first_stores = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.
@@ -119,9 +109,6 @@ struct MoeConfig {
 };
 
 inline constexpr int32_t kMaxCommSms = 128;
-// MoeConfig::weight_prefetch_k_blocks: farther ahead than this the prefetched boxes would leave
-// L2 before their loads (16 K-blocks of 48 KB on every SM is 100 MB, twice the L2).
-inline constexpr int32_t kMaxWeightPrefetchKBlocks = 16;
 
 // MoeConfig::skip_padding_rows: 64-row last tiles only where the experts average this many
 // routed rows or fewer, where the padding is 20-31% of the row tiles' work. A 64-row tile saves

@@ -71,10 +71,6 @@ class MoKConfig:
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
     weight_grad_pingpong: compute the weight gradients with the two consumer warpgroups of a
         CTA on different tiles (same bits; off by default until measured faster).
-    weight_prefetch_k_blocks: the expert GEMMs ask L2 for the weights this many K-blocks ahead
-        of their loads, 0 to 16 (same bits; 0, none, until measured faster).
-    evict_first_stores: store the forward context and the weight gradients with L2's
-        evict-first policy (same bits; off until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -98,8 +94,6 @@ class MoKConfig:
     gemm_cta_pairs: bool = False
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
-    weight_prefetch_k_blocks: int = 0
-    evict_first_stores: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
@@ -117,8 +111,6 @@ class MoKConfig:
         config.gemm_cta_pairs = self.gemm_cta_pairs
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
-        config.weight_prefetch_k_blocks = self.weight_prefetch_k_blocks
-        config.evict_first_stores = self.evict_first_stores
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s

@@ -180,10 +180,6 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
   if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
                "; valid: a positive, finite number of seconds");
-  if (config.weight_prefetch_k_blocks < 0 ||
-      config.weight_prefetch_k_blocks > kMaxWeightPrefetchKBlocks)
-    return bad("weight_prefetch_k_blocks = " + std::to_string(config.weight_prefetch_k_blocks) +
-               "; valid: [0, " + std::to_string(kMaxWeightPrefetchKBlocks) + "] (0 = none)");
   if (config.local_dispatch != LocalDispatch::kGatherKernel &&
       config.local_dispatch != LocalDispatch::kProducerWarps)
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +

@@ -160,15 +160,6 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   config.wait_timeout_s = -1;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"wait_timeout_s"});
   config = good;
-  config.weight_prefetch_k_blocks = kMaxWeightPrefetchKBlocks + 1;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"weight_prefetch_k_blocks = 17", "[0, 16]"});
-  config.weight_prefetch_k_blocks = -1;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"weight_prefetch_k_blocks = -1"});
-  config.weight_prefetch_k_blocks = kMaxWeightPrefetchKBlocks;
-  EXPECT_TRUE(can_implement(config, shape).ok());
-  config = good;
   config.local_dispatch = static_cast<LocalDispatch>(7);
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"local_dispatch = 7", "gather-kernel", "producer-warps"});

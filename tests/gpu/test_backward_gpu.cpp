@@ -155,7 +155,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(21);
+  std::vector<MoeConfig> configs(18);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -207,15 +207,6 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[17].weight_grad_pingpong = true;
   configs[17].minibatch_size = 128;
   configs[17].macrobatch_size = 512;
-  // The weights prefetched into L2 ahead of their loads (MoeConfig::weight_prefetch_k_blocks: 4,
-  // and 16, all of H = 1024's K-blocks up front, with CTA pairs prefetching their halves), and
-  // the context and weight gradients stored evict-first, with macrobatches.
-  configs[18].weight_prefetch_k_blocks = 4;
-  configs[19].weight_prefetch_k_blocks = kMaxWeightPrefetchKBlocks;
-  configs[19].gemm_cta_pairs = true;
-  configs[20].evict_first_stores = true;
-  configs[20].minibatch_size = 128;
-  configs[20].macrobatch_size = 256;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -233,9 +224,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.persistent_forward << " persistent backward "
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
                      << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
-                     << config.weight_grad_pingpong << " weight prefetch "
-                     << config.weight_prefetch_k_blocks << " evict-first "
-                     << config.evict_first_stores << (with_context ? "" : ", no context"));
+                     << config.weight_grad_pingpong << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
@@ -356,7 +345,7 @@ void expect_frozen_step_matches(const MoeShape& shape, const MoeConfig& config, 
   EXPECT_TRUE(test::bitwise_equal(got.d_x, want.d_x));
   EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
   for (const auto* grad : {&got.d_w_gate, &got.d_w_down, &got.d_w_shared_up})
-    for (bf16 value : *grad) ASSERT_EQ(value.bits, kPoisonBf16Bits);
+    for (bf16 value : *grad) ASSERT_EQ(value.bits, kDevicePoisonBf16Bits);
 }
 
 TEST(BackwardGpu, FrozenWeightsSkipTheirGradients) {

@@ -245,34 +245,6 @@ def test_no_tokens(device):
         assert torch.count_nonzero(leaves[name].grad) == 0, name
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_weight_prefetch_reaches_the_native_config_and_is_checked(device):
-    """The prefetch distance is carried into the C++ config, gives the same bits, and a distance
-    out of range is refused naming the field and the valid range."""
-    assert F.MoKConfig(weight_prefetch_k_blocks=4).to_native().weight_prefetch_k_blocks == 4
-    p = make_problem(device, seed=11)
-    T, H = p["x"].shape
-    K = p["top_experts"].shape[1]
-
-    def run(config):
-        workspace = F.create_workspace(
-            config, device=torch.device(device), num_local_tokens=T, hidden_size=H, topk=K
-        )
-        return F.moe(
-            p["x"],
-            p["top_experts"],
-            p["router_weights"],
-            p["w_gate"],
-            p["w_up"],
-            p["w_down"],
-            workspace=workspace,
-        )
-
-    assert torch.equal(run(F.MoKConfig(weight_prefetch_k_blocks=4)), run(F.MoKConfig()))
-    with pytest.raises(ValueError, match=r"weight_prefetch_k_blocks = 17; valid: \[0, 16\]"):
-        run(F.MoKConfig(weight_prefetch_k_blocks=17))
-
-
 def test_config_switches_reach_the_native_config():
     """Every on/off knob of MoKConfig is carried into the C++ layer's config, both ways."""
     switches = [
@@ -281,7 +253,6 @@ def test_config_switches_reach_the_native_config():
         "gemm_cta_pairs",
         "skip_padding_rows",
         "weight_grad_pingpong",
-        "evict_first_stores",
         "check_finite",
     ]
     default = F.MoKConfig()

@@ -11,6 +11,10 @@
 
 namespace mok {
 
+// A bf16 output element that DeviceProblem::poison_outputs filled and nothing wrote since (not
+// HostProblem's kPoisonBf16Bits: the device poison is a byte memset).
+inline constexpr uint16_t kDevicePoisonBf16Bits = 0xFFFF;
+
 class DeviceProblem {
  public:
   // Copies rank `rank` of `problem` to the current CUDA device (inputs; outputs allocated).
@@ -21,7 +25,8 @@ class DeviceProblem {
 
   ForwardArgs forward_args();
   BackwardArgs backward_args();
-  // Fills every output with 0xFF bytes (bf16 and fp32 NaN), so unwritten elements show up.
+  // Fills every output with 0xFF bytes (bf16 and fp32 NaN: kDevicePoisonBf16Bits), so unwritten
+  // elements show up.
   void poison_outputs();
   // Copies the outputs into `rank`'s output vectors (which must have the right sizes).
   void download_outputs(HostRank& rank) const;

@@ -147,24 +147,6 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* smem_dst, const CUte
       : "memory");
 }
 
-// Asks the TMA unit to bring a box of a tensor map into L2 (no shared memory, no barrier: a
-// hint that changes no value), so that the load of the same box later finds it there.
-__device__ __forceinline__ void tma_prefetch_l2_3d(const CUtensorMap* map, int32_t coord_inner,
-                                                   int32_t coord_middle, int32_t coord_outer) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(coord_inner), "r"(coord_middle), "r"(coord_outer)
-               : "memory");
-}
-
-// An L2 cache policy under which the lines a store writes are the first to leave L2: for
-// outputs that nothing reads until a later kernel (the forward context, weight gradients).
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
 // Store of a shared-memory tile to global memory through a tensor map (async proxy). The
 // writing threads must have made their smem writes visible to the async proxy first
 // (fence_proxy_async_shared), and the tile must stay untouched until bulk_wait_group_read.
@@ -175,17 +157,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
       "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
           reinterpret_cast<uint64_t>(map)),
       "r"(smem_addr(smem_src)), "r"(coord_inner), "r"(coord_middle), "r"(coord_outer)
-      : "memory");
-}
-
-// tma_store_3d with an L2 cache policy (l2_policy_evict_first).
-__device__ __forceinline__ void tma_store_3d_hint(const CUtensorMap* map, const void* smem_src,
-                                                  int32_t coord_inner, int32_t coord_middle,
-                                                  int32_t coord_outer, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint"
-      " [%0, {%2, %3, %4}], [%1], %5;" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(smem_addr(smem_src)), "r"(coord_inner), "r"(coord_middle), "r"(coord_outer), "l"(policy)
       : "memory");
 }
 

@@ -115,21 +115,14 @@ __device__ __forceinline__ void publish_staging_tile() {
 }
 
 // Issuer: stores chunks [first_chunk, first_chunk + num_chunks) to `map` at columns
-// col_base + 64 * c (skipping chunks past n_extent), tile row `row`, batch `batch`; with
-// `evict_first` under L2's evict-first policy (MoeConfig::evict_first_stores).
+// col_base + 64 * c (skipping chunks past n_extent), tile row `row`, batch `batch`.
 __device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char* tile,
                                              int first_chunk, int num_chunks, int col_base,
-                                             int n_extent, int row, int batch,
-                                             bool evict_first = false) {
-  const uint64_t policy = evict_first ? ptx::l2_policy_evict_first() : 0;
-  for (int c = 0; c < num_chunks; ++c) {
-    if (col_base + c * 64 >= n_extent) continue;
-    const char* chunk = tile + (first_chunk + c) * kStageChunkBytes;
-    if (evict_first)
-      ptx::tma_store_3d_hint(map, chunk, col_base + c * 64, row, batch, policy);
-    else
-      ptx::tma_store_3d(map, chunk, col_base + c * 64, row, batch);
-  }
+                                             int n_extent, int row, int batch) {
+  for (int c = 0; c < num_chunks; ++c)
+    if (col_base + c * 64 < n_extent)
+      ptx::tma_store_3d(map, tile + (first_chunk + c) * kStageChunkBytes, col_base + c * 64, row,
+                        batch);
 }
 
 // kGateUpSwiGLU after g and u are staged (bf16): each thread computes h = swiglu(g, u) of its
@@ -195,13 +188,9 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
     stage_accumulators(tile, consumer_idx, coord.half, fragment);
     publish_staging_tile();
     constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
-    // The forward context: read by the backward only, after the whole forward.
-    const bool evict_first = kSwiGLU && params.evict_first_stores;
     if (issuer) {
-      store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 2, col_base, params.n_extent, row, 0,
-                   evict_first);
-      store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 2, 2, col_base, params.n_extent, row, 0,
-                   evict_first);
+      store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 2, col_base, params.n_extent, row, 0);
+      store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 2, 2, col_base, params.n_extent, row, 0);
       ptx::bulk_commit_group();
     }
     if constexpr (kSwiGLU) stage_swiglu(maps.out, tile, params, col_base, row, issuer);
@@ -212,9 +201,8 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
     });
     publish_staging_tile();
     if (issuer) {
-      constexpr bool kWeightGrad = kForm == ExpertGemmForm::kWeightGrad;
       store_chunks(maps.out, tile, 0, 4, coord.n_tile * BLOCK_N, params.n_extent, row,
-                   kWeightGrad ? coord.expert : 0, kWeightGrad && params.evict_first_stores);
+                   kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
       ptx::bulk_commit_group();
     }
   }

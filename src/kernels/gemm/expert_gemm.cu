@@ -251,24 +251,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         }
         if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
         const PairLoad pair{static_cast<uint16_t>(tile.shares_b ? 0b11 : 0), rank};
-        // MoeConfig::weight_prefetch_k_blocks: the weight boxes of K-block k + ahead go to L2
-        // when K-block k's loads are issued (the tile's first `ahead` up front).
-        const int ahead = Traits::kRowTiles ? params.weight_prefetch_k_blocks : 0;
-        if constexpr (Traits::kRowTiles) {
-          for (int k_block = 0; k_block < min(ahead, coord.num_k_blocks); ++k_block)
-            prefetch_weights<kForm>(&tmap_b0, &tmap_b1, params, coord, k_block, pair);
-        }
-        for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
+        for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
                         [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
                           issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord,
                                              k_block, a_dst, b_dst, full, pair);
                         });
-          if constexpr (Traits::kRowTiles) {
-            if (ahead > 0 && k_block + ahead < coord.num_k_blocks)
-              prefetch_weights<kForm>(&tmap_b0, &tmap_b1, params, coord, k_block + ahead, pair);
-          }
-        }
       }
     } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,

@@ -87,10 +87,6 @@ struct ExpertGemmParams {
   // MoeConfig::weight_grad_pingpong: kWeightGrad in weight_grad_pingpong.cu (one macrobatch, no
   // CTA pairs; expert_gemm.cu's form otherwise).
   int32_t weight_grad_pingpong;
-  // MoeConfig::weight_prefetch_k_blocks (the standalone kernel's row-tile forms) and
-  // MoeConfig::evict_first_stores (the forward context and the weight gradients).
-  int32_t weight_prefetch_k_blocks;
-  int32_t evict_first_stores;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)

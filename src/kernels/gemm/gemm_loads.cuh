@@ -57,36 +57,6 @@ __device__ __forceinline__ void load_b_2d(const PairLoad& pair, void* dst, const
     ptx::tma_load_2d(dst, map, full, inner, outer);
 }
 
-// The boxes of B (the weights) of one K-block of a row-tile form, over the halves of B this CTA
-// loads (both alone, or its own of the pair): visit(element offset of the box in the stage's B,
-// map, inner, middle, outer coordinates). The loads and the L2 prefetch walk the same boxes.
-template <ExpertGemmForm kForm, typename Visit>
-__device__ __forceinline__ void for_each_weight_box(const CUtensorMap* b0, const CUtensorMap* b1,
-                                                    const ExpertGemmParams& params,
-                                                    const TileCoord& coord, int k_block,
-                                                    const PairLoad& pair, Visit visit) {
-  static_assert(FormTraits<kForm>::kRowTiles, "kWeightGrad's B is activations, not weights");
-  constexpr int kChunk = 64 * BLOCK_K;  // elements of one [64 x 64] box
-  const int first_half = pair.mask != 0 ? pair.rank : 0;
-  const int end_half = pair.mask != 0 ? pair.rank + 1 : 2;
-  const int k = k_block * BLOCK_K;
-  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
-    for (int half = first_half; half < end_half; ++half)
-      visit(half * 128 * BLOCK_K, half == 0 ? b0 : b1, k, coord.n_tile * 128, coord.expert);
-  } else if constexpr (kForm == ExpertGemmForm::kDownStore) {
-    for (int half = first_half; half < end_half; ++half)
-      visit(half * 128 * BLOCK_K, b0, k, coord.n_tile * 256 + half * 128, coord.expert);
-  } else if constexpr (kForm == ExpertGemmForm::kDownGrad) {
-    for (int c = 2 * first_half; c < 2 * end_half; ++c)
-      visit(c * kChunk, b0, coord.n_tile * 256 + c * 64, k, coord.expert);
-  } else {
-    const bool first_k_half = k < params.k_extent;
-    const int k_half = first_k_half ? k : k - params.k_extent;
-    for (int c = 2 * first_half; c < 2 * end_half; ++c)
-      visit(c * kChunk, first_k_half ? b0 : b1, coord.n_tile * 256 + c * 64, k_half, coord.expert);
-  }
-}
-
 // Issues the TMA loads of one K-block into a stage (the map above).
 template <ExpertGemmForm kForm>
 __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtensorMap* a1,
@@ -94,25 +64,34 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
                                             const ExpertGemmParams& params, const TileCoord& coord,
                                             int k_block, __nv_bfloat16* a_dst, __nv_bfloat16* b_dst,
                                             uint64_t* full, const PairLoad& pair = {}) {
+  constexpr int kChunk = 64 * BLOCK_K;  // elements of one [64 x 64] box
+  // The halves of B this CTA loads: both alone, or its own of the pair.
+  const int first_half = pair.mask != 0 ? pair.rank : 0;
+  const int end_half = pair.mask != 0 ? pair.rank + 1 : 2;
   const int k = k_block * BLOCK_K;
-  if constexpr (FormTraits<kForm>::kRowTiles) {
-    const int row = coord.m_tile * BLOCK_M - params.macrobatch.ring_row_base;
-    if constexpr (kForm == ExpertGemmForm::kGateUpGradStore) {
-      const bool first_k_half = k < params.k_extent;
-      ptx::tma_load_2d(a_dst, first_k_half ? a0 : a1, full, first_k_half ? k : k - params.k_extent,
-                       row);
-    } else {
-      ptx::tma_load_2d(a_dst, a0, full, k, row);
-    }
-    for_each_weight_box<kForm>(
-        b0, b1, params, coord, k_block, pair,
-        [&](int offset, const CUtensorMap* map, int inner, int middle, int outer) {
-          load_b_3d(pair, b_dst + offset, map, full, inner, middle, outer);
-        });
+  const int row = coord.m_tile * BLOCK_M - params.macrobatch.ring_row_base;  // row-tile forms
+  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
+    ptx::tma_load_2d(a_dst, a0, full, k, row);
+    for (int half = first_half; half < end_half; ++half)
+      load_b_3d(pair, b_dst + half * 128 * BLOCK_K, half == 0 ? b0 : b1, full, k,
+                coord.n_tile * 128, coord.expert);
+  } else if constexpr (kForm == ExpertGemmForm::kDownStore) {
+    ptx::tma_load_2d(a_dst, a0, full, k, row);
+    for (int half = first_half; half < end_half; ++half)
+      load_b_3d(pair, b_dst + half * 128 * BLOCK_K, b0, full, k, coord.n_tile * 256 + half * 128,
+                coord.expert);
+  } else if constexpr (kForm == ExpertGemmForm::kDownGrad) {
+    ptx::tma_load_2d(a_dst, a0, full, k, row);
+    for (int c = 2 * first_half; c < 2 * end_half; ++c)
+      load_b_3d(pair, b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k, coord.expert);
+  } else if constexpr (kForm == ExpertGemmForm::kGateUpGradStore) {
+    const bool first_k_half = k < params.k_extent;
+    const int k_half = first_k_half ? k : k - params.k_extent;
+    ptx::tma_load_2d(a_dst, first_k_half ? a0 : a1, full, k_half, row);
+    for (int c = 2 * first_half; c < 2 * end_half; ++c)
+      load_b_3d(pair, b_dst + c * kChunk, first_k_half ? b0 : b1, full, coord.n_tile * 256 + c * 64,
+                k_half, coord.expert);
   } else {
-    constexpr int kChunk = 64 * BLOCK_K;
-    const int first_half = pair.mask != 0 ? pair.rank : 0;
-    const int end_half = pair.mask != 0 ? pair.rank + 1 : 2;
     const int k_row = coord.k_row0 + k;
 #pragma unroll
     for (int c = 0; c < 2; ++c)
@@ -120,19 +99,6 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
     for (int c = 2 * first_half; c < 2 * end_half; ++c)
       load_b_2d(pair, b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k_row);
   }
-}
-
-// MoeConfig::weight_prefetch_k_blocks: asks L2 for the weight boxes of K-block `k_block` ahead
-// of their load (row-tile forms).
-template <ExpertGemmForm kForm>
-__device__ __forceinline__ void prefetch_weights(const CUtensorMap* b0, const CUtensorMap* b1,
-                                                 const ExpertGemmParams& params,
-                                                 const TileCoord& coord, int k_block,
-                                                 const PairLoad& pair) {
-  for_each_weight_box<kForm>(b0, b1, params, coord, k_block, pair,
-                             [](int, const CUtensorMap* map, int inner, int middle, int outer) {
-                               ptx::tma_prefetch_l2_3d(map, inner, middle, outer);
-                             });
 }
 
 }  // namespace mok::kernels
