@@ -35,6 +35,7 @@ struct RunOptions {
   bool persistent_forward = false;   // GPU: MoeConfig::persistent_forward
   bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward
   bool cta_pairs = false;            // GPU: MoeConfig::gemm_cta_pairs
+  bool deep_ring = false;            // GPU: MoeConfig::gemm_deep_ring
   bool quick = false;                // GPU, one GPU: the layer against the baseline only
   int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs
   int64_t minibatch_size = -1;       // -1: MoeConfig's default

@@ -54,6 +54,8 @@ mok run options:
                                (the run checks and times both ways either way)
   --cta-pairs                  GPU: run the expert GEMMs in clusters of two CTAs that multicast
                                the weight tile they share (the run times both ways either way)
+  --deep-ring                  GPU: run the expert GEMMs (all but the weight gradients) with four
+                               pipeline stages (the run times both ways either way)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -107,6 +109,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--cta-pairs") {
       options.cta_pairs = true;
+      continue;
+    }
+    if (flag == "--deep-ring") {
+      options.deep_ring = true;
       continue;
     }
     if (flag == "--quick") {

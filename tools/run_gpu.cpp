@@ -31,6 +31,7 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
+         (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -38,6 +39,7 @@ std::string variant_name(const mok::MoeConfig& config) {
 std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
+         (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }
@@ -187,6 +189,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     // And the expert GEMMs the other way: in CTA pairs multicasting B, or alone.
     mok::MoeConfig paired = config;
     paired.gemm_cta_pairs = !config.gemm_cta_pairs;
+    if (paired.gemm_cta_pairs) paired.gemm_deep_ring = false;  // the two exclude each other
     backward_variants.push_back({paired, std::make_unique<mok::GpuLayer>(shape, paired)});
     // And the padding rows skipped or computed (MoeConfig::skip_padding_rows).
     mok::MoeConfig padded = config;
@@ -196,6 +199,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     mok::MoeConfig pingpong = config;
     pingpong.weight_grad_pingpong = !config.weight_grad_pingpong;
     backward_variants.push_back({pingpong, std::make_unique<mok::GpuLayer>(shape, pingpong)});
+    // And the row-tile GEMMs with the deep ring (four stages, a half staging tile), or not.
+    mok::MoeConfig deep = config;
+    deep.gemm_deep_ring = !config.gemm_deep_ring;
+    if (deep.gemm_deep_ring) deep.gemm_cta_pairs = false;
+    backward_variants.push_back({deep, std::make_unique<mok::GpuLayer>(shape, deep)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     device.poison_outputs();
@@ -272,9 +280,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                     ring_layer->backward(backward_args, stream, &step);
                                   },
                                   [&] { checked_layer->forward(args, stream); },
-                                  // the CTA pairs flipped, skip_padding_rows flipped
+                                  // the CTA pairs, skip_padding_rows and the deep ring flipped
                                   [&] { backward_variants[1].layer->forward(args, stream); },
                                   [&] { backward_variants[2].layer->forward(args, stream); },
+                                  [&] { backward_variants[4].layer->forward(args, stream); },
                               });
     for (BackwardVariant& variant : backward_variants)
       timed.push_back([&] {
@@ -296,7 +305,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = full ? medians[7] : 0.0;
-  const size_t first_backward_variant = 11;  // the closures above before the variants
+  const size_t first_backward_variant = 12;  // the closures above before the variants
   std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms}};
   if (full)
@@ -305,7 +314,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                 {variant_name(other_gemms), medians[6]},
                                 {variant_name(checked), medians[8]},
                                 {variant_name(backward_variants[1].config), medians[9]},
-                                {variant_name(backward_variants[2].config), medians[10]}});
+                                {variant_name(backward_variants[2].config), medians[10]},
+                                {variant_name(backward_variants[4].config), medians[11]}});
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = full ? checked_layer->synchronize(stream) : mok::Status::Ok();
   if (!checked_status.ok())
