@@ -36,6 +36,7 @@ struct RunOptions {
   bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward
   bool cta_pairs = false;            // GPU: MoeConfig::gemm_cta_pairs
   bool deep_ring = false;            // GPU: MoeConfig::gemm_deep_ring
+  bool swiglu_handoff = false;       // GPU: MoeConfig::swiglu_handoff
   bool quick = false;                // GPU, one GPU: the layer against the baseline only
   int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs
   int64_t minibatch_size = -1;       // -1: MoeConfig's default

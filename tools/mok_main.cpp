@@ -56,6 +56,8 @@ mok run options:
                                the weight tile they share (the run times both ways either way)
   --deep-ring                  GPU: run the expert GEMMs (all but the weight gradients) with four
                                pipeline stages (the run times both ways either way)
+  --swiglu-handoff             GPU: the forward's SwiGLU on a producer warp of the gate/up GEMM
+                               (the run times both ways either way)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -113,6 +115,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--deep-ring") {
       options.deep_ring = true;
+      continue;
+    }
+    if (flag == "--swiglu-handoff") {
+      options.swiglu_handoff = true;
       continue;
     }
     if (flag == "--quick") {
