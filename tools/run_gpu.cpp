@@ -42,7 +42,8 @@ std::string backward_name(const mok::MoeConfig& config) {
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
-         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
+         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "") +
+         (config.backward_fused_gathers ? ", gathers fused" : "");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,
@@ -205,6 +206,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     deep.gemm_deep_ring = !config.gemm_deep_ring;
     if (deep.gemm_deep_ring) deep.gemm_cta_pairs = false;
     backward_variants.push_back({deep, std::make_unique<mok::GpuLayer>(shape, deep)});
+    // And the backward's rows gathered inside its GEMMs, or by gather kernels before them.
+    mok::MoeConfig fused_gathers = config;
+    fused_gathers.backward_fused_gathers = !config.backward_fused_gathers;
+    backward_variants.push_back(
+        {fused_gathers, std::make_unique<mok::GpuLayer>(shape, fused_gathers)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     device.poison_outputs();
