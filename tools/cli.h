@@ -39,6 +39,7 @@ struct RunOptions {
   bool swiglu_handoff = false;          // GPU: MoeConfig::swiglu_handoff
   bool fused_backward_gathers = false;  // GPU: MoeConfig::backward_fused_gathers
   bool quick = false;                   // GPU, one GPU: the layer against the baseline only
+  std::vector<std::string> compare;     // --quick: knobs flipped and timed beside the layer
   int32_t gpus = 0;                     // > 0: the expert-parallel layer on this many GPUs
   int64_t minibatch_size = -1;          // -1: MoeConfig's default
   int64_t macrobatch_size = -1;         // -1: MoeConfig's default
@@ -49,6 +50,12 @@ struct RunOptions {
 // The layer's config from the options (MoeConfig's defaults where unset); throws mok::Error if
 // can_implement(config, shape) fails, so a bad value is reported on every path, the CPU one too.
 mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShape& shape);
+
+// The knobs `mok run --quick --compare` flips (kCompareKnobs, null-terminated), and `config` with
+// knob `name` flipped; knobs that exclude the flipped one on are turned off. Throws mok::Error
+// naming the knob and the valid names if `name` is none of them.
+extern const char* const kCompareKnobs[];
+mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name);
 
 struct Comparison {
   std::string name;

@@ -29,6 +29,52 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
+const char* const kCompareKnobs[] = {"deep-ring",
+                                     "swiglu-handoff",
+                                     "backward-fused-gathers",
+                                     "cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     nullptr};
+
+mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
+  mok::MoeConfig flipped = config;
+  if (name == "deep-ring") {
+    flipped.gemm_deep_ring = !config.gemm_deep_ring;
+    if (flipped.gemm_deep_ring) flipped.gemm_cta_pairs = flipped.swiglu_handoff = false;
+  } else if (name == "swiglu-handoff") {
+    flipped.swiglu_handoff = !config.swiglu_handoff;
+    if (flipped.swiglu_handoff) flipped.gemm_cta_pairs = flipped.gemm_deep_ring = false;
+  } else if (name == "backward-fused-gathers") {
+    flipped.backward_fused_gathers = !config.backward_fused_gathers;
+  } else if (name == "cta-pairs") {
+    flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
+    if (flipped.gemm_cta_pairs) flipped.gemm_deep_ring = flipped.swiglu_handoff = false;
+  } else if (name == "persistent-forward") {
+    flipped.persistent_forward = !config.persistent_forward;
+  } else if (name == "persistent-backward") {
+    flipped.persistent_backward = !config.persistent_backward;
+  } else if (name == "weight-grad-pingpong") {
+    flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
+  } else if (name == "skip-padding-rows") {
+    flipped.skip_padding_rows = !config.skip_padding_rows;
+  } else if (name == "local-dispatch") {
+    flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
+                                 ? mok::LocalDispatch::kProducerWarps
+                                 : mok::LocalDispatch::kGatherKernel;
+  } else {
+    std::string valid;
+    for (const char* const* knob = kCompareKnobs; *knob != nullptr; ++knob)
+      valid += (valid.empty() ? "" : ", ") + std::string(*knob);
+    throw Error(ErrorCode::kInvalidArgument,
+                "--compare knob '" + name + "' is unknown; valid: " + valid);
+  }
+  return flipped;
+}
+
 void print_comparisons(const std::vector<Comparison>& comparisons, int name_width) {
   for (const Comparison& error : comparisons)
     std::printf("    %-*s max |err| %.3e  rel err %.3e%s\n", name_width, error.name.c_str(),

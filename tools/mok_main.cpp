@@ -60,6 +60,11 @@ mok run options:
                                (the run times both ways either way)
   --backward-fused-gathers     GPU: the backward's GEMMs gather the x and d_out rows they read
                                (producer-warps local dispatch; the run times both ways)
+  --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
+                               bitwise against the layer and timed beside it in the same rounds
+                               (deep-ring, swiglu-handoff, backward-fused-gathers, cta-pairs,
+                               persistent-forward, persistent-backward, weight-grad-pingpong,
+                               skip-padding-rows, local-dispatch)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -149,7 +154,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
         "--clamp",           "--routing",      "--seed",
         "--threads",         "--check-tokens", "--json",
         "--local-dispatch",  "--gpus",         "--minibatch-size",
-        "--macrobatch-size", "--trace-tasks",  "--precision"};
+        "--macrobatch-size", "--trace-tasks",  "--precision",
+        "--compare"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -193,7 +199,13 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.minibatch_size = parse_int(flag, value);
     else if (flag == "--macrobatch-size")
       options.macrobatch_size = parse_int(flag, value);
-    else
+    else if (flag == "--compare") {
+      for (size_t begin = 0; begin <= value.size();) {
+        const size_t end = std::min(value.find(',', begin), value.size());
+        options.compare.push_back(value.substr(begin, end - begin));
+        begin = end + 1;
+      }
+    } else
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
   }
   return options;
@@ -241,7 +253,15 @@ int run_command(RunOptions options) {
   const bool fp8 = mok::precision_from_name(options.precision) == mok::Precision::kFP8Block;
   RunOptions checked = options;  // the CPU reference runs FP8; the other knobs as the GPU's
   checked.precision = "bf16";
-  config_from_options(checked, shape);  // a bad value is an error on the CPU path too
+  const mok::MoeConfig checked_config = config_from_options(checked, shape);  // CPU path too
+  for (const std::string& knob : options.compare) {
+    if (!options.quick)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--compare " + knob +
+                      " without --quick; valid: --quick --compare (a full run times every knob "
+                      "already)");
+    flip_knob(checked_config, knob);  // names the knob if it is unknown
+  }
   if (options.quick && (device_name.empty() || shape.num_ranks != 1 || fp8))
     refuse_quick(fp8                   ? "an FP8 run"
                  : options.cpu_only    ? "the CPU reference (--cpu)"

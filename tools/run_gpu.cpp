@@ -221,6 +221,20 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     return mok::outputs_equal(scratch, first);
   };
   const bool ring_bitwise = !full || same_bits_as_first(*ring_layer);
+  // --quick --compare: each named knob flipped on a layer of its own (flip_knob), checked
+  // bitwise against the first run and timed beside the layer (forward, training step).
+  struct ComparedKnob {
+    std::string knob;
+    mok::MoeConfig config;
+    std::unique_ptr<mok::GpuLayer> layer;
+    bool bitwise = false;
+  };
+  std::vector<ComparedKnob> compared;
+  for (const std::string& knob : options.compare) {
+    const mok::MoeConfig flipped = flip_knob(config, knob);
+    compared.push_back({knob, flipped, std::make_unique<mok::GpuLayer>(shape, flipped)});
+    compared.back().bitwise = same_bits_as_first(*compared.back().layer);
+  }
   bool backward_variants_bitwise = true;
   for (BackwardVariant& variant : backward_variants) {
     variant.bitwise = same_bits_as_first(*variant.layer);
@@ -317,6 +331,14 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       const mok::ForwardContext step = layer.forward(args, stream);
       layer.backward(frozen_args, stream, &step);
     });
+  const size_t first_compared = timed.size();
+  for (ComparedKnob& knob : compared) {
+    timed.push_back([&] { knob.layer->forward(args, stream); });
+    timed.push_back([&] {
+      const mok::ForwardContext step = knob.layer->forward(args, stream);
+      knob.layer->backward(backward_args, stream, &step);
+    });
+  }
   const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
@@ -344,6 +366,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const Peak peak = bf16_peak();
   bool passed = deterministic && ring_bitwise && backward_variants_bitwise && handoff_bitwise &&
                 checked_status.ok();
+  for (const ComparedKnob& knob : compared) passed &= knob.bitwise;
   if (!handoff_bitwise)
     std::printf("  the forward with %s does NOT give the same bits\n",
                 variant_name(handoff).c_str());
@@ -398,6 +421,20 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                 backward_name(backward_variants[i].config).c_str(), ms,
                 (forward_flop + backward_flop) / ms / 1e9,
                 backward_variants[i].bitwise ? "yes" : "NO");
+  }
+  if (!compared.empty())
+    std::printf(
+        "  knobs flipped (--compare), in the same rounds (ratio: the flipped layer's time "
+        "over this run's):\n");
+  for (size_t i = 0; i < compared.size(); ++i) {
+    const double forward_ms = medians[first_compared + 2 * i];
+    const double step_ms = medians[first_compared + 2 * i + 1];
+    std::printf(
+        "    %-24s forward %8.3f ms (%.3fx), forward+backward %8.3f ms (%.3fx), bitwise "
+        "equal: %s\n      (%s; backward: %s)\n",
+        compared[i].knob.c_str(), forward_ms, forward_ms / mok_forward_ms, step_ms,
+        step_ms / mok_step_ms, compared[i].bitwise ? "yes" : "NO",
+        variant_name(compared[i].config).c_str(), backward_name(compared[i].config).c_str());
   }
   if (times_frozen)
     std::printf("    %-44s %9.3f ms (%.2fx the step's time)\n",
@@ -476,6 +513,13 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     json << "},\n  \"macrobatches\": {\"count\": " << (full ? ring_macrobatches : 0)
          << ", \"rows\": " << ring_config.macrobatch_size << ", \"step_ms\": " << ring_step_ms
          << ", \"bitwise\": " << (ring_bitwise ? "true" : "false") << "}";
+    json << ",\n  \"compared\": {";
+    for (size_t i = 0; i < compared.size(); ++i)
+      json << (i ? ", " : "") << "\"" << compared[i].knob
+           << "\": {\"forward_ms\": " << medians[first_compared + 2 * i]
+           << ", \"step_ms\": " << medians[first_compared + 2 * i + 1]
+           << ", \"bitwise\": " << (compared[i].bitwise ? "true" : "false") << "}";
+    json << "}";
     json << ",\n  \"backward_variants\": {";
     for (size_t i = 0; i < backward_variants.size(); ++i)
       json << (i ? ", " : "") << "\"" << backward_name(backward_variants[i].config)
