@@ -152,5 +152,10 @@ int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int
 
 // Checks the config against the shape it will run; the message names the knob and its value.
 Status can_implement(const MoeConfig& config, const MoeShape& shape);
+// The part of those checks that needs no sizes but the group's rank count: each knob's range and
+// the knobs that exclude each other. The CPU reference runs with any knobs; callers that build
+// no GPU layer (the Python package's CPU path) check them here, so that a config accepted on
+// the CPU is one the GPU accepts too.
+Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks);
 
 }  // namespace mok

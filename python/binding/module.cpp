@@ -198,8 +198,10 @@ void bind_shape_and_config(nb::module_& m) {
           [](MoeConfig& config, const std::string& name) {
             config.precision = precision_from_name(name);
           })
-      .def("check", [](const MoeConfig& config, const MoeShape& shape) {
-        can_implement(config, shape).throw_if_error();
+      .def("check", [](const MoeConfig& config,
+                       const MoeShape& shape) { can_implement(config, shape).throw_if_error(); })
+      .def("check_knobs", [](const MoeConfig& config, int32_t num_ranks) {
+        can_implement_knobs(config, num_ranks).throw_if_error();
       });
 }
 

@@ -141,6 +141,9 @@ class Workspace:
         num_ranks: int = 1,
         expected: tuple[int, int, int] | None = None,
     ) -> None:
+        # Every knob's range, on any device (the CPU reference would run with any; the GPU
+        # layer checks the rest against each call's sizes).
+        config.check_knobs(num_ranks)
         self.config = config
         # (num_local_tokens, hidden_size, topk) of MoK's create_workspace, checked per call.
         self.expected = expected

@@ -126,7 +126,6 @@ int64_t weight_bytes_per_rank(const MoeShape& shape) {
 
 Status can_implement(const MoeConfig& config, const MoeShape& shape) {
   MOK_RETURN_IF_ERROR(can_implement(shape));
-  auto bad = [](const std::string& text) { return Status::invalid("config: " + text); };
   if (config.precision == Precision::kFP8Block) {
     // The FP8 path (src/layer/fp8_stages.cpp): the kernel sequences, one macrobatch; on one GPU
     // or, with the rows the expert-parallel exchange delivers in bf16, on every rank of a group.
@@ -159,13 +158,18 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
                                std::to_string(static_cast<int32_t>(config.precision)) +
                                "; valid: bf16, fp8_block");
   }
+  return can_implement_knobs(config, shape.num_ranks);
+}
+
+Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
+  auto bad = [](const std::string& text) { return Status::invalid("config: " + text); };
   for (auto [field, value] : {std::pair{"fwd_num_comm_sms", config.fwd_num_comm_sms},
                               std::pair{"bwd_num_comm_sms", config.bwd_num_comm_sms}}) {
-    const int32_t low = shape.num_ranks > 1 ? 1 : 0;
+    const int32_t low = num_ranks > 1 ? 1 : 0;
     if (value < low || value > kMaxCommSms)
       return bad(std::string(field) + " = " + std::to_string(value) + "; valid: [" +
                  std::to_string(low) + ", " + std::to_string(kMaxCommSms) + "]" +
-                 (shape.num_ranks > 1 ? " (at least 1 with more than one rank)" : ""));
+                 (num_ranks > 1 ? " (at least 1 with more than one rank)" : ""));
   }
   if (config.minibatch_size < kDefaultRowAlign || config.minibatch_size % kDefaultRowAlign != 0)
     return bad("minibatch_size = " + std::to_string(config.minibatch_size) +

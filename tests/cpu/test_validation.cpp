@@ -181,6 +181,27 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
                {"local_dispatch = 7", "gather-kernel", "producer-warps"});
 }
 
+// The knob checks alone (no sizes: what the Python package's CPU path runs) refuse what the
+// full check refuses for the same knobs, with the same words.
+TEST(ConfigValidation, KnobChecksNeedNoShape) {
+  EXPECT_TRUE(can_implement_knobs(MoeConfig{}, 1).ok());
+  MoeConfig config;
+  config.minibatch_size = 100;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"minibatch_size = 100", "128"});
+  config = MoeConfig{};
+  config.fwd_num_comm_sms = 0;
+  EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << "one rank needs no comm SMs";
+  expect_error(can_implement_knobs(config, 2), ErrorCode::kInvalidArgument,
+               {"fwd_num_comm_sms = 0", "at least 1 with more than one rank"});
+  config = MoeConfig{};
+  config.gemm_deep_ring = config.gemm_cta_pairs = true;
+  const Status knobs = can_implement_knobs(config, 1);
+  const Status full = can_implement(config, named_shape("tiny", 1));
+  EXPECT_FALSE(knobs.ok());
+  EXPECT_EQ(knobs.message, full.message);
+}
+
 // The default ring (kAutoMacrobatch): one macrobatch at every named shape, the byte budget's
 // largest multiple of minibatch_size beyond it, and an explicit size taken as given.
 TEST(ConfigValidation, AutoMacrobatchFitsItsBudget) {

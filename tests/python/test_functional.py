@@ -245,6 +245,35 @@ def test_no_tokens(device):
         assert torch.count_nonzero(leaves[name].grad) == 0, name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(minibatch_size=100), r"minibatch_size = 100; valid: a positive multiple of 128"),
+        (dict(wait_timeout_s=0.0), r"wait_timeout_s = 0"),
+        (
+            dict(gemm_deep_ring=True, gemm_cta_pairs=True),
+            r"gemm_deep_ring = true with gemm_cta_pairs = true",
+        ),
+        (
+            dict(swiglu_handoff=True, gemm_deep_ring=True),
+            r"swiglu_handoff = true with gemm_deep_ring",
+        ),
+    ],
+)
+def test_bad_config_is_refused_on_every_device(device, fields, message):
+    """A knob out of range, or two that exclude each other, is refused when the workspace is
+    made, naming the field and what is valid, on the CPU as on CUDA."""
+    with pytest.raises(ValueError, match=message):
+        F.create_workspace(
+            F.MoKConfig(**fields),
+            device=torch.device(device),
+            num_local_tokens=8,
+            hidden_size=64,
+            topk=2,
+        )
+
+
 def test_config_switches_reach_the_native_config():
     """Every on/off knob of MoKConfig is carried into the C++ layer's config, both ways."""
     switches = [
