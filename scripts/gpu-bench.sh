@@ -5,7 +5,9 @@
 # takes minutes per shape on a fresh machine, unless .deps/quack-autotune was carried: see
 # scripts/sonic-env.sh), then `python -m mok.bench` on
 # MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1,
-# --systems MOK_PYTHON_BENCH_SYSTEMS when set (e.g. "sonicmoe,hf grouped_mm,torch grouped_mm").
+# --systems MOK_PYTHON_BENCH_SYSTEMS when set (e.g. "sonicmoe,hf grouped_mm,torch grouped_mm"),
+# --knobs MOK_PYTHON_BENCH_KNOBS when set (MoKConfig switches timed flipped beside mok, e.g.
+# "gemm_deep_ring,swiglu_handoff").
 # MOK_PYTHON_TESTS=1 runs the Python tests (pytest, CUDA cases included) before the benchmark.
 # Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png, quack-autotune.tgz.
 set -uo pipefail
@@ -33,6 +35,7 @@ fp8=()
 [ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && fp8=(--fp8)
 timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.bench \
   --shapes "${MOK_PYTHON_BENCH_SHAPES:-qwen3,dsv3_local}" --systems "${MOK_PYTHON_BENCH_SYSTEMS:-}" \
+  --knobs "${MOK_PYTHON_BENCH_KNOBS:-}" \
   "${fp8[@]}" --json "$OUT/bench.json" \
   --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1 || status=1
 cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80

@@ -223,6 +223,12 @@ def main() -> None:
         + ", ".join(SYSTEM_NAMES),
     )
     parser.add_argument("--fp8", action="store_true", help="also mok in FP8 (fp8_block)")
+    parser.add_argument(
+        "--knobs",
+        default="",
+        help="comma-separated MoKConfig switches, each timed flipped beside mok on the same "
+        "weights (e.g. gemm_deep_ring,swiglu_handoff)",
+    )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -256,7 +262,13 @@ def main() -> None:
         problem = make_problem(shape_name, device, args.seed, shared=width)
         result = run_shape(
             problem,
-            systems_of(problem, peers=not args.no_peers, fp8=args.fp8, only=only),
+            systems_of(
+                problem,
+                peers=not args.no_peers,
+                fp8=args.fp8,
+                only=only,
+                knobs=[k.strip() for k in args.knobs.split(",") if k.strip()],
+            ),
             args.calls,
             args.rounds,
         )

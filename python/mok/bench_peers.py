@@ -9,7 +9,9 @@ router_weights) -> out`` over the same weights (one ``Problem``):
 - ``torch grouped_mm``: the pipeline a user writes by hand (argsort permute, ``torch._grouped_mm``
   over each expert's rows, SwiGLU, weighted sum in fp32);
 - ``sonicmoe``: SonicMoE's given-routing entry point, when ``sonicmoe`` is importable;
-- ``torch fp8`` (``--fp8``, CUDA): the FP8 pipeline a torch user writes (bench_torch_fp8).
+- ``torch fp8`` (``--fp8``, CUDA): the FP8 pipeline a torch user writes (bench_torch_fp8);
+- ``mok KNOB`` (``--knobs``): mok with one of ``MoKConfig``'s switches flipped, on the same weight
+  tensors (shared, not copied) and a workspace of its own: a config A/B in the same rounds.
 
 Peers hold routed experts only: with a shared expert only mok runs. A system that cannot be built
 here is left out with the reason (``Problem.skipped``).
@@ -18,7 +20,7 @@ here is left out with the reason (``Problem.skipped``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +156,48 @@ def _mok_systems(p: Problem) -> list[System]:
     return systems
 
 
+def config_switches() -> list[str]:
+    """MoKConfig's on/off fields: what ``--knobs`` can flip."""
+    from .functional import MoKConfig
+
+    return [f.name for f in fields(MoKConfig) if f.type in (bool, "bool")]
+
+
+def _mok_knob_system(p: Problem, knob: str) -> System:
+    """mok with MoKConfig's switch `knob` flipped (and, turned on, the switches it excludes off),
+    over the problem module's own weight tensors, through a workspace of its own."""
+    from ._workspace import Workspace
+    from .functional import moe
+
+    switches = config_switches()
+    if knob not in switches:
+        raise ValueError(f"argument `knob` is {knob!r}; valid: {', '.join(switches)}")
+    module = p.module
+    flipped = not getattr(module.config, knob)
+    exclusive = ("gemm_cta_pairs", "gemm_deep_ring", "swiglu_handoff")
+    others = {k: False for k in exclusive if k != knob} if flipped and knob in exclusive else {}
+    config = replace(module.config, **others, **{knob: flipped})
+    workspace = Workspace(config.to_native())
+
+    def forward(x: Tensor, top_experts: Tensor, router_weights: Tensor) -> Tensor:
+        return moe(
+            x,
+            top_experts,
+            router_weights,
+            module.w_gate,
+            module.w_up,
+            module.w_down,
+            module.w_shared_gate,
+            module.w_shared_up,
+            module.w_shared_down,
+            swiglu_limit=module.swiglu_limit,
+            workspace=workspace,
+            config=config,
+        )
+
+    return System(f"mok {knob}", forward, list(module.parameters()))
+
+
 def _mok_fp8_system(p: Problem) -> System:
     """mok.nn.MoE in FP8 (``precision="fp8_block"``) over copies of the same weights."""
     from .functional import MoKConfig
@@ -267,12 +311,17 @@ SYSTEM_NAMES = (
 
 
 def systems_of(
-    p: Problem, peers: bool = True, fp8: bool = False, only: set[str] | None = None
+    p: Problem,
+    peers: bool = True,
+    fp8: bool = False,
+    only: set[str] | None = None,
+    knobs: list[str] | None = None,
 ) -> list[System]:
-    """mok's systems (with ``fp8``, mok in FP8 too), and the peers that run here (the others go
-    to ``p.skipped`` with why). ``only``: the names (SYSTEM_NAMES) to build, "mok" always among
-    them (every ratio is to it); the others are not built at all (their memory and warm-up
-    spared), and ``p.skipped`` says so."""
+    """mok's systems (with ``fp8``, mok in FP8 too; with ``knobs``, mok with each of those
+    MoKConfig switches flipped), and the peers that run here (the others go to ``p.skipped``
+    with why). ``only``: the names (SYSTEM_NAMES) to build, "mok" always among them (every
+    ratio is to it); the others are not built at all (their memory and warm-up spared), and
+    ``p.skipped`` says so."""
     if only is not None:
         unknown = sorted(set(only) - set(SYSTEM_NAMES))
         if unknown:
@@ -293,6 +342,7 @@ def systems_of(
     systems = [s for s in systems if wanted(s.name)]
     if fp8 and wanted("mok fp8"):
         systems.append(_mok_fp8_system(p))
+    systems += [_mok_knob_system(p, knob) for knob in knobs or []]
     if not peers or p.Is > 0:
         if p.Is > 0:
             p.skipped["peers"] = "a shared expert: the peers hold routed experts only"
