@@ -43,6 +43,7 @@ std::string backward_name(const mok::MoeConfig& config) {
          (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "") +
+         (config.weight_grad_deep_ring ? ", weight gradients on the deep ring" : "") +
          (config.backward_fused_gathers ? ", gathers fused" : "");
 }
 
@@ -191,7 +192,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     // And the expert GEMMs the other way: in CTA pairs multicasting B, or alone.
     mok::MoeConfig paired = config;
     paired.gemm_cta_pairs = !config.gemm_cta_pairs;
-    if (paired.gemm_cta_pairs) paired.gemm_deep_ring = false;  // the two exclude each other
+    if (paired.gemm_cta_pairs)  // they exclude each other
+      paired.gemm_deep_ring = paired.swiglu_handoff = paired.weight_grad_deep_ring = false;
     backward_variants.push_back({paired, std::make_unique<mok::GpuLayer>(shape, paired)});
     // And the padding rows skipped or computed (MoeConfig::skip_padding_rows).
     mok::MoeConfig padded = config;
@@ -200,6 +202,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     // And the weight gradients with the consumers on different tiles, or on one.
     mok::MoeConfig pingpong = config;
     pingpong.weight_grad_pingpong = !config.weight_grad_pingpong;
+    if (pingpong.weight_grad_pingpong) pingpong.weight_grad_deep_ring = false;
     backward_variants.push_back({pingpong, std::make_unique<mok::GpuLayer>(shape, pingpong)});
     // And the row-tile GEMMs with the deep ring (four stages, a half staging tile), or not.
     mok::MoeConfig deep = config;
@@ -211,6 +214,12 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     fused_gathers.backward_fused_gathers = !config.backward_fused_gathers;
     backward_variants.push_back(
         {fused_gathers, std::make_unique<mok::GpuLayer>(shape, fused_gathers)});
+    // And the weight gradients on the deep ring, or on three stages.
+    mok::MoeConfig wgrad_deep = config;
+    wgrad_deep.weight_grad_deep_ring = !config.weight_grad_deep_ring;
+    if (wgrad_deep.weight_grad_deep_ring)
+      wgrad_deep.gemm_cta_pairs = wgrad_deep.weight_grad_pingpong = false;
+    backward_variants.push_back({wgrad_deep, std::make_unique<mok::GpuLayer>(shape, wgrad_deep)});
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     device.poison_outputs();
