@@ -184,7 +184,7 @@ __device__ __forceinline__ void store_partial(const float (&acc)[128], float* va
 }
 
 // Every form's epilogue leaves through the staging tile, which costs one stage of the ring; with
-// kDeepRing (MoeConfig::gemm_deep_ring, row-tile forms) half of it, for a fourth stage.
+// kDeepRing (MoeConfig::gemm_deep_ring, weight_grad_deep_ring) half of it, for a fourth stage.
 template <bool kDeepRing>
 using FormStorage = std::conditional_t<kDeepRing, DeepRingStorage, GemmSharedStorage<kNumStages>>;
 
