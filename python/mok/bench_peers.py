@@ -118,12 +118,10 @@ def _fused_gate_up(module: MoE) -> Tensor:
     return torch.cat((module.w_gate.detach(), module.w_up.detach()), dim=1)
 
 
-def _mok_systems(p: Problem) -> list[System]:
-    module = p.module
-    systems = [System("mok", module, list(module.parameters()))]
-    module(p.x, p.top_experts, p.router_weights)  # builds the workspace's layer
-    layer = next(iter(module.workspace._layers.values()))
-    params = [
+def _module_weights(module: MoE) -> list[Tensor | None]:
+    """The module's six weight tensors in the layer's argument order (the shared ones None
+    without a shared expert)."""
+    return [
         module.w_gate,
         module.w_up,
         module.w_down,
@@ -131,6 +129,14 @@ def _mok_systems(p: Problem) -> list[System]:
         module.w_shared_up,
         module.w_shared_down,
     ]
+
+
+def _mok_systems(p: Problem) -> list[System]:
+    module = p.module
+    systems = [System("mok", module, list(module.parameters()))]
+    module(p.x, p.top_experts, p.router_weights)  # builds the workspace's layer
+    layer = next(iter(module.workspace._layers.values()))
+    params = _module_weights(module)
     out = torch.empty_like(p.x)
     grads = [torch.empty_like(t) for t in (p.x, p.router_weights, *params[:3])]
     grads += [torch.empty_like(w) if w is not None else None for w in params[3:]]
@@ -184,12 +190,7 @@ def _mok_knob_system(p: Problem, knob: str) -> System:
             x,
             top_experts,
             router_weights,
-            module.w_gate,
-            module.w_up,
-            module.w_down,
-            module.w_shared_gate,
-            module.w_shared_up,
-            module.w_shared_down,
+            *_module_weights(module),
             swiglu_limit=module.swiglu_limit,
             workspace=workspace,
             config=config,
