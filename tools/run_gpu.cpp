@@ -185,41 +185,19 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   };
   std::vector<BackwardVariant> backward_variants;
   if (full) {
-    mok::MoeConfig other = config;
-    other.persistent_backward = !config.persistent_backward;
-    other.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
-    backward_variants.push_back({other, std::make_unique<mok::GpuLayer>(shape, other)});
-    // And the expert GEMMs the other way: in CTA pairs multicasting B, or alone.
-    mok::MoeConfig paired = config;
-    paired.gemm_cta_pairs = !config.gemm_cta_pairs;
-    if (paired.gemm_cta_pairs)  // they exclude each other
-      paired.gemm_deep_ring = paired.swiglu_handoff = paired.weight_grad_deep_ring = false;
-    backward_variants.push_back({paired, std::make_unique<mok::GpuLayer>(shape, paired)});
-    // And the padding rows skipped or computed (MoeConfig::skip_padding_rows).
-    mok::MoeConfig padded = config;
-    padded.skip_padding_rows = !config.skip_padding_rows;
-    backward_variants.push_back({padded, std::make_unique<mok::GpuLayer>(shape, padded)});
-    // And the weight gradients with the consumers on different tiles, or on one.
-    mok::MoeConfig pingpong = config;
-    pingpong.weight_grad_pingpong = !config.weight_grad_pingpong;
-    if (pingpong.weight_grad_pingpong) pingpong.weight_grad_deep_ring = false;
-    backward_variants.push_back({pingpong, std::make_unique<mok::GpuLayer>(shape, pingpong)});
-    // And the row-tile GEMMs with the deep ring (four stages, a half staging tile), or not.
-    mok::MoeConfig deep = config;
-    deep.gemm_deep_ring = !config.gemm_deep_ring;
-    if (deep.gemm_deep_ring) deep.gemm_cta_pairs = false;
-    backward_variants.push_back({deep, std::make_unique<mok::GpuLayer>(shape, deep)});
-    // And the backward's rows gathered inside its GEMMs, or by gather kernels before them.
-    mok::MoeConfig fused_gathers = config;
-    fused_gathers.backward_fused_gathers = !config.backward_fused_gathers;
-    backward_variants.push_back(
-        {fused_gathers, std::make_unique<mok::GpuLayer>(shape, fused_gathers)});
-    // And the weight gradients on the deep ring, or on three stages.
-    mok::MoeConfig wgrad_deep = config;
-    wgrad_deep.weight_grad_deep_ring = !config.weight_grad_deep_ring;
-    if (wgrad_deep.weight_grad_deep_ring)
-      wgrad_deep.gemm_cta_pairs = wgrad_deep.weight_grad_pingpong = false;
-    backward_variants.push_back({wgrad_deep, std::make_unique<mok::GpuLayer>(shape, wgrad_deep)});
+    // Each knob flipped on a layer of its own (flip_knob, which turns off what excludes it): the
+    // backward as the persistent kernel or the sequence; the expert GEMMs in CTA pairs
+    // multicasting B, or alone; the padding rows skipped or computed; the weight gradients in
+    // ping-pong; the deep ring; the backward's gathers inside its GEMMs; the weight gradients on
+    // the deep ring. The forward variants below time [1], [2] and [4] too.
+    for (const char* knob :
+         {"persistent-backward", "cta-pairs", "skip-padding-rows", "weight-grad-pingpong",
+          "deep-ring", "backward-fused-gathers", "weight-grad-deep-ring"}) {
+      mok::MoeConfig flipped = flip_knob(config, knob);
+      if (flipped.persistent_backward != config.persistent_backward)
+        flipped.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
+      backward_variants.push_back({flipped, std::make_unique<mok::GpuLayer>(shape, flipped)});
+    }
   }
   auto same_bits_as_first = [&](mok::GpuLayer& other) {
     device.poison_outputs();
@@ -269,19 +247,14 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   }
   // Forward variants on their own layers (same bits, see the tests): the other local dispatch
   // mode, and the GEMMs as one persistent kernel or as two.
-  mok::MoeConfig other_dispatch = config, other_gemms = config;
-  other_dispatch.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
-                                      ? mok::LocalDispatch::kProducerWarps
-                                      : mok::LocalDispatch::kGatherKernel;
-  other_gemms.persistent_forward = !config.persistent_forward;
+  const mok::MoeConfig other_dispatch = flip_knob(config, "local-dispatch");
+  mok::MoeConfig other_gemms = flip_knob(config, "persistent-forward");
   other_gemms.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
   // And the forward with MoeConfig::check_finite: what its input scan costs.
   mok::MoeConfig checked = config;
   checked.check_finite = true;
   // And the forward's SwiGLU on a producer warp, or on the consumers (MoeConfig::swiglu_handoff).
-  mok::MoeConfig handoff = config;
-  handoff.swiglu_handoff = !config.swiglu_handoff;
-  if (handoff.swiglu_handoff) handoff.gemm_cta_pairs = handoff.gemm_deep_ring = false;
+  const mok::MoeConfig handoff = flip_knob(config, "swiglu-handoff");
   std::unique_ptr<mok::GpuLayer> other_dispatch_layer, other_gemms_layer, checked_layer,
       handoff_layer;
   bool handoff_bitwise = true;

@@ -169,6 +169,16 @@ def config_switches() -> list[str]:
     return [f.name for f in fields(MoKConfig) if f.type in (bool, "bool")]
 
 
+# The switches each one excludes when on (mok::can_implement_knobs refuses them together).
+_EXCLUDES = {
+    "gemm_cta_pairs": ("gemm_deep_ring", "swiglu_handoff", "weight_grad_deep_ring"),
+    "gemm_deep_ring": ("gemm_cta_pairs", "swiglu_handoff"),
+    "swiglu_handoff": ("gemm_cta_pairs", "gemm_deep_ring"),
+    "weight_grad_deep_ring": ("gemm_cta_pairs", "weight_grad_pingpong"),
+    "weight_grad_pingpong": ("weight_grad_deep_ring",),
+}
+
+
 def _mok_knob_system(p: Problem, knob: str) -> System:
     """mok with MoKConfig's switch `knob` flipped (and, turned on, the switches it excludes off),
     over the problem module's own weight tensors, through a workspace of its own."""
@@ -180,8 +190,7 @@ def _mok_knob_system(p: Problem, knob: str) -> System:
         raise ValueError(f"argument `knob` is {knob!r}; valid: {', '.join(switches)}")
     module = p.module
     flipped = not getattr(module.config, knob)
-    exclusive = ("gemm_cta_pairs", "gemm_deep_ring", "swiglu_handoff")
-    others = {k: False for k in exclusive if k != knob} if flipped and knob in exclusive else {}
+    others = {k: False for k in _EXCLUDES.get(knob, ())} if flipped else {}
     config = replace(module.config, **others, **{knob: flipped})
     workspace = Workspace(config.to_native())
 
