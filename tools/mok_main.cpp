@@ -11,6 +11,7 @@
 #include "cli.h"
 #include "mok/config.h"
 #include "mok/testing/comm_bench.h"
+#include "mok/testing/stream_bench.h"
 
 namespace mok::cli {
 
@@ -23,6 +24,9 @@ const char* kUsage = R"(mok: deterministic MoE training layer for Hopper GPUs
 
 usage:
   mok run [options]     run the layer on a shape and check it (the main job)
+  mok stream-bench [--shape NAME]
+                        GPU: how fast the shape's expert weights stream in the GEMMs' access
+                        pattern and others (TMA loads only; default dsv3)
   mok shapes            list the named shapes
   mok --help | --version
 
@@ -290,6 +294,17 @@ int comm_bench_command(RunOptions options) {
                              mok::routing_kind_from_name(options.routing), options.seed);
 }
 
+// `mok stream-bench`: the memory roofline of a shape's weights (default dsv3: 256 experts on
+// one GPU).
+int stream_bench_command(RunOptions options) {
+  if (cuda_device_name().empty())
+    throw Error(ErrorCode::kUnsupported,
+                "stream-bench times the GPU's memory; no usable GPU here (valid: a run on an "
+                "sm_90 GPU)");
+  if (options.shape_name.empty()) options.shape_name = "dsv3";
+  return mok::run_stream_bench(shape_from_options(options));
+}
+
 void list_shapes() {
   std::printf("%-12s %6s %6s %5s %3s %8s\n", "name", "H", "I", "E", "K", "tokens");
   for (const std::string& name : mok::named_shape_names()) {
@@ -328,9 +343,12 @@ int main(int argc, char** argv) {
     if (args[0] == "comm-bench")
       return mok::cli::comm_bench_command(
           mok::cli::parse_run_options({args.begin() + 1, args.end()}));
-    throw mok::Error(
-        mok::ErrorCode::kInvalidArgument,
-        "unknown command '" + args[0] + "'; valid: run, comm-bench, shapes (see mok --help)");
+    if (args[0] == "stream-bench")
+      return mok::cli::stream_bench_command(
+          mok::cli::parse_run_options({args.begin() + 1, args.end()}));
+    throw mok::Error(mok::ErrorCode::kInvalidArgument,
+                     "unknown command '" + args[0] +
+                         "'; valid: run, comm-bench, stream-bench, shapes (see mok --help)");
   } catch (const mok::Error& error) {
     std::fprintf(stderr, "mok: error (%s): %s\n", mok::error_code_name(error.code()), error.what());
     return 2;

@@ -28,13 +28,13 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
 CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims,
                    const cuuint64_t* strides_bytes, const cuuint32_t* box, const char* what,
                    CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B,
+                   CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   CUtensorMap map{};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  CUresult result =
-      encode_function()(&map, type, rank, const_cast<void*>(base), dims, strides_bytes, box,
-                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  CUresult result = encode_function()(
+      &map, type, rank, const_cast<void*>(base), dims, strides_bytes, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
     std::string extents;
     for (int d = 0; d < rank; ++d) extents += (d ? ", " : "") + std::to_string(dims[d]);
@@ -72,7 +72,7 @@ CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, i
 
 CUtensorMap make_tensor_map(const void* base, TmaElement element, int rank, const int64_t* dims,
                             const int64_t* strides_bytes, const int32_t* box, bool swizzle_128b,
-                            const char* what) {
+                            const char* what, TmaL2Promotion promotion) {
   if (rank < 1 || rank > 3)
     throw Error(ErrorCode::kInvalidArgument, std::string("make_tensor_map: rank = ") +
                                                  std::to_string(rank) + " for " + what +
@@ -87,8 +87,12 @@ CUtensorMap make_tensor_map(const void* base, TmaElement element, int rank, cons
   const CUtensorMapDataType type = element == TmaElement::kBF16   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                    : element == TmaElement::kE4M3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                                                   : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const CUtensorMapL2promotion l2 =
+      promotion == TmaL2Promotion::kNone   ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+      : promotion == TmaL2Promotion::k128B ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                           : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   return encode(base, rank, dims_u, strides_u, box_u, what, type,
-                swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE);
+                swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, l2);
 }
 
 }  // namespace mok

@@ -25,9 +25,12 @@ CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, i
 // Any element type and swizzle (the FP8 path: e4m3 operands with the 128-byte swizzle, fp32
 // scales without): a row-major tensor of `rank` (1-3) dimensions, innermost first in `dims` and
 // `box`, `strides_bytes` the byte strides of dimensions 1.. (rank - 1 of them).
+// `promotion`: how much of the L2 line around each requested sector TMA fetches (every mok
+// kernel uses 256 bytes; `mok stream-bench` measures the others).
 enum class TmaElement { kBF16, kE4M3, kF32 };
+enum class TmaL2Promotion { kNone, k128B, k256B };
 CUtensorMap make_tensor_map(const void* base, TmaElement element, int rank, const int64_t* dims,
                             const int64_t* strides_bytes, const int32_t* box, bool swizzle_128b,
-                            const char* what);
+                            const char* what, TmaL2Promotion promotion = TmaL2Promotion::k256B);
 
 }  // namespace mok

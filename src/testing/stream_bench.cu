@@ -1,0 +1,348 @@
+// The weight-streaming benchmark behind `mok stream-bench` (mok/testing/stream_bench.h).
+//
+// Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), one
+// warp. Lane 0 is the producer of a ring of `num_stages` 32 KB stages, each filled by TMA loads
+// that complete on the stage's mbarrier; the warp waits for each stage in order and lane 0
+// refills it at once with the load `num_stages` ahead, so `num_stages` stages are always in
+// flight (a GEMM holds one more while its consumers read it). Nothing else runs: the time is
+// the memory system's alone.
+//
+// The CTA walks tiles the way the expert GEMMs walk their column tiles: tile t (of E x
+// rows / 256) is expert t / tiles_per_expert, rows [256 * (t % tiles_per_expert), + 256), all K,
+// CTA b taking tiles b, b + grid, ... With `readers_per_tile` = 2, CTAs 2j and 2j + 1 read the
+// same tile at about the same time (an expert of two row tiles, as at `dsv3_e128`). A stage is
+// a block of stage_rows x stage_k elements loaded as stage_k / 64 boxes of [stage_rows, 64] (128
+// bytes of each weight row per box, the 128-byte swizzle the GEMMs use); the tile's stages go
+// row block by row block within each K step. The linear pattern reads the same bytes as
+// consecutive 32 KB blocks, CTA b taking blocks b, b + grid, ...
+//
+// The self-check mode (a non-null `checksum`) has every lane sum the 32-bit words of each
+// landed stage (an integer sum, exact in any order) into one counter per launch.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
+#include "layer/cuda_buffer.h"
+#include "layer/tma.h"
+#include "mok/error.h"
+#include "mok/testing/stream_bench.h"
+
+namespace mok {
+
+namespace {
+
+constexpr int32_t kTileRows = 256;
+constexpr int32_t kBoxK = 64;  // elements: 128 bytes of a weight row, the swizzle span
+constexpr int32_t kStageBytes = 32 * 1024;
+constexpr int32_t kMaxStages = 6;
+// Every launch asks for this much dynamic shared memory, whatever its ring depth: one CTA per
+// SM in every variant, as in the expert GEMMs.
+constexpr int32_t kSharedBytes = 200 * 1024 + 1024;
+
+struct StreamParams {
+  CUtensorMap map;  // 3D [experts, rows, k] bf16, box [1, stage_rows, 64]; linear: 2D [n, 64]
+  int32_t linear;
+  int32_t num_experts;
+  int32_t rows;
+  int32_t k;
+  int32_t stage_rows;
+  int32_t stage_k;
+  int32_t num_stages;
+  int32_t readers_per_tile;
+  int64_t num_linear_blocks;  // linear: 32 KB blocks of 256 rows of 64 elements
+  unsigned long long* checksum;
+  kernels::WaitContext wait;
+};
+
+__host__ __device__ inline uint32_t word_hash(uint64_t index) {
+  uint64_t z = index + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<uint32_t>(z ^ (z >> 31));
+}
+
+__global__ void fill_words_kernel(uint32_t* words, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x)
+    words[i] = word_hash(static_cast<uint64_t>(i));
+}
+
+__global__ void __launch_bounds__(32, 1)
+    stream_weights_kernel(const __grid_constant__ StreamParams p) {
+  extern __shared__ unsigned char dynamic_smem[];
+  __shared__ uint64_t full[kMaxStages];
+  unsigned char* ring = &ptx::align_shared_1024<unsigned char>(dynamic_smem);
+  const int lane = threadIdx.x;
+
+  const int32_t row_blocks = kTileRows / p.stage_rows;
+  const int32_t stages_per_tile = p.linear ? 1 : (p.k / p.stage_k) * row_blocks;
+  const int32_t tiles_per_expert = p.rows / kTileRows;
+  const int64_t num_tiles = p.linear
+                                ? p.num_linear_blocks
+                                : int64_t{p.num_experts} * tiles_per_expert * p.readers_per_tile;
+  const int64_t block = blockIdx.x, grid = gridDim.x;
+  const int64_t my_tiles = block < num_tiles ? (num_tiles - block + grid - 1) / grid : 0;
+  const int64_t total = my_tiles * stages_per_tile;
+
+  if (lane == 0) {
+    ptx::prefetch_tensor_map(&p.map);
+    for (int s = 0; s < p.num_stages; ++s) ptx::mbarrier_init(&full[s], 1);
+    ptx::fence_barrier_init();
+  }
+  __syncwarp();
+
+  auto issue = [&](int64_t g) {
+    const int32_t slot = static_cast<int32_t>(g % p.num_stages);
+    unsigned char* stage = ring + slot * kStageBytes;
+    const int64_t tile = block + (g / stages_per_tile) * grid;
+    ptx::mbarrier_arrive_expect_tx(&full[slot], kStageBytes);
+    if (p.linear) {
+      ptx::tma_load_2d(stage, &p.map, &full[slot], 0, static_cast<int32_t>(tile * kTileRows));
+      return;
+    }
+    const int64_t real_tile = tile / p.readers_per_tile;
+    const int32_t expert = static_cast<int32_t>(real_tile / tiles_per_expert);
+    const int32_t tile_row = static_cast<int32_t>(real_tile % tiles_per_expert) * kTileRows;
+    const int32_t j = static_cast<int32_t>(g % stages_per_tile);
+    const int32_t k0 = (j / row_blocks) * p.stage_k;
+    const int32_t row0 = tile_row + (j % row_blocks) * p.stage_rows;
+    for (int32_t box = 0; box < p.stage_k / kBoxK; ++box)
+      ptx::tma_load_3d(stage + box * p.stage_rows * kBoxK * 2, &p.map, &full[slot],
+                       k0 + box * kBoxK, row0, expert);
+  };
+
+  if (lane == 0)
+    for (int64_t g = 0; g < std::min<int64_t>(p.num_stages, total); ++g) issue(g);
+  unsigned long long sum = 0;
+  for (int64_t g = 0; g < total; ++g) {
+    const int32_t slot = static_cast<int32_t>(g % p.num_stages);
+    kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmLoadedStage, &full[slot],
+                           static_cast<uint32_t>((g / p.num_stages) & 1));
+    if (p.checksum != nullptr) {
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(ring + slot * kStageBytes);
+      for (int i = lane; i < kStageBytes / 4; i += 32) sum += words[i];
+      __syncwarp();
+      ptx::fence_proxy_async_shared();
+    }
+    if (lane == 0 && g + p.num_stages < total) issue(g + p.num_stages);
+  }
+  if (p.checksum != nullptr) atomicAdd(p.checksum, sum);
+}
+
+struct Pattern {
+  const char* name;
+  int32_t stage_rows;
+  int32_t stage_k;
+  bool linear;
+  int32_t readers_per_tile;
+  TmaL2Promotion promotion;
+};
+
+// mok's expert GEMMs read their weight tiles as the first row: [256 rows x 64] boxes, 256-byte
+// L2 promotion.
+const Pattern kPatterns[] = {
+    {"row tile 256 x 64 (the GEMMs')", 256, 64, false, 1, TmaL2Promotion::k256B},
+    {"row tile, L2 promotion none", 256, 64, false, 1, TmaL2Promotion::kNone},
+    {"row tile, two readers per tile", 256, 64, false, 2, TmaL2Promotion::k256B},
+    {"128 x 128 (256 B of each row)", 128, 128, false, 1, TmaL2Promotion::k256B},
+    {"64 x 256 (512 B of each row)", 64, 256, false, 1, TmaL2Promotion::k256B},
+    {"linear 32 KB blocks", 256, 64, true, 1, TmaL2Promotion::k256B},
+};
+const int32_t kRingDepths[] = {2, 3, 4, 6};
+
+class StreamRunner {
+ public:
+  StreamRunner() {
+    cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
+    cuda_check(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+    cuda_check(cudaFuncSetAttribute(stream_weights_kernel,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes),
+               "cudaFuncSetAttribute(stream_weights_kernel)");
+  }
+
+  // Whether the tensor [experts, rows, k] can be read with `pattern` (its divisibility rules).
+  static bool fits(const Pattern& pattern, int64_t rows, int64_t k) {
+    return rows % kTileRows == 0 && k % pattern.stage_k == 0;
+  }
+
+  StreamParams params(const void* weights, int64_t experts, int64_t rows, int64_t k,
+                      const Pattern& pattern, int32_t num_stages,
+                      unsigned long long* checksum) const {
+    StreamParams p{};
+    p.linear = pattern.linear ? 1 : 0;
+    p.num_experts = static_cast<int32_t>(experts);
+    p.rows = static_cast<int32_t>(rows);
+    p.k = static_cast<int32_t>(k);
+    p.stage_rows = pattern.stage_rows;
+    p.stage_k = pattern.stage_k;
+    p.num_stages = num_stages;
+    p.readers_per_tile = pattern.readers_per_tile;
+    p.checksum = checksum;
+    p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
+    const int64_t elements = experts * rows * k;
+    if (pattern.linear) {
+      p.num_linear_blocks = elements / (kTileRows * kBoxK);
+      const int64_t dims[2] = {kBoxK, p.num_linear_blocks * kTileRows};
+      const int64_t strides[1] = {kBoxK * 2};
+      const int32_t box[2] = {kBoxK, kTileRows};
+      p.map = make_tensor_map(weights, TmaElement::kBF16, 2, dims, strides, box, true,
+                              "stream-bench weights (linear)", pattern.promotion);
+    } else {
+      const int64_t dims[3] = {k, rows, experts};
+      const int64_t strides[2] = {k * 2, rows * k * 2};
+      const int32_t box[3] = {kBoxK, pattern.stage_rows, 1};
+      p.map = make_tensor_map(weights, TmaElement::kBF16, 3, dims, strides, box, true,
+                              "stream-bench weights", pattern.promotion);
+    }
+    return p;
+  }
+
+  void launch(const StreamParams& p, cudaStream_t stream) const {
+    stream_weights_kernel<<<num_sms_, 32, kSharedBytes, stream>>>(p);
+    cuda_check(cudaGetLastError(), "stream_weights_kernel launch");
+  }
+
+  // Median ms of `passes` timed launches after one untimed.
+  double median_ms(const StreamParams& p, int passes) const {
+    cudaEvent_t start, stop;
+    cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+    cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+    launch(p, nullptr);
+    std::vector<float> times;
+    for (int i = 0; i < passes; ++i) {
+      cuda_check(cudaEventRecord(start), "cudaEventRecord");
+      launch(p, nullptr);
+      cuda_check(cudaEventRecord(stop), "cudaEventRecord");
+      cuda_check(cudaEventSynchronize(stop), "stream_weights_kernel");
+      float ms = 0;
+      cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+      times.push_back(ms);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  }
+
+  int num_sms() const { return num_sms_; }
+
+ private:
+  int device_ = 0;
+  int num_sms_ = 0;
+};
+
+void fill(const DeviceBuffer& buffer) {
+  const int64_t words = buffer.bytes / 4;
+  fill_words_kernel<<<1024, 256>>>(buffer.as<uint32_t>(), words);
+  cuda_check(cudaGetLastError(), "fill_words_kernel launch");
+}
+
+}  // namespace
+
+std::string stream_bench_self_check() {
+  // Two experts of 512 rows x 1024: two tiles per expert, every pattern and depth.
+  const int64_t experts = 2, rows = 512, k = 1024;
+  DeviceBuffer weights(experts * rows * k * 2, "stream-bench self-check weights");
+  DeviceBuffer checksum(sizeof(unsigned long long), "stream-bench checksum");
+  fill(weights);
+  unsigned long long expected = 0;
+  for (int64_t i = 0; i < weights.bytes / 4; ++i) expected += word_hash(static_cast<uint64_t>(i));
+  StreamRunner runner;
+  std::string failures;
+  for (const Pattern& pattern : kPatterns) {
+    if (!StreamRunner::fits(pattern, rows, k)) continue;
+    for (int32_t depth : kRingDepths) {
+      cuda_check(cudaMemset(checksum.pointer, 0, sizeof(unsigned long long)), "cudaMemset");
+      runner.launch(runner.params(weights.pointer, experts, rows, k, pattern, depth,
+                                  checksum.as<unsigned long long>()),
+                    nullptr);
+      unsigned long long seen = 0;
+      cuda_check(cudaMemcpy(&seen, checksum.pointer, sizeof(seen), cudaMemcpyDeviceToHost),
+                 "stream-bench self-check");
+      const unsigned long long want =
+          expected * static_cast<unsigned long long>(pattern.readers_per_tile);
+      if (seen != want)
+        failures += std::string(failures.empty() ? "" : "; ") + pattern.name + ", " +
+                    std::to_string(depth) + " stages: word sum " + std::to_string(seen) +
+                    ", expected " + std::to_string(want);
+    }
+  }
+  return failures;
+}
+
+int run_stream_bench(const MoeShape& shape) {
+  const std::string failures = stream_bench_self_check();
+  if (!failures.empty())
+    throw Error(ErrorCode::kInternal, "stream-bench self-check failed: " + failures);
+  const int64_t E = shape.num_local_experts(), H = shape.hidden, I = shape.intermediate;
+  struct Form {
+    const char* name;
+    int64_t rows, k;
+  };
+  const Form forms[] = {{"gate/up weights [E, 2I, H]", 2 * I, H}, {"down weights [E, H, I]", H, I}};
+  DeviceBuffer weights(E * 2 * I * H * 2, "stream-bench weights");
+  fill(weights);
+  cuda_check(cudaDeviceSynchronize(), "stream-bench fill");
+  StreamRunner runner;
+  std::printf("mok stream-bench: E=%lld H=%lld I=%lld, %d CTAs (one per SM), TMA loads only\n",
+              static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(I),
+              runner.num_sms());
+  std::printf("  self-check: every pattern and ring depth summed each word once per reader\n");
+  {
+    // The copy engine's device-to-device copy of half the buffer: bytes read + written.
+    const size_t half = static_cast<size_t>(weights.bytes / 2);
+    unsigned char* base = weights.as<unsigned char>();
+    cudaEvent_t start, stop;
+    cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+    cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+    std::vector<float> times;
+    for (int i = 0; i < 4; ++i) {
+      cuda_check(cudaEventRecord(start), "cudaEventRecord");
+      cuda_check(cudaMemcpyAsync(base + half, base, half, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+      cuda_check(cudaEventRecord(stop), "cudaEventRecord");
+      cuda_check(cudaEventSynchronize(stop), "cudaMemcpy");
+      float ms = 0;
+      cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+      if (i > 0) times.push_back(ms);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    std::sort(times.begin(), times.end());
+    std::printf("  device-to-device copy of %.2f GB: %.3f ms, %.2f TB/s read + written\n",
+                half / 1e9, times[1], 2.0 * half / times[1] / 1e9);
+    fill(weights);
+  }
+  std::printf("  %-28s %-34s %s\n", "weights", "pattern",
+              "TB/s of weight bytes at ring depth 2 / 3 / 4 / 6 stages (ms at 3)");
+  for (const Form& form : forms) {
+    const double bytes = static_cast<double>(E * form.rows * form.k * 2);
+    for (const Pattern& pattern : kPatterns) {
+      if (!StreamRunner::fits(pattern, form.rows, form.k)) {
+        std::printf("  %-28s %-34s (does not divide rows %lld, K %lld)\n", form.name, pattern.name,
+                    static_cast<long long>(form.rows), static_cast<long long>(form.k));
+        continue;
+      }
+      std::string cells;
+      double ms_at_3 = 0;
+      for (int32_t depth : kRingDepths) {
+        const double ms = runner.median_ms(
+            runner.params(weights.pointer, E, form.rows, form.k, pattern, depth, nullptr), 5);
+        if (depth == 3) ms_at_3 = ms;
+        char cell[32];
+        std::snprintf(cell, sizeof(cell), "%s%5.2f", cells.empty() ? "" : " / ", bytes / ms / 1e9);
+        cells += cell;
+      }
+      std::printf("  %-28s %-34s %s  (%.3f ms)\n", form.name, pattern.name, cells.c_str(), ms_at_3);
+    }
+  }
+  return 0;
+}
+
+}  // namespace mok
