@@ -74,8 +74,9 @@ class MoKConfig:
     gemm_deep_ring: run the expert GEMMs (all but the weight gradients) with four pipeline
         stages instead of three, storing each tile in two halves (same bits; not with
         gemm_cta_pairs; off by default until measured faster).
-    weight_grad_deep_ring: the weight gradients with the same four stages (same bits; not with
-        gemm_cta_pairs or weight_grad_pingpong; off by default until measured faster).
+    weight_grad_deep_ring: the weight gradients with the same four stages (up to 128 local
+        experts; same bits; not with gemm_cta_pairs or weight_grad_pingpong; off by default
+        until measured faster).
     swiglu_handoff: compute the forward's SwiGLU on a producer warp of the gate/up GEMM while its
         consumers go on to the next tile (same bits; not with gemm_cta_pairs or
         gemm_deep_ring; off by default until measured faster).

@@ -166,12 +166,6 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"gemm_deep_ring = true with gemm_cta_pairs = true", "at most one"});
   config = good;
-  config.weight_grad_deep_ring = true;
-  EXPECT_TRUE(can_implement(config, shape).ok());
-  config.weight_grad_pingpong = true;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"weight_grad_deep_ring = true with weight_grad_pingpong = true"});
-  config = good;
   config.swiglu_handoff = true;
   EXPECT_TRUE(can_implement(config, shape).ok());
   config.gemm_deep_ring = true;

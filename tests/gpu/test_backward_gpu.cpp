@@ -271,30 +271,6 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   }
 }
 
-// The weight gradients on the deep ring with more experts than its shared-memory segment table
-// holds (160 > kDeepRingSharedExperts = 128: each tile reads its expert's rows from global
-// memory), alone and with macrobatches: the bits of the default config.
-TEST(BackwardGpu, WeightGradDeepRingWithManyExpertsKeepsTheBits) {
-  const MoeShape shape = make_shape(640, 256, 256, 160, 4);
-  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 83);
-  DeviceProblem device(problem, 0);
-  GpuLayer reference_layer(shape, MoeConfig{});
-  const HostRank want = test::gpu_step(reference_layer, device, problem, /*with_context=*/true);
-  MoeConfig deep, deep_ring_macrobatches;
-  deep.weight_grad_deep_ring = true;
-  deep_ring_macrobatches.weight_grad_deep_ring = true;
-  deep_ring_macrobatches.minibatch_size = 128;
-  deep_ring_macrobatches.macrobatch_size = 1024;
-  for (const MoeConfig& config : {deep, deep_ring_macrobatches}) {
-    SCOPED_TRACE(testing::Message() << "macrobatch " << config.macrobatch_size);
-    GpuLayer layer(shape, config);
-    const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
-    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-    });
-  }
-}
-
 // The 64-row tiles and the weight gradients cut to the routed rows (MoeConfig::skip_padding_rows)
 // give the bits of whole tiles, forward and backward, with and without the context, and within
 // the reference's tolerance. 138 routed rows per expert on average (64-row tiles run below 256),

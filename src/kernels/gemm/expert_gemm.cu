@@ -220,8 +220,8 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
 // launches for macrobatches after the first can resume, and only they pay it.
 // kPaired: launched in clusters of two CTAs (CTA pairs, above).
-// kDeepRing: four stages and a two-chunk staging tile (not in pairs; kWeightGrad's segment table
-// in shared memory up to kDeepRingSharedExperts, from global memory above).
+// kDeepRing: four stages and a two-chunk staging tile (not in pairs; kWeightGrad only while its
+// segment table fits beside them: deep_ring_fits).
 // kHandoff: kGateUpSwiGLU's SwiGLU on producer warp 1 (swiglu_handoff.cuh; alone).
 template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false, bool kDeepRing = false,
           bool kHandoff = false>
@@ -235,13 +235,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   static_assert(!kHandoff || (kForm == ExpertGemmForm::kGateUpSwiGLU && !kPaired && !kDeepRing),
                 "the SwiGLU hand-off: the forward gate/up form, alone");
   using Storage = FormStorage<kDeepRing>;
-  constexpr int kSharedSegments = kDeepRing ? kDeepRingSharedExperts : kMaxSharedExperts;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   const SegmentRows* shared_rows = nullptr;
   if constexpr (!Traits::kRowTiles)  // visible after init_pipeline's barrier
-    shared_rows =
-        copy_segment_rows(params, reinterpret_cast<SegmentRows*>(&smem + 1), kSharedSegments);
+    shared_rows = copy_segment_rows(params, reinterpret_cast<SegmentRows*>(&smem + 1));
   init_pipeline<kPaired>(smem);
   const TileSpace space = tile_space<kForm, kPaired>(params);
   const int warpgroup = threadIdx.x / 128;
@@ -346,9 +344,7 @@ template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kDeepRing = fa
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
   size_t smem_bytes = sizeof(FormStorage<kDeepRing>) + 1024;
-  if (!FormTraits<kForm>::kRowTiles &&
-      segments_in_shared(params.num_experts,
-                         kDeepRing ? kDeepRingSharedExperts : kMaxSharedExperts))
+  if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
   auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kDeepRing, kHandoff>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -386,13 +382,14 @@ cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& para
   }
 }
 
-// MoeConfig::weight_grad_deep_ring: beside the deep ring the segment table (SegmentRows, 8 bytes
-// an expert) fits for up to kDeepRingSharedExperts; with more, each tile reads its expert's rows
-// from global memory (with three stages that measured slower; the deep ring's A/B says whether
-// its fourth stage pays for it).
-static_assert(sizeof(DeepRingStorage) + 1024 + kDeepRingSharedExperts * sizeof(SegmentRows) <=
-                  227 * 1024,
-              "the deep ring's segment table fits beside it");
+// MoeConfig::weight_grad_deep_ring: the weight gradients' deep ring holds each expert's
+// segment rows beside it (SegmentRows, 8 bytes an expert) only up to 128 experts; above that the
+// three-stage ring runs (reading them from global memory between tiles measured slower).
+constexpr bool deep_ring_fits(int num_experts) {
+  return sizeof(DeepRingStorage) + 1024 + static_cast<size_t>(num_experts) * sizeof(SegmentRows) <=
+         227 * 1024;
+}
+static_assert(deep_ring_fits(128), "the weight gradients' deep ring holds 128 experts' rows");
 
 template <ExpertGemmForm kForm, bool kResumes = false>
 cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
@@ -402,7 +399,7 @@ cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& pa
     if (params.deep_ring)
       return launch_form<kForm, kResumes, false, true>(maps, params, num_ctas, stream);
   } else {
-    if (params.weight_grad_deep_ring)
+    if (params.weight_grad_deep_ring && deep_ring_fits(params.num_experts))
       return launch_form<kForm, kResumes, false, true>(maps, params, num_ctas, stream);
   }
   if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {

@@ -24,20 +24,16 @@ __device__ __forceinline__ SegmentRows segment_rows_of(const ExpertGemmParams& p
 }
 
 constexpr int kMaxSharedExperts = 1024;  // E_loc entries of two int32 (8 KB)
-// Beside the deep ring (MoeConfig::weight_grad_deep_ring) only 1 KB is left.
-constexpr int kDeepRingSharedExperts = 128;
 
-// Whether the segment table is copied into shared memory: up to `max_experts` entries.
-__host__ __device__ constexpr bool segments_in_shared(int num_experts,
-                                                      int max_experts = kMaxSharedExperts) {
-  return num_experts <= max_experts;
+__host__ __device__ constexpr bool segments_in_shared(int num_experts) {
+  return num_experts <= kMaxSharedExperts;
 }
 
-// Fills `rows` (shared memory, num_experts entries) when they fit and returns it, else null
-// (segment_rows then reads global memory); the caller's barrier makes the copy visible.
-__device__ __forceinline__ const SegmentRows* copy_segment_rows(
-    const ExpertGemmParams& params, SegmentRows* rows, int max_experts = kMaxSharedExperts) {
-  if (!segments_in_shared(params.num_experts, max_experts)) return nullptr;
+// Fills `rows` (shared memory, num_experts entries) when they fit and returns it, else null;
+// the caller's barrier makes the copy visible.
+__device__ __forceinline__ const SegmentRows* copy_segment_rows(const ExpertGemmParams& params,
+                                                                SegmentRows* rows) {
+  if (!segments_in_shared(params.num_experts)) return nullptr;
   for (int e = threadIdx.x; e < params.num_experts; e += blockDim.x)
     rows[e] = segment_rows_of(params, e);
   return rows;
