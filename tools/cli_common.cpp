@@ -38,7 +38,6 @@ const char* const kCompareKnobs[] = {"deep-ring",
                                      "weight-grad-pingpong",
                                      "skip-padding-rows",
                                      "local-dispatch",
-                                     "weight-grad-deep-ring",
                                      nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
@@ -53,19 +52,13 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.backward_fused_gathers = !config.backward_fused_gathers;
   } else if (name == "cta-pairs") {
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
-    if (flipped.gemm_cta_pairs)
-      flipped.gemm_deep_ring = flipped.swiglu_handoff = flipped.weight_grad_deep_ring = false;
+    if (flipped.gemm_cta_pairs) flipped.gemm_deep_ring = flipped.swiglu_handoff = false;
   } else if (name == "persistent-forward") {
     flipped.persistent_forward = !config.persistent_forward;
   } else if (name == "persistent-backward") {
     flipped.persistent_backward = !config.persistent_backward;
   } else if (name == "weight-grad-pingpong") {
     flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
-    if (flipped.weight_grad_pingpong) flipped.weight_grad_deep_ring = false;
-  } else if (name == "weight-grad-deep-ring") {
-    flipped.weight_grad_deep_ring = !config.weight_grad_deep_ring;
-    if (flipped.weight_grad_deep_ring)
-      flipped.gemm_cta_pairs = flipped.weight_grad_pingpong = false;
   } else if (name == "skip-padding-rows") {
     flipped.skip_padding_rows = !config.skip_padding_rows;
   } else if (name == "local-dispatch") {

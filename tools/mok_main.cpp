@@ -68,7 +68,7 @@ mok run options:
                                bitwise against the layer and timed beside it in the same rounds
                                (deep-ring, swiglu-handoff, backward-fused-gathers, cta-pairs,
                                persistent-forward, persistent-backward, weight-grad-pingpong,
-                               skip-padding-rows, local-dispatch, weight-grad-deep-ring)
+                               skip-padding-rows, local-dispatch)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)

@@ -43,7 +43,6 @@ std::string backward_name(const mok::MoeConfig& config) {
          (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "") +
-         (config.weight_grad_deep_ring ? ", weight gradients on the deep ring" : "") +
          (config.backward_fused_gathers ? ", gathers fused" : "");
 }
 
@@ -188,11 +187,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     // Each knob flipped on a layer of its own (flip_knob, which turns off what excludes it): the
     // backward as the persistent kernel or the sequence; the expert GEMMs in CTA pairs
     // multicasting B, or alone; the padding rows skipped or computed; the weight gradients in
-    // ping-pong; the deep ring; the backward's gathers inside its GEMMs; the weight gradients on
-    // the deep ring. The forward variants below time [1], [2] and [4] too.
+    // ping-pong. The forward variants below time [1] and [2] too.
     for (const char* knob :
-         {"persistent-backward", "cta-pairs", "skip-padding-rows", "weight-grad-pingpong",
-          "deep-ring", "backward-fused-gathers", "weight-grad-deep-ring"}) {
+         {"persistent-backward", "cta-pairs", "skip-padding-rows", "weight-grad-pingpong"}) {
       mok::MoeConfig flipped = flip_knob(config, knob);
       if (flipped.persistent_backward != config.persistent_backward)
         flipped.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);

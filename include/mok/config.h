@@ -90,13 +90,6 @@ struct MoeConfig {
   // weights from HBM (many experts per GPU). Not with gemm_cta_pairs. Same bits either way. Off
   // until it is measured faster (written in session 15, not yet run).
   bool gemm_deep_ring = false;
-  // The weight gradients (expert_gemm.cu's kWeightGrad, one expert per tile, K = its rows) with
-  // the same four-stage ring: their short reductions (4-16 K-blocks per tile where experts get
-  // 256-1024 rows) start each tile on what the ring could prefetch during the last one. Where
-  // the experts' segment table fits beside the ring (up to 128 local experts; above, the three
-  // stages run); not with gemm_cta_pairs or weight_grad_pingpong. Same bits either way. Off until
-  // it is measured faster (written in session 15, not yet run).
-  bool weight_grad_deep_ring = false;
   // The forward gate/up GEMM's epilogue split between the consumer warpgroups, which stage g and
   // u and go back to the tensor cores, and a producer warp, which stores them, computes h =
   // swiglu(g, u) and stores it (src/kernels/gemm/swiglu_handoff.cuh). The standalone expert

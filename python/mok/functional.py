@@ -74,9 +74,6 @@ class MoKConfig:
     gemm_deep_ring: run the expert GEMMs (all but the weight gradients) with four pipeline
         stages instead of three, storing each tile in two halves (same bits; not with
         gemm_cta_pairs; off by default until measured faster).
-    weight_grad_deep_ring: the weight gradients with the same four stages (up to 128 local
-        experts; same bits; not with gemm_cta_pairs or weight_grad_pingpong; off by default
-        until measured faster).
     swiglu_handoff: compute the forward's SwiGLU on a producer warp of the gate/up GEMM while its
         consumers go on to the next tile (same bits; not with gemm_cta_pairs or
         gemm_deep_ring; off by default until measured faster).
@@ -107,7 +104,6 @@ class MoKConfig:
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
     gemm_deep_ring: bool = False
-    weight_grad_deep_ring: bool = False
     swiglu_handoff: bool = False
     backward_fused_gathers: bool = False
     check_finite: bool = False
@@ -128,7 +124,6 @@ class MoKConfig:
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.gemm_deep_ring = self.gemm_deep_ring
-        config.weight_grad_deep_ring = self.weight_grad_deep_ring
         config.swiglu_handoff = self.swiglu_handoff
         config.backward_fused_gathers = self.backward_fused_gathers
         config.check_finite = self.check_finite

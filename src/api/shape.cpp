@@ -188,10 +188,6 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad(
         "gemm_deep_ring = true with gemm_cta_pairs = true; valid: at most one of them (a CTA "
         "pair's stages hold its multicast weights: the deep ring has no room for them)");
-  if (config.weight_grad_deep_ring && (config.gemm_cta_pairs || config.weight_grad_pingpong))
-    return bad(std::string("weight_grad_deep_ring = true with ") +
-               (config.gemm_cta_pairs ? "gemm_cta_pairs" : "weight_grad_pingpong") +
-               " = true; valid: at most one of them (each runs the weight gradients its own way)");
   if (config.swiglu_handoff && (config.gemm_cta_pairs || config.gemm_deep_ring))
     return bad(std::string("swiglu_handoff = true with ") +
                (config.gemm_cta_pairs ? "gemm_cta_pairs" : "gemm_deep_ring") +

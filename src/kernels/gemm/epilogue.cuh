@@ -229,7 +229,7 @@ __device__ __forceinline__ void store_tile_pass(const OutputMaps& maps, char* ti
   } else {
     if (issuer) {
       store_chunks(maps.out, tile, 0, 2, coord.n_tile * BLOCK_N + 128 * kPass, params.n_extent, row,
-                   kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
+                   0);
       ptx::bulk_commit_group();
     }
   }
@@ -248,10 +248,9 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
     return make_float2(acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
   };
   if constexpr (Storage::kStagingChunksHere == 2) {
-    const bool empty = coord.num_k_blocks == 0;  // kWeightGrad: an expert without rows
-    auto value = [&](int i, int j) { return empty ? make_float2(0.0f, 0.0f) : fragment(i, j); };
-    store_tile_pass<kForm, 0>(maps, tile, params, coord, consumer_idx, row, issuer, value);
-    store_tile_pass<kForm, 1>(maps, tile, params, coord, consumer_idx, row, issuer, value);
+    static_assert(kForm != ExpertGemmForm::kWeightGrad, "the deep ring runs the row-tile forms");
+    store_tile_pass<kForm, 0>(maps, tile, params, coord, consumer_idx, row, issuer, fragment);
+    store_tile_pass<kForm, 1>(maps, tile, params, coord, consumer_idx, row, issuer, fragment);
   } else {
     acquire_staging_tile(issuer);
     if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {

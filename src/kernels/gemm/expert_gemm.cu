@@ -17,9 +17,8 @@
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
 // (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
-// The deep ring (kDeepRing, MoeConfig::gemm_deep_ring for the row-tile forms and
-// weight_grad_deep_ring for kWeightGrad; without pairs): four stages, and the staging tile at
-// half size, so its tile leaves in two passes (epilogue.cuh).
+// The deep ring (kDeepRing, MoeConfig::gemm_deep_ring; row-tile forms without pairs): four
+// stages, and the staging tile at half size, so its tile leaves in two passes (epilogue.cuh).
 // The SwiGLU hand-off (kHandoff, MoeConfig::swiglu_handoff; the forward gate/up form without
 // pairs or the deep ring): the consumers stage g and u and go back to the mainloop; producer warp
 // 1 stores them, computes h and stores it (swiglu_handoff.cuh); warps 2-3 gather.
@@ -220,8 +219,7 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
 // launches for macrobatches after the first can resume, and only they pay it.
 // kPaired: launched in clusters of two CTAs (CTA pairs, above).
-// kDeepRing: four stages and a two-chunk staging tile (not in pairs; kWeightGrad only while its
-// segment table fits beside them: deep_ring_fits).
+// kDeepRing: four stages and a two-chunk staging tile (row-tile forms, not in pairs).
 // kHandoff: kGateUpSwiGLU's SwiGLU on producer warp 1 (swiglu_handoff.cuh; alone).
 template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false, bool kDeepRing = false,
           bool kHandoff = false>
@@ -231,7 +229,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_out, const __grid_constant__ CUtensorMap tmap_out2,
     const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
-  static_assert(!kDeepRing || !kPaired, "the deep ring runs without CTA pairs");
+  static_assert(!kDeepRing || (Traits::kRowTiles && !kPaired), "the deep ring: row tiles, alone");
   static_assert(!kHandoff || (kForm == ExpertGemmForm::kGateUpSwiGLU && !kPaired && !kDeepRing),
                 "the SwiGLU hand-off: the forward gate/up form, alone");
   using Storage = FormStorage<kDeepRing>;
@@ -382,24 +380,12 @@ cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& para
   }
 }
 
-// MoeConfig::weight_grad_deep_ring: the weight gradients' deep ring holds each expert's
-// segment rows beside it (SegmentRows, 8 bytes an expert) only up to 128 experts; above that the
-// three-stage ring runs (reading them from global memory between tiles measured slower).
-constexpr bool deep_ring_fits(int num_experts) {
-  return sizeof(DeepRingStorage) + 1024 + static_cast<size_t>(num_experts) * sizeof(SegmentRows) <=
-         227 * 1024;
-}
-static_assert(deep_ring_fits(128), "the weight gradients' deep ring holds 128 experts' rows");
-
 template <ExpertGemmForm kForm, bool kResumes = false>
 cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                           bool cta_pairs, cudaStream_t stream) {
   if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, stream);
   if constexpr (FormTraits<kForm>::kRowTiles) {
     if (params.deep_ring)
-      return launch_form<kForm, kResumes, false, true>(maps, params, num_ctas, stream);
-  } else {
-    if (params.weight_grad_deep_ring && deep_ring_fits(params.num_experts))
       return launch_form<kForm, kResumes, false, true>(maps, params, num_ctas, stream);
   }
   if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
@@ -458,9 +444,7 @@ const KernelPreloadList kPreload(
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true, false, true>)});
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, false, true>)});
 }  // namespace
 
 }  // namespace mok::kernels

@@ -90,8 +90,6 @@ struct ExpertGemmParams {
   // MoeConfig::gemm_deep_ring: the row-tile forms with four stages and a half staging tile
   // (expert_gemm.cu, not in CTA pairs; the persistent kernels keep three).
   int32_t deep_ring;
-  // MoeConfig::weight_grad_deep_ring: kWeightGrad with the deep ring (up to 128 experts).
-  int32_t weight_grad_deep_ring;
   // MoeConfig::swiglu_handoff: kGateUpSwiGLU's SwiGLU on a producer warp (swiglu_handoff.cuh).
   int32_t swiglu_handoff;
   int32_t m_extent;    // output rows M (kWeightGrad)
