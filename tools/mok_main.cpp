@@ -62,13 +62,10 @@ mok run options:
                                pipeline stages (the run times both ways either way)
   --swiglu-handoff             GPU: the forward's SwiGLU on a producer warp of the gate/up GEMM
                                (the run times both ways either way)
-  --backward-fused-gathers     GPU: the backward's GEMMs gather the x and d_out rows they read
-                               (producer-warps local dispatch; the run times both ways)
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
-                               (deep-ring, swiglu-handoff, backward-fused-gathers, cta-pairs,
-                               persistent-forward, persistent-backward, weight-grad-pingpong,
-                               skip-padding-rows, local-dispatch)
+                               (cta-pairs, persistent-forward, persistent-backward,
+                               weight-grad-pingpong, skip-padding-rows, local-dispatch)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -130,10 +127,6 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--swiglu-handoff") {
       options.swiglu_handoff = true;
-      continue;
-    }
-    if (flag == "--backward-fused-gathers") {
-      options.fused_backward_gathers = true;
       continue;
     }
     if (flag == "--quick") {

@@ -42,8 +42,7 @@ std::string backward_name(const mok::MoeConfig& config) {
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
-         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "") +
-         (config.backward_fused_gathers ? ", gathers fused" : "");
+         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,

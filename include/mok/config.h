@@ -96,11 +96,6 @@ struct MoeConfig {
   // GEMM only; not with gemm_cta_pairs or gemm_deep_ring. Same bits either way. Off until it is
   // measured faster (written in session 15, not yet run).
   bool swiglu_handoff = false;
-  // With the producer warps' local dispatch, the backward's kernel sequence gathers its rows in
-  // the GEMMs that first read them, as the forward's gate/up GEMM does: the recompute's x rows
-  // and the down dgrad's d_out rows, instead of gather kernels before them. Same bits either
-  // way. Off until it is measured faster (written in session 15, not yet run).
-  bool backward_fused_gathers = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

@@ -77,9 +77,6 @@ class MoKConfig:
     swiglu_handoff: compute the forward's SwiGLU on a producer warp of the gate/up GEMM while its
         consumers go on to the next tile (same bits; not with gemm_cta_pairs or
         gemm_deep_ring; off by default until measured faster).
-    backward_fused_gathers: with the producer-warps local dispatch, the backward's GEMMs gather
-        the x and d_out rows they read, as the forward's gate/up GEMM does (same bits; off by
-        default until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -105,7 +102,6 @@ class MoKConfig:
     weight_grad_pingpong: bool = False
     gemm_deep_ring: bool = False
     swiglu_handoff: bool = False
-    backward_fused_gathers: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
@@ -125,7 +121,6 @@ class MoKConfig:
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.gemm_deep_ring = self.gemm_deep_ring
         config.swiglu_handoff = self.swiglu_handoff
-        config.backward_fused_gathers = self.backward_fused_gathers
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s

@@ -98,7 +98,7 @@ class EpExchange final : public TokenExchange {
   }
 
   BackwardRows backward_rows(GpuLayer::State& s, const BackwardArgs& args, int32_t m,
-                             bool recompute, BackwardGathers, cudaStream_t stream,
+                             bool recompute, bool, cudaStream_t stream,
                              const StageMarker&) override {
     const int64_t row_begin = m * s.ring_rows;
     expand_received(s, true, args.d_out.data, s.d_out_rows.pointer, row_begin, stream);

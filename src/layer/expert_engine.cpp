@@ -36,16 +36,11 @@ class PersistentForward final : public ForwardEngine {
 
 class SequenceBackward final : public BackwardEngine {
  public:
-  // `fused`: the recompute and down dgrad launches gather their rows (backward_fused_gathers).
-  explicit SequenceBackward(bool fused) : fused_(fused) {}
-  BackwardGathers gathers() const override {
-    return fused_ ? BackwardGathers::kEachLaunch : BackwardGathers::kKernels;
-  }
+  bool gathers_in_kernel() const override { return false; }
   void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,
-                  const ExpertSetBackward*, bool recompute, const BackwardRows& rows, int32_t m,
+                  const ExpertSetBackward*, bool recompute, const BackwardRows&, int32_t m,
                   cudaStream_t stream, const StageMarker& mark) override {
-    stages::backward_experts(s, routed, recompute, stream, mark, s.num_macrobatches > 1 ? m : -1,
-                             rows);
+    stages::backward_experts(s, routed, recompute, stream, mark, s.num_macrobatches > 1 ? m : -1);
   }
   void shared_expert(const GpuLayer::State& s, const ExpertSetBackward* shared, bool recompute,
                      cudaStream_t stream, const StageMarker& mark) override {
@@ -53,17 +48,12 @@ class SequenceBackward final : public BackwardEngine {
     stages::backward_experts(s, *shared, recompute, stream, no_marks);
     mark("shared expert");
   }
-
- private:
-  bool fused_;
 };
 
 class PersistentBackward final : public BackwardEngine {
  public:
   explicit PersistentBackward(bool gathers) : gathers_(gathers) {}
-  BackwardGathers gathers() const override {
-    return gathers_ ? BackwardGathers::kOneLaunch : BackwardGathers::kKernels;
-  }
+  bool gathers_in_kernel() const override { return gathers_; }
   // Its weight-gradient tiles are tasks of the one launch's order.
   bool skips_weight_gradients() const override { return false; }
   void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,
@@ -98,7 +88,7 @@ class Fp8Forward final : public ForwardEngine {
 
 class Fp8Backward final : public BackwardEngine {
  public:
-  BackwardGathers gathers() const override { return BackwardGathers::kKernels; }
+  bool gathers_in_kernel() const override { return false; }
   void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,
                   const ExpertSetBackward*, bool recompute, const BackwardRows& rows, int32_t,
                   cudaStream_t stream, const StageMarker& mark) override {
@@ -128,8 +118,7 @@ std::unique_ptr<BackwardEngine> make_backward_engine(const GpuLayer::State& s,
   // The persistent backward holds one macrobatch; with more the sequence runs (same bits).
   if (s.config.persistent_backward && s.num_macrobatches == 1)
     return std::make_unique<PersistentBackward>(exchange.gathers_in_kernel());
-  return std::make_unique<SequenceBackward>(exchange.gathers_in_kernel() &&
-                                            s.config.backward_fused_gathers);
+  return std::make_unique<SequenceBackward>();
 }
 
 }  // namespace mok

@@ -39,8 +39,8 @@ class ForwardEngine {
 class BackwardEngine {
  public:
   virtual ~BackwardEngine() = default;
-  // Where this engine gathers the macrobatch's rows (BackwardRows).
-  virtual BackwardGathers gathers() const = 0;
+  // Whether this engine gathers the macrobatch's rows inside its kernel (BackwardRows).
+  virtual bool gathers_in_kernel() const = 0;
   // Whether a backward without weight gradients (frozen weights, BackwardArgs) can skip them.
   virtual bool skips_weight_gradients() const { return true; }
   // Macrobatch m of the routed experts (`recompute`: g and u again first); `shared` as in
@@ -54,7 +54,7 @@ class BackwardEngine {
 };
 
 std::unique_ptr<ForwardEngine> make_forward_engine(const GpuLayer::State& s);
-// `exchange` says whether the rows can be gathered inside the GEMM kernels.
+// `exchange` says whether the rows can be gathered inside the persistent backward.
 std::unique_ptr<BackwardEngine> make_backward_engine(const GpuLayer::State& s,
                                                      const TokenExchange& exchange);
 

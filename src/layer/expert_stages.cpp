@@ -270,8 +270,7 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward
 
 // Backward of one expert set (gpu_layer_state.h).
 void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool recompute,
-                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index,
-                      const BackwardRows& rows_to_gather) {
+                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index) {
   const ExpertSet& set = *b.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
@@ -294,28 +293,18 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.out2 = output_rows(set.up.pointer, I, R, "up (recomputed)");
   params.n_extent = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
-  // A launch that gathers its A rows (producer warps 1-3, dispatch_local.cuh) advances the
-  // gather counters' epoch after it, as the forward's gate/up GEMM does.
-  auto launch_gathering = [&](kernels::ExpertGemmForm form, const kernels::FusedGather& gather,
-                              const char* what) {
-    params.gather = gather;
-    launch(s, form, maps, params, stream, what);
-    params.gather = kernels::FusedGather{};
-    if (gather.x != nullptr)
-      cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
-  };
   if (recompute) {
-    launch_gathering(kernels::ExpertGemmForm::kGateUpStore, rows_to_gather.x,
-                     "gate/up recompute GEMM");
-    mark(rows_to_gather.x.x != nullptr ? "gather x + gate/up recompute" : "gate/up recompute");
+    launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream,
+           "gate/up recompute GEMM");
+    mark("gate/up recompute");
   }
 
   // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
-  launch_gathering(kernels::ExpertGemmForm::kDownGrad, rows_to_gather.d_out, "down dgrad GEMM");
-  mark(rows_to_gather.d_out.x != nullptr ? "gather d_out + down dgrad" : "down dgrad");
+  launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
+  mark("down dgrad");
   const ScheduleView view = set.view();
   const int64_t window_begin = params.macrobatch.ring_row_base;
   const int64_t window_rows = params.macrobatch.rows > 0 ? params.macrobatch.rows : INT64_MAX;

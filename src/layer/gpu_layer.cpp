@@ -179,11 +179,11 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
   // Macrobatches from 0 to the last (the weight gradients' row order); the ring holds macrobatch
   // 0's x rows, g and u from the forward when the context is used, every other macrobatch is
   // gathered and recomputed (kernels/common/macrobatch.h).
-  const BackwardGathers gathers = s.backward_engine->gathers();
+  const bool in_kernel = s.backward_engine->gathers_in_kernel();
   for (int32_t m = 0; m < s.num_macrobatches; ++m) {
     const bool recompute = m > 0 || !use_context;
     const BackwardRows rows =
-        s.exchange->backward_rows(s, args, m, recompute, gathers, stream, mark);
+        s.exchange->backward_rows(s, args, m, recompute, in_kernel, stream, mark);
     s.backward_engine->macrobatch(s, routed, m == 0 ? shared : nullptr, recompute, rows, m, stream,
                                   mark);
   }

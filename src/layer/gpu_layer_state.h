@@ -197,19 +197,6 @@ struct ExpertSetBackward {
   WeightGrads grads;
 };
 
-// Where the backward's row gathers run: gather kernels before the GEMMs; the producer warps of
-// the GEMM launch that first reads the rows (the recompute's x rows, then the down dgrad's d_out
-// rows: one launch at a time, so both share the forward's gather counters); or one persistent
-// launch that runs both gathers at once (each with its own counters).
-enum class BackwardGathers { kKernels, kEachLaunch, kOneLaunch };
-
-// The rows of one macrobatch the backward's GEMMs read: gathered into the ring before them, or
-// gathered inside the GEMM launches by the gathers whose `x` is set.
-struct BackwardRows {
-  kernels::FusedGather d_out{};  // x null: nothing to gather in the kernel
-  kernels::FusedGather x{};
-};
-
 namespace stages {
 
 // h = swiglu(rows Wg^T, rows Wu^T) (keeping g and u, the forward context), then y = h Wd^T.
@@ -227,12 +214,9 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward
 // Recompute g, u (with `recompute`), dgrad of down with the SwiGLU backward (d_g, d_u, h_w,
 // the routed pairs' d_router_weights), the dx rows, the three weight gradients.
 // `macrobatch_index` < 0: one pass over all rows; else macrobatch m of the routed experts (the
-// weight gradients continue across macrobatches through the partial slots). `rows`: the gathers
-// the recompute (x) and down dgrad (d_out) launches run (MoeConfig::backward_fused_gathers);
-// none: the rows are in the ring already.
+// weight gradients continue across macrobatches through the partial slots).
 void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& set, bool recompute,
-                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index = -1,
-                      const BackwardRows& rows = {});
+                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index = -1);
 // The same as one persistent kernel (MoeConfig::persistent_backward; one macrobatch): the rows
 // and d_out rows are gathered inside it by the gathers whose `x` is set, else before it; with
 // `shared`, the shared expert's backward runs in the same launch. The d_x combine runs after it.

@@ -92,7 +92,7 @@ class LocalExchange final : public TokenExchange {
   }
 
   BackwardRows backward_rows(GpuLayer::State& s, const BackwardArgs& args, int32_t m,
-                             bool recompute, BackwardGathers gathers, cudaStream_t stream,
+                             bool recompute, bool in_kernel, cudaStream_t stream,
                              const StageMarker& mark) override {
     BackwardRows rows;
     if (stage_gathers_ && s.shape.num_tokens > 0) {  // one macrobatch (FP8)
@@ -101,17 +101,7 @@ class LocalExchange final : public TokenExchange {
       if (recompute) rows.x = stage_gather(s, args.forward.x, s.rows, 0, max_rows);
       return rows;
     }
-    const int64_t row_begin = m * s.ring_rows;
-    if (gathers == BackwardGathers::kEachLaunch && s.shape.num_tokens > 0) {
-      // The recompute launch gathers x, then the down dgrad launch d_out: one at a time, on the
-      // forward's counters (each launch advances their epoch).
-      unsigned long long* counters = s.gather_state.as<unsigned long long>();
-      rows.d_out = fused_gather(s, args.d_out, s.d_out_rows, counters, row_begin, s.ring_rows);
-      if (recompute)
-        rows.x = fused_gather(s, args.forward.x, s.rows, counters, row_begin, s.ring_rows);
-      return rows;
-    }
-    if (gathers == BackwardGathers::kOneLaunch) {
+    if (in_kernel) {
       // One macrobatch: the whole schedule.
       const int64_t max_rows = s.routed.layout.params.max_rows();
       rows.d_out = fused_gather(
@@ -123,6 +113,7 @@ class LocalExchange final : public TokenExchange {
             s.counter(s.persistent_backward_state, s.backward_counters.x_gather()), 0, max_rows);
       return rows;
     }
+    const int64_t row_begin = m * s.ring_rows;
     if (recompute) gather_rows(s, args.forward.x, s.rows, row_begin, stream, "gather launch");
     gather_rows(s, args.d_out, s.d_out_rows, row_begin, stream, "gather d_out launch");
     mark(recompute ? "gather x, d_out" : "gather d_out");

@@ -21,6 +21,13 @@
 
 namespace mok {
 
+// The rows of one macrobatch the backward's GEMMs read: gathered into the ring before them, or
+// gathered inside the persistent backward by the gathers whose `x` is set.
+struct BackwardRows {
+  kernels::FusedGather d_out{};  // x null: nothing to gather in the kernel
+  kernels::FusedGather x{};
+};
+
 class TokenExchange {
  public:
   virtual ~TokenExchange() = default;
@@ -40,13 +47,13 @@ class TokenExchange {
                                            bool use_context, cudaStream_t stream,
                                            const StageMarker& mark) = 0;
   // The d_out rows of macrobatch m into s.d_out_rows, and the x rows into s.rows when
-  // `recompute`; where the engine gathers rows inside its launches (`gathers`, see
+  // `recompute`; with `in_kernel` (the engine gathers rows inside its kernel: see
   // gathers_in_kernel) the gathers to run there instead.
   virtual BackwardRows backward_rows(GpuLayer::State& s, const BackwardArgs& args, int32_t m,
-                                     bool recompute, BackwardGathers gathers, cudaStream_t stream,
+                                     bool recompute, bool in_kernel, cudaStream_t stream,
                                      const StageMarker& mark) = 0;
-  // Whether the rows can be gathered inside the GEMM kernels (this GPU's own tensors, with the
-  // producer warps' local dispatch).
+  // Whether the rows can be gathered inside the persistent backward kernel (this GPU's own
+  // tensors, with the producer warps' local dispatch).
   virtual bool gathers_in_kernel() const = 0;
 
   // After the routed experts' GEMMs: their rows (s.expert_out) go to the ranks that sent them

@@ -155,7 +155,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(27);
+  std::vector<MoeConfig> configs(24);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -226,15 +226,6 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[23].swiglu_handoff = true;
   configs[23].minibatch_size = 128;
   configs[23].macrobatch_size = 256;
-  // The backward's rows gathered by its GEMMs (MoeConfig::backward_fused_gathers): one
-  // macrobatch (d_out in the down dgrad), macrobatches (x in each recompute too), and with the
-  // deep ring.
-  configs[24].backward_fused_gathers = true;
-  configs[25].backward_fused_gathers = true;
-  configs[25].minibatch_size = 128;
-  configs[25].macrobatch_size = 256;
-  configs[26].backward_fused_gathers = true;
-  configs[26].gemm_deep_ring = true;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -253,8 +244,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
                      << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
                      << config.weight_grad_pingpong << " deep ring " << config.gemm_deep_ring
-                     << " SwiGLU hand-off " << config.swiglu_handoff << " fused gathers "
-                     << config.backward_fused_gathers << (with_context ? "" : ", no context"));
+                     << " SwiGLU hand-off " << config.swiglu_handoff
+                     << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

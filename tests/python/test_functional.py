@@ -284,7 +284,6 @@ def test_config_switches_reach_the_native_config():
         "weight_grad_pingpong",
         "gemm_deep_ring",
         "swiglu_handoff",
-        "backward_fused_gathers",
         "check_finite",
     ]
     default = F.MoKConfig()

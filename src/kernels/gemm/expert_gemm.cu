@@ -10,9 +10,8 @@
 //                   consecutive m-tiles (about one expert) swept n-major, so CTAs running
 //                   together share the B tiles of one expert and the A rows of the group in L2.
 //   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
-// Fused local dispatch (kGateUpSwiGLU with params.gather.x set; the backward's kGateUpStore and
-// kDownGrad with MoeConfig::backward_fused_gathers): the producer warpgroup's warps 1-3 gather
-// the routed x (or d_out) rows while warp 0's TMA thread waits per tile for its rows
+// Fused local dispatch (kGateUpSwiGLU with params.gather.x set): the producer warpgroup's warps
+// 1-3 gather the routed x rows while warp 0's TMA thread waits per tile for its rows
 // (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it.
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
@@ -249,11 +248,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
-    // The forward gate/up GEMM gathers x rows; the backward's recompute (x) and down dgrad
-    // (d_out) with MoeConfig::backward_fused_gathers.
-    constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU ||
-                                kForm == ExpertGemmForm::kGateUpStore ||
-                                kForm == ExpertGemmForm::kDownGrad;
+    constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU;
     const bool gathers = kCanGather && params.gather.x != nullptr;
     if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&tmap_a0);

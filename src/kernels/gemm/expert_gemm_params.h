@@ -96,9 +96,7 @@ struct ExpertGemmParams {
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
   float swiglu_limit;  // infinity = no clamp
-  // The fused local dispatch (gather.x null = off): kGateUpSwiGLU, and kGateUpStore and
-  // kDownGrad in the standalone kernel (MoeConfig::backward_fused_gathers).
-  FusedGather gather;
+  FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
   WaitContext wait;
   MacrobatchParams macrobatch;
 };
