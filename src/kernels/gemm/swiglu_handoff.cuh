@@ -68,8 +68,6 @@ __device__ __forceinline__ void serve_swiglu_tile(const OutputMaps& maps, Storag
   }
   __syncwarp();
   constexpr int kUnits = 2 * BLOCK_M * 8;
-  // Two units at a time: their shared-memory loads overlap (no spills at 56 registers).
-#pragma unroll 2
   for (int unit = lane; unit < kUnits; unit += kSwigluWarpThreads) {
     const int chunk = unit / (BLOCK_M * 8), tile_row = (unit / 8) % BLOCK_M;
     uint4* gate_unit = reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + tile_row * 128 +
