@@ -60,8 +60,6 @@ mok run options:
                                the weight tile they share (the run times both ways either way)
   --deep-ring                  GPU: run the expert GEMMs (all but the weight gradients) with four
                                pipeline stages (the run times both ways either way)
-  --swiglu-handoff             GPU: the forward's SwiGLU on a producer warp of the gate/up GEMM
-                               (the run times both ways either way)
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
                                (cta-pairs, persistent-forward, persistent-backward,
@@ -123,10 +121,6 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--deep-ring") {
       options.deep_ring = true;
-      continue;
-    }
-    if (flag == "--swiglu-handoff") {
-      options.swiglu_handoff = true;
       continue;
     }
     if (flag == "--quick") {

@@ -32,7 +32,6 @@ std::string variant_name(const mok::MoeConfig& config) {
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_deep_ring ? ", deep ring" : "") +
-         (config.swiglu_handoff ? ", SwiGLU hand-off" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -249,17 +248,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   // And the forward with MoeConfig::check_finite: what its input scan costs.
   mok::MoeConfig checked = config;
   checked.check_finite = true;
-  // And the forward's SwiGLU on a producer warp, or on the consumers (MoeConfig::swiglu_handoff).
-  const mok::MoeConfig handoff = flip_knob(config, "swiglu-handoff");
-  std::unique_ptr<mok::GpuLayer> other_dispatch_layer, other_gemms_layer, checked_layer,
-      handoff_layer;
-  bool handoff_bitwise = true;
+  std::unique_ptr<mok::GpuLayer> other_dispatch_layer, other_gemms_layer, checked_layer;
   if (full) {
     other_dispatch_layer = std::make_unique<mok::GpuLayer>(shape, other_dispatch);
     other_gemms_layer = std::make_unique<mok::GpuLayer>(shape, other_gemms);
     checked_layer = std::make_unique<mok::GpuLayer>(shape, checked);
-    handoff_layer = std::make_unique<mok::GpuLayer>(shape, handoff);
-    handoff_bitwise = same_bits_as_first(*handoff_layer);
   }
   // Interleaved rounds: the card runs into its power limit within a second of GEMM load and
   // lowers its clock (clocks.log of scripts/gpu-check.sh), so timing one side after the other
@@ -291,7 +284,6 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                   [&] { backward_variants[1].layer->forward(args, stream); },
                                   [&] { backward_variants[2].layer->forward(args, stream); },
                                   [&] { backward_variants[4].layer->forward(args, stream); },
-                                  [&] { handoff_layer->forward(args, stream); },
                               });
     for (BackwardVariant& variant : backward_variants)
       timed.push_back([&] {
@@ -321,7 +313,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = full ? medians[7] : 0.0;
-  const size_t first_backward_variant = 13;  // the closures above before the variants
+  const size_t first_backward_variant = 12;  // the closures above before the variants
   std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms}};
   if (full)
@@ -331,8 +323,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                 {variant_name(checked), medians[8]},
                                 {variant_name(backward_variants[1].config), medians[9]},
                                 {variant_name(backward_variants[2].config), medians[10]},
-                                {variant_name(backward_variants[4].config), medians[11]},
-                                {variant_name(handoff), medians[12]}});
+                                {variant_name(backward_variants[4].config), medians[11]}});
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = full ? checked_layer->synchronize(stream) : mok::Status::Ok();
   if (!checked_status.ok())
@@ -342,12 +333,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
 
   const Peak peak = bf16_peak();
-  bool passed = deterministic && ring_bitwise && backward_variants_bitwise && handoff_bitwise &&
-                checked_status.ok();
+  bool passed = deterministic && ring_bitwise && backward_variants_bitwise && checked_status.ok();
   for (const ComparedKnob& knob : compared) passed &= knob.bitwise;
-  if (!handoff_bitwise)
-    std::printf("  the forward with %s does NOT give the same bits\n",
-                variant_name(handoff).c_str());
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
   std::printf("mok run: forward and backward on %s (EP = 1), %s\n", device_name.c_str(),

@@ -90,12 +90,6 @@ struct MoeConfig {
   // weights from HBM (many experts per GPU). Not with gemm_cta_pairs. Same bits either way. Off
   // until it is measured faster (written in session 15, not yet run).
   bool gemm_deep_ring = false;
-  // The forward gate/up GEMM's epilogue split between the consumer warpgroups, which stage g and
-  // u and go back to the tensor cores, and a producer warp, which stores them, computes h =
-  // swiglu(g, u) and stores it (src/kernels/gemm/swiglu_handoff.cuh). The standalone expert
-  // GEMM only; not with gemm_cta_pairs or gemm_deep_ring. Same bits either way. Off until it is
-  // measured faster (written in session 15, not yet run).
-  bool swiglu_handoff = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

@@ -74,9 +74,6 @@ class MoKConfig:
     gemm_deep_ring: run the expert GEMMs (all but the weight gradients) with four pipeline
         stages instead of three, storing each tile in two halves (same bits; not with
         gemm_cta_pairs; off by default until measured faster).
-    swiglu_handoff: compute the forward's SwiGLU on a producer warp of the gate/up GEMM while its
-        consumers go on to the next tile (same bits; not with gemm_cta_pairs or
-        gemm_deep_ring; off by default until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -101,7 +98,6 @@ class MoKConfig:
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
     gemm_deep_ring: bool = False
-    swiglu_handoff: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
@@ -120,7 +116,6 @@ class MoKConfig:
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.gemm_deep_ring = self.gemm_deep_ring
-        config.swiglu_handoff = self.swiglu_handoff
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s

@@ -188,11 +188,6 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad(
         "gemm_deep_ring = true with gemm_cta_pairs = true; valid: at most one of them (a CTA "
         "pair's stages hold its multicast weights: the deep ring has no room for them)");
-  if (config.swiglu_handoff && (config.gemm_cta_pairs || config.gemm_deep_ring))
-    return bad(std::string("swiglu_handoff = true with ") +
-               (config.gemm_cta_pairs ? "gemm_cta_pairs" : "gemm_deep_ring") +
-               " = true; valid: the hand-off alone (its kernel has the three-stage ring and the "
-               "whole staging tile)");
   if (config.local_dispatch != LocalDispatch::kGatherKernel &&
       config.local_dispatch != LocalDispatch::kProducerWarps)
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +

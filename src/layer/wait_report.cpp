@@ -39,12 +39,6 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kExpertReady:
       return "persistent backward weight-gradient tile waiting for the SwiGLU tasks of its "
              "expert's row tiles (expected and seen count row tiles)";
-    case kernels::WaitSite::kSwigluStaged:
-      return "forward gate/up GEMM's SwiGLU warp waiting for the consumers to stage a tile's g "
-             "and u (MoeConfig::swiglu_handoff)";
-    case kernels::WaitSite::kSwigluFree:
-      return "forward gate/up GEMM consumers waiting for the SwiGLU warp to free the staging "
-             "tile (MoeConfig::swiglu_handoff)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

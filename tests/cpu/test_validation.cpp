@@ -166,16 +166,6 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"gemm_deep_ring = true with gemm_cta_pairs = true", "at most one"});
   config = good;
-  config.swiglu_handoff = true;
-  EXPECT_TRUE(can_implement(config, shape).ok());
-  config.gemm_deep_ring = true;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"swiglu_handoff = true with gemm_deep_ring = true"});
-  config.gemm_deep_ring = false;
-  config.gemm_cta_pairs = true;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"swiglu_handoff = true with gemm_cta_pairs = true"});
-  config = good;
   config.local_dispatch = static_cast<LocalDispatch>(7);
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"local_dispatch = 7", "gather-kernel", "producer-warps"});

@@ -283,7 +283,6 @@ def test_config_switches_reach_the_native_config():
         "skip_padding_rows",
         "weight_grad_pingpong",
         "gemm_deep_ring",
-        "swiglu_handoff",
         "check_finite",
     ]
     default = F.MoKConfig()

@@ -23,8 +23,6 @@ enum class WaitSite : int32_t {
   kSwigluDone = 12,        // persistent backward: a gate/up dgrad tile waiting for its SwiGLU task
   kExpertReady = 13,       // persistent backward: a weight-gradient tile waiting for its expert
   kSharedGateUpDone = 14,  // persistent forward: a shared-expert down tile waiting for its gate/up
-  kSwigluStaged = 15,      // the SwiGLU warp waiting for the consumers' staged g and u
-  kSwigluFree = 16,        // GEMM consumers waiting for the SwiGLU warp to free the staging tile
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

@@ -18,9 +18,6 @@
 // (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
 // The deep ring (kDeepRing, MoeConfig::gemm_deep_ring; row-tile forms without pairs): four
 // stages, and the staging tile at half size, so its tile leaves in two passes (epilogue.cuh).
-// The SwiGLU hand-off (kHandoff, MoeConfig::swiglu_handoff; the forward gate/up form without
-// pairs or the deep ring): the consumers stage g and u and go back to the mainloop; producer warp
-// 1 stores them, computes h and stores it (swiglu_handoff.cuh); warps 2-3 gather.
 // CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two CTAs walk "pair tiles", two
 // row tiles 2p and 2p + 1 (row-tile forms: of the same column tile; kWeightGrad: of the same
 // expert and column tile), one per CTA. Where both tiles read the same B (the same expert), each
@@ -40,7 +37,6 @@
 #include "kernels/gemm/gemm_loads.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/launch.h"
-#include "kernels/gemm/swiglu_handoff.cuh"
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/gemm/weight_grad_segments.cuh"
 #include "kernels/persistent/task_order.h"
@@ -219,9 +215,7 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // launches for macrobatches after the first can resume, and only they pay it.
 // kPaired: launched in clusters of two CTAs (CTA pairs, above).
 // kDeepRing: four stages and a two-chunk staging tile (row-tile forms, not in pairs).
-// kHandoff: kGateUpSwiGLU's SwiGLU on producer warp 1 (swiglu_handoff.cuh; alone).
-template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false, bool kDeepRing = false,
-          bool kHandoff = false>
+template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false, bool kDeepRing = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
     const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
@@ -229,8 +223,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
   static_assert(!kDeepRing || (Traits::kRowTiles && !kPaired), "the deep ring: row tiles, alone");
-  static_assert(!kHandoff || (kForm == ExpertGemmForm::kGateUpSwiGLU && !kPaired && !kDeepRing),
-                "the SwiGLU hand-off: the forward gate/up form, alone");
   using Storage = FormStorage<kDeepRing>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
@@ -274,15 +266,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
                                              k_block, a_dst, b_dst, full, pair);
                         });
       }
-    } else if (kHandoff && threadIdx.x / 32 == 1) {
-      // The SwiGLU warp: every tile of this CTA, in the consumers' order.
-      int tile_count = 0;
-      for (int unit = first_unit; unit < space.num_units; unit += unit_stride)
-        serve_swiglu_tile({&tmap_out, &tmap_out2, &tmap_out3}, smem, params,
-                          unit_tile<kForm, false>(params, space, unit, 0, shared_rows).coord,
-                          tile_count++);
-      if (threadIdx.x % 32 == 0) ptx::bulk_wait_group<0>();
-    } else if (gathers && threadIdx.x >= (kHandoff ? 64 : 32)) {
+    } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,
                              gather_epoch(params.gather));
     }
@@ -292,7 +276,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
     bool half_next = half_row_tile<kForm, kPaired>(params, space, first_unit);
-    int tile_count = 0;  // kHandoff: the tiles handed to the SwiGLU warp so far
     for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
       const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, shared_rows);
       TileCoord coord = tile.coord;
@@ -319,8 +302,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
             params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
       if (coord.store_slot >= 0)
         store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
-      else if constexpr (kHandoff)
-        hand_off_gate_up_tile(params.wait, smem, coord, consumer_idx, acc, tile_count++);
       else
         store_tile<kForm>({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
                           acc);
@@ -332,14 +313,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   if constexpr (kPaired) ptx::cluster_sync();
 }
 
-template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kDeepRing = false,
-          bool kHandoff = false>
+template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kDeepRing = false>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
   size_t smem_bytes = sizeof(FormStorage<kDeepRing>) + 1024;
   if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
-  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kDeepRing, kHandoff>;
+  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kDeepRing>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -382,10 +362,6 @@ cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& pa
   if constexpr (FormTraits<kForm>::kRowTiles) {
     if (params.deep_ring)
       return launch_form<kForm, kResumes, false, true>(maps, params, num_ctas, stream);
-  }
-  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
-    if (params.swiglu_handoff)
-      return launch_form<kForm, false, false, false, true>(maps, params, num_ctas, stream);
   }
   return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
 }
@@ -438,8 +414,7 @@ const KernelPreloadList kPreload(
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, false, true>)});
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true>)});
 }  // namespace
 
 }  // namespace mok::kernels

@@ -90,8 +90,6 @@ struct ExpertGemmParams {
   // MoeConfig::gemm_deep_ring: the row-tile forms with four stages and a half staging tile
   // (expert_gemm.cu, not in CTA pairs; the persistent kernels keep three).
   int32_t deep_ring;
-  // MoeConfig::swiglu_handoff: kGateUpSwiGLU's SwiGLU on a producer warp (swiglu_handoff.cuh).
-  int32_t swiglu_handoff;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)

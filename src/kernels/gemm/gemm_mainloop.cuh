@@ -54,10 +54,6 @@ struct alignas(1024) GemmSharedStorage {
   __nv_bfloat16 store_tile[BLOCK_M * 64 * kStagingChunks];
   uint64_t full[kStages];
   uint64_t empty[kStages];
-  // MoeConfig::swiglu_handoff (swiglu_handoff.cuh): a tile staged for the SwiGLU warp, and the
-  // staging tile free again.
-  uint64_t swiglu_staged;
-  uint64_t swiglu_free;
 };
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 <= 227 * 1024,
@@ -93,10 +89,6 @@ __device__ __forceinline__ void init_pipeline(Storage& smem) {
     for (int s = 0; s < Storage::kNumStagesHere; ++s) {
       ptx::mbarrier_init(&smem.full[s], 1);
       ptx::mbarrier_init(&smem.empty[s], kEmptyArrivals<kPaired>);
-    }
-    if constexpr (requires { smem.swiglu_staged; }) {
-      ptx::mbarrier_init(&smem.swiglu_staged, 1);
-      ptx::mbarrier_init(&smem.swiglu_free, 1);
     }
     ptx::fence_barrier_init();
   }
