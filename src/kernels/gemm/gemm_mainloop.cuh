@@ -10,10 +10,9 @@
 //                accumulator (128 registers per thread, setmaxnreg.inc to 224). For each
 //                K-block: wait full[s], issue 4 wgmma m64n256k16 (K = 64), keep one wgmma
 //                group in flight, release the previous stage to the producer through empty[s].
-// Pipeline: kNumStages stages of (A 128x64, B 256x64) bf16 (kDeepRingStages with
-// MoeConfig::gemm_deep_ring, whose staging tile is half the size), 128-byte swizzled as TMA
-// writes them and wgmma reads them; the ring runs on across tiles, so the producer prefetches
-// the next tile while the consumers run the epilogue of the current one.
+// Pipeline: kNumStages stages of (A 128x64, B 256x64) bf16, 128-byte swizzled as TMA writes them
+// and wgmma reads them; the ring runs on across tiles, so the producer prefetches the next
+// tile while the consumers run the epilogue of the current one.
 // Operands may be K-major (rows contiguous along K: x * W^T, h * Wd^T) or MN-major (contiguous
 // along M or N: the dgrad forms' weights, and both operands of the weight gradients, whose K is
 // the token rows); wgmma reads either from the swizzled tiles through its transpose bits.
