@@ -18,7 +18,6 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.persistent_forward = options.persistent_forward;
   config.persistent_backward = options.persistent_backward;
   config.gemm_cta_pairs = options.cta_pairs;
-  config.gemm_deep_ring = options.deep_ring;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;

@@ -58,8 +58,6 @@ mok run options:
                                (the run checks and times both ways either way)
   --cta-pairs                  GPU: run the expert GEMMs in clusters of two CTAs that multicast
                                the weight tile they share (the run times both ways either way)
-  --deep-ring                  GPU: run the expert GEMMs (all but the weight gradients) with four
-                               pipeline stages (the run times both ways either way)
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
                                (cta-pairs, persistent-forward, persistent-backward,
@@ -117,10 +115,6 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--cta-pairs") {
       options.cta_pairs = true;
-      continue;
-    }
-    if (flag == "--deep-ring") {
-      options.deep_ring = true;
       continue;
     }
     if (flag == "--quick") {

@@ -31,7 +31,6 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -39,7 +38,6 @@ std::string variant_name(const mok::MoeConfig& config) {
 std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.gemm_deep_ring ? ", deep ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }
@@ -280,10 +278,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                     ring_layer->backward(backward_args, stream, &step);
                                   },
                                   [&] { checked_layer->forward(args, stream); },
-                                  // the CTA pairs, skip_padding_rows and the deep ring flipped
+                                  // the CTA pairs flipped, skip_padding_rows flipped
                                   [&] { backward_variants[1].layer->forward(args, stream); },
                                   [&] { backward_variants[2].layer->forward(args, stream); },
-                                  [&] { backward_variants[4].layer->forward(args, stream); },
                               });
     for (BackwardVariant& variant : backward_variants)
       timed.push_back([&] {
@@ -313,7 +310,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = full ? medians[7] : 0.0;
-  const size_t first_backward_variant = 12;  // the closures above before the variants
+  const size_t first_backward_variant = 11;  // the closures above before the variants
   std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms}};
   if (full)
@@ -322,8 +319,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                 {variant_name(other_gemms), medians[6]},
                                 {variant_name(checked), medians[8]},
                                 {variant_name(backward_variants[1].config), medians[9]},
-                                {variant_name(backward_variants[2].config), medians[10]},
-                                {variant_name(backward_variants[4].config), medians[11]}});
+                                {variant_name(backward_variants[2].config), medians[10]}});
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = full ? checked_layer->synchronize(stream) : mok::Status::Ok();
   if (!checked_status.ok())

@@ -83,13 +83,6 @@ struct MoeConfig {
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same
   // bits either way. Off until it is measured faster (written in session 13, not yet run).
   bool weight_grad_pingpong = false;
-  // The expert GEMM kernels' row-tile forms (every GEMM but the weight gradients; not the
-  // persistent kernels) with a ring of four stages instead of three, the fourth in the memory
-  // of half the epilogue's staging tile, which then stores a tile in two passes of half its
-  // columns. One more K-block of A and B in flight per SM: for the GEMMs that stream their
-  // weights from HBM (many experts per GPU). Not with gemm_cta_pairs. Same bits either way. Off
-  // until it is measured faster (written in session 15, not yet run).
-  bool gemm_deep_ring = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

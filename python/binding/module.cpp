@@ -178,7 +178,6 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("gemm_cta_pairs", &MoeConfig::gemm_cta_pairs)
       .def_rw("skip_padding_rows", &MoeConfig::skip_padding_rows)
       .def_rw("weight_grad_pingpong", &MoeConfig::weight_grad_pingpong)
-      .def_rw("gemm_deep_ring", &MoeConfig::gemm_deep_ring)
       .def_rw("check_finite", &MoeConfig::check_finite)
       .def_rw("ep_bulk_copies", &MoeConfig::ep_bulk_copies)
       .def_rw("ep_push_dispatch", &MoeConfig::ep_push_dispatch)

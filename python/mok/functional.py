@@ -71,9 +71,6 @@ class MoKConfig:
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
     weight_grad_pingpong: compute the weight gradients with the two consumer warpgroups of a
         CTA on different tiles (same bits; off by default until measured faster).
-    gemm_deep_ring: run the expert GEMMs (all but the weight gradients) with four pipeline
-        stages instead of three, storing each tile in two halves (same bits; not with
-        gemm_cta_pairs; off by default until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -97,7 +94,6 @@ class MoKConfig:
     gemm_cta_pairs: bool = False
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
-    gemm_deep_ring: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     wait_timeout_s: float = 100.0
@@ -115,7 +111,6 @@ class MoKConfig:
         config.gemm_cta_pairs = self.gemm_cta_pairs
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
-        config.gemm_deep_ring = self.gemm_deep_ring
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.wait_timeout_s = self.wait_timeout_s

@@ -184,10 +184,6 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
   if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
                "; valid: a positive, finite number of seconds");
-  if (config.gemm_deep_ring && config.gemm_cta_pairs)
-    return bad(
-        "gemm_deep_ring = true with gemm_cta_pairs = true; valid: at most one of them (a CTA "
-        "pair's stages hold its multicast weights: the deep ring has no room for them)");
   if (config.local_dispatch != LocalDispatch::kGatherKernel &&
       config.local_dispatch != LocalDispatch::kProducerWarps)
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +

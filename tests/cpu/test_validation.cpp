@@ -160,12 +160,6 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   config.wait_timeout_s = -1;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"wait_timeout_s"});
   config = good;
-  config.gemm_deep_ring = true;
-  EXPECT_TRUE(can_implement(config, shape).ok());
-  config.gemm_cta_pairs = true;
-  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"gemm_deep_ring = true with gemm_cta_pairs = true", "at most one"});
-  config = good;
   config.local_dispatch = static_cast<LocalDispatch>(7);
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"local_dispatch = 7", "gather-kernel", "producer-warps"});

@@ -155,7 +155,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(21);
+  std::vector<MoeConfig> configs(18);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -207,16 +207,6 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[17].weight_grad_pingpong = true;
   configs[17].minibatch_size = 128;
   configs[17].macrobatch_size = 512;
-  // The deep ring (four stages, the tile stored in two passes; MoeConfig::gemm_deep_ring): with
-  // 64-row tiles (this shape averages 175 routed rows per expert), with macrobatches (ring
-  // offsets in both passes' stores) and with every tile whole and the gather kernel.
-  configs[18].gemm_deep_ring = true;
-  configs[19].gemm_deep_ring = true;
-  configs[19].minibatch_size = 128;
-  configs[19].macrobatch_size = 256;
-  configs[20].gemm_deep_ring = true;
-  configs[20].skip_padding_rows = false;
-  configs[20].local_dispatch = LocalDispatch::kGatherKernel;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -234,8 +224,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.persistent_forward << " persistent backward "
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
                      << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
-                     << config.weight_grad_pingpong << " deep ring " << config.gemm_deep_ring
-                     << (with_context ? "" : ", no context"));
+                     << config.weight_grad_pingpong << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

@@ -282,7 +282,6 @@ def test_config_switches_reach_the_native_config():
         "gemm_cta_pairs",
         "skip_padding_rows",
         "weight_grad_pingpong",
-        "gemm_deep_ring",
         "check_finite",
     ]
     default = F.MoKConfig()

@@ -19,9 +19,6 @@
 //   kWeightGrad       the 256 columns to out[e] [M, N]; an expert without rows stores zeros
 // Row forms store at (column, tile row, 0) of [rows, N] maps, which clip rows past their extent
 // (the shared expert's outputs have exactly T rows).
-// The deep ring (MoeConfig::gemm_deep_ring, DeepRingStorage) has a staging tile of two chunks:
-// the row-tile forms store the same values in two passes of half the columns each
-// (stage_accumulators_half), the gate/up forms a gate chunk and its up chunk per pass.
 #pragma once
 
 #include <cuda.h>
@@ -59,34 +56,19 @@ constexpr int kStageChunkBytes = BLOCK_M * 128;  // one [128 rows x 64 columns] 
 
 // Writes value(i, j) (two floats, rounded to a bf16 pair) for fragment row i and column groups
 // j in [kFirst, kLast) of this consumer warpgroup into the staging tile, at tile row row_base +
-// the fragment's row, column group j landing in chunk j / 8 - chunk_shift of `tile`.
+// the fragment's row, column group j landing in chunk j / 8 of `tile`.
 template <int kFirst, int kLast, typename Value>
-__device__ __forceinline__ void stage_fragments(char* tile, int row_base, Value value,
-                                                int chunk_shift = 0) {
+__device__ __forceinline__ void stage_fragments(char* tile, int row_base, Value value) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = row_base + fragment_row(i);
 #pragma unroll
     for (int j = kFirst; j < kLast; ++j) {
-      const int offset = (j / 8 - chunk_shift) * kStageChunkBytes + row * 128 +
-                         (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
+      const int offset = (j / 8) * kStageChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) +
+                         (threadIdx.x % 4) * 4;
       const float2 pair = value(i, j);
       *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(pair.x, pair.y);
     }
-  }
-}
-
-// Rows 64-127 of chunks [0, kChunks) of the staging tile as zeros (a 64-row tile's padding
-// rows), 16-byte units spread over both consumer warpgroups' threads.
-template <int kChunks>
-__device__ __forceinline__ void zero_padding_rows(char* tile) {
-  const int thread = threadIdx.x - BLOCK_M;
-#pragma unroll
-  for (int q = 0; q < kChunks * 64 * 8 / kConsumerThreads; ++q) {
-    const int unit = thread + kConsumerThreads * q;
-    const int chunk = unit / (64 * 8), row = 64 + (unit / 8) % 64;
-    *reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + row * 128 +
-                              (((unit % 8) ^ (row % 8)) << 4)) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -108,34 +90,15 @@ __device__ __forceinline__ void stage_accumulators(char* tile, int consumer_idx,
     stage_fragments<16, 32>(base, row_base, value);
     return;
   }
-  zero_padding_rows<4>(tile);
-}
-
-// The deep ring's staging tile of two chunks (DeepRingStorage): the tile leaves in two passes,
-// pass kPass staging half of its columns into chunks 0-1. A 256-column tile: columns [128 kPass,
-// 128 kPass + 128) (column groups 16 kPass to 16 kPass + 15). A gate/up tile: gate columns
-// [64 kPass, 64 kPass + 64) into chunk 0 and the up columns beside them into chunk 1, so that
-// SwiGLU finds both. A 64-row tile (consumer c: rows 0-63 of B columns [128c, 128c + 128) in
-// groups 0-15): gate/up, consumer 0's gate and consumer 1's up groups [8 kPass, 8 kPass + 8) to
-// chunks 0 and 1; 256 columns, consumer kPass's 16 groups; zeros in rows 64-127 either way.
-template <bool kGateUp, int kPass, typename Value>
-__device__ __forceinline__ void stage_accumulators_half(char* tile, int consumer_idx, bool half,
-                                                        Value value) {
-  if (!half) {
-    const int row_base = consumer_idx * 64;
-    if constexpr (kGateUp) {
-      stage_fragments<8 * kPass, 8 * kPass + 8>(tile, row_base, value, kPass);
-      stage_fragments<16 + 8 * kPass, 24 + 8 * kPass>(tile, row_base, value, 1 + kPass);
-    } else {
-      stage_fragments<16 * kPass, 16 * kPass + 16>(tile, row_base, value, 2 * kPass);
-    }
-    return;
+  // Rows 64-127 of the four chunks: 2048 16-byte units, eight per consumer thread.
+  const int thread = threadIdx.x - BLOCK_M;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int unit = thread + kConsumerThreads * q;
+    const int chunk = unit / (64 * 8), row = 64 + (unit / 8) % 64;
+    *reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + row * 128 +
+                              (((unit % 8) ^ (row % 8)) << 4)) = make_uint4(0, 0, 0, 0);
   }
-  if constexpr (kGateUp)
-    stage_fragments<8 * kPass, 8 * kPass + 8>(tile, 0, value, kPass - consumer_idx);
-  else if (consumer_idx == kPass)
-    stage_fragments<0, 16>(tile, 0, value);
-  zero_padding_rows<2>(tile);
 }
 
 // The issuing thread (the first consumer thread) waits until the previous store has read the
@@ -163,17 +126,16 @@ __device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char*
 }
 
 // kGateUpSwiGLU after g and u are staged (bf16): each thread computes h = swiglu(g, u) of its
-// 16-byte units of g (chunks [0, kGateChunks)) and u (the kGateChunks after them) while their
-// store reads the tile, writes h over g once the store has read it, and the issuer stores h to
-// `out`. h depends only on bf16(g) and bf16(u), so the bits are those of computing it from the
-// accumulators; doing it from shared memory, 16 bytes at a time, keeps the division's slow path
-// from spilling the accumulators (the eight units' h take 32 registers: no spills). Thread t
-// handles the units t + 256 q of the gate chunks (eight columns each).
-template <int kGateChunks = 2>
+// 16-byte units of g (chunks 0-1) and u (chunks 2-3) while their store reads the tile, writes h
+// over g once the store has read it, and the issuer stores h to `out`. h depends only on bf16(g)
+// and bf16(u), so the bits are those of computing it from the accumulators; doing it from shared
+// memory, 16 bytes at a time, keeps the division's slow path from spilling the accumulators
+// (the eight units' h take 32 registers: no spills). Thread t handles the units t + 256 q of
+// chunks 0-1 (eight columns each).
 __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
                                              const ExpertGemmParams& params, int col_base, int row,
                                              bool issuer) {
-  constexpr int kUnitsPerThread = kGateChunks * BLOCK_M * 8 / kConsumerThreads;
+  constexpr int kUnitsPerThread = 2 * BLOCK_M * 8 / kConsumerThreads;
   const int thread = threadIdx.x - BLOCK_M;
   auto gate_unit_at = [&](int q) {
     const int unit = thread + kConsumerThreads * q;
@@ -189,7 +151,7 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
     const uint4* gate_unit = gate_unit_at(q);
     const uint4 gate = *gate_unit;
     const uint4 up = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(gate_unit) +
-                                                     kGateChunks * kStageChunkBytes);
+                                                     2 * kStageChunkBytes);
     // The branch-free division first; `a / b` for a unit with an operand outside its range
     // (swiglu.cuh: the same bits).
     if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h[q]))
@@ -200,38 +162,8 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
   for (int q = 0; q < kUnitsPerThread; ++q) *gate_unit_at(q) = h[q];
   publish_staging_tile();
   if (issuer) {
-    store_chunks(out, tile, 0, kGateChunks, col_base, params.n_extent, row, 0);
+    store_chunks(out, tile, 0, 2, col_base, params.n_extent, row, 0);
     ptx::bulk_commit_group();
-  }
-}
-
-// One pass of the deep ring's two-pass epilogue (stage_accumulators_half): each pass waits for
-// the previous store to have read the staging tile, so the second costs the tile one store's
-// read of 32 KB.
-template <ExpertGemmForm kForm, int kPass, typename Fragment>
-__device__ __forceinline__ void store_tile_pass(const OutputMaps& maps, char* tile,
-                                                const ExpertGemmParams& params,
-                                                const TileCoord& coord, int consumer_idx, int row,
-                                                bool issuer, Fragment fragment) {
-  constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
-  constexpr bool kGateUp = kSwiGLU || kForm == ExpertGemmForm::kGateUpStore;
-  acquire_staging_tile(issuer);
-  stage_accumulators_half<kGateUp, kPass>(tile, consumer_idx, coord.half, fragment);
-  publish_staging_tile();
-  if constexpr (kGateUp) {
-    const int col = coord.n_tile * 128 + 64 * kPass;
-    if (issuer) {
-      store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 1, col, params.n_extent, row, 0);
-      store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 1, 1, col, params.n_extent, row, 0);
-      ptx::bulk_commit_group();
-    }
-    if constexpr (kSwiGLU) stage_swiglu<1>(maps.out, tile, params, col, row, issuer);
-  } else {
-    if (issuer) {
-      store_chunks(maps.out, tile, 0, 2, coord.n_tile * BLOCK_N + 128 * kPass, params.n_extent, row,
-                   0);
-      ptx::bulk_commit_group();
-    }
   }
 }
 
@@ -247,37 +179,31 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
   auto fragment = [&](int i, int j) {
     return make_float2(acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
   };
-  if constexpr (Storage::kStagingChunksHere == 2) {
-    static_assert(kForm != ExpertGemmForm::kWeightGrad, "the deep ring runs the row-tile forms");
-    store_tile_pass<kForm, 0>(maps, tile, params, coord, consumer_idx, row, issuer, fragment);
-    store_tile_pass<kForm, 1>(maps, tile, params, coord, consumer_idx, row, issuer, fragment);
+
+  acquire_staging_tile(issuer);
+  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
+    // bf16(g) to chunks 0-1, bf16(u) to chunks 2-3, stored to out / out2 (kGateUpStore) or
+    // out2 / out3 (kGateUpSwiGLU, the forward context).
+    const int col_base = coord.n_tile * 128;
+    stage_accumulators(tile, consumer_idx, coord.half, fragment);
+    publish_staging_tile();
+    constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
+    if (issuer) {
+      store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 2, col_base, params.n_extent, row, 0);
+      store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 2, 2, col_base, params.n_extent, row, 0);
+      ptx::bulk_commit_group();
+    }
+    if constexpr (kSwiGLU) stage_swiglu(maps.out, tile, params, col_base, row, issuer);
   } else {
-    acquire_staging_tile(issuer);
-    if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
-      // bf16(g) to chunks 0-1, bf16(u) to chunks 2-3, stored to out / out2 (kGateUpStore) or
-      // out2 / out3 (kGateUpSwiGLU, the forward context).
-      const int col_base = coord.n_tile * 128;
-      stage_accumulators(tile, consumer_idx, coord.half, fragment);
-      publish_staging_tile();
-      constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
-      if (issuer) {
-        store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 2, col_base, params.n_extent, row, 0);
-        store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 2, 2, col_base, params.n_extent, row,
-                     0);
-        ptx::bulk_commit_group();
-      }
-      if constexpr (kSwiGLU) stage_swiglu(maps.out, tile, params, col_base, row, issuer);
-    } else {
-      const bool empty = coord.num_k_blocks == 0;  // kWeightGrad: an expert without rows
-      stage_accumulators(tile, consumer_idx, coord.half, [&](int i, int j) {
-        return empty ? make_float2(0.0f, 0.0f) : fragment(i, j);
-      });
-      publish_staging_tile();
-      if (issuer) {
-        store_chunks(maps.out, tile, 0, 4, coord.n_tile * BLOCK_N, params.n_extent, row,
-                     kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
-        ptx::bulk_commit_group();
-      }
+    const bool empty = coord.num_k_blocks == 0;  // kWeightGrad: an expert without rows
+    stage_accumulators(tile, consumer_idx, coord.half, [&](int i, int j) {
+      return empty ? make_float2(0.0f, 0.0f) : fragment(i, j);
+    });
+    publish_staging_tile();
+    if (issuer) {
+      store_chunks(maps.out, tile, 0, 4, coord.n_tile * BLOCK_N, params.n_extent, row,
+                   kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
+      ptx::bulk_commit_group();
     }
   }
 }

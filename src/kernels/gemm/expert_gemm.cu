@@ -16,8 +16,6 @@
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
 // (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
-// The deep ring (kDeepRing, MoeConfig::gemm_deep_ring; row-tile forms without pairs): four
-// stages, and the staging tile at half size, so its tile leaves in two passes (epilogue.cuh).
 // CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two CTAs walk "pair tiles", two
 // row tiles 2p and 2p + 1 (row-tile forms: of the same column tile; kWeightGrad: of the same
 // expert and column tile), one per CTA. Where both tiles read the same B (the same expert), each
@@ -27,8 +25,6 @@
 // whose tile does not exist (an odd tile count) passes the stages empty ("phantom").
 #include <cuda.h>
 #include <cuda_bf16.h>
-
-#include <type_traits>
 
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/macrobatch.h"
@@ -177,10 +173,8 @@ __device__ __forceinline__ void store_partial(const float (&acc)[128], float* va
         make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
 }
 
-// Every form's epilogue leaves through the staging tile, which costs one stage of the ring; with
-// kDeepRing (MoeConfig::gemm_deep_ring, weight_grad_deep_ring) half of it, for a fourth stage.
-template <bool kDeepRing>
-using FormStorage = std::conditional_t<kDeepRing, DeepRingStorage, GemmSharedStorage<kNumStages>>;
+// Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
+using FormStorage = GemmSharedStorage<kNumStages>;
 
 // Which forms run 64-row tiles (half_row_tiles): the forward's, whose B (the weights) is K-major.
 // Not the dgrads: there a 64-row tile finishes its K loop in half the time of its expert's
@@ -214,16 +208,14 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
 // launches for macrobatches after the first can resume, and only they pay it.
 // kPaired: launched in clusters of two CTAs (CTA pairs, above).
-// kDeepRing: four stages and a two-chunk staging tile (row-tile forms, not in pairs).
-template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false, bool kDeepRing = false>
+template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
     const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
     const __grid_constant__ CUtensorMap tmap_out, const __grid_constant__ CUtensorMap tmap_out2,
     const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
-  static_assert(!kDeepRing || (Traits::kRowTiles && !kPaired), "the deep ring: row tiles, alone");
-  using Storage = FormStorage<kDeepRing>;
+  using Storage = FormStorage;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   const SegmentRows* shared_rows = nullptr;
@@ -313,13 +305,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   if constexpr (kPaired) ptx::cluster_sync();
 }
 
-template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kDeepRing = false>
+template <ExpertGemmForm kForm, bool kResumes, bool kPaired>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
-  size_t smem_bytes = sizeof(FormStorage<kDeepRing>) + 1024;
+  size_t smem_bytes = sizeof(FormStorage) + 1024;
   if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
-  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kDeepRing>;
+  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -359,10 +351,6 @@ template <ExpertGemmForm kForm, bool kResumes = false>
 cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                           bool cta_pairs, cudaStream_t stream) {
   if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, stream);
-  if constexpr (FormTraits<kForm>::kRowTiles) {
-    if (params.deep_ring)
-      return launch_form<kForm, kResumes, false, true>(maps, params, num_ctas, stream);
-  }
   return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
 }
 
@@ -409,12 +397,7 @@ const KernelPreloadList kPreload(
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true>)});
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>)});
 }  // namespace
 
 }  // namespace mok::kernels

@@ -87,9 +87,6 @@ struct ExpertGemmParams {
   // MoeConfig::weight_grad_pingpong: kWeightGrad in weight_grad_pingpong.cu (one macrobatch, no
   // CTA pairs; expert_gemm.cu's form otherwise).
   int32_t weight_grad_pingpong;
-  // MoeConfig::gemm_deep_ring: the row-tile forms with four stages and a half staging tile
-  // (expert_gemm.cu, not in CTA pairs; the persistent kernels keep three).
-  int32_t deep_ring;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)

@@ -41,27 +41,20 @@ constexpr int kConsumerRegisters = 224;
 constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 
-// Shared memory of one CTA: the stage ring and the epilogue's staging tile of 128 rows x
-// kStagingChunks 128B-swizzled chunks of 64 bf16 columns (epilogue.cuh): four, the whole 128 x
-// 256 tile, or two, and the tile leaves in two passes of half its columns (the deep ring).
-template <int kStages, int kStagingChunks = 4>
+// Shared memory of one CTA: the stage ring and the epilogue's staging tile of 128 x 256 bf16
+// (four 128B-swizzled chunks of 64 columns, epilogue.cuh).
+template <int kStages>
 struct alignas(1024) GemmSharedStorage {
   static constexpr int kNumStagesHere = kStages;
-  static constexpr int kStagingChunksHere = kStagingChunks;
   __nv_bfloat16 a[kStages][BLOCK_M * BLOCK_K];
   __nv_bfloat16 b[kStages][BLOCK_N * BLOCK_K];
-  __nv_bfloat16 store_tile[BLOCK_M * 64 * kStagingChunks];
+  __nv_bfloat16 store_tile[BLOCK_M * BLOCK_N];
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 <= 227 * 1024,
               "fits the SM's shared memory");
-// MoeConfig::gemm_deep_ring: a fourth stage in the memory of half the staging tile, so one more
-// K-block can be in flight while the consumers work (the row-tile forms of expert_gemm.cu).
-constexpr int kDeepRingStages = 4;
-using DeepRingStorage = GemmSharedStorage<kDeepRingStages, 2>;
-static_assert(sizeof(DeepRingStorage) + 1024 <= 227 * 1024, "the deep ring fits too");
 
 // Position in the stage ring; the phase bit flips each time the ring wraps.
 template <int kStages>
