@@ -7,7 +7,7 @@
 # MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1,
 # --systems MOK_PYTHON_BENCH_SYSTEMS when set (e.g. "sonicmoe,hf grouped_mm,torch grouped_mm"),
 # --knobs MOK_PYTHON_BENCH_KNOBS when set (MoKConfig switches timed flipped beside mok, e.g.
-# "gemm_deep_ring,swiglu_handoff").
+# "gemm_cta_pairs,weight_grad_pingpong").
 # MOK_PYTHON_TESTS=1 runs the Python tests (pytest, CUDA cases included) before the benchmark.
 # Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png, quack-autotune.tgz.
 set -uo pipefail

@@ -24,7 +24,7 @@
 # how the layer scales; with MOK_SKIP_TESTS=1 MOK_SKIP_SANITIZERS=1 MOK_SKIP_DEFAULT_RUN=1
 # MOK_BENCH_SHAPES="" it is the whole call).
 # MOK_COMPARE_SHAPES (e.g. "dsv3_e128 dsv3") runs `mok run --quick --compare MOK_COMPARE_KNOBS`
-# on each: the knobs that are off until measured, flipped and timed beside the layer.
+# on each: the knobs that are off by default, flipped and timed beside the layer.
 # MOK_FP8_SHAPES (default "dsv3_local qwen3") runs `mok run --precision fp8_block` on each, and
 # the expert-parallel runs add kimi_slice in FP8 (MOK_EP_FP8=0 leaves it out);
 # MOK_PYTHON_BENCH_FP8=1 adds mok in FP8 to the Python benchmark.
@@ -251,12 +251,12 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
     add_bench_json "$name" "$OUT/tmp_bench.json"
   done
   # Config knobs flipped beside the layer (`mok run --quick --compare`, same rounds, bitwise
-  # checked): MOK_COMPARE_SHAPES (default none) x MOK_COMPARE_KNOBS (default: the knobs that are
-  # off until measured).
+  # checked): MOK_COMPARE_SHAPES (default none) x MOK_COMPARE_KNOBS (default: the GEMM knobs
+  # that are off by default).
   for shape in ${MOK_COMPARE_SHAPES-}; do
     run_step "compare_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --quick \
       --shape "$shape" --check-tokens 0 --json "$OUT/tmp_compare.json" --compare \
-      "${MOK_COMPARE_KNOBS:-deep-ring,swiglu-handoff,backward-fused-gathers,weight-grad-deep-ring}"
+      "${MOK_COMPARE_KNOBS:-cta-pairs,weight-grad-pingpong}"
     add_bench_json "compare_$shape" "$OUT/tmp_compare.json"
   done
   # The FP8 layer against its CPU reference, timed beside bf16 (MOK_FP8_SHAPES, default

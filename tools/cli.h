@@ -32,16 +32,16 @@ struct RunOptions {
   std::string json_path;
   std::string trace_path;  // GPU: trace the persistent kernels' tasks into this Chrome trace
   bool cpu_only = false;
-  bool persistent_forward = false;      // GPU: MoeConfig::persistent_forward
-  bool persistent_backward = false;     // GPU: MoeConfig::persistent_backward
-  bool cta_pairs = false;               // GPU: MoeConfig::gemm_cta_pairs
-  bool quick = false;                   // GPU, one GPU: the layer against the baseline only
-  std::vector<std::string> compare;     // --quick: knobs flipped and timed beside the layer
-  int32_t gpus = 0;                     // > 0: the expert-parallel layer on this many GPUs
-  int64_t minibatch_size = -1;          // -1: MoeConfig's default
-  int64_t macrobatch_size = -1;         // -1: MoeConfig's default
-  bool push_dispatch = false;           // --gpus: MoeConfig::ep_push_dispatch
-  bool bulk_copies = false;             // --gpus: MoeConfig::ep_bulk_copies
+  bool persistent_forward = false;   // GPU: MoeConfig::persistent_forward
+  bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward
+  bool cta_pairs = false;            // GPU: MoeConfig::gemm_cta_pairs
+  bool quick = false;                // GPU, one GPU: the layer against the baseline only
+  std::vector<std::string> compare;  // --quick: knobs flipped and timed beside the layer
+  int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs
+  int64_t minibatch_size = -1;       // -1: MoeConfig's default
+  int64_t macrobatch_size = -1;      // -1: MoeConfig's default
+  bool push_dispatch = false;        // --gpus: MoeConfig::ep_push_dispatch
+  bool bulk_copies = false;          // --gpus: MoeConfig::ep_bulk_copies
 };
 
 // The layer's config from the options (MoeConfig's defaults where unset); throws mok::Error if

@@ -26,10 +26,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"deep-ring",
-                                     "swiglu-handoff",
-                                     "backward-fused-gathers",
-                                     "cta-pairs",
+const char* const kCompareKnobs[] = {"cta-pairs",
                                      "persistent-forward",
                                      "persistent-backward",
                                      "weight-grad-pingpong",
@@ -39,17 +36,8 @@ const char* const kCompareKnobs[] = {"deep-ring",
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   mok::MoeConfig flipped = config;
-  if (name == "deep-ring") {
-    flipped.gemm_deep_ring = !config.gemm_deep_ring;
-    if (flipped.gemm_deep_ring) flipped.gemm_cta_pairs = flipped.swiglu_handoff = false;
-  } else if (name == "swiglu-handoff") {
-    flipped.swiglu_handoff = !config.swiglu_handoff;
-    if (flipped.swiglu_handoff) flipped.gemm_cta_pairs = flipped.gemm_deep_ring = false;
-  } else if (name == "backward-fused-gathers") {
-    flipped.backward_fused_gathers = !config.backward_fused_gathers;
-  } else if (name == "cta-pairs") {
+  if (name == "cta-pairs") {
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
-    if (flipped.gemm_cta_pairs) flipped.gemm_deep_ring = flipped.swiglu_handoff = false;
   } else if (name == "persistent-forward") {
     flipped.persistent_forward = !config.persistent_forward;
   } else if (name == "persistent-backward") {

@@ -227,7 +227,7 @@ def main() -> None:
         "--knobs",
         default="",
         help="comma-separated MoKConfig switches, each timed flipped beside mok on the same "
-        "weights (e.g. gemm_deep_ring,swiglu_handoff)",
+        "weights (e.g. gemm_cta_pairs,weight_grad_pingpong)",
     )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)

@@ -169,19 +169,9 @@ def config_switches() -> list[str]:
     return [f.name for f in fields(MoKConfig) if f.type in (bool, "bool")]
 
 
-# The switches each one excludes when on (mok::can_implement_knobs refuses them together).
-_EXCLUDES = {
-    "gemm_cta_pairs": ("gemm_deep_ring", "swiglu_handoff", "weight_grad_deep_ring"),
-    "gemm_deep_ring": ("gemm_cta_pairs", "swiglu_handoff"),
-    "swiglu_handoff": ("gemm_cta_pairs", "gemm_deep_ring"),
-    "weight_grad_deep_ring": ("gemm_cta_pairs", "weight_grad_pingpong"),
-    "weight_grad_pingpong": ("weight_grad_deep_ring",),
-}
-
-
 def _mok_knob_system(p: Problem, knob: str) -> System:
-    """mok with MoKConfig's switch `knob` flipped (and, turned on, the switches it excludes off),
-    over the problem module's own weight tensors, through a workspace of its own."""
+    """mok with MoKConfig's switch `knob` flipped, over the problem module's own weight tensors,
+    through a workspace of its own."""
     from ._workspace import Workspace
     from .functional import moe
 
@@ -189,9 +179,7 @@ def _mok_knob_system(p: Problem, knob: str) -> System:
     if knob not in switches:
         raise ValueError(f"argument `knob` is {knob!r}; valid: {', '.join(switches)}")
     module = p.module
-    flipped = not getattr(module.config, knob)
-    others = {k: False for k in _EXCLUDES.get(knob, ())} if flipped else {}
-    config = replace(module.config, **others, **{knob: flipped})
+    config = replace(module.config, **{knob: not getattr(module.config, knob)})
     workspace = Workspace(config.to_native())
 
     def forward(x: Tensor, top_experts: Tensor, router_weights: Tensor) -> Tensor:

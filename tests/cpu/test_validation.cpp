@@ -179,7 +179,7 @@ TEST(ConfigValidation, KnobChecksNeedNoShape) {
   expect_error(can_implement_knobs(config, 2), ErrorCode::kInvalidArgument,
                {"fwd_num_comm_sms = 0", "at least 1 with more than one rank"});
   config = MoeConfig{};
-  config.gemm_deep_ring = config.gemm_cta_pairs = true;
+  config.wait_timeout_s = -1.0;
   const Status knobs = can_implement_knobs(config, 1);
   const Status full = can_implement(config, named_shape("tiny", 1));
   EXPECT_FALSE(knobs.ok());

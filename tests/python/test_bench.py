@@ -140,16 +140,16 @@ def test_knob_systems_share_the_weights_and_compute_the_layer():
     from mok.bench_peers import config_switches, systems_of
     from mok.bench_peers import make_problem as bench_problem
 
-    assert {"gemm_deep_ring", "swiglu_handoff", "backward_fused_gathers"} <= set(config_switches())
+    assert {"gemm_cta_pairs", "weight_grad_pingpong", "skip_padding_rows"} <= set(config_switches())
     p = bench_problem("tiny", torch.device("cpu"), seed=2)
-    systems = systems_of(p, peers=False, knobs=["gemm_deep_ring", "gemm_cta_pairs"])
-    assert [s.name for s in systems] == ["mok", "mok gemm_deep_ring", "mok gemm_cta_pairs"]
+    systems = systems_of(p, peers=False, knobs=["gemm_cta_pairs", "skip_padding_rows"])
+    assert [s.name for s in systems] == ["mok", "mok gemm_cta_pairs", "mok skip_padding_rows"]
     want = systems[0].forward(p.x, p.top_experts, p.router_weights)
     for system in systems[1:]:
         assert all(a is b for a, b in zip(system.parameters, systems[0].parameters)), system.name
         assert torch.equal(system.forward(p.x, p.top_experts, p.router_weights), want)
-    with pytest.raises(ValueError, match="valid: .*gemm_deep_ring"):
-        systems_of(p, peers=False, knobs=["deep_ring"])
+    with pytest.raises(ValueError, match="valid: .*gemm_cta_pairs"):
+        systems_of(p, peers=False, knobs=["cta_pairs"])
 
 
 def test_systems_filter_builds_only_those_asked_for():
