@@ -366,10 +366,12 @@ def systems_of(
         shares = name.startswith("torch") and hf_grouped_mm() is not None
         if p.x.device.type == "cuda" and not shares:
             free, _ = torch.cuda.mem_get_info(p.x.device)
-            if free < 3 * weight_bytes + (4 << 30):
+            needed = 3 * weight_bytes + (4 << 30)
+            if free < needed:
                 p.skipped[name] = (
-                    f"not enough GPU memory beside the others: {free / 2**30:.1f} GiB free, its "
-                    f"weights and their gradients take {2 * weight_bytes / 2**30:.1f} GiB"
+                    f"not enough GPU memory beside the others: {free / 2**30:.1f} GiB free, "
+                    f"{needed / 2**30:.1f} GiB needed (its weights, their gradients and the "
+                    f"step's working memory); run it with fewer --systems"
                 )
                 continue
         try:
