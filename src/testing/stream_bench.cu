@@ -16,6 +16,13 @@
 // row block by row block within each K step. The linear pattern reads the same bytes as
 // consecutive 32 KB blocks, CTA b taking blocks b, b + grid, ...
 //
+// Two modes model a GEMM more closely. Paced (`consumer_cycles` > 0): the warp holds each landed
+// stage for that many SM cycles before lane 0 refills it, as consumers hold a stage while its
+// wgmmas run, so only num_stages - 1 stages are in flight during the math (kPacedCycles is a
+// 128 x 256 x 64 K-block at ~650 TFLOP/s over 132 SMs). L2-resident (`resident_tiles` > 0):
+// tile t reads tile t % resident_tiles, so many CTAs re-read a few tiles that fit in L2 (an
+// expert of many row tiles, as at `dsv3_local`): the rate TMA delivers from L2.
+//
 // The self-check mode (a non-null `checksum`) has every lane sum the 32-bit words of each
 // landed stage (an integer sum, exact in any order) into one counter per launch.
 #include <cuda.h>
@@ -41,6 +48,11 @@ constexpr int32_t kTileRows = 256;
 constexpr int32_t kBoxK = 64;  // elements: 128 bytes of a weight row, the swizzle span
 constexpr int32_t kStageBytes = 32 * 1024;
 constexpr int32_t kMaxStages = 6;
+// SM cycles of one 128 x 256 x 64 K-block (4.19 MFLOP) at ~650 TFLOP/s over 132 SMs and
+// ~1.75 GHz: 0.85 us.
+constexpr int32_t kPacedCycles = 1500;
+// Tiles an L2-resident pattern re-reads: 8 x 256 rows x K = 7168 is 29 MB, within the 50 MB L2.
+constexpr int32_t kResidentTiles = 8;
 // Every launch asks for this much dynamic shared memory, whatever its ring depth: one CTA per
 // SM in every variant, as in the expert GEMMs.
 constexpr int32_t kSharedBytes = 200 * 1024 + 1024;
@@ -55,6 +67,8 @@ struct StreamParams {
   int32_t stage_k;
   int32_t num_stages;
   int32_t readers_per_tile;
+  int32_t consumer_cycles;    // paced: cycles each stage is held before its refill (0: none)
+  int32_t resident_tiles;     // > 0: tile t reads tile t % resident_tiles
   int64_t num_linear_blocks;  // linear: 32 KB blocks of 256 rows of 64 elements
   unsigned long long* checksum;
   kernels::WaitContext wait;
@@ -106,7 +120,8 @@ __global__ void __launch_bounds__(32, 1)
       ptx::tma_load_2d(stage, &p.map, &full[slot], 0, static_cast<int32_t>(tile * kTileRows));
       return;
     }
-    const int64_t real_tile = tile / p.readers_per_tile;
+    const int64_t read_tile = tile / p.readers_per_tile;
+    const int64_t real_tile = p.resident_tiles > 0 ? read_tile % p.resident_tiles : read_tile;
     const int32_t expert = static_cast<int32_t>(real_tile / tiles_per_expert);
     const int32_t tile_row = static_cast<int32_t>(real_tile % tiles_per_expert) * kTileRows;
     const int32_t j = static_cast<int32_t>(g % stages_per_tile);
@@ -130,6 +145,11 @@ __global__ void __launch_bounds__(32, 1)
       __syncwarp();
       ptx::fence_proxy_async_shared();
     }
+    if (p.consumer_cycles > 0 && lane == 0) {
+      const long long start = clock64();
+      while (clock64() - start < p.consumer_cycles) {
+      }
+    }
     if (lane == 0 && g + p.num_stages < total) issue(g + p.num_stages);
   }
   if (p.checksum != nullptr) atomicAdd(p.checksum, sum);
@@ -142,6 +162,8 @@ struct Pattern {
   bool linear;
   int32_t readers_per_tile;
   TmaL2Promotion promotion;
+  int32_t consumer_cycles = 0;
+  int32_t resident_tiles = 0;
 };
 
 // mok's expert GEMMs read their weight tiles as the first row: [256 rows x 64] boxes, 256-byte
@@ -153,6 +175,10 @@ const Pattern kPatterns[] = {
     {"128 x 128 (256 B of each row)", 128, 128, false, 1, TmaL2Promotion::k256B},
     {"64 x 256 (512 B of each row)", 64, 256, false, 1, TmaL2Promotion::k256B},
     {"linear 32 KB blocks", 256, 64, true, 1, TmaL2Promotion::k256B},
+    {"row tile, paced (0.85 us a stage)", 256, 64, false, 1, TmaL2Promotion::k256B, kPacedCycles},
+    {"two readers, paced", 256, 64, false, 2, TmaL2Promotion::k256B, kPacedCycles},
+    {"L2-resident 8 tiles (delivered)", 256, 64, false, 1, TmaL2Promotion::k256B, 0,
+     kResidentTiles},
 };
 const int32_t kRingDepths[] = {2, 3, 4, 6};
 
@@ -184,6 +210,8 @@ class StreamRunner {
     p.stage_k = pattern.stage_k;
     p.num_stages = num_stages;
     p.readers_per_tile = pattern.readers_per_tile;
+    p.consumer_cycles = pattern.consumer_cycles;
+    p.resident_tiles = pattern.resident_tiles;
     p.checksum = checksum;
     p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
     const int64_t elements = experts * rows * k;
@@ -247,13 +275,17 @@ void fill(const DeviceBuffer& buffer) {
 }  // namespace
 
 std::string stream_bench_self_check() {
-  // Two experts of 512 rows x 1024: two tiles per expert, every pattern and depth.
-  const int64_t experts = 2, rows = 512, k = 1024;
+  // Four experts of 1024 rows x 256: sixteen tiles, twice kResidentTiles, so the L2-resident
+  // pattern wraps; every pattern and depth.
+  const int64_t experts = 4, rows = 1024, k = 256;
+  const int64_t tiles = experts * rows / kTileRows, tile_words = kTileRows * k / 2;
   DeviceBuffer weights(experts * rows * k * 2, "stream-bench self-check weights");
   DeviceBuffer checksum(sizeof(unsigned long long), "stream-bench checksum");
   fill(weights);
-  unsigned long long expected = 0;
-  for (int64_t i = 0; i < weights.bytes / 4; ++i) expected += word_hash(static_cast<uint64_t>(i));
+  // A tile's rows are contiguous in [experts, rows, k]: tile t is words [t, t + 1) x tile_words.
+  std::vector<unsigned long long> tile_sums(tiles, 0);
+  for (int64_t i = 0; i < weights.bytes / 4; ++i)
+    tile_sums[i / tile_words] += word_hash(static_cast<uint64_t>(i));
   StreamRunner runner;
   std::string failures;
   for (const Pattern& pattern : kPatterns) {
@@ -266,8 +298,10 @@ std::string stream_bench_self_check() {
       unsigned long long seen = 0;
       cuda_check(cudaMemcpy(&seen, checksum.pointer, sizeof(seen), cudaMemcpyDeviceToHost),
                  "stream-bench self-check");
-      const unsigned long long want =
-          expected * static_cast<unsigned long long>(pattern.readers_per_tile);
+      unsigned long long want = 0;
+      for (int64_t t = 0; t < tiles; ++t)
+        want += tile_sums[pattern.resident_tiles > 0 ? t % pattern.resident_tiles : t];
+      want *= static_cast<unsigned long long>(pattern.readers_per_tile);
       if (seen != want)
         failures += std::string(failures.empty() ? "" : "; ") + pattern.name + ", " +
                     std::to_string(depth) + " stages: word sum " + std::to_string(seen) +

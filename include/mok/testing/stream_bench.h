@@ -2,7 +2,9 @@
 // GEMMs read them (`mok stream-bench`): TMA loads only, no math, one CTA per SM. It gives the
 // memory roofline of the weight-streaming shapes (`dsv3_e128`, `dsv3`: one or two row tiles per
 // expert, so each weight tile is read from HBM for at most two CTAs) for the access patterns a
-// GEMM could use, beside a contiguous read of the same bytes.
+// GEMM could use, beside a contiguous read of the same bytes; paced (each stage held as long
+// as a K-block's math) and L2-resident (a few tiles re-read by many CTAs) variants model the
+// GEMMs' own conditions.
 #pragma once
 
 #include <cstdint>
