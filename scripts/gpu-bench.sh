@@ -2,8 +2,8 @@
 # The Python benchmark alone on a GPU device machine (lighter than gpu-check.sh): installs the
 # package with the machine's PyTorch (no network), SonicMoE from the carried wheels in
 # .deps/peers/wheels into a private folder (MOK_BENCH_SONIC=0 leaves it out: its autotuning
-# takes minutes per shape on a fresh machine, unless .deps/quack-autotune was carried: see
-# scripts/sonic-env.sh), then `python -m mok.bench` on
+# takes minutes per shape on a fresh machine, except for the shapes whose results are kept in
+# scripts/quack-autotune/: see scripts/sonic-env.sh), then `python -m mok.bench` on
 # MOK_PYTHON_BENCH_SHAPES (default "qwen3,dsv3_local"), with --fp8 when MOK_PYTHON_BENCH_FP8=1,
 # --systems MOK_PYTHON_BENCH_SYSTEMS when set (e.g. "sonicmoe,hf grouped_mm,torch grouped_mm"),
 # --knobs MOK_PYTHON_BENCH_KNOBS when set (MoKConfig switches timed flipped beside mok, e.g.
@@ -39,6 +39,6 @@ timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.benc
   "${fp8[@]}" --json "$OUT/bench.json" \
   --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1 || status=1
 cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
-sonic_save_autotune "$OUT"  # quack-autotune.tgz: carry it next time (scripts/sonic-env.sh)
+sonic_save_autotune "$OUT"  # quack-autotune.tgz: merge it with scripts/keep-quack-autotune.sh
 rm -rf "$site"
 exit "$status"

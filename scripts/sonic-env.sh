@@ -9,10 +9,12 @@
 # every GEMM on first use (~4 minutes at `dsv3_e128` on a fresh machine, docs/perf.md session 14)
 # unless it finds its own result for the same shapes, candidates and QuACK version on disk
 # (QUACK_CACHE_AUTOTUNING=1, *.autotune.json under QUACK_CACHE_DIR). `sonic_bench_env` seeds that
-# folder from .deps/quack-autotune/quack-autotune.tgz when it was carried, and
-# `sonic_save_autotune DIR` packs the results into DIR/quack-autotune.tgz: copy that file into
-# .deps/quack-autotune/ on the development machine and carry the folder next time. The choice
-# is QuACK's own autotuning's, made on the same kind of card; only the re-timing is skipped.
+# folder from the results kept in the repository (scripts/quack-autotune/, KEY/NAME.autotune.json
+# as QuACK writes them) and from .deps/quack-autotune/quack-autotune.tgz when it was carried.
+# `sonic_save_autotune DIR` packs the results after a run into DIR/quack-autotune.tgz;
+# `scripts/keep-quack-autotune.sh ARCHIVE` merges a returned archive into scripts/quack-autotune/
+# (commit it: .deps does not outlive the checkout). The choice is QuACK's own autotuning's, made
+# on the same kind of card; only the re-timing is skipped.
 sonic_bench_env() {
   local site="$1" log="$2" root archive
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +25,10 @@ sonic_bench_env() {
     "$root"/.deps/peers/wheels/*.whl >>"$log" 2>&1 || return 0
   sonic_cache_dir="$site/quack-cache"
   mkdir -p "$sonic_cache_dir"
+  if [ -d "$root/scripts/quack-autotune" ]; then
+    cp -r "$root/scripts/quack-autotune/." "$sonic_cache_dir/" &&
+      echo "QuACK autotuning results seeded from scripts/quack-autotune" >>"$log"
+  fi
   archive="$root/.deps/quack-autotune/quack-autotune.tgz"
   if [ -f "$archive" ]; then
     tar -xzf "$archive" -C "$sonic_cache_dir" >>"$log" 2>&1 &&
@@ -39,4 +45,23 @@ sonic_save_autotune() {
   [ -n "${sonic_cache_dir:-}" ] && [ -d "$sonic_cache_dir" ] || return 0
   (cd "$sonic_cache_dir" && find . -name '*.autotune.json' | tar -czf "$dir/quack-autotune.tgz" -T -) ||
     true
+}
+
+# Merges the *.autotune.json results of ARCHIVE (a quack-autotune.tgz) into DIR (default
+# scripts/quack-autotune/), as KEY/NAME.autotune.json; anything else in the archive is ignored.
+sonic_keep_autotune() {
+  local archive="$1" dir="${2:-}" root work kept=0 path
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  [ -n "$dir" ] || dir="$root/scripts/quack-autotune"
+  work="$(mktemp -d)"
+  tar -xzf "$archive" -C "$work" || { rm -rf "$work"; return 1; }
+  while IFS= read -r path; do
+    path="${path#./}"
+    [[ "$path" =~ ^[A-Za-z0-9]+/[A-Za-z0-9_]+\.autotune\.json$ ]] || continue
+    mkdir -p "$dir/${path%/*}"
+    cp "$work/$path" "$dir/$path"
+    kept=$((kept + 1))
+  done < <(cd "$work" && find . -type f)
+  rm -rf "$work"
+  echo "kept $kept QuACK autotuning results in $dir"
 }
