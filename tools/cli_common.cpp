@@ -21,6 +21,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;
+  config.ep_dispatch_in_gemm = options.dispatch_in_gemm;
   config.ep_bulk_copies = options.bulk_copies;
   mok::can_implement(config, shape).throw_if_error();
   return config;

@@ -73,6 +73,9 @@ mok run options:
                                macrobatches but the first)
   --push-dispatch              --gpus: dispatch by push instead of pull (same bits; the run
                                times the other way's forward too)
+  --dispatch-in-gemm           --gpus: the pull dispatch inside the gate/up GEMM (its producer
+                               warps read the routed rows from the peers; same bits; the run
+                               times the other way too)
   --bulk-copies                --gpus: move dispatch/combine rows with the bulk-copy engine
   --json FILE                  also write the results as JSON
   --trace-tasks FILE           GPU: after the timing, run each persistent kernel of the run once
@@ -123,6 +126,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--persistent-backward") {
       options.persistent_backward = true;
+      continue;
+    }
+    if (flag == "--dispatch-in-gemm") {
+      options.dispatch_in_gemm = true;
       continue;
     }
     if (flag == "--push-dispatch") {

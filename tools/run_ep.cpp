@@ -146,6 +146,31 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   bool deterministic = true;
   for (int32_t rank = 0; rank < num_ranks; ++rank)
     deterministic &= mok::outputs_equal(results[0][rank], results[1][rank]);
+  // The dispatch inside the gate/up GEMM flipped (MoeConfig::ep_dispatch_in_gemm, where the
+  // config allows it: bf16, the producer-warps local dispatch): a step of its own layer, checked
+  // bitwise against the layer's, then timed beside it.
+  mok::MoeConfig in_gemm_config = config;
+  in_gemm_config.ep_dispatch_in_gemm = !config.ep_dispatch_in_gemm;
+  if (in_gemm_config.ep_dispatch_in_gemm) in_gemm_config.ep_push_dispatch = false;
+  std::unique_ptr<mok::EpLayer> in_gemm_layer;
+  bool in_gemm_bitwise = true;
+  if (mok::can_implement(in_gemm_config, shape).ok()) {
+    in_gemm_layer = std::make_unique<mok::EpLayer>(shape, in_gemm_config, ranks_here);
+    for (RankRun& rank_run : runs) {
+      CLI_CUDA_CHECK(cudaSetDevice(rank_run.device));
+      rank_run.problem->poison_outputs();
+      CLI_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    const std::vector<mok::ForwardContext> contexts = in_gemm_layer->forward(forward_args, streams);
+    in_gemm_layer->backward(backward_args, streams, &contexts);
+    in_gemm_layer->synchronize(streams).throw_if_error();
+    for (int32_t rank = 0; rank < num_ranks; ++rank) {
+      CLI_CUDA_CHECK(cudaSetDevice(runs[rank].device));
+      mok::HostRank got = mok::output_buffers(shape);
+      runs[rank].problem->download_outputs(got);
+      in_gemm_bitwise &= mok::outputs_equal(got, results[0][rank]);
+    }
+  }
   // Token-local outputs of `got` (one entry per rank) against the reference slice.
   auto slice_errors = [&](const std::vector<mok::HostRank>& got, const mok::HostProblem& against,
                           const std::string& who) {
@@ -181,10 +206,21 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   mok::EpLayer bulk_layer(shape, bulk_config, ranks_here);
   mok::MoeConfig push_config = config;
   push_config.ep_push_dispatch = !config.ep_push_dispatch;
+  if (push_config.ep_push_dispatch) push_config.ep_dispatch_in_gemm = false;  // a pull
   mok::EpLayer push_layer(shape, push_config, ranks_here);
   std::vector<std::function<void()>> bodies = {forward, [&] { step(true); },
                                                [&] { bulk_layer.forward(forward_args, streams); },
                                                [&] { push_layer.forward(forward_args, streams); }};
+  const size_t in_gemm_index = bodies.size();
+  if (in_gemm_layer) {
+    bodies.push_back([&] { in_gemm_layer->forward(forward_args, streams); });
+    bodies.push_back([&] {
+      const std::vector<mok::ForwardContext> contexts =
+          in_gemm_layer->forward(forward_args, streams);
+      in_gemm_layer->backward(backward_args, streams, &contexts);
+    });
+  }
+  const size_t baseline_index = bodies.size();
   if (baseline) {
     bodies.push_back(baseline_forward);
     bodies.push_back(baseline_step);
@@ -195,15 +231,20 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
       bodies, runs[0].stream, static_cast<int>(bodies.size()), 5, synchronize_all);
   const double forward_ms = medians[0], step_ms = medians[1];
   const double bulk_forward_ms = medians[2], push_forward_ms = medians[3];
-  const double base_forward_ms = baseline ? medians[4] : 0,
-               base_step_ms = baseline ? medians[5] : 0;
+  const double in_gemm_forward_ms = in_gemm_layer ? medians[in_gemm_index] : 0,
+               in_gemm_step_ms = in_gemm_layer ? medians[in_gemm_index + 1] : 0;
+  const double base_forward_ms = baseline ? medians[baseline_index] : 0,
+               base_step_ms = baseline ? medians[baseline_index + 1] : 0;
 
-  bool passed = deterministic;
+  bool passed = deterministic && in_gemm_bitwise;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kTolerance;
   std::printf(
       "mok run: expert-parallel forward and backward on %d GPUs (one process), %s, %s dispatch, "
       "%s copies\n",
-      num_ranks, mok::precision_name(config.precision), config.ep_push_dispatch ? "push" : "pull",
+      num_ranks, mok::precision_name(config.precision),
+      config.ep_push_dispatch      ? "push"
+      : config.ep_dispatch_in_gemm ? "in-GEMM pull"
+                                   : "pull",
       config.ep_bulk_copies ? "bulk" : "warp");
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
               shape.to_string().c_str(), options.routing.c_str(),
@@ -231,6 +272,13 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   std::printf("    forward with %s dispatch:              %.3f ms (%.1f TFLOP/s per GPU)\n",
               push_config.ep_push_dispatch ? "push" : "pull", push_forward_ms,
               forward_flop / push_forward_ms / 1e9);
+  if (in_gemm_layer)
+    std::printf(
+        "    %s: forward %.3f ms (%.2fx), forward+backward %.3f ms (%.2fx), bitwise equal: %s\n",
+        in_gemm_config.ep_dispatch_in_gemm ? "the pull dispatch inside the gate/up GEMM"
+                                           : "the pull dispatch as a kernel before the GEMMs",
+        in_gemm_forward_ms, in_gemm_forward_ms / forward_ms, in_gemm_step_ms,
+        in_gemm_step_ms / step_ms, in_gemm_bitwise ? "yes" : "NO");
   std::printf(
       "  (TFLOP/s per GPU: the group's useful FLOPs / GPUs; baseline = NCCL all-to-all with "
       "host split sizes around mok's single-GPU GEMMs, in bf16)\n");
@@ -252,6 +300,10 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
          << ", \"macrobatch_size\": " << config.macrobatch_size
          << ", \"other_copies_forward_ms\": " << bulk_forward_ms
          << ", \"other_dispatch_forward_ms\": " << push_forward_ms
+         << ", \"dispatch_in_gemm\": " << (config.ep_dispatch_in_gemm ? "true" : "false")
+         << ", \"other_in_gemm_forward_ms\": " << in_gemm_forward_ms
+         << ", \"other_in_gemm_forward_backward_ms\": " << in_gemm_step_ms
+         << ", \"other_in_gemm_bitwise\": " << (in_gemm_bitwise ? "true" : "false")
          << ", \"baseline_forward_ms\": " << base_forward_ms
          << ", \"baseline_forward_backward_ms\": " << base_step_ms
          << ", \"forward_tflops_per_gpu\": " << forward_flop / forward_ms / 1e9

@@ -181,6 +181,7 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("check_finite", &MoeConfig::check_finite)
       .def_rw("ep_bulk_copies", &MoeConfig::ep_bulk_copies)
       .def_rw("ep_push_dispatch", &MoeConfig::ep_push_dispatch)
+      .def_rw("ep_dispatch_in_gemm", &MoeConfig::ep_dispatch_in_gemm)
       .def_prop_rw(
           "local_dispatch",
           [](const MoeConfig& config) {

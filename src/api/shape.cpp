@@ -188,6 +188,20 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
       config.local_dispatch != LocalDispatch::kProducerWarps)
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +
                "; valid: 0 (gather-kernel), 1 (producer-warps)");
+  if (config.ep_dispatch_in_gemm) {
+    if (config.ep_push_dispatch)
+      return bad(
+          "ep_dispatch_in_gemm = true with ep_push_dispatch = true; valid: at most one of "
+          "them (the dispatch inside the GEMM is a pull)");
+    if (config.local_dispatch != LocalDispatch::kProducerWarps)
+      return bad(
+          "ep_dispatch_in_gemm = true with local_dispatch = gather-kernel; valid: "
+          "local_dispatch = producer-warps (the GEMM's producer warps pull the rows)");
+    if (config.precision != Precision::kBF16)
+      return bad(
+          "ep_dispatch_in_gemm = true with precision = fp8_block; valid: precision = bf16 "
+          "(FP8 quantizes the rows as it gathers them, before its GEMM)");
+  }
   return Status::Ok();
 }
 

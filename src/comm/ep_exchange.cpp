@@ -23,6 +23,11 @@
 // call's exchange, which that rank entered after it expanded the previous call's rows; x and
 // d_out have a receive buffer each, so a backward without context pushes both after one
 // exchange.
+// With MoeConfig::ep_dispatch_in_gemm no dispatch kernel runs in the forward: the gate/up
+// GEMM's producer warps read each row from its source rank's published x (forward_rows: the
+// fused gather with peer sources). Those reads sit where the pull did, after the exchange and
+// before this rank's push combine, so the ordering above holds. The received rows are then not
+// filled: a backward that recomputes a macrobatch pulls x first (route_backward).
 #include "comm/ep_exchange.h"
 
 #include <string>
@@ -50,15 +55,32 @@ class EpExchange final : public TokenExchange {
   void route_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t stream,
                      const StageMarker& mark) override {
     if (!ep_.push_dispatch) publish(ep_.local(ep_.memory->x), args.x, stream, "x");
+    // The exchange is also the barrier after which every rank's published x may be read.
     exchange(s, &args.top_experts, args.router_weights.data_as<const float>(), stream);
     build_schedule(s, args.top_experts, stream);
     mark("routing exchange + schedule");
+    x_received_ = !ep_.dispatch_in_gemm;
+    if (!x_received_) return;  // the gate/up GEMM pulls the rows (forward_rows)
     receive_rows(s, args.x, ep_.memory->x, ep_.received, ep_.memory->received_x, stream);
     mark(ep_.push_dispatch ? "push dispatch" : "pull dispatch");
   }
 
   kernels::FusedGather forward_rows(GpuLayer::State& s, const ForwardArgs& args, int32_t m,
                                     cudaStream_t stream, const StageMarker&) override {
+    if (ep_.dispatch_in_gemm) {
+      if (s.shape.num_tokens == 0) return {};  // no rank has rows to send (equal T everywhere)
+      // The fused gather of the local exchange, its rows read from the source ranks' published
+      // x: the pull dispatch runs in the GEMM's producer warps.
+      const ScheduleView view = s.routed.view();
+      kernels::FusedGather gather = fused_gather(
+          s, args.x, s.rows, s.gather_state.as<unsigned long long>(), m * s.ring_rows, s.ring_rows);
+      gather.peer_x = ep_.peers<const __nv_bfloat16>(ep_.memory->x);
+      gather.row_recv = view.row_recv;
+      gather.recv_offsets = view.recv_offsets;
+      gather.recv_tokens = view.recv_tokens;
+      gather.num_ranks = ep_.num_ranks;
+      return gather;
+    }
     expand_received(s, false, args.x.data, s.rows.pointer, m * s.ring_rows, stream);
     return {};
   }
@@ -83,9 +105,13 @@ class EpExchange final : public TokenExchange {
     receive_rows(s, args.d_out, ep_.memory->d_out, ep_.received_d_out, ep_.memory->received_d_out,
                  stream);
     // With the context, the forward's received x rows are still here: the macrobatches the
-    // backward recomputes expand them again.
-    if (!use_context)
+    // backward recomputes expand them again. A forward that pulled its rows inside the GEMM
+    // left none: they are pulled now if a macrobatch is recomputed (the published x is still
+    // the context's: a later forward would have replaced the context).
+    if (!use_context || (!x_received_ && s.num_macrobatches > 1)) {
       receive_rows(s, fwd.x, ep_.memory->x, ep_.received, ep_.memory->received_x, stream);
+      x_received_ = true;
+    }
     mark(use_context ? "barrier + d_out dispatch"
                      : "routing exchange + schedule + d_out, x dispatch");
     // Each pair's gradient goes to its source rank's buffer; the weights are every rank's,
@@ -253,6 +279,9 @@ class EpExchange final : public TokenExchange {
   }
 
   EpRank& ep_;
+  // Whether ep_.received holds the x rows of the schedule's call (the dispatch in the GEMM
+  // fills only the ring's rows).
+  bool x_received_ = true;
 };
 
 }  // namespace

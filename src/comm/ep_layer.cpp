@@ -75,6 +75,7 @@ EpLayer::EpLayer(const MoeShape& shape, const MoeConfig& config,
     ep->comm_ctas = std::max(config.fwd_num_comm_sms, 1);
     ep->row_copy = config.ep_bulk_copies ? kernels::RowCopy::kBulk : kernels::RowCopy::kWarp;
     ep->push_dispatch = config.ep_push_dispatch;
+    ep->dispatch_in_gemm = config.ep_dispatch_in_gemm;  // can_implement checked its companions
     ep->memory = &m.memory;
     ep->piece = i;
     if (config.ep_push_dispatch)

@@ -28,8 +28,8 @@ kernels::FusedGather stage_gather(const GpuLayer::State& s, const TensorView& so
   return gather;
 }
 
-// The fused gather (dispatch_local.cuh) of stage_gather's rows, with its ticket, epoch and
-// per-tile counts at `counters` (a GatherCounterLayout of the schedule's tiles).
+}  // namespace
+
 kernels::FusedGather fused_gather(const GpuLayer::State& s, const TensorView& source,
                                   const DeviceBuffer& rows, unsigned long long* counters,
                                   int64_t row_begin, int64_t row_count) {
@@ -40,6 +40,8 @@ kernels::FusedGather fused_gather(const GpuLayer::State& s, const TensorView& so
   gather.tile_rows_done = counters + layout.tile_rows_done();
   return gather;
 }
+
+namespace {
 
 void gather_rows(const GpuLayer::State& s, const TensorView& source, const DeviceBuffer& rows,
                  int64_t row_begin, cudaStream_t stream, const char* what) {

@@ -72,6 +72,14 @@ class TokenExchange {
   virtual bool profiles() const = 0;
 };
 
+// The fused gather (dispatch_local.cuh) of `source`'s routed rows [T, H] for schedule rows
+// [row_begin, row_begin + row_count) into `rows` (at row - row_begin), with its ticket, epoch
+// and per-tile counts at `counters` (a GatherCounterLayout of the schedule's tiles; the forward's
+// are s.gather_state). local_exchange.cpp; the expert-parallel exchange adds the peer sources.
+kernels::FusedGather fused_gather(const GpuLayer::State& s, const TensorView& source,
+                                  const DeviceBuffer& rows, unsigned long long* counters,
+                                  int64_t row_begin, int64_t row_count);
+
 // The single-GPU exchange (local_exchange.cpp).
 std::unique_ptr<TokenExchange> make_local_exchange(const MoeConfig& config);
 

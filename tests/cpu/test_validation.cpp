@@ -163,6 +163,24 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   config.local_dispatch = static_cast<LocalDispatch>(7);
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"local_dispatch = 7", "gather-kernel", "producer-warps"});
+  // The dispatch inside the gate/up GEMM is a pull, run by the producer warps, in bf16.
+  config = good;
+  config.ep_dispatch_in_gemm = true;
+  EXPECT_TRUE(can_implement(config, shape).ok());
+  config.ep_push_dispatch = true;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"ep_dispatch_in_gemm = true with ep_push_dispatch = true", "a pull"});
+  config = good;
+  config.ep_dispatch_in_gemm = true;
+  config.local_dispatch = LocalDispatch::kGatherKernel;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"ep_dispatch_in_gemm = true with local_dispatch = gather-kernel",
+                "local_dispatch = producer-warps"});
+  config = good;
+  config.ep_dispatch_in_gemm = true;
+  config.precision = Precision::kFP8Block;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"ep_dispatch_in_gemm = true with precision = fp8_block", "precision = bf16"});
 }
 
 // The knob checks alone (no sizes: what the Python package's CPU path runs) refuse what the

@@ -52,6 +52,15 @@ struct FusedGather {
   unsigned long long* tile_rows_done;  // [max_tiles]
   unsigned long long* epoch;           // this launch's epoch - 1 (advanced after each launch)
   int64_t row_begin, row_end;          // the schedule rows to gather (a macrobatch's window)
+  // Expert parallel, the dispatch inside the GEMM (MoeConfig::ep_dispatch_in_gemm): each row is
+  // read from its source rank's published x through `peer_x` (one pointer per rank), found
+  // through this rank's schedule: row_recv[row] = receive entry e, e in [recv_offsets[s],
+  // recv_offsets[s + 1]) comes from rank s, token recv_tokens[e]. Null: x is local, row_pair.
+  const __nv_bfloat16* const* peer_x;
+  const int32_t* row_recv;
+  const int32_t* recv_offsets;  // [num_ranks + 1]
+  const int32_t* recv_tokens;
+  int32_t num_ranks;
 };
 
 // A macrobatch of a launch (kernels/macrobatch.h). Row-tile forms run the schedule's tiles

@@ -9,6 +9,9 @@
 //              buffer with 16-byte accesses, and count the row into its 128-row tile.
 //   warp 0     lane 0, the TMA thread, waits for a tile's count to reach 128 before it loads the
 //              tile's A rows.
+// Expert parallel (FusedGather::peer_x set: MoeConfig::ep_dispatch_in_gemm), the gatherers are
+// the pull dispatch: a row's source is its source rank's published x, read across NVLink, so
+// the tiles whose rows have landed run while later rows are still in flight.
 // Ordering: a gatherer warp's stores -> __syncwarp -> lane 0's release-add of the tile count
 // (gpu scope, cumulative) -> the TMA thread's acquire-load -> fence.proxy.async.global (generic
 // writes become visible to the async proxy) -> the TMA loads.
@@ -32,6 +35,20 @@ __device__ __forceinline__ unsigned long long gather_epoch(const FusedGather& ga
   return *reinterpret_cast<const volatile unsigned long long*>(gather.epoch) + 1;
 }
 
+// The source row of schedule row `row` (routed, not padding): this rank's x, or with peer_x
+// the row of its source rank's published x (the receive list of the schedule names both).
+__device__ __forceinline__ const uint4* gather_source_row(const FusedGather& gather, int64_t row,
+                                                          int pair, int64_t vectors_per_row) {
+  if (gather.peer_x == nullptr)
+    return reinterpret_cast<const uint4*>(gather.x) +
+           static_cast<int64_t>(pair / gather.top_k) * vectors_per_row;
+  const int32_t entry = gather.row_recv[row];
+  int32_t source = 0;
+  while (source + 1 < gather.num_ranks && gather.recv_offsets[source + 1] <= entry) ++source;
+  return reinterpret_cast<const uint4*>(gather.peer_x[source]) +
+         static_cast<int64_t>(gather.recv_tokens[entry]) * vectors_per_row;
+}
+
 __device__ __forceinline__ void release_add_u64(unsigned long long* address,
                                                 unsigned long long value) {
   asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
@@ -50,7 +67,6 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
   const unsigned long long window_rows =
       end > gather.row_begin ? static_cast<unsigned long long>(end - gather.row_begin) : 0ull;
   const int64_t vectors_per_row = gather.hidden / 8;
-  const uint4* x = reinterpret_cast<const uint4*>(gather.x);
   uint4* rows = reinterpret_cast<uint4*>(gather.rows);
   for (;;) {
     unsigned long long claimed = 0;
@@ -67,14 +83,16 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
       for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
     } else {
       // kLoadsInFlight independent 16-byte loads per lane before their stores: one warp copies
-      // a whole row, so its memory-level parallelism sets the gather's speed.
-      const uint4* src = x + static_cast<int64_t>(pair / gather.top_k) * vectors_per_row;
+      // a whole row, so its memory-level parallelism sets the gather's speed. Peer rows are
+      // read with plain loads (another GPU's memory, written before the routing exchange).
+      const uint4* src = gather_source_row(gather, row, pair, vectors_per_row);
       constexpr int kLoadsInFlight = 4;
       for (int64_t base = lane; base < vectors_per_row; base += 32 * kLoadsInFlight) {
         uint4 values[kLoadsInFlight];
 #pragma unroll
         for (int u = 0; u < kLoadsInFlight; ++u)
-          if (base + u * 32 < vectors_per_row) values[u] = __ldg(src + base + u * 32);
+          if (base + u * 32 < vectors_per_row)
+            values[u] = gather.peer_x == nullptr ? __ldg(src + base + u * 32) : src[base + u * 32];
 #pragma unroll
         for (int u = 0; u < kLoadsInFlight; ++u)
           if (base + u * 32 < vectors_per_row) dst[base + u * 32] = values[u];
