@@ -73,9 +73,10 @@ mok run options:
                                macrobatches but the first)
   --push-dispatch              --gpus: dispatch by push instead of pull (same bits; the run
                                times the other way's forward too)
-  --dispatch-in-gemm           --gpus: the pull dispatch inside the gate/up GEMM (its producer
-                               warps read the routed rows from the peers; same bits; the run
-                               times the other way too)
+  --dispatch-in-gemm           --gpus: the forward's dispatch and combine inside its GEMMs (the
+                               gate/up GEMM pulls the routed rows from the peers, the down
+                               GEMM pushes its rows to them; same bits; the run times the other
+                               way too)
   --bulk-copies                --gpus: move dispatch/combine rows with the bulk-copy engine
   --json FILE                  also write the results as JSON
   --trace-tasks FILE           GPU: after the timing, run each persistent kernel of the run once

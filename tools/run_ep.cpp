@@ -146,7 +146,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   bool deterministic = true;
   for (int32_t rank = 0; rank < num_ranks; ++rank)
     deterministic &= mok::outputs_equal(results[0][rank], results[1][rank]);
-  // The dispatch inside the gate/up GEMM flipped (MoeConfig::ep_dispatch_in_gemm, where the
+  // The forward's communication inside its GEMMs flipped (MoeConfig::ep_dispatch_in_gemm, where the
   // config allows it: bf16, the producer-warps local dispatch): a step of its own layer, checked
   // bitwise against the layer's, then timed beside it.
   mok::MoeConfig in_gemm_config = config;
@@ -275,8 +275,8 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   if (in_gemm_layer)
     std::printf(
         "    %s: forward %.3f ms (%.2fx), forward+backward %.3f ms (%.2fx), bitwise equal: %s\n",
-        in_gemm_config.ep_dispatch_in_gemm ? "the pull dispatch inside the gate/up GEMM"
-                                           : "the pull dispatch as a kernel before the GEMMs",
+        in_gemm_config.ep_dispatch_in_gemm ? "pull and push inside the GEMMs"
+                                           : "pull and push as kernels around the GEMMs",
         in_gemm_forward_ms, in_gemm_forward_ms / forward_ms, in_gemm_step_ms,
         in_gemm_step_ms / step_ms, in_gemm_bitwise ? "yes" : "NO");
   std::printf(

@@ -221,6 +221,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
   params.gather = kernels::FusedGather{};
+  params.push = f.push;
   params.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
   launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
   mark("down GEMM");
@@ -241,6 +242,7 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward
   params.gate_up.macrobatch = macrobatch;
   params.down.macrobatch = macrobatch;
   params.down.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
+  params.down.push = routed.push;
   params.minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / kDefaultRowAlign);
   const kernels::ForwardCounterLayout& counters = s.forward_counters;
   params.ticket = s.counter(s.persistent_state, counters.ticket());

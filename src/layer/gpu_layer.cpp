@@ -127,7 +127,8 @@ void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t strea
                                 s.ring_rows,
                                 routed_weights(args),
                                 s.expert_out.pointer,
-                                s.routed.layout.params.max_rows()};
+                                s.routed.layout.params.max_rows(),
+                                s.exchange->forward_push(s)};
   const ExpertSetForward shared_set{
       &s.shared, args.x.data, T, shared_weights(args), s.shared_out.pointer, T};
   const ExpertSetForward* shared = s.shape.has_shared_expert() && T > 0 ? &shared_set : nullptr;

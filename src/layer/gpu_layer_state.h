@@ -171,6 +171,9 @@ struct ExpertSetForward {
   ExpertWeights weights;
   void* out = nullptr;
   int64_t out_rows = 0;
+  // Expert parallel: the down GEMM also pushes the rows of other ranks' pairs into their slots
+  // (TokenExchange::forward_push; slot_peers null = the push runs after the GEMMs, or none).
+  kernels::RowPush push{};
 };
 
 // The router weights the SwiGLU backward reads and where each pair's gradient goes: this

@@ -3,7 +3,7 @@
 // pointers): forward and backward against the CPU reference's R-rank emulation on the
 // adversarial routings of DESIGN.md §4, outputs poisoned first, bitwise identical across
 // repeated steps, with or without the forward context, with the bulk-copy and push-dispatch
-// data movement, with the pull dispatch inside the gate/up GEMM, with macrobatches, and with
+// data movement, with the forward's communication inside its GEMMs, with macrobatches, and with
 // the persistent backward; in FP8 too. Then the same
 // layer with one process per GPU (Communicator::create_rank), the form compute-sanitizer checks
 // (rank_process.h).
@@ -144,20 +144,20 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   // gradients' partials across boundaries (pull and push dispatch).
   // The persistent backward: its SwiGLU tasks write the router-weight gradients into the
   // source ranks' buffers.
-  // The pull dispatch inside the gate/up GEMM (its producer warps read the rows from the
-  // peers' published x), alone and with macrobatches (the backward then pulls x for the
-  // recomputed ones).
+  // The forward's communication inside its GEMMs (the gate/up GEMM's producer warps pull the
+  // rows from the peers' published x, the down GEMM's epilogue pushes the rows into their
+  // slots), alone and with macrobatches (the backward then pulls x for the recomputed ones).
   // FP8 holds one macrobatch and runs the kernel sequences: its variants are the data movement.
   for (const std::string variant :
        {"bulk copies", "push dispatch", "macrobatches", "push dispatch + macrobatches",
-        "persistent backward", "dispatch in the GEMM", "dispatch in the GEMM + macrobatches"}) {
+        "persistent backward", "in-GEMM communication", "in-GEMM communication + macrobatches"}) {
     if (fp8 && variant != "bulk copies" && variant != "push dispatch") continue;
     MoeConfig variant_config = config;
     const bool push = variant.find("push") != std::string::npos;
     const bool macrobatches = variant.find("macrobatches") != std::string::npos;
     variant_config.ep_bulk_copies = variant == "bulk copies";
     variant_config.ep_push_dispatch = push;
-    variant_config.ep_dispatch_in_gemm = variant.find("in the GEMM") != std::string::npos;
+    variant_config.ep_dispatch_in_gemm = variant.find("in-GEMM") != std::string::npos;
     variant_config.persistent_backward = variant == "persistent backward";
     if (macrobatches) {
       variant_config.minibatch_size = 128;
@@ -315,8 +315,8 @@ TEST(EpLayerGpu, StepGraphReplayWithNewRouting) {
 // One rank of a group of processes (run by EpLayerGpu.OneProcessPerGpu): each process joins the
 // group from the bootstrap file, builds the same problem (every rank's inputs and the
 // emulation), runs its own rank's layer and checks its outputs against the emulation, then a
-// step without the forward context, one with the push dispatch and one with the pull dispatch
-// inside the gate/up GEMM, bitwise equal to the first.
+// step without the forward context, one with the push dispatch and one with the forward's
+// communication inside its GEMMs, bitwise equal to the first.
 // Small shapes: under compute-sanitizer every kernel runs many times slower.
 TEST(EpLayerGpu, DISABLED_RankProcess) {
   const std::optional<test::RankEnvironment> environment = test::rank_environment();
@@ -358,12 +358,12 @@ TEST(EpLayerGpu, DISABLED_RankProcess) {
       other_config.ep_dispatch_in_gemm = in_gemm;
       EpLayer other_layer(shape, other_config, {communicator.get()});
       const std::vector<HostRank> other = ep_step(other_layer, device, problem, true);
-      test::for_each_output(other[0], first[0],
-                            [&](const char* output, const auto& a, const auto& b) {
-                              EXPECT_TRUE(test::bitwise_equal(a, b))
-                                  << "rank " << rank << " " << output << " differs with "
-                                  << (in_gemm ? "the dispatch in the GEMM" : "the push dispatch");
-                            });
+      test::for_each_output(
+          other[0], first[0], [&](const char* output, const auto& a, const auto& b) {
+            EXPECT_TRUE(test::bitwise_equal(a, b))
+                << "rank " << rank << " " << output << " differs with "
+                << (in_gemm ? "the communication in the GEMMs" : "the push dispatch");
+          });
     }
   }
 }

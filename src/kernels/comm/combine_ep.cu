@@ -31,8 +31,9 @@ namespace {
 
 __global__ void __launch_bounds__(kMaxNvlinkCopyThreads) push_rows_kernel(PushRowsArgs args) {
   const uint64_t epoch = push_epoch(args.epoch);
-  push_rows_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
-                 gridDim.x * static_cast<int64_t>(blockDim.x) / 32);
+  if (!args.signal_only)
+    push_rows_warp(args, (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32,
+                   gridDim.x * static_cast<int64_t>(blockDim.x) / 32);
   __syncthreads();
   if (threadIdx.x == 0) count_push_done(args, epoch, gridDim.x);
 }
@@ -41,7 +42,7 @@ __global__ void push_rows_bulk_kernel(PushRowsArgs args, WaitContext wait) {
   if (threadIdx.x != 0) return;
   extern __shared__ __align__(16) char smem[];
   const uint64_t epoch = push_epoch(args.epoch);
-  push_rows_bulk_cta(args, wait, smem, blockIdx.x, gridDim.x);
+  if (!args.signal_only) push_rows_bulk_cta(args, wait, smem, blockIdx.x, gridDim.x);
   count_push_done(args, epoch, gridDim.x);
 }
 

@@ -138,6 +138,9 @@ struct PushRowsArgs {
   int32_t rank, num_ranks;
   unsigned long long* done;         // local counter, zeroed once (epochs)
   const unsigned long long* epoch;  // this call's epoch - 1
+  // 1: copy nothing, only count and signal (the rows were pushed by the down GEMM's epilogue,
+  // RowPush, in launches before this one on the stream).
+  int32_t signal_only = 0;
 };
 // The push of a rank's `rows` (schedule order) into the slots of their source ranks; the
 // barrier's counters are this rank's [0] epoch and [1] done count.

@@ -15,7 +15,9 @@
 //   kGateUpSwiGLU     bf16(g) to out2 (chunks 0-1) and bf16(u) to out3 (chunks 2-3), the
 //                     forward context; then h = bf16(swiglu(g, u)) over chunks 0-1, to out
 //   kGateUpStore      bf16(g) to out (chunks 0-1), bf16(u) to out2 (chunks 2-3)
-//   kDownStore, kDownGrad, kGateUpGradStore  the 256 columns to out [rows, N]
+//   kDownStore, kDownGrad, kGateUpGradStore  the 256 columns to out [rows, N]; kDownStore with
+//                     params.push also the rows of other ranks' pairs into their slots
+//                     (push_tile_rows: the expert-parallel combine's push, from the tile)
 //   kWeightGrad       the 256 columns to out[e] [M, N]; an expert without rows stores zeros
 // Row forms store at (column, tile row, 0) of [rows, N] maps, which clip rows past their extent
 // (the shared expert's outputs have exactly T rows).
@@ -167,6 +169,28 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
   }
 }
 
+// Expert parallel (params.push): the consumer warps copy the staged tile's rows of other ranks'
+// pairs into those ranks' slots, a row per warp, lane u taking 16-byte unit u of the row's 256
+// columns (chunk u / 8, swizzled as stage_fragments wrote it). The staging tile is rewritten
+// only after every consumer passes the next tile's acquire_staging_tile, so the copy is done
+// by then; the rows reach the peers before this launch ends, and the push's signal (a launch
+// after the forward's GEMMs) tells them.
+__device__ __forceinline__ void push_tile_rows(const RowPush& push, const char* tile,
+                                               int schedule_row0, int col_base, int n_extent) {
+  const int warp = (threadIdx.x - BLOCK_M) / 32, lane = threadIdx.x % 32;
+  const int col = col_base + lane * 8;
+  for (int r = warp; r < BLOCK_M; r += kConsumerThreads / 32) {
+    const int pair = push.row_pair[schedule_row0 + r];
+    if (pair < 0) continue;  // padding
+    const int source = pair / push.pairs_per_rank, slot = pair % push.pairs_per_rank;
+    if (source == push.rank || col >= n_extent) continue;
+    const uint4 value = ptx::ld_shared_v4(tile + (lane / 8) * kStageChunkBytes + r * 128 +
+                                          (((lane % 8) ^ (r % 8)) << 4));
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(push.slot_peers[source]) +
+                              static_cast<int64_t>(slot) * n_extent + col) = value;
+  }
+}
+
 template <ExpertGemmForm kForm, typename Storage>
 __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem,
                                            const ExpertGemmParams& params, const TileCoord& coord,
@@ -205,6 +229,10 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
                    kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
       ptx::bulk_commit_group();
     }
+    if constexpr (kForm == ExpertGemmForm::kDownStore)
+      if (params.push.slot_peers != nullptr)
+        push_tile_rows(params.push, tile, coord.m_tile * BLOCK_M, coord.n_tile * BLOCK_N,
+                       params.n_extent);
   }
 }
 

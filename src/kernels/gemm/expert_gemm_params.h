@@ -63,6 +63,18 @@ struct FusedGather {
   int32_t num_ranks;
 };
 
+// Expert parallel, the push combine inside the forward's down GEMM (MoeConfig::
+// ep_dispatch_in_gemm): the epilogue also writes each output row of another rank's pair
+// (row_pair[row] = source * pairs_per_rank + slot) from the staging tile into slot `slot` of
+// that rank's symmetric [T*K, H] slot buffer. This rank's own pairs stay where the TMA store
+// puts them (its combine reads them in place). slot_peers null: no push.
+struct RowPush {
+  void* const* slot_peers;  // [R] device array
+  const int32_t* row_pair;
+  int32_t pairs_per_rank;  // T * K
+  int32_t rank;
+};
+
 // A macrobatch of a launch (kernels/macrobatch.h). Row-tile forms run the schedule's tiles
 // [tile_begin, min(tile_end, num_tiles)); their A rows live in a ring buffer at row -
 // ring_row_base, and so does the output unless it is a full-size one (out_row_base 0: the
@@ -101,6 +113,7 @@ struct ExpertGemmParams {
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
+  RowPush push;  // kDownStore of the routed experts' forward only (push.slot_peers null = off)
   WaitContext wait;
   MacrobatchParams macrobatch;
 };
