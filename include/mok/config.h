@@ -96,14 +96,15 @@ struct MoeConfig {
   // than reads on 2 x H200 (docs/perf.md), the push is measured beside the pull before it
   // becomes the default.
   bool ep_push_dispatch = false;
-  // Expert parallel: the forward's communication inside its GEMMs. The gate/up GEMM's producer
+  // Expert parallel: the communication inside the GEMMs. The forward's gate/up GEMM's producer
   // warps, which gather the rows of the expert-grouped buffer (local_dispatch =
   // producer-warps), read each routed row straight from its source rank's published x through
   // the peer pointers, while the tensor cores run the tiles whose rows have landed (no dispatch
-  // kernel, no received-rows buffer); the down GEMM's epilogue writes each output row of
-  // another rank's pair into that rank's slot as the tile is stored (no push kernel: only its
-  // signal follows). Same bits. The pull only (not with ep_push_dispatch), bf16 only (FP8
-  // quantizes the rows as it gathers them). Off until it is measured faster on 2+ GPUs.
+  // kernel, no received-rows buffer). The forward's down GEMM and the backward's gate/up dgrad
+  // write each output row of another rank's pair into that rank's slot as the tile is stored
+  // (no push kernel: only its signal follows). Same bits. The pull only (not with
+  // ep_push_dispatch), bf16 only (FP8 quantizes the rows as it gathers them). Off until it is
+  // measured faster on 2+ GPUs.
   bool ep_dispatch_in_gemm = false;
   // Scan each call's inputs for NaN and infinities and report the first one at synchronize()
   // (kDeviceFault, naming the tensor, the element's coordinates and the value), the way bad

@@ -28,10 +28,11 @@
 // fused gather with peer sources). Those reads sit where the pull did, after the exchange and
 // before this rank's push combine, so the ordering above holds. The received rows are then not
 // filled: a backward that recomputes a macrobatch pulls x first (route_backward). The push
-// combine moves into the down GEMM's epilogue too (forward_push): each tile's rows of other
+// combine moves into the down GEMM's epilogue too (gemm_push): each tile's rows of other
 // ranks' pairs go to their slots as the tile is stored, after the call's exchange as the push
 // kernel's did, and return_rows launches only the push's signal, behind the GEMMs on the
-// stream.
+// stream. The backward's dx rows leave the gate/up dgrad's epilogue the same way, after the
+// backward's exchange (or barrier), which every rank enters after its forward's combine.
 #include "comm/ep_exchange.h"
 
 #include <string>
@@ -141,7 +142,7 @@ class EpExchange final : public TokenExchange {
   bool gathers_in_kernel() const override { return false; }
 
   // Pushes s.expert_out's rows into their source ranks' slots and waits for every rank's pushes.
-  kernels::RowPush forward_push(GpuLayer::State& s) override {
+  kernels::RowPush gemm_push(GpuLayer::State& s) override {
     rows_pushed_by_gemm_ = ep_.dispatch_in_gemm && s.shape.num_tokens > 0;
     if (!rows_pushed_by_gemm_) return {};
     return {ep_.peers(ep_.memory->slots), s.routed.view().row_pair,
@@ -156,8 +157,7 @@ class EpExchange final : public TokenExchange {
         static_cast<int32_t>(s.shape.num_tokens * s.shape.top_k), ep_.peers(ep_.memory->slots),
         ep_.peers<uint64_t>(ep_.memory->push_flags), ep_.rank, ep_.num_ranks,
         counter(EpCounter::kPushEpoch));
-    // After a forward whose down GEMM pushed the rows (forward_push), only the signal; the
-    // backward's dx rows are always pushed here.
+    // After GEMMs that pushed the rows (gemm_push), only the signal.
     push.signal_only = rows_pushed_by_gemm_ ? 1 : 0;
     rows_pushed_by_gemm_ = false;
     cuda_check(kernels::launch_push_rows(push, ep_.row_copy, push.signal_only ? 1 : ep_.comm_ctas,
@@ -297,7 +297,7 @@ class EpExchange final : public TokenExchange {
   // Whether ep_.received holds the x rows of the schedule's call (the dispatch in the GEMM
   // fills only the ring's rows).
   bool x_received_ = true;
-  // Whether the forward's down GEMM pushed its rows (forward_push), until return_rows signals.
+  // Whether the GEMMs pushed the rows (gemm_push), until return_rows signals.
   bool rows_pushed_by_gemm_ = false;
 };
 

@@ -154,6 +154,7 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetB
   params.recompute = form(0, I, H);
   params.down_dgrad = form(0, I, H);
   params.gate_up_dgrad = form(0, H, I);
+  params.gate_up_dgrad.push = b.push;
   params.wgrad_gate_up = form(I, H, 0);
   params.wgrad_down = form(H, I, 0);
   const ScheduleView view = set.view();
@@ -325,6 +326,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.out = output_rows(b.dx_out, H, b.dx_rows, "dx rows");
   kernels::ExpertGemmParams dx_params = params;
   dx_params.macrobatch.out_row_base = 0;  // dx rows are full size, in schedule rows
+  dx_params.push = b.push;
   launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, dx_params, stream,
          "gate/up dgrad GEMM");
   mark("gate/up dgrad");

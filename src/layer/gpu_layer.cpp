@@ -128,7 +128,7 @@ void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t strea
                                 routed_weights(args),
                                 s.expert_out.pointer,
                                 s.routed.layout.params.max_rows(),
-                                s.exchange->forward_push(s)};
+                                s.exchange->gemm_push(s)};
   const ExpertSetForward shared_set{
       &s.shared, args.x.data, T, shared_weights(args), s.shared_out.pointer, T};
   const ExpertSetForward* shared = s.shape.has_shared_expert() && T > 0 ? &shared_set : nullptr;
@@ -165,7 +165,8 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
       s.expert_out.pointer,
       s.routed.layout.params.max_rows(),
       {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data, args.d_w_gate.outer_stride(),
-       args.d_w_up.outer_stride(), args.d_w_down.outer_stride()}};
+       args.d_w_up.outer_stride(), args.d_w_down.outer_stride()},
+      s.exchange->gemm_push(s)};
   const ExpertSetBackward shared_set{
       &s.shared,
       fwd.x.data,

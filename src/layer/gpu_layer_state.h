@@ -172,7 +172,7 @@ struct ExpertSetForward {
   void* out = nullptr;
   int64_t out_rows = 0;
   // Expert parallel: the down GEMM also pushes the rows of other ranks' pairs into their slots
-  // (TokenExchange::forward_push; slot_peers null = the push runs after the GEMMs, or none).
+  // (TokenExchange::gemm_push; slot_peers null = the push runs after the GEMMs, or none).
   kernels::RowPush push{};
 };
 
@@ -198,6 +198,9 @@ struct ExpertSetBackward {
   void* dx_out = nullptr;
   int64_t dx_rows = 0;
   WeightGrads grads;
+  // Expert parallel: the gate/up dgrad also pushes the dx rows of other ranks' pairs into
+  // their slots (TokenExchange::gemm_push; slot_peers null = after the GEMMs, or none).
+  kernels::RowPush push{};
 };
 
 namespace stages {

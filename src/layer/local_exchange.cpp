@@ -77,7 +77,7 @@ class LocalExchange final : public TokenExchange {
     return {};
   }
 
-  kernels::RowPush forward_push(GpuLayer::State&) override { return {}; }
+  kernels::RowPush gemm_push(GpuLayer::State&) override { return {}; }
 
   RouterWeightRoute route_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context,
                                    cudaStream_t stream, const StageMarker& mark) override {

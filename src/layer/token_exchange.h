@@ -56,12 +56,12 @@ class TokenExchange {
   // tensors, with the producer warps' local dispatch).
   virtual bool gathers_in_kernel() const = 0;
 
-  // The push the forward's down GEMM runs in its epilogue (the rows of other ranks' pairs into
-  // their slots), or none: return_rows pushes them after the GEMMs (or, on one GPU, nothing
-  // moves).
-  virtual kernels::RowPush forward_push(GpuLayer::State& s) = 0;
+  // The push the GEMM that makes the next return_rows's rows runs in its epilogue (the
+  // forward's down GEMM, the backward's gate/up dgrad: the rows of other ranks' pairs into
+  // their slots), or none: return_rows pushes them after the GEMMs (on one GPU nothing moves).
+  virtual kernels::RowPush gemm_push(GpuLayer::State& s) = 0;
   // After the routed experts' GEMMs: their rows (s.expert_out) go to the ranks that sent them
-  // (nothing to do on one GPU; after a forward whose down GEMM pushed them, only the signal).
+  // (nothing to do on one GPU; after GEMMs that pushed them, gemm_push, only the signal).
   virtual void return_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark,
                            const char* name) = 0;
   // The fixed-order sum of the routed pairs' rows (weighted by `weights`, null = 1) after the

@@ -15,9 +15,10 @@
 //   kGateUpSwiGLU     bf16(g) to out2 (chunks 0-1) and bf16(u) to out3 (chunks 2-3), the
 //                     forward context; then h = bf16(swiglu(g, u)) over chunks 0-1, to out
 //   kGateUpStore      bf16(g) to out (chunks 0-1), bf16(u) to out2 (chunks 2-3)
-//   kDownStore, kDownGrad, kGateUpGradStore  the 256 columns to out [rows, N]; kDownStore with
-//                     params.push also the rows of other ranks' pairs into their slots
-//                     (push_tile_rows: the expert-parallel combine's push, from the tile)
+//   kDownStore, kDownGrad, kGateUpGradStore  the 256 columns to out [rows, N]; kDownStore and
+//                     kGateUpGradStore with params.push also the rows of other ranks' pairs
+//                     into their slots (push_tile_rows: the expert-parallel combine's push of
+//                     y or dx rows, from the tile)
 //   kWeightGrad       the 256 columns to out[e] [M, N]; an expert without rows stores zeros
 // Row forms store at (column, tile row, 0) of [rows, N] maps, which clip rows past their extent
 // (the shared expert's outputs have exactly T rows).
@@ -229,7 +230,7 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
                    kForm == ExpertGemmForm::kWeightGrad ? coord.expert : 0);
       ptx::bulk_commit_group();
     }
-    if constexpr (kForm == ExpertGemmForm::kDownStore)
+    if constexpr (kForm == ExpertGemmForm::kDownStore || kForm == ExpertGemmForm::kGateUpGradStore)
       if (params.push.slot_peers != nullptr)
         push_tile_rows(params.push, tile, coord.m_tile * BLOCK_M, coord.n_tile * BLOCK_N,
                        params.n_extent);

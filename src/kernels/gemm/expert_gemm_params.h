@@ -63,8 +63,9 @@ struct FusedGather {
   int32_t num_ranks;
 };
 
-// Expert parallel, the push combine inside the forward's down GEMM (MoeConfig::
-// ep_dispatch_in_gemm): the epilogue also writes each output row of another rank's pair
+// Expert parallel, the push combine inside the GEMM that makes the rows (MoeConfig::
+// ep_dispatch_in_gemm; the forward's down GEMM, the backward's gate/up dgrad): the epilogue
+// also writes each output row of another rank's pair
 // (row_pair[row] = source * pairs_per_rank + slot) from the staging tile into slot `slot` of
 // that rank's symmetric [T*K, H] slot buffer. This rank's own pairs stay where the TMA store
 // puts them (its combine reads them in place). slot_peers null: no push.
@@ -113,7 +114,7 @@ struct ExpertGemmParams {
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
-  RowPush push;  // kDownStore of the routed experts' forward only (push.slot_peers null = off)
+  RowPush push;  // kDownStore / kGateUpGradStore of the routed experts (slot_peers null = off)
   WaitContext wait;
   MacrobatchParams macrobatch;
 };
