@@ -74,6 +74,10 @@ class MoKConfig:
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
+    ep_dispatch_in_gemm: expert parallel, the communication inside the GEMMs: the forward's
+        gate/up GEMM pulls the routed rows from the other ranks, its down GEMM and the
+        backward's gate/up dgrad push their rows back as the tiles are stored (same bits; bf16
+        and the producer-warps dispatch only; off by default until measured faster).
     wait_timeout_s: device waits end with a diagnosis after this long.
     precision: "bf16", or "fp8_block" (e4m3 GEMM operands with 1 x 128 / 128 x 128 fp32 block
         scales; mok/fp8.h): the CPU reference, or mok's FP8 kernels on CUDA (one GPU, one
@@ -96,6 +100,7 @@ class MoKConfig:
     weight_grad_pingpong: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
+    ep_dispatch_in_gemm: bool = False
     wait_timeout_s: float = 100.0
     precision: str = "bf16"
 
@@ -113,6 +118,7 @@ class MoKConfig:
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
+        config.ep_dispatch_in_gemm = self.ep_dispatch_in_gemm
         config.wait_timeout_s = self.wait_timeout_s
         config.precision = self.precision
         return config

@@ -276,6 +276,7 @@ def test_config_switches_reach_the_native_config():
         "skip_padding_rows",
         "weight_grad_pingpong",
         "check_finite",
+        "ep_dispatch_in_gemm",
     ]
     default = F.MoKConfig()
     for name in switches:

@@ -5,7 +5,8 @@ process, and with every GPU of the machine when it has several):
 
 Each rank holds E / N experts of one model (the same seed everywhere) and its own tokens; its
 output, d_x and d_router_weights must equal, bitwise, those of the single-GPU layer holding all E
-experts on the same tokens, and two steps must give the same bits. Prints PASS on rank 0 (exit 0),
+experts on the same tokens, and two steps must give the same bits, as must the group with the
+communication inside the GEMMs (MoKConfig.ep_dispatch_in_gemm). Prints PASS on rank 0 (exit 0),
 or what differed.
 """
 
@@ -37,8 +38,8 @@ def problem(rank: int, device):
     return weights, [t.to(device) for t in (x, top, router, d_out)]
 
 
-def module_with(weights, experts, group, device):
-    module = mok.nn.MoE(E, H, I, group=group, device=device)
+def module_with(weights, experts, group, device, config=None):
+    module = mok.nn.MoE(E, H, I, group=group, device=device, config=config)
     with torch.no_grad():
         for param, full in zip(module.parameters(), weights):
             param.copy_(full[experts])
@@ -69,13 +70,19 @@ def main() -> int:
     first = step(grouped, *inputs)
     again = step(grouped, *inputs)
     grouped.workspace.synchronize()
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    in_gemm_config = mok.MoKConfig(ep_dispatch_in_gemm=True)
+    in_gemm = step(module_with(weights, mine, dist.group.WORLD, device, in_gemm_config), *inputs)
     alone = step(module_with(weights, slice(0, E), None, device), *inputs)
     failures = []
-    for name, a, b, c in zip(["out", "d_x", "d_router_weights"], first, again, alone):
+    names = ["out", "d_x", "d_router_weights"]
+    for name, a, b, c, d in zip(names, first, again, alone, in_gemm):
         if not torch.equal(a, b):
             failures.append(f"rank {rank}: {name} differs between two steps")
         if not torch.equal(a, c):
             failures.append(f"rank {rank}: {name} differs from the single-GPU layer")
+        if not torch.equal(a, d):
+            failures.append(f"rank {rank}: {name} differs with the communication in the GEMMs")
     results = [None] * size
     dist.all_gather_object(results, failures)
     dist.destroy_process_group()
