@@ -149,6 +149,16 @@ struct ScheduleView {
   }
 };
 
+// The source rank of receive-list entry `entry` (0 <= entry < recv_offsets[num_ranks]): the s
+// with recv_offsets[s] <= entry < recv_offsets[s + 1], ranks with no entries skipped. The pull
+// inside the gate/up GEMM finds a row's source this way (dispatch_local.cuh).
+MOK_HOST_DEVICE inline int32_t recv_source_rank(const int32_t* recv_offsets, int32_t num_ranks,
+                                                int32_t entry) {
+  int32_t source = 0;
+  while (source + 1 < num_ranks && recv_offsets[source + 1] <= entry) ++source;
+  return source;
+}
+
 // An expert id as the header stores it: int64 ids outside the int32 range saturate, so a huge
 // bad id never reads back as a valid one.
 MOK_HOST_DEVICE inline int32_t saturate_expert_id(int64_t expert) {

@@ -209,6 +209,15 @@ std::string check_schedule(const ScheduleLayout& layout, const std::vector<int64
       if (v.row_recv[row] != want_entry)
         return at("row_recv", row) + " = " + std::to_string(v.row_recv[row]) +
                "; the token's receive entry is " + std::to_string(want_entry);
+      // What the pull inside the gate/up GEMM reads for this row: the source rank's token.
+      const int64_t pairs_per_rank = static_cast<int64_t>(p.tokens_per_rank) * p.top_k;
+      const int32_t source = recv_source_rank(v.recv_offsets, ranks, want_entry);
+      if (source != pair / pairs_per_rank ||
+          v.recv_tokens[want_entry] != pair % pairs_per_rank / p.top_k)
+        return at("row_recv", row) + " = " + std::to_string(want_entry) + " decodes to rank " +
+               std::to_string(source) + ", token " + std::to_string(v.recv_tokens[want_entry]) +
+               "; the row's pair " + std::to_string(pair) + " is of rank " +
+               std::to_string(pair / pairs_per_rank);
     }
     for (int64_t row = routed_end; row < v.expert_offsets[e + 1]; ++row)
       if (v.row_pair[row] != -1 || v.row_recv[row] != -1)

@@ -43,8 +43,7 @@ __device__ __forceinline__ const uint4* gather_source_row(const FusedGather& gat
     return reinterpret_cast<const uint4*>(gather.x) +
            static_cast<int64_t>(pair / gather.top_k) * vectors_per_row;
   const int32_t entry = gather.row_recv[row];
-  int32_t source = 0;
-  while (source + 1 < gather.num_ranks && gather.recv_offsets[source + 1] <= entry) ++source;
+  const int32_t source = recv_source_rank(gather.recv_offsets, gather.num_ranks, entry);
   return reinterpret_cast<const uint4*>(gather.peer_x[source]) +
          static_cast<int64_t>(gather.recv_tokens[entry]) * vectors_per_row;
 }
