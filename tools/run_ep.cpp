@@ -103,10 +103,12 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     backward_args.push_back(run.problem->backward_args());
   }
   auto forward = [&] { layer.forward(forward_args, streams); };
-  auto step = [&](bool with_context) {
-    const std::vector<mok::ForwardContext> contexts = layer.forward(forward_args, streams);
-    layer.backward(backward_args, streams, with_context ? &contexts : nullptr);
+  // A training step of `of`: its forward, then its backward from the context or recomputing.
+  auto step_of = [&](mok::EpLayer& of, bool with_context) {
+    const std::vector<mok::ForwardContext> contexts = of.forward(forward_args, streams);
+    of.backward(backward_args, streams, with_context ? &contexts : nullptr);
   };
+  auto step = [&](bool with_context) { step_of(layer, with_context); };
   auto synchronize = [&] { layer.synchronize(streams).throw_if_error(); };
 
   auto synchronize_all = [&] {
@@ -121,33 +123,33 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
     baseline->forward(forward_args, streams);
     baseline->backward(backward_args, streams);
   };
-  // Correctness: a step with the context, one recomputing, and the baseline's, outputs
-  // poisoned before each.
-  std::vector<std::vector<mok::HostRank>> results(3);
-  for (int run = 0; run < (baseline ? 3 : 2); ++run) {
+  // Every rank's outputs after `run` and `wait`, poisoned before it.
+  auto outputs_after = [&](const auto& run, const auto& wait) {
     for (RankRun& rank_run : runs) {
       CLI_CUDA_CHECK(cudaSetDevice(rank_run.device));
       rank_run.problem->poison_outputs();
       CLI_CUDA_CHECK(cudaDeviceSynchronize());
     }
-    if (run < 2) {
-      step(run == 0);
-      synchronize();
-    } else {
-      baseline_step();
-      synchronize_all();
-    }
+    run();
+    wait();
+    std::vector<mok::HostRank> outputs;
     for (int32_t rank = 0; rank < num_ranks; ++rank) {
       CLI_CUDA_CHECK(cudaSetDevice(runs[rank].device));
-      results[run].push_back(mok::output_buffers(shape));
-      runs[rank].problem->download_outputs(results[run].back());
+      outputs.push_back(mok::output_buffers(shape));
+      runs[rank].problem->download_outputs(outputs.back());
     }
-  }
+    return outputs;
+  };
+  // Correctness: a step with the context, one recomputing, and the baseline's.
+  std::vector<std::vector<mok::HostRank>> results;
+  results.push_back(outputs_after([&] { step(true); }, synchronize));
+  results.push_back(outputs_after([&] { step(false); }, synchronize));
+  if (baseline) results.push_back(outputs_after(baseline_step, synchronize_all));
   bool deterministic = true;
   for (int32_t rank = 0; rank < num_ranks; ++rank)
     deterministic &= mok::outputs_equal(results[0][rank], results[1][rank]);
-  // The forward's communication inside its GEMMs flipped (MoeConfig::ep_dispatch_in_gemm, where the
-  // config allows it: bf16, the producer-warps local dispatch): a step of its own layer, checked
+  // The communication inside the GEMMs flipped (MoeConfig::ep_dispatch_in_gemm, where the config
+  // allows it: bf16, the producer-warps local dispatch): a step of its own layer, checked
   // bitwise against the layer's, then timed beside it.
   mok::MoeConfig in_gemm_config = config;
   in_gemm_config.ep_dispatch_in_gemm = !config.ep_dispatch_in_gemm;
@@ -156,20 +158,11 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   bool in_gemm_bitwise = true;
   if (mok::can_implement(in_gemm_config, shape).ok()) {
     in_gemm_layer = std::make_unique<mok::EpLayer>(shape, in_gemm_config, ranks_here);
-    for (RankRun& rank_run : runs) {
-      CLI_CUDA_CHECK(cudaSetDevice(rank_run.device));
-      rank_run.problem->poison_outputs();
-      CLI_CUDA_CHECK(cudaDeviceSynchronize());
-    }
-    const std::vector<mok::ForwardContext> contexts = in_gemm_layer->forward(forward_args, streams);
-    in_gemm_layer->backward(backward_args, streams, &contexts);
-    in_gemm_layer->synchronize(streams).throw_if_error();
-    for (int32_t rank = 0; rank < num_ranks; ++rank) {
-      CLI_CUDA_CHECK(cudaSetDevice(runs[rank].device));
-      mok::HostRank got = mok::output_buffers(shape);
-      runs[rank].problem->download_outputs(got);
-      in_gemm_bitwise &= mok::outputs_equal(got, results[0][rank]);
-    }
+    const std::vector<mok::HostRank> got =
+        outputs_after([&] { step_of(*in_gemm_layer, true); },
+                      [&] { in_gemm_layer->synchronize(streams).throw_if_error(); });
+    for (int32_t rank = 0; rank < num_ranks; ++rank)
+      in_gemm_bitwise &= mok::outputs_equal(got[rank], results[0][rank]);
   }
   // Token-local outputs of `got` (one entry per rank) against the reference slice.
   auto slice_errors = [&](const std::vector<mok::HostRank>& got, const mok::HostProblem& against,
@@ -214,11 +207,7 @@ int run_ep(const RunOptions& options, const mok::MoeShape& shape) {
   const size_t in_gemm_index = bodies.size();
   if (in_gemm_layer) {
     bodies.push_back([&] { in_gemm_layer->forward(forward_args, streams); });
-    bodies.push_back([&] {
-      const std::vector<mok::ForwardContext> contexts =
-          in_gemm_layer->forward(forward_args, streams);
-      in_gemm_layer->backward(backward_args, streams, &contexts);
-    });
+    bodies.push_back([&] { step_of(*in_gemm_layer, true); });
   }
   const size_t baseline_index = bodies.size();
   if (baseline) {

@@ -64,16 +64,14 @@ class EpExchange final : public TokenExchange {
     exchange(s, &args.top_experts, args.router_weights.data_as<const float>(), stream);
     build_schedule(s, args.top_experts, stream);
     mark("routing exchange + schedule");
-    x_received_ = !ep_.dispatch_in_gemm;
-    if (!x_received_) return;  // the gate/up GEMM pulls the rows (forward_rows)
+    if (ep_.dispatch_in_gemm) return;  // the gate/up GEMM pulls the rows (forward_rows)
     receive_rows(s, args.x, ep_.memory->x, ep_.received, ep_.memory->received_x, stream);
     mark(ep_.push_dispatch ? "push dispatch" : "pull dispatch");
   }
 
   kernels::FusedGather forward_rows(GpuLayer::State& s, const ForwardArgs& args, int32_t m,
                                     cudaStream_t stream, const StageMarker&) override {
-    if (ep_.dispatch_in_gemm) {
-      if (s.shape.num_tokens == 0) return {};  // no rank has rows to send (equal T everywhere)
+    if (gemms_move_rows(s)) {
       // The fused gather of the local exchange, its rows read from the source ranks' published
       // x: the pull dispatch runs in the GEMM's producer warps.
       const ScheduleView view = s.routed.view();
@@ -113,10 +111,8 @@ class EpExchange final : public TokenExchange {
     // backward recomputes expand them again. A forward that pulled its rows inside the GEMM
     // left none: they are pulled now if a macrobatch is recomputed (the published x is still
     // the context's: a later forward would have replaced the context).
-    if (!use_context || (!x_received_ && s.num_macrobatches > 1)) {
+    if (!use_context || (ep_.dispatch_in_gemm && s.num_macrobatches > 1))
       receive_rows(s, fwd.x, ep_.memory->x, ep_.received, ep_.memory->received_x, stream);
-      x_received_ = true;
-    }
     mark(use_context ? "barrier + d_out dispatch"
                      : "routing exchange + schedule + d_out, x dispatch");
     // Each pair's gradient goes to its source rank's buffer; the weights are every rank's,
@@ -141,14 +137,13 @@ class EpExchange final : public TokenExchange {
   // The rows come from the other ranks: they are expanded before the kernel.
   bool gathers_in_kernel() const override { return false; }
 
-  // Pushes s.expert_out's rows into their source ranks' slots and waits for every rank's pushes.
   kernels::RowPush gemm_push(GpuLayer::State& s) override {
-    rows_pushed_by_gemm_ = ep_.dispatch_in_gemm && s.shape.num_tokens > 0;
-    if (!rows_pushed_by_gemm_) return {};
+    if (!gemms_move_rows(s)) return {};
     return {ep_.peers(ep_.memory->slots), s.routed.view().row_pair,
             static_cast<int32_t>(s.shape.num_tokens * s.shape.top_k), ep_.rank};
   }
 
+  // Pushes s.expert_out's rows into their source ranks' slots and waits for every rank's pushes.
   void return_rows(GpuLayer::State& s, cudaStream_t stream, const StageMarker& mark,
                    const char* name) override {
     const ScheduleView view = s.routed.view();
@@ -158,8 +153,7 @@ class EpExchange final : public TokenExchange {
         ep_.peers<uint64_t>(ep_.memory->push_flags), ep_.rank, ep_.num_ranks,
         counter(EpCounter::kPushEpoch));
     // After GEMMs that pushed the rows (gemm_push), only the signal.
-    push.signal_only = rows_pushed_by_gemm_ ? 1 : 0;
-    rows_pushed_by_gemm_ = false;
+    push.signal_only = gemms_move_rows(s) ? 1 : 0;
     cuda_check(kernels::launch_push_rows(push, ep_.row_copy, push.signal_only ? 1 : ep_.comm_ctas,
                                          s.wait_context(), stream),
                "push combine launch");
@@ -293,12 +287,13 @@ class EpExchange final : public TokenExchange {
         "expand received rows");
   }
 
+  // Whether the GEMMs pull and push the rows (MoeConfig::ep_dispatch_in_gemm), with rows to
+  // move (T is the same on every rank).
+  bool gemms_move_rows(const GpuLayer::State& s) const {
+    return ep_.dispatch_in_gemm && s.shape.num_tokens > 0;
+  }
+
   EpRank& ep_;
-  // Whether ep_.received holds the x rows of the schedule's call (the dispatch in the GEMM
-  // fills only the ring's rows).
-  bool x_received_ = true;
-  // Whether the GEMMs pushed the rows (gemm_push), until return_rows signals.
-  bool rows_pushed_by_gemm_ = false;
 };
 
 }  // namespace

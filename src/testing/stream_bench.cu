@@ -237,34 +237,36 @@ class StreamRunner {
     cuda_check(cudaGetLastError(), "stream_weights_kernel launch");
   }
 
-  // Median ms of `passes` timed launches after one untimed.
-  double median_ms(const StreamParams& p, int passes) const {
-    cudaEvent_t start, stop;
-    cuda_check(cudaEventCreate(&start), "cudaEventCreate");
-    cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-    launch(p, nullptr);
-    std::vector<float> times;
-    for (int i = 0; i < passes; ++i) {
-      cuda_check(cudaEventRecord(start), "cudaEventRecord");
-      launch(p, nullptr);
-      cuda_check(cudaEventRecord(stop), "cudaEventRecord");
-      cuda_check(cudaEventSynchronize(stop), "stream_weights_kernel");
-      float ms = 0;
-      cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-      times.push_back(ms);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  }
-
   int num_sms() const { return num_sms_; }
 
  private:
   int device_ = 0;
   int num_sms_ = 0;
 };
+
+// Median ms of `passes` timed runs of `body` (work enqueued on the default stream) after one
+// untimed.
+template <typename Body>
+double median_ms(Body body, int passes) {
+  cudaEvent_t start, stop;
+  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  body();
+  std::vector<float> times;
+  for (int i = 0; i < passes; ++i) {
+    cuda_check(cudaEventRecord(start), "cudaEventRecord");
+    body();
+    cuda_check(cudaEventRecord(stop), "cudaEventRecord");
+    cuda_check(cudaEventSynchronize(stop), "stream-bench timing");
+    float ms = 0;
+    cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
 
 void fill(const DeviceBuffer& buffer) {
   const int64_t words = buffer.bytes / 4;
@@ -333,24 +335,14 @@ int run_stream_bench(const MoeShape& shape) {
     // The copy engine's device-to-device copy of half the buffer: bytes read + written.
     const size_t half = static_cast<size_t>(weights.bytes / 2);
     unsigned char* base = weights.as<unsigned char>();
-    cudaEvent_t start, stop;
-    cuda_check(cudaEventCreate(&start), "cudaEventCreate");
-    cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-    std::vector<float> times;
-    for (int i = 0; i < 4; ++i) {
-      cuda_check(cudaEventRecord(start), "cudaEventRecord");
-      cuda_check(cudaMemcpyAsync(base + half, base, half, cudaMemcpyDeviceToDevice), "cudaMemcpy");
-      cuda_check(cudaEventRecord(stop), "cudaEventRecord");
-      cuda_check(cudaEventSynchronize(stop), "cudaMemcpy");
-      float ms = 0;
-      cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-      if (i > 0) times.push_back(ms);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    std::sort(times.begin(), times.end());
+    const double ms = median_ms(
+        [&] {
+          cuda_check(cudaMemcpyAsync(base + half, base, half, cudaMemcpyDeviceToDevice),
+                     "cudaMemcpy");
+        },
+        3);
     std::printf("  device-to-device copy of %.2f GB: %.3f ms, %.2f TB/s read + written\n",
-                half / 1e9, times[1], 2.0 * half / times[1] / 1e9);
+                half / 1e9, ms, 2.0 * half / ms / 1e9);
     fill(weights);
   }
   std::printf("  %-28s %-34s %s\n", "weights", "pattern",
@@ -366,8 +358,9 @@ int run_stream_bench(const MoeShape& shape) {
       std::string cells;
       double ms_at_3 = 0;
       for (int32_t depth : kRingDepths) {
-        const double ms = runner.median_ms(
-            runner.params(weights.pointer, E, form.rows, form.k, pattern, depth, nullptr), 5);
+        const StreamParams p =
+            runner.params(weights.pointer, E, form.rows, form.k, pattern, depth, nullptr);
+        const double ms = median_ms([&] { runner.launch(p, nullptr); }, 5);
         if (depth == 3) ms_at_3 = ms;
         char cell[32];
         std::snprintf(cell, sizeof(cell), "%s%5.2f", cells.empty() ? "" : " / ", bytes / ms / 1e9);
