@@ -1,11 +1,11 @@
 // The weight-streaming benchmark behind `mok stream-bench` (mok/testing/stream_bench.h).
 //
-// Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), one
-// warp. Lane 0 is the producer of a ring of `num_stages` 32 KB stages, each filled by TMA loads
-// that complete on the stage's mbarrier; the warp waits for each stage in order and lane 0
-// refills it at once with the load `num_stages` ahead, so `num_stages` stages are always in
-// flight (a GEMM holds one more while its consumers read it). Nothing else runs: the time is
-// the memory system's alone.
+// Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), two
+// warps, as a GEMM's producer and consumers. Lane 0 of warp 0 is the producer of a ring of
+// `num_stages` 32 KB stages, each filled by TMA loads that complete on the stage's full
+// mbarrier; warp 1 is the consumer: it waits for each stage in order and releases it on the
+// stage's empty mbarrier, and the producer refills a released stage at once with the load
+// `num_stages` ahead. Nothing else runs: the time is the memory system's alone.
 //
 // The CTA walks tiles the way the expert GEMMs walk their column tiles: tile t (of E x
 // rows / 256) is expert t / tiles_per_expert, rows [256 * (t % tiles_per_expert), + 256), all K,
@@ -16,9 +16,9 @@
 // row block by row block within each K step. The linear pattern reads the same bytes as
 // consecutive 32 KB blocks, CTA b taking blocks b, b + grid, ...
 //
-// Two modes model a GEMM more closely. Paced (`consumer_cycles` > 0): the warp holds each landed
-// stage for that many SM cycles before lane 0 refills it, as consumers hold a stage while its
-// wgmmas run, so only num_stages - 1 stages are in flight during the math (kPacedCycles is a
+// Two modes model a GEMM more closely. Paced (`consumer_cycles` > 0): the consumer holds each
+// landed stage for that many SM cycles before it releases it, as consumers hold a stage while
+// its wgmmas run, so only num_stages - 1 stages are in flight during the math (kPacedCycles is a
 // 128 x 256 x 64 K-block at ~650 TFLOP/s over 132 SMs). L2-resident (`resident_tiles` > 0):
 // tile t reads tile t % resident_tiles, so many CTAs re-read a few tiles that fit in L2 (an
 // expert of many row tiles, as at `dsv3_local`): the rate TMA delivers from L2.
@@ -67,7 +67,7 @@ struct StreamParams {
   int32_t stage_k;
   int32_t num_stages;
   int32_t readers_per_tile;
-  int32_t consumer_cycles;    // paced: cycles each stage is held before its refill (0: none)
+  int32_t consumer_cycles;    // paced: cycles the consumer holds each stage (0: none)
   int32_t resident_tiles;     // > 0: tile t reads tile t % resident_tiles
   int64_t num_linear_blocks;  // linear: 32 KB blocks of 256 rows of 64 elements
   unsigned long long* checksum;
@@ -87,12 +87,13 @@ __global__ void fill_words_kernel(uint32_t* words, int64_t count) {
     words[i] = word_hash(static_cast<uint64_t>(i));
 }
 
-__global__ void __launch_bounds__(32, 1)
+__global__ void __launch_bounds__(64, 1)
     stream_weights_kernel(const __grid_constant__ StreamParams p) {
   extern __shared__ unsigned char dynamic_smem[];
   __shared__ uint64_t full[kMaxStages];
+  __shared__ uint64_t empty[kMaxStages];
   unsigned char* ring = &ptx::align_shared_1024<unsigned char>(dynamic_smem);
-  const int lane = threadIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   const int32_t row_blocks = kTileRows / p.stage_rows;
   const int32_t stages_per_tile = p.linear ? 1 : (p.k / p.stage_k) * row_blocks;
@@ -104,12 +105,15 @@ __global__ void __launch_bounds__(32, 1)
   const int64_t my_tiles = block < num_tiles ? (num_tiles - block + grid - 1) / grid : 0;
   const int64_t total = my_tiles * stages_per_tile;
 
-  if (lane == 0) {
+  if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&p.map);
-    for (int s = 0; s < p.num_stages; ++s) ptx::mbarrier_init(&full[s], 1);
+    for (int s = 0; s < p.num_stages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], 1);
+    }
     ptx::fence_barrier_init();
   }
-  __syncwarp();
+  __syncthreads();
 
   auto issue = [&](int64_t g) {
     const int32_t slot = static_cast<int32_t>(g % p.num_stages);
@@ -132,8 +136,18 @@ __global__ void __launch_bounds__(32, 1)
                        k0 + box * kBoxK, row0, expert);
   };
 
-  if (lane == 0)
-    for (int64_t g = 0; g < std::min<int64_t>(p.num_stages, total); ++g) issue(g);
+  if (warp == 0) {
+    if (lane != 0) return;
+    // The producer: the first `num_stages` loads at once, then each refill when its stage is
+    // released (the empty barrier's phase of round g / num_stages - 1).
+    for (int64_t g = 0; g < total; ++g) {
+      if (g >= p.num_stages)
+        kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmFreeStage, &empty[g % p.num_stages],
+                               static_cast<uint32_t>((g / p.num_stages - 1) & 1));
+      issue(g);
+    }
+    return;
+  }
   unsigned long long sum = 0;
   for (int64_t g = 0; g < total; ++g) {
     const int32_t slot = static_cast<int32_t>(g % p.num_stages);
@@ -142,15 +156,17 @@ __global__ void __launch_bounds__(32, 1)
     if (p.checksum != nullptr) {
       const uint32_t* words = reinterpret_cast<const uint32_t*>(ring + slot * kStageBytes);
       for (int i = lane; i < kStageBytes / 4; i += 32) sum += words[i];
-      __syncwarp();
-      ptx::fence_proxy_async_shared();
     }
-    if (p.consumer_cycles > 0 && lane == 0) {
+    if (p.consumer_cycles > 0) {
       const long long start = clock64();
       while (clock64() - start < p.consumer_cycles) {
       }
     }
-    if (lane == 0 && g + p.num_stages < total) issue(g + p.num_stages);
+    // Every lane's reads of the stage come before its release, and the release before the
+    // TMA load that overwrites it.
+    __syncwarp();
+    ptx::fence_proxy_async_shared();
+    if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
   }
   if (p.checksum != nullptr) atomicAdd(p.checksum, sum);
 }
@@ -233,7 +249,7 @@ class StreamRunner {
   }
 
   void launch(const StreamParams& p, cudaStream_t stream) const {
-    stream_weights_kernel<<<num_sms_, 32, kSharedBytes, stream>>>(p);
+    stream_weights_kernel<<<num_sms_, 64, kSharedBytes, stream>>>(p);
     cuda_check(cudaGetLastError(), "stream_weights_kernel launch");
   }
 
