@@ -115,6 +115,8 @@ def main():
         same = first == second
         print(f"two runs bitwise identical: {'yes' if same else 'NO'}")
         if not same:
+            step = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+            print(f"first difference at step {step}: {first[step]!r} vs {second[step]!r}")
             raise SystemExit(1)
 
 
