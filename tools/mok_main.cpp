@@ -65,12 +65,12 @@ mok run options:
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
-  --minibatch-size N           GPU: rows per overlap step of the persistent forward (multiple of
-                               128; default 4096)
+  --minibatch-size N           GPU: rows per overlap step of the persistent kernels (multiple of
+                               128; default 0: two SM waves of tiles per GEMM of a minibatch)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
-                               the minibatch size; default 0: one macrobatch while the ring fits
-                               8 GiB; fewer rows, less memory, and the backward recomputes all
-                               macrobatches but the first)
+                               128 and of an explicit minibatch size; default 0: one macrobatch
+                               while the ring fits 8 GiB; fewer rows, less memory, and the
+                               backward recomputes all macrobatches but the first)
   --push-dispatch              --gpus: dispatch by push instead of pull (same bits; the run
                                times the other way's forward too)
   --dispatch-in-gemm           --gpus: the forward's dispatch and combine inside its GEMMs (the

@@ -164,7 +164,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   // first costs.
   const int64_t max_rows = mok::schedule_params(shape, 0).max_rows();
   mok::MoeConfig ring_config = config;
-  ring_config.minibatch_size = 128;  // only the persistent forward's pipeline depends on it
+  ring_config.minibatch_size = mok::kAutoMinibatch;  // one that divides the macrobatch
   ring_config.macrobatch_size = std::max<int64_t>(1, (max_rows / 4 + 127) / 128) * 128;
   const int64_t ring_macrobatches =
       (max_rows + ring_config.macrobatch_size - 1) / ring_config.macrobatch_size;
@@ -340,11 +340,14 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
               static_cast<unsigned long long>(options.seed));
   std::printf("  work      %lld routed pairs, %.1f GFLOP forward, %.1f GFLOP backward\n",
               static_cast<long long>(routed_pairs), forward_flop / 1e9, backward_flop / 1e9);
-  const int64_t ring_rows = mok::macrobatch_ring_rows(config, shape, max_rows);
-  std::printf("  ring      %lld of %lld worst-case rows (%lld macrobatches, %.2f GB)\n",
-              static_cast<long long>(ring_rows), static_cast<long long>(max_rows),
-              static_cast<long long>((max_rows + ring_rows - 1) / ring_rows),
-              ring_rows * mok::macrobatch_ring_bytes_per_row(shape) / 1e9);
+  const int64_t ring_rows = mok::macrobatch_ring_rows(config, shape, max_rows, peak.sms);
+  std::printf(
+      "  ring      %lld of %lld worst-case rows (%lld macrobatches, %.2f GB); minibatches of "
+      "%lld rows\n",
+      static_cast<long long>(ring_rows), static_cast<long long>(max_rows),
+      static_cast<long long>((max_rows + ring_rows - 1) / ring_rows),
+      ring_rows * mok::macrobatch_ring_bytes_per_row(shape) / 1e9,
+      static_cast<long long>(mok::minibatch_rows(config, shape, peak.sms)));
   std::printf(
       "  times: median of 32 calls, mok and baseline interleaved in 8 rounds of shuffled order\n");
   std::printf(

@@ -42,7 +42,12 @@ LocalDispatch local_dispatch_from_name(const std::string& name);
 struct MoeConfig {
   int32_t fwd_num_comm_sms = 24;  // SMs that run dispatch/combine in the forward kernel
   int32_t bwd_num_comm_sms = 24;  // likewise in the backward kernel
-  int64_t minibatch_size = 4096;  // rows of the expert-grouped buffer per overlap step
+  // Rows of the expert-grouped buffer per overlap step of the persistent kernels (the forward's
+  // gate/up tiles of minibatch b + 1 run between the gate/up and the down tiles of b; the
+  // backward's likewise). Same bits for any size. kAutoMinibatch (the default): chosen from the
+  // shape and the GPU (minibatch_rows: at least two full SM waves of tiles per expert-grouped
+  // GEMM of a minibatch, MoK's rule).
+  int64_t minibatch_size = 0;
   // Rows of the ring buffers that hold the routed intermediates (x rows, g, u, h, d_out rows,
   // d_g, d_u) of one macrobatch at a time. The layer walks the schedule's worst case (max_rows)
   // in macrobatches of this many rows; the backward recomputes all but the first. Same bits for
@@ -135,12 +140,26 @@ inline constexpr int32_t kHalfRowTilesMaxRowsPerExpert = 256;
 inline constexpr int64_t kAutoMacrobatch = 0;
 inline constexpr int64_t kAutoMacrobatchRingBytes = int64_t{8} << 30;
 
+// MoeConfig::minibatch_size = kAutoMinibatch sizes the minibatch from the shape and the GPU:
+// the fewest 128-row tiles that give each expert-grouped GEMM of a minibatch (the forward's
+// gate/up and down, the backward's two dgrads) at least kMinibatchSmWaves full waves of tiles
+// on `num_sms` SMs. Under an explicit macrobatch_size, the smallest such multiple of 128 that
+// divides it (the macrobatch itself if none does).
+inline constexpr int64_t kAutoMinibatch = 0;
+inline constexpr int32_t kMinibatchSmWaves = 2;
+
+// The minibatch rows a layer runs with: config.minibatch_size, or with kAutoMinibatch the rule
+// above. `num_sms`: the GPU's SM count (positive).
+int64_t minibatch_rows(const MoeConfig& config, const MoeShape& shape, int32_t num_sms);
+
 // Bytes of the macrobatch ring per row: the x and d_out rows (H each) and the routed
 // intermediates h, g, u, d_g, d_u (I each), all bf16.
 int64_t macrobatch_ring_bytes_per_row(const MoeShape& shape);
 // Rows of the ring for a schedule of `max_rows` worst-case rows: min(macrobatch_size, max_rows),
-// or with kAutoMacrobatch the rule above (never fewer than minibatch_size rows).
-int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int64_t max_rows);
+// or with kAutoMacrobatch the rule above (whole minibatches of minibatch_rows on `num_sms`
+// SMs, never fewer than one).
+int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int64_t max_rows,
+                             int32_t num_sms);
 
 // Checks the config against the shape it will run; the message names the knob and its value.
 Status can_implement(const MoeConfig& config, const MoeShape& shape);

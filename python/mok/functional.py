@@ -56,10 +56,13 @@ class MoKConfig:
     config. MoK's fields, then mok's own.
 
     fwd_num_comm_sms, bwd_num_comm_sms: SMs for dispatch and combine (expert parallel).
-    minibatch_size: rows per overlap step, a positive multiple of 128 (MoK: of 256).
-    macrobatch_size: rows of the ring of routed intermediates, a multiple of minibatch_size; the
-        backward recomputes all macrobatches but the first. 0 (the default): one macrobatch
-        while the ring takes at most 8 GiB, else the largest multiple that fits.
+    minibatch_size: rows per overlap step of the persistent kernels, a positive multiple of
+        128 (MoK: of 256). 0 (the default): chosen from the shape and the GPU, the fewest rows
+        that give each expert-grouped GEMM of a minibatch two full waves of tiles (MoK's rule).
+    macrobatch_size: rows of the ring of routed intermediates, a multiple of 128 (and of an
+        explicit minibatch_size); the backward recomputes all macrobatches but the first. 0 (the
+        default): one macrobatch while the ring takes at most 8 GiB, else the largest multiple
+        of the minibatch that fits.
     schedule_capacity_multiplier: accepted for MoK's code and unused (mok has no capacity).
     all_gather_top_experts_chunk_bytes: accepted for MoK's code and unused.
     persistent_forward, persistent_backward: run each direction's expert GEMMs as one persistent
@@ -89,7 +92,7 @@ class MoKConfig:
 
     fwd_num_comm_sms: int = 40
     bwd_num_comm_sms: int = 28
-    minibatch_size: int = 4096
+    minibatch_size: int = 0
     macrobatch_size: int = 0
     schedule_capacity_multiplier: float = 0.5
     all_gather_top_experts_chunk_bytes: int = 2048

@@ -145,7 +145,11 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
           "runs the kernel sequences; valid: persistent_forward and "
           "persistent_backward false");
     const int64_t max_rows = schedule_params(shape).max_rows();
-    if (macrobatch_ring_rows(config, shape, max_rows) < max_rows)
+    const bool one_macrobatch =
+        config.macrobatch_size == kAutoMacrobatch
+            ? max_rows * macrobatch_ring_bytes_per_row(shape) <= kAutoMacrobatchRingBytes
+            : config.macrobatch_size >= max_rows;
+    if (!one_macrobatch)
       return fp8_unsupported(
           "holds one macrobatch; macrobatch_size = " + std::to_string(config.macrobatch_size) +
           " cuts the " + std::to_string(max_rows) +
@@ -171,16 +175,22 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
                  std::to_string(low) + ", " + std::to_string(kMaxCommSms) + "]" +
                  (num_ranks > 1 ? " (at least 1 with more than one rank)" : ""));
   }
-  if (config.minibatch_size < kDefaultRowAlign || config.minibatch_size % kDefaultRowAlign != 0)
+  if (config.minibatch_size != kAutoMinibatch &&
+      (config.minibatch_size < kDefaultRowAlign || config.minibatch_size % kDefaultRowAlign != 0))
     return bad("minibatch_size = " + std::to_string(config.minibatch_size) +
-               "; valid: a positive multiple of " + std::to_string(kDefaultRowAlign) +
-               " (the GEMM tile height)");
+               "; valid: 0 (sized from the shape) or a positive multiple of " +
+               std::to_string(kDefaultRowAlign) + " (the GEMM tile height)");
+  // Under an automatic minibatch the macrobatch only has to be whole row tiles: the minibatch
+  // is then chosen to divide it (minibatch_rows).
+  const int64_t macrobatch_unit =
+      config.minibatch_size == kAutoMinibatch ? kDefaultRowAlign : config.minibatch_size;
   if (config.macrobatch_size != kAutoMacrobatch &&
-      (config.macrobatch_size < config.minibatch_size ||
-       config.macrobatch_size % config.minibatch_size != 0))
+      (config.macrobatch_size < macrobatch_unit || config.macrobatch_size % macrobatch_unit != 0))
     return bad("macrobatch_size = " + std::to_string(config.macrobatch_size) +
-               "; valid: 0 (sized from the shape) or a positive multiple of minibatch_size = " +
-               std::to_string(config.minibatch_size));
+               "; valid: 0 (sized from the shape) or a positive multiple of " +
+               (config.minibatch_size == kAutoMinibatch
+                    ? std::to_string(kDefaultRowAlign) + " (the GEMM tile height)"
+                    : "minibatch_size = " + std::to_string(config.minibatch_size)));
   if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
                "; valid: a positive, finite number of seconds");
@@ -205,18 +215,40 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
   return Status::Ok();
 }
 
+int64_t minibatch_rows(const MoeConfig& config, const MoeShape& shape, int32_t num_sms) {
+  if (config.minibatch_size != kAutoMinibatch) return config.minibatch_size;
+  if (num_sms < 1)
+    throw Error(ErrorCode::kInvalidArgument,
+                "minibatch_rows: num_sms = " + std::to_string(num_sms) + "; expected at least 1");
+  // Column tiles per row tile of each expert-grouped GEMM: the forward's gate/up tiles hold 128
+  // columns of I (128 gate + 128 up), every other row-tile form 256 output columns (the down
+  // GEMM and the gate/up dgrad over H, the down dgrad over I).
+  auto tiles = [](int64_t columns, int64_t width) { return (columns + width - 1) / width; };
+  const int64_t narrowest = std::min(
+      {tiles(shape.intermediate, 128), tiles(shape.hidden, 256), tiles(shape.intermediate, 256)});
+  const int64_t row_tiles = tiles(int64_t{kMinibatchSmWaves} * num_sms, narrowest);
+  int64_t rows = row_tiles * kDefaultRowAlign;
+  if (config.macrobatch_size != kAutoMacrobatch) {
+    while (rows < config.macrobatch_size && config.macrobatch_size % rows != 0)
+      rows += kDefaultRowAlign;
+    rows = std::min(rows, config.macrobatch_size);
+  }
+  return rows;
+}
+
 int64_t macrobatch_ring_bytes_per_row(const MoeShape& shape) {
   return 2 * (2 * shape.hidden + 5 * shape.intermediate);
 }
 
-int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int64_t max_rows) {
+int64_t macrobatch_ring_rows(const MoeConfig& config, const MoeShape& shape, int64_t max_rows,
+                             int32_t num_sms) {
   if (config.macrobatch_size != kAutoMacrobatch)
     return std::min<int64_t>(config.macrobatch_size, max_rows);
   const int64_t bytes_per_row = macrobatch_ring_bytes_per_row(shape);
   if (max_rows * bytes_per_row <= kAutoMacrobatchRingBytes) return max_rows;
+  const int64_t minibatch = minibatch_rows(config, shape, num_sms);
   const int64_t fitting = kAutoMacrobatchRingBytes / bytes_per_row;
-  const int64_t rows =
-      std::max<int64_t>(fitting / config.minibatch_size, 1) * config.minibatch_size;
+  const int64_t rows = std::max<int64_t>(fitting / minibatch, 1) * minibatch;
   return std::min<int64_t>(rows, max_rows);
 }
 

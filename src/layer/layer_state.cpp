@@ -57,13 +57,17 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
                                              " has compute capability " + std::to_string(major) +
                                              ".x; mok's kernels need Hopper (9.0, sm_90a)");
 
+  // The minibatch this layer runs with (an automatic one from the shape and this GPU's SMs):
+  // every later use reads s.config.
+  s.config.minibatch_size = minibatch_rows(config, shape, s.sm_count);
+
   const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate;
   const ScheduleParams params = schedule_params(shape, rank);
   s.routed.layout = ScheduleLayout::make(params);
   const int64_t max_rows = params.max_rows();
   // The macrobatch ring: one macrobatch when it covers the worst case (the default when that
   // fits kAutoMacrobatchRingBytes).
-  s.ring_rows = macrobatch_ring_rows(config, shape, max_rows);
+  s.ring_rows = macrobatch_ring_rows(s.config, shape, max_rows, s.sm_count);
   s.num_macrobatches = static_cast<int32_t>((max_rows + s.ring_rows - 1) / s.ring_rows);
   s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
   s.routed.allocate(s.ring_rows, I, shape.num_local_experts());
@@ -92,7 +96,7 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
 
   if (config.trace_tasks) {
     // Events are indexed by ticket: one per ticket of the worst-case schedule.
-    const int32_t minibatch_tiles = static_cast<int32_t>(config.minibatch_size / 128);
+    const int32_t minibatch_tiles = static_cast<int32_t>(s.config.minibatch_size / 128);
     s.forward_trace_capacity = forward_trace_capacity(params.max_tiles(), minibatch_tiles, I, H,
                                                       shared_tiles, shape.shared_intermediate);
     s.backward_trace_capacity =

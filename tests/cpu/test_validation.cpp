@@ -145,9 +145,14 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
                {"minibatch_size = 100", "128"});
   config = good;
-  config.macrobatch_size = good.minibatch_size * 3 / 2;
+  config.minibatch_size = 4096;
+  config.macrobatch_size = 6144;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"macrobatch_size = 6144"});
+               {"macrobatch_size = 6144", "minibatch_size = 4096"});
+  config = good;  // an automatic minibatch: the macrobatch has to be whole row tiles
+  config.macrobatch_size = 200;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"macrobatch_size = 200", "multiple of 128"});
   config = good;
   config.fwd_num_comm_sms = 0;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument, {"fwd_num_comm_sms = 0"});
@@ -205,28 +210,78 @@ TEST(ConfigValidation, KnobChecksNeedNoShape) {
 }
 
 // The default ring (kAutoMacrobatch): one macrobatch at every named shape, the byte budget's
-// largest multiple of minibatch_size beyond it, and an explicit size taken as given.
+// largest multiple of the minibatch beyond it, and an explicit size taken as given.
 TEST(ConfigValidation, AutoMacrobatchFitsItsBudget) {
+  constexpr int32_t kSms = 132;
   const MoeConfig config;
   ASSERT_EQ(config.macrobatch_size, kAutoMacrobatch);
   for (const std::string& name : named_shape_names()) {
     const MoeShape shape = named_shape(name);
     const int64_t max_rows = schedule_params(shape).max_rows();
-    EXPECT_EQ(macrobatch_ring_rows(config, shape, max_rows), max_rows) << name;
+    EXPECT_EQ(macrobatch_ring_rows(config, shape, max_rows, kSms), max_rows) << name;
   }
   const MoeShape sonic = named_shape("sonic_e128");
   EXPECT_EQ(macrobatch_ring_bytes_per_row(sonic), 2 * (2 * 4096 + 5 * 1024));
   const int64_t huge = 4 * schedule_params(sonic).max_rows();  // 29.6 GB of ring
-  const int64_t rows = macrobatch_ring_rows(config, sonic, huge);
-  EXPECT_EQ(rows % config.minibatch_size, 0);
+  const int64_t rows = macrobatch_ring_rows(config, sonic, huge, kSms);
+  const int64_t minibatch = minibatch_rows(config, sonic, kSms);
+  EXPECT_EQ(rows % minibatch, 0);
   EXPECT_LE(rows * macrobatch_ring_bytes_per_row(sonic), kAutoMacrobatchRingBytes);
-  EXPECT_GT((rows + config.minibatch_size) * macrobatch_ring_bytes_per_row(sonic),
-            kAutoMacrobatchRingBytes);
+  EXPECT_GT((rows + minibatch) * macrobatch_ring_bytes_per_row(sonic), kAutoMacrobatchRingBytes);
   MoeConfig fixed;
   fixed.macrobatch_size = 8192;
-  EXPECT_EQ(macrobatch_ring_rows(fixed, sonic, huge), 8192);
-  EXPECT_EQ(macrobatch_ring_rows(fixed, sonic, 1024), 1024) << "never more than the worst case";
+  EXPECT_EQ(macrobatch_ring_rows(fixed, sonic, huge, kSms), 8192);
+  EXPECT_EQ(macrobatch_ring_rows(fixed, sonic, 1024, kSms), 1024)
+      << "never more than the worst case";
   EXPECT_TRUE(can_implement(fixed, sonic).ok());
+}
+
+// The automatic minibatch (kAutoMinibatch, the default): the fewest 128-row tiles that give the
+// narrowest expert-grouped GEMM of a minibatch two full waves on the GPU's SMs; under an
+// explicit macrobatch the smallest such size that divides it; an explicit size as given.
+TEST(ConfigValidation, AutoMinibatchGivesEachGemmTwoWaves) {
+  const MoeConfig config;
+  ASSERT_EQ(config.minibatch_size, kAutoMinibatch);
+  // The column tiles per row tile of the four row-tile GEMMs (the forward's gate/up: 128 of I;
+  // down and the gate/up dgrad: 256 of H; the down dgrad: 256 of I).
+  auto narrowest = [](const MoeShape& s) {
+    return std::min(
+        {(s.intermediate + 127) / 128, (s.hidden + 255) / 256, (s.intermediate + 255) / 256});
+  };
+  for (int32_t sms : {1, 78, 114, 132}) {
+    for (const std::string& name : named_shape_names()) {
+      const MoeShape shape = named_shape(name);
+      const int64_t rows = minibatch_rows(config, shape, sms);
+      ASSERT_EQ(rows % 128, 0) << name;
+      const int64_t tiles = rows / 128 * narrowest(shape);
+      EXPECT_GE(tiles, 2 * sms) << name << " on " << sms << " SMs: " << rows << " rows";
+      EXPECT_LT(tiles - narrowest(shape), 2 * sms) << name << ": one row tile fewer would do";
+    }
+  }
+  // The named shapes on an H100/H200 (132 SMs).
+  EXPECT_EQ(minibatch_rows(config, named_shape("dsv3_local"), 132), 33 * 128);  // 8 tiles per row
+  EXPECT_EQ(minibatch_rows(config, named_shape("qwen3"), 132), 88 * 128);       // 3 tiles per row
+  MoeConfig ring;
+  ring.macrobatch_size = 8192;  // 4224 rows does not divide it: 8192 does
+  EXPECT_EQ(minibatch_rows(ring, named_shape("dsv3_local"), 132), 8192);
+  ring.macrobatch_size = 128 * 99;  // 33 tiles divide 99
+  EXPECT_EQ(minibatch_rows(ring, named_shape("dsv3_local"), 132), 33 * 128);
+  ring.macrobatch_size = 256;  // smaller than the rule: the macrobatch itself
+  EXPECT_EQ(minibatch_rows(ring, named_shape("dsv3_local"), 132), 256);
+  EXPECT_TRUE(can_implement(ring, named_shape("dsv3_local")).ok());
+  MoeConfig fixed;
+  fixed.minibatch_size = 512;
+  EXPECT_EQ(minibatch_rows(fixed, named_shape("dsv3_local"), 132), 512);
+  expect_error(
+      [&] {
+        try {
+          minibatch_rows(config, named_shape("tiny"), 0);
+        } catch (const Error& error) {
+          return Status{error.code(), error.what()};
+        }
+        return Status::Ok();
+      }(),
+      ErrorCode::kInvalidArgument, {"num_sms = 0"});
 }
 
 // What the GPU's FP8 path runs (one GPU or a group, the kernel sequences, one macrobatch,

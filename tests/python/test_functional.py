@@ -249,7 +249,10 @@ def test_no_tokens(device):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(minibatch_size=100), r"minibatch_size = 100; valid: a positive multiple of 128"),
+        (
+            dict(minibatch_size=100),
+            r"minibatch_size = 100; valid: 0 \(sized from the shape\) or a positive multiple of 128",
+        ),
         (dict(wait_timeout_s=0.0), r"wait_timeout_s = 0"),
         (dict(macrobatch_size=100), r"macrobatch_size = 100; valid: 0 \(sized from the shape\)"),
     ],
