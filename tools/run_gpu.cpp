@@ -31,6 +31,7 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
+         (config.gemm_wide_down_tiles ? ", down GEMM in 256 x 192 tiles" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 

@@ -215,16 +215,27 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
     mark("gate/up GEMM + SwiGLU");
   }
 
-  maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
-  maps.b0 = maps.b1 =
-      k_major_weights(f.weights.down, I, H, E, 128, "w_down", f.weights.down_stride);
-  maps.out = output_rows(f.out, H, f.out_rows, "expert output rows");
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(I);
   params.gather = kernels::FusedGather{};
   params.push = f.push;
   params.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
-  launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
+  if (s.config.gemm_wide_down_tiles) {
+    // 256 x 192 tiles (can_implement refused the push they do not make).
+    kernels::WideDownGemmMaps wide{};
+    wide.a = k_major_rows(set.hidden.pointer, I, R, "hidden");
+    wide.b = k_major_weights(f.weights.down, I, H, E, 192, "w_down (192-row boxes)",
+                             f.weights.down_stride);
+    wide.out = output_rows(f.out, H, f.out_rows, "expert output rows");
+    cuda_check(kernels::launch_wide_down_gemm(wide, params, s.sm_count, stream),
+               "down GEMM (256 x 192 tiles)");
+  } else {
+    maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
+    maps.b0 = maps.b1 =
+        k_major_weights(f.weights.down, I, H, E, 128, "w_down", f.weights.down_stride);
+    maps.out = output_rows(f.out, H, f.out_rows, "expert output rows");
+    launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
+  }
   mark("down GEMM");
 }
 

@@ -1,12 +1,18 @@
 // The standalone expert GEMM's tile walk (src/kernels/gemm/tile_walk.h): every output tile is
 // produced by exactly one walk unit and CTA, alone or in CTA pairs; a pair's two tiles share
-// their column tile (and expert), and only the second tile of an odd count is a phantom.
+// their column tile (and expert), and only the second tile of an odd count is a phantom. And the
+// 256 x 192 down GEMM's row units (src/kernels/gemm/wide_tile_walk.h): every schedule tile of
+// the window in exactly one unit, a unit's tiles of one expert, paired from the expert's first
+// tile in the window.
 #include <gtest/gtest.h>
 
 #include <map>
+#include <random>
 #include <tuple>
+#include <vector>
 
 #include "kernels/gemm/tile_walk.h"
+#include "kernels/gemm/wide_tile_walk.h"
 
 namespace mok::kernels {
 namespace {
@@ -56,6 +62,52 @@ TEST(TileWalk, EveryTileOnceAloneAndInPairs) {
     for (const bool paired : {false, true})
       for (int m = 1; m <= 19; m += 3)
         for (int n = 1; n <= 7; n += 2) check_walk(m, n, 3, row_tiles, paired);
+}
+
+// Random segments (empty experts included) and macrobatch windows over them.
+TEST(WideTileWalk, EveryWindowTileInOneUnitPairedWithinItsExpert) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int experts = 1 + static_cast<int>(rng() % 40);
+    std::vector<int32_t> offsets(experts + 1, 0);
+    for (int e = 0; e < experts; ++e)
+      offsets[e + 1] = offsets[e] + kWideTileRows * static_cast<int32_t>(rng() % 8);
+    const int32_t total_tiles = offsets[experts] / kWideTileRows;
+    const int32_t m_begin = total_tiles > 0 ? static_cast<int32_t>(rng() % (total_tiles + 1)) : 0;
+    const int32_t m_end = trial % 3 == 0
+                              ? total_tiles
+                              : m_begin + static_cast<int32_t>(rng() % (total_tiles - m_begin + 1));
+    SCOPED_TRACE(testing::Message()
+                 << "trial " << trial << ": " << experts << " experts, " << total_tiles
+                 << " tiles, window [" << m_begin << ", " << m_end << ")");
+    // The kernel's prefix (scan_row_units), written out plainly.
+    std::vector<int32_t> unit_start(experts + 1, 0);
+    for (int e = 0; e < experts; ++e) {
+      int32_t first = 0, end = 0;
+      expert_window_tiles(offsets.data(), e, m_begin, m_end, &first, &end);
+      unit_start[e + 1] = unit_start[e] + wide_row_units(first, end);
+    }
+    std::vector<int> covered(total_tiles, 0);
+    for (int32_t unit = 0; unit < unit_start[experts]; ++unit) {
+      const WideRowUnit row_unit =
+          wide_row_unit(unit, unit_start.data(), experts, offsets.data(), m_begin, m_end);
+      ASSERT_GE(row_unit.expert, 0);
+      ASSERT_LT(row_unit.expert, experts);
+      ASSERT_TRUE(row_unit.num_tiles == 1 || row_unit.num_tiles == 2);
+      int32_t first = 0, end = 0;
+      expert_window_tiles(offsets.data(), row_unit.expert, m_begin, m_end, &first, &end);
+      EXPECT_EQ((row_unit.m_tile - first) % 2, 0) << "pairs start at the expert's first tile";
+      for (int t = 0; t < row_unit.num_tiles; ++t) {
+        const int32_t tile = row_unit.m_tile + t;
+        ASSERT_GE(tile, first);
+        ASSERT_LT(tile, end) << "a unit's tiles are its expert's, inside the window";
+        ++covered[tile];
+      }
+      if (row_unit.num_tiles == 1) EXPECT_EQ(row_unit.m_tile + 1, end) << "only a last tile alone";
+    }
+    for (int32_t tile = 0; tile < total_tiles; ++tile)
+      EXPECT_EQ(covered[tile], tile >= m_begin && tile < m_end ? 1 : 0) << "tile " << tile;
+  }
 }
 
 }  // namespace

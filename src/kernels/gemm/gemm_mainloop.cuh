@@ -41,14 +41,15 @@ constexpr int kConsumerRegisters = 224;
 constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 
-// Shared memory of one CTA: the stage ring and the epilogue's staging tile of 128 x 256 bf16
-// (four 128B-swizzled chunks of 64 columns, epilogue.cuh).
-template <int kStages>
+// Shared memory of one CTA: the stage ring of (A kTileM x 64, B kTileN x 64) and the
+// epilogue's staging tile of kStagingRows x kTileN bf16 (128B-swizzled chunks of 64 columns,
+// epilogue.cuh). The expert GEMM's: 128 x 256 tiles, all 128 rows staged at once.
+template <int kStages, int kTileM = BLOCK_M, int kTileN = BLOCK_N, int kStagingRows = BLOCK_M>
 struct alignas(1024) GemmSharedStorage {
   static constexpr int kNumStagesHere = kStages;
-  __nv_bfloat16 a[kStages][BLOCK_M * BLOCK_K];
-  __nv_bfloat16 b[kStages][BLOCK_N * BLOCK_K];
-  __nv_bfloat16 store_tile[BLOCK_M * BLOCK_N];
+  __nv_bfloat16 a[kStages][kTileM * BLOCK_K];
+  __nv_bfloat16 b[kStages][kTileN * BLOCK_K];
+  __nv_bfloat16 store_tile[kStagingRows * kTileN];
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/gemm/expert_gemm_params.h"
+#include "kernels/gemm/wide_tile_walk.h"
 
 namespace mok::kernels {
 
@@ -34,5 +35,16 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
 // = 0). The same bits.
 cudaError_t launch_weight_grad_pingpong(const ExpertGemmMaps& maps, const ExpertGemmParams& params,
                                         int num_ctas, cudaStream_t stream);
+
+// The forward's down GEMM in 256 x 192 tiles (wide_down_gemm.cu; MoeConfig::gemm_wide_down_tiles):
+// a = h rows [rows, I] with [128 x 64] boxes, b = Wd [E_loc, H, I] with [192 x 64] boxes, out = y
+// [1, rows, H] with [128 x 64] boxes. The kDownStore form's parameters without a push (one
+// launch per macrobatch); params.num_experts at most kMaxWideExperts. The same bits as
+// launch_expert_gemm's kDownStore.
+struct WideDownGemmMaps {
+  CUtensorMap a, b, out;
+};
+cudaError_t launch_wide_down_gemm(const WideDownGemmMaps& maps, const ExpertGemmParams& params,
+                                  int num_ctas, cudaStream_t stream);
 
 }  // namespace mok::kernels
