@@ -35,7 +35,7 @@ struct RunOptions {
   bool persistent_forward = false;   // GPU: MoeConfig::persistent_forward
   bool persistent_backward = false;  // GPU: MoeConfig::persistent_backward
   bool cta_pairs = false;            // GPU: MoeConfig::gemm_cta_pairs
-  bool wide_down_tiles = false;      // GPU: MoeConfig::gemm_wide_down_tiles
+  bool wide_tiles = false;           // GPU: MoeConfig::gemm_wide_tiles
   bool quick = false;                // GPU, one GPU: the layer against the baseline only
   std::vector<std::string> compare;  // --quick: knobs flipped and timed beside the layer
   int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs

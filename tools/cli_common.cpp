@@ -18,7 +18,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.persistent_forward = options.persistent_forward;
   config.persistent_backward = options.persistent_backward;
   config.gemm_cta_pairs = options.cta_pairs;
-  config.gemm_wide_down_tiles = options.wide_down_tiles;
+  config.gemm_wide_tiles = options.wide_tiles;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;
@@ -30,24 +30,26 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
 
 const char* const kCompareKnobs[] = {
     "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
-    "skip-padding-rows", "local-dispatch",     "wide-down-tiles",     nullptr};
+    "skip-padding-rows", "local-dispatch",     "wide-tiles",          nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   mok::MoeConfig flipped = config;
   if (name == "cta-pairs") {
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
-    if (flipped.gemm_cta_pairs) flipped.gemm_wide_down_tiles = false;  // they exclude each other
+    if (flipped.gemm_cta_pairs) flipped.gemm_wide_tiles = false;  // they exclude each other
   } else if (name == "persistent-forward") {
     flipped.persistent_forward = !config.persistent_forward;
-    if (flipped.persistent_forward) flipped.gemm_wide_down_tiles = false;
-  } else if (name == "wide-down-tiles") {
-    flipped.gemm_wide_down_tiles = !config.gemm_wide_down_tiles;
-    if (flipped.gemm_wide_down_tiles) {
+    if (flipped.persistent_forward) flipped.gemm_wide_tiles = false;
+  } else if (name == "wide-tiles") {
+    flipped.gemm_wide_tiles = !config.gemm_wide_tiles;
+    if (flipped.gemm_wide_tiles) {
       flipped.gemm_cta_pairs = false;
       flipped.persistent_forward = false;
+      flipped.persistent_backward = false;
     }
   } else if (name == "persistent-backward") {
     flipped.persistent_backward = !config.persistent_backward;
+    if (flipped.persistent_backward) flipped.gemm_wide_tiles = false;
   } else if (name == "weight-grad-pingpong") {
     flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
   } else if (name == "skip-padding-rows") {

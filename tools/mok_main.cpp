@@ -58,12 +58,12 @@ mok run options:
                                (the run checks and times both ways either way)
   --cta-pairs                  GPU: run the expert GEMMs in clusters of two CTAs that multicast
                                the weight tile they share (the run times both ways either way)
-  --wide-down-tiles            GPU: run the forward's down GEMM in 256 x 192 tiles
+  --wide-tiles                 GPU: run the down GEMM and both dgrads in 256 x 192 tiles
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
                                (cta-pairs, persistent-forward, persistent-backward,
                                weight-grad-pingpong, skip-padding-rows, local-dispatch,
-                               wide-down-tiles)
+                               wide-tiles)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -123,8 +123,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.cta_pairs = true;
       continue;
     }
-    if (flag == "--wide-down-tiles") {
-      options.wide_down_tiles = true;
+    if (flag == "--wide-tiles") {
+      options.wide_tiles = true;
       continue;
     }
     if (flag == "--quick") {

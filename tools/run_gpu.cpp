@@ -31,7 +31,7 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.gemm_wide_down_tiles ? ", down GEMM in 256 x 192 tiles" : "") +
+         (config.gemm_wide_tiles ? ", down GEMM in 256 x 192 tiles" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -39,6 +39,7 @@ std::string variant_name(const mok::MoeConfig& config) {
 std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
+         (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }

@@ -76,14 +76,14 @@ struct MoeConfig {
   // tiles of one expert (or of one expert's weight gradient) together and multicast the weight
   // tile they share: a third less L2 traffic per FLOP. Same bits either way.
   bool gemm_cta_pairs = false;
-  // The forward's down GEMM in the kernel sequence in 256 x 192 tiles instead of 128 x 256
-  // (src/kernels/gemm/wide_down_gemm.cu): 22% fewer L2 bytes per FLOP, where the L2's partition
-  // fabric binds the GEMMs (docs/perf.md, session 17). Each expert's 128-row tiles go in pairs
-  // (an odd last one alone); the padding rows are computed. Same bits either way. bf16, without
-  // CTA pairs, the persistent forward or the in-GEMM expert-parallel push; at most
-  // kMaxWideDownExperts local experts. Off until it is measured faster (written in session 17,
-  // not yet run).
-  bool gemm_wide_down_tiles = false;
+  // The forward's down GEMM and the backward's two dgrads (the kernel sequences) in 256 x 192
+  // tiles instead of 128 x 256 (src/kernels/gemm/wide_tile_gemm.cu): 22% fewer L2 bytes per
+  // FLOP, where the L2's partition fabric binds the GEMMs (docs/perf.md, session 17). Each
+  // expert's 128-row tiles go in pairs (an odd last one alone); the padding rows are computed.
+  // Same bits either way. bf16, without CTA pairs, the persistent kernels or the in-GEMM
+  // expert-parallel push; at most kMaxWideTileExperts local experts. Off until it is measured
+  // faster (written in session 17, not yet run).
+  bool gemm_wide_tiles = false;
   // The expert GEMM kernels (not the persistent ones) skip the padding rows they can: the
   // weight gradients reduce each expert's routed rows rounded up to 64 instead of its 128-row
   // segment, and where the experts average at most kHalfRowTilesMaxRowsPerExpert routed rows,
@@ -132,9 +132,9 @@ struct MoeConfig {
 };
 
 inline constexpr int32_t kMaxCommSms = 128;
-// MoeConfig::gemm_wide_down_tiles: the most local experts (its kernel keeps a per-expert table
-// in shared memory).
-inline constexpr int64_t kMaxWideDownExperts = 1024;
+// MoeConfig::gemm_wide_tiles: the most local experts (its kernels keep a per-expert table in
+// shared memory).
+inline constexpr int64_t kMaxWideTileExperts = 1024;
 
 // MoeConfig::skip_padding_rows: 64-row last tiles only where the experts average this many
 // routed rows or fewer, where the padding is 20-31% of the row tiles' work. A 64-row tile saves

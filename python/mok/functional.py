@@ -69,9 +69,9 @@ class MoKConfig:
         kernel (same bits).
     gemm_cta_pairs: run the expert GEMMs in clusters of two CTAs that multicast the weight tile
         they share (same bits).
-    gemm_wide_down_tiles: run the forward's down GEMM in 256 x 192 tiles, 22% fewer L2 bytes per
-        FLOP (same bits; bf16, without CTA pairs, the persistent forward or the in-GEMM
-        expert-parallel communication; off until measured faster).
+    gemm_wide_tiles: run the forward's down GEMM and the backward's two dgrads in 256 x 192
+        tiles, 22% fewer L2 bytes per FLOP (same bits; bf16, without CTA pairs, the persistent
+        kernels or the in-GEMM expert-parallel communication; off until measured faster).
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
@@ -102,7 +102,7 @@ class MoKConfig:
     persistent_forward: bool = False
     persistent_backward: bool = False
     gemm_cta_pairs: bool = False
-    gemm_wide_down_tiles: bool = False
+    gemm_wide_tiles: bool = False
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
     check_finite: bool = False
@@ -121,7 +121,7 @@ class MoKConfig:
         config.persistent_forward = self.persistent_forward
         config.persistent_backward = self.persistent_backward
         config.gemm_cta_pairs = self.gemm_cta_pairs
-        config.gemm_wide_down_tiles = self.gemm_wide_down_tiles
+        config.gemm_wide_tiles = self.gemm_wide_tiles
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite

@@ -162,10 +162,10 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
                                std::to_string(static_cast<int32_t>(config.precision)) +
                                "; valid: bf16, fp8_block");
   }
-  if (config.gemm_wide_down_tiles && shape.num_local_experts() > kMaxWideDownExperts)
+  if (config.gemm_wide_tiles && shape.num_local_experts() > kMaxWideTileExperts)
     return Status::unsupported(
-        "config: gemm_wide_down_tiles = true with " + std::to_string(shape.num_local_experts()) +
-        " local experts; valid: at most " + std::to_string(kMaxWideDownExperts));
+        "config: gemm_wide_tiles = true with " + std::to_string(shape.num_local_experts()) +
+        " local experts; valid: at most " + std::to_string(kMaxWideTileExperts));
   return can_implement_knobs(config, shape.num_ranks);
 }
 
@@ -202,20 +202,20 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
       config.local_dispatch != LocalDispatch::kProducerWarps)
     return bad("local_dispatch = " + std::to_string(static_cast<int32_t>(config.local_dispatch)) +
                "; valid: 0 (gather-kernel), 1 (producer-warps)");
-  if (config.gemm_wide_down_tiles) {
-    const std::string with = "gemm_wide_down_tiles = true with ";
+  if (config.gemm_wide_tiles) {
+    const std::string with = "gemm_wide_tiles = true with ";
     if (config.gemm_cta_pairs)
       return bad(with +
                  "gemm_cta_pairs = true; valid: at most one of them (the 256 x 192 tiles "
                  "run without clusters)");
-    if (config.persistent_forward)
-      return bad(with +
-                 "persistent_forward = true; valid: persistent_forward = false (the 256 x 192 "
-                 "tiles are the kernel sequence's down GEMM)");
+    if (config.persistent_forward || config.persistent_backward)
+      return bad(with + (config.persistent_forward ? "persistent_forward" : "persistent_backward") +
+                 " = true; valid: persistent_forward and persistent_backward false (the 256 x "
+                 "192 tiles are the kernel sequences' down GEMM and dgrads)");
     if (config.ep_dispatch_in_gemm)
       return bad(with +
                  "ep_dispatch_in_gemm = true; valid: ep_dispatch_in_gemm = false (the push "
-                 "from the down GEMM's staging tile runs in its 128 x 256 tiles only)");
+                 "from the staging tile runs in the 128 x 256 tiles only)");
     if (config.precision != Precision::kBF16)
       return bad(with +
                  "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its own)");

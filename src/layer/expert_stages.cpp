@@ -184,6 +184,14 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
       what);
 }
 
+// The 256 x 192 tiles of MoeConfig::gemm_wide_tiles (wide_tile_gemm.cu).
+void launch_wide(const GpuLayer::State& s, kernels::ExpertGemmForm form,
+                 const kernels::WideGemmMaps& maps, const kernels::ExpertGemmParams& params,
+                 cudaStream_t stream, const char* what) {
+  cuda_check(kernels::launch_wide_tile_gemm(form, maps, params, s.sm_count, stream),
+             std::string(what) + " (256 x 192 tiles)");
+}
+
 }  // namespace
 
 namespace stages {
@@ -220,15 +228,14 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   params.gather = kernels::FusedGather{};
   params.push = f.push;
   params.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
-  if (s.config.gemm_wide_down_tiles) {
+  if (s.config.gemm_wide_tiles) {
     // 256 x 192 tiles (can_implement refused the push they do not make).
-    kernels::WideDownGemmMaps wide{};
-    wide.a = k_major_rows(set.hidden.pointer, I, R, "hidden");
-    wide.b = k_major_weights(f.weights.down, I, H, E, 192, "w_down (192-row boxes)",
-                             f.weights.down_stride);
+    kernels::WideGemmMaps wide{};
+    wide.a0 = wide.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
+    wide.b0 = wide.b1 = k_major_weights(f.weights.down, I, H, E, 192, "w_down (192-row boxes)",
+                                        f.weights.down_stride);
     wide.out = output_rows(f.out, H, f.out_rows, "expert output rows");
-    cuda_check(kernels::launch_wide_down_gemm(wide, params, s.sm_count, stream),
-               "down GEMM (256 x 192 tiles)");
+    launch_wide(s, kernels::ExpertGemmForm::kDownStore, wide, params, stream, "down GEMM");
   } else {
     maps.a0 = maps.a1 = k_major_rows(set.hidden.pointer, I, R, "hidden");
     maps.b0 = maps.b1 =
@@ -315,7 +322,11 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
-  launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
+  if (s.config.gemm_wide_tiles)
+    launch_wide(s, kernels::ExpertGemmForm::kDownGrad,
+                {maps.a0, maps.a1, maps.b0, maps.b1, maps.out}, params, stream, "down dgrad GEMM");
+  else
+    launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
   mark("down dgrad");
   const ScheduleView view = set.view();
   const int64_t window_begin = params.macrobatch.ring_row_base;
@@ -338,8 +349,13 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   kernels::ExpertGemmParams dx_params = params;
   dx_params.macrobatch.out_row_base = 0;  // dx rows are full size, in schedule rows
   dx_params.push = b.push;
-  launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, dx_params, stream,
-         "gate/up dgrad GEMM");
+  if (s.config.gemm_wide_tiles)  // (can_implement refused the push they do not make)
+    launch_wide(s, kernels::ExpertGemmForm::kGateUpGradStore,
+                {maps.a0, maps.a1, maps.b0, maps.b1, maps.out}, dx_params, stream,
+                "gate/up dgrad GEMM");
+  else
+    launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, dx_params, stream,
+           "gate/up dgrad GEMM");
   mark("gate/up dgrad");
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands MN-major.

@@ -188,35 +188,39 @@ TEST(ConfigValidation, EachBadKnobIsNamed) {
                {"ep_dispatch_in_gemm = true with precision = fp8_block", "precision = bf16"});
 }
 
-// The 256 x 192 down tiles (MoeConfig::gemm_wide_down_tiles) with what they do not run, each
-// named; alone they run at every named shape.
-TEST(ConfigValidation, WideDownTilesNameWhatExcludesThem) {
+// The 256 x 192 tiles (MoeConfig::gemm_wide_tiles) with what they do not run, each named;
+// alone they run at every named shape.
+TEST(ConfigValidation, WideTilesNameWhatExcludesThem) {
   MoeConfig wide;
-  wide.gemm_wide_down_tiles = true;
+  wide.gemm_wide_tiles = true;
   for (const std::string& name : named_shape_names())
     EXPECT_TRUE(can_implement(wide, named_shape(name)).ok()) << name;
   const MoeShape shape = named_shape("tiny");
   MoeConfig config = wide;
   config.gemm_cta_pairs = true;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"gemm_wide_down_tiles = true with gemm_cta_pairs = true"});
+               {"gemm_wide_tiles = true with gemm_cta_pairs = true"});
   config = wide;
   config.persistent_forward = true;
   expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
-               {"gemm_wide_down_tiles = true with persistent_forward = true"});
+               {"gemm_wide_tiles = true with persistent_forward = true"});
+  config = wide;
+  config.persistent_backward = true;
+  expect_error(can_implement(config, shape), ErrorCode::kInvalidArgument,
+               {"gemm_wide_tiles = true with persistent_backward = true"});
   config = wide;
   config.ep_dispatch_in_gemm = true;
   expect_error(can_implement_knobs(config, 2), ErrorCode::kInvalidArgument,
-               {"gemm_wide_down_tiles = true with ep_dispatch_in_gemm = true"});
+               {"gemm_wide_tiles = true with ep_dispatch_in_gemm = true"});
   config = wide;
   config.precision = Precision::kFP8Block;
   expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"gemm_wide_down_tiles = true with precision = fp8_block"});
+               {"gemm_wide_tiles = true with precision = fp8_block"});
   MoeShape many = shape;
   many.num_experts = 2048;
   many.top_k = 2;
   expect_error(can_implement(wide, many), ErrorCode::kUnsupported,
-               {"gemm_wide_down_tiles = true with 2048 local experts", "at most 1024"});
+               {"gemm_wide_tiles = true with 2048 local experts", "at most 1024"});
 }
 
 // The knob checks alone (no sizes: what the Python package's CPU path runs) refuse what the

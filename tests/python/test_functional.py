@@ -276,7 +276,7 @@ def test_config_switches_reach_the_native_config():
         "persistent_forward",
         "persistent_backward",
         "gemm_cta_pairs",
-        "gemm_wide_down_tiles",
+        "gemm_wide_tiles",
         "skip_padding_rows",
         "weight_grad_pingpong",
         "check_finite",

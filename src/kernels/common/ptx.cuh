@@ -290,7 +290,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
 
 // D[64 x 192] (+)= A[64 x 16] * B[16 x 192]^T, bf16 in, fp32 accumulate (96 registers per
 // thread, the m64nN fragment layout of gemm_mainloop.cuh): the 256 x 192 tiles of
-// wide_down_gemm.cu. Per output element the same products and order as m64n256k16.
+// wide_tile_gemm.cu. Per output element the same products and order as m64n256k16.
 template <int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n192k16_bf16(float (&d)[96], uint64_t desc_a,
                                                       uint64_t desc_b, bool accumulate) {

@@ -36,15 +36,18 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
 cudaError_t launch_weight_grad_pingpong(const ExpertGemmMaps& maps, const ExpertGemmParams& params,
                                         int num_ctas, cudaStream_t stream);
 
-// The forward's down GEMM in 256 x 192 tiles (wide_down_gemm.cu; MoeConfig::gemm_wide_down_tiles):
-// a = h rows [rows, I] with [128 x 64] boxes, b = Wd [E_loc, H, I] with [192 x 64] boxes, out = y
-// [1, rows, H] with [128 x 64] boxes. The kDownStore form's parameters without a push (one
-// launch per macrobatch); params.num_experts at most kMaxWideExperts. The same bits as
-// launch_expert_gemm's kDownStore.
-struct WideDownGemmMaps {
-  CUtensorMap a, b, out;
+// The row-tile GEMMs with a plain epilogue in 256 x 192 tiles (wide_tile_gemm.cu;
+// MoeConfig::gemm_wide_tiles): kDownStore, kDownGrad and kGateUpGradStore, reading and writing
+// what launch_expert_gemm's forms do, with the same bits. A maps: K-major rows with [128 x 64]
+// boxes (a1: d_u of kGateUpGradStore); B maps: kDownStore's Wd K-major with [192 x 64] boxes,
+// the dgrads' weights MN-major with [64 x 64] boxes (b1: Wu); out: [1, rows, N] with [128 x 64]
+// boxes. No push (params.push unset), one launch per macrobatch, params.num_experts at most
+// kMaxWideExperts; another form returns cudaErrorInvalidValue.
+struct WideGemmMaps {
+  CUtensorMap a0, a1, b0, b1, out;
 };
-cudaError_t launch_wide_down_gemm(const WideDownGemmMaps& maps, const ExpertGemmParams& params,
-                                  int num_ctas, cudaStream_t stream);
+cudaError_t launch_wide_tile_gemm(ExpertGemmForm form, const WideGemmMaps& maps,
+                                  const ExpertGemmParams& params, int num_ctas,
+                                  cudaStream_t stream);
 
 }  // namespace mok::kernels

@@ -1,4 +1,4 @@
-// How the 256 x 192 down GEMM (wide_down_gemm.cu) walks its row units, shared by host and
+// How the 256 x 192 down GEMM (wide_tile_gemm.cu) walks its row units, shared by host and
 // device so the CPU tests check it. A row unit is one or two consecutive 128-row tiles of the
 // schedule, both of one expert: each expert's tiles inside the launch's window [m_begin, m_end)
 // (its macrobatch) are paired from the first one there, and an odd last tile is a unit alone.
@@ -13,7 +13,7 @@
 namespace mok::kernels {
 
 constexpr int32_t kWideTileRows = 128;     // a schedule tile; a unit holds one or two
-constexpr int32_t kMaxWideExperts = 1024;  // E_loc (mok/config.h's kMaxWideDownExperts)
+constexpr int32_t kMaxWideExperts = 1024;  // E_loc (mok/config.h's kMaxWideTileExperts)
 
 // The tiles [*first, *end) of expert `expert` inside the window, from the schedule's segment
 // starts (`expert_offsets`, E + 1 entries in rows, multiples of 128).

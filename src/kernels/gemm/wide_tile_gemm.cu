@@ -1,22 +1,24 @@
-// The forward's down GEMM in 256 x 192 tiles (MoeConfig::gemm_wide_down_tiles; issue 16): y =
-// bf16(h Wd^T) rows in schedule order, the kDownStore form of expert_gemm.cu with taller and
-// narrower tiles.
+// The row-tile GEMMs with a plain epilogue in 256 x 192 tiles (MoeConfig::gemm_wide_tiles;
+// issue 16): the forward's down GEMM (kDownStore: y = bf16(h Wd^T)) and the backward's two
+// dgrads (kDownGrad: dh_raw = bf16(d_out Wd); kGateUpGradStore: dx = bf16(d_g Wg + d_u Wu)),
+// the forms of expert_gemm.cu with taller and narrower tiles, the same operands and outputs.
 //
 // Why: the row-tile GEMMs are bound by the fabric between the L2's two partitions, which
 // carries a fixed share of the bytes the SMs read (docs/perf.md, session 17). The bytes per
 // FLOP of a tile go as 1/tile_M + 1/tile_N: 256 x 192 reads 22% fewer than 128 x 256.
 //
 // Grid: persistent, one 384-thread CTA per SM. A unit is one row unit (wide_tile_walk.h: one or
-// two 128-row schedule tiles of one expert) by one 192-column tile of H; CTA c takes units c,
-// c + grid, ..., grouped kTileGroupM row units at a time and swept n-major (task_order.h's
-// grouped_tile), as the expert GEMM's tiles go, so CTAs running together share the weight
-// columns of one expert in L2. Each CTA first writes the row units' prefix (unit_start) into
-// shared memory: warp 0 scans the experts' unit counts.
+// two 128-row schedule tiles of one expert) by one 192-column tile of the output; CTA c takes
+// units c, c + grid, ..., grouped kTileGroupM row units at a time and swept n-major
+// (task_order.h's grouped_tile), as the expert GEMM's tiles go, so CTAs running together share
+// the weight columns of one expert in L2. Each CTA first writes the row units' prefix
+// (unit_start) into shared memory: warp 0 scans the experts' unit counts.
 // Warp roles:
-//   warpgroup 0, thread 0  the TMA producer: per K-block of 64, A = the unit's h rows (one or two
-//                [128 x 64] boxes) and B = Wd rows [192 x 64] of its expert, into a ring of
-//                kWideStages stages; it waits on empty[s] before reusing stage s. The rest of
-//                warpgroup 0 idles (setmaxnreg.dec to 40).
+//   warpgroup 0, thread 0  the TMA producer: per K-block of 64, A = the unit's rows (one or two
+//                K-major [128 x 64] boxes) and B = 192 columns of its expert's weights (K-major
+//                [192 x 64] for kDownStore; three MN-major [64 x 64] chunks for the dgrads),
+//                into a ring of kWideStages stages; it waits on empty[s] before reusing stage
+//                s. The rest of warpgroup 0 idles (setmaxnreg.dec to 40).
 //   warpgroups 1, 2  consumers (setmaxnreg.inc to 232). A two-tile unit: consumer c owns rows
 //                [128c, 128c + 128) as two m64n192 accumulators (192 registers); a one-tile
 //                unit: rows [64c, 64c + 64), one accumulator. Per K-block: wait full[s], issue
@@ -32,7 +34,7 @@
 // Bits: each output element gets the same products in the same K order as in the 128 x 256
 // tiles (m64n192 accumulates each element as m64n256 does), and the same single rounding.
 // Not here: the expert-parallel push from the staging tile, CTA pairs and 64-row tiles (the
-// config refuses the first two with this form; the padding rows are computed).
+// config refuses the first two with these tiles; the padding rows are computed).
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -40,6 +42,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/wait.cuh"
 #include "kernels/gemm/epilogue.cuh"
+#include "kernels/gemm/gemm_loads.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/launch.h"
 #include "kernels/gemm/wide_tile_walk.h"
@@ -63,7 +66,7 @@ constexpr int kBothConsumersBarrier = 1;
 
 // The ring of 256 x 64 A and 192 x 64 B stages, and a staging tile of 128 rows (one consumer's).
 using WideStorage = GemmSharedStorage<kWideStages, kWideTileM, kWideTileN, kWideTileRows>;
-static_assert(kMaxWideExperts == kMaxWideDownExperts, "the config's limit is the kernel's");
+static_assert(kMaxWideExperts == kMaxWideTileExperts, "the config's limit is the kernel's");
 static_assert(sizeof(__nv_bfloat16) * kWideTileN * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(WideStorage) + 1024 + (kMaxWideExperts + 1) * sizeof(int32_t) <= 227 * 1024,
               "the ring, the staging tile and the units' prefix fit the SM's shared memory");
@@ -123,7 +126,7 @@ __device__ __forceinline__ WideTile wide_tile(const ExpertGemmParams& params,
 
 // One consumer's mainloop over a unit: kTwo (a two-tile unit) accumulates its rows [128c, 128c
 // + 128) into acc0 (the first 64) and acc1; otherwise rows [64c, 64c + 64) into acc0.
-template <bool kTwo, typename State>
+template <bool kTwo, bool kBMnMajor, typename State>
 __device__ __forceinline__ void consume_wide_tile(const WaitContext& wait, WideStorage& smem,
                                                   State& state, int num_k_blocks, int consumer_idx,
                                                   float (&acc0)[96], float (&acc1)[96]) {
@@ -136,17 +139,17 @@ __device__ __forceinline__ void consume_wide_tile(const WaitContext& wait, WideS
         ptx::smem_desc_k_major_sw128(smem.a[state.stage] + first_row * BLOCK_K);
     const uint64_t desc_a1 =
         ptx::smem_desc_k_major_sw128(smem.a[state.stage] + (first_row + 64) * BLOCK_K);
-    const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[state.stage]);
+    const uint64_t desc_b = operand_desc<kBMnMajor>(smem.b[state.stage]);
     ptx::fence_registers(acc0);
     if constexpr (kTwo) ptx::fence_registers(acc1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < BLOCK_K / 16; ++k) {
       const bool scale_d = k_block > 0 || k > 0;
-      const uint64_t step = k * k16_step<false>();
-      ptx::wgmma_m64n192k16_bf16<0, 0>(acc0, desc_a0 + step, desc_b + step, scale_d);
+      const uint64_t step_a = k * k16_step<false>(), step_b = k * k16_step<kBMnMajor>();
+      ptx::wgmma_m64n192k16_bf16<0, kBMnMajor>(acc0, desc_a0 + step_a, desc_b + step_b, scale_d);
       if constexpr (kTwo)
-        ptx::wgmma_m64n192k16_bf16<0, 0>(acc1, desc_a1 + step, desc_b + step, scale_d);
+        ptx::wgmma_m64n192k16_bf16<0, kBMnMajor>(acc1, desc_a1 + step_a, desc_b + step_b, scale_d);
     }
     ptx::wgmma_commit();
     ptx::fence_registers(acc0);
@@ -169,7 +172,8 @@ __device__ __forceinline__ void stage_wide(char* tile, int row_base, const float
   });
 }
 
-// Issuer: the staging tile's 128 rows to y at `row`, columns [n_tile * 192, + 192) clipped to H.
+// Issuer: the staging tile's 128 rows to `out` at `row`, columns [n_tile * 192, + 192) clipped
+// to n_extent.
 __device__ __forceinline__ void store_wide(const CUtensorMap* out, const char* tile, int n_tile,
                                            int n_extent, int row) {
   store_chunks(out, tile, 0, kWideChunks, n_tile * kWideTileN, n_extent, row, 0);
@@ -183,7 +187,7 @@ __device__ __forceinline__ void wide_epilogue(const CUtensorMap* out, WideStorag
                                               int consumer_idx, bool issuer,
                                               const float (&acc0)[96], const float (&acc1)[96]) {
   char* staging = reinterpret_cast<char*>(smem.store_tile);
-  // Rows of y: full size, in schedule rows (out_row_base 0 for the routed and shared y).
+  // Output rows: y and dx are full size (out_row_base 0), dh_raw sits in the macrobatch's ring.
   const int row = tile.rows.m_tile * kWideTileRows - params.macrobatch.out_row_base;
   if (issuer) ptx::bulk_wait_group_read<0>();
   ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
@@ -215,11 +219,55 @@ __device__ __forceinline__ void wide_epilogue(const CUtensorMap* out, WideStorag
   }
 }
 
+struct WideMaps {
+  const CUtensorMap* a0;
+  const CUtensorMap* a1;
+  const CUtensorMap* b0;
+  const CUtensorMap* b1;
+};
+
+// The TMA loads of one K-block of a unit (gemm_loads.cuh's issue_loads, with 192 columns and one
+// or two row boxes): kDownStore B = Wd rows [192 x 64] (b0); kDownGrad B = Wd MN-major (b0),
+// three [64 K x 64 N] chunks; kGateUpGradStore K < I: d_g (a0) and Wg (b0), then d_u (a1) and Wu
+// (b1).
+template <ExpertGemmForm kForm>
+__device__ __forceinline__ void issue_wide_loads(const WideMaps& maps,
+                                                 const ExpertGemmParams& params,
+                                                 const WideTile& tile, int row, int k_block,
+                                                 __nv_bfloat16* a_dst, __nv_bfloat16* b_dst,
+                                                 uint64_t* full) {
+  constexpr int kChunk = 64 * BLOCK_K;  // elements of one [64 x 64] box
+  int k = k_block * BLOCK_K;
+  const CUtensorMap* a = maps.a0;
+  const CUtensorMap* b = maps.b0;
+  if constexpr (kForm == ExpertGemmForm::kGateUpGradStore) {
+    if (k >= params.k_extent) {
+      k -= params.k_extent;
+      a = maps.a1;
+      b = maps.b1;
+    }
+  }
+  for (int t = 0; t < tile.rows.num_tiles; ++t)
+    ptx::tma_load_2d(a_dst + t * kWideTileRows * BLOCK_K, a, full, k, row + t * kWideTileRows);
+  const int n0 = tile.n_tile * kWideTileN;
+  if constexpr (kForm == ExpertGemmForm::kDownStore) {
+    ptx::tma_load_3d(b_dst, b, full, k, n0, tile.rows.expert);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kWideChunks; ++c)
+      ptx::tma_load_3d(b_dst + c * kChunk, b, full, n0 + c * 64, k, tile.rows.expert);
+  }
+}
+
+template <ExpertGemmForm kForm>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    wide_down_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                          const __grid_constant__ CUtensorMap tmap_b,
+    wide_tile_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a0,
+                          const __grid_constant__ CUtensorMap tmap_a1,
+                          const __grid_constant__ CUtensorMap tmap_b0,
+                          const __grid_constant__ CUtensorMap tmap_b1,
                           const __grid_constant__ CUtensorMap tmap_out,
                           const ExpertGemmParams params) {
+  constexpr bool kBMnMajor = FormTraits<kForm>::kBMnMajor;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   WideStorage& smem = ptx::align_shared_1024<WideStorage>(smem_raw);
   int32_t* unit_start = reinterpret_cast<int32_t*>(&smem + 1);
@@ -228,14 +276,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   init_pipeline<false>(smem);  // its barrier also publishes unit_start
   const int32_t num_n_tiles = (params.n_extent + kWideTileN - 1) / kWideTileN;
   const int32_t num_units = unit_start[params.num_experts] * num_n_tiles;
-  const int32_t num_k_blocks = params.k_extent / BLOCK_K;
+  // K: I for the down GEMM, H for the down dgrad, 2I (d_g then d_u) for the gate/up dgrad.
+  const int32_t num_k_blocks =
+      (kForm == ExpertGemmForm::kGateUpGradStore ? 2 : 1) * params.k_extent / BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kWideProducerRegisters>();
     if (threadIdx.x != 0) return;
-    ptx::prefetch_tensor_map(&tmap_a);
-    ptx::prefetch_tensor_map(&tmap_b);
+    const WideMaps maps{&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1};
+    ptx::prefetch_tensor_map(&tmap_a0);
+    ptx::prefetch_tensor_map(&tmap_b0);
     PipelineState<kWideStages> state;
     for (int32_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
       const WideTile tile = wide_tile(params, window, unit_start, num_n_tiles, unit);
@@ -244,12 +295,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int k_block = 0; k_block < num_k_blocks; ++k_block)
         produce_stage(params.wait, smem, state, bytes,
                       [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
-                        const int k = k_block * BLOCK_K;
-                        for (int t = 0; t < tile.rows.num_tiles; ++t)
-                          ptx::tma_load_2d(a_dst + t * kWideTileRows * BLOCK_K, &tmap_a, full, k,
-                                           row + t * kWideTileRows);
-                        ptx::tma_load_3d(b_dst, &tmap_b, full, k, tile.n_tile * kWideTileN,
-                                         tile.rows.expert);
+                        issue_wide_loads<kForm>(maps, params, tile, row, k_block, a_dst, b_dst,
+                                                full);
                       });
     }
     return;
@@ -262,34 +309,56 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   for (int32_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
     const WideTile tile = wide_tile(params, window, unit_start, num_n_tiles, unit);
     if (tile.rows.num_tiles == 2)
-      consume_wide_tile<true>(params.wait, smem, state, num_k_blocks, consumer_idx, acc0, acc1);
+      consume_wide_tile<true, kBMnMajor>(params.wait, smem, state, num_k_blocks, consumer_idx, acc0,
+                                         acc1);
     else
-      consume_wide_tile<false>(params.wait, smem, state, num_k_blocks, consumer_idx, acc0, acc1);
+      consume_wide_tile<false, kBMnMajor>(params.wait, smem, state, num_k_blocks, consumer_idx,
+                                          acc0, acc1);
     wide_epilogue(&tmap_out, smem, params, tile, consumer_idx, issuer, acc0, acc1);
   }
   // Outstanding TMA stores read the staging tile: it must outlive them.
   if (issuer) ptx::bulk_wait_group<0>();
 }
 
+template <ExpertGemmForm kForm>
+cudaError_t launch_wide_form(const WideGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
+                             cudaStream_t stream) {
+  auto* kernel = &wide_tile_gemm_kernel<kForm>;
+  const size_t most_bytes = sizeof(WideStorage) + 1024 + (kMaxWideExperts + 1) * sizeof(int32_t);
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(most_bytes));
+  if (status != cudaSuccess) return status;
+  const size_t smem_bytes = sizeof(WideStorage) + 1024 + (params.num_experts + 1) * sizeof(int32_t);
+  kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps.a0, maps.a1, maps.b0, maps.b1,
+                                                        maps.out, params);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
-cudaError_t launch_wide_down_gemm(const WideDownGemmMaps& maps, const ExpertGemmParams& params,
-                                  int num_ctas, cudaStream_t stream) {
+cudaError_t launch_wide_tile_gemm(ExpertGemmForm form, const WideGemmMaps& maps,
+                                  const ExpertGemmParams& params, int num_ctas,
+                                  cudaStream_t stream) {
   if (params.num_experts > kMaxWideExperts || params.k_extent % BLOCK_K != 0)
     return cudaErrorInvalidValue;
-  const size_t smem_bytes = sizeof(WideStorage) + 1024 + (params.num_experts + 1) * sizeof(int32_t);
-  cudaError_t status = cudaFuncSetAttribute(
-      wide_down_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(sizeof(WideStorage) + 1024 + (kMaxWideExperts + 1) * sizeof(int32_t)));
-  if (status != cudaSuccess) return status;
-  wide_down_gemm_kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps.a, maps.b, maps.out,
-                                                                       params);
-  return cudaGetLastError();
+  switch (form) {
+    case ExpertGemmForm::kDownStore:
+      return launch_wide_form<ExpertGemmForm::kDownStore>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kDownGrad:
+      return launch_wide_form<ExpertGemmForm::kDownGrad>(maps, params, num_ctas, stream);
+    case ExpertGemmForm::kGateUpGradStore:
+      return launch_wide_form<ExpertGemmForm::kGateUpGradStore>(maps, params, num_ctas, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 // Loaded up front by expert-parallel groups (kernel_preload.h).
 namespace {
-const KernelPreloadList kPreload("wide_down_gemm.cu", {kernel_symbol(&wide_down_gemm_kernel)});
+const KernelPreloadList kPreload(
+    "wide_tile_gemm.cu", {kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kDownStore>),
+                          kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kDownGrad>),
+                          kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kGateUpGradStore>)});
 }  // namespace
 
 }  // namespace mok::kernels
