@@ -230,6 +230,26 @@ struct WideMaps {
 // or two row boxes): kDownStore B = Wd rows [192 x 64] (b0); kDownGrad B = Wd MN-major (b0),
 // three [64 K x 64 N] chunks; kGateUpGradStore K < I: d_g (a0) and Wg (b0), then d_u (a1) and Wu
 // (b1).
+// The MN-major B chunks of a unit's column tile that lie inside the output's N (the last tile
+// of H = 1024 has one: a chunk wholly past the edge is not loaded, and the columns it would
+// feed are clipped from the store).
+__device__ __forceinline__ int wide_b_chunks(const ExpertGemmParams& params, const WideTile& tile) {
+  const int left = params.n_extent - tile.n_tile * kWideTileN;
+  return left >= kWideTileN ? kWideChunks : (left + 63) / 64;
+}
+
+// The bytes a unit's K-block stage receives: its row boxes of A and its B (one K-major box,
+// partly zero-filled past N, or the MN-major chunks inside N).
+template <ExpertGemmForm kForm>
+__device__ __forceinline__ uint32_t wide_stage_bytes(const ExpertGemmParams& params,
+                                                     const WideTile& tile) {
+  constexpr uint32_t kChunkBytes = 64 * BLOCK_K * 2;
+  const uint32_t b_bytes = kForm == ExpertGemmForm::kDownStore
+                               ? kWideTileBBytes
+                               : kChunkBytes * static_cast<uint32_t>(wide_b_chunks(params, tile));
+  return tile.rows.num_tiles * kRowBoxBytes + b_bytes;
+}
+
 template <ExpertGemmForm kForm>
 __device__ __forceinline__ void issue_wide_loads(const WideMaps& maps,
                                                  const ExpertGemmParams& params,
@@ -253,8 +273,7 @@ __device__ __forceinline__ void issue_wide_loads(const WideMaps& maps,
   if constexpr (kForm == ExpertGemmForm::kDownStore) {
     ptx::tma_load_3d(b_dst, b, full, k, n0, tile.rows.expert);
   } else {
-#pragma unroll
-    for (int c = 0; c < kWideChunks; ++c)
+    for (int c = 0; c < wide_b_chunks(params, tile); ++c)
       ptx::tma_load_3d(b_dst + c * kChunk, b, full, n0 + c * 64, k, tile.rows.expert);
   }
 }
@@ -291,7 +310,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int32_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
       const WideTile tile = wide_tile(params, window, unit_start, num_n_tiles, unit);
       const int row = tile.rows.m_tile * kWideTileRows - params.macrobatch.ring_row_base;
-      const uint32_t bytes = tile.rows.num_tiles * kRowBoxBytes + kWideTileBBytes;
+      const uint32_t bytes = wide_stage_bytes<kForm>(params, tile);
       for (int k_block = 0; k_block < num_k_blocks; ++k_block)
         produce_stage(params.wait, smem, state, bytes,
                       [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
