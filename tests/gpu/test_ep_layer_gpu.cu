@@ -147,10 +147,12 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   // The forward's communication inside its GEMMs (the gate/up GEMM's producer warps pull the
   // rows from the peers' published x, the down GEMM's epilogue pushes the rows into their
   // slots), alone and with macrobatches (the backward then pulls x for the recomputed ones).
+  // The down GEMM and the dgrads in 256 x 192 tiles (MoeConfig::gemm_wide_tiles) on each rank.
   // FP8 holds one macrobatch and runs the kernel sequences: its variants are the data movement.
   for (const std::string variant :
        {"bulk copies", "push dispatch", "macrobatches", "push dispatch + macrobatches",
-        "persistent backward", "in-GEMM communication", "in-GEMM communication + macrobatches"}) {
+        "persistent backward", "in-GEMM communication", "in-GEMM communication + macrobatches",
+        "256 x 192 tiles"}) {
     if (fp8 && variant != "bulk copies" && variant != "push dispatch") continue;
     MoeConfig variant_config = config;
     const bool push = variant.find("push") != std::string::npos;
@@ -159,6 +161,7 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
     variant_config.ep_push_dispatch = push;
     variant_config.ep_dispatch_in_gemm = variant.find("in-GEMM") != std::string::npos;
     variant_config.persistent_backward = variant == "persistent backward";
+    variant_config.gemm_wide_tiles = variant == "256 x 192 tiles";
     if (macrobatches) {
       variant_config.minibatch_size = 128;
       variant_config.macrobatch_size = 128;
