@@ -226,10 +226,6 @@ struct WideMaps {
   const CUtensorMap* b1;
 };
 
-// The TMA loads of one K-block of a unit (gemm_loads.cuh's issue_loads, with 192 columns and one
-// or two row boxes): kDownStore B = Wd rows [192 x 64] (b0); kDownGrad B = Wd MN-major (b0),
-// three [64 K x 64 N] chunks; kGateUpGradStore K < I: d_g (a0) and Wg (b0), then d_u (a1) and Wu
-// (b1).
 // The MN-major B chunks of a unit's column tile that lie inside the output's N (the last tile
 // of H = 1024 has one: a chunk wholly past the edge is not loaded, and the columns it would
 // feed are clipped from the store).
@@ -250,6 +246,10 @@ __device__ __forceinline__ uint32_t wide_stage_bytes(const ExpertGemmParams& par
   return tile.rows.num_tiles * kRowBoxBytes + b_bytes;
 }
 
+// The TMA loads of one K-block of a unit (gemm_loads.cuh's issue_loads, with 192 columns and one
+// or two row boxes): kDownStore B = Wd rows [192 x 64] (b0); kDownGrad B = Wd MN-major (b0),
+// three [64 K x 64 N] chunks; kGateUpGradStore K < I: d_g (a0) and Wg (b0), then d_u (a1) and Wu
+// (b1).
 template <ExpertGemmForm kForm>
 __device__ __forceinline__ void issue_wide_loads(const WideMaps& maps,
                                                  const ExpertGemmParams& params,
