@@ -394,6 +394,14 @@ elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" 
     MOK_TEST_RANK_WRAPPER="$sanitizer --tool memcheck --report-api-errors no --error-exitcode 1" \
     timeout 330 "./$build_dir/mok_gpu_tests" \
     "--gtest_filter=${MOK_EP_LAYER_SANITIZER_FILTER:-CommGpu.OneProcessPerGpu:EpLayerGpu.OneProcessPerGpu}"
+  # Opt-in (MOK_EP_RACECHECK=1): racecheck of the expert-parallel layer (the in-GEMM push reads
+  # the staging tile), with NCCL's init probes kept out of the count as above. Not yet seen to
+  # pass: in session 17 its process ended before the test reported (docs/perf.md).
+  if [ "${MOK_EP_RACECHECK:-0}" = 1 ]; then
+    run_step sanitizer_racecheck_ep "$OUT/sanitizer.log" timeout 300 "$sanitizer" --tool racecheck \
+      --report-api-errors no --error-exitcode 1 "./$build_dir/mok_gpu_tests" \
+      "--gtest_filter=${MOK_EP_RACECHECK_FILTER:-EpLayerGpu.MatchesReferenceEmulation}"
+  fi
 else
   echo "compute-sanitizer or the GPU test binary is missing: skipping the sanitizer runs"
   record sanitizer skipped
