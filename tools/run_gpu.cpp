@@ -185,9 +185,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     // Each knob flipped on a layer of its own (flip_knob, which turns off what excludes it): the
     // backward as the persistent kernel or the sequence; the expert GEMMs in CTA pairs
     // multicasting B, or alone; the padding rows skipped or computed; the weight gradients in
-    // ping-pong. The forward variants below time [1] and [2] too.
-    for (const char* knob :
-         {"persistent-backward", "cta-pairs", "skip-padding-rows", "weight-grad-pingpong"}) {
+    // ping-pong; the down GEMM and the dgrads in 256 x 192 tiles. The forward variants below
+    // time [1], [2] and [4] too.
+    for (const char* knob : {"persistent-backward", "cta-pairs", "skip-padding-rows",
+                             "weight-grad-pingpong", "wide-tiles"}) {
       mok::MoeConfig flipped = flip_knob(config, knob);
       if (flipped.persistent_backward != config.persistent_backward)
         flipped.wait_timeout_s = std::min(config.wait_timeout_s, 10.0);
@@ -280,9 +281,11 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                     ring_layer->backward(backward_args, stream, &step);
                                   },
                                   [&] { checked_layer->forward(args, stream); },
-                                  // the CTA pairs flipped, skip_padding_rows flipped
+                                  // the CTA pairs, skip_padding_rows and the wide tiles
+                                  // flipped
                                   [&] { backward_variants[1].layer->forward(args, stream); },
                                   [&] { backward_variants[2].layer->forward(args, stream); },
+                                  [&] { backward_variants[4].layer->forward(args, stream); },
                               });
     for (BackwardVariant& variant : backward_variants)
       timed.push_back([&] {
@@ -312,7 +315,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_forward_ms = medians[0], base_forward_ms = medians[1];
   const double mok_step_ms = medians[2], base_step_ms = medians[3];
   const double mok_recompute_ms = medians[4], ring_step_ms = full ? medians[7] : 0.0;
-  const size_t first_backward_variant = 11;  // the closures above before the variants
+  const size_t first_backward_variant = 12;  // the closures above before the variants
   std::vector<std::pair<std::string, double>> forward_variants_ms = {
       {variant_name(config), mok_forward_ms}};
   if (full)
@@ -321,7 +324,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
                                 {variant_name(other_gemms), medians[6]},
                                 {variant_name(checked), medians[8]},
                                 {variant_name(backward_variants[1].config), medians[9]},
-                                {variant_name(backward_variants[2].config), medians[10]}});
+                                {variant_name(backward_variants[2].config), medians[10]},
+                                {variant_name(backward_variants[4].config), medians[11]}});
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = full ? checked_layer->synchronize(stream) : mok::Status::Ok();
   if (!checked_status.ok())
