@@ -58,7 +58,7 @@ mok run options:
                                (the run checks and times both ways either way)
   --cta-pairs                  GPU: run the expert GEMMs in clusters of two CTAs that multicast
                                the weight tile they share (the run times both ways either way)
-  --wide-tiles                 GPU: run the down GEMM and both dgrads in 256 x 192 tiles
+  --wide-tiles                 GPU: run the forward GEMMs and both dgrads in 256 x 192 tiles
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
                                (cta-pairs, persistent-forward, persistent-backward,

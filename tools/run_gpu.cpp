@@ -31,7 +31,7 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.gemm_wide_tiles ? ", down GEMM in 256 x 192 tiles" : "") +
+         (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -185,7 +185,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     // Each knob flipped on a layer of its own (flip_knob, which turns off what excludes it): the
     // backward as the persistent kernel or the sequence; the expert GEMMs in CTA pairs
     // multicasting B, or alone; the padding rows skipped or computed; the weight gradients in
-    // ping-pong; the down GEMM and the dgrads in 256 x 192 tiles. The forward variants below
+    // ping-pong; the forward GEMMs and the dgrads in 256 x 192 tiles. The forward variants below
     // time [1], [2] and [4] too.
     for (const char* knob : {"persistent-backward", "cta-pairs", "skip-padding-rows",
                              "weight-grad-pingpong", "wide-tiles"}) {

@@ -76,10 +76,11 @@ struct MoeConfig {
   // tiles of one expert (or of one expert's weight gradient) together and multicast the weight
   // tile they share: a third less L2 traffic per FLOP. Same bits either way.
   bool gemm_cta_pairs = false;
-  // The forward's down GEMM and the backward's two dgrads (the kernel sequences) in 256 x 192
-  // tiles instead of 128 x 256 (src/kernels/gemm/wide_tile_gemm.cu): 22% fewer L2 bytes per
-  // FLOP, where the L2's partition fabric binds the GEMMs (docs/perf.md, session 17). Each
-  // expert's 128-row tiles go in pairs (an odd last one alone); the padding rows are computed.
+  // The forward's two GEMMs and the backward's two dgrads (the kernel sequences) in 256 x 192
+  // tiles instead of 128 x 256 (src/kernels/gemm/wide_tile_gemm.cu; gate/up as 96 gate + 96 up
+  // columns): 22% fewer L2 bytes per FLOP, where the L2's partition fabric binds the GEMMs
+  // (docs/perf.md, session 17). Each expert's 128-row tiles go in pairs (an odd last one
+  // alone); the padding rows are computed.
   // Same bits either way. bf16, without CTA pairs, the persistent kernels or the in-GEMM
   // expert-parallel push; at most kMaxWideTileExperts local experts. Off until it is measured
   // faster (written in session 17, not yet run).

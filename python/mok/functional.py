@@ -69,7 +69,7 @@ class MoKConfig:
         kernel (same bits).
     gemm_cta_pairs: run the expert GEMMs in clusters of two CTAs that multicast the weight tile
         they share (same bits).
-    gemm_wide_tiles: run the forward's down GEMM and the backward's two dgrads in 256 x 192
+    gemm_wide_tiles: run the forward's two GEMMs and the backward's two dgrads in 256 x 192
         tiles, 22% fewer L2 bytes per FLOP (same bits; bf16, without CTA pairs, the persistent
         kernels or the in-GEMM expert-parallel communication; off until measured faster).
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the

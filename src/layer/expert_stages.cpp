@@ -215,7 +215,21 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   params.k_extent = static_cast<int32_t>(H);
   params.gather = gather;
   params.macrobatch = macrobatch;
-  launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
+  if (s.config.gemm_wide_tiles) {
+    // 256 x (96 gate + 96 up) tiles; h, g and u written with plain stores.
+    kernels::WideGemmMaps wide{};
+    wide.a0 = wide.a1 = maps.a0;
+    wide.b0 = k_major_weights(f.weights.gate, H, I, E, 96, "w_gate (96-row boxes)",
+                              f.weights.gate_stride);
+    wide.b1 =
+        k_major_weights(f.weights.up, H, I, E, 96, "w_up (96-row boxes)", f.weights.up_stride);
+    wide.out = maps.out;
+    wide.swiglu = {set.hidden.as<__nv_bfloat16>(), set.gate.as<__nv_bfloat16>(),
+                   set.up.as<__nv_bfloat16>()};
+    launch_wide(s, kernels::ExpertGemmForm::kGateUpSwiGLU, wide, params, stream, "gate/up GEMM");
+  } else {
+    launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
+  }
   if (gather.x != nullptr) {
     cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
     mark("gather + gate/up GEMM + SwiGLU");

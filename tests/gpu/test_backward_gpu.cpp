@@ -207,10 +207,11 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[17].weight_grad_pingpong = true;
   configs[17].minibatch_size = 128;
   configs[17].macrobatch_size = 512;
-  // The down GEMM and both dgrads in 256 x 192 tiles (MoeConfig::gemm_wide_tiles; H = 1024 and
-  // I = 384 end in clipped column tiles): alone, with 3-tile macrobatches (a pair and a lone
-  // tile in each window, pairs restarting at each window, dh_raw in the ring), and with the
-  // gather kernel and every padding row.
+  // The forward's GEMMs and both dgrads in 256 x 192 tiles (MoeConfig::gemm_wide_tiles; H = 1024
+  // ends in a clipped column tile, I = 384 in exact ones): alone (gate/up with the fused
+  // gather), with 3-tile macrobatches (a pair and a lone tile in each window, pairs restarting
+  // at each window, h, g, u and dh_raw in the ring), and with the gather kernel and every
+  // padding row.
   configs[18].gemm_wide_tiles = true;
   configs[19].gemm_wide_tiles = true;
   configs[19].minibatch_size = 128;
@@ -235,8 +236,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.persistent_forward << " persistent backward "
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
                      << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
-                     << config.weight_grad_pingpong << " 256 x 192 tiles "
-                     << config.gemm_wide_tiles << (with_context ? "" : ", no context"));
+                     << config.weight_grad_pingpong << " 256 x 192 tiles " << config.gemm_wide_tiles
+                     << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

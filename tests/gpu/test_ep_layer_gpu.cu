@@ -147,7 +147,8 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   // The forward's communication inside its GEMMs (the gate/up GEMM's producer warps pull the
   // rows from the peers' published x, the down GEMM's epilogue pushes the rows into their
   // slots), alone and with macrobatches (the backward then pulls x for the recomputed ones).
-  // The down GEMM and the dgrads in 256 x 192 tiles (MoeConfig::gemm_wide_tiles) on each rank.
+  // The forward GEMMs and the dgrads in 256 x 192 tiles (MoeConfig::gemm_wide_tiles) on each
+  // rank.
   // FP8 holds one macrobatch and runs the kernel sequences: its variants are the data movement.
   for (const std::string variant :
        {"bulk copies", "push dispatch", "macrobatches", "push dispatch + macrobatches",

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -36,15 +37,27 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
 cudaError_t launch_weight_grad_pingpong(const ExpertGemmMaps& maps, const ExpertGemmParams& params,
                                         int num_ctas, cudaStream_t stream);
 
-// The row-tile GEMMs with a plain epilogue in 256 x 192 tiles (wide_tile_gemm.cu;
-// MoeConfig::gemm_wide_tiles): kDownStore, kDownGrad and kGateUpGradStore, reading and writing
-// what launch_expert_gemm's forms do, with the same bits. A maps: K-major rows with [128 x 64]
-// boxes (a1: d_u of kGateUpGradStore); B maps: kDownStore's Wd K-major with [192 x 64] boxes,
-// the dgrads' weights MN-major with [64 x 64] boxes (b1: Wu); out: [1, rows, N] with [128 x 64]
-// boxes. No push (params.push unset), one launch per macrobatch, params.num_experts at most
+// The row-tile GEMMs in 256 x 192 tiles (wide_tile_gemm.cu; MoeConfig::gemm_wide_tiles):
+// kGateUpSwiGLU (96 gate + 96 up columns), kDownStore, kDownGrad and kGateUpGradStore, reading
+// and writing what launch_expert_gemm's forms do, with the same bits. A maps: K-major rows with
+// [128 x 64] boxes (a1: d_u of kGateUpGradStore); B maps: the gate/up form's Wg (b0) and Wu
+// (b1) K-major with [96 x 64] boxes, kDownStore's Wd K-major with [192 x 64] boxes, the
+// dgrads' weights MN-major with [64 x 64] boxes (b1: Wu); out: [1, rows, N] with [128 x 64]
+// boxes (the gate/up form writes `swiglu` instead). The gate/up form runs the fused local
+// dispatch (params.gather) as launch_expert_gemm's does, without the expert-parallel pull. No
+// push (params.push unset), one launch per macrobatch, params.num_experts at most
 // kMaxWideExperts; another form returns cudaErrorInvalidValue.
+//
+// The gate/up form's outputs, [rows, I] bf16 each at row - out_row_base (the forward's h and
+// its context g and u), written with plain stores.
+struct WideSwigluOutputs {
+  __nv_bfloat16* h;
+  __nv_bfloat16* gate;
+  __nv_bfloat16* up;
+};
 struct WideGemmMaps {
   CUtensorMap a0, a1, b0, b1, out;
+  WideSwigluOutputs swiglu;  // kGateUpSwiGLU only (out unused there)
 };
 cudaError_t launch_wide_tile_gemm(ExpertGemmForm form, const WideGemmMaps& maps,
                                   const ExpertGemmParams& params, int num_ctas,

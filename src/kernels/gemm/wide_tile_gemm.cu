@@ -1,7 +1,8 @@
-// The row-tile GEMMs with a plain epilogue in 256 x 192 tiles (MoeConfig::gemm_wide_tiles;
-// issue 16): the forward's down GEMM (kDownStore: y = bf16(h Wd^T)) and the backward's two
-// dgrads (kDownGrad: dh_raw = bf16(d_out Wd); kGateUpGradStore: dx = bf16(d_g Wg + d_u Wu)),
-// the forms of expert_gemm.cu with taller and narrower tiles, the same operands and outputs.
+// The row-tile GEMMs in 256 x 192 tiles (MoeConfig::gemm_wide_tiles; issue 16): the forward's
+// gate/up GEMM with its SwiGLU (kGateUpSwiGLU: 96 gate + 96 up columns, h, g and u out) and its
+// down GEMM (kDownStore: y = bf16(h Wd^T)), and the backward's two dgrads (kDownGrad: dh_raw =
+// bf16(d_out Wd); kGateUpGradStore: dx = bf16(d_g Wg + d_u Wu)): the forms of expert_gemm.cu
+// with taller and narrower tiles, the same operands and outputs.
 //
 // Why: the row-tile GEMMs are bound by the fabric between the L2's two partitions, which
 // carries a fixed share of the bytes the SMs read (docs/perf.md, session 17). The bytes per
@@ -15,10 +16,13 @@
 // (unit_start) into shared memory: warp 0 scans the experts' unit counts.
 // Warp roles:
 //   warpgroup 0, thread 0  the TMA producer: per K-block of 64, A = the unit's rows (one or two
-//                K-major [128 x 64] boxes) and B = 192 columns of its expert's weights (K-major
-//                [192 x 64] for kDownStore; three MN-major [64 x 64] chunks for the dgrads),
-//                into a ring of kWideStages stages; it waits on empty[s] before reusing stage
-//                s. The rest of warpgroup 0 idles (setmaxnreg.dec to 40).
+//                K-major [128 x 64] boxes) and B = 192 columns of its expert's weights (96 gate
+//                and 96 up rows for gate/up; K-major [192 x 64] for kDownStore; three MN-major
+//                [64 x 64] chunks for the dgrads), into a ring of kWideStages stages; it waits
+//                on empty[s] before reusing stage s. With the gate/up form's fused local
+//                dispatch it first waits for each tile's gathered rows.
+//   warpgroup 0, warps 1-3  the gate/up form's gatherers (dispatch_local.cuh); otherwise idle
+//                (setmaxnreg.dec to 48).
 //   warpgroups 1, 2  consumers (setmaxnreg.inc to 232). A two-tile unit: consumer c owns rows
 //                [128c, 128c + 128) as two m64n192 accumulators (192 registers); a one-tile
 //                unit: rows [64c, 64c + 64), one accumulator. Per K-block: wait full[s], issue
@@ -28,13 +32,15 @@
 // stores them with TMA and waits until the store has read the tile, then hands the tile to
 // consumer 1 (named barrier 1, both consumers), which stages and stores its rows. A one-tile
 // unit stages both consumers' 64 rows at once. Before the next unit writes the tile, each
-// storing thread waits for its store's reads.
+// storing thread waits for its store's reads. The gate/up form copies the staged g and u out
+// with 16-byte stores instead and computes h from them (copy_out_swiglu): 96 columns of a tile
+// of 64-column chunks are no TMA box.
 // Shared memory: three stages of A 32 KB + B 24 KB, the 48 KB staging tile and the units'
 // prefix (4 KB at most), 221 KB.
 // Bits: each output element gets the same products in the same K order as in the 128 x 256
 // tiles (m64n192 accumulates each element as m64n256 does), and the same single rounding.
-// Not here: the expert-parallel push from the staging tile, CTA pairs and 64-row tiles (the
-// config refuses the first two with these tiles; the padding rows are computed).
+// Not here: the expert-parallel pull and push (the config refuses the in-GEMM communication with
+// these tiles), CTA pairs (refused too) and 64-row tiles (the padding rows are computed).
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -47,6 +53,8 @@
 #include "kernels/gemm/launch.h"
 #include "kernels/gemm/wide_tile_walk.h"
 #include "kernels/persistent/task_order.h"
+#include "kernels/stages/dispatch_local.cuh"
+#include "kernels/stages/swiglu.cuh"
 #include "mok/config.h"
 
 namespace mok::kernels {
@@ -56,7 +64,9 @@ namespace {
 constexpr int kWideTileM = 256;
 constexpr int kWideTileN = 192;
 constexpr int kWideStages = 3;
-constexpr int kWideProducerRegisters = 40;
+// 2 x 128 x 232 + 128 x 48 = 65,536: the producer warpgroup keeps 48 for the fused gather's
+// warps (the gate/up form's local dispatch).
+constexpr int kWideProducerRegisters = 48;
 constexpr int kWideConsumerRegisters = 232;
 constexpr int kWideChunks = kWideTileN / 64;               // staging chunks of 64 columns
 constexpr int kWideTileBBytes = kWideTileN * BLOCK_K * 2;  // 24 KB
@@ -70,6 +80,11 @@ static_assert(kMaxWideExperts == kMaxWideTileExperts, "the config's limit is the
 static_assert(sizeof(__nv_bfloat16) * kWideTileN * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(WideStorage) + 1024 + (kMaxWideExperts + 1) * sizeof(int32_t) <= 227 * 1024,
               "the ring, the staging tile and the units' prefix fit the SM's shared memory");
+
+// Output columns of a column tile: 192, or for the gate/up form 96 columns of h (its 192
+// accumulator columns are 96 gate then 96 up).
+template <ExpertGemmForm kForm>
+constexpr int kWideColumns = kForm == ExpertGemmForm::kGateUpSwiGLU ? kWideTileN / 2 : kWideTileN;
 
 // The launch's window of schedule tiles: its macrobatch clipped to the filled tiles.
 struct WideWindow {
@@ -219,6 +234,67 @@ __device__ __forceinline__ void wide_epilogue(const CUtensorMap* out, WideStorag
   }
 }
 
+// The gate/up form's epilogue. A 96-column slice of a tile of 64-column chunks is no TMA box,
+// so the consumers copy the staged rows out with 16-byte stores: bf16(g) and bf16(u) (the
+// forward context) and h = bf16(swiglu(g, u)) computed from them 16 bytes at a time, as
+// epilogue.cuh's stage_swiglu does (the same function of the same bf16 values: the same bits).
+// Threads `thread` of `threads` copy the staging tile's 128 rows to output rows row0 + r.
+__device__ __forceinline__ void copy_out_swiglu(const WideSwigluOutputs& outs,
+                                                const ExpertGemmParams& params, const char* staging,
+                                                int row0, int col0, int thread, int threads) {
+  constexpr int kUnits = kWideTileN / 2 / 8;  // 16-byte units of the 96 columns
+  const int64_t ld = params.n_extent;         // I
+  auto unit_at = [&](int r, int j) {
+    return *reinterpret_cast<const uint4*>(staging + (j / 8) * kStageChunkBytes + r * 128 +
+                                           (((j % 8) ^ (r % 8)) << 4));
+  };
+  for (int q = thread; q < kWideTileRows * kUnits; q += threads) {
+    const int r = q / kUnits, v = q % kUnits;
+    const int col = col0 + 8 * v;
+    if (col >= params.n_extent) continue;
+    const uint4 gate = unit_at(r, v), up = unit_at(r, kUnits + v);
+    uint4 h;
+    if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h))
+      swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h);
+    const int64_t at = static_cast<int64_t>(row0 + r) * ld + col;
+    *reinterpret_cast<uint4*>(outs.gate + at) = gate;
+    *reinterpret_cast<uint4*>(outs.up + at) = up;
+    *reinterpret_cast<uint4*>(outs.h + at) = h;
+  }
+}
+
+// The consumers' gate/up epilogue of one unit: wide_epilogue's hand-off, with the copy-out
+// instead of TMA stores (named barrier 1 before the tile is written again: every reader done).
+__device__ __forceinline__ void wide_swiglu_epilogue(
+    const WideSwigluOutputs& outs, WideStorage& smem, const ExpertGemmParams& params,
+    const WideTile& tile, int consumer_idx, const float (&acc0)[96], const float (&acc1)[96]) {
+  char* staging = reinterpret_cast<char*>(smem.store_tile);
+  const int row0 = tile.rows.m_tile * kWideTileRows - params.macrobatch.out_row_base;
+  const int col0 = tile.n_tile * (kWideTileN / 2);
+  const int thread = threadIdx.x % 128;
+  ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
+  if (tile.rows.num_tiles == 1) {
+    stage_wide(staging, consumer_idx * 64, acc0);
+    ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
+    copy_out_swiglu(outs, params, staging, row0, col0, consumer_idx * 128 + thread,
+                    kConsumerThreads);
+    return;
+  }
+  if (consumer_idx == 0) {
+    stage_wide(staging, 0, acc0);
+    stage_wide(staging, 64, acc1);
+    ptx::named_barrier_sync(2, 128);
+    copy_out_swiglu(outs, params, staging, row0, col0, thread, 128);
+  }
+  ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);  // the hand-off
+  if (consumer_idx == 1) {
+    stage_wide(staging, 0, acc0);
+    stage_wide(staging, 64, acc1);
+    ptx::named_barrier_sync(3, 128);
+    copy_out_swiglu(outs, params, staging, row0 + kWideTileRows, col0, thread, 128);
+  }
+}
+
 struct WideMaps {
   const CUtensorMap* a0;
   const CUtensorMap* a1;
@@ -240,7 +316,7 @@ template <ExpertGemmForm kForm>
 __device__ __forceinline__ uint32_t wide_stage_bytes(const ExpertGemmParams& params,
                                                      const WideTile& tile) {
   constexpr uint32_t kChunkBytes = 64 * BLOCK_K * 2;
-  const uint32_t b_bytes = kForm == ExpertGemmForm::kDownStore
+  const uint32_t b_bytes = !FormTraits<kForm>::kBMnMajor
                                ? kWideTileBBytes
                                : kChunkBytes * static_cast<uint32_t>(wide_b_chunks(params, tile));
   return tile.rows.num_tiles * kRowBoxBytes + b_bytes;
@@ -269,8 +345,12 @@ __device__ __forceinline__ void issue_wide_loads(const WideMaps& maps,
   }
   for (int t = 0; t < tile.rows.num_tiles; ++t)
     ptx::tma_load_2d(a_dst + t * kWideTileRows * BLOCK_K, a, full, k, row + t * kWideTileRows);
-  const int n0 = tile.n_tile * kWideTileN;
-  if constexpr (kForm == ExpertGemmForm::kDownStore) {
+  const int n0 = tile.n_tile * kWideColumns<kForm>;
+  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
+    // 96 gate rows then 96 up rows of the weights, [96 x 64] boxes.
+    ptx::tma_load_3d(b_dst, maps.b0, full, k, n0, tile.rows.expert);
+    ptx::tma_load_3d(b_dst + (kWideTileN / 2) * BLOCK_K, maps.b1, full, k, n0, tile.rows.expert);
+  } else if constexpr (kForm == ExpertGemmForm::kDownStore) {
     ptx::tma_load_3d(b_dst, b, full, k, n0, tile.rows.expert);
   } else {
     for (int c = 0; c < wide_b_chunks(params, tile); ++c)
@@ -285,7 +365,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                           const __grid_constant__ CUtensorMap tmap_b0,
                           const __grid_constant__ CUtensorMap tmap_b1,
                           const __grid_constant__ CUtensorMap tmap_out,
-                          const ExpertGemmParams params) {
+                          const WideSwigluOutputs outs, const ExpertGemmParams params) {
   constexpr bool kBMnMajor = FormTraits<kForm>::kBMnMajor;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   WideStorage& smem = ptx::align_shared_1024<WideStorage>(smem_raw);
@@ -293,7 +373,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const WideWindow window = wide_window(params);
   if (threadIdx.x < 32) scan_row_units(params, window, unit_start);
   init_pipeline<false>(smem);  // its barrier also publishes unit_start
-  const int32_t num_n_tiles = (params.n_extent + kWideTileN - 1) / kWideTileN;
+  const int32_t num_n_tiles = (params.n_extent + kWideColumns<kForm> - 1) / kWideColumns<kForm>;
   const int32_t num_units = unit_start[params.num_experts] * num_n_tiles;
   // K: I for the down GEMM, H for the down dgrad, 2I (d_g then d_u) for the gate/up dgrad.
   const int32_t num_k_blocks =
@@ -302,7 +382,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kWideProducerRegisters>();
-    if (threadIdx.x != 0) return;
+    // The gate/up form's fused local dispatch (dispatch_local.cuh): warps 1-3 gather the rows,
+    // the TMA thread waits for each tile of a unit before its loads.
+    const bool gathers = kForm == ExpertGemmForm::kGateUpSwiGLU && params.gather.x != nullptr;
+    if (threadIdx.x != 0) {
+      if (gathers && threadIdx.x >= 32)
+        gather_rows_into_tiles(params.gather, params.header, params.row_pair,
+                               gather_epoch(params.gather));
+      return;
+    }
+    const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
     const WideMaps maps{&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1};
     ptx::prefetch_tensor_map(&tmap_a0);
     ptx::prefetch_tensor_map(&tmap_b0);
@@ -311,6 +400,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const WideTile tile = wide_tile(params, window, unit_start, num_n_tiles, unit);
       const int row = tile.rows.m_tile * kWideTileRows - params.macrobatch.ring_row_base;
       const uint32_t bytes = wide_stage_bytes<kForm>(params, tile);
+      if (gathers)
+        for (int t = 0; t < tile.rows.num_tiles; ++t)
+          wait_for_gathered_tile(params.wait, params.gather, tile.rows.m_tile + t, epoch);
       for (int k_block = 0; k_block < num_k_blocks; ++k_block)
         produce_stage(params.wait, smem, state, bytes,
                       [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
@@ -333,7 +425,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     else
       consume_wide_tile<false, kBMnMajor>(params.wait, smem, state, num_k_blocks, consumer_idx,
                                           acc0, acc1);
-    wide_epilogue(&tmap_out, smem, params, tile, consumer_idx, issuer, acc0, acc1);
+    if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU)
+      wide_swiglu_epilogue(outs, smem, params, tile, consumer_idx, acc0, acc1);
+    else
+      wide_epilogue(&tmap_out, smem, params, tile, consumer_idx, issuer, acc0, acc1);
   }
   // Outstanding TMA stores read the staging tile: it must outlive them.
   if (issuer) ptx::bulk_wait_group<0>();
@@ -349,7 +444,7 @@ cudaError_t launch_wide_form(const WideGemmMaps& maps, const ExpertGemmParams& p
   if (status != cudaSuccess) return status;
   const size_t smem_bytes = sizeof(WideStorage) + 1024 + (params.num_experts + 1) * sizeof(int32_t);
   kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps.a0, maps.a1, maps.b0, maps.b1,
-                                                        maps.out, params);
+                                                        maps.out, maps.swiglu, params);
   return cudaGetLastError();
 }
 
@@ -361,6 +456,8 @@ cudaError_t launch_wide_tile_gemm(ExpertGemmForm form, const WideGemmMaps& maps,
   if (params.num_experts > kMaxWideExperts || params.k_extent % BLOCK_K != 0)
     return cudaErrorInvalidValue;
   switch (form) {
+    case ExpertGemmForm::kGateUpSwiGLU:
+      return launch_wide_form<ExpertGemmForm::kGateUpSwiGLU>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kDownStore:
       return launch_wide_form<ExpertGemmForm::kDownStore>(maps, params, num_ctas, stream);
     case ExpertGemmForm::kDownGrad:
@@ -375,7 +472,8 @@ cudaError_t launch_wide_tile_gemm(ExpertGemmForm form, const WideGemmMaps& maps,
 // Loaded up front by expert-parallel groups (kernel_preload.h).
 namespace {
 const KernelPreloadList kPreload(
-    "wide_tile_gemm.cu", {kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kDownStore>),
+    "wide_tile_gemm.cu", {kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>),
+                          kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kDownStore>),
                           kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kDownGrad>),
                           kernel_symbol(&wide_tile_gemm_kernel<ExpertGemmForm::kGateUpGradStore>)});
 }  // namespace
