@@ -211,11 +211,11 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     if (config.persistent_forward || config.persistent_backward)
       return bad(with + (config.persistent_forward ? "persistent_forward" : "persistent_backward") +
                  " = true; valid: persistent_forward and persistent_backward false (the 256 x "
-                 "192 tiles are the kernel sequences' down GEMM and dgrads)");
+                 "192 tiles are the kernel sequences' GEMMs)");
     if (config.ep_dispatch_in_gemm)
       return bad(with +
-                 "ep_dispatch_in_gemm = true; valid: ep_dispatch_in_gemm = false (the push "
-                 "from the staging tile runs in the 128 x 256 tiles only)");
+                 "ep_dispatch_in_gemm = true; valid: ep_dispatch_in_gemm = false (the pull and "
+                 "push inside the GEMMs run in the 128 x 256 tiles only)");
     if (config.precision != Precision::kBF16)
       return bad(with +
                  "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its own)");

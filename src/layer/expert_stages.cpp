@@ -184,6 +184,17 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
       what);
 }
 
+// The 256 x 192 tiles' maps where they read and write what the 128 x 256 tiles' do (the dgrads).
+kernels::WideGemmMaps wide_maps(const kernels::ExpertGemmMaps& maps) {
+  kernels::WideGemmMaps wide{};
+  wide.a0 = maps.a0;
+  wide.a1 = maps.a1;
+  wide.b0 = maps.b0;
+  wide.b1 = maps.b1;
+  wide.out = maps.out;
+  return wide;
+}
+
 // The 256 x 192 tiles of MoeConfig::gemm_wide_tiles (wide_tile_gemm.cu).
 void launch_wide(const GpuLayer::State& s, kernels::ExpertGemmForm form,
                  const kernels::WideGemmMaps& maps, const kernels::ExpertGemmParams& params,
@@ -337,8 +348,8 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
   if (s.config.gemm_wide_tiles)
-    launch_wide(s, kernels::ExpertGemmForm::kDownGrad,
-                {maps.a0, maps.a1, maps.b0, maps.b1, maps.out}, params, stream, "down dgrad GEMM");
+    launch_wide(s, kernels::ExpertGemmForm::kDownGrad, wide_maps(maps), params, stream,
+                "down dgrad GEMM");
   else
     launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
   mark("down dgrad");
@@ -364,8 +375,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   dx_params.macrobatch.out_row_base = 0;  // dx rows are full size, in schedule rows
   dx_params.push = b.push;
   if (s.config.gemm_wide_tiles)  // (can_implement refused the push they do not make)
-    launch_wide(s, kernels::ExpertGemmForm::kGateUpGradStore,
-                {maps.a0, maps.a1, maps.b0, maps.b1, maps.out}, dx_params, stream,
+    launch_wide(s, kernels::ExpertGemmForm::kGateUpGradStore, wide_maps(maps), dx_params, stream,
                 "gate/up dgrad GEMM");
   else
     launch(s, kernels::ExpertGemmForm::kGateUpGradStore, maps, dx_params, stream,

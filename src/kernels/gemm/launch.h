@@ -46,7 +46,7 @@ cudaError_t launch_weight_grad_pingpong(const ExpertGemmMaps& maps, const Expert
 // boxes (the gate/up form writes `swiglu` instead). The gate/up form runs the fused local
 // dispatch (params.gather) as launch_expert_gemm's does, without the expert-parallel pull. No
 // push (params.push unset), one launch per macrobatch, params.num_experts at most
-// kMaxWideExperts; another form returns cudaErrorInvalidValue.
+// kMaxWideTileExperts (mok/config.h); another form returns cudaErrorInvalidValue.
 //
 // The gate/up form's outputs, [rows, I] bf16 each at row - out_row_base (the forward's h and
 // its context g and u), written with plain stores.

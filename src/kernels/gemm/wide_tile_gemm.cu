@@ -76,9 +76,9 @@ constexpr int kBothConsumersBarrier = 1;
 
 // The ring of 256 x 64 A and 192 x 64 B stages, and a staging tile of 128 rows (one consumer's).
 using WideStorage = GemmSharedStorage<kWideStages, kWideTileM, kWideTileN, kWideTileRows>;
-static_assert(kMaxWideExperts == kMaxWideTileExperts, "the config's limit is the kernel's");
 static_assert(sizeof(__nv_bfloat16) * kWideTileN * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
-static_assert(sizeof(WideStorage) + 1024 + (kMaxWideExperts + 1) * sizeof(int32_t) <= 227 * 1024,
+static_assert(sizeof(WideStorage) + 1024 + (kMaxWideTileExperts + 1) * sizeof(int32_t) <=
+                  227 * 1024,
               "the ring, the staging tile and the units' prefix fit the SM's shared memory");
 
 // Output columns of a column tile: 192, or for the gate/up form 96 columns of h (its 192
@@ -195,22 +195,26 @@ __device__ __forceinline__ void store_wide(const CUtensorMap* out, const char* t
   ptx::bulk_commit_group();
 }
 
-// The consumers' epilogue of one unit (see the map above). `issuer`: this consumer's first
-// thread; its previous store has read the tile once it passes the first barrier.
-__device__ __forceinline__ void wide_epilogue(const CUtensorMap* out, WideStorage& smem,
-                                              const ExpertGemmParams& params, const WideTile& tile,
+// The consumers' epilogue of one unit (see the map above): the staging tile's hand-off.
+// emit(staging, row_offset, thread, threads) writes the staged 128 rows out, unit rows
+// [row_offset, + 128), run by `threads` consumer threads (thread 0 of them a consumer's first
+// thread): a TMA store by that thread, or the gate/up form's copy-out by all of them. `issuer`:
+// this consumer's first thread, which waits for its TMA store to read the tile before the tile
+// is written again (a no-op where nothing was stored).
+template <typename Emit>
+__device__ __forceinline__ void wide_epilogue(WideStorage& smem, const WideTile& tile,
                                               int consumer_idx, bool issuer,
-                                              const float (&acc0)[96], const float (&acc1)[96]) {
+                                              const float (&acc0)[96], const float (&acc1)[96],
+                                              Emit emit) {
   char* staging = reinterpret_cast<char*>(smem.store_tile);
-  // Output rows: y and dx are full size (out_row_base 0), dh_raw sits in the macrobatch's ring.
-  const int row = tile.rows.m_tile * kWideTileRows - params.macrobatch.out_row_base;
+  const int thread = threadIdx.x % 128;
   if (issuer) ptx::bulk_wait_group_read<0>();
   ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
   if (tile.rows.num_tiles == 1) {
     stage_wide(staging, consumer_idx * 64, acc0);
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
-    if (issuer && consumer_idx == 0) store_wide(out, staging, tile.n_tile, params.n_extent, row);
+    emit(staging, 0, consumer_idx * 128 + thread, kConsumerThreads);
     return;
   }
   // Two tiles: consumer 0's 128 rows, then consumer 1's.
@@ -219,10 +223,8 @@ __device__ __forceinline__ void wide_epilogue(const CUtensorMap* out, WideStorag
     stage_wide(staging, 64, acc1);
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(2, 128);
-    if (issuer) {
-      store_wide(out, staging, tile.n_tile, params.n_extent, row);
-      ptx::bulk_wait_group_read<0>();
-    }
+    emit(staging, 0, thread, 128);
+    if (issuer) ptx::bulk_wait_group_read<0>();
   }
   ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);  // the hand-off
   if (consumer_idx == 1) {
@@ -230,7 +232,7 @@ __device__ __forceinline__ void wide_epilogue(const CUtensorMap* out, WideStorag
     stage_wide(staging, 64, acc1);
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(3, 128);
-    if (issuer) store_wide(out, staging, tile.n_tile, params.n_extent, row + kWideTileRows);
+    emit(staging, kWideTileRows, thread, 128);
   }
 }
 
@@ -260,38 +262,6 @@ __device__ __forceinline__ void copy_out_swiglu(const WideSwigluOutputs& outs,
     *reinterpret_cast<uint4*>(outs.gate + at) = gate;
     *reinterpret_cast<uint4*>(outs.up + at) = up;
     *reinterpret_cast<uint4*>(outs.h + at) = h;
-  }
-}
-
-// The consumers' gate/up epilogue of one unit: wide_epilogue's hand-off, with the copy-out
-// instead of TMA stores (named barrier 1 before the tile is written again: every reader done).
-__device__ __forceinline__ void wide_swiglu_epilogue(
-    const WideSwigluOutputs& outs, WideStorage& smem, const ExpertGemmParams& params,
-    const WideTile& tile, int consumer_idx, const float (&acc0)[96], const float (&acc1)[96]) {
-  char* staging = reinterpret_cast<char*>(smem.store_tile);
-  const int row0 = tile.rows.m_tile * kWideTileRows - params.macrobatch.out_row_base;
-  const int col0 = tile.n_tile * (kWideTileN / 2);
-  const int thread = threadIdx.x % 128;
-  ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
-  if (tile.rows.num_tiles == 1) {
-    stage_wide(staging, consumer_idx * 64, acc0);
-    ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
-    copy_out_swiglu(outs, params, staging, row0, col0, consumer_idx * 128 + thread,
-                    kConsumerThreads);
-    return;
-  }
-  if (consumer_idx == 0) {
-    stage_wide(staging, 0, acc0);
-    stage_wide(staging, 64, acc1);
-    ptx::named_barrier_sync(2, 128);
-    copy_out_swiglu(outs, params, staging, row0, col0, thread, 128);
-  }
-  ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);  // the hand-off
-  if (consumer_idx == 1) {
-    stage_wide(staging, 0, acc0);
-    stage_wide(staging, 64, acc1);
-    ptx::named_barrier_sync(3, 128);
-    copy_out_swiglu(outs, params, staging, row0 + kWideTileRows, col0, thread, 128);
   }
 }
 
@@ -425,10 +395,22 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     else
       consume_wide_tile<false, kBMnMajor>(params.wait, smem, state, num_k_blocks, consumer_idx,
                                           acc0, acc1);
+    // Output rows: y and dx are full size (out_row_base 0); h, g, u and dh_raw sit in the
+    // macrobatch's ring.
+    const int row = tile.rows.m_tile * kWideTileRows - params.macrobatch.out_row_base;
     if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU)
-      wide_swiglu_epilogue(outs, smem, params, tile, consumer_idx, acc0, acc1);
+      wide_epilogue(smem, tile, consumer_idx, issuer, acc0, acc1,
+                    [&](const char* staging, int row_offset, int thread, int threads) {
+                      copy_out_swiglu(outs, params, staging, row + row_offset,
+                                      tile.n_tile * kWideColumns<kForm>, thread, threads);
+                    });
     else
-      wide_epilogue(&tmap_out, smem, params, tile, consumer_idx, issuer, acc0, acc1);
+      wide_epilogue(smem, tile, consumer_idx, issuer, acc0, acc1,
+                    [&](const char* staging, int row_offset, int thread, int) {
+                      if (thread == 0)
+                        store_wide(&tmap_out, staging, tile.n_tile, params.n_extent,
+                                   row + row_offset);
+                    });
   }
   // Outstanding TMA stores read the staging tile: it must outlive them.
   if (issuer) ptx::bulk_wait_group<0>();
@@ -438,7 +420,8 @@ template <ExpertGemmForm kForm>
 cudaError_t launch_wide_form(const WideGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                              cudaStream_t stream) {
   auto* kernel = &wide_tile_gemm_kernel<kForm>;
-  const size_t most_bytes = sizeof(WideStorage) + 1024 + (kMaxWideExperts + 1) * sizeof(int32_t);
+  const size_t most_bytes =
+      sizeof(WideStorage) + 1024 + (kMaxWideTileExperts + 1) * sizeof(int32_t);
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(most_bytes));
   if (status != cudaSuccess) return status;
@@ -453,7 +436,7 @@ cudaError_t launch_wide_form(const WideGemmMaps& maps, const ExpertGemmParams& p
 cudaError_t launch_wide_tile_gemm(ExpertGemmForm form, const WideGemmMaps& maps,
                                   const ExpertGemmParams& params, int num_ctas,
                                   cudaStream_t stream) {
-  if (params.num_experts > kMaxWideExperts || params.k_extent % BLOCK_K != 0)
+  if (params.num_experts > kMaxWideTileExperts || params.k_extent % BLOCK_K != 0)
     return cudaErrorInvalidValue;
   switch (form) {
     case ExpertGemmForm::kGateUpSwiGLU:

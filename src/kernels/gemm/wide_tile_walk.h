@@ -12,8 +12,7 @@
 
 namespace mok::kernels {
 
-constexpr int32_t kWideTileRows = 128;     // a schedule tile; a unit holds one or two
-constexpr int32_t kMaxWideExperts = 1024;  // E_loc (mok/config.h's kMaxWideTileExperts)
+constexpr int32_t kWideTileRows = 128;  // a schedule tile; a unit holds one or two
 
 // The tiles [*first, *end) of expert `expert` inside the window, from the schedule's segment
 // starts (`expert_offsets`, E + 1 entries in rows, multiples of 128).
