@@ -38,6 +38,17 @@ constexpr int kNumThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kProducerRegisters = 56;
 constexpr int kConsumerRegisters = 224;
+// The registers a 384-thread CTA holds at launch: 168 per thread (65,536 / 384, rounded down to
+// the allocation unit of 8). setmaxnreg moves registers between warpgroups inside that pool; a
+// split asking for more blocks setmaxnreg.inc forever.
+constexpr int kLaunchRegisters = 168;
+constexpr bool register_split_fits(int producer_registers, int consumer_registers,
+                                   int consumer_warpgroups) {
+  return 128 * (producer_registers + consumer_warpgroups * consumer_registers) <=
+         kNumThreads * kLaunchRegisters;
+}
+static_assert(register_split_fits(kProducerRegisters, kConsumerRegisters, 2),
+              "the expert GEMM's register split fits the launch's pool");
 constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 

@@ -64,10 +64,14 @@ namespace {
 constexpr int kWideTileM = 256;
 constexpr int kWideTileN = 192;
 constexpr int kWideStages = 3;
-// 2 x 128 x 232 + 128 x 48 = 65,536: the producer warpgroup keeps 48 for the fused gather's
-// warps (the gate/up form's local dispatch).
-constexpr int kWideProducerRegisters = 48;
+// 2 x 128 x 232 + 128 x 40 = 64,512, the launch's pool: two m64n192 accumulators (192
+// registers) need the consumers' 232, which leaves the producer warpgroup (the TMA thread and
+// the fused gather's warps) 40. (48 asked for 1,024 registers more than the pool holds, and the
+// second consumer's setmaxnreg.inc never returned.)
+constexpr int kWideProducerRegisters = 40;
 constexpr int kWideConsumerRegisters = 232;
+static_assert(register_split_fits(kWideProducerRegisters, kWideConsumerRegisters, 2),
+              "the 256 x 192 tiles' register split fits the launch's pool");
 constexpr int kWideChunks = kWideTileN / 64;               // staging chunks of 64 columns
 constexpr int kWideTileBBytes = kWideTileN * BLOCK_K * 2;  // 24 KB
 constexpr int kRowBoxBytes = kWideTileRows * BLOCK_K * 2;  // one [128 x 64] box of A: 16 KB
