@@ -283,6 +283,33 @@ TEST(BackwardGpu, SkipPaddingRowsKeepsTheBits) {
   }
 }
 
+// The 256 x 192 tiles (MoeConfig::gemm_wide_tiles) alone, small enough for the sanitizers:
+// the forward's gate/up (with the fused gather) and down GEMMs and both dgrads give the bits of
+// the 128 x 256 tiles, with and without the context. I = 320 ends the gate/up GEMM in a
+// 32-column tile and the down dgrad in a tile of two MN-major chunks; H = 448 ends the down GEMM
+// and the gate/up dgrad in a 64-column tile. The skewed routing gives experts of one tile (lone
+// units), of two (pairs) and of many (pairs and an odd tile).
+TEST(BackwardGpu, WideTilesKeepTheBits) {
+  const MoeShape shape = make_shape(300, 448, 320, 8, 4);
+  uint64_t seed = 1300;
+  for (const RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kSkewed}) {
+    SCOPED_TRACE(routing_kind_name(routing));
+    HostProblem problem = HostProblem::make(shape, routing, ++seed);
+    DeviceProblem device(problem, 0);
+    MoeConfig wide;
+    wide.gemm_wide_tiles = true;
+    GpuLayer narrow_layer(shape, MoeConfig{});
+    GpuLayer wide_layer(shape, wide);
+    for (const bool with_context : {true, false}) {
+      const HostRank want = test::gpu_step(narrow_layer, device, problem, with_context);
+      const HostRank got = test::gpu_step(wide_layer, device, problem, with_context);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : ", no context");
+      });
+    }
+  }
+}
+
 // The ring bounds the routed intermediates: with 256-row macrobatches the workspace holds 256
 // rows of x, d_out (H each) and g, u, h, d_g, d_u (I each) instead of the worst case's 4864, plus
 // the weight gradients' fp32 partial slots.
