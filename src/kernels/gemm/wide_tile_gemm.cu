@@ -28,13 +28,13 @@
 //                unit: rows [64c, 64c + 64), one accumulator. Per K-block: wait full[s], issue
 //                the wgmmas, keep one K-block in flight, release the previous stage.
 // Epilogue: one 128 x 192 bf16 staging tile (three 128B-swizzled [128 x 64] chunks, as
-// epilogue.cuh lays them out). A two-tile unit stages consumer 0's rows, whose first thread
-// stores them with TMA and waits until the store has read the tile, then hands the tile to
-// consumer 1 (named barrier 1, both consumers), which stages and stores its rows. A one-tile
-// unit stages both consumers' 64 rows at once. Before the next unit writes the tile, each
-// storing thread waits for its store's reads. The gate/up form copies the staged g and u out
-// with 16-byte stores instead and computes h from them (copy_out_swiglu): 96 columns of a tile
-// of 64-column chunks are no TMA box.
+// epilogue.cuh lays them out), every step between barriers of both consumers. A two-tile unit
+// stages consumer 0's rows, which consumer 0's first thread stores with TMA (waiting until the
+// store has read the tile), then consumer 1's rows the same way. A one-tile unit stages both
+// consumers' 64 rows at once. Before the next unit writes the tile, the storing thread waits
+// for its store's reads. The gate/up form copies the staged g and u out instead, all 256
+// consumer threads with 16-byte stores, and computes h from them (copy_out_swiglu): 96 columns
+// of a tile of 64-column chunks are no TMA box.
 // Shared memory: three stages of A 32 KB + B 24 KB, the 48 KB staging tile and the units'
 // prefix (4 KB at most), 221 KB.
 // Bits: each output element gets the same products in the same K order as in the 128 x 256
@@ -75,7 +75,7 @@ static_assert(register_split_fits(kWideProducerRegisters, kWideConsumerRegisters
 constexpr int kWideChunks = kWideTileN / 64;               // staging chunks of 64 columns
 constexpr int kWideTileBBytes = kWideTileN * BLOCK_K * 2;  // 24 KB
 constexpr int kRowBoxBytes = kWideTileRows * BLOCK_K * 2;  // one [128 x 64] box of A: 16 KB
-// Named barriers of the consumers (0 is __syncthreads): 1 both consumers, 2 + c consumer c.
+// The consumers' named barrier (0 is __syncthreads).
 constexpr int kBothConsumersBarrier = 1;
 
 // The ring of 256 x 64 A and 192 x 64 B stages, and a staging tile of 128 rows (one consumer's).
@@ -201,42 +201,43 @@ __device__ __forceinline__ void store_wide(const CUtensorMap* out, const char* t
 
 // The consumers' epilogue of one unit (see the map above): the staging tile's hand-off.
 // emit(staging, row_offset, thread, threads) writes the staged 128 rows out, unit rows
-// [row_offset, + 128), run by `threads` consumer threads (thread 0 of them a consumer's first
-// thread): a TMA store by that thread, or the gate/up form's copy-out by all of them. `issuer`:
-// this consumer's first thread, which waits for its TMA store to read the tile before the tile
-// is written again (a no-op where nothing was stored).
+// [row_offset, + 128), run by all 256 consumer threads (`thread` in [0, 256)): a TMA store by
+// thread 0, consumer 0's first thread, or the gate/up form's copy-out by all of them. `issuer`
+// (consumer 0's first thread) waits for its TMA store to read the tile before the tile is
+// written again (a no-op where nothing was stored). Every barrier here takes both consumers:
+// the two-tile hand-off with per-consumer barriers was as correct, but compute-sanitizer's
+// racecheck does not follow a hand-off across barriers of different ids (it flagged a minimal
+// probe of that pattern, docs/perf.md session 18), and both consumers copying each half halves
+// the copy-out.
 template <typename Emit>
 __device__ __forceinline__ void wide_epilogue(WideStorage& smem, const WideTile& tile,
                                               int consumer_idx, bool issuer,
                                               const float (&acc0)[96], const float (&acc1)[96],
                                               Emit emit) {
   char* staging = reinterpret_cast<char*>(smem.store_tile);
-  const int thread = threadIdx.x % 128;
+  const int thread = consumer_idx * 128 + threadIdx.x % 128;
   if (issuer) ptx::bulk_wait_group_read<0>();
   ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
   if (tile.rows.num_tiles == 1) {
     stage_wide(staging, consumer_idx * 64, acc0);
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
-    emit(staging, 0, consumer_idx * 128 + thread, kConsumerThreads);
+    emit(staging, 0, thread, kConsumerThreads);
     return;
   }
   // Two tiles: consumer 0's 128 rows, then consumer 1's.
-  if (consumer_idx == 0) {
-    stage_wide(staging, 0, acc0);
-    stage_wide(staging, 64, acc1);
-    ptx::fence_proxy_async_shared();
-    ptx::named_barrier_sync(2, 128);
-    emit(staging, 0, thread, 128);
-    if (issuer) ptx::bulk_wait_group_read<0>();
-  }
-  ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);  // the hand-off
-  if (consumer_idx == 1) {
-    stage_wide(staging, 0, acc0);
-    stage_wide(staging, 64, acc1);
-    ptx::fence_proxy_async_shared();
-    ptx::named_barrier_sync(3, 128);
-    emit(staging, kWideTileRows, thread, 128);
+  for (int half = 0; half < 2; ++half) {
+    if (half == 1) {  // the hand-off: the first half has left the tile
+      if (issuer) ptx::bulk_wait_group_read<0>();
+      ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
+    }
+    if (consumer_idx == half) {
+      stage_wide(staging, 0, acc0);
+      stage_wide(staging, 64, acc1);
+      ptx::fence_proxy_async_shared();
+    }
+    ptx::named_barrier_sync(kBothConsumersBarrier, kConsumerThreads);
+    emit(staging, half * kWideTileRows, thread, kConsumerThreads);
   }
 }
 
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   ptx::setmaxnreg_inc<kWideConsumerRegisters>();
   const int consumer_idx = warpgroup - 1;
-  const bool issuer = threadIdx.x % 128 == 0;
+  const bool issuer = threadIdx.x == 128;  // consumer 0's first thread: the TMA stores
   PipelineState<kWideStages> state;
   float acc0[96], acc1[96];
   for (int32_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
