@@ -78,12 +78,12 @@ struct MoeConfig {
   bool gemm_cta_pairs = false;
   // The forward's two GEMMs and the backward's two dgrads (the kernel sequences) in 256 x 192
   // tiles instead of 128 x 256 (src/kernels/gemm/wide_tile_gemm.cu; gate/up as 96 gate + 96 up
-  // columns): 22% fewer L2 bytes per FLOP, where the L2's partition fabric binds the GEMMs
-  // (docs/perf.md, session 17). Each expert's 128-row tiles go in pairs (an odd last one
-  // alone); the padding rows are computed.
+  // columns): 22% fewer operand bytes per FLOP per CTA, but measured slower on H200 (forward
+  // 1.18x the time at dsv3_e128, 1.31x at qwen3, 0.98x at dsv3; docs/perf.md, session 18),
+  // because it moves more sectors through the L2's partition fabric. Each expert's 128-row tiles
+  // go in pairs (an odd last one alone); the padding rows are computed.
   // Same bits either way. bf16, without CTA pairs, the persistent kernels or the in-GEMM
-  // expert-parallel push; at most kMaxWideTileExperts local experts. Off until it is measured
-  // faster (written in session 17, not yet run).
+  // expert-parallel push; at most kMaxWideTileExperts local experts. Off.
   bool gemm_wide_tiles = false;
   // The expert GEMM kernels (not the persistent ones) skip the padding rows they can: the
   // weight gradients reduce each expert's routed rows rounded up to 64 instead of its 128-row

@@ -70,8 +70,9 @@ class MoKConfig:
     gemm_cta_pairs: run the expert GEMMs in clusters of two CTAs that multicast the weight tile
         they share (same bits).
     gemm_wide_tiles: run the forward's two GEMMs and the backward's two dgrads in 256 x 192
-        tiles, 22% fewer L2 bytes per FLOP (same bits; bf16, without CTA pairs, the persistent
-        kernels or the in-GEMM expert-parallel communication; off until measured faster).
+        tiles (same bits; bf16, without CTA pairs, the persistent kernels or the in-GEMM
+        expert-parallel communication). Measured slower on H200 than the default 128 x 256
+        tiles (docs/perf.md, session 18); off.
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
