@@ -8,7 +8,9 @@
 # first (gpu_tests.log). Outputs under $OUT (default ./out): build.log, run_<shape>.log,
 # ncu_<shape>.txt. MOK_NCU_KERNEL (a regex, default expert_gemm_kernel) and MOK_NCU_RUN_ARGS (more
 # `mok run` arguments, e.g. "--precision fp8_block") pick what ncu profiles; MOK_NCU_ARGS adds
-# ncu arguments (e.g. "--section ComputeWorkloadAnalysis").
+# ncu arguments (e.g. "--section ComputeWorkloadAnalysis"). MOK_WALK_SHAPES (e.g. "dsv3_e128
+# qwen3"; default none) runs `mok walk-bench` on each (walk_<shape>.log), then ncu's L2 fabric
+# and SM read sectors of each walk's one run (`--once`; ncu_walk_<shape>.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -49,6 +51,20 @@ for entry in ${MOK_PROFILE_SHAPES-sonic_e128 dsv3_e128 dsv3}; do
     --check-tokens "$check_tokens" "${precision_args[@]}" >"$log" 2>&1 || status=1
   grep -E "ring|forward |backward |forward\+backward|stages|^    |^  [a-z_]+ +max|PASS|FAIL|rror" \
     "$log" | head -60
+done
+# The sectors that bind the row-tile GEMMs (docs/perf.md, sessions 17-18).
+fabric_metrics=gpu__time_duration.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_ltcfabric.sum,lts__ltcfabric2ltc_cycles_active.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum
+for shape in ${MOK_WALK_SHAPES:-}; do
+  echo "== mok walk-bench --shape $shape"
+  timeout 200 "./$build_dir/mok" walk-bench --shape "$shape" >"$OUT/walk_$shape.log" 2>&1 || status=1
+  cat "$OUT/walk_$shape.log"
+  if command -v ncu >/dev/null 2>&1; then
+    timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --metrics "$fabric_metrics" \
+      -k regex:walk_replay_kernel "./$build_dir/mok" walk-bench --shape "$shape" --once \
+      >"$OUT/ncu_walk_$shape.txt" 2>&1 || status=1
+    grep -E "walk_replay_kernel|gpu__time|tex_op_read|ltcfabric" "$OUT/ncu_walk_$shape.txt" |
+      head -160
+  fi
 done
 ncu_shape="${MOK_NCU_SHAPE-qwen3}"
 if [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1; then

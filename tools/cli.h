@@ -44,6 +44,7 @@ struct RunOptions {
   bool push_dispatch = false;        // --gpus: MoeConfig::ep_push_dispatch
   bool dispatch_in_gemm = false;     // --gpus: MoeConfig::ep_dispatch_in_gemm
   bool bulk_copies = false;          // --gpus: MoeConfig::ep_bulk_copies
+  bool once = false;                 // walk-bench: one run of each walk (for ncu)
 };
 
 // The layer's config from the options (MoeConfig's defaults where unset); throws mok::Error if

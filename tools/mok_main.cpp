@@ -12,6 +12,7 @@
 #include "mok/config.h"
 #include "mok/testing/comm_bench.h"
 #include "mok/testing/stream_bench.h"
+#include "mok/testing/walk_bench.h"
 
 namespace mok::cli {
 
@@ -27,6 +28,11 @@ usage:
   mok stream-bench [--shape NAME]
                         GPU: how fast the shape's expert weights stream in the GEMMs' access
                         pattern and others (TMA loads only; default dsv3)
+  mok walk-bench [--shape NAME] [--routing KIND] [--seed S] [--once]
+                        GPU: the row-tile GEMMs' operand loads replayed without their math,
+                        walk by walk (tile shapes, groupings) over the shape's row tiles, paced
+                        as their wgmmas hold a stage (default dsv3_e128); --once runs each
+                        walk once, for ncu's sector counts
   mok shapes            list the named shapes
   mok --help | --version
 
@@ -129,6 +135,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--quick") {
       options.quick = true;
+      continue;
+    }
+    if (flag == "--once") {
+      options.once = true;
       continue;
     }
     if (flag == "--persistent-backward") {
@@ -300,6 +310,19 @@ int stream_bench_command(RunOptions options) {
   return mok::run_stream_bench(shape_from_options(options));
 }
 
+// `mok walk-bench`: the row-tile GEMMs' loads replayed walk by walk (default dsv3_e128: one
+// 256-row unit per expert, where the 256 x 192 tiles measured slower).
+int walk_bench_command(RunOptions options) {
+  if (cuda_device_name().empty())
+    throw Error(ErrorCode::kUnsupported,
+                "walk-bench times the GPU's memory system; no usable GPU here (valid: a run on "
+                "an sm_90 GPU)");
+  if (options.shape_name.empty()) options.shape_name = "dsv3_e128";
+  return mok::run_walk_bench(shape_from_options(options),
+                             mok::routing_kind_from_name(options.routing), options.seed,
+                             options.once);
+}
+
 void list_shapes() {
   std::printf("%-12s %6s %6s %5s %3s %8s\n", "name", "H", "I", "E", "K", "tokens");
   for (const std::string& name : mok::named_shape_names()) {
@@ -341,9 +364,13 @@ int main(int argc, char** argv) {
     if (args[0] == "stream-bench")
       return mok::cli::stream_bench_command(
           mok::cli::parse_run_options({args.begin() + 1, args.end()}));
-    throw mok::Error(mok::ErrorCode::kInvalidArgument,
-                     "unknown command '" + args[0] +
-                         "'; valid: run, comm-bench, stream-bench, shapes (see mok --help)");
+    if (args[0] == "walk-bench")
+      return mok::cli::walk_bench_command(
+          mok::cli::parse_run_options({args.begin() + 1, args.end()}));
+    throw mok::Error(
+        mok::ErrorCode::kInvalidArgument,
+        "unknown command '" + args[0] +
+            "'; valid: run, comm-bench, stream-bench, walk-bench, shapes (see mok --help)");
   } catch (const mok::Error& error) {
     std::fprintf(stderr, "mok: error (%s): %s\n", mok::error_code_name(error.code()), error.what());
     return 2;

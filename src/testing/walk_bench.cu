@@ -1,0 +1,251 @@
+// The walk replay behind `mok walk-bench` (mok/testing/walk_bench.h).
+//
+// Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), two
+// warps, as a GEMM's producer and consumers. Lane 0 of warp 0 is the producer: for each of its
+// units (b, b + grid, ... of the plan) and each K-block of 64, it waits for a free stage of a
+// three-stage ring, arms the stage's full mbarrier with the bytes its boxes bring, and issues
+// them: one or two [128 x 64] boxes of A, then B (gate/up: tile_n / 2 gate and tile_n / 2 up
+// rows of [E, I, H], one box each; down: one box of tile_n rows of Wd [E, H, I]). Warp 1 is the
+// consumer: it waits for each stage in order, holds it as long as the unit's wgmmas would
+// (kCyclesPer128x256 per K-block of a 128 x 256 tile, in proportion to the unit's rows x columns),
+// and releases it on its empty mbarrier. Nothing else runs: the time and ncu's sectors are the
+// walk's loads alone.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
+#include "layer/cuda_buffer.h"
+#include "layer/tma.h"
+#include "mok/error.h"
+#include "mok/testing/walk_bench.h"
+
+namespace mok {
+
+namespace {
+
+constexpr int32_t kBoxK = 64;
+constexpr int32_t kRowBox = 128;                    // rows of one A box
+constexpr int32_t kStageBytes = 2 * 16384 + 32768;  // two A boxes and 256 rows of B
+constexpr int32_t kStages = 3;
+constexpr int32_t kSharedBytes = kStages * kStageBytes + 1024;
+// SM cycles of one 128 x 256 x 64 K-block (4.19 MFLOP) at ~650 TFLOP/s over 132 SMs and ~1.75
+// GHz, as the stream bench paces it.
+constexpr int32_t kCyclesPer128x256 = 1500;
+
+struct WalkParams {
+  CUtensorMap a_map;   // [rows, K], box [128, 64]
+  CUtensorMap b_map0;  // gate/up: the gate rows [E, I, H]; down: Wd [E, H, I]; box [b_box, 64]
+  CUtensorMap b_map1;  // gate/up: the up rows
+  const int4* units;   // WalkLoad {a_row, a_boxes, expert, n0}
+  int32_t num_units;
+  int32_t k_blocks;
+  int32_t gate_up;
+  int32_t b_rows;  // B rows a unit loads per map (gate/up: tile_n / 2; down: tile_n)
+  int32_t b_box;   // rows of one B box
+  int32_t n_extent;
+  int32_t cycles_per_a_box;  // pacing per 128 rows of A per K-block (0: unpaced)
+  kernels::WaitContext wait;
+};
+
+__device__ __forceinline__ uint32_t unit_bytes(const WalkParams& p, const int4& unit) {
+  const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
+  const int32_t b_loaded = ((b_rows + p.b_box - 1) / p.b_box) * p.b_box;  // whole boxes
+  return unit.y * kRowBox * kBoxK * 2 + (p.gate_up ? 2 : 1) * b_loaded * kBoxK * 2;
+}
+
+__global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constant__ WalkParams p) {
+  extern __shared__ unsigned char dynamic_smem[];
+  __shared__ uint64_t full[kStages];
+  __shared__ uint64_t empty[kStages];
+  unsigned char* ring = &ptx::align_shared_1024<unsigned char>(dynamic_smem);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    ptx::prefetch_tensor_map(&p.a_map);
+    ptx::prefetch_tensor_map(&p.b_map0);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], 1);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  int64_t g = 0;  // stages issued (producer) or consumed (consumer)
+  if (warp == 0) {
+    if (lane != 0) return;
+    for (int32_t u = blockIdx.x; u < p.num_units; u += gridDim.x) {
+      const int4 unit = p.units[u];
+      const uint32_t bytes = unit_bytes(p, unit);
+      for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
+        const int slot = static_cast<int>(g % kStages);
+        if (g >= kStages)
+          kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmFreeStage, &empty[slot],
+                                 static_cast<uint32_t>((g / kStages - 1) & 1));
+        unsigned char* stage = ring + slot * kStageBytes;
+        ptx::mbarrier_arrive_expect_tx(&full[slot], bytes);
+        const int32_t k = kb * kBoxK;
+        for (int32_t box = 0; box < unit.y; ++box)
+          ptx::tma_load_2d(stage + box * kRowBox * kBoxK * 2, &p.a_map, &full[slot], k,
+                           unit.x + box * kRowBox);
+        unsigned char* b = stage + 2 * kRowBox * kBoxK * 2;
+        const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
+        for (int32_t map = 0; map < (p.gate_up ? 2 : 1); ++map)
+          for (int32_t r = 0; r < b_rows; r += p.b_box) {
+            ptx::tma_load_3d(b, map == 0 ? &p.b_map0 : &p.b_map1, &full[slot], k, unit.w + r,
+                             unit.z);
+            b += p.b_box * kBoxK * 2;
+          }
+      }
+    }
+    return;
+  }
+  for (int32_t u = blockIdx.x; u < p.num_units; u += gridDim.x) {
+    const int32_t hold = p.cycles_per_a_box * p.units[u].y;
+    for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
+      const int slot = static_cast<int>(g % kStages);
+      kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmLoadedStage, &full[slot],
+                             static_cast<uint32_t>((g / kStages) & 1));
+      if (hold > 0) {
+        const long long start = clock64();
+        while (clock64() - start < hold) {
+        }
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
+    }
+  }
+}
+
+struct WalkCase {
+  WalkSpec spec;
+  bool paced;
+};
+
+// The expert GEMM's walk and the 256 x 192 tiles' (both paced, as their math holds the ring,
+// and unpaced), then variants of the grouping and of the tile.
+const WalkCase kWalks[] = {
+    {{"128 x 256, groups of 8 (expert GEMM)", 128, 256, 8}, true},
+    {{"256 x 192, groups of 8 (256 x 192 tiles)", 256, 192, 8}, true},
+    {{"128 x 256, groups of 8, unpaced", 128, 256, 8}, false},
+    {{"256 x 192, groups of 8, unpaced", 256, 192, 8}, false},
+    {{"128 x 256, groups of 2", 128, 256, 2}, true},
+    {{"128 x 256, groups of 32", 128, 256, 32}, true},
+    {{"128 x 256, n-major (groups of 1)", 128, 256, 1}, true},
+    {{"256 x 192, groups of 2", 256, 192, 2}, true},
+    {{"256 x 192, groups of 32", 256, 192, 32}, true},
+    {{"128 x 192, groups of 8", 128, 192, 8}, true},
+    {{"256 x 256, groups of 8 (bytes only)", 256, 256, 8}, true},
+};
+
+class WalkRunner {
+ public:
+  WalkRunner() {
+    int device = 0;
+    cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+    cuda_check(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+    cuda_check(cudaFuncSetAttribute(walk_replay_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kSharedBytes),
+               "cudaFuncSetAttribute(walk_replay_kernel)");
+  }
+  void launch(const WalkParams& p) const {
+    walk_replay_kernel<<<num_sms_, 64, kSharedBytes>>>(p);
+    cuda_check(cudaGetLastError(), "walk_replay_kernel launch");
+  }
+  int num_sms() const { return num_sms_; }
+
+ private:
+  int num_sms_ = 0;
+};
+
+double median_ms(const WalkRunner& runner, const WalkParams& p, int passes) {
+  cudaEvent_t start, stop;
+  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<float> times;
+  for (int i = 0; i < passes; ++i) {
+    cuda_check(cudaEventRecord(start), "cudaEventRecord");
+    runner.launch(p);
+    cuda_check(cudaEventRecord(stop), "cudaEventRecord");
+    cuda_check(cudaEventSynchronize(stop), "walk-bench timing");
+    float ms = 0;
+    cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bool once) {
+  const int64_t E = shape.num_local_experts(), H = shape.hidden, I = shape.intermediate;
+  const std::vector<int32_t> tiles = walk_tiles_per_expert(shape, routing, seed);
+  int64_t num_tiles = 0;
+  for (const int32_t t : tiles) num_tiles += t;
+  const int64_t rows = num_tiles * 128;
+  // The operands, uninitialised: only their bytes' movement is timed.
+  DeviceBuffer a(rows * std::max(H, I) * 2, "walk-bench rows");
+  DeviceBuffer weights(E * 2 * I * H * 2, "walk-bench weights");
+  WalkRunner runner;
+  std::printf(
+      "mok walk-bench: E=%lld H=%lld I=%lld, %s routing: %lld row tiles; %d CTAs, TMA "
+      "loads only, %s\n",
+      static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(I),
+      routing_kind_name(routing), static_cast<long long>(num_tiles), runner.num_sms(),
+      once ? "one run each (for ncu)" : "median of 5 runs");
+  std::printf("  %-8s %-44s %7s %9s %9s\n", "GEMM", "walk", "units", "asked GB", "ms");
+  for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
+    const bool gate_up = form == WalkForm::kGateUp;
+    const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
+    for (const WalkCase& walk : kWalks) {
+      const std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
+      DeviceBuffer units(static_cast<int64_t>(loads.size() * sizeof(WalkLoad)), "walk units");
+      cuda_check(cudaMemcpy(units.pointer, loads.data(), loads.size() * sizeof(WalkLoad),
+                            cudaMemcpyHostToDevice),
+                 "walk units upload");
+      WalkParams p{};
+      const int64_t a_dims[2] = {k, rows};
+      const int64_t a_strides[1] = {k * 2};
+      const int32_t a_box[2] = {kBoxK, kRowBox};
+      p.a_map = make_tensor_map(a.pointer, TmaElement::kBF16, 2, a_dims, a_strides, a_box, true,
+                                "walk-bench rows");
+      p.b_rows = gate_up ? walk.spec.tile_n / 2 : walk.spec.tile_n;
+      p.b_box = p.b_rows;  // one box per map, at most 256 rows (TMA's limit)
+      // gate/up: [E, 2I, H] as gate rows [0, I) and up rows [I, 2I) of each expert; down:
+      // [E, H, I].
+      const int64_t b_dims[3] = {k, n_extent, E};
+      const int64_t b_strides[2] = {k * 2, (gate_up ? 2 : 1) * n_extent * k * 2};
+      const int32_t b_box[3] = {kBoxK, p.b_box, 1};
+      p.b_map0 = make_tensor_map(weights.pointer, TmaElement::kBF16, 3, b_dims, b_strides, b_box,
+                                 true, "walk-bench weights");
+      p.b_map1 = gate_up ? make_tensor_map(weights.as<unsigned char>() + n_extent * k * 2,
+                                           TmaElement::kBF16, 3, b_dims, b_strides, b_box, true,
+                                           "walk-bench up weights")
+                         : p.b_map0;
+      p.units = units.as<int4>();
+      p.num_units = static_cast<int32_t>(loads.size());
+      p.k_blocks = static_cast<int32_t>(k / kBoxK);
+      p.gate_up = gate_up ? 1 : 0;
+      p.n_extent = static_cast<int32_t>(n_extent);
+      p.cycles_per_a_box = walk.paced ? kCyclesPer128x256 * walk.spec.tile_n / 256 : 0;
+      p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
+      if (!once) runner.launch(p);  // a warm-up; with `once` the one launch is what ncu profiles
+      const double ms = median_ms(runner, p, once ? 1 : 5);
+      const double asked = walk_asked_bytes(walk.spec, form, loads, n_extent, k) / 1e9;
+      std::printf("  %-8s %-44s %7zu %9.2f %9.3f\n", gate_up ? "gate/up" : "down",
+                  walk.spec.name.c_str(), loads.size(), asked, ms);
+    }
+  }
+  cuda_check(cudaDeviceSynchronize(), "walk-bench");
+  return 0;
+}
+
+}  // namespace mok

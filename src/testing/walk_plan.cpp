@@ -1,0 +1,97 @@
+// The walks of `mok walk-bench` (mok/testing/walk_bench.h): host-side plans of the units a GEMM
+// walks, CPU-tested against the kernels' own walks (tests/cpu/test_walk_plan.cpp).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "mok/error.h"
+#include "mok/testing/walk_bench.h"
+
+namespace mok {
+
+namespace {
+
+constexpr int32_t kScheduleTileRows = 128;
+
+// Unit `local` of m_units x n_tiles units grouped `group` row units at a time and swept
+// n-major (task_order.h's grouped_tile with the group as a parameter).
+void grouped_unit(int32_t local, int32_t m_units, int32_t n_tiles, int32_t group, int32_t* m_unit,
+                  int32_t* n_tile) {
+  const int32_t group_index = local / (group * n_tiles);
+  const int32_t first_m = group_index * group;
+  const int32_t group_m = std::min(group, m_units - first_m);
+  const int32_t in_group = local - group_index * group * n_tiles;
+  *m_unit = first_m + in_group % group_m;
+  *n_tile = in_group / group_m;
+}
+
+struct RowUnit {
+  int32_t first_tile;
+  int32_t num_tiles;
+  int32_t expert;
+};
+
+}  // namespace
+
+std::vector<WalkLoad> plan_walk(const WalkSpec& spec, WalkForm form,
+                                const std::vector<int32_t>& tiles_per_expert, int64_t n_extent) {
+  if ((spec.tile_rows != 128 && spec.tile_rows != 256) || spec.group < 1 || spec.tile_n < 64 ||
+      spec.tile_n > 256 || spec.tile_n % (form == WalkForm::kGateUp ? 16 : 8) != 0 || n_extent < 1)
+    throw Error(ErrorCode::kInvalidArgument,
+                "plan_walk: walk '" + spec.name + "' has tile_rows " +
+                    std::to_string(spec.tile_rows) + ", tile_n " + std::to_string(spec.tile_n) +
+                    ", group " + std::to_string(spec.group) +
+                    "; valid: tile_rows 128 or 256, tile_n in [64, 256] (a multiple of 16 for "
+                    "gate/up), group >= 1");
+  std::vector<RowUnit> rows;
+  int32_t tile = 0;
+  for (int32_t expert = 0; expert < static_cast<int32_t>(tiles_per_expert.size()); ++expert) {
+    const int32_t tiles = tiles_per_expert[expert];
+    const int32_t per_unit = spec.tile_rows / kScheduleTileRows;
+    for (int32_t t = 0; t < tiles; t += per_unit)
+      rows.push_back({tile + t, std::min(per_unit, tiles - t), expert});
+    tile += tiles;
+  }
+  const int32_t columns = form == WalkForm::kGateUp ? spec.tile_n / 2 : spec.tile_n;
+  const int32_t n_tiles = static_cast<int32_t>((n_extent + columns - 1) / columns);
+  const int32_t m_units = static_cast<int32_t>(rows.size());
+  std::vector<WalkLoad> loads;
+  loads.reserve(static_cast<size_t>(m_units) * n_tiles);
+  for (int32_t unit = 0; unit < m_units * n_tiles; ++unit) {
+    int32_t m_unit = 0, n_tile = 0;
+    grouped_unit(unit, m_units, n_tiles, spec.group, &m_unit, &n_tile);
+    const RowUnit& row = rows[m_unit];
+    loads.push_back(
+        {row.first_tile * kScheduleTileRows, row.num_tiles, row.expert, n_tile * columns});
+  }
+  return loads;
+}
+
+std::vector<int32_t> walk_tiles_per_expert(const MoeShape& shape, RoutingKind routing,
+                                           uint64_t seed) {
+  const int32_t experts = static_cast<int32_t>(shape.num_local_experts());
+  const std::vector<int32_t> slots = generate_routing(
+      routing, 1, static_cast<int32_t>(shape.num_tokens), shape.top_k, experts, seed);
+  std::vector<int32_t> counts(experts, 0);
+  for (const int32_t expert : slots)
+    if (expert >= 0) ++counts[expert];
+  std::vector<int32_t> tiles(experts);
+  for (int32_t e = 0; e < experts; ++e)
+    tiles[e] = (counts[e] + kScheduleTileRows - 1) / kScheduleTileRows;
+  return tiles;
+}
+
+int64_t walk_asked_bytes(const WalkSpec& spec, WalkForm form, const std::vector<WalkLoad>& loads,
+                         int64_t n_extent, int64_t k) {
+  const int64_t row_bytes = k * 2;
+  const int64_t columns = form == WalkForm::kGateUp ? spec.tile_n / 2 : spec.tile_n;
+  const int64_t b_sets = form == WalkForm::kGateUp ? 2 : 1;  // gate and up
+  int64_t bytes = 0;
+  for (const WalkLoad& load : loads) {
+    bytes += load.a_boxes * int64_t{kScheduleTileRows} * row_bytes;
+    bytes += b_sets * std::min<int64_t>(columns, n_extent - load.n0) * row_bytes;
+  }
+  return bytes;
+}
+
+}  // namespace mok
