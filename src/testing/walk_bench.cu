@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,8 +51,34 @@ struct WalkParams {
   int32_t b_box;   // rows of one B box
   int32_t n_extent;
   int32_t cycles_per_a_box;  // pacing per 128 rows of A per K-block (0: unpaced)
+  const int32_t* sm_slot;    // non-null: CTA on SM s takes the units of slot sm_slot[s]
   kernels::WaitContext wait;
 };
+
+__device__ __forceinline__ int32_t sm_id() {
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return static_cast<int32_t>(sm);
+}
+
+// The CTA's slot in the walk: its block index, or its SM's rank among the SMs' ids.
+__device__ __forceinline__ int32_t walk_slot(const WalkParams& p) {
+  return p.sm_slot != nullptr ? p.sm_slot[sm_id()] : static_cast<int32_t>(blockIdx.x);
+}
+
+// Each CTA's SM id. The launch asks for the walk kernel's shared memory, so an SM holds one
+// CTA at a time, and each CTA stays until all have arrived (or ~10 ms have passed), so no
+// finished CTA's SM takes a second one while others wait.
+__global__ void __launch_bounds__(32, 1)
+    record_sm_ids_kernel(int32_t* sm_of_block, unsigned int* arrived) {
+  if (threadIdx.x != 0) return;
+  sm_of_block[blockIdx.x] = sm_id();
+  atomicAdd(arrived, 1u);
+  const long long start = clock64();
+  while (*reinterpret_cast<volatile unsigned int*>(arrived) < gridDim.x &&
+         clock64() - start < 20'000'000) {
+  }
+}
 
 __device__ __forceinline__ uint32_t unit_bytes(const WalkParams& p, const int4& unit) {
   const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
@@ -75,10 +102,12 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
     ptx::fence_barrier_init();
   }
   __syncthreads();
-  int64_t g = 0;  // stages issued (producer) or consumed (consumer)
+  const int32_t slot0 = walk_slot(p);
+  if (slot0 < 0) return;  // an SM the id table lacks (run_walk_bench checks the set first)
+  int64_t g = 0;          // stages issued (producer) or consumed (consumer)
   if (warp == 0) {
     if (lane != 0) return;
-    for (int32_t u = blockIdx.x; u < p.num_units; u += gridDim.x) {
+    for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
       const int4 unit = p.units[u];
       const uint32_t bytes = unit_bytes(p, unit);
       for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
@@ -104,7 +133,7 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
     }
     return;
   }
-  for (int32_t u = blockIdx.x; u < p.num_units; u += gridDim.x) {
+  for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
     const int32_t hold = p.cycles_per_a_box * p.units[u].y;
     for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
       const int slot = static_cast<int>(g % kStages);
@@ -121,9 +150,19 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
   }
 }
 
+// Where a walk's units run. The expert GEMMs give CTA b the units b, b + grid, ... (kBlock).
+// The SM-id placements give them to the CTA on the SM of rank b among the SMs' ids instead:
+// kSmAdjacent keeps the walk's order, so consecutive units (an expert's row tiles on one weight
+// tile) run on SMs of neighbouring ids, which share a TPC and a GPC and so one L2 partition
+// if the ids follow the chip's layout; kSmSplit moves every odd unit of each wave to the other
+// half of the ids, so those neighbours run apart. If the fabric's sectors follow which SMs read
+// a line together, the three differ.
+enum class Placement { kBlock, kSmAdjacent, kSmSplit };
+
 struct WalkCase {
   WalkSpec spec;
   bool paced;
+  Placement placement = Placement::kBlock;
 };
 
 // The expert GEMM's walk and the 256 x 192 tiles' (both paced, as their math holds the ring,
@@ -140,7 +179,24 @@ const WalkCase kWalks[] = {
     {{"256 x 192, groups of 32", 256, 192, 32}, true},
     {{"128 x 192, groups of 8", 128, 192, 8}, true},
     {{"256 x 256, groups of 8 (bytes only)", 256, 256, 8}, true},
+    {{"128 x 256, groups of 8, by SM id", 128, 256, 8}, true, Placement::kSmAdjacent},
+    {{"128 x 256, groups of 8, by SM id, split", 128, 256, 8}, true, Placement::kSmSplit},
+    {{"256 x 192, groups of 8, by SM id", 256, 192, 8}, true, Placement::kSmAdjacent},
+    {{"256 x 192, groups of 8, by SM id, split", 256, 192, 8}, true, Placement::kSmSplit},
 };
+
+// kSmSplit's order: within each wave of `grid` units, unit 2j goes to slot j and unit 2j + 1
+// to slot grid / 2 + j (an odd grid's last unit stays last).
+std::vector<WalkLoad> split_waves(const std::vector<WalkLoad>& loads, int32_t grid) {
+  std::vector<WalkLoad> out(loads);
+  const int32_t half = grid / 2;
+  for (size_t wave = 0; wave + grid <= loads.size(); wave += grid)
+    for (int32_t j = 0; j < half; ++j) {
+      out[wave + j] = loads[wave + 2 * j];
+      out[wave + half + j] = loads[wave + 2 * j + 1];
+    }
+  return out;
+}
 
 class WalkRunner {
  public:
@@ -158,6 +214,30 @@ class WalkRunner {
     cuda_check(cudaGetLastError(), "walk_replay_kernel launch");
   }
   int num_sms() const { return num_sms_; }
+
+  // The SM ids of the machine, ascending, and a table from SM id to its rank (-1 where no SM
+  // has that id): one CTA per SM records its id, the launch sized as the walk kernel's so each
+  // SM runs one. Empty if two CTAs shared an SM (an SM busy elsewhere): no SM placement then.
+  std::vector<int32_t> sm_ids(std::vector<int32_t>* rank_of_id) const {
+    cuda_check(cudaFuncSetAttribute(record_sm_ids_kernel,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes),
+               "cudaFuncSetAttribute(record_sm_ids_kernel)");
+    DeviceBuffer ids(num_sms_ * int64_t{sizeof(int32_t)}, "walk-bench SM ids");
+    DeviceBuffer arrived(sizeof(unsigned int), "walk-bench arrivals");
+    cuda_check(cudaMemset(arrived.pointer, 0, sizeof(unsigned int)), "cudaMemset");
+    record_sm_ids_kernel<<<num_sms_, 32, kSharedBytes>>>(ids.as<int32_t>(),
+                                                         arrived.as<unsigned int>());
+    cuda_check(cudaGetLastError(), "record_sm_ids_kernel launch");
+    std::vector<int32_t> sms(num_sms_);
+    cuda_check(
+        cudaMemcpy(sms.data(), ids.pointer, sms.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+        "walk-bench SM ids");
+    std::sort(sms.begin(), sms.end());
+    if (std::adjacent_find(sms.begin(), sms.end()) != sms.end() || sms.front() < 0) return {};
+    rank_of_id->assign(sms.back() + 1, -1);
+    for (int32_t r = 0; r < num_sms_; ++r) (*rank_of_id)[sms[r]] = r;
+    return sms;
+  }
 
  private:
   int num_sms_ = 0;
@@ -201,12 +281,27 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(I),
       routing_kind_name(routing), static_cast<long long>(num_tiles), runner.num_sms(),
       once ? "one run each (for ncu)" : "median of 5 runs");
+  std::vector<int32_t> rank_of_id;
+  const std::vector<int32_t> sms = runner.sm_ids(&rank_of_id);
+  std::unique_ptr<DeviceBuffer> sm_slot;
+  if (sms.empty()) {
+    std::printf("  two CTAs shared an SM: the SM-id placements are skipped\n");
+  } else {
+    std::printf("  SM ids %d..%d (%zu SMs)\n", sms.front(), sms.back(), sms.size());
+    sm_slot = std::make_unique<DeviceBuffer>(
+        static_cast<int64_t>(rank_of_id.size() * sizeof(int32_t)), "walk-bench SM slots");
+    cuda_check(cudaMemcpy(sm_slot->pointer, rank_of_id.data(), rank_of_id.size() * sizeof(int32_t),
+                          cudaMemcpyHostToDevice),
+               "walk-bench SM slots");
+  }
   std::printf("  %-8s %-44s %7s %9s %9s\n", "GEMM", "walk", "units", "asked GB", "ms");
   for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
     const bool gate_up = form == WalkForm::kGateUp;
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
     for (const WalkCase& walk : kWalks) {
-      const std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
+      if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
+      std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
+      if (walk.placement == Placement::kSmSplit) loads = split_waves(loads, runner.num_sms());
       DeviceBuffer units(static_cast<int64_t>(loads.size() * sizeof(WalkLoad)), "walk units");
       cuda_check(cudaMemcpy(units.pointer, loads.data(), loads.size() * sizeof(WalkLoad),
                             cudaMemcpyHostToDevice),
@@ -236,6 +331,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       p.gate_up = gate_up ? 1 : 0;
       p.n_extent = static_cast<int32_t>(n_extent);
       p.cycles_per_a_box = walk.paced ? kCyclesPer128x256 * walk.spec.tile_n / 256 : 0;
+      p.sm_slot = walk.placement == Placement::kBlock ? nullptr : sm_slot->as<int32_t>();
       p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
       if (!once) runner.launch(p);  // a warm-up; with `once` the one launch is what ncu profiles
       const double ms = median_ms(runner, p, once ? 1 : 5);
