@@ -281,6 +281,10 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       static_cast<long long>(E), static_cast<long long>(H), static_cast<long long>(I),
       routing_kind_name(routing), static_cast<long long>(num_tiles), runner.num_sms(),
       once ? "one run each (for ncu)" : "median of 5 runs");
+  std::printf(
+      "  asked: the bytes of the walk's boxes; wave: of the distinct boxes of each wave of "
+      "%d units (walk_bench.h)\n",
+      runner.num_sms());
   std::vector<int32_t> rank_of_id;
   const std::vector<int32_t> sms = runner.sm_ids(&rank_of_id);
   std::unique_ptr<DeviceBuffer> sm_slot;
@@ -294,7 +298,8 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
                           cudaMemcpyHostToDevice),
                "walk-bench SM slots");
   }
-  std::printf("  %-8s %-44s %7s %9s %9s\n", "GEMM", "walk", "units", "asked GB", "ms");
+  std::printf("  %-8s %-44s %7s %9s %9s %9s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
+              "ms");
   for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
     const bool gate_up = form == WalkForm::kGateUp;
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
@@ -336,8 +341,10 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       if (!once) runner.launch(p);  // a warm-up; with `once` the one launch is what ncu profiles
       const double ms = median_ms(runner, p, once ? 1 : 5);
       const double asked = walk_asked_bytes(walk.spec, form, loads, n_extent, k) / 1e9;
-      std::printf("  %-8s %-44s %7zu %9.2f %9.3f\n", gate_up ? "gate/up" : "down",
-                  walk.spec.name.c_str(), loads.size(), asked, ms);
+      const double wave =
+          walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k, runner.num_sms()) / 1e9;
+      std::printf("  %-8s %-44s %7zu %9.2f %9.2f %9.3f\n", gate_up ? "gate/up" : "down",
+                  walk.spec.name.c_str(), loads.size(), asked, wave, ms);
     }
   }
   cuda_check(cudaDeviceSynchronize(), "walk-bench");

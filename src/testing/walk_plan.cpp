@@ -1,7 +1,9 @@
 // The walks of `mok walk-bench` (mok/testing/walk_bench.h): host-side plans of the units a GEMM
 // walks, CPU-tested against the kernels' own walks (tests/cpu/test_walk_plan.cpp).
 #include <algorithm>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mok/error.h"
@@ -90,6 +92,30 @@ int64_t walk_asked_bytes(const WalkSpec& spec, WalkForm form, const std::vector<
   for (const WalkLoad& load : loads) {
     bytes += load.a_boxes * int64_t{kScheduleTileRows} * row_bytes;
     bytes += b_sets * std::min<int64_t>(columns, n_extent - load.n0) * row_bytes;
+  }
+  return bytes;
+}
+
+int64_t walk_wave_unique_bytes(const WalkSpec& spec, WalkForm form,
+                               const std::vector<WalkLoad>& loads, int64_t n_extent, int64_t k,
+                               int32_t grid) {
+  if (grid < 1)
+    throw Error(ErrorCode::kInvalidArgument,
+                "walk_wave_unique_bytes: grid = " + std::to_string(grid) + "; valid: >= 1");
+  const int64_t row_bytes = k * 2;
+  const int64_t columns = form == WalkForm::kGateUp ? spec.tile_n / 2 : spec.tile_n;
+  const int64_t b_sets = form == WalkForm::kGateUp ? 2 : 1;
+  int64_t bytes = 0;
+  for (size_t wave = 0; wave < loads.size(); wave += grid) {
+    std::set<int32_t> a_boxes;                 // first row of each 128-row box
+    std::set<std::tuple<int32_t, int32_t>> b;  // (expert, n0)
+    for (size_t u = wave; u < std::min(loads.size(), wave + grid); ++u) {
+      for (int32_t box = 0; box < loads[u].a_boxes; ++box)
+        a_boxes.insert(loads[u].a_row + kScheduleTileRows * box);
+      if (b.insert({loads[u].expert, loads[u].n0}).second)
+        bytes += b_sets * std::min<int64_t>(columns, n_extent - loads[u].n0) * row_bytes;
+    }
+    bytes += static_cast<int64_t>(a_boxes.size()) * kScheduleTileRows * row_bytes;
   }
   return bytes;
 }

@@ -132,6 +132,25 @@ TEST(WalkPlan, AskedBytesCountTheBoxesInsideN) {
             (2 + 1 + 1) * 128 * row + 3 * 2 * 96 * row);
 }
 
+TEST(WalkPlan, WaveUniqueBytesCountEachBoxOncePerWave) {
+  // Expert 0 of 2 tiles, expert 1 of 1; 128 x 256 down over H = 512 (2 column tiles), K = 64:
+  // units in order (m0,n0) (m1,n0) (m2,n0) (m0,n1) (m1,n1) (m2,n1).
+  const std::vector<int32_t> tiles = {2, 1};
+  const WalkSpec spec{"128 x 256", 128, 256, 8};
+  const std::vector<WalkLoad> loads = plan_walk(spec, WalkForm::kDown, tiles, 512);
+  ASSERT_EQ(loads.size(), 6u);
+  const int64_t box = 128 * 64 * 2, b_tile = 256 * 64 * 2;
+  // One wave of all six: 3 A boxes, 4 B tiles (2 experts x 2 columns).
+  EXPECT_EQ(walk_wave_unique_bytes(spec, WalkForm::kDown, loads, 512, 64, 6), 3 * box + 4 * b_tile);
+  // Waves of three: each holds the 3 A boxes and 2 B tiles (expert 0's and 1's at one column).
+  EXPECT_EQ(walk_wave_unique_bytes(spec, WalkForm::kDown, loads, 512, 64, 3),
+            2 * (3 * box + 2 * b_tile));
+  // Waves of one: what the units ask for.
+  EXPECT_EQ(walk_wave_unique_bytes(spec, WalkForm::kDown, loads, 512, 64, 1),
+            walk_asked_bytes(spec, WalkForm::kDown, loads, 512, 64));
+  EXPECT_THROW(walk_wave_unique_bytes(spec, WalkForm::kDown, loads, 512, 64, 0), Error);
+}
+
 TEST(WalkPlan, RejectsWalksItCannotReplay) {
   const std::vector<int32_t> tiles = {2};
   EXPECT_THROW(plan_walk({"x", 192, 256, 8}, WalkForm::kDown, tiles, 512), Error);

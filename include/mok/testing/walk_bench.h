@@ -57,6 +57,15 @@ std::vector<int32_t> walk_tiles_per_expert(const MoeShape& shape, RoutingKind ro
 int64_t walk_asked_bytes(const WalkSpec& spec, WalkForm form, const std::vector<WalkLoad>& loads,
                          int64_t n_extent, int64_t k);
 
+// The bytes of the distinct boxes each wave of `grid` consecutive units asks for (an A row
+// box of 128 rows, or a unit's B rows of one expert, counted once per wave however many of the
+// wave's units load it), summed over the waves: the walk's bytes if every line read by CTAs
+// running together crossed to them once. Session 18's fabric sectors were ~1.1-1.3x this for
+// both kernels' walks at dsv3_e128 (docs/perf.md): the model walk-bench tests across walks.
+int64_t walk_wave_unique_bytes(const WalkSpec& spec, WalkForm form,
+                               const std::vector<WalkLoad>& loads, int64_t n_extent, int64_t k,
+                               int32_t grid);
+
 // Replays every walk of the built-in list for both forms on `shape`'s local experts, prints
 // ms, the bytes asked and their rate (median of 5 runs; `once`: one run each, for ncu) and
 // returns 0. Needs a GPU.
