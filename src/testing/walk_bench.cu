@@ -179,6 +179,7 @@ const WalkCase kWalks[] = {
     {{"256 x 192, groups of 32", 256, 192, 32}, true},
     {{"128 x 192, groups of 8", 128, 192, 8}, true},
     {{"256 x 256, groups of 8 (bytes only)", 256, 256, 8}, true},
+    {{"256 x 192, groups of 8, lone tiles last", 256, 192, 8, true}, true},
     {{"128 x 256, groups of 8, by SM id", 128, 256, 8}, true, Placement::kSmAdjacent},
     {{"128 x 256, groups of 8, by SM id, split", 128, 256, 8}, true, Placement::kSmSplit},
     {{"256 x 192, groups of 8, by SM id", 256, 192, 8}, true, Placement::kSmAdjacent},

@@ -54,6 +54,10 @@ std::vector<WalkLoad> plan_walk(const WalkSpec& spec, WalkForm form,
       rows.push_back({tile + t, std::min(per_unit, tiles - t), expert});
     tile += tiles;
   }
+  if (spec.lone_last)
+    std::stable_partition(rows.begin(), rows.end(), [&](const RowUnit& row) {
+      return row.num_tiles * kScheduleTileRows == spec.tile_rows;
+    });
   const int32_t columns = form == WalkForm::kGateUp ? spec.tile_n / 2 : spec.tile_n;
   const int32_t n_tiles = static_cast<int32_t>((n_extent + columns - 1) / columns);
   const int32_t m_units = static_cast<int32_t>(rows.size());

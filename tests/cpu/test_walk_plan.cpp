@@ -91,7 +91,8 @@ TEST(WalkPlan, EveryWalkCoversEachTileOnce) {
                                                     {"b", 128, 192, 3},
                                                     {"c", 256, 192, 2},
                                                     {"d", 256, 256, 32},
-                                                    {"e", 128, 64, 8}}) {
+                                                    {"e", 128, 64, 8},
+                                                    {"f", 256, 192, 4, true}}) {
     for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
       SCOPED_TRACE(testing::Message() << spec.tile_rows << " x " << spec.tile_n << ", groups of "
                                       << spec.group << (form == WalkForm::kDown ? ", down" : ""));
@@ -130,6 +131,18 @@ TEST(WalkPlan, AskedBytesCountTheBoxesInsideN) {
   const std::vector<WalkLoad> gu = plan_walk(gate_up, WalkForm::kGateUp, tiles, 96);
   EXPECT_EQ(walk_asked_bytes(gate_up, WalkForm::kGateUp, gu, 96, 64),
             (2 + 1 + 1) * 128 * row + 3 * 2 * 96 * row);
+}
+
+TEST(WalkPlan, LoneTilesLastFollowEveryPair) {
+  const std::vector<int32_t> tiles = {3, 2, 1, 5};  // units: pair+lone, pair, lone, 2 pairs+lone
+  WalkSpec spec{"256 x 192", 256, 192, 1, true};
+  const std::vector<WalkLoad> loads = plan_walk(spec, WalkForm::kDown, tiles, 192);
+  ASSERT_EQ(loads.size(), 7u);                                    // one column tile
+  const std::vector<int32_t> want_rows = {0, 3, 6, 8, 2, 5, 10};  // in schedule tiles
+  for (size_t u = 0; u < loads.size(); ++u) {
+    EXPECT_EQ(loads[u].a_row, want_rows[u] * 128) << "unit " << u;
+    EXPECT_EQ(loads[u].a_boxes, u < 4 ? 2 : 1) << "unit " << u;
+  }
 }
 
 TEST(WalkPlan, WaveUniqueBytesCountEachBoxOncePerWave) {

@@ -25,9 +25,10 @@ enum class WalkForm { kGateUp, kDown };
 
 struct WalkSpec {
   std::string name;
-  int32_t tile_rows;  // 128: one schedule tile per unit; 256: an expert's tiles in pairs
-  int32_t tile_n;     // output columns of B per unit (gate/up: half gate, half up)
-  int32_t group;      // units grouped `group` row units at a time, swept n-major (1: n-major)
+  int32_t tile_rows;       // 128: one schedule tile per unit; 256: an expert's tiles in pairs
+  int32_t tile_n;          // output columns of B per unit (gate/up: half gate, half up)
+  int32_t group;           // units grouped `group` row units at a time, swept n-major (1: n-major)
+  bool lone_last = false;  // tile_rows 256: the experts' odd last tiles after every pair
 };
 
 // One unit of a walk: A rows [a_row, a_row + 128 * a_boxes), B columns [n0, n0 + tile_n) of
