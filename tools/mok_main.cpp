@@ -299,13 +299,18 @@ int comm_bench_command(RunOptions options) {
                              mok::routing_kind_from_name(options.routing), options.seed);
 }
 
+// The GPU benchmarks' refusal on a machine without a usable GPU.
+void require_gpu(const std::string& command) {
+  if (cuda_device_name().empty())
+    throw Error(ErrorCode::kUnsupported, command +
+                                             " times the GPU's memory system; no usable GPU here "
+                                             "(valid: a run on an sm_90 GPU)");
+}
+
 // `mok stream-bench`: the memory roofline of a shape's weights (default dsv3: 256 experts on
 // one GPU).
 int stream_bench_command(RunOptions options) {
-  if (cuda_device_name().empty())
-    throw Error(ErrorCode::kUnsupported,
-                "stream-bench times the GPU's memory; no usable GPU here (valid: a run on an "
-                "sm_90 GPU)");
+  require_gpu("stream-bench");
   if (options.shape_name.empty()) options.shape_name = "dsv3";
   return mok::run_stream_bench(shape_from_options(options));
 }
@@ -313,10 +318,7 @@ int stream_bench_command(RunOptions options) {
 // `mok walk-bench`: the row-tile GEMMs' loads replayed walk by walk (default dsv3_e128: one
 // 256-row unit per expert, where the 256 x 192 tiles measured slower).
 int walk_bench_command(RunOptions options) {
-  if (cuda_device_name().empty())
-    throw Error(ErrorCode::kUnsupported,
-                "walk-bench times the GPU's memory system; no usable GPU here (valid: a run on "
-                "an sm_90 GPU)");
+  require_gpu("walk-bench");
   if (options.shape_name.empty()) options.shape_name = "dsv3_e128";
   return mok::run_walk_bench(shape_from_options(options),
                              mok::routing_kind_from_name(options.routing), options.seed,

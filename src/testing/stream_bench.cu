@@ -39,6 +39,7 @@
 #include "layer/tma.h"
 #include "mok/error.h"
 #include "mok/testing/stream_bench.h"
+#include "testing/event_timing.h"
 
 namespace mok {
 
@@ -260,30 +261,6 @@ class StreamRunner {
   int num_sms_ = 0;
 };
 
-// Median ms of `passes` timed runs of `body` (work enqueued on the default stream) after one
-// untimed.
-template <typename Body>
-double median_ms(Body body, int passes) {
-  cudaEvent_t start, stop;
-  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-  body();
-  std::vector<float> times;
-  for (int i = 0; i < passes; ++i) {
-    cuda_check(cudaEventRecord(start), "cudaEventRecord");
-    body();
-    cuda_check(cudaEventRecord(stop), "cudaEventRecord");
-    cuda_check(cudaEventSynchronize(stop), "stream-bench timing");
-    float ms = 0;
-    cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
 void fill(const DeviceBuffer& buffer) {
   const int64_t words = buffer.bytes / 4;
   fill_words_kernel<<<1024, 256>>>(buffer.as<uint32_t>(), words);
@@ -351,7 +328,7 @@ int run_stream_bench(const MoeShape& shape) {
     // The copy engine's device-to-device copy of half the buffer: bytes read + written.
     const size_t half = static_cast<size_t>(weights.bytes / 2);
     unsigned char* base = weights.as<unsigned char>();
-    const double ms = median_ms(
+    const double ms = median_event_ms(
         [&] {
           cuda_check(cudaMemcpyAsync(base + half, base, half, cudaMemcpyDeviceToDevice),
                      "cudaMemcpy");
@@ -376,7 +353,7 @@ int run_stream_bench(const MoeShape& shape) {
       for (int32_t depth : kRingDepths) {
         const StreamParams p =
             runner.params(weights.pointer, E, form.rows, form.k, pattern, depth, nullptr);
-        const double ms = median_ms([&] { runner.launch(p, nullptr); }, 5);
+        const double ms = median_event_ms([&] { runner.launch(p, nullptr); }, 5);
         if (depth == 3) ms_at_3 = ms;
         char cell[32];
         std::snprintf(cell, sizeof(cell), "%s%5.2f", cells.empty() ? "" : " / ", bytes / ms / 1e9);

@@ -25,6 +25,7 @@
 #include "layer/tma.h"
 #include "mok/error.h"
 #include "mok/testing/walk_bench.h"
+#include "testing/event_timing.h"
 
 namespace mok {
 
@@ -244,26 +245,6 @@ class WalkRunner {
   int num_sms_ = 0;
 };
 
-double median_ms(const WalkRunner& runner, const WalkParams& p, int passes) {
-  cudaEvent_t start, stop;
-  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<float> times;
-  for (int i = 0; i < passes; ++i) {
-    cuda_check(cudaEventRecord(start), "cudaEventRecord");
-    runner.launch(p);
-    cuda_check(cudaEventRecord(stop), "cudaEventRecord");
-    cuda_check(cudaEventSynchronize(stop), "walk-bench timing");
-    float ms = 0;
-    cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
 }  // namespace
 
 int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bool once) {
@@ -339,8 +320,8 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       p.cycles_per_a_box = walk.paced ? kCyclesPer128x256 * walk.spec.tile_n / 256 : 0;
       p.sm_slot = walk.placement == Placement::kBlock ? nullptr : sm_slot->as<int32_t>();
       p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
-      if (!once) runner.launch(p);  // a warm-up; with `once` the one launch is what ncu profiles
-      const double ms = median_ms(runner, p, once ? 1 : 5);
+      // With `once`, no warm-up: the one launch is what ncu profiles.
+      const double ms = median_event_ms([&] { runner.launch(p); }, once ? 1 : 5, once ? 0 : 1);
       const double asked = walk_asked_bytes(walk.spec, form, loads, n_extent, k) / 1e9;
       const double wave =
           walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k, runner.num_sms()) / 1e9;

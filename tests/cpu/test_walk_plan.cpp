@@ -11,6 +11,7 @@
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/gemm/wide_tile_walk.h"
 #include "mok/error.h"
+#include "mok/shape.h"
 #include "mok/testing/walk_bench.h"
 
 namespace mok {
@@ -173,14 +174,8 @@ TEST(WalkPlan, RejectsWalksItCannotReplay) {
 }
 
 TEST(WalkPlan, TilesPerExpertFollowTheRouting) {
-  MoeShape shape;
-  shape.num_tokens = 4096;
-  shape.hidden = 7168;
-  shape.intermediate = 2048;
-  shape.num_experts = 128;
-  shape.top_k = 8;
-  shape.num_ranks = 1;
-  const std::vector<int32_t> tiles = walk_tiles_per_expert(shape, RoutingKind::kUniform, 1);
+  const std::vector<int32_t> tiles =
+      walk_tiles_per_expert(named_shape("dsv3_e128"), RoutingKind::kUniform, 1);
   ASSERT_EQ(tiles.size(), 128u);
   int32_t total = 0;
   for (const int32_t t : tiles) {
