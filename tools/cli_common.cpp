@@ -20,6 +20,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_cta_pairs = options.cta_pairs;
   config.gemm_wide_tiles = options.wide_tiles;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
+  if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;
   config.ep_dispatch_in_gemm = options.dispatch_in_gemm;
@@ -28,9 +29,15 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {
-    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
-    "skip-padding-rows", "local-dispatch",     "wide-tiles",          nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   mok::MoeConfig flipped = config;
@@ -54,6 +61,11 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
   } else if (name == "skip-padding-rows") {
     flipped.skip_padding_rows = !config.skip_padding_rows;
+  } else if (name.rfind("tile-group-", 0) == 0 && name.size() > 11 &&
+             name.find_first_not_of("0123456789", 11) == std::string::npos &&
+             name.size() <= 11 + 4) {
+    // "tile-group-N": the expert GEMMs' walk in groups of N row tiles.
+    flipped.gemm_tile_group = std::stoi(name.substr(11));
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

@@ -24,6 +24,13 @@ namespace mok::cli {
 
 namespace {
 
+// ", GEMM tiles walked in groups of N" where the group is not the default.
+std::string tile_group_name(const mok::MoeConfig& config) {
+  return config.gemm_tile_group == mok::MoeConfig{}.gemm_tile_group
+             ? ""
+             : ", GEMM tiles walked in groups of " + std::to_string(config.gemm_tile_group);
+}
+
 // "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)[, check_finite scan]".
 std::string variant_name(const mok::MoeConfig& config) {
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
@@ -31,7 +38,7 @@ std::string variant_name(const mok::MoeConfig& config) {
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") +
+         (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -39,7 +46,7 @@ std::string variant_name(const mok::MoeConfig& config) {
 std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
-         (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") +
+         (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }

@@ -92,6 +92,13 @@ struct MoeConfig {
   // holds at most 64 routed rows (half its tensor-core work). Same bits either way
   // (docs/design.md).
   bool skip_padding_rows = true;
+  // The row tiles (or CTA pairs, or 256-row units) the expert GEMM kernels' walk takes together,
+  // sweeping their column tiles before the next group's (tile_walk.h): CTAs running together
+  // then share the group's activation rows and its experts' weight tiles through L2. 1..1024;
+  // kTileGroupM (8) by default. Same bits for any group. The persistent kernels keep
+  // kTileGroupM. A knob to measure the L2 partition fabric's traffic by (docs/perf.md, session
+  // 18: `mok walk-bench` replays the walks).
+  int32_t gemm_tile_group = 8;
   // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
   // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same
@@ -136,6 +143,8 @@ inline constexpr int32_t kMaxCommSms = 128;
 // MoeConfig::gemm_wide_tiles: the most local experts (its kernels keep a per-expert table in
 // shared memory).
 inline constexpr int64_t kMaxWideTileExperts = 1024;
+// MoeConfig::gemm_tile_group: the largest group.
+inline constexpr int32_t kMaxTileGroup = 1024;
 
 // MoeConfig::skip_padding_rows: 64-row last tiles only where the experts average this many
 // routed rows or fewer, where the padding is 20-31% of the row tiles' work. A 64-row tile saves

@@ -73,6 +73,8 @@ class MoKConfig:
         tiles (same bits; bf16, without CTA pairs, the persistent kernels or the in-GEMM
         expert-parallel communication). Measured slower on H200 than the default 128 x 256
         tiles (docs/perf.md, session 18); off.
+    gemm_tile_group: row tiles the expert GEMMs' walk takes together before the next group's
+        (1-1024, default 8; same bits for any group).
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
@@ -104,6 +106,7 @@ class MoKConfig:
     persistent_backward: bool = False
     gemm_cta_pairs: bool = False
     gemm_wide_tiles: bool = False
+    gemm_tile_group: int = 8
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
     check_finite: bool = False
@@ -123,6 +126,7 @@ class MoKConfig:
         config.persistent_backward = self.persistent_backward
         config.gemm_cta_pairs = self.gemm_cta_pairs
         config.gemm_wide_tiles = self.gemm_wide_tiles
+        config.gemm_tile_group = self.gemm_tile_group
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite

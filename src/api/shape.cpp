@@ -195,6 +195,9 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
                (config.minibatch_size == kAutoMinibatch
                     ? std::to_string(kDefaultRowAlign) + " (the GEMM tile height)"
                     : "minibatch_size = " + std::to_string(config.minibatch_size)));
+  if (config.gemm_tile_group < 1 || config.gemm_tile_group > kMaxTileGroup)
+    return bad("gemm_tile_group = " + std::to_string(config.gemm_tile_group) + "; valid: 1 to " +
+               std::to_string(kMaxTileGroup) + " row tiles");
   if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
                "; valid: a positive, finite number of seconds");

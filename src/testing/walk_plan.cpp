@@ -6,6 +6,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/persistent/task_order.h"
 #include "mok/error.h"
 #include "mok/testing/walk_bench.h"
 
@@ -14,18 +15,6 @@ namespace mok {
 namespace {
 
 constexpr int32_t kScheduleTileRows = 128;
-
-// Unit `local` of m_units x n_tiles units grouped `group` row units at a time and swept
-// n-major (task_order.h's grouped_tile with the group as a parameter).
-void grouped_unit(int32_t local, int32_t m_units, int32_t n_tiles, int32_t group, int32_t* m_unit,
-                  int32_t* n_tile) {
-  const int32_t group_index = local / (group * n_tiles);
-  const int32_t first_m = group_index * group;
-  const int32_t group_m = std::min(group, m_units - first_m);
-  const int32_t in_group = local - group_index * group * n_tiles;
-  *m_unit = first_m + in_group % group_m;
-  *n_tile = in_group / group_m;
-}
 
 struct RowUnit {
   int32_t first_tile;
@@ -65,7 +54,7 @@ std::vector<WalkLoad> plan_walk(const WalkSpec& spec, WalkForm form,
   loads.reserve(static_cast<size_t>(m_units) * n_tiles);
   for (int32_t unit = 0; unit < m_units * n_tiles; ++unit) {
     int32_t m_unit = 0, n_tile = 0;
-    grouped_unit(unit, m_units, n_tiles, spec.group, &m_unit, &n_tile);
+    kernels::grouped_tile_in(unit, m_units, n_tiles, spec.group, &m_unit, &n_tile);
     const RowUnit& row = rows[m_unit];
     loads.push_back(
         {row.first_tile * kScheduleTileRows, row.num_tiles, row.expert, n_tile * columns});

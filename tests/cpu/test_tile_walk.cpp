@@ -19,16 +19,17 @@ namespace {
 
 using Tile = std::tuple<int, int, int>;  // expert, m, n
 
-void check_walk(int num_m_tiles, int num_n_tiles, int experts, bool row_tiles, bool paired) {
+void check_walk(int num_m_tiles, int num_n_tiles, int experts, bool row_tiles, bool paired,
+                int group = kTileGroupM) {
   SCOPED_TRACE(testing::Message() << num_m_tiles << " x " << num_n_tiles << " tiles, " << experts
                                   << " experts, " << (row_tiles ? "row tiles" : "weight grads")
-                                  << (paired ? ", pairs" : ""));
+                                  << (paired ? ", pairs" : "") << ", groups of " << group);
   const int m_units = paired ? (num_m_tiles + 1) / 2 : num_m_tiles;
   const int units = m_units * num_n_tiles * (row_tiles ? 1 : experts);
   std::map<Tile, int> produced;
   int phantoms = 0;
   for (int unit = 0; unit < units; ++unit) {
-    const WalkUnit walk = walk_unit(unit, m_units, num_n_tiles, row_tiles);
+    const WalkUnit walk = walk_unit(unit, m_units, num_n_tiles, row_tiles, group);
     ASSERT_LT(walk.m_unit, m_units);
     ASSERT_LT(walk.n_tile, num_n_tiles);
     ASSERT_LT(walk.expert, row_tiles ? 1 : experts);
@@ -61,7 +62,27 @@ TEST(TileWalk, EveryTileOnceAloneAndInPairs) {
   for (const bool row_tiles : {true, false})
     for (const bool paired : {false, true})
       for (int m = 1; m <= 19; m += 3)
-        for (int n = 1; n <= 7; n += 2) check_walk(m, n, 3, row_tiles, paired);
+        for (int n = 1; n <= 7; n += 2)
+          for (const int group : {1, 3, kTileGroupM, 64})
+            check_walk(m, n, 3, row_tiles, paired, group);
+}
+
+// The group sets the order: consecutive units share a column tile within a group of row tiles,
+// and a group of 1 walks one row tile's columns in turn.
+TEST(TileWalk, GroupsSweepTheirColumnsTogether) {
+  for (int unit = 0; unit < 12; ++unit) {
+    const WalkUnit one = walk_unit(unit, 5, 4, true, 1);
+    EXPECT_EQ(one.m_unit, unit / 4);
+    EXPECT_EQ(one.n_tile, unit % 4);
+    const WalkUnit three = walk_unit(unit, 5, 4, true, 3);
+    EXPECT_EQ(three.m_unit, unit % 3);
+    EXPECT_EQ(three.n_tile, unit / 3);
+  }
+  // The last group holds the remaining 2 row tiles.
+  EXPECT_EQ(walk_unit(12, 5, 4, true, 3).m_unit, 3);
+  EXPECT_EQ(walk_unit(13, 5, 4, true, 3).m_unit, 4);
+  EXPECT_EQ(walk_unit(13, 5, 4, true, 3).n_tile, 0);
+  EXPECT_EQ(walk_unit(14, 5, 4, true, 3).n_tile, 1);
 }
 
 // Random segments (empty experts included) and macrobatch windows over them.

@@ -223,6 +223,20 @@ TEST(ConfigValidation, WideTilesNameWhatExcludesThem) {
                {"gemm_wide_tiles = true with 2048 local experts", "at most 1024"});
 }
 
+// The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.
+TEST(ConfigValidation, TileGroupIsOneToTheMost) {
+  MoeConfig config;
+  for (const int32_t group : {1, 3, 8, kMaxTileGroup}) {
+    config.gemm_tile_group = group;
+    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << group;
+  }
+  for (const int32_t group : {0, -2, kMaxTileGroup + 1}) {
+    config.gemm_tile_group = group;
+    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+                 {"gemm_tile_group = " + std::to_string(group), "valid: 1 to 1024 row tiles"});
+  }
+}
+
 // The knob checks alone (no sizes: what the Python package's CPU path runs) refuse what the
 // full check refuses for the same knobs, with the same words.
 TEST(ConfigValidation, KnobChecksNeedNoShape) {

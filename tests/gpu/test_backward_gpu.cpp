@@ -155,7 +155,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(21);
+  std::vector<MoeConfig> configs(23);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -219,6 +219,11 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[20].gemm_wide_tiles = true;
   configs[20].local_dispatch = LocalDispatch::kGatherKernel;
   configs[20].skip_padding_rows = false;
+  // The expert GEMMs' walk in other groups (MoeConfig::gemm_tile_group): each row tile's columns
+  // in turn, and groups of 3 in CTA pairs and in the 256 x 192 tiles.
+  configs[21].gemm_tile_group = 1;
+  configs[22].gemm_tile_group = 3;
+  configs[22].gemm_cta_pairs = true;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -237,6 +242,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
                      << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
                      << config.weight_grad_pingpong << " 256 x 192 tiles " << config.gemm_wide_tiles
+                     << " tile group " << config.gemm_tile_group
                      << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
@@ -285,9 +291,10 @@ TEST(BackwardGpu, SkipPaddingRowsKeepsTheBits) {
 
 // The 256 x 192 tiles (MoeConfig::gemm_wide_tiles) alone, small enough for the sanitizers:
 // the forward's gate/up (with the fused gather) and down GEMMs and both dgrads give the bits of
-// the 128 x 256 tiles, with and without the context. I = 320 ends the gate/up GEMM in a
-// 32-column tile and the down dgrad in a tile of two MN-major chunks; H = 448 ends the down GEMM
-// and the gate/up dgrad in a 64-column tile. The skewed routing gives experts of one tile (lone
+// the 128 x 256 tiles, with and without the context, walked in the default groups and in groups
+// of 3 (MoeConfig::gemm_tile_group). I = 320 ends the gate/up GEMM in a 32-column tile and the
+// down dgrad in a tile of two MN-major chunks; H = 448 ends the down GEMM and the gate/up dgrad
+// in a 64-column tile. The skewed routing gives experts of one tile (lone
 // units), of two (pairs) and of many (pairs and an odd tile).
 TEST(BackwardGpu, WideTilesKeepTheBits) {
   const MoeShape shape = make_shape(300, 448, 320, 8, 4);
@@ -296,16 +303,20 @@ TEST(BackwardGpu, WideTilesKeepTheBits) {
     SCOPED_TRACE(routing_kind_name(routing));
     HostProblem problem = HostProblem::make(shape, routing, ++seed);
     DeviceProblem device(problem, 0);
-    MoeConfig wide;
-    wide.gemm_wide_tiles = true;
     GpuLayer narrow_layer(shape, MoeConfig{});
-    GpuLayer wide_layer(shape, wide);
-    for (const bool with_context : {true, false}) {
-      const HostRank want = test::gpu_step(narrow_layer, device, problem, with_context);
-      const HostRank got = test::gpu_step(wide_layer, device, problem, with_context);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : ", no context");
-      });
+    for (const int32_t group : {MoeConfig{}.gemm_tile_group, 3}) {
+      MoeConfig wide;
+      wide.gemm_wide_tiles = true;
+      wide.gemm_tile_group = group;
+      GpuLayer wide_layer(shape, wide);
+      for (const bool with_context : {true, false}) {
+        const HostRank want = test::gpu_step(narrow_layer, device, problem, with_context);
+        const HostRank got = test::gpu_step(wide_layer, device, problem, with_context);
+        test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+          EXPECT_TRUE(test::bitwise_equal(a, b))
+              << output << ", groups of " << group << (with_context ? "" : ", no context");
+        });
+      }
     }
   }
 }

@@ -255,6 +255,7 @@ def test_no_tokens(device):
         ),
         (dict(wait_timeout_s=0.0), r"wait_timeout_s = 0"),
         (dict(macrobatch_size=100), r"macrobatch_size = 100; valid: 0 \(sized from the shape\)"),
+        (dict(gemm_tile_group=0), r"gemm_tile_group = 0; valid: 1 to 1024 row tiles"),
     ],
 )
 def test_bad_config_is_refused_on_every_device(device, fields, message):
@@ -290,3 +291,4 @@ def test_config_switches_reach_the_native_config():
         for other in switches:
             if other != name:
                 assert getattr(native, other) == getattr(default, other), (name, other)
+    assert F.MoKConfig(gemm_tile_group=3).to_native().gemm_tile_group == 3

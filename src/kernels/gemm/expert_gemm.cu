@@ -116,8 +116,9 @@ __device__ __forceinline__ TileCoord tile_coord_at(const ExpertGemmParams& param
 
 // One CTA's tile of walk unit `unit`: with pairs, the row tile of its rank in the pair tile,
 // whether that tile exists (not: a phantom with its partner's K-blocks) and whether the pair
-// reads the same B (then multicast). Row-tile forms group the units kTileGroupM row tiles (or
-// pairs) at a time, swept n-major (task_order.h); kWeightGrad walks expert by expert, m fastest.
+// reads the same B (then multicast). Row-tile forms group the units params.tile_group row tiles
+// (or pairs) at a time, swept n-major (task_order.h); kWeightGrad walks expert by expert, m
+// fastest.
 struct UnitTile {
   TileCoord coord;
   bool phantom = false;
@@ -129,7 +130,8 @@ __device__ __forceinline__ UnitTile unit_tile(const ExpertGemmParams& params,
                                               const TileSpace& space, int unit, int rank,
                                               const SegmentRows* shared_rows) {
   constexpr bool kRowTiles = FormTraits<kForm>::kRowTiles;
-  const WalkUnit walk = walk_unit(unit, space.m_units, space.num_n_tiles, kRowTiles);
+  const WalkUnit walk =
+      walk_unit(unit, space.m_units, space.num_n_tiles, kRowTiles, params.tile_group);
   UnitTile tile;
   if constexpr (!kPaired) {
     tile.coord =
@@ -196,7 +198,8 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
     return false;
   } else {
     if (!params.half_row_tiles || unit >= space.num_units) return false;
-    const WalkUnit walk = walk_unit(unit, space.m_units, space.num_n_tiles, true);
+    const WalkUnit walk =
+        walk_unit(unit, space.m_units, space.num_n_tiles, true, params.tile_group);
     const int64_t m_tile = walk.m_unit + space.m_begin;
     return params.row_pair[m_tile * BLOCK_M + BLOCK_M / 2] < 0;
   }

@@ -106,6 +106,10 @@ struct ExpertGemmParams {
   // every tile whole. Same bits either way.
   int32_t skip_padding;
   int32_t half_row_tiles;
+  // MoeConfig::gemm_tile_group: the row-tile forms walk their tiles (or pairs, or 256-row units)
+  // this many row tiles at a time, swept n-major (tile_walk.h, wide_tile_gemm.cu). Same bits for
+  // any group.
+  int32_t tile_group;
   // MoeConfig::weight_grad_pingpong: kWeightGrad in weight_grad_pingpong.cu (one macrobatch, no
   // CTA pairs; expert_gemm.cu's form otherwise).
   int32_t weight_grad_pingpong;

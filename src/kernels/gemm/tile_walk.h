@@ -1,7 +1,8 @@
 // How the standalone expert GEMM kernel (expert_gemm.cu) walks its tiles, shared by host and
 // device so the CPU tests check it: a walk unit is one tile, or with CTA pairs one pair tile
 // (row tiles 2u and 2u + 1 of one column tile, one per CTA of the pair).
-//   row-tile forms  units grouped kTileGroupM at a time, swept n-major (task_order.h)
+//   row-tile forms  units grouped `group_size` at a time (MoeConfig::gemm_tile_group, default
+//                   kTileGroupM), swept n-major (task_order.h)
 //   kWeightGrad     expert by expert; within one, column tile by column tile, row tiles fastest
 #pragma once
 
@@ -19,11 +20,12 @@ struct WalkUnit {
 };
 
 // `m_units`: row tiles per column tile (and expert), or with pairs their pair count.
+// `group_size`: the row-tile forms' group (kWeightGrad ignores it).
 MOK_HOST_DEVICE inline WalkUnit walk_unit(int32_t unit, int32_t m_units, int32_t num_n_tiles,
-                                          bool row_tiles) {
+                                          bool row_tiles, int32_t group_size = kTileGroupM) {
   WalkUnit walk{0, 0, 0};
   if (row_tiles) {
-    grouped_tile(unit, m_units, num_n_tiles, &walk.m_unit, &walk.n_tile);
+    grouped_tile_in(unit, m_units, num_n_tiles, group_size, &walk.m_unit, &walk.n_tile);
   } else {
     const int32_t per_expert = m_units * num_n_tiles;
     walk.expert = unit / per_expert;

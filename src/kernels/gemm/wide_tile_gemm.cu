@@ -10,8 +10,8 @@
 //
 // Grid: persistent, one 384-thread CTA per SM. A unit is one row unit (wide_tile_walk.h: one or
 // two 128-row schedule tiles of one expert) by one 192-column tile of the output; CTA c takes
-// units c, c + grid, ..., grouped kTileGroupM row units at a time and swept n-major
-// (task_order.h's grouped_tile), as the expert GEMM's tiles go, so CTAs running together share
+// units c, c + grid, ..., grouped params.tile_group row units at a time and swept n-major
+// (task_order.h's grouped_tile_in), as the expert GEMM's tiles go, so CTAs running together share
 // the weight columns of one expert in L2. Each CTA first writes the row units' prefix
 // (unit_start) into shared memory: warp 0 scans the experts' unit counts.
 // Warp roles:
@@ -137,7 +137,8 @@ __device__ __forceinline__ WideTile wide_tile(const ExpertGemmParams& params,
                                               int32_t num_n_tiles, int32_t unit) {
   int32_t row_unit = 0;
   WideTile tile;
-  grouped_tile(unit, unit_start[params.num_experts], num_n_tiles, &row_unit, &tile.n_tile);
+  grouped_tile_in(unit, unit_start[params.num_experts], num_n_tiles, params.tile_group, &row_unit,
+                  &tile.n_tile);
   tile.rows = wide_row_unit(row_unit, unit_start, params.num_experts, params.expert_offsets,
                             window.m_begin, window.m_end);
   return tile;

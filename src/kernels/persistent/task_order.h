@@ -139,16 +139,23 @@ MOK_HOST_DEVICE inline ForwardPlan forward_gemms_plan(int32_t num_m_tiles, int32
 
 constexpr int32_t kTileGroupM = 8;
 
-// Tile `local` of a GEMM over m_tiles x n_tiles tiles, walked in groups of up to kTileGroupM row
-// tiles (about one expert) swept n-major, so CTAs running together read the same weight tile.
-MOK_HOST_DEVICE inline void grouped_tile(int32_t local, int32_t m_tiles, int32_t n_tiles,
-                                         int32_t* m_tile, int32_t* n_tile) {
-  const int32_t group = local / (kTileGroupM * n_tiles);
-  const int32_t first_m = group * kTileGroupM;
-  const int32_t group_m = m_tiles - first_m < kTileGroupM ? m_tiles - first_m : kTileGroupM;
-  const int32_t in_group = local - group * kTileGroupM * n_tiles;
+// Tile `local` of a GEMM over m_tiles x n_tiles tiles, walked in groups of up to `group_size`
+// row tiles swept n-major (row tiles fastest within a column), so CTAs running together read
+// the same weight tile; a group of 1 walks each row tile's columns in turn.
+MOK_HOST_DEVICE inline void grouped_tile_in(int32_t local, int32_t m_tiles, int32_t n_tiles,
+                                            int32_t group_size, int32_t* m_tile, int32_t* n_tile) {
+  const int32_t group = local / (group_size * n_tiles);
+  const int32_t first_m = group * group_size;
+  const int32_t group_m = m_tiles - first_m < group_size ? m_tiles - first_m : group_size;
+  const int32_t in_group = local - group * group_size * n_tiles;
   *m_tile = first_m + in_group % group_m;
   *n_tile = in_group / group_m;
+}
+
+// The same in groups of kTileGroupM row tiles (about one expert): the persistent kernels' walk.
+MOK_HOST_DEVICE inline void grouped_tile(int32_t local, int32_t m_tiles, int32_t n_tiles,
+                                         int32_t* m_tile, int32_t* n_tile) {
+  grouped_tile_in(local, m_tiles, n_tiles, kTileGroupM, m_tile, n_tile);
 }
 
 MOK_HOST_DEVICE inline int32_t num_minibatches(const ForwardPlan& plan) {
