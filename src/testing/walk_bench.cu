@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
     if (lane != 0) return;
     for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
       const int4 unit = p.units[u];
+      if (unit.y == 0) continue;  // a slot's padding
       const uint32_t bytes = unit_bytes(p, unit);
       for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
         const int slot = static_cast<int>(g % kStages);
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
     return;
   }
   for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
+    if (p.units[u].y == 0) continue;
     const int32_t hold = p.cycles_per_a_box * p.units[u].y;
     for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
       const int slot = static_cast<int>(g % kStages);
@@ -158,7 +160,10 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
 // if the ids follow the chip's layout; kSmSplit moves every odd unit of each wave to the other
 // half of the ids, so those neighbours run apart. If the fabric's sectors follow which SMs read
 // a line together, the three differ.
-enum class Placement { kBlock, kSmAdjacent, kSmSplit };
+// kSmHalves and kSmParity give each half of the SM ranks (the lower and upper halves, or the
+// even and odd ranks) the units of one half of the experts (place_by_expert_halves): if those
+// halves are the L2's partitions, no line is read from both.
+enum class Placement { kBlock, kSmAdjacent, kSmSplit, kSmHalves, kSmParity };
 
 struct WalkCase {
   WalkSpec spec;
@@ -185,6 +190,10 @@ const WalkCase kWalks[] = {
     {{"128 x 256, groups of 8, by SM id, split", 128, 256, 8}, true, Placement::kSmSplit},
     {{"256 x 192, groups of 8, by SM id", 256, 192, 8}, true, Placement::kSmAdjacent},
     {{"256 x 192, groups of 8, by SM id, split", 256, 192, 8}, true, Placement::kSmSplit},
+    {{"128 x 256, experts by SM-id halves", 128, 256, 8}, true, Placement::kSmHalves},
+    {{"128 x 256, experts by SM-id parity", 128, 256, 8}, true, Placement::kSmParity},
+    {{"256 x 192, experts by SM-id halves", 256, 192, 8}, true, Placement::kSmHalves},
+    {{"256 x 192, experts by SM-id parity", 256, 192, 8}, true, Placement::kSmParity},
 };
 
 // kSmSplit's order: within each wave of `grid` units, unit 2j goes to slot j and unit 2j + 1
@@ -289,6 +298,9 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
       std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
       if (walk.placement == Placement::kSmSplit) loads = split_waves(loads, runner.num_sms());
+      if (walk.placement == Placement::kSmHalves || walk.placement == Placement::kSmParity)
+        loads = place_by_expert_halves(loads, static_cast<int32_t>(E), runner.num_sms(),
+                                       walk.placement == Placement::kSmParity);
       DeviceBuffer units(static_cast<int64_t>(loads.size() * sizeof(WalkLoad)), "walk units");
       cuda_check(cudaMemcpy(units.pointer, loads.data(), loads.size() * sizeof(WalkLoad),
                             cudaMemcpyHostToDevice),
@@ -326,7 +338,10 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       const double wave =
           walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k, runner.num_sms()) / 1e9;
       std::printf("  %-8s %-44s %7zu %9.2f %9.2f %9.3f\n", gate_up ? "gate/up" : "down",
-                  walk.spec.name.c_str(), loads.size(), asked, wave, ms);
+                  walk.spec.name.c_str(),
+                  static_cast<size_t>(std::count_if(
+                      loads.begin(), loads.end(), [](const WalkLoad& l) { return l.a_boxes > 0; })),
+                  asked, wave, ms);
     }
   }
   cuda_check(cudaDeviceSynchronize(), "walk-bench");

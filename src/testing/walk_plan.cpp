@@ -62,6 +62,30 @@ std::vector<WalkLoad> plan_walk(const WalkSpec& spec, WalkForm form,
   return loads;
 }
 
+std::vector<WalkLoad> place_by_expert_halves(const std::vector<WalkLoad>& loads,
+                                             int32_t num_experts, int32_t grid, bool parity) {
+  if (grid < 2 || num_experts < 1)
+    throw Error(ErrorCode::kInvalidArgument,
+                "place_by_expert_halves: grid = " + std::to_string(grid) + ", num_experts = " +
+                    std::to_string(num_experts) + "; valid: grid >= 2, num_experts >= 1");
+  std::vector<WalkLoad> halves[2];
+  for (const WalkLoad& load : loads) halves[load.expert >= num_experts / 2 ? 1 : 0].push_back(load);
+  // Slots of each half: [0, grid / 2) and [grid / 2, grid), or the even and the odd ones.
+  const int32_t slots[2] = {parity ? (grid + 1) / 2 : grid / 2,
+                            parity ? grid / 2 : grid - grid / 2};
+  auto slot_of = [&](int32_t half, int32_t i) {
+    return parity ? 2 * i + half : half * (grid / 2) + i;
+  };
+  size_t waves = 0;
+  for (int32_t h = 0; h < 2; ++h)
+    waves = std::max(waves, (halves[h].size() + slots[h] - 1) / slots[h]);
+  std::vector<WalkLoad> out(waves * grid, WalkLoad{0, 0, 0, 0});
+  for (int32_t h = 0; h < 2; ++h)
+    for (size_t j = 0; j < halves[h].size(); ++j)
+      out[(j / slots[h]) * grid + slot_of(h, static_cast<int32_t>(j % slots[h]))] = halves[h][j];
+  return out;
+}
+
 std::vector<int32_t> walk_tiles_per_expert(const MoeShape& shape, RoutingKind routing,
                                            uint64_t seed) {
   const int32_t experts = static_cast<int32_t>(shape.num_local_experts());
@@ -83,6 +107,7 @@ int64_t walk_asked_bytes(const WalkSpec& spec, WalkForm form, const std::vector<
   const int64_t b_sets = form == WalkForm::kGateUp ? 2 : 1;  // gate and up
   int64_t bytes = 0;
   for (const WalkLoad& load : loads) {
+    if (load.a_boxes == 0) continue;  // padding
     bytes += load.a_boxes * int64_t{kScheduleTileRows} * row_bytes;
     bytes += b_sets * std::min<int64_t>(columns, n_extent - load.n0) * row_bytes;
   }
@@ -103,6 +128,7 @@ int64_t walk_wave_unique_bytes(const WalkSpec& spec, WalkForm form,
     std::set<int32_t> a_boxes;                 // first row of each 128-row box
     std::set<std::tuple<int32_t, int32_t>> b;  // (expert, n0)
     for (size_t u = wave; u < std::min(loads.size(), wave + grid); ++u) {
+      if (loads[u].a_boxes == 0) continue;  // padding
       for (int32_t box = 0; box < loads[u].a_boxes; ++box)
         a_boxes.insert(loads[u].a_row + kScheduleTileRows * box);
       if (b.insert({loads[u].expert, loads[u].n0}).second)

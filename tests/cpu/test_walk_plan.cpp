@@ -5,6 +5,7 @@
 
 #include <map>
 #include <random>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -163,6 +164,43 @@ TEST(WalkPlan, WaveUniqueBytesCountEachBoxOncePerWave) {
   EXPECT_EQ(walk_wave_unique_bytes(spec, WalkForm::kDown, loads, 512, 64, 1),
             walk_asked_bytes(spec, WalkForm::kDown, loads, 512, 64));
   EXPECT_THROW(walk_wave_unique_bytes(spec, WalkForm::kDown, loads, 512, 64, 0), Error);
+}
+
+TEST(WalkPlan, ExpertHalvesKeepEachSlotOnOneHalf) {
+  std::mt19937 rng(3);
+  const std::vector<int32_t> tiles = random_tiles(rng, 10);  // experts 0-4 and 5-9
+  const std::vector<WalkLoad> loads =
+      plan_walk({"128 x 256", 128, 256, 8}, WalkForm::kDown, tiles, 1024);
+  for (const int32_t grid : {6, 7, 132}) {
+    for (const bool parity : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "grid " << grid << (parity ? ", parity" : ", halves"));
+      const std::vector<WalkLoad> placed = place_by_expert_halves(loads, 10, grid, parity);
+      ASSERT_EQ(placed.size() % grid, 0u);
+      std::map<std::tuple<int32_t, int32_t, int32_t>, int> seen;  // (row, expert, n0)
+      std::vector<WalkLoad> in_order[2];
+      for (size_t position = 0; position < placed.size(); ++position) {
+        const WalkLoad& load = placed[position];
+        if (load.a_boxes == 0) continue;
+        const int32_t slot = static_cast<int32_t>(position % grid);
+        const int32_t half = parity ? slot % 2 : (slot < grid / 2 ? 0 : 1);
+        EXPECT_EQ(load.expert >= 5 ? 1 : 0, half) << "position " << position;
+        ++seen[{load.a_row, load.expert, load.n0}];
+        in_order[half].push_back(load);
+      }
+      EXPECT_EQ(seen.size(), loads.size());
+      for (const auto& [unit, count] : seen) EXPECT_EQ(count, 1);
+      // Each half keeps the walk's order.
+      size_t next[2] = {0, 0};
+      for (const WalkLoad& load : loads) {
+        const WalkLoad& got = in_order[load.expert >= 5 ? 1 : 0][next[load.expert >= 5 ? 1 : 0]++];
+        EXPECT_EQ(got.a_row, load.a_row);
+        EXPECT_EQ(got.n0, load.n0);
+      }
+      EXPECT_EQ(walk_asked_bytes({"128 x 256", 128, 256, 8}, WalkForm::kDown, placed, 1024, 64),
+                walk_asked_bytes({"128 x 256", 128, 256, 8}, WalkForm::kDown, loads, 1024, 64));
+    }
+  }
+  EXPECT_THROW(place_by_expert_halves(loads, 10, 1, false), Error);
 }
 
 TEST(WalkPlan, RejectsWalksItCannotReplay) {

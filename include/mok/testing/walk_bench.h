@@ -32,7 +32,8 @@ struct WalkSpec {
 };
 
 // One unit of a walk: A rows [a_row, a_row + 128 * a_boxes), B columns [n0, n0 + tile_n) of
-// `expert` (gate/up: n0 in [0, I), the gate and the up rows both).
+// `expert` (gate/up: n0 in [0, I), the gate and the up rows both). a_boxes = 0: no unit (a
+// slot's padding in place_by_expert_halves), skipped by the replay and the byte counts.
 struct WalkLoad {
   int32_t a_row;
   int32_t a_boxes;
@@ -47,6 +48,15 @@ struct WalkLoad {
 // group 8 wide_tile_gemm.cu's (wide_tile_walk.h). Throws mok::Error on a spec it cannot walk.
 std::vector<WalkLoad> plan_walk(const WalkSpec& spec, WalkForm form,
                                 const std::vector<int32_t>& tiles_per_expert, int64_t n_extent);
+
+// The walk's units laid out so that the CTA in slot s (of `grid`), taking positions s, s + grid,
+// ..., runs only the units of one half of the experts: slots below grid / 2 the experts below
+// num_experts / 2, the others the rest (`parity`: even slots the first half, odd slots the
+// second), each half's units in the walk's order. Shorter halves are padded with no-units. With
+// slots by SM rank, that keeps every line of an expert's rows and weights on the SMs of one
+// half of the ids: if those halves are the L2's two partitions, no line is read from both.
+std::vector<WalkLoad> place_by_expert_halves(const std::vector<WalkLoad>& loads,
+                                             int32_t num_experts, int32_t grid, bool parity);
 
 // 128-row tiles of each expert for `routing` on one rank of `shape` (the layer's schedule:
 // each expert's routed rows rounded up to 128).
