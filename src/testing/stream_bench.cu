@@ -39,7 +39,7 @@
 #include "layer/tma.h"
 #include "mok/error.h"
 #include "mok/testing/stream_bench.h"
-#include "testing/event_timing.h"
+#include "testing/bench_device.h"
 
 namespace mok {
 
@@ -202,9 +202,7 @@ const int32_t kRingDepths[] = {2, 3, 4, 6};
 class StreamRunner {
  public:
   StreamRunner() {
-    cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
-    cuda_check(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_),
-               "cudaDeviceGetAttribute(multiProcessorCount)");
+    num_sms_ = current_sm_count();
     cuda_check(cudaFuncSetAttribute(stream_weights_kernel,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes),
                "cudaFuncSetAttribute(stream_weights_kernel)");
@@ -257,7 +255,6 @@ class StreamRunner {
   int num_sms() const { return num_sms_; }
 
  private:
-  int device_ = 0;
   int num_sms_ = 0;
 };
 

@@ -24,8 +24,9 @@
 #include "layer/cuda_buffer.h"
 #include "layer/tma.h"
 #include "mok/error.h"
+#include "mok/testing/l2_partitions.h"
 #include "mok/testing/walk_bench.h"
-#include "testing/event_timing.h"
+#include "testing/bench_device.h"
 
 namespace mok {
 
@@ -163,7 +164,9 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
 // kSmHalves and kSmParity give each half of the SM ranks (the lower and upper halves, or the
 // even and odd ranks) the units of one half of the experts (place_by_expert_halves): if those
 // halves are the L2's partitions, no line is read from both.
-enum class Placement { kBlock, kSmAdjacent, kSmSplit, kSmHalves, kSmParity };
+// kL2Partition does the same with the L2 partitions that probe_l2_partitions finds from load
+// latencies: each partition's SMs run the units of their share of the experts.
+enum class Placement { kBlock, kSmAdjacent, kSmSplit, kSmHalves, kSmParity, kL2Partition };
 
 struct WalkCase {
   WalkSpec spec;
@@ -194,7 +197,21 @@ const WalkCase kWalks[] = {
     {{"128 x 256, experts by SM-id parity", 128, 256, 8}, true, Placement::kSmParity},
     {{"256 x 192, experts by SM-id halves", 256, 192, 8}, true, Placement::kSmHalves},
     {{"256 x 192, experts by SM-id parity", 256, 192, 8}, true, Placement::kSmParity},
+    {{"128 x 256, experts by L2 partition", 128, 256, 8}, true, Placement::kL2Partition},
+    {{"256 x 192, experts by L2 partition", 256, 192, 8}, true, Placement::kL2Partition},
+    {{"128 x 256, experts by L2 partition, unpaced", 128, 256, 8}, false, Placement::kL2Partition},
 };
+
+// A slot table (SM id -> slot) on the device.
+std::unique_ptr<DeviceBuffer> upload_slots(const std::vector<int32_t>& slot_of_id,
+                                           const char* what) {
+  auto buffer = std::make_unique<DeviceBuffer>(
+      static_cast<int64_t>(slot_of_id.size() * sizeof(int32_t)), what);
+  cuda_check(cudaMemcpy(buffer->pointer, slot_of_id.data(), slot_of_id.size() * sizeof(int32_t),
+                        cudaMemcpyHostToDevice),
+             what);
+  return buffer;
+}
 
 // kSmSplit's order: within each wave of `grid` units, unit 2j goes to slot j and unit 2j + 1
 // to slot grid / 2 + j (an odd grid's last unit stays last).
@@ -212,10 +229,7 @@ std::vector<WalkLoad> split_waves(const std::vector<WalkLoad>& loads, int32_t gr
 class WalkRunner {
  public:
   WalkRunner() {
-    int device = 0;
-    cuda_check(cudaGetDevice(&device), "cudaGetDevice");
-    cuda_check(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device),
-               "cudaDeviceGetAttribute(multiProcessorCount)");
+    num_sms_ = current_sm_count();
     cuda_check(cudaFuncSetAttribute(walk_replay_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     kSharedBytes),
                "cudaFuncSetAttribute(walk_replay_kernel)");
@@ -278,16 +292,30 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       runner.num_sms());
   std::vector<int32_t> rank_of_id;
   const std::vector<int32_t> sms = runner.sm_ids(&rank_of_id);
-  std::unique_ptr<DeviceBuffer> sm_slot;
+  std::unique_ptr<DeviceBuffer> sm_slot, partition_slot;
+  int32_t partition0_sms = 0;
   if (sms.empty()) {
     std::printf("  two CTAs shared an SM: the SM-id placements are skipped\n");
   } else {
     std::printf("  SM ids %d..%d (%zu SMs)\n", sms.front(), sms.back(), sms.size());
-    sm_slot = std::make_unique<DeviceBuffer>(
-        static_cast<int64_t>(rank_of_id.size() * sizeof(int32_t)), "walk-bench SM slots");
-    cuda_check(cudaMemcpy(sm_slot->pointer, rank_of_id.data(), rank_of_id.size() * sizeof(int32_t),
-                          cudaMemcpyHostToDevice),
-               "walk-bench SM slots");
+    sm_slot = upload_slots(rank_of_id, "walk-bench SM slots");
+    // The L2 partitions: partition 0's SMs (by id) take slots [0, partition0_sms), the others
+    // the rest.
+    const L2PartitionMap partitions = probe_l2_partitions();
+    std::printf("  %s\n", partitions.describe().c_str());
+    std::vector<int32_t> probed = partitions.sm_ids;
+    std::sort(probed.begin(), probed.end());
+    if (partitions.clear && probed == sms) {
+      std::vector<int32_t> slot_of_id(rank_of_id.size(), -1);
+      int32_t next[2] = {0, partitions.sms_in[0]};
+      for (const int32_t id : sms)
+        for (size_t s = 0; s < partitions.sm_ids.size(); ++s)
+          if (partitions.sm_ids[s] == id) slot_of_id[id] = next[partitions.partition[s]]++;
+      partition0_sms = partitions.sms_in[0];
+      partition_slot = upload_slots(slot_of_id, "walk-bench L2 partition slots");
+    } else {
+      std::printf("  the L2-partition placements are skipped\n");
+    }
   }
   std::printf("  %-8s %-44s %7s %9s %9s %9s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
               "ms");
@@ -296,11 +324,15 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
     for (const WalkCase& walk : kWalks) {
       if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
+      if (walk.placement == Placement::kL2Partition && partition_slot == nullptr) continue;
       std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
       if (walk.placement == Placement::kSmSplit) loads = split_waves(loads, runner.num_sms());
       if (walk.placement == Placement::kSmHalves || walk.placement == Placement::kSmParity)
         loads = place_by_expert_halves(loads, static_cast<int32_t>(E), runner.num_sms(),
                                        walk.placement == Placement::kSmParity);
+      if (walk.placement == Placement::kL2Partition)
+        loads = place_by_expert_halves(loads, static_cast<int32_t>(E), runner.num_sms(), false,
+                                       partition0_sms);
       DeviceBuffer units(static_cast<int64_t>(loads.size() * sizeof(WalkLoad)), "walk units");
       cuda_check(cudaMemcpy(units.pointer, loads.data(), loads.size() * sizeof(WalkLoad),
                             cudaMemcpyHostToDevice),
@@ -330,7 +362,9 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       p.gate_up = gate_up ? 1 : 0;
       p.n_extent = static_cast<int32_t>(n_extent);
       p.cycles_per_a_box = walk.paced ? kCyclesPer128x256 * walk.spec.tile_n / 256 : 0;
-      p.sm_slot = walk.placement == Placement::kBlock ? nullptr : sm_slot->as<int32_t>();
+      p.sm_slot = walk.placement == Placement::kBlock         ? nullptr
+                  : walk.placement == Placement::kL2Partition ? partition_slot->as<int32_t>()
+                                                              : sm_slot->as<int32_t>();
       p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
       // With `once`, no warm-up: the one launch is what ncu profiles.
       const double ms = median_event_ms([&] { runner.launch(p); }, once ? 1 : 5, once ? 0 : 1);

@@ -63,18 +63,26 @@ std::vector<WalkLoad> plan_walk(const WalkSpec& spec, WalkForm form,
 }
 
 std::vector<WalkLoad> place_by_expert_halves(const std::vector<WalkLoad>& loads,
-                                             int32_t num_experts, int32_t grid, bool parity) {
-  if (grid < 2 || num_experts < 1)
+                                             int32_t num_experts, int32_t grid, bool parity,
+                                             int32_t lower_slots) {
+  if (lower_slots < 0) lower_slots = parity ? (grid + 1) / 2 : grid / 2;
+  if (grid < 2 || num_experts < 1 || lower_slots < 1 || lower_slots >= grid ||
+      (parity && lower_slots != (grid + 1) / 2))
     throw Error(ErrorCode::kInvalidArgument,
                 "place_by_expert_halves: grid = " + std::to_string(grid) + ", num_experts = " +
-                    std::to_string(num_experts) + "; valid: grid >= 2, num_experts >= 1");
+                    std::to_string(num_experts) + ", lower_slots = " +
+                    std::to_string(lower_slots) +
+                    "; valid: grid >= 2, num_experts >= 1, lower_slots in [1, grid) (with parity "
+                    "(grid + 1) / 2)");
+  // The experts split as the slots do.
+  const int32_t split_expert = static_cast<int32_t>(
+      (static_cast<int64_t>(num_experts) * lower_slots + grid / 2) / grid);
   std::vector<WalkLoad> halves[2];
-  for (const WalkLoad& load : loads) halves[load.expert >= num_experts / 2 ? 1 : 0].push_back(load);
-  // Slots of each half: [0, grid / 2) and [grid / 2, grid), or the even and the odd ones.
-  const int32_t slots[2] = {parity ? (grid + 1) / 2 : grid / 2,
-                            parity ? grid / 2 : grid - grid / 2};
+  for (const WalkLoad& load : loads) halves[load.expert >= split_expert ? 1 : 0].push_back(load);
+  // Slots of each half: [0, lower_slots) and [lower_slots, grid), or the even and the odd ones.
+  const int32_t slots[2] = {lower_slots, grid - lower_slots};
   auto slot_of = [&](int32_t half, int32_t i) {
-    return parity ? 2 * i + half : half * (grid / 2) + i;
+    return parity ? 2 * i + half : half * lower_slots + i;
   };
   size_t waves = 0;
   for (int32_t h = 0; h < 2; ++h)

@@ -168,39 +168,52 @@ TEST(WalkPlan, WaveUniqueBytesCountEachBoxOncePerWave) {
 
 TEST(WalkPlan, ExpertHalvesKeepEachSlotOnOneHalf) {
   std::mt19937 rng(3);
-  const std::vector<int32_t> tiles = random_tiles(rng, 10);  // experts 0-4 and 5-9
-  const std::vector<WalkLoad> loads =
-      plan_walk({"128 x 256", 128, 256, 8}, WalkForm::kDown, tiles, 1024);
-  for (const int32_t grid : {6, 7, 132}) {
-    for (const bool parity : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "grid " << grid << (parity ? ", parity" : ", halves"));
-      const std::vector<WalkLoad> placed = place_by_expert_halves(loads, 10, grid, parity);
-      ASSERT_EQ(placed.size() % grid, 0u);
-      std::map<std::tuple<int32_t, int32_t, int32_t>, int> seen;  // (row, expert, n0)
-      std::vector<WalkLoad> in_order[2];
-      for (size_t position = 0; position < placed.size(); ++position) {
-        const WalkLoad& load = placed[position];
-        if (load.a_boxes == 0) continue;
-        const int32_t slot = static_cast<int32_t>(position % grid);
-        const int32_t half = parity ? slot % 2 : (slot < grid / 2 ? 0 : 1);
-        EXPECT_EQ(load.expert >= 5 ? 1 : 0, half) << "position " << position;
-        ++seen[{load.a_row, load.expert, load.n0}];
-        in_order[half].push_back(load);
-      }
-      EXPECT_EQ(seen.size(), loads.size());
-      for (const auto& [unit, count] : seen) EXPECT_EQ(count, 1);
-      // Each half keeps the walk's order.
-      size_t next[2] = {0, 0};
-      for (const WalkLoad& load : loads) {
-        const WalkLoad& got = in_order[load.expert >= 5 ? 1 : 0][next[load.expert >= 5 ? 1 : 0]++];
-        EXPECT_EQ(got.a_row, load.a_row);
-        EXPECT_EQ(got.n0, load.n0);
-      }
-      EXPECT_EQ(walk_asked_bytes({"128 x 256", 128, 256, 8}, WalkForm::kDown, placed, 1024, 64),
-                walk_asked_bytes({"128 x 256", 128, 256, 8}, WalkForm::kDown, loads, 1024, 64));
+  const std::vector<int32_t> tiles = random_tiles(rng, 10);
+  const WalkSpec spec{"128 x 256", 128, 256, 8};
+  const std::vector<WalkLoad> loads = plan_walk(spec, WalkForm::kDown, tiles, 1024);
+  struct Case {
+    int32_t grid;
+    bool parity;
+    int32_t lower_slots;  // -1: the default
+  };
+  for (const Case c :
+       {Case{6, false, -1}, Case{7, false, -1}, Case{132, false, -1}, Case{7, true, -1},
+        Case{132, true, -1}, Case{132, false, 64}, Case{9, false, 2}}) {
+    SCOPED_TRACE(testing::Message() << "grid " << c.grid << (c.parity ? ", parity" : ", halves")
+                                    << ", lower slots " << c.lower_slots);
+    const int32_t lower =
+        c.lower_slots >= 0 ? c.lower_slots : (c.parity ? (c.grid + 1) / 2 : c.grid / 2);
+    const int32_t split = (10 * lower + c.grid / 2) / c.grid;  // experts below it: the first half
+    const std::vector<WalkLoad> placed =
+        place_by_expert_halves(loads, 10, c.grid, c.parity, c.lower_slots);
+    ASSERT_EQ(placed.size() % c.grid, 0u);
+    std::map<std::tuple<int32_t, int32_t, int32_t>, int> seen;  // (row, expert, n0)
+    std::vector<WalkLoad> in_order[2];
+    for (size_t position = 0; position < placed.size(); ++position) {
+      const WalkLoad& load = placed[position];
+      if (load.a_boxes == 0) continue;
+      const int32_t slot = static_cast<int32_t>(position % c.grid);
+      const int32_t half = c.parity ? slot % 2 : (slot < lower ? 0 : 1);
+      EXPECT_EQ(load.expert >= split ? 1 : 0, half) << "position " << position;
+      ++seen[{load.a_row, load.expert, load.n0}];
+      in_order[half].push_back(load);
     }
+    EXPECT_EQ(seen.size(), loads.size());
+    for (const auto& [unit, count] : seen) EXPECT_EQ(count, 1);
+    // Each half keeps the walk's order.
+    size_t next[2] = {0, 0};
+    for (const WalkLoad& load : loads) {
+      const int32_t half = load.expert >= split ? 1 : 0;
+      const WalkLoad& got = in_order[half][next[half]++];
+      EXPECT_EQ(got.a_row, load.a_row);
+      EXPECT_EQ(got.n0, load.n0);
+    }
+    EXPECT_EQ(walk_asked_bytes(spec, WalkForm::kDown, placed, 1024, 64),
+              walk_asked_bytes(spec, WalkForm::kDown, loads, 1024, 64));
   }
   EXPECT_THROW(place_by_expert_halves(loads, 10, 1, false), Error);
+  EXPECT_THROW(place_by_expert_halves(loads, 10, 8, false, 8), Error);
+  EXPECT_THROW(place_by_expert_halves(loads, 10, 8, true, 3), Error);
 }
 
 TEST(WalkPlan, RejectsWalksItCannotReplay) {

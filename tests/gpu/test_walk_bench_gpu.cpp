@@ -1,14 +1,36 @@
-// `mok walk-bench` on a small shape: every walk of both forms runs to its end, so each unit's
-// armed bytes match what its boxes bring (a mismatch leaves a stage unfilled, and the consumer's
-// wait times out with a diagnosis), column tiles clipped at N included (I = 320 ends gate/up in
-// a 32-column tile, H = 448 the down GEMM in a 64-column one).
+// `mok walk-bench` on a small shape, and its L2 partition probe: every walk of both forms runs to
+// its end, so each unit's armed bytes match what its boxes bring (a mismatch leaves a stage
+// unfilled, and the consumer's wait times out with a diagnosis), column tiles clipped at N included
+// (I = 320 ends gate/up in a 32-column tile, H = 448 the down GEMM in a 64-column one).
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "mok/testing/l2_partitions.h"
 #include "mok/testing/walk_bench.h"
 #include "test_util.h"
 
 namespace mok {
 namespace {
+
+// The L2 partition probe times every SM once (whether the latencies show two partitions is
+// what it measures, so that is printed, not asserted).
+TEST(WalkBenchGpu, L2ProbeTimesEverySmOnce) {
+  const L2PartitionMap map = probe_l2_partitions();
+  std::printf("  %s\n", map.describe().c_str());
+  int sms = 0, device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  std::vector<int32_t> ids = map.sm_ids;
+  ASSERT_EQ(static_cast<int>(ids.size()), sms);
+  std::sort(ids.begin(), ids.end());
+  EXPECT_EQ(std::adjacent_find(ids.begin(), ids.end()), ids.end()) << "an SM probed twice";
+  EXPECT_EQ(map.sms_in[0] + map.sms_in[1], sms);
+  EXPECT_GT(map.near_cycles, 0);
+}
 
 TEST(WalkBenchGpu, EveryWalkRunsOnASmallShape) {
   const MoeShape shape = test::make_shape(600, 448, 320, 8, 4);

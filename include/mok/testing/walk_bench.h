@@ -50,13 +50,15 @@ std::vector<WalkLoad> plan_walk(const WalkSpec& spec, WalkForm form,
                                 const std::vector<int32_t>& tiles_per_expert, int64_t n_extent);
 
 // The walk's units laid out so that the CTA in slot s (of `grid`), taking positions s, s + grid,
-// ..., runs only the units of one half of the experts: slots below grid / 2 the experts below
-// num_experts / 2, the others the rest (`parity`: even slots the first half, odd slots the
-// second), each half's units in the walk's order. Shorter halves are padded with no-units. With
-// slots by SM rank, that keeps every line of an expert's rows and weights on the SMs of one
-// half of the ids: if those halves are the L2's two partitions, no line is read from both.
+// ..., runs only the units of one half of the experts: slots below `lower_slots` (default
+// grid / 2) the first experts, in the same proportion of num_experts, the others the rest
+// (`parity`: even slots the first half, odd slots the second), each half's units in the walk's
+// order. Shorter halves are padded with no-units. With slots by SM (its rank, or its L2
+// partition first), that keeps every line of an expert's rows and weights on the SMs of one
+// half: if those halves are the L2's two partitions, no line is read from both.
 std::vector<WalkLoad> place_by_expert_halves(const std::vector<WalkLoad>& loads,
-                                             int32_t num_experts, int32_t grid, bool parity);
+                                             int32_t num_experts, int32_t grid, bool parity,
+                                             int32_t lower_slots = -1);
 
 // 128-row tiles of each expert for `routing` on one rank of `shape` (the layer's schedule:
 // each expert's routed rows rounded up to 128).

@@ -1,5 +1,5 @@
-// Timing of the benchmark fixtures (stream_bench.cu, walk_bench.cu): CUDA events around work
-// enqueued on the default stream.
+// What the benchmark fixtures (stream_bench.cu, walk_bench.cu, l2_probe.cu) ask of the device:
+// its SM count, and CUDA-event timing of work enqueued on the default stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,6 +10,15 @@
 #include "layer/cuda_buffer.h"
 
 namespace mok {
+
+// The current device's SM count.
+inline int current_sm_count() {
+  int device = 0, sms = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(multiProcessorCount)");
+  return sms;
+}
 
 // Median ms of `passes` timed runs of `body`, after `warm_up` untimed ones.
 template <typename Body>

@@ -1,0 +1,39 @@
+// Which SMs share an L2 partition, from load latencies (`mok walk-bench`; issue 16). H100 and
+// H200 split the L2 into two partitions joined by a fabric, and each SM reaches the lines homed
+// in its own partition faster than the others. One CTA per SM times a dependent chain of L2
+// loads (ld.global.cg, L1 bypassed) to each of kL2ProbeLines lines spread over the address
+// space; two SMs of one partition see the same lines near and far, two of different
+// partitions see the opposite. The clustering is plain host code, CPU-tested on made-up
+// latencies.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mok {
+
+inline constexpr int32_t kL2ProbeLines = 64;
+
+struct L2PartitionMap {
+  bool clear = false;              // every SM sided with one partition on >= 3/4 of the lines
+  std::vector<int32_t> sm_ids;     // the SMs probed, in block order
+  std::vector<int32_t> partition;  // of each SM in sm_ids: 0 (SM sm_ids[0]'s) or 1
+  int32_t sms_in[2] = {0, 0};      // SMs of each partition
+  int32_t min_agreement = 0;       // lines on which the least sure SM agrees with its partition
+  double near_cycles = 0;          // mean latency of the lines an SM sees near (below the gap)
+  double far_cycles = 0;           // and far
+  std::string describe() const;    // one line: sizes, agreement, latencies (or why unclear)
+};
+
+// Clusters `latency` (SM-major: latency[s * kL2ProbeLines + line], SM cycles per load) of the
+// SMs `sm_ids`: a line is far for an SM when its latency lies above the widest gap between the
+// line's latencies over all SMs; SMs that agree with sm_ids[0] on at least half the lines are
+// its partition.
+L2PartitionMap cluster_l2_partitions(const std::vector<int32_t>& sm_ids,
+                                     const std::vector<uint32_t>& latency);
+
+// Probes this GPU (one CTA per SM; needs every SM free) and clusters the result.
+L2PartitionMap probe_l2_partitions();
+
+}  // namespace mok

@@ -1,0 +1,79 @@
+// The clustering half of mok/testing/l2_partitions.h (host code; the probe is l2_probe.cu).
+#include "mok/testing/l2_partitions.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "mok/error.h"
+
+namespace mok {
+
+L2PartitionMap cluster_l2_partitions(const std::vector<int32_t>& sm_ids,
+                                     const std::vector<uint32_t>& latency) {
+  const size_t sms = sm_ids.size();
+  if (sms < 2 || latency.size() != sms * kL2ProbeLines)
+    throw Error(ErrorCode::kInvalidArgument,
+                "cluster_l2_partitions: " + std::to_string(sms) + " SMs and " +
+                    std::to_string(latency.size()) + " latencies; valid: >= 2 SMs and " +
+                    std::to_string(kL2ProbeLines) + " latencies per SM");
+  // far[s][l]: SM s sees line l above the widest gap between the line's sorted latencies (the
+  // gap between its near and far SMs; a median would cut into the larger side where the
+  // partitions differ in size).
+  std::vector<uint8_t> far(latency.size());
+  double sums[2] = {0, 0};
+  int64_t counts[2] = {0, 0};
+  for (int32_t line = 0; line < kL2ProbeLines; ++line) {
+    std::vector<uint32_t> column(sms);
+    for (size_t s = 0; s < sms; ++s) column[s] = latency[s * kL2ProbeLines + line];
+    std::sort(column.begin(), column.end());
+    uint32_t threshold = column[0], widest = 0;
+    for (size_t i = 0; i + 1 < sms; ++i)
+      if (column[i + 1] - column[i] > widest) {
+        widest = column[i + 1] - column[i];
+        threshold = column[i];
+      }
+    for (size_t s = 0; s < sms; ++s) {
+      const uint32_t value = latency[s * kL2ProbeLines + line];
+      const int side = value > threshold ? 1 : 0;
+      far[s * kL2ProbeLines + line] = static_cast<uint8_t>(side);
+      sums[side] += value;
+      ++counts[side];
+    }
+  }
+  L2PartitionMap map;
+  map.sm_ids = sm_ids;
+  map.partition.assign(sms, 0);
+  map.min_agreement = kL2ProbeLines;
+  for (size_t s = 0; s < sms; ++s) {
+    int32_t agree = 0;
+    for (int32_t line = 0; line < kL2ProbeLines; ++line)
+      agree += far[s * kL2ProbeLines + line] == far[line] ? 1 : 0;
+    map.partition[s] = agree * 2 >= kL2ProbeLines ? 0 : 1;
+    map.min_agreement =
+        std::min(map.min_agreement, map.partition[s] == 0 ? agree : kL2ProbeLines - agree);
+    ++map.sms_in[map.partition[s]];
+  }
+  map.near_cycles = counts[0] > 0 ? sums[0] / counts[0] : 0;
+  map.far_cycles = counts[1] > 0 ? sums[1] / counts[1] : 0;
+  map.clear = map.sms_in[1] > 0 && map.min_agreement * 4 >= kL2ProbeLines * 3;
+  return map;
+}
+
+std::string L2PartitionMap::describe() const {
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "%s: %d + %d SMs, the least sure SM on its side for %d of %d lines; near lines "
+                "%.0f cycles, far %.0f",
+                clear ? "two L2 partitions" : "no clear L2 partitions", sms_in[0], sms_in[1],
+                min_agreement, kL2ProbeLines, near_cycles, far_cycles);
+  std::string text = line;
+  if (!clear) return text;
+  text += "; partition 0's SM ids:";
+  for (size_t s = 0; s < sm_ids.size(); ++s)
+    if (partition[s] == 0) text += " " + std::to_string(sm_ids[s]);
+  return text;
+}
+
+}  // namespace mok
