@@ -72,7 +72,10 @@ std::string L2PartitionMap::describe() const {
   if (!clear) return text;
   text += "; partition 0's SM ids:";
   for (size_t s = 0; s < sm_ids.size(); ++s)
-    if (partition[s] == 0) text += " " + std::to_string(sm_ids[s]);
+    if (partition[s] == 0) {
+      text += ' ';
+      text += std::to_string(sm_ids[s]);
+    }
   return text;
 }
 

@@ -2,9 +2,11 @@
 //
 // Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), one
 // thread. It records its SM id, then for each of kL2ProbeLines lines, starting at its block's
-// own line so the SMs spread over them, loads the line once (into L2) and then times
-// kChaseLoads dependent loads of it: each line holds 0, the offset of itself, and each load's
-// address adds the previous load's value, so the loads cannot overlap.
+// own line so the SMs spread over them, times a chain of kChaseOps dependent atomic adds of 0
+// to the line: each line holds 0, and each operation's address adds the previous one's result,
+// so they cannot overlap. Atomics, not loads: an L2 partition keeps copies of the far lines its
+// SMs read (the H100 whitepaper's "localizes and caches"), so after the first load every line
+// would look near; an atomic is performed at the line's home slice every time.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -18,33 +20,37 @@ namespace mok {
 
 namespace {
 
-constexpr int32_t kChaseLoads = 16;
+constexpr int32_t kChaseOps = 16;
 // Words between probed lines: 36,992 bytes, an odd multiple of 128-byte lines, so the lines
 // fall on many L2 slices of both partitions.
 constexpr int32_t kLineStrideWords = 9248;
 constexpr int32_t kOneCtaPerSmBytes = 200 * 1024;
 
-__device__ __forceinline__ uint32_t load_l2(const uint32_t* address) {
+// An atomic add of 0 at the line's home L2 slice; returns the line's value (0).
+__device__ __forceinline__ uint32_t add_zero_at_home(uint32_t* address) {
   uint32_t value;
-  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  asm volatile("atom.global.relaxed.gpu.add.u32 %0, [%1], 0;"
+               : "=r"(value)
+               : "l"(address)
+               : "memory");
   return value;
 }
 
 __global__ void __launch_bounds__(32, 1)
-    probe_l2_latency_kernel(const uint32_t* lines, uint32_t* latency, int32_t* sm_of_block) {
+    probe_l2_latency_kernel(uint32_t* lines, uint32_t* latency, int32_t* sm_of_block) {
   if (threadIdx.x != 0) return;
   uint32_t sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   sm_of_block[blockIdx.x] = static_cast<int32_t>(sm);
   for (int32_t i = 0; i < kL2ProbeLines; ++i) {
     const int32_t line = (i + static_cast<int32_t>(blockIdx.x)) % kL2ProbeLines;
-    const uint32_t* address = lines + static_cast<int64_t>(line) * kLineStrideWords;
-    uint32_t offset = load_l2(address);
+    uint32_t* address = lines + static_cast<int64_t>(line) * kLineStrideWords;
+    uint32_t offset = add_zero_at_home(address);  // the line into L2
     const long long start = clock64();
-    for (int32_t r = 0; r < kChaseLoads; ++r) offset = load_l2(address + offset);
+    for (int32_t r = 0; r < kChaseOps; ++r) offset = add_zero_at_home(address + offset);
     const long long stop = clock64();
     latency[blockIdx.x * kL2ProbeLines + line] =
-        static_cast<uint32_t>((stop - start) / kChaseLoads) + offset;  // offset is 0
+        static_cast<uint32_t>((stop - start) / kChaseOps) + offset;  // offset is 0
   }
 }
 

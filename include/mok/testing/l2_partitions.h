@@ -1,10 +1,10 @@
 // Which SMs share an L2 partition, from load latencies (`mok walk-bench`; issue 16). H100 and
 // H200 split the L2 into two partitions joined by a fabric, and each SM reaches the lines homed
-// in its own partition faster than the others. One CTA per SM times a dependent chain of L2
-// loads (ld.global.cg, L1 bypassed) to each of kL2ProbeLines lines spread over the address
-// space; two SMs of one partition see the same lines near and far, two of different
-// partitions see the opposite. The clustering is plain host code, CPU-tested on made-up
-// latencies.
+// in its own partition faster than the others. One CTA per SM times a dependent chain of
+// atomic adds of 0 (performed at each line's home slice, which a partition's copies of far lines
+// cannot serve) to each of kL2ProbeLines lines spread over the address space; two SMs of one
+// partition see the same lines near and far, two of different partitions the opposite. The
+// clustering is plain host code, CPU-tested on made-up latencies.
 #pragma once
 
 #include <cstdint>
