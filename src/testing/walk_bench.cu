@@ -22,9 +22,9 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/wait.cuh"
 #include "layer/cuda_buffer.h"
+#include "layer/l2_partitions.h"
 #include "layer/tma.h"
 #include "mok/error.h"
-#include "mok/testing/l2_partitions.h"
 #include "mok/testing/walk_bench.h"
 #include "testing/bench_device.h"
 

@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
+#include "layer/l2_partitions.h"
 #include "mok/error.h"
-#include "mok/testing/l2_partitions.h"
 
 namespace mok {
 namespace {

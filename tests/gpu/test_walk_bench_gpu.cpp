@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "mok/testing/l2_partitions.h"
+#include "layer/l2_partitions.h"
 #include "mok/testing/walk_bench.h"
 #include "test_util.h"
 

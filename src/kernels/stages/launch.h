@@ -21,6 +21,18 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
                                cudaStream_t stream, int64_t row_begin = 0);
 
+// The L2 partition probe (l2_probe.cu; layer/l2_partitions.h): `num_ctas` CTAs, one per SM
+// (each asks for most of an SM's shared memory), each recording its SM id in sm_of_block[b] and
+// the SM cycles per dependent atomic add to each of kL2ProbeLines lines of `lines` in
+// latency[b * kL2ProbeLines + line]. `lines`: kL2ProbeLines * kL2ProbeLineStrideWords words,
+// zeroed.
+inline constexpr int32_t kL2ProbeLines = 64;
+// Words between probed lines: 36,992 bytes, an odd multiple of 128-byte lines, so the lines fall
+// on many L2 slices of both partitions.
+inline constexpr int32_t kL2ProbeLineStrideWords = 9248;
+cudaError_t launch_l2_probe(uint32_t* lines, uint32_t* latency, int32_t* sm_of_block,
+                            int32_t num_ctas, cudaStream_t stream);
+
 // Advances an epoch word by one (the fused local dispatch's after each gate/up GEMM that used
 // it, the persistent forward's after each launch): one thread, stream-ordered, CUDA-graph
 // capturable.

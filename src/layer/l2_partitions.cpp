@@ -1,11 +1,15 @@
-// The clustering half of mok/testing/l2_partitions.h (host code; the probe is l2_probe.cu).
-#include "mok/testing/l2_partitions.h"
+// Which SMs share an L2 partition (layer/l2_partitions.h): the probe's launch and the
+// clustering of its latencies.
+#include "layer/l2_partitions.h"
+
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "layer/cuda_buffer.h"
 #include "mok/error.h"
 
 namespace mok {
@@ -77,6 +81,29 @@ std::string L2PartitionMap::describe() const {
       text += std::to_string(sm_ids[s]);
     }
   return text;
+}
+
+L2PartitionMap probe_l2_partitions() {
+  int device = 0, sms = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(multiProcessorCount)");
+  DeviceBuffer lines(int64_t{kL2ProbeLines} * kernels::kL2ProbeLineStrideWords * 4,
+                     "L2 probe lines");
+  DeviceBuffer latency(int64_t{sms} * kL2ProbeLines * 4, "L2 probe latencies");
+  DeviceBuffer ids(int64_t{sms} * 4, "L2 probe SM ids");
+  cuda_check(cudaMemset(lines.pointer, 0, static_cast<size_t>(lines.bytes)), "cudaMemset");
+  cuda_check(kernels::launch_l2_probe(lines.as<uint32_t>(), latency.as<uint32_t>(),
+                                      ids.as<int32_t>(), sms, nullptr),
+             "L2 partition probe launch");
+  std::vector<uint32_t> host_latency(static_cast<size_t>(sms) * kL2ProbeLines);
+  std::vector<int32_t> host_ids(sms);
+  cuda_check(cudaMemcpy(host_latency.data(), latency.pointer, host_latency.size() * 4,
+                        cudaMemcpyDeviceToHost),
+             "L2 probe latencies");
+  cuda_check(cudaMemcpy(host_ids.data(), ids.pointer, host_ids.size() * 4, cudaMemcpyDeviceToHost),
+             "L2 probe SM ids");
+  return cluster_l2_partitions(host_ids, host_latency);
 }
 
 }  // namespace mok

@@ -1,4 +1,4 @@
-// The probe half of mok/testing/l2_partitions.h.
+// The L2 partition probe's kernel (layer/l2_partitions.h clusters what it measures).
 //
 // Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), one
 // thread. It records its SM id, then for each of kL2ProbeLines lines, starting at its block's
@@ -12,18 +12,13 @@
 #include <cstdint>
 #include <vector>
 
-#include "layer/cuda_buffer.h"
-#include "mok/testing/l2_partitions.h"
-#include "testing/bench_device.h"
+#include "kernels/stages/launch.h"
 
-namespace mok {
+namespace mok::kernels {
 
 namespace {
 
 constexpr int32_t kChaseOps = 16;
-// Words between probed lines: 36,992 bytes, an odd multiple of 128-byte lines, so the lines
-// fall on many L2 slices of both partitions.
-constexpr int32_t kLineStrideWords = 9248;
 constexpr int32_t kOneCtaPerSmBytes = 200 * 1024;
 
 // An atomic add of 0 at the line's home L2 slice; returns the line's value (0).
@@ -44,7 +39,7 @@ __global__ void __launch_bounds__(32, 1)
   sm_of_block[blockIdx.x] = static_cast<int32_t>(sm);
   for (int32_t i = 0; i < kL2ProbeLines; ++i) {
     const int32_t line = (i + static_cast<int32_t>(blockIdx.x)) % kL2ProbeLines;
-    uint32_t* address = lines + static_cast<int64_t>(line) * kLineStrideWords;
+    uint32_t* address = lines + static_cast<int64_t>(line) * kL2ProbeLineStrideWords;
     uint32_t offset = add_zero_at_home(address);  // the line into L2
     const long long start = clock64();
     for (int32_t r = 0; r < kChaseOps; ++r) offset = add_zero_at_home(address + offset);
@@ -56,26 +51,13 @@ __global__ void __launch_bounds__(32, 1)
 
 }  // namespace
 
-L2PartitionMap probe_l2_partitions() {
-  const int sms = current_sm_count();
-  cuda_check(cudaFuncSetAttribute(probe_l2_latency_kernel,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kOneCtaPerSmBytes),
-             "cudaFuncSetAttribute(probe_l2_latency_kernel)");
-  DeviceBuffer lines(int64_t{kL2ProbeLines} * kLineStrideWords * 4, "L2 probe lines");
-  DeviceBuffer latency(int64_t{sms} * kL2ProbeLines * 4, "L2 probe latencies");
-  DeviceBuffer ids(int64_t{sms} * 4, "L2 probe SM ids");
-  cuda_check(cudaMemset(lines.pointer, 0, static_cast<size_t>(lines.bytes)), "cudaMemset");
-  probe_l2_latency_kernel<<<sms, 32, kOneCtaPerSmBytes>>>(
-      lines.as<uint32_t>(), latency.as<uint32_t>(), ids.as<int32_t>());
-  cuda_check(cudaGetLastError(), "probe_l2_latency_kernel launch");
-  std::vector<uint32_t> host_latency(static_cast<size_t>(sms) * kL2ProbeLines);
-  std::vector<int32_t> host_ids(sms);
-  cuda_check(cudaMemcpy(host_latency.data(), latency.pointer, host_latency.size() * 4,
-                        cudaMemcpyDeviceToHost),
-             "L2 probe latencies");
-  cuda_check(cudaMemcpy(host_ids.data(), ids.pointer, host_ids.size() * 4, cudaMemcpyDeviceToHost),
-             "L2 probe SM ids");
-  return cluster_l2_partitions(host_ids, host_latency);
+cudaError_t launch_l2_probe(uint32_t* lines, uint32_t* latency, int32_t* sm_of_block,
+                            int32_t num_ctas, cudaStream_t stream) {
+  const cudaError_t status = cudaFuncSetAttribute(
+      probe_l2_latency_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kOneCtaPerSmBytes);
+  if (status != cudaSuccess) return status;
+  probe_l2_latency_kernel<<<num_ctas, 32, kOneCtaPerSmBytes, stream>>>(lines, latency, sm_of_block);
+  return cudaGetLastError();
 }
 
-}  // namespace mok
+}  // namespace mok::kernels

@@ -1,19 +1,22 @@
-// Which SMs share an L2 partition, from load latencies (`mok walk-bench`; issue 16). H100 and
-// H200 split the L2 into two partitions joined by a fabric, and each SM reaches the lines homed
-// in its own partition faster than the others. One CTA per SM times a dependent chain of
-// atomic adds of 0 (performed at each line's home slice, which a partition's copies of far lines
-// cannot serve) to each of kL2ProbeLines lines spread over the address space; two SMs of one
-// partition see the same lines near and far, two of different partitions the opposite. The
-// clustering is plain host code, CPU-tested on made-up latencies.
+// Which SMs share an L2 partition, from atomic latencies (MoeConfig::gemm_l2_placement,
+// `mok walk-bench`; issue 16). H100 and H200 split the L2 into two partitions joined by a
+// fabric, and each SM reaches the lines homed in its own partition faster than the others. One
+// CTA per SM times a dependent chain of atomic adds of 0 (performed at each line's home slice,
+// which a partition's copies of far lines cannot serve) to each of kL2ProbeLines lines spread
+// over the address space (kernels/stages/l2_probe.cu). Two SMs of one partition see the same
+// lines near and far, two of different partitions the opposite. The clustering is plain host
+// code, CPU-tested on made-up latencies.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "kernels/stages/launch.h"
+
 namespace mok {
 
-inline constexpr int32_t kL2ProbeLines = 64;
+using kernels::kL2ProbeLines;
 
 struct L2PartitionMap {
   bool clear = false;              // every SM sided with one partition on >= 3/4 of the lines
@@ -33,7 +36,8 @@ struct L2PartitionMap {
 L2PartitionMap cluster_l2_partitions(const std::vector<int32_t>& sm_ids,
                                      const std::vector<uint32_t>& latency);
 
-// Probes this GPU (one CTA per SM; needs every SM free) and clusters the result.
+// Probes the current GPU (one CTA per SM; needs every SM free) and clusters the result. Throws
+// mok::Error if a CUDA call fails.
 L2PartitionMap probe_l2_partitions();
 
 }  // namespace mok
