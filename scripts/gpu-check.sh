@@ -256,7 +256,7 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
   for shape in ${MOK_COMPARE_SHAPES-}; do
     run_step "compare_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --quick \
       --shape "$shape" --check-tokens 0 --json "$OUT/tmp_compare.json" --compare \
-      "${MOK_COMPARE_KNOBS:-cta-pairs,weight-grad-pingpong,wide-tiles,tile-group-1}"
+      "${MOK_COMPARE_KNOBS:-cta-pairs,weight-grad-pingpong,wide-tiles,tile-group-1,l2-placement}"
     add_bench_json "compare_$shape" "$OUT/tmp_compare.json"
   done
   # The FP8 layer against its CPU reference, timed beside bf16 (MOK_FP8_SHAPES, default

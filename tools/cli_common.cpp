@@ -19,6 +19,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.persistent_backward = options.persistent_backward;
   config.gemm_cta_pairs = options.cta_pairs;
   config.gemm_wide_tiles = options.wide_tiles;
+  config.gemm_l2_placement = options.l2_placement;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
@@ -29,21 +30,20 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",
-                                     "persistent-forward",
-                                     "persistent-backward",
-                                     "weight-grad-pingpong",
-                                     "skip-padding-rows",
-                                     "local-dispatch",
-                                     "wide-tiles",
-                                     "tile-group-N",
-                                     nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",           "persistent-forward",
+                                     "persistent-backward", "weight-grad-pingpong",
+                                     "skip-padding-rows",   "local-dispatch",
+                                     "wide-tiles",          "tile-group-N",
+                                     "l2-placement",        nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   mok::MoeConfig flipped = config;
   if (name == "cta-pairs") {
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
-    if (flipped.gemm_cta_pairs) flipped.gemm_wide_tiles = false;  // they exclude each other
+    if (flipped.gemm_cta_pairs) {  // they exclude each other
+      flipped.gemm_wide_tiles = false;
+      flipped.gemm_l2_placement = false;
+    }
   } else if (name == "persistent-forward") {
     flipped.persistent_forward = !config.persistent_forward;
     if (flipped.persistent_forward) flipped.gemm_wide_tiles = false;
@@ -53,6 +53,13 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_cta_pairs = false;
       flipped.persistent_forward = false;
       flipped.persistent_backward = false;
+      flipped.gemm_l2_placement = false;
+    }
+  } else if (name == "l2-placement") {
+    flipped.gemm_l2_placement = !config.gemm_l2_placement;
+    if (flipped.gemm_l2_placement) {
+      flipped.gemm_cta_pairs = false;
+      flipped.gemm_wide_tiles = false;
     }
   } else if (name == "persistent-backward") {
     flipped.persistent_backward = !config.persistent_backward;

@@ -39,6 +39,7 @@ std::string variant_name(const mok::MoeConfig& config) {
          (config.check_finite ? ", check_finite scan" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
+         (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -47,6 +48,7 @@ std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") + tile_group_name(config) +
+         (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }
@@ -126,6 +128,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   mok::DeviceProblem device(problem, 0);
   const mok::MoeConfig config = config_from_options(options, shape);
   mok::GpuLayer layer(shape, config);
+  if (config.gemm_l2_placement)
+    std::printf("  L2 placement: %s\n", layer.l2_placement_report().c_str());
   mok::BaselineLayer baseline(shape);
   cudaStream_t stream;
   CLI_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -223,6 +227,9 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   for (const std::string& knob : options.compare) {
     const mok::MoeConfig flipped = flip_knob(config, knob);
     compared.push_back({knob, flipped, std::make_unique<mok::GpuLayer>(shape, flipped)});
+    if (flipped.gemm_l2_placement && !config.gemm_l2_placement)
+      std::printf("  --compare %s: %s\n", knob.c_str(),
+                  compared.back().layer->l2_placement_report().c_str());
     compared.back().bitwise = same_bits_as_first(*compared.back().layer);
   }
   bool backward_variants_bitwise = true;

@@ -99,6 +99,14 @@ struct MoeConfig {
   // kTileGroupM. A knob to measure the L2 partition fabric's traffic by (docs/perf.md, session
   // 18: `mok walk-bench` replays the walks).
   int32_t gemm_tile_group = 8;
+  // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
+  // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
+  // the layer probes which SMs share a partition when it is built (atomic latencies,
+  // src/layer/l2_partitions.h), and a CTA takes its slot from its SM. Where the probe finds no
+  // clear partitions the walk stays as it is (GpuLayer::l2_placement_report says which). Same
+  // bits either way. bf16, without CTA pairs or the 256 x 192 tiles. Off until measured faster
+  // (written in session 18, not yet run).
+  bool gemm_l2_placement = false;
   // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
   // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same

@@ -77,6 +77,9 @@ class GpuLayer {
   const MoeShape& shape() const;
   // Bytes of device memory the workspace holds.
   int64_t workspace_bytes() const;
+  // With MoeConfig::gemm_l2_placement: what the layer's probe found of the L2's partitions and
+  // whether the expert GEMMs walk by them; "" without the knob.
+  std::string l2_placement_report() const;
   // The diagnosis of a device wait of this layer that timed out (who waited for what), or ""
   // when none did. synchronize() reports it; a launch that fails after such a timeout sees only
   // the CUDA error of the aborted kernel, and this names its cause.

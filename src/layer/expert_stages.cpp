@@ -58,6 +58,7 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.half_row_tiles = s.config.skip_padding_rows && few_rows ? 1 : 0;
   params.weight_grad_pingpong = s.config.weight_grad_pingpong ? 1 : 0;
   params.tile_group = s.config.gemm_tile_group;
+  params.l2 = s.l2_placement;
   params.swiglu_limit = s.shape.swiglu_limit;
   params.wait = s.wait_context();
   return params;
@@ -183,6 +184,11 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
   cuda_check(
       kernels::launch_expert_gemm(form, maps, params, s.sm_count, s.config.gemm_cta_pairs, stream),
       what);
+  // The L2 placement's claims name the launch by the epoch: the next launch gets a new one.
+  if (params.l2.slot_of_sm != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
+    cuda_check(
+        kernels::launch_advance_epoch(s.l2_claims.as<unsigned long long>() + s.sm_count, stream),
+        "advance the L2 placement's epoch");
 }
 
 // The 256 x 192 tiles' maps where they read and write what the 128 x 256 tiles' do (the dgrads).

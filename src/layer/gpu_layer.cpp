@@ -59,8 +59,10 @@ int64_t GpuLayer::workspace_bytes() const {
   return s.routed.bytes() + s.shared.bytes() + s.rows.bytes + s.d_out_rows.bytes +
          s.expert_out.bytes + s.shared_out.bytes + s.gather_state.bytes + s.persistent_state.bytes +
          s.persistent_backward_state.bytes + s.wgrad_partials.bytes + s.forward_trace.bytes +
-         s.backward_trace.bytes;
+         s.backward_trace.bytes + s.l2_slot_of_sm.bytes + s.l2_claims.bytes;
 }
+
+std::string GpuLayer::l2_placement_report() const { return state_->l2_placement_report; }
 
 std::vector<TaskTrace> GpuLayer::task_traces(cudaStream_t stream) {
   const State& s = *state_;

@@ -95,6 +95,13 @@ struct GpuLayer::State {
   // MoeConfig::check_finite: the first non-finite input found since the last synchronize
   // (kernels/stages/non_finite_scan.h; kNoNonFinite when none). Allocated only with check_finite.
   DeviceBuffer non_finite_record;
+  // MoeConfig::gemm_l2_placement (kernels/gemm/l2_placement.h): the slot of each SM id, the
+  // slots' claims followed by the launch epoch (zeroed once), the placement the standalone
+  // expert GEMMs get (slot_of_sm null: off, or the probe found no clear partitions), and what
+  // the probe found (empty without the knob).
+  DeviceBuffer l2_slot_of_sm, l2_claims;
+  kernels::L2Placement l2_placement;
+  std::string l2_placement_report;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory
   kernels::WaitDiagnosis* diagnosis_device = nullptr;
   uint64_t generation = 0;  // forwards run so far: names the context the workspace holds

@@ -83,6 +83,21 @@ std::string L2PartitionMap::describe() const {
   return text;
 }
 
+L2SlotTable l2_slot_table(const L2PartitionMap& map) {
+  L2SlotTable table;
+  if (!map.clear || map.sm_ids.empty()) return table;
+  std::vector<int32_t> ids = map.sm_ids;
+  std::sort(ids.begin(), ids.end());
+  if (ids.front() < 0 || std::adjacent_find(ids.begin(), ids.end()) != ids.end()) return table;
+  std::vector<int32_t> partition_of(ids.back() + 1, -1);
+  for (size_t s = 0; s < map.sm_ids.size(); ++s) partition_of[map.sm_ids[s]] = map.partition[s];
+  table.slot_of_sm.assign(ids.back() + 1, -1);
+  int32_t next[2] = {0, map.sms_in[0]};
+  for (const int32_t id : ids) table.slot_of_sm[id] = next[partition_of[id]]++;
+  table.lower_slots = map.sms_in[0];
+  return table;
+}
+
 L2PartitionMap probe_l2_partitions() {
   int device = 0, sms = 0;
   cuda_check(cudaGetDevice(&device), "cudaGetDevice");

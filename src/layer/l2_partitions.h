@@ -36,6 +36,15 @@ struct L2PartitionMap {
 L2PartitionMap cluster_l2_partitions(const std::vector<int32_t>& sm_ids,
                                      const std::vector<uint32_t>& latency);
 
+// MoeConfig::gemm_l2_placement's slot table (kernels/gemm/l2_placement.h): partition 0's SMs,
+// by ascending id, get slots [0, lower_slots), partition 1's the rest; ids probed by no CTA -1.
+// Empty (slot_of_sm empty) unless `map` is clear and probed each SM once.
+struct L2SlotTable {
+  std::vector<int32_t> slot_of_sm;  // indexed by SM id
+  int32_t lower_slots = 0;
+};
+L2SlotTable l2_slot_table(const L2PartitionMap& map);
+
 // Probes the current GPU (one CTA per SM; needs every SM free) and clusters the result. Throws
 // mok::Error if a CUDA call fails.
 L2PartitionMap probe_l2_partitions();

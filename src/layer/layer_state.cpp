@@ -18,6 +18,7 @@
 
 #include "layer/expert_engine.h"
 #include "layer/gpu_layer_state.h"
+#include "layer/l2_partitions.h"
 #include "layer/task_trace_capacity.h"
 #include "layer/token_exchange.h"
 #include "mok/schedule.h"
@@ -35,6 +36,30 @@ namespace {
 void zeroed(DeviceBuffer& buffer, int64_t words, const char* what) {
   buffer.allocate(words * 8, what);
   cuda_check(cudaMemset(buffer.pointer, 0, buffer.bytes), std::string("zero ") + what);
+}
+
+// MoeConfig::gemm_l2_placement: which SMs share an L2 partition (a probe of this GPU), their
+// slots, and the claims the GEMMs mark (kernels/gemm/l2_placement.h).
+void plan_l2_placement(GpuLayer::State& s) {
+  const L2PartitionMap map = probe_l2_partitions();
+  const L2SlotTable table = l2_slot_table(map);
+  s.l2_placement_report = map.describe();
+  if (table.slot_of_sm.empty() || static_cast<int>(map.sm_ids.size()) != s.sm_count) {
+    s.l2_placement_report += "; the expert GEMMs keep the block-index walk";
+    return;
+  }
+  s.l2_slot_of_sm.allocate(static_cast<int64_t>(table.slot_of_sm.size() * sizeof(int32_t)),
+                           "L2 placement slot table");
+  cuda_check(cudaMemcpy(s.l2_slot_of_sm.pointer, table.slot_of_sm.data(), s.l2_slot_of_sm.bytes,
+                        cudaMemcpyHostToDevice),
+             "upload the L2 placement slot table");
+  zeroed(s.l2_claims, s.sm_count + 1, "L2 placement claims and epoch");
+  s.l2_placement.slot_of_sm = s.l2_slot_of_sm.as<int32_t>();
+  s.l2_placement.num_sm_ids = static_cast<int32_t>(table.slot_of_sm.size());
+  s.l2_placement.lower_slots = table.lower_slots;
+  s.l2_placement.claims = s.l2_claims.as<unsigned long long>();
+  s.l2_placement.epoch = s.l2_claims.as<unsigned long long>() + s.sm_count;
+  s.l2_placement_report += "; the expert GEMMs walk by partition";
 }
 
 }  // namespace
@@ -56,6 +81,8 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
     throw Error(ErrorCode::kUnsupported, "GpuLayer: device " + std::to_string(s.device) +
                                              " has compute capability " + std::to_string(major) +
                                              ".x; mok's kernels need Hopper (9.0, sm_90a)");
+
+  if (config.gemm_l2_placement) plan_l2_placement(s);
 
   // The minibatch this layer runs with (an automatic one from the shape and this GPU's SMs):
   // every later use reads s.config.

@@ -56,6 +56,27 @@ TEST(L2Partitions, LatenciesWithoutStructureAreUnclear) {
   EXPECT_NE(map.describe().find("no clear L2 partitions"), std::string::npos);
 }
 
+TEST(L2Partitions, SlotTableOrdersEachPartitionById) {
+  L2PartitionMap map;
+  map.clear = true;
+  map.sm_ids = {7, 2, 9, 4, 0};
+  map.partition = {0, 1, 0, 1, 0};
+  map.sms_in[0] = 3;
+  map.sms_in[1] = 2;
+  const L2SlotTable table = l2_slot_table(map);
+  ASSERT_EQ(table.slot_of_sm.size(), 10u);
+  EXPECT_EQ(table.lower_slots, 3);
+  // Partition 0: ids 0, 7, 9 -> slots 0, 1, 2; partition 1: ids 2, 4 -> 3, 4.
+  const std::vector<int32_t> want = {0, -1, 3, -1, 4, -1, -1, 1, -1, 2};
+  EXPECT_EQ(table.slot_of_sm, want);
+  L2PartitionMap unclear = map;
+  unclear.clear = false;
+  EXPECT_TRUE(l2_slot_table(unclear).slot_of_sm.empty());
+  L2PartitionMap twice = map;
+  twice.sm_ids = {7, 2, 9, 4, 7};  // an SM probed twice (two CTAs shared it)
+  EXPECT_TRUE(l2_slot_table(twice).slot_of_sm.empty());
+}
+
 TEST(L2Partitions, RejectsMismatchedSizes) {
   EXPECT_THROW(cluster_l2_partitions({0, 1}, std::vector<uint32_t>(10)), Error);
   EXPECT_THROW(cluster_l2_partitions({0}, std::vector<uint32_t>(kL2ProbeLines)), Error);

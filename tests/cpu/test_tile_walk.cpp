@@ -9,8 +9,10 @@
 #include <map>
 #include <random>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "kernels/gemm/l2_placement.h"
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/gemm/wide_tile_walk.h"
 
@@ -83,6 +85,34 @@ TEST(TileWalk, GroupsSweepTheirColumnsTogether) {
   EXPECT_EQ(walk_unit(13, 5, 4, true, 3).m_unit, 4);
   EXPECT_EQ(walk_unit(13, 5, 4, true, 3).n_tile, 0);
   EXPECT_EQ(walk_unit(14, 5, 4, true, 3).n_tile, 1);
+}
+
+// The L2 placement's walk (l2_placement.h): the slots of each partition cover their row tiles'
+// units once, partition 0 the first row tiles in proportion to its slots, whatever the split of
+// the slots and the group.
+TEST(TileWalk, L2HalvesCoverEveryTileOnce) {
+  for (const int grid : {2, 7, 132})
+    for (const int lower : {1, grid / 2, grid - 1})
+      for (const int m_units : {0, 1, 5, 33, 317})
+        for (const int n_tiles : {1, 16}) {
+          if (lower < 1 || lower >= grid) continue;
+          SCOPED_TRACE(testing::Message() << "grid " << grid << ", lower " << lower << ", "
+                                          << m_units << " x " << n_tiles << " tiles");
+          std::map<std::pair<int, int>, int> covered;
+          const int split = static_cast<int>((int64_t{m_units} * lower + grid / 2) / grid);
+          for (int slot = 0; slot < grid; ++slot) {
+            const CtaWalk walk = l2_half_walk(slot, grid, lower, m_units, n_tiles);
+            EXPECT_EQ(walk.num_units, walk.m_units * n_tiles);
+            for (int unit = walk.first; unit < walk.num_units; unit += walk.stride) {
+              const WalkUnit w = walk_unit(unit, walk.m_units, n_tiles, true, 3);
+              const int m = w.m_unit + walk.m_lo;
+              EXPECT_EQ(m < split, slot < lower) << "row tile " << m << " in slot " << slot;
+              ++covered[{m, w.n_tile}];
+            }
+          }
+          EXPECT_EQ(static_cast<int>(covered.size()), m_units * n_tiles);
+          for (const auto& [tile, count] : covered) EXPECT_EQ(count, 1);
+        }
 }
 
 // Random segments (empty experts included) and macrobatch windows over them.

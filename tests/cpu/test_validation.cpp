@@ -223,6 +223,25 @@ TEST(ConfigValidation, WideTilesNameWhatExcludesThem) {
                {"gemm_wide_tiles = true with 2048 local experts", "at most 1024"});
 }
 
+// The L2 placement (MoeConfig::gemm_l2_placement) with what it does not run, each named.
+TEST(ConfigValidation, L2PlacementNamesWhatExcludesIt) {
+  MoeConfig placed;
+  placed.gemm_l2_placement = true;
+  EXPECT_TRUE(can_implement_knobs(placed, 1).ok());
+  MoeConfig config = placed;
+  config.gemm_cta_pairs = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_l2_placement = true with gemm_cta_pairs = true"});
+  config = placed;
+  config.gemm_wide_tiles = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_l2_placement = true with gemm_wide_tiles = true"});
+  config = placed;
+  config.precision = Precision::kFP8Block;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_l2_placement = true with precision = fp8_block"});
+}
+
 // The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.
 TEST(ConfigValidation, TileGroupIsOneToTheMost) {
   MoeConfig config;

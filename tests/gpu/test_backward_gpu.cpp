@@ -155,7 +155,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(23);
+  std::vector<MoeConfig> configs(24);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -224,6 +224,9 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[21].gemm_tile_group = 1;
   configs[22].gemm_tile_group = 3;
   configs[22].gemm_cta_pairs = true;
+  // The expert GEMMs' row tiles split between the L2 partitions the layer's probe finds
+  // (MoeConfig::gemm_l2_placement; the block walk where it finds none).
+  configs[23].gemm_l2_placement = true;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -242,8 +245,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.persistent_backward << " CTA pairs " << config.gemm_cta_pairs
                      << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
                      << config.weight_grad_pingpong << " 256 x 192 tiles " << config.gemm_wide_tiles
-                     << " tile group " << config.gemm_tile_group
-                     << (with_context ? "" : ", no context"));
+                     << " tile group " << config.gemm_tile_group << " L2 placement "
+                     << config.gemm_l2_placement << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

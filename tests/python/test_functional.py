@@ -278,6 +278,7 @@ def test_config_switches_reach_the_native_config():
         "persistent_backward",
         "gemm_cta_pairs",
         "gemm_wide_tiles",
+        "gemm_l2_placement",
         "skip_padding_rows",
         "weight_grad_pingpong",
         "check_finite",

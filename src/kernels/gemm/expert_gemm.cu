@@ -127,11 +127,11 @@ struct UnitTile {
 
 template <ExpertGemmForm kForm, bool kPaired>
 __device__ __forceinline__ UnitTile unit_tile(const ExpertGemmParams& params,
-                                              const TileSpace& space, int unit, int rank,
-                                              const SegmentRows* shared_rows) {
+                                              const TileSpace& space, const CtaWalk& cta, int unit,
+                                              int rank, const SegmentRows* shared_rows) {
   constexpr bool kRowTiles = FormTraits<kForm>::kRowTiles;
-  const WalkUnit walk =
-      walk_unit(unit, space.m_units, space.num_n_tiles, kRowTiles, params.tile_group);
+  WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, kRowTiles, params.tile_group);
+  walk.m_unit += cta.m_lo;
   UnitTile tile;
   if constexpr (!kPaired) {
     tile.coord =
@@ -193,14 +193,14 @@ constexpr bool kHalfRowTiles =
 // so the load's latency hides under the current tile.
 template <ExpertGemmForm kForm, bool kPaired>
 __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
-                                              const TileSpace& space, int unit) {
+                                              const TileSpace& space, const CtaWalk& cta,
+                                              int unit) {
   if constexpr (!kHalfRowTiles<kForm, kPaired>) {
     return false;
   } else {
-    if (!params.half_row_tiles || unit >= space.num_units) return false;
-    const WalkUnit walk =
-        walk_unit(unit, space.m_units, space.num_n_tiles, true, params.tile_group);
-    const int64_t m_tile = walk.m_unit + space.m_begin;
+    if (!params.half_row_tiles || unit >= cta.num_units) return false;
+    const WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, true, params.tile_group);
+    const int64_t m_tile = walk.m_unit + cta.m_lo + space.m_begin;
     return params.row_pair[m_tile * BLOCK_M + BLOCK_M / 2] < 0;
   }
 }
@@ -224,14 +224,26 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   const SegmentRows* shared_rows = nullptr;
   if constexpr (!Traits::kRowTiles)  // visible after init_pipeline's barrier
     shared_rows = copy_segment_rows(params, reinterpret_cast<SegmentRows*>(&smem + 1));
-  init_pipeline<kPaired>(smem);
+  // MoeConfig::gemm_l2_placement: this CTA's slot, claimed by thread 0 (l2_placement.h).
+  constexpr bool kCanPlace = Traits::kRowTiles && !kPaired;
+  __shared__ int32_t l2_slot;
+  if constexpr (kCanPlace) {
+    if (params.l2.slot_of_sm != nullptr && threadIdx.x == 0) l2_slot = claim_l2_slot(params.l2);
+  }
+  init_pipeline<kPaired>(smem);  // its barrier publishes l2_slot
   const TileSpace space = tile_space<kForm, kPaired>(params);
   const int warpgroup = threadIdx.x / 128;
   // The walk: CTA c takes units c, c + grid, ...; a pair (clusters of two along x) its units
-  // together, one tile per rank.
+  // together, one tile per rank; under the L2 placement, its partition's share by slot.
   const int rank = kPaired ? static_cast<int>(ptx::cluster_cta_rank()) : 0;
-  const int first_unit = kPaired ? blockIdx.x / 2 : blockIdx.x;
-  const int unit_stride = kPaired ? gridDim.x / 2 : gridDim.x;
+  CtaWalk cta{static_cast<int32_t>(kPaired ? blockIdx.x / 2 : blockIdx.x),
+              static_cast<int32_t>(kPaired ? gridDim.x / 2 : gridDim.x), 0, space.m_units,
+              space.num_units};
+  if constexpr (kCanPlace) {
+    if (params.l2.slot_of_sm != nullptr)
+      cta = l2_half_walk(l2_slot, static_cast<int32_t>(gridDim.x), params.l2.lower_slots,
+                         space.m_units, space.num_n_tiles);
+  }
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
@@ -242,8 +254,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       ptx::prefetch_tensor_map(&tmap_b0);
       const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
       PipelineState<Storage::kNumStagesHere> state;
-      for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
-        const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, shared_rows);
+      for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
+        const UnitTile tile =
+            unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
         const TileCoord& coord = tile.coord;
         if (coord.skip) continue;  // kWeightGrad: no rows in this macrobatch (both of a pair)
         if (tile.phantom) {
@@ -270,12 +283,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const int consumer_idx = warpgroup - 1;
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
-    bool half_next = half_row_tile<kForm, kPaired>(params, space, first_unit);
-    for (int unit = first_unit; unit < space.num_units; unit += unit_stride) {
-      const UnitTile tile = unit_tile<kForm, kPaired>(params, space, unit, rank, shared_rows);
+    bool half_next = half_row_tile<kForm, kPaired>(params, space, cta, cta.first);
+    for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
+      const UnitTile tile = unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
       TileCoord coord = tile.coord;
       coord.half = half_next;
-      half_next = half_row_tile<kForm, kPaired>(params, space, unit + unit_stride);
+      half_next = half_row_tile<kForm, kPaired>(params, space, cta, unit + cta.stride);
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       if constexpr (kPaired) {
         if (tile.phantom) {

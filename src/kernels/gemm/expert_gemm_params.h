@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "kernels/common/wait_types.h"
+#include "kernels/gemm/l2_placement.h"
 #include "mok/schedule.h"
 #include "mok/task_trace.h"
 
@@ -110,6 +111,9 @@ struct ExpertGemmParams {
   // this many row tiles at a time, swept n-major (tile_walk.h, wide_tile_gemm.cu). Same bits for
   // any group.
   int32_t tile_group;
+  // MoeConfig::gemm_l2_placement (l2_placement.h): each L2 partition's SMs on their share of the
+  // row tiles (the row-tile forms without CTA pairs); slot_of_sm null: the block-index walk.
+  L2Placement l2;
   // MoeConfig::weight_grad_pingpong: kWeightGrad in weight_grad_pingpong.cu (one macrobatch, no
   // CTA pairs; expert_gemm.cu's form otherwise).
   int32_t weight_grad_pingpong;
