@@ -305,14 +305,10 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
     std::printf("  %s\n", partitions.describe().c_str());
     std::vector<int32_t> probed = partitions.sm_ids;
     std::sort(probed.begin(), probed.end());
-    if (partitions.clear && probed == sms) {
-      std::vector<int32_t> slot_of_id(rank_of_id.size(), -1);
-      int32_t next[2] = {0, partitions.sms_in[0]};
-      for (const int32_t id : sms)
-        for (size_t s = 0; s < partitions.sm_ids.size(); ++s)
-          if (partitions.sm_ids[s] == id) slot_of_id[id] = next[partitions.partition[s]]++;
-      partition0_sms = partitions.sms_in[0];
-      partition_slot = upload_slots(slot_of_id, "walk-bench L2 partition slots");
+    const L2SlotTable table = l2_slot_table(partitions);  // the layer's (gemm_l2_placement)
+    if (!table.slot_of_sm.empty() && probed == sms) {
+      partition0_sms = table.lower_slots;
+      partition_slot = upload_slots(table.slot_of_sm, "walk-bench L2 partition slots");
     } else {
       std::printf("  the L2-partition placements are skipped\n");
     }
