@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <functional>
 #include <random>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli.h"
@@ -68,11 +70,13 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
   } else if (name == "skip-padding-rows") {
     flipped.skip_padding_rows = !config.skip_padding_rows;
-  } else if (name.rfind("tile-group-", 0) == 0 && name.size() > 11 &&
-             name.find_first_not_of("0123456789", 11) == std::string::npos &&
-             name.size() <= 11 + 4) {
-    // "tile-group-N": the expert GEMMs' walk in groups of N row tiles.
-    flipped.gemm_tile_group = std::stoi(name.substr(11));
+  } else if (const std::string_view group = "tile-group-";
+             name.rfind(group, 0) == 0 && name.size() > group.size() &&
+             name.size() <= group.size() + 4 &&
+             name.find_first_not_of("0123456789", group.size()) == std::string::npos) {
+    // "tile-group-N" (N of at most 4 digits; can_implement checks its range): the expert GEMMs'
+    // walk in groups of N row tiles.
+    flipped.gemm_tile_group = std::stoi(name.substr(group.size()));
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

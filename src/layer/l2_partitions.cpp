@@ -98,11 +98,8 @@ L2SlotTable l2_slot_table(const L2PartitionMap& map) {
   return table;
 }
 
-L2PartitionMap probe_l2_partitions() {
-  int device = 0, sms = 0;
-  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
-  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute(multiProcessorCount)");
+L2PartitionMap probe_l2_partitions(int32_t num_sms) {
+  const int32_t sms = num_sms;
   DeviceBuffer lines(int64_t{kL2ProbeLines} * kernels::kL2ProbeLineStrideWords * 4,
                      "L2 probe lines");
   DeviceBuffer latency(int64_t{sms} * kL2ProbeLines * 4, "L2 probe latencies");

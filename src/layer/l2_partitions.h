@@ -45,8 +45,8 @@ struct L2SlotTable {
 };
 L2SlotTable l2_slot_table(const L2PartitionMap& map);
 
-// Probes the current GPU (one CTA per SM; needs every SM free) and clusters the result. Throws
-// mok::Error if a CUDA call fails.
-L2PartitionMap probe_l2_partitions();
+// Probes the current GPU, whose SM count is `num_sms` (one CTA per SM; needs every SM free), and
+// clusters the result. Throws mok::Error if a CUDA call fails.
+L2PartitionMap probe_l2_partitions(int32_t num_sms);
 
 }  // namespace mok

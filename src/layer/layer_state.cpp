@@ -41,10 +41,10 @@ void zeroed(DeviceBuffer& buffer, int64_t words, const char* what) {
 // MoeConfig::gemm_l2_placement: which SMs share an L2 partition (a probe of this GPU), their
 // slots, and the claims the GEMMs mark (kernels/gemm/l2_placement.h).
 void plan_l2_placement(GpuLayer::State& s) {
-  const L2PartitionMap map = probe_l2_partitions();
+  const L2PartitionMap map = probe_l2_partitions(s.sm_count);
   const L2SlotTable table = l2_slot_table(map);
   s.l2_placement_report = map.describe();
-  if (table.slot_of_sm.empty() || static_cast<int>(map.sm_ids.size()) != s.sm_count) {
+  if (table.slot_of_sm.empty()) {
     s.l2_placement_report += "; the expert GEMMs keep the block-index walk";
     return;
   }

@@ -68,20 +68,6 @@ __device__ __forceinline__ int32_t walk_slot(const WalkParams& p) {
   return p.sm_slot != nullptr ? p.sm_slot[sm_id()] : static_cast<int32_t>(blockIdx.x);
 }
 
-// Each CTA's SM id. The launch asks for the walk kernel's shared memory, so an SM holds one
-// CTA at a time, and each CTA stays until all have arrived (or ~10 ms have passed), so no
-// finished CTA's SM takes a second one while others wait.
-__global__ void __launch_bounds__(32, 1)
-    record_sm_ids_kernel(int32_t* sm_of_block, unsigned int* arrived) {
-  if (threadIdx.x != 0) return;
-  sm_of_block[blockIdx.x] = sm_id();
-  atomicAdd(arrived, 1u);
-  const long long start = clock64();
-  while (*reinterpret_cast<volatile unsigned int*>(arrived) < gridDim.x &&
-         clock64() - start < 20'000'000) {
-  }
-}
-
 __device__ __forceinline__ uint32_t unit_bytes(const WalkParams& p, const int4& unit) {
   const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
   const int32_t b_loaded = ((b_rows + p.b_box - 1) / p.b_box) * p.b_box;  // whole boxes
@@ -240,30 +226,6 @@ class WalkRunner {
   }
   int num_sms() const { return num_sms_; }
 
-  // The SM ids of the machine, ascending, and a table from SM id to its rank (-1 where no SM
-  // has that id): one CTA per SM records its id, the launch sized as the walk kernel's so each
-  // SM runs one. Empty if two CTAs shared an SM (an SM busy elsewhere): no SM placement then.
-  std::vector<int32_t> sm_ids(std::vector<int32_t>* rank_of_id) const {
-    cuda_check(cudaFuncSetAttribute(record_sm_ids_kernel,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes),
-               "cudaFuncSetAttribute(record_sm_ids_kernel)");
-    DeviceBuffer ids(num_sms_ * int64_t{sizeof(int32_t)}, "walk-bench SM ids");
-    DeviceBuffer arrived(sizeof(unsigned int), "walk-bench arrivals");
-    cuda_check(cudaMemset(arrived.pointer, 0, sizeof(unsigned int)), "cudaMemset");
-    record_sm_ids_kernel<<<num_sms_, 32, kSharedBytes>>>(ids.as<int32_t>(),
-                                                         arrived.as<unsigned int>());
-    cuda_check(cudaGetLastError(), "record_sm_ids_kernel launch");
-    std::vector<int32_t> sms(num_sms_);
-    cuda_check(
-        cudaMemcpy(sms.data(), ids.pointer, sms.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
-        "walk-bench SM ids");
-    std::sort(sms.begin(), sms.end());
-    if (std::adjacent_find(sms.begin(), sms.end()) != sms.end() || sms.front() < 0) return {};
-    rank_of_id->assign(sms.back() + 1, -1);
-    for (int32_t r = 0; r < num_sms_; ++r) (*rank_of_id)[sms[r]] = r;
-    return sms;
-  }
-
  private:
   int num_sms_ = 0;
 };
@@ -290,23 +252,23 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       "  asked: the bytes of the walk's boxes; wave: of the distinct boxes of each wave of "
       "%d units (walk_bench.h)\n",
       runner.num_sms());
-  std::vector<int32_t> rank_of_id;
-  const std::vector<int32_t> sms = runner.sm_ids(&rank_of_id);
+  // The SMs and their L2 partitions, from the probe (one CTA per SM): slots by rank among the SM
+  // ids for the SM-id placements, the layer's slot table for the L2-partition ones.
+  const L2PartitionMap partitions = probe_l2_partitions(runner.num_sms());
+  std::vector<int32_t> sms = partitions.sm_ids;
+  std::sort(sms.begin(), sms.end());
   std::unique_ptr<DeviceBuffer> sm_slot, partition_slot;
   int32_t partition0_sms = 0;
-  if (sms.empty()) {
+  if (sms.front() < 0 || std::adjacent_find(sms.begin(), sms.end()) != sms.end()) {
     std::printf("  two CTAs shared an SM: the SM-id placements are skipped\n");
   } else {
-    std::printf("  SM ids %d..%d (%zu SMs)\n", sms.front(), sms.back(), sms.size());
+    std::printf("  SM ids %d..%d (%zu SMs); %s\n", sms.front(), sms.back(), sms.size(),
+                partitions.describe().c_str());
+    std::vector<int32_t> rank_of_id(sms.back() + 1, -1);
+    for (size_t r = 0; r < sms.size(); ++r) rank_of_id[sms[r]] = static_cast<int32_t>(r);
     sm_slot = upload_slots(rank_of_id, "walk-bench SM slots");
-    // The L2 partitions: partition 0's SMs (by id) take slots [0, partition0_sms), the others
-    // the rest.
-    const L2PartitionMap partitions = probe_l2_partitions();
-    std::printf("  %s\n", partitions.describe().c_str());
-    std::vector<int32_t> probed = partitions.sm_ids;
-    std::sort(probed.begin(), probed.end());
     const L2SlotTable table = l2_slot_table(partitions);  // the layer's (gemm_l2_placement)
-    if (!table.slot_of_sm.empty() && probed == sms) {
+    if (!table.slot_of_sm.empty()) {
       partition0_sms = table.lower_slots;
       partition_slot = upload_slots(table.slot_of_sm, "walk-bench L2 partition slots");
     } else {

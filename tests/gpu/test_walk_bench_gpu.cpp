@@ -19,11 +19,11 @@ namespace {
 // The L2 partition probe times every SM once (whether the latencies show two partitions is
 // what it measures, so that is printed, not asserted).
 TEST(WalkBenchGpu, L2ProbeTimesEverySmOnce) {
-  const L2PartitionMap map = probe_l2_partitions();
-  std::printf("  %s\n", map.describe().c_str());
   int sms = 0, device = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  const L2PartitionMap map = probe_l2_partitions(sms);
+  std::printf("  %s\n", map.describe().c_str());
   std::vector<int32_t> ids = map.sm_ids;
   ASSERT_EQ(static_cast<int>(ids.size()), sms);
   std::sort(ids.begin(), ids.end());
