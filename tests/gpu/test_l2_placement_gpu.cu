@@ -125,17 +125,30 @@ TEST(L2PlacementGpu, FinishesOnTheSmsLeftToIt) {
   DeviceProblem device(problem, 0);
   GpuLayer reference(shape, MoeConfig{});
   const HostRank want = test::gpu_step(reference, device, problem, true);
-  GpuLayer layer(shape, placed());               // probed with every SM free
-  test::gpu_step(layer, device, problem, true);  // warm-up: kernel attributes, module load
-  HostRank got;
+  // gpu_step synchronizes the device, which would wait for the SM-holding kernel: the held step
+  // runs on a stream of its own, its outputs poisoned before the hold starts.
+  cudaStream_t layer_stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
   {
-    const test::SmHold hold(8, 3'000'000'000ull);
-    got = test::gpu_step(layer, device, problem, true);
-    EXPECT_TRUE(hold.still_held()) << "the step only finished after the SM-holding kernel exited";
+    GpuLayer layer(shape, placed());               // probed with every SM free
+    test::gpu_step(layer, device, problem, true);  // warm-up: kernel attributes, module load
+    device.poison_outputs();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    {
+      const test::SmHold hold(8, 3'000'000'000ull);
+      const ForwardContext context = layer.forward(device.forward_args(), layer_stream);
+      layer.backward(device.backward_args(), layer_stream, &context);
+      const Status status = layer.synchronize(layer_stream);
+      ASSERT_TRUE(status.ok()) << status.message;
+      EXPECT_TRUE(hold.still_held()) << "the step only finished after the SM-holding kernel exited";
+    }
+    HostRank got = output_buffers(problem.shape);
+    device.download_outputs(got);
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+    });
   }
-  test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-    EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-  });
+  cudaStreamDestroy(layer_stream);
 }
 
 }  // namespace
