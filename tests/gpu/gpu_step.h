@@ -12,23 +12,35 @@
 
 namespace mok::test {
 
-// Forward, then backward from the forward's context, or recomputing the forward when
-// `with_context` is false; every output downloaded (without `weight_gradients`, frozen weights:
-// their buffers keep the poison).
+// The launches of one step on `stream`, waited for on that stream alone: forward, then backward
+// from the forward's context, or recomputing the forward when `with_context` is false (without
+// `weight_gradients`, frozen weights: their buffers keep the poison). No device-wide
+// synchronization, so it can run while another stream's kernel holds SMs; the caller poisons the
+// outputs first.
+inline Status launch_step(GpuLayer& layer, DeviceProblem& device, bool with_context,
+                          cudaStream_t stream, bool weight_gradients = true) {
+  const ForwardContext context = layer.forward(device.forward_args(), stream);
+  const BackwardArgs args =
+      weight_gradients ? device.backward_args() : without_weight_gradients(device.backward_args());
+  layer.backward(args, stream, with_context ? &context : nullptr);
+  return layer.synchronize(stream);
+}
+
+inline HostRank downloaded_outputs(DeviceProblem& device, const HostProblem& problem) {
+  HostRank result = output_buffers(problem.shape);
+  device.download_outputs(result);
+  return result;
+}
+
+// One step (launch_step) with the outputs poisoned first and every output downloaded after.
 inline HostRank gpu_step(GpuLayer& layer, DeviceProblem& device, const HostProblem& problem,
                          bool with_context, cudaStream_t stream = nullptr,
                          bool weight_gradients = true) {
   device.poison_outputs();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison's memsets: the legacy stream
-  const ForwardContext context = layer.forward(device.forward_args(), stream);
-  const BackwardArgs args =
-      weight_gradients ? device.backward_args() : without_weight_gradients(device.backward_args());
-  layer.backward(args, stream, with_context ? &context : nullptr);
-  const Status status = layer.synchronize(stream);
+  const Status status = launch_step(layer, device, with_context, stream, weight_gradients);
   EXPECT_TRUE(status.ok()) << status.message;
-  HostRank result = output_buffers(problem.shape);
-  device.download_outputs(result);
-  return result;
+  return downloaded_outputs(device, problem);
 }
 
 // Every output the reference computed: finite, and within `tolerance` relative error.

@@ -136,17 +136,14 @@ TEST(L2PlacementGpu, FinishesOnTheSmsLeftToIt) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     {
       const test::SmHold hold(8, 3'000'000'000ull);
-      const ForwardContext context = layer.forward(device.forward_args(), layer_stream);
-      layer.backward(device.backward_args(), layer_stream, &context);
-      const Status status = layer.synchronize(layer_stream);
+      const Status status = test::launch_step(layer, device, true, layer_stream);
       ASSERT_TRUE(status.ok()) << status.message;
       EXPECT_TRUE(hold.still_held()) << "the step only finished after the SM-holding kernel exited";
     }
-    HostRank got = output_buffers(problem.shape);
-    device.download_outputs(got);
-    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-    });
+    test::for_each_output(test::downloaded_outputs(device, problem), want,
+                          [&](const char* output, const auto& a, const auto& b) {
+                            EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+                          });
   }
   cudaStreamDestroy(layer_stream);
 }

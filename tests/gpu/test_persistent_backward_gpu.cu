@@ -157,11 +157,10 @@ TEST(PersistentBackwardGpu, FinishesWhileAnotherStreamHoldsMostSms) {
       EXPECT_TRUE(hold.still_held())
           << "the backward only finished after the SM-holding kernel exited";
     }
-    HostRank got = output_buffers(problem.shape);
-    device.download_outputs(got);
-    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-    });
+    test::for_each_output(test::downloaded_outputs(device, problem), want,
+                          [&](const char* output, const auto& a, const auto& b) {
+                            EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+                          });
   }
   cudaStreamDestroy(layer_stream);
 }
