@@ -10,7 +10,9 @@
 # `mok run` arguments, e.g. "--precision fp8_block") pick what ncu profiles; MOK_NCU_ARGS adds
 # ncu arguments (e.g. "--section ComputeWorkloadAnalysis"). MOK_WALK_SHAPES (e.g. "dsv3_e128
 # qwen3"; default none) runs `mok walk-bench` on each (walk_<shape>.log), then ncu's L2 fabric
-# and SM read sectors of each walk's one run (`--once`; ncu_walk_<shape>.txt).
+# and SM read sectors of each walk's one run (`--once`; ncu_walk_<shape>.txt). MOK_NCU_SOURCE=1
+# samples the warps' stalls per SASS instruction instead of ncu's default sections
+# (stalls_<shape>.txt: the top stall sites of each kernel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -67,7 +69,28 @@ for shape in ${MOK_WALK_SHAPES:-}; do
   fi
 done
 ncu_shape="${MOK_NCU_SHAPE-qwen3}"
-if [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1; then
+if [ -n "$ncu_shape" ] && [ -n "${MOK_NCU_SOURCE:-}" ] && command -v ncu >/dev/null 2>&1; then
+  # Where the warps stall, per SASS instruction: ncu's warp-state sampling into a report, its
+  # details page (ncu_<shape>.txt), its source page (ncu_<shape>_sass.csv.gz) and the stall
+  # sites of each kernel (stalls_<shape>.txt, scripts/ncu_stall_sites.py).
+  echo "== ncu source counters at $ncu_shape"
+  report="$OUT/ncu_$ncu_shape"
+  timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
+    --section WarpStateStats --section SourceCounters --import-source yes ${MOK_NCU_ARGS:-} \
+    -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" --launch-count "${MOK_NCU_LAUNCHES:-6}" \
+    -f -o "$report" "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 \
+    ${MOK_NCU_RUN_ARGS:-} >"$OUT/ncu_${ncu_shape}_run.log" 2>&1 || status=1
+  ncu -i "$report.ncu-rep" >"$OUT/ncu_$ncu_shape.txt" 2>&1 || status=1
+  ncu -i "$report.ncu-rep" --page source --csv --print-source sass \
+    >"$OUT/ncu_${ncu_shape}_sass.csv" 2>&1 || status=1
+  python3 scripts/ncu_stall_sites.py "$OUT/ncu_${ncu_shape}_sass.csv" --top 40 \
+    >"$OUT/stalls_$ncu_shape.txt" 2>&1 || status=1
+  cat "$OUT/stalls_$ncu_shape.txt"
+  gzip -f "$OUT/ncu_${ncu_shape}_sass.csv"
+  rm -f "$report.ncu-rep"
+  grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" \
+    "$OUT/ncu_$ncu_shape.txt" | head -40
+elif [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1; then
   echo "== ncu at $ncu_shape"
   timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
