@@ -47,6 +47,7 @@ struct RunOptions {
   bool dispatch_in_gemm = false;     // --gpus: MoeConfig::ep_dispatch_in_gemm
   bool bulk_copies = false;          // --gpus: MoeConfig::ep_bulk_copies
   bool once = false;                 // walk-bench: one run of each walk (for ncu)
+  bool pace_sweep = false;           // walk-bench: the GEMM's walk at a range of paces
 };
 
 // The layer's config from the options (MoeConfig's defaults where unset); throws mok::Error if

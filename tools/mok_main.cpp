@@ -28,11 +28,13 @@ usage:
   mok stream-bench [--shape NAME]
                         GPU: how fast the shape's expert weights stream in the GEMMs' access
                         pattern and others (TMA loads only; default dsv3)
-  mok walk-bench [--shape NAME] [--routing KIND] [--seed S] [--once]
+  mok walk-bench [--shape NAME] [--routing KIND] [--seed S] [--once] [--pace-sweep]
                         GPU: the row-tile GEMMs' operand loads replayed without their math,
                         walk by walk (tile shapes, groupings) over the shape's row tiles, paced
                         as their wgmmas hold a stage (default dsv3_e128); --once runs each
-                        walk once, for ncu's sector counts
+                        walk once, for ncu's sector counts; --pace-sweep replays only the
+                        expert GEMM's walk at a range of holds per K-block (cycles per K-block,
+                        SM clock): the fastest pace its loads keep up with
   mok shapes            list the named shapes
   mok --help | --version
 
@@ -148,6 +150,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--once") {
       options.once = true;
+      continue;
+    }
+    if (flag == "--pace-sweep") {
+      options.pace_sweep = true;
       continue;
     }
     if (flag == "--persistent-backward") {
@@ -333,7 +339,7 @@ int walk_bench_command(RunOptions options) {
   if (options.shape_name.empty()) options.shape_name = "dsv3_e128";
   return mok::run_walk_bench(shape_from_options(options),
                              mok::routing_kind_from_name(options.routing), options.seed,
-                             options.once);
+                             options.once, options.pace_sweep);
 }
 
 void list_shapes() {

@@ -54,6 +54,9 @@ struct WalkParams {
   int32_t n_extent;
   int32_t cycles_per_a_box;  // pacing per 128 rows of A per K-block (0: unpaced)
   const int32_t* sm_slot;    // non-null: CTA on SM s takes the units of slot sm_slot[s]
+  // Non-null: block 0's consumer writes {clock64, %globaltimer} at its first stage's wait and
+  // after its last release, and its K-blocks: the SM clock and the cycles per K-block.
+  long long* clock_probe;
   kernels::WaitContext wait;
 };
 
@@ -122,6 +125,11 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
     }
     return;
   }
+  const bool probes = p.clock_probe != nullptr && blockIdx.x == 0 && lane == 0;
+  if (probes) {
+    p.clock_probe[0] = clock64();
+    p.clock_probe[1] = static_cast<long long>(ptx::globaltimer_ns());
+  }
   for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
     if (p.units[u].y == 0) continue;
     const int32_t hold = p.cycles_per_a_box * p.units[u].y;
@@ -137,6 +145,11 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
     }
+  }
+  if (probes) {
+    p.clock_probe[2] = clock64();
+    p.clock_probe[3] = static_cast<long long>(ptx::globaltimer_ns());
+    p.clock_probe[4] = g;
   }
 }
 
@@ -188,6 +201,13 @@ const WalkCase kWalks[] = {
     {{"128 x 256, experts by L2 partition, unpaced", 128, 256, 8}, false, Placement::kL2Partition},
 };
 
+// `--pace-sweep`: the expert GEMM's walk with each stage held this many SM cycles per 128 x 256
+// K-block (0: unpaced). A 128 x 256 x 64 K-block's eight m64n256k16 wgmmas keep the tensor
+// pipe busy 1024 cycles at its dense rate, so a walk whose loads keep up at a hold of 1024 would
+// let the GEMM run at the pipe's rate; where a hold's time exceeds hold x K-blocks, the loads
+// set it.
+const int32_t kPaceSweepHolds[] = {0, 768, 1024, 1152, 1280, 1408, 1536};
+
 // A slot table (SM id -> slot) on the device.
 std::unique_ptr<DeviceBuffer> upload_slots(const std::vector<int32_t>& slot_of_id,
                                            const char* what) {
@@ -232,7 +252,8 @@ class WalkRunner {
 
 }  // namespace
 
-int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bool once) {
+int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bool once,
+                   bool pace_sweep) {
   const int64_t E = shape.num_local_experts(), H = shape.hidden, I = shape.intermediate;
   const std::vector<int32_t> tiles = walk_tiles_per_expert(shape, routing, seed);
   int64_t num_tiles = 0;
@@ -275,12 +296,27 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       std::printf("  the L2-partition placements are skipped\n");
     }
   }
-  std::printf("  %-8s %-44s %7s %9s %9s %9s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
-              "ms");
+  // The walks to replay, each with its hold per 128 x 256 K-block (0: unpaced).
+  std::vector<std::pair<WalkCase, int32_t>> runs;
+  if (pace_sweep) {
+    for (const int32_t hold : kPaceSweepHolds) {
+      WalkCase walk = kWalks[0];
+      walk.paced = hold > 0;
+      walk.spec.name += hold > 0 ? ", hold " + std::to_string(hold) : ", unpaced";
+      runs.emplace_back(walk, hold);
+    }
+  } else {
+    for (const WalkCase& walk : kWalks)
+      runs.emplace_back(walk, walk.paced ? kCyclesPer128x256 : 0);
+  }
+  DeviceBuffer clock_probe(5 * sizeof(long long), "walk-bench clock probe");
+  std::printf("  %-8s %-44s %7s %9s %9s %9s%s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
+              "ms",
+              pace_sweep ? "   CTA 0: K-blocks, cycles each, GHz (hold x K-blocks / ms)" : "");
   for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
     const bool gate_up = form == WalkForm::kGateUp;
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
-    for (const WalkCase& walk : kWalks) {
+    for (const auto& [walk, hold] : runs) {
       if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
       if (walk.placement == Placement::kL2Partition && partition_slot == nullptr) continue;
       std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
@@ -319,7 +355,8 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       p.k_blocks = static_cast<int32_t>(k / kBoxK);
       p.gate_up = gate_up ? 1 : 0;
       p.n_extent = static_cast<int32_t>(n_extent);
-      p.cycles_per_a_box = walk.paced ? kCyclesPer128x256 * walk.spec.tile_n / 256 : 0;
+      p.cycles_per_a_box = walk.paced ? hold * walk.spec.tile_n / 256 : 0;
+      p.clock_probe = pace_sweep ? clock_probe.as<long long>() : nullptr;
       p.sm_slot = walk.placement == Placement::kBlock         ? nullptr
                   : walk.placement == Placement::kL2Partition ? partition_slot->as<int32_t>()
                                                               : sm_slot->as<int32_t>();
@@ -329,11 +366,25 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       const double asked = walk_asked_bytes(walk.spec, form, loads, n_extent, k) / 1e9;
       const double wave =
           walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k, runner.num_sms()) / 1e9;
-      std::printf("  %-8s %-44s %7zu %9.2f %9.2f %9.3f\n", gate_up ? "gate/up" : "down",
+      std::printf("  %-8s %-44s %7zu %9.2f %9.2f %9.3f", gate_up ? "gate/up" : "down",
                   walk.spec.name.c_str(),
                   static_cast<size_t>(std::count_if(
                       loads.begin(), loads.end(), [](const WalkLoad& l) { return l.a_boxes > 0; })),
                   asked, wave, ms);
+      if (pace_sweep) {
+        // The last run's block 0: its K-blocks, cycles per K-block and SM clock, and the time
+        // its holds alone take over the measured time (1.00: the pace sets the time).
+        long long probe[5];
+        cuda_check(cudaMemcpy(probe, clock_probe.pointer, sizeof(probe), cudaMemcpyDeviceToHost),
+                   "walk-bench clock probe");
+        const double cycles = static_cast<double>(probe[2] - probe[0]);
+        const double ns = static_cast<double>(probe[3] - probe[1]);
+        const double ghz = ns > 0 ? cycles / ns : 0;
+        const double k_blocks = static_cast<double>(probe[4]);
+        std::printf("   %6.0f %7.0f %5.2f (%4.2f)", k_blocks, k_blocks > 0 ? cycles / k_blocks : 0,
+                    ghz, ghz > 0 ? hold * k_blocks / (ghz * 1e6) / ms : 0);
+      }
+      std::printf("\n");
     }
   }
   cuda_check(cudaDeviceSynchronize(), "walk-bench");

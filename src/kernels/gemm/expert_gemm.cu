@@ -266,6 +266,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
           continue;
         }
         if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
+        if (params.ablation == GemmAblation::kNoLoads) {
+          for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+            produce_stage(params.wait, smem, state, 0,
+                          [](__nv_bfloat16*, __nv_bfloat16*, uint64_t*) {});
+          continue;
+        }
         const PairLoad pair{static_cast<uint16_t>(tile.shares_b ? 0b11 : 0), rank};
         for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
@@ -292,7 +298,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       if constexpr (kPaired) {
         if (tile.phantom) {
-          pass_phantom_tile(params.wait, smem, state, coord.num_k_blocks);
+          pass_stages<true>(params.wait, smem, state, coord.num_k_blocks);
           continue;
         }
       }
@@ -302,7 +308,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         if (resumes)
           load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
       }
-      if (coord.half)
+      if (params.ablation == GemmAblation::kNoMath)
+        pass_stages<kPaired>(params.wait, smem, state, coord.num_k_blocks);
+      else if (coord.half)
         consume_tile<false, Traits::kBMnMajor, false, true>(params.wait, smem, state,
                                                             coord.num_k_blocks, consumer_idx, acc);
       else

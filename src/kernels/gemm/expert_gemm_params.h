@@ -93,6 +93,16 @@ struct MacrobatchParams {
   float* partial[2] = {nullptr, nullptr};  // kWeightGrad: [n_tiles of M x N][256 threads][128]
 };
 
+// A profiling ablation of the standalone expert GEMM kernel (expert_gemm.cu), set by the
+// environment variable MOK_GEMM_ABLATION (expert_stages.cpp): each part of a tile's work left
+// out in turn, to time what the rest alone costs. The outputs are then meaningless; never set
+// outside a measurement.
+//   kNoLoads  the producer arms each stage with no bytes (no TMA loads): the consumers' wgmmas
+//             and epilogues, and the fused gather, on whatever the stages hold
+//   kNoMath   the consumers wait for and release each stage without their wgmmas: the loads,
+//             the gather and the epilogues
+enum class GemmAblation : int32_t { kNone = 0, kNoLoads = 1, kNoMath = 2 };
+
 struct ExpertGemmParams {
   const ScheduleHeader* header;   // num_tiles: the 128-row tiles the schedule filled
   const int32_t* tile_expert;     // local expert of each 128-row tile
@@ -125,6 +135,7 @@ struct ExpertGemmParams {
   RowPush push;  // kDownStore / kGateUpGradStore of the routed experts (slot_peers null = off)
   WaitContext wait;
   MacrobatchParams macrobatch;
+  GemmAblation ablation;  // kNone but in a measurement (above)
 };
 
 // Where a persistent kernel records its task trace (task_trace.cuh; MoeConfig::trace_tasks).

@@ -18,7 +18,7 @@
 // the token rows); wgmma reads either from the swizzled tiles through its transpose bits.
 // CTA pairs (kPaired; expert_gemm.cu): each consumer warp releases a stage on its own CTA's
 // empty barrier and on its peer's, since the peer's producer multicasts into this CTA's stage
-// too; the barriers then count both CTAs' consumer warps. A phantom tile (pass_phantom_tile)
+// too; the barriers then count both CTAs' consumer warps. A phantom tile (pass_stages)
 // waits for and releases its stages without reading them.
 #pragma once
 
@@ -190,17 +190,19 @@ __device__ __forceinline__ void consume_tile(const WaitContext& wait, Storage& s
   if (releases) release_stage<kPaired>(&smem.empty[previous_stage]);
 }
 
-// A CTA pair's phantom tile (its partner's row tile has no counterpart here): the stages go
-// round as for a real tile, empty of data, so both CTAs walk the same stage sequence.
-template <typename Storage, typename State>
-__device__ __forceinline__ void pass_phantom_tile(const WaitContext& wait, Storage& smem,
-                                                  State& state, int num_k_blocks) {
+// Waits for and releases a tile's stages without reading them: a CTA pair's phantom tile (its
+// partner's row tile has no counterpart here, kPaired), so both CTAs walk the same stage
+// sequence; and GemmAblation::kNoMath.
+template <bool kPaired, typename Storage, typename State>
+__device__ __forceinline__ void pass_stages(const WaitContext& wait, Storage& smem, State& state,
+                                            int num_k_blocks) {
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     mbarrier_wait(wait, WaitSite::kGemmLoadedStage, &smem.full[state.stage], state.phase);
-    if (threadIdx.x % 32 == 0) release_stage<true>(&smem.empty[state.stage]);
+    if (threadIdx.x % 32 == 0) release_stage<kPaired>(&smem.empty[state.stage]);
     state.advance();
   }
 }
+
 
 // Accumulator fragment coordinates of wgmma m64nN (fp32): register j*4 + i*2 + c holds
 // row (warp%4)*16 + lane/4 + 8*i and column 8*j + 2*(lane%4) + c of the 64-row slice.
