@@ -3,7 +3,7 @@
 // Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), two
 // warps, as a GEMM's producer and consumers. Lane 0 of warp 0 is the producer: for each of its
 // units (b, b + grid, ... of the plan) and each K-block of 64, it waits for a free stage of a
-// three-stage ring, arms the stage's full mbarrier with the bytes its boxes bring, and issues
+// three-stage ring (four with --pace-sweep's deeper runs), arms the stage's full mbarrier with the bytes its boxes bring, and issues
 // them: one or two [128 x 64] boxes of A, then B (gate/up: tile_n / 2 gate and tile_n / 2 up
 // rows of [E, I, H], one box each; down: one box of tile_n rows of Wd [E, H, I]). Warp 1 is the
 // consumer: it waits for each stage in order, holds it as long as the unit's wgmmas would
@@ -34,9 +34,15 @@ namespace {
 
 constexpr int32_t kBoxK = 64;
 constexpr int32_t kRowBox = 128;                    // rows of one A box
-constexpr int32_t kStageBytes = 2 * 16384 + 32768;  // two A boxes and 256 rows of B
+// The ring: three stages of two A boxes and 256 rows of B (what a 256-row unit loads), or with
+// 128-row units up to four of one A box and B (48 KB, as the expert GEMM's stages) in the same
+// memory.
+constexpr int32_t kStageBytes = 2 * 16384 + 32768;
 constexpr int32_t kStages = 3;
+constexpr int32_t kNarrowStageBytes = 16384 + 32768;
+constexpr int32_t kMaxStages = 4;
 constexpr int32_t kSharedBytes = kStages * kStageBytes + 1024;
+static_assert(kMaxStages * kNarrowStageBytes <= kStages * kStageBytes, "the deeper ring fits");
 // SM cycles of one 128 x 256 x 64 K-block (4.19 MFLOP) at ~650 TFLOP/s over 132 SMs and ~1.75
 // GHz, as the stream bench paces it.
 constexpr int32_t kCyclesPer128x256 = 1500;
@@ -57,6 +63,8 @@ struct WalkParams {
   // Non-null: block 0's consumer writes {clock64, %globaltimer} at its first stage's wait and
   // after its last release, and its K-blocks: the SM clock and the cycles per K-block.
   long long* clock_probe;
+  int32_t stages;       // ring depth: kStages, or up to kMaxStages of kNarrowStageBytes
+  int32_t stage_bytes;  // kStageBytes, or kNarrowStageBytes (128-row units only)
   kernels::WaitContext wait;
 };
 
@@ -79,14 +87,14 @@ __device__ __forceinline__ uint32_t unit_bytes(const WalkParams& p, const int4& 
 
 __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constant__ WalkParams p) {
   extern __shared__ unsigned char dynamic_smem[];
-  __shared__ uint64_t full[kStages];
-  __shared__ uint64_t empty[kStages];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ uint64_t empty[kMaxStages];
   unsigned char* ring = &ptx::align_shared_1024<unsigned char>(dynamic_smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&p.a_map);
     ptx::prefetch_tensor_map(&p.b_map0);
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < p.stages; ++s) {
       ptx::mbarrier_init(&full[s], 1);
       ptx::mbarrier_init(&empty[s], 1);
     }
@@ -103,17 +111,17 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
       if (unit.y == 0) continue;  // a slot's padding
       const uint32_t bytes = unit_bytes(p, unit);
       for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
-        const int slot = static_cast<int>(g % kStages);
-        if (g >= kStages)
+        const int slot = static_cast<int>(g % p.stages);
+        if (g >= p.stages)
           kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmFreeStage, &empty[slot],
-                                 static_cast<uint32_t>((g / kStages - 1) & 1));
-        unsigned char* stage = ring + slot * kStageBytes;
+                                 static_cast<uint32_t>((g / p.stages - 1) & 1));
+        unsigned char* stage = ring + slot * p.stage_bytes;
         ptx::mbarrier_arrive_expect_tx(&full[slot], bytes);
         const int32_t k = kb * kBoxK;
         for (int32_t box = 0; box < unit.y; ++box)
           ptx::tma_load_2d(stage + box * kRowBox * kBoxK * 2, &p.a_map, &full[slot], k,
                            unit.x + box * kRowBox);
-        unsigned char* b = stage + 2 * kRowBox * kBoxK * 2;
+        unsigned char* b = stage + p.stage_bytes - 32768;  // after the A boxes
         const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
         for (int32_t map = 0; map < (p.gate_up ? 2 : 1); ++map)
           for (int32_t r = 0; r < b_rows; r += p.b_box) {
@@ -134,9 +142,9 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
     if (p.units[u].y == 0) continue;
     const int32_t hold = p.cycles_per_a_box * p.units[u].y;
     for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
-      const int slot = static_cast<int>(g % kStages);
+      const int slot = static_cast<int>(g % p.stages);
       kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmLoadedStage, &full[slot],
-                             static_cast<uint32_t>((g / kStages) & 1));
+                             static_cast<uint32_t>((g / p.stages) & 1));
       if (hold > 0) {
         const long long start = clock64();
         while (clock64() - start < hold) {
@@ -206,6 +214,8 @@ const WalkCase kWalks[] = {
 // pipe busy 1024 cycles at its dense rate, so a walk whose loads keep up at a hold of 1024 would
 // let the GEMM run at the pipe's rate; where a hold's time exceeds hold x K-blocks, the loads
 // set it.
+// Each hold runs on the GEMM's three stages and on four (kMaxStages): whether more bytes in
+// flight shorten a K-block.
 const int32_t kPaceSweepHolds[] = {0, 768, 1024, 1152, 1280, 1408, 1536};
 
 // A slot table (SM id -> slot) on the device.
@@ -297,17 +307,24 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
     }
   }
   // The walks to replay, each with its hold per 128 x 256 K-block (0: unpaced).
-  std::vector<std::pair<WalkCase, int32_t>> runs;
+  struct Run {
+    WalkCase walk;
+    int32_t hold;
+    int32_t stages;
+  };
+  std::vector<Run> runs;
   if (pace_sweep) {
-    for (const int32_t hold : kPaceSweepHolds) {
-      WalkCase walk = kWalks[0];
-      walk.paced = hold > 0;
-      walk.spec.name += hold > 0 ? ", hold " + std::to_string(hold) : ", unpaced";
-      runs.emplace_back(walk, hold);
-    }
+    for (const int32_t hold : kPaceSweepHolds)
+      for (const int32_t stages : {kStages, kMaxStages}) {
+        WalkCase walk = kWalks[0];
+        walk.paced = hold > 0;
+        walk.spec.name = "128 x 256, " + std::to_string(stages) + " stages, " +
+                         (hold > 0 ? "hold " + std::to_string(hold) : "unpaced");
+        runs.push_back({walk, hold, stages});
+      }
   } else {
     for (const WalkCase& walk : kWalks)
-      runs.emplace_back(walk, walk.paced ? kCyclesPer128x256 : 0);
+      runs.push_back({walk, walk.paced ? kCyclesPer128x256 : 0, kStages});
   }
   DeviceBuffer clock_probe(5 * sizeof(long long), "walk-bench clock probe");
   std::printf("  %-8s %-44s %7s %9s %9s %9s%s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
@@ -316,7 +333,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
   for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
     const bool gate_up = form == WalkForm::kGateUp;
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
-    for (const auto& [walk, hold] : runs) {
+    for (const auto& [walk, hold, stages] : runs) {
       if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
       if (walk.placement == Placement::kL2Partition && partition_slot == nullptr) continue;
       std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
@@ -357,6 +374,10 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       p.n_extent = static_cast<int32_t>(n_extent);
       p.cycles_per_a_box = walk.paced ? hold * walk.spec.tile_n / 256 : 0;
       p.clock_probe = pace_sweep ? clock_probe.as<long long>() : nullptr;
+      p.stages = stages;
+      p.stage_bytes = stages > kStages ? kNarrowStageBytes : kStageBytes;
+      if (stages > kStages && walk.spec.tile_rows != 128)
+        throw Error(ErrorCode::kInternal, "walk-bench: a deeper ring needs 128-row units");
       p.sm_slot = walk.placement == Placement::kBlock         ? nullptr
                   : walk.placement == Placement::kL2Partition ? partition_slot->as<int32_t>()
                                                               : sm_slot->as<int32_t>();
