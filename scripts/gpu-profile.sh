@@ -12,9 +12,9 @@
 # qwen3"; default none) runs `mok walk-bench` on each (walk_<shape>.log), then ncu's L2 fabric
 # and SM read sectors of each walk's one run (`--once`; ncu_walk_<shape>.txt). MOK_NCU_SOURCE=1
 # samples the warps' stalls per SASS instruction instead of ncu's default sections
-# (stalls_<shape>.txt: the top stall sites of each kernel). MOK_NCU_ABLATIONS (e.g. "none
-# no-loads no-math") times the GEMM launches at MOK_NCU_SHAPE under each MOK_GEMM_ABLATION
-# (ncu_<shape>_<ablation>.txt). MOK_WALK_ARGS adds walk-bench arguments (e.g. --pace-sweep;
+# (stalls_<shape>.txt: the top stall sites of each kernel). MOK_NCU_ENVS (entries VAR=value)
+# times the GEMM launches at MOK_NCU_SHAPE with each set (ncu_<shape>_<entry>.txt), instead of
+# the default sections. MOK_WALK_ARGS adds walk-bench arguments (e.g. --pace-sweep;
 # then no ncu of the walks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,19 +73,20 @@ for shape in ${MOK_WALK_SHAPES:-}; do
   fi
 done
 ncu_shape="${MOK_NCU_SHAPE-qwen3}"
-# Each GEMM ablation (MOK_GEMM_ABLATION, expert_gemm_params.h) under ncu's SpeedOfLight: the
-# GEMM launches' durations and clocks with their loads or their math left out.
-for ablation in ${MOK_NCU_ABLATIONS:-}; do
+# Each entry VAR=value of MOK_NCU_ENVS (e.g. "MOK_GEMM_ABLATION=none MOK_GEMM_ABLATION=no-loads"
+# or "MOK_GEMM_WARP_STORES=0 MOK_GEMM_WARP_STORES=1") under ncu's SpeedOfLight: the GEMM
+# launches' durations, clocks and tensor-pipe activity with that variable set.
+for entry in ${MOK_NCU_ENVS:-}; do
   [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1 || break
-  echo "== ncu at $ncu_shape, MOK_GEMM_ABLATION=$ablation"
-  log="$OUT/ncu_${ncu_shape}_$ablation.txt"
-  MOK_GEMM_ABLATION="$ablation" timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none \
+  echo "== ncu at $ncu_shape, $entry"
+  log="$OUT/ncu_${ncu_shape}_${entry//[^A-Za-z0-9_-]/_}.txt"
+  env "$entry" timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none \
     --section SpeedOfLight --metrics sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
     -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" --launch-count "${MOK_NCU_LAUNCHES:-6}" \
     "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 ${MOK_NCU_RUN_ARGS:-} \
-    >"$log" 2>&1 # the ablated layer's check fails by design
+    >"$log" 2>&1 # an ablated layer's check fails by design
   grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|cycles_elapsed|hmma_cycles" "$log" |
-    head -40
+    sed -E 's/\(CUtensorMap_st.*//' | head -40
 done
 if [ -n "$ncu_shape" ] && [ -n "${MOK_NCU_SOURCE:-}" ] && command -v ncu >/dev/null 2>&1; then
   # Where the warps stall, per SASS instruction: ncu's warp-state sampling into a report, its
@@ -108,7 +109,7 @@ if [ -n "$ncu_shape" ] && [ -n "${MOK_NCU_SOURCE:-}" ] && command -v ncu >/dev/n
   rm -f "$report.ncu-rep"
   grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" \
     "$OUT/ncu_$ncu_shape.txt" | head -40
-elif [ -n "$ncu_shape" ] && [ -z "${MOK_NCU_ABLATIONS:-}" ] && command -v ncu >/dev/null 2>&1; then
+elif [ -n "$ncu_shape" ] && [ -z "${MOK_NCU_ENVS:-}" ] && command -v ncu >/dev/null 2>&1; then
   echo "== ncu at $ncu_shape"
   timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
