@@ -49,8 +49,8 @@ kernels::GemmAblation gemm_ablation() {
     if (value.empty() || value == "none") return kernels::GemmAblation::kNone;
     if (value == "no-loads") return kernels::GemmAblation::kNoLoads;
     if (value == "no-math") return kernels::GemmAblation::kNoMath;
-    throw Error(ErrorCode::kInvalidArgument, "MOK_GEMM_ABLATION='" + value +
-                                                 "': valid are none, no-loads and no-math");
+    throw Error(ErrorCode::kInvalidArgument,
+                "MOK_GEMM_ABLATION='" + value + "': valid are none, no-loads and no-math");
   }();
   return ablation;
 }
@@ -280,8 +280,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   params.k_extent = static_cast<int32_t>(H);
   params.gather = gather;
   params.macrobatch = macrobatch;
-  params.row_outputs =
-      row_outputs(set.hidden.pointer, R, set.gate.pointer, R, set.up.pointer, R);
+  params.row_outputs = row_outputs(set.hidden.pointer, R, set.gate.pointer, R, set.up.pointer, R);
   if (s.config.gemm_wide_tiles) {
     // 256 x (96 gate + 96 up) tiles; h, g and u written with plain stores.
     kernels::WideGemmMaps wide{};

@@ -3,13 +3,13 @@
 // Kernel map: one CTA per SM (its dynamic shared memory is sized so no second CTA fits), two
 // warps, as a GEMM's producer and consumers. Lane 0 of warp 0 is the producer: for each of its
 // units (b, b + grid, ... of the plan) and each K-block of 64, it waits for a free stage of a
-// three-stage ring (four with --pace-sweep's deeper runs), arms the stage's full mbarrier with the bytes its boxes bring, and issues
-// them: one or two [128 x 64] boxes of A, then B (gate/up: tile_n / 2 gate and tile_n / 2 up
-// rows of [E, I, H], one box each; down: one box of tile_n rows of Wd [E, H, I]). Warp 1 is the
-// consumer: it waits for each stage in order, holds it as long as the unit's wgmmas would
-// (kCyclesPer128x256 per K-block of a 128 x 256 tile, in proportion to the unit's rows x columns),
-// and releases it on its empty mbarrier. Nothing else runs: the time and ncu's sectors are the
-// walk's loads alone.
+// three-stage ring (four with --pace-sweep's deeper runs), arms the stage's full mbarrier with the
+// bytes its boxes bring, and issues them: one or two [128 x 64] boxes of A, then B (gate/up: tile_n
+// / 2 gate and tile_n / 2 up rows of [E, I, H], one box each; down: one box of tile_n rows of Wd
+// [E, H, I]). Warp 1 is the consumer: it waits for each stage in order, holds it as long as the
+// unit's wgmmas would (kCyclesPer128x256 per K-block of a 128 x 256 tile, in proportion to the
+// unit's rows x columns), and releases it on its empty mbarrier. Nothing else runs: the time and
+// ncu's sectors are the walk's loads alone.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -33,7 +33,7 @@ namespace mok {
 namespace {
 
 constexpr int32_t kBoxK = 64;
-constexpr int32_t kRowBox = 128;                    // rows of one A box
+constexpr int32_t kRowBox = 128;  // rows of one A box
 // The ring: three stages of two A boxes and 256 rows of B (what a 256-row unit loads), or with
 // 128-row units up to four of one A box and B (48 KB, as the expert GEMM's stages) in the same
 // memory.

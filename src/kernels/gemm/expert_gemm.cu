@@ -398,8 +398,7 @@ cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& pa
 
 }  // namespace
 
-bool expert_gemm_warp_stores(ExpertGemmForm form, const ExpertGemmParams& params,
-                             bool cta_pairs) {
+bool expert_gemm_warp_stores(ExpertGemmForm form, const ExpertGemmParams& params, bool cta_pairs) {
   return params.warp_stores != 0 && form != ExpertGemmForm::kWeightGrad && !cta_pairs &&
          params.push.slot_peers == nullptr;
 }

@@ -203,7 +203,6 @@ __device__ __forceinline__ void pass_stages(const WaitContext& wait, Storage& sm
   }
 }
 
-
 // Accumulator fragment coordinates of wgmma m64nN (fp32): register j*4 + i*2 + c holds
 // row (warp%4)*16 + lane/4 + 8*i and column 8*j + 2*(lane%4) + c of the 64-row slice.
 __device__ __forceinline__ int fragment_row(int i) {

@@ -31,9 +31,9 @@
 namespace mok::kernels {
 
 constexpr int kWarpStoreStages = 4;
-constexpr int kWarpStoreRows = 16;                       // a consumer warp's rows of the tile
-constexpr int kWarpChunkBytes = kWarpStoreRows * 128;    // [16 rows x 64 columns] bf16
-constexpr int kWarpStoreBytes = 2 * kWarpChunkBytes;     // per warp: g and u of a gate/up chunk
+constexpr int kWarpStoreRows = 16;                     // a consumer warp's rows of the tile
+constexpr int kWarpChunkBytes = kWarpStoreRows * 128;  // [16 rows x 64 columns] bf16
+constexpr int kWarpStoreBytes = 2 * kWarpChunkBytes;   // per warp: g and u of a gate/up chunk
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 // The ring of four stages and the warps' buffers as the storage's staging rows.
 using WarpStoreStorage = GemmSharedStorage<kWarpStoreStages, BLOCK_M, BLOCK_N,
@@ -51,8 +51,8 @@ __device__ __forceinline__ void stage_warp_chunk(char* buffer, int first, Value 
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
       const float2 pair = value(i, first + g);
-      *reinterpret_cast<__nv_bfloat162*>(buffer + r * 128 + ((g ^ (r % 8)) << 4) +
-                                         (lane % 4) * 4) = __floats2bfloat162_rn(pair.x, pair.y);
+      *reinterpret_cast<__nv_bfloat162*>(buffer + r * 128 + ((g ^ (r % 8)) << 4) + (lane % 4) * 4) =
+          __floats2bfloat162_rn(pair.x, pair.y);
     }
   }
 }
