@@ -215,7 +215,7 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // launches for macrobatches after the first can resume, and only they pay it.
 // kPaired: launched in clusters of two CTAs (CTA pairs, above).
 // kWarpStores (ExpertGemmParams::warp_stores; the row-tile forms without pairs or the push):
-// four stages and the per-warp epilogue of warp_stores.cuh; no 64-row tiles.
+// four stages and the per-warp epilogue of warp_stores.cuh.
 template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false,
           bool kWarpStores = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
@@ -297,14 +297,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const int consumer_idx = warpgroup - 1;
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
-    constexpr bool kHalfTiles = !kWarpStores;
-    bool half_next = kHalfTiles && half_row_tile<kForm, kPaired>(params, space, cta, cta.first);
+    bool half_next = half_row_tile<kForm, kPaired>(params, space, cta, cta.first);
     for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
       const UnitTile tile = unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
       TileCoord coord = tile.coord;
       coord.half = half_next;
-      half_next =
-          kHalfTiles && half_row_tile<kForm, kPaired>(params, space, cta, unit + cta.stride);
+      half_next = half_row_tile<kForm, kPaired>(params, space, cta, unit + cta.stride);
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       if constexpr (kPaired) {
         if (tile.phantom) {
@@ -327,9 +325,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         consume_tile<Traits::kAMnMajor, Traits::kBMnMajor, kPaired>(
             params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
       if constexpr (kWarpStores)
-        warp_store_tile<kForm>(reinterpret_cast<char*>(smem.store_tile) +
-                                   (threadIdx.x - BLOCK_M) / 32 * kWarpStoreBytes,
-                               params, coord, consumer_idx, acc);
+        warp_store_tile<kForm>(reinterpret_cast<char*>(smem.store_tile), params, coord,
+                               consumer_idx, acc);
       else if (coord.store_slot >= 0)
         store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
       else

@@ -18,7 +18,8 @@
 // What each form stores is what epilogue.cuh's store_tile stores, to the same rows (the outputs as
 // pointers and row counts, RowOutputs): kGateUpSwiGLU bf16(g) to out[1], bf16(u) to out[2] and h
 // = swiglu(g, u) from those bf16 values (swiglu_forward_unit, the same bits) to out[0];
-// kGateUpStore g to out[0] and u to out[1]; the 256-column forms to out[0].
+// kGateUpStore g to out[0] and u to out[1]; the 256-column forms to out[0]. 64-row tiles (the
+// forward's, where the experts have few rows) at warp_store_tile.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -95,58 +96,134 @@ __device__ __forceinline__ void store_warp_chunk(char* buffer, __nv_bfloat16* ou
   }
 }
 
-// The consumers' epilogue of one tile (see the top of the file). `buffers`: this warp's
-// kWarpStoreBytes.
+// Zeros to rows [row0, row0 + 16) and columns [col, col + 128) of `out` (columns at or past
+// n_extent left out): a 64-row tile's padding rows 64-127, which a 128-row tile computes as
+// zeros from the padding's zero A rows.
+__device__ __forceinline__ void store_warp_zeros(__nv_bfloat16* out, int rows, int64_t ld, int row0,
+                                                 int col, int n_extent) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int index = threadIdx.x % 32 + 32 * q;  // 16 rows x 16 units
+    const int unit_col = col + 8 * (index % 16);
+    if (unit_col >= n_extent) continue;
+    if (uint4* dst = output_unit(out, ld, rows, row0 + index / 16, unit_col))
+      *dst = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// A gate/up chunk's 16-byte units [first_q, first_q + num_q) of this lane's four: bf16(g) and
+// bf16(u) from the two buffers to their outputs, and with kSwiGLU h = swiglu(g, u) to out[0].
+template <bool kSwiGLU>
+__device__ __forceinline__ void store_gate_up_units(const ExpertGemmParams& params,
+                                                    const char* gate_buffer, const char* up_buffer,
+                                                    int row0, int col, int first_q, int num_q) {
+  constexpr int kGate = kSwiGLU ? 1 : 0, kUp = kSwiGLU ? 2 : 1;
+  const RowOutputs& outs = params.row_outputs;
+  const int64_t ld = params.n_extent;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (q < first_q || q >= first_q + num_q) continue;
+    const WarpUnit u = warp_unit(q);
+    const int row = row0 + u.row, unit_col = col + 8 * u.unit;
+    const uint4 gate = *reinterpret_cast<const uint4*>(gate_buffer + u.offset);
+    const uint4 up = *reinterpret_cast<const uint4*>(up_buffer + u.offset);
+    if (uint4* dst = output_unit(outs.out[kGate], ld, outs.rows[kGate], row, unit_col)) *dst = gate;
+    if (uint4* dst = output_unit(outs.out[kUp], ld, outs.rows[kUp], row, unit_col)) *dst = up;
+    if constexpr (kSwiGLU) {
+      // The branch-free division first; `a / b` where an operand is out of its range
+      // (swiglu.cuh: the same bits).
+      uint4 h;
+      if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h))
+        swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h);
+      if (uint4* dst = output_unit(outs.out[0], ld, outs.rows[0], row, unit_col)) *dst = h;
+    }
+  }
+}
+
+// The named barrier of consumer warps q and q + 4, which hold the same rows of a 64-row tile
+// (ids 2-5: 0 is __syncthreads, 1 the staging tile's).
+__device__ __forceinline__ void sync_warp_pair(int warp) {
+  ptx::named_barrier_sync(2 + warp % 4, 64);
+}
+
+// The consumers' epilogue of one tile (see the top of the file). `buffers`: the warps'
+// kWarpStoreBytes each, this warp's at warp * kWarpStoreBytes.
+// A 64-row tile (coord.half; consume_tile's kHalf): consumer c holds rows 0-63 of the tile's
+// columns [128c, 128c + 128), so warp q of each consumer has rows 16q + [0, 16), and both
+// consumers store rows 64-127 as zeros. In the gate/up forms consumer 0 holds the gate columns
+// and consumer 1 the up columns: each pair of warps (q, q + 4) stages its halves, syncs, stores
+// g, u (and h) from both buffers, half the units each, and syncs again before either buffer is
+// written (the next chunk's, or the next tile's own).
 template <ExpertGemmForm kForm>
 __device__ __forceinline__ void warp_store_tile(char* buffers, const ExpertGemmParams& params,
                                                 const TileCoord& coord, int consumer_idx,
                                                 const float (&acc)[128]) {
   const int warp = (threadIdx.x - BLOCK_M) / 32;
-  const int row0 = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base + consumer_idx * 64 +
-                   (warp % 4) * kWarpStoreRows;
+  const int tile_row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
+  const int row0 = tile_row + (coord.half ? 0 : consumer_idx * 64) + (warp % 4) * kWarpStoreRows;
   const RowOutputs& outs = params.row_outputs;
   const int64_t ld = params.n_extent;
+  char* own = buffers + warp * kWarpStoreBytes;
   auto fragment = [&](int i, int j) {
     return make_float2(acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
   };
   if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {
     constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
-    constexpr int kGate = kSwiGLU ? 1 : 0, kUp = kSwiGLU ? 2 : 1;
-    char* gate_buffer = buffers;
-    char* up_buffer = buffers + kWarpChunkBytes;
+    if (!coord.half) {
+      char* gate_buffer = own;
+      char* up_buffer = own + kWarpChunkBytes;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        // Gate columns [64k, 64k + 64) of the tile's 128 and the up columns 128 further.
+        const int col = coord.n_tile * 128 + 64 * k;
+        __syncwarp();
+        stage_warp_chunk(gate_buffer, 8 * k, fragment);
+        stage_warp_chunk(up_buffer, 16 + 8 * k, fragment);
+        __syncwarp();
+        if (col < params.n_extent)
+          store_gate_up_units<kSwiGLU>(params, gate_buffer, up_buffer, row0, col, 0, 4);
+      }
+      return;
+    }
+    // Consumer 0's gate chunk in its warp's first buffer, consumer 1's up chunk in its own.
+    char* gate_buffer = buffers + (warp % 4) * kWarpStoreBytes;
+    char* up_buffer = buffers + (warp % 4 + 4) * kWarpStoreBytes;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      // Gate columns [64k, 64k + 64) of the tile's 128 and the up columns 128 further.
       const int col = coord.n_tile * 128 + 64 * k;
-      __syncwarp();
-      stage_warp_chunk(gate_buffer, 8 * k, fragment);
-      stage_warp_chunk(up_buffer, 16 + 8 * k, fragment);
-      __syncwarp();
-      if (col >= params.n_extent) continue;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const WarpUnit u = warp_unit(q);
-        const int row = row0 + u.row, unit_col = col + 8 * u.unit;
-        const uint4 gate = *reinterpret_cast<const uint4*>(gate_buffer + u.offset);
-        const uint4 up = *reinterpret_cast<const uint4*>(up_buffer + u.offset);
-        if (uint4* dst = output_unit(outs.out[kGate], ld, outs.rows[kGate], row, unit_col))
-          *dst = gate;
-        if (uint4* dst = output_unit(outs.out[kUp], ld, outs.rows[kUp], row, unit_col)) *dst = up;
-        if constexpr (kSwiGLU) {
-          // The branch-free division first; `a / b` where an operand is out of its range
-          // (swiglu.cuh: the same bits).
-          uint4 h;
-          if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h))
-            swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h);
-          if (uint4* dst = output_unit(outs.out[0], ld, outs.rows[0], row, unit_col)) *dst = h;
-        }
-      }
+      sync_warp_pair(warp);  // the pair's reads of the previous chunk (or tile) are done
+      stage_warp_chunk(consumer_idx == 0 ? gate_buffer : up_buffer, 8 * k, fragment);
+      sync_warp_pair(warp);
+      if (col < params.n_extent)
+        store_gate_up_units<kSwiGLU>(params, gate_buffer, up_buffer, row0, col, 2 * consumer_idx,
+                                     2);
+    }
+    sync_warp_pair(warp);  // each warp's buffer is its own again for the next tile
+    constexpr int kGate = kSwiGLU ? 1 : 0, kUp = kSwiGLU ? 2 : 1;
+    const int zero_row = tile_row + 64 + (warp % 4) * kWarpStoreRows;
+    const int col = coord.n_tile * 128;
+    if (consumer_idx == 0) {
+      store_warp_zeros(outs.out[kGate], outs.rows[kGate], ld, zero_row, col, params.n_extent);
+      if constexpr (kSwiGLU)
+        store_warp_zeros(outs.out[0], outs.rows[0], ld, zero_row, col, params.n_extent);
+    } else {
+      store_warp_zeros(outs.out[kUp], outs.rows[kUp], ld, zero_row, col, params.n_extent);
     }
   } else {
+    if (!coord.half) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      store_warp_chunk(buffers, outs.out[0], outs.rows[0], ld, row0,
-                       coord.n_tile * BLOCK_N + 64 * k, params.n_extent, 8 * k, fragment);
+      for (int k = 0; k < 4; ++k)
+        store_warp_chunk(own, outs.out[0], outs.rows[0], ld, row0, coord.n_tile * BLOCK_N + 64 * k,
+                         params.n_extent, 8 * k, fragment);
+      return;
+    }
+    const int col = coord.n_tile * BLOCK_N + 128 * consumer_idx;
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      store_warp_chunk(own, outs.out[0], outs.rows[0], ld, row0, col + 64 * k, params.n_extent,
+                       8 * k, fragment);
+    store_warp_zeros(outs.out[0], outs.rows[0], ld, tile_row + 64 + (warp % 4) * kWarpStoreRows,
+                     col, params.n_extent);
   }
 }
 
