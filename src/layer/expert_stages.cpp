@@ -55,35 +55,6 @@ kernels::GemmAblation gemm_ablation() {
   return ablation;
 }
 
-// MOK_GEMM_WARP_STORES=1: the row-tile GEMMs with four stages and per-warp stores
-// (kernels/gemm/warp_stores.cuh) where they apply. Read at each launch (a test flips it); off by
-// default until measured faster (docs/perf.md, session 20).
-bool gemm_warp_stores() {
-  const char* env = std::getenv("MOK_GEMM_WARP_STORES");
-  const std::string value = env != nullptr ? env : "";
-  if (value.empty() || value == "0") return false;
-  if (value == "1") return true;
-  throw Error(ErrorCode::kInvalidArgument,
-              "MOK_GEMM_WARP_STORES='" + value + "': valid are 0 and 1");
-}
-
-// A row-tile form's outputs for the per-warp stores: each buffer of `rows` rows (as its output
-// map has them).
-kernels::RowOutputs row_outputs(void* out, int64_t rows, void* out2 = nullptr, int64_t rows2 = 0,
-                                void* out3 = nullptr, int64_t rows3 = 0) {
-  kernels::RowOutputs outputs{};
-  void* const pointers[3] = {out, out2, out3};
-  const int64_t counts[3] = {rows, rows2, rows3};
-  for (int i = 0; i < 3; ++i) {
-    if (counts[i] > INT32_MAX)
-      throw Error(ErrorCode::kInternal, "row outputs: " + std::to_string(counts[i]) +
-                                            " rows, more than the kernels index");
-    outputs.out[i] = static_cast<__nv_bfloat16*>(pointers[i]);
-    outputs.rows[i] = static_cast<int32_t>(counts[i]);
-  }
-  return outputs;
-}
-
 kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet& set) {
   kernels::ExpertGemmParams params{};
   const ScheduleView view = set.view();
@@ -107,7 +78,6 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.swiglu_limit = s.shape.swiglu_limit;
   params.wait = s.wait_context();
   params.ablation = gemm_ablation();
-  params.warp_stores = gemm_warp_stores() ? 1 : 0;
   return params;
 }
 
@@ -280,7 +250,6 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   params.k_extent = static_cast<int32_t>(H);
   params.gather = gather;
   params.macrobatch = macrobatch;
-  params.row_outputs = row_outputs(set.hidden.pointer, R, set.gate.pointer, R, set.up.pointer, R);
   if (s.config.gemm_wide_tiles) {
     // 256 x (96 gate + 96 up) tiles; h, g and u written with plain stores.
     kernels::WideGemmMaps wide{};
@@ -321,7 +290,6 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
     maps.b0 = maps.b1 =
         k_major_weights(f.weights.down, I, H, E, 128, "w_down", f.weights.down_stride);
     maps.out = output_rows(f.out, H, f.out_rows, "expert output rows");
-    params.row_outputs = row_outputs(f.out, f.out_rows);
     launch(s, kernels::ExpertGemmForm::kDownStore, maps, params, stream, "down GEMM");
   }
   mark("down GEMM");
@@ -393,7 +361,6 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.out2 = output_rows(set.up.pointer, I, R, "up (recomputed)");
   params.n_extent = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
-  params.row_outputs = row_outputs(set.gate.pointer, R, set.up.pointer, R);
   if (recompute) {
     launch(s, kernels::ExpertGemmForm::kGateUpStore, maps, params, stream,
            "gate/up recompute GEMM");
@@ -404,7 +371,6 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
-  params.row_outputs = row_outputs(set.hidden.pointer, R);
   if (s.config.gemm_wide_tiles)
     launch_wide(s, kernels::ExpertGemmForm::kDownGrad, wide_maps(maps), params, stream,
                 "down dgrad GEMM");
@@ -432,7 +398,6 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   kernels::ExpertGemmParams dx_params = params;
   dx_params.macrobatch.out_row_base = 0;  // dx rows are full size, in schedule rows
   dx_params.push = b.push;
-  dx_params.row_outputs = row_outputs(b.dx_out, b.dx_rows);
   if (s.config.gemm_wide_tiles)  // (can_implement refused the push they do not make)
     launch_wide(s, kernels::ExpertGemmForm::kGateUpGradStore, wide_maps(maps), dx_params, stream,
                 "gate/up dgrad GEMM");

@@ -26,8 +26,6 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <type_traits>
-
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/macrobatch.h"
 #include "kernels/gemm/epilogue.cuh"
@@ -36,7 +34,6 @@
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/launch.h"
 #include "kernels/gemm/tile_walk.h"
-#include "kernels/gemm/warp_stores.cuh"
 #include "kernels/gemm/weight_grad_segments.cuh"
 #include "kernels/persistent/task_order.h"
 #include "kernels/stages/dispatch_local.cuh"
@@ -214,19 +211,14 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
 // launches for macrobatches after the first can resume, and only they pay it.
 // kPaired: launched in clusters of two CTAs (CTA pairs, above).
-// kWarpStores (ExpertGemmParams::warp_stores; the row-tile forms without pairs or the push):
-// four stages and the per-warp epilogue of warp_stores.cuh.
-template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false,
-          bool kWarpStores = false>
+template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
     const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
     const __grid_constant__ CUtensorMap tmap_out, const __grid_constant__ CUtensorMap tmap_out2,
     const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
-  static_assert(!kWarpStores || (Traits::kRowTiles && !kPaired && !kResumes),
-                "per-warp stores: the row-tile forms without pairs");
-  using Storage = std::conditional_t<kWarpStores, WarpStoreStorage, FormStorage>;
+  using Storage = FormStorage;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   const SegmentRows* shared_rows = nullptr;
@@ -324,29 +316,26 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       else
         consume_tile<Traits::kAMnMajor, Traits::kBMnMajor, kPaired>(
             params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
-      if constexpr (kWarpStores)
-        warp_store_tile<kForm>(reinterpret_cast<char*>(smem.store_tile), params, coord,
-                               consumer_idx, acc);
-      else if (coord.store_slot >= 0)
+      if (coord.store_slot >= 0)
         store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
       else
         store_tile<kForm>({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
                           acc);
     }
     // Outstanding TMA stores read the staging tile: it must outlive them.
-    if (!kWarpStores && threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
+    if (threadIdx.x == BLOCK_M) ptx::bulk_wait_group<0>();
   }
   // The peer may still arrive on this CTA's barriers until its last stage: both leave together.
   if constexpr (kPaired) ptx::cluster_sync();
 }
 
-template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kWarpStores = false>
+template <ExpertGemmForm kForm, bool kResumes, bool kPaired>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
-  size_t smem_bytes = (kWarpStores ? sizeof(WarpStoreStorage) : sizeof(FormStorage)) + 1024;
+  size_t smem_bytes = sizeof(FormStorage) + 1024;
   if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
-  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kWarpStores>;
+  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -386,19 +375,10 @@ template <ExpertGemmForm kForm, bool kResumes = false>
 cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                           bool cta_pairs, cudaStream_t stream) {
   if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, stream);
-  if constexpr (FormTraits<kForm>::kRowTiles && !kResumes) {
-    if (expert_gemm_warp_stores(kForm, params, cta_pairs))
-      return launch_form<kForm, false, false, true>(maps, params, num_ctas, stream);
-  }
   return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
 }
 
 }  // namespace
-
-bool expert_gemm_warp_stores(ExpertGemmForm form, const ExpertGemmParams& params, bool cta_pairs) {
-  return params.warp_stores != 0 && form != ExpertGemmForm::kWeightGrad && !cta_pairs &&
-         params.push.slot_peers == nullptr;
-}
 
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
                                const ExpertGemmParams& params, int num_ctas, bool cta_pairs,
@@ -441,12 +421,7 @@ const KernelPreloadList kPreload(
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, true>),
-     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true>)});
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>)});
 }  // namespace
 
 }  // namespace mok::kernels

@@ -93,14 +93,6 @@ struct MacrobatchParams {
   float* partial[2] = {nullptr, nullptr};  // kWeightGrad: [n_tiles of M x N][256 threads][128]
 };
 
-// The row-tile forms' outputs as pointers, for the epilogue in which each consumer warp stores
-// its own rows (warp_stores.cuh): [rows[i], n_extent] bf16 at out[i], the same outputs as the
-// tensor maps out, out2 and out3 and with their row counts (rows past them are not written).
-struct RowOutputs {
-  __nv_bfloat16* out[3];
-  int32_t rows[3];
-};
-
 // A profiling ablation of the standalone expert GEMM kernel (expert_gemm.cu), set by the
 // environment variable MOK_GEMM_ABLATION (expert_stages.cpp): each part of a tile's work left
 // out in turn, to time what the rest alone costs. The outputs are then meaningless; never set
@@ -144,11 +136,6 @@ struct ExpertGemmParams {
   WaitContext wait;
   MacrobatchParams macrobatch;
   GemmAblation ablation;  // kNone but in a measurement (above)
-  // The row-tile forms without CTA pairs or the push: four stages and each consumer warp
-  // storing its own rows to row_outputs (warp_stores.cuh) instead of the staging tile and the
-  // output maps (expert_gemm_warp_stores says where it applies).
-  int32_t warp_stores;
-  RowOutputs row_outputs;
 };
 
 // Where a persistent kernel records its task trace (task_trace.cuh; MoeConfig::trace_tasks).

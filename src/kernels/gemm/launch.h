@@ -29,10 +29,6 @@ struct ExpertGemmMaps {
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
                                const ExpertGemmParams& params, int num_ctas, bool cta_pairs,
                                cudaStream_t stream);
-// Whether launch_expert_gemm runs `form` with per-warp stores (ExpertGemmParams::warp_stores,
-// warp_stores.cuh): asked, a row-tile form, no CTA pairs, no push. Its outputs then go to
-// params.row_outputs, not to the output maps.
-bool expert_gemm_warp_stores(ExpertGemmForm form, const ExpertGemmParams& params, bool cta_pairs);
 
 // The weight gradients with the consumer warpgroups on different 128 x 128 tiles
 // (weight_grad_pingpong.cu): reads a0 (A, [rows, M] MN-major), b0 (B, [rows, N] MN-major) and
