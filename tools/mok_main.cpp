@@ -33,8 +33,8 @@ usage:
                         walk by walk (tile shapes, groupings) over the shape's row tiles, paced
                         as their wgmmas hold a stage (default dsv3_e128); --once runs each
                         walk once, for ncu's sector counts; --pace-sweep replays only the
-                        expert GEMM's walk at a range of holds per K-block (cycles per K-block,
-                        SM clock): the fastest pace its loads keep up with
+                        expert GEMM's walk at a range of holds per K-block, on 3 and 4 stages,
+                        and with one operand's loads (cycles per K-block, SM clock)
   mok shapes            list the named shapes
   mok --help | --version
 

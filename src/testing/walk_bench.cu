@@ -63,6 +63,7 @@ struct WalkParams {
   // Non-null: block 0's consumer writes {clock64, %globaltimer} at its first stage's wait and
   // after its last release, and its K-blocks: the SM clock and the cycles per K-block.
   long long* clock_probe;
+  int32_t operands;     // which boxes a stage loads: kLoadA | kLoadB (--pace-sweep's splits)
   int32_t stages;       // ring depth: kStages, or up to kMaxStages of kNarrowStageBytes
   int32_t stage_bytes;  // kStageBytes, or kNarrowStageBytes (128-row units only)
   kernels::WaitContext wait;
@@ -79,10 +80,13 @@ __device__ __forceinline__ int32_t walk_slot(const WalkParams& p) {
   return p.sm_slot != nullptr ? p.sm_slot[sm_id()] : static_cast<int32_t>(blockIdx.x);
 }
 
+constexpr int32_t kLoadA = 1, kLoadB = 2;
+
 __device__ __forceinline__ uint32_t unit_bytes(const WalkParams& p, const int4& unit) {
   const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
   const int32_t b_loaded = ((b_rows + p.b_box - 1) / p.b_box) * p.b_box;  // whole boxes
-  return unit.y * kRowBox * kBoxK * 2 + (p.gate_up ? 2 : 1) * b_loaded * kBoxK * 2;
+  return ((p.operands & kLoadA) ? unit.y * kRowBox * kBoxK * 2 : 0) +
+         ((p.operands & kLoadB) ? (p.gate_up ? 2 : 1) * b_loaded * kBoxK * 2 : 0);
 }
 
 __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constant__ WalkParams p) {
@@ -118,11 +122,11 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
         unsigned char* stage = ring + slot * p.stage_bytes;
         ptx::mbarrier_arrive_expect_tx(&full[slot], bytes);
         const int32_t k = kb * kBoxK;
-        for (int32_t box = 0; box < unit.y; ++box)
+        for (int32_t box = 0; box < ((p.operands & kLoadA) ? unit.y : 0); ++box)
           ptx::tma_load_2d(stage + box * kRowBox * kBoxK * 2, &p.a_map, &full[slot], k,
                            unit.x + box * kRowBox);
         unsigned char* b = stage + p.stage_bytes - 32768;  // after the A boxes
-        const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
+        const int32_t b_rows = (p.operands & kLoadB) ? min(p.b_rows, p.n_extent - unit.w) : 0;
         for (int32_t map = 0; map < (p.gate_up ? 2 : 1); ++map)
           for (int32_t r = 0; r < b_rows; r += p.b_box) {
             ptx::tma_load_3d(b, map == 0 ? &p.b_map0 : &p.b_map1, &full[slot], k, unit.w + r,
@@ -215,8 +219,10 @@ const WalkCase kWalks[] = {
 // let the GEMM run at the pipe's rate; where a hold's time exceeds hold x K-blocks, the loads
 // set it.
 // Each hold runs on the GEMM's three stages and on four (kMaxStages): whether more bytes in
-// flight shorten a K-block.
+// flight shorten a K-block. Then the three-stage ring at kSplitHolds with only the A boxes or
+// only the B boxes loaded: which operand's loads carry the cycles a K-block takes over its hold.
 const int32_t kPaceSweepHolds[] = {0, 768, 1024, 1152, 1280, 1408, 1536};
+const int32_t kSplitHolds[] = {1024, 1536};
 
 // A slot table (SM id -> slot) on the device.
 std::unique_ptr<DeviceBuffer> upload_slots(const std::vector<int32_t>& slot_of_id,
@@ -240,6 +246,12 @@ std::vector<WalkLoad> split_waves(const std::vector<WalkLoad>& loads, int32_t gr
       out[wave + half + j] = loads[wave + 2 * j + 1];
     }
   return out;
+}
+
+std::string gb(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f", value);
+  return text;
 }
 
 class WalkRunner {
@@ -311,6 +323,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
     WalkCase walk;
     int32_t hold;
     int32_t stages;
+    int32_t operands = kLoadA | kLoadB;
   };
   std::vector<Run> runs;
   if (pace_sweep) {
@@ -321,6 +334,13 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
         walk.spec.name = "128 x 256, " + std::to_string(stages) + " stages, " +
                          (hold > 0 ? "hold " + std::to_string(hold) : "unpaced");
         runs.push_back({walk, hold, stages});
+      }
+    for (const int32_t operands : {kLoadA, kLoadB})
+      for (const int32_t hold : kSplitHolds) {
+        WalkCase walk = kWalks[0];
+        walk.spec.name = std::string("128 x 256, 3 stages, ") + (operands == kLoadA ? "A" : "B") +
+                         " only, hold " + std::to_string(hold);
+        runs.push_back({walk, hold, kStages, operands});
       }
   } else {
     for (const WalkCase& walk : kWalks)
@@ -333,7 +353,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
   for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
     const bool gate_up = form == WalkForm::kGateUp;
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
-    for (const auto& [walk, hold, stages] : runs) {
+    for (const auto& [walk, hold, stages, operands] : runs) {
       if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
       if (walk.placement == Placement::kL2Partition && partition_slot == nullptr) continue;
       std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
@@ -375,6 +395,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       p.cycles_per_a_box = walk.paced ? hold * walk.spec.tile_n / 256 : 0;
       p.clock_probe = pace_sweep ? clock_probe.as<long long>() : nullptr;
       p.stages = stages;
+      p.operands = operands;
       p.stage_bytes = stages > kStages ? kNarrowStageBytes : kStageBytes;
       if (stages > kStages && walk.spec.tile_rows != 128)
         throw Error(ErrorCode::kInternal, "walk-bench: a deeper ring needs 128-row units");
@@ -387,11 +408,13 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
       const double asked = walk_asked_bytes(walk.spec, form, loads, n_extent, k) / 1e9;
       const double wave =
           walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k, runner.num_sms()) / 1e9;
-      std::printf("  %-8s %-44s %7zu %9.2f %9.2f %9.3f", gate_up ? "gate/up" : "down",
+      // A split run (one operand) asks for part of the walk's bytes: no byte columns.
+      const bool whole = operands == (kLoadA | kLoadB);
+      std::printf("  %-8s %-44s %7zu %9s %9s %9.3f", gate_up ? "gate/up" : "down",
                   walk.spec.name.c_str(),
                   static_cast<size_t>(std::count_if(
                       loads.begin(), loads.end(), [](const WalkLoad& l) { return l.a_boxes > 0; })),
-                  asked, wave, ms);
+                  whole ? gb(asked).c_str() : "-", whole ? gb(wave).c_str() : "-", ms);
       if (pace_sweep) {
         // The last run's block 0: its K-blocks, cycles per K-block and SM clock, and the time
         // its holds alone take over the measured time (1.00: the pace sets the time).
