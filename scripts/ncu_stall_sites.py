@@ -62,19 +62,23 @@ def report(title, header, data, top):
     total = sum(number(r[samples_idx]) for r in data) or 1.0
     print(f"== {title[:200]}")
     print(f"   {len(data)} instructions, {int(total)} samples")
-    sums = sorted(
-        ((sum(number(r[i]) for r in data), name) for name, i in stall_cols), reverse=True
+    sums = sorted(((sum(number(r[i]) for r in data), name) for name, i in stall_cols), reverse=True)
+    print(
+        "   stall reasons: " + ", ".join(f"{n} {100 * s / total:.1f}%" for s, n in sums[:10] if s)
     )
-    print("   stall reasons: " + ", ".join(f"{n} {100 * s / total:.1f}%" for s, n in sums[:10] if s))
     ranked = sorted(data, key=lambda r: number(r[samples_idx]), reverse=True)
     for row in ranked[:top]:
         samples = number(row[samples_idx])
         if samples == 0:
             break
         reasons = sorted(((number(row[i]), name) for name, i in stall_cols), reverse=True)[:3]
-        why = " ".join(f"{n.removeprefix('stall_')}={100 * s / samples:.0f}%" for s, n in reasons if s)
+        why = " ".join(
+            f"{n.removeprefix('stall_')}={100 * s / samples:.0f}%" for s, n in reasons if s
+        )
         address = row[address_idx] if address_idx is not None else ""
-        print(f"   {100 * samples / total:5.1f}%  {address:>6}  {row[source_idx].strip()[:70]:<70}  {why}")
+        print(
+            f"   {100 * samples / total:5.1f}%  {address:>6}  {row[source_idx].strip()[:70]:<70}  {why}"
+        )
 
 
 def main():
