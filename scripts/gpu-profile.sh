@@ -13,8 +13,9 @@
 # and SM read sectors of each walk's one run (`--once`; ncu_walk_<shape>.txt). MOK_NCU_SOURCE=1
 # samples the warps' stalls per SASS instruction instead of ncu's default sections
 # (stalls_<shape>.txt: the top stall sites of each kernel). MOK_NCU_ENVS (entries VAR=value)
-# times the GEMM launches at MOK_NCU_SHAPE with each set (ncu_<shape>_<entry>.txt), instead of
-# the default sections. MOK_WALK_ARGS adds walk-bench arguments (e.g. --pace-sweep;
+# times the GEMM launches at MOK_NCU_SHAPE with each set (ncu_<shape>_<entry>.txt), and
+# MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2 throughput under each
+# `mok run` variant (ncu_l2_<n>.txt); either replaces the default sections. MOK_WALK_ARGS adds walk-bench arguments (e.g. --pace-sweep;
 # then no ncu of the walks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +74,26 @@ for shape in ${MOK_WALK_SHAPES:-}; do
   fi
 done
 ncu_shape="${MOK_NCU_SHAPE-qwen3}"
+# The L2's throughput by unit (ncu's breakdown: fabric, tags, data banks, crossbar) and the
+# sectors by source, for the GEMM launches at MOK_NCU_SHAPE under each `mok run` variant of
+# MOK_NCU_L2_VARIANTS (comma-separated argument sets, "plain" for none; e.g.
+# "plain,--cta-pairs,--l2-placement"): ncu_l2_<n>.txt.
+l2_metrics=gpu__time_duration.sum,breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_ltcfabric.sum,dram__bytes_read.sum
+n=0
+IFS=, read -r -a l2_variants <<<"${MOK_NCU_L2_VARIANTS:-}"
+for variant in "${l2_variants[@]}"; do
+  [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1 || break
+  n=$((n + 1))
+  args=()
+  [ "$variant" != plain ] && read -r -a args <<<"$variant"
+  echo "== ncu L2 breakdown at $ncu_shape, $variant"
+  timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --metrics "$l2_metrics" \
+    -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" --launch-count "${MOK_NCU_LAUNCHES:-2}" \
+    "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 --quick "${args[@]}" \
+    >"$OUT/ncu_l2_$n.txt" 2>&1 || status=1
+  grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|lts__|dram__|gpu__time" "$OUT/ncu_l2_$n.txt" |
+    sed -E 's/\(CUtensorMap_st.*//' | head -60
+done
 # Each entry VAR=value of MOK_NCU_ENVS (e.g. "MOK_GEMM_ABLATION=none MOK_GEMM_ABLATION=no-loads"
 # or "MOK_GEMM_WARP_STORES=0 MOK_GEMM_WARP_STORES=1") under ncu's SpeedOfLight: the GEMM
 # launches' durations, clocks and tensor-pipe activity with that variable set.
@@ -109,7 +130,7 @@ if [ -n "$ncu_shape" ] && [ -n "${MOK_NCU_SOURCE:-}" ] && command -v ncu >/dev/n
   rm -f "$report.ncu-rep"
   grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" \
     "$OUT/ncu_$ncu_shape.txt" | head -40
-elif [ -n "$ncu_shape" ] && [ -z "${MOK_NCU_ENVS:-}" ] && command -v ncu >/dev/null 2>&1; then
+elif [ -n "$ncu_shape" ] && [ -z "${MOK_NCU_ENVS:-}${MOK_NCU_L2_VARIANTS:-}" ] && command -v ncu >/dev/null 2>&1; then
   echo "== ncu at $ncu_shape"
   timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
