@@ -223,6 +223,10 @@ const WalkCase kWalks[] = {
 // only the B boxes loaded: which operand's loads carry the cycles a K-block takes over its hold.
 const int32_t kPaceSweepHolds[] = {0, 768, 1024, 1152, 1280, 1408, 1536};
 const int32_t kSplitHolds[] = {1024, 1536};
+// And the whole walk on half and a quarter of the SMs (each CTA taking more units): if the
+// extra cycles per K-block come from contention in the L2, the fabric or DRAM, they shrink with
+// the load; if from each SM's own loads, they stay.
+const int32_t kGridDivisors[] = {2, 4};
 
 // A slot table (SM id -> slot) on the device.
 std::unique_ptr<DeviceBuffer> upload_slots(const std::vector<int32_t>& slot_of_id,
@@ -262,8 +266,9 @@ class WalkRunner {
                                     kSharedBytes),
                "cudaFuncSetAttribute(walk_replay_kernel)");
   }
-  void launch(const WalkParams& p) const {
-    walk_replay_kernel<<<num_sms_, 64, kSharedBytes>>>(p);
+  // `grid` CTAs (0: one per SM).
+  void launch(const WalkParams& p, int grid = 0) const {
+    walk_replay_kernel < < <grid> 0 ? grid : num_sms_, 64, kSharedBytes >>> (p);
     cuda_check(cudaGetLastError(), "walk_replay_kernel launch");
   }
   int num_sms() const { return num_sms_; }
@@ -324,6 +329,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
     int32_t hold;
     int32_t stages;
     int32_t operands = kLoadA | kLoadB;
+    int32_t grid = 0;  // CTAs; 0: one per SM
   };
   std::vector<Run> runs;
   if (pace_sweep) {
@@ -342,6 +348,14 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
                          " only, hold " + std::to_string(hold);
         runs.push_back({walk, hold, kStages, operands});
       }
+    for (const int32_t divisor : kGridDivisors)
+      for (const int32_t hold : kSplitHolds) {
+        const int32_t grid = runner.num_sms() / divisor;
+        WalkCase walk = kWalks[0];
+        walk.spec.name =
+            "128 x 256, 3 stages, " + std::to_string(grid) + " CTAs, hold " + std::to_string(hold);
+        runs.push_back({walk, hold, kStages, kLoadA | kLoadB, grid});
+      }
   } else {
     for (const WalkCase& walk : kWalks)
       runs.push_back({walk, walk.paced ? kCyclesPer128x256 : 0, kStages});
@@ -353,7 +367,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
   for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
     const bool gate_up = form == WalkForm::kGateUp;
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
-    for (const auto& [walk, hold, stages, operands] : runs) {
+    for (const auto& [walk, hold, stages, operands, grid] : runs) {
       if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
       if (walk.placement == Placement::kL2Partition && partition_slot == nullptr) continue;
       std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
@@ -404,10 +418,12 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
                                                               : sm_slot->as<int32_t>();
       p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
       // With `once`, no warm-up: the one launch is what ncu profiles.
-      const double ms = median_event_ms([&] { runner.launch(p); }, once ? 1 : 5, once ? 0 : 1);
+      const double ms =
+          median_event_ms([&] { runner.launch(p, grid); }, once ? 1 : 5, once ? 0 : 1);
       const double asked = walk_asked_bytes(walk.spec, form, loads, n_extent, k) / 1e9;
-      const double wave =
-          walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k, runner.num_sms()) / 1e9;
+      const double wave = walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k,
+                                                 grid > 0 ? grid : runner.num_sms()) /
+                          1e9;
       // A split run (one operand) asks for part of the walk's bytes: no byte columns.
       const bool whole = operands == (kLoadA | kLoadB);
       std::printf("  %-8s %-44s %7zu %9s %9s %9.3f", gate_up ? "gate/up" : "down",
