@@ -268,7 +268,8 @@ class WalkRunner {
   }
   // `grid` CTAs (0: one per SM).
   void launch(const WalkParams& p, int grid = 0) const {
-    walk_replay_kernel < < <grid> 0 ? grid : num_sms_, 64, kSharedBytes >>> (p);
+    const int ctas = grid > 0 ? grid : num_sms_;
+    walk_replay_kernel<<<ctas, 64, kSharedBytes>>>(p);
     cuda_check(cudaGetLastError(), "walk_replay_kernel launch");
   }
   int num_sms() const { return num_sms_; }
