@@ -89,8 +89,12 @@ def main():
     with open(args.csv_path, newline="") as f:
         rows = list(csv.reader(f))
     found = False
+    previous = None
     for title, header, data in blocks(rows):
         found = True
+        if (title, data) == previous:
+            continue  # ncu's page can list a kernel's source twice
+        previous = (title, data)
         report(title, header, data, args.top)
     if not found:
         print(f"ncu_stall_sites: no source block with '{ALL_SAMPLES}' in {args.csv_path}")

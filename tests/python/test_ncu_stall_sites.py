@@ -50,6 +50,13 @@ def test_ranks_each_kernels_instructions(tmp_path, monkeypatch, capsys):
     assert "50 samples" in second and "100.0%" in second and "LDG.E" in second
 
 
+def test_lists_a_repeated_kernel_once(tmp_path, monkeypatch, capsys):
+    first_kernel = PAGE.split('"Kernel Name","gemm_kernel<1>"')[0]
+    status, out = run(tmp_path, monkeypatch, capsys, first_kernel + first_kernel)
+    assert status == 0
+    assert out.count("== Kernel Name gemm_kernel<0>") == 1
+
+
 def test_says_when_the_page_has_no_samples(tmp_path, monkeypatch, capsys):
     status, out = run(tmp_path, monkeypatch, capsys, '"ID","Name"\n"1","kernel"\n')
     assert status == 1
