@@ -3,12 +3,12 @@
 #include <cuda.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "kernels/gemm/launch.h"
 #include "kernels/persistent/launch.h"
 #include "kernels/stages/launch.h"
+#include "layer/gemm_ablation.h"
 #include "layer/gpu_layer_state.h"
 #include "layer/tma.h"
 
@@ -40,21 +40,6 @@ CUtensorMap mn_major_weights(const void* base, int64_t n, int64_t k, int64_t exp
   return make_tensor_map_3d(base, n, k, experts, 64, 64, what, expert_stride);
 }
 
-// MOK_GEMM_ABLATION (a measurement's switch, expert_gemm_params.h): unset, "" or "none",
-// "no-loads", "no-math". Read once per process.
-kernels::GemmAblation gemm_ablation() {
-  static const kernels::GemmAblation ablation = [] {
-    const char* env = std::getenv("MOK_GEMM_ABLATION");
-    const std::string value = env != nullptr ? env : "";
-    if (value.empty() || value == "none") return kernels::GemmAblation::kNone;
-    if (value == "no-loads") return kernels::GemmAblation::kNoLoads;
-    if (value == "no-math") return kernels::GemmAblation::kNoMath;
-    throw Error(ErrorCode::kInvalidArgument,
-                "MOK_GEMM_ABLATION='" + value + "': valid are none, no-loads and no-math");
-  }();
-  return ablation;
-}
-
 kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet& set) {
   kernels::ExpertGemmParams params{};
   const ScheduleView view = set.view();
@@ -77,7 +62,7 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.l2 = s.l2_placement;
   params.swiglu_limit = s.shape.swiglu_limit;
   params.wait = s.wait_context();
-  params.ablation = gemm_ablation();
+  params.ablation = gemm_ablation_from_env();
   return params;
 }
 

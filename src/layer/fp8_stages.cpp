@@ -28,6 +28,7 @@
 #include "kernels/stages/launch.h"
 #include "kernels/stages/swiglu_quantize.h"
 #include "layer/fp8_buffers.h"
+#include "layer/gemm_ablation.h"
 #include "layer/gpu_layer_state.h"
 #include "layer/tma.h"
 
@@ -156,6 +157,7 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   params.header = view.header;
   params.tile_expert = view.tile_expert;
   params.wait = s.wait_context();
+  params.ablation = gemm_ablation_from_env();
   return params;
 }
 
@@ -375,6 +377,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     wgrad.m_extent = static_cast<int32_t>(m);
     wgrad.n_extent = static_cast<int32_t>(n);
     wgrad.wait = s.wait_context();
+    wgrad.ablation = gemm_ablation_from_env();
     launch(s, wgrad_maps, wgrad, stream, what);
   };
   weight_grad(fp8.d_gate_t, I, fp8.x_t, H, b.grads.d_w_gate, b.grads.d_w_gate_stride,

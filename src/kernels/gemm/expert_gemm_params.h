@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "kernels/common/wait_types.h"
+#include "kernels/gemm/gemm_ablation.h"
 #include "kernels/gemm/l2_placement.h"
 #include "mok/schedule.h"
 #include "mok/task_trace.h"
@@ -93,16 +94,6 @@ struct MacrobatchParams {
   float* partial[2] = {nullptr, nullptr};  // kWeightGrad: [n_tiles of M x N][256 threads][128]
 };
 
-// A profiling ablation of the standalone expert GEMM kernel (expert_gemm.cu), set by the
-// environment variable MOK_GEMM_ABLATION (expert_stages.cpp): each part of a tile's work left
-// out in turn, to time what the rest alone costs. The outputs are then meaningless; never set
-// outside a measurement.
-//   kNoLoads  the producer arms each stage with no bytes (no TMA loads): the consumers' wgmmas
-//             and epilogues, and the fused gather, on whatever the stages hold
-//   kNoMath   the consumers wait for and release each stage without their wgmmas: the loads,
-//             the gather and the epilogues
-enum class GemmAblation : int32_t { kNone = 0, kNoLoads = 1, kNoMath = 2 };
-
 struct ExpertGemmParams {
   const ScheduleHeader* header;   // num_tiles: the 128-row tiles the schedule filled
   const int32_t* tile_expert;     // local expert of each 128-row tile
@@ -135,7 +126,7 @@ struct ExpertGemmParams {
   RowPush push;  // kDownStore / kGateUpGradStore of the routed experts (slot_peers null = off)
   WaitContext wait;
   MacrobatchParams macrobatch;
-  GemmAblation ablation;  // kNone but in a measurement (above)
+  GemmAblation ablation;  // kNone but in a measurement (gemm_ablation.h)
 };
 
 // Where a persistent kernel records its task trace (task_trace.cuh; MoeConfig::trace_tasks).

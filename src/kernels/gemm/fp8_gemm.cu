@@ -155,6 +155,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           const int s = state.stage;
           const int k_group = t.k_block0 + k_block;
           mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
+          if (params.ablation == GemmAblation::kNoLoads) {  // the stage armed with no bytes
+            ptx::mbarrier_arrive_expect_tx(&smem.full[s], 0);
+            state.advance();
+            continue;
+          }
           ptx::mbarrier_arrive_expect_tx(&smem.full[s], kBytes);
           if constexpr (kWeightGrad) {
             ptx::tma_load_2d(smem.a[s], &maps.a, &smem.full[s], k_group * kFp8BlockK,
@@ -249,7 +254,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // state there and keeps the wgmma asynchronous); every exit waits for everything. The two
       // halves stay written out: folded into one lambda over (block0, block1) and (block1,
       // block0), ptxas serialized the wgmma again (C7514).
-      if (t.num_k_blocks > 0) {
+      if (params.ablation == GemmAblation::kNoMath) {
+        // The stages waited for and handed back, nothing computed (the sum stays -0).
+        for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
+          mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[load_state.stage],
+                        load_state.phase);
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[load_state.stage]);
+          load_state.advance();
+          release_state.advance();
+        }
+      } else if (t.num_k_blocks > 0) {
         issue(0, block0, scale_b0);
         for (int k_block = 0;; k_block += 2) {
           if (k_block + 1 == t.num_k_blocks) {

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "kernels/common/wait_types.h"
+#include "kernels/gemm/gemm_ablation.h"
 #include "mok/schedule.h"
 
 namespace mok::kernels {
@@ -58,6 +59,7 @@ struct Fp8GemmParams {
   int32_t k_extent = 0;  // kRowTiles: K, a multiple of 128
   int32_t k_split = 0;   // kRowTiles: 0, or a multiple of 128 below K (not with n_split)
   WaitContext wait{};
+  GemmAblation ablation = GemmAblation::kNone;  // but in a measurement (gemm_ablation.h)
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
