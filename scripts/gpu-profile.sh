@@ -16,7 +16,7 @@
 # times the GEMM launches at MOK_NCU_SHAPE with each set (ncu_<shape>_<entry>.txt), and
 # MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2 throughput under each
 # `mok run` variant (ncu_l2_<n>.txt); either replaces the default sections. MOK_WALK_ARGS adds walk-bench arguments (e.g. --pace-sweep;
-# then no ncu of the walks).
+# then no ncu of the walks). MOK_FABRIC_PROBE=1 runs the L2 fabric probe (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -73,6 +73,20 @@ for shape in ${MOK_WALK_SHAPES:-}; do
       head -160
   fi
 done
+# MOK_FABRIC_PROBE=1: `mok walk-bench --fabric-probe` (each L2 partition's SMs reading an 8 MB
+# buffer), timed and under ncu's fabric metrics (ncu_fabric_probe.txt): whether a partition
+# keeps copies of the lines it reads from the other.
+if [ -n "${MOK_FABRIC_PROBE:-}" ]; then
+  echo "== mok walk-bench --fabric-probe"
+  timeout 120 "./$build_dir/mok" walk-bench --fabric-probe || status=1
+  if command -v ncu >/dev/null 2>&1; then
+    timeout 180 ncu --clock-control none --metrics "$fabric_metrics" -k regex:fabric_probe_kernel \
+      "./$build_dir/mok" walk-bench --fabric-probe --once >"$OUT/ncu_fabric_probe.txt" 2>&1 ||
+      status=1
+    grep -E "fabric_probe_kernel|gpu__time|tex_op_read|ltcfabric|dram__" \
+      "$OUT/ncu_fabric_probe.txt" | sed -E 's/\(.*//' | head -30
+  fi
+fi
 ncu_shape="${MOK_NCU_SHAPE-qwen3}"
 # The L2's throughput by unit (ncu's breakdown: fabric, tags, data banks, crossbar) and the
 # sectors by source, for the GEMM launches at MOK_NCU_SHAPE under each `mok run` variant of

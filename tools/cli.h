@@ -48,6 +48,7 @@ struct RunOptions {
   bool bulk_copies = false;          // --gpus: MoeConfig::ep_bulk_copies
   bool once = false;                 // walk-bench: one run of each walk (for ncu)
   bool pace_sweep = false;           // walk-bench: the GEMM's walk at a range of paces
+  bool fabric_probe = false;         // walk-bench: the L2 fabric probe instead of the walks
 };
 
 // The layer's config from the options (MoeConfig's defaults where unset); throws mok::Error if

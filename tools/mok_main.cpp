@@ -29,12 +29,15 @@ usage:
                         GPU: how fast the shape's expert weights stream in the GEMMs' access
                         pattern and others (TMA loads only; default dsv3)
   mok walk-bench [--shape NAME] [--routing KIND] [--seed S] [--once] [--pace-sweep]
+                 [--fabric-probe]
                         GPU: the row-tile GEMMs' operand loads replayed without their math,
                         walk by walk (tile shapes, groupings) over the shape's row tiles, paced
                         as their wgmmas hold a stage (default dsv3_e128); --once runs each
                         walk once, for ncu's sector counts; --pace-sweep replays only the
                         expert GEMM's walk at a range of holds per K-block, on 3 and 4 stages,
-                        and with one operand's loads (cycles per K-block, SM clock)
+                        and with one operand's loads (cycles per K-block, SM clock);
+                        --fabric-probe: each L2 partition's SMs reading an 8 MB buffer (for
+                        ncu's fabric sectors: are far lines kept in the near partition?)
   mok shapes            list the named shapes
   mok --help | --version
 
@@ -154,6 +157,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--pace-sweep") {
       options.pace_sweep = true;
+      continue;
+    }
+    if (flag == "--fabric-probe") {
+      options.fabric_probe = true;
       continue;
     }
     if (flag == "--persistent-backward") {
@@ -339,7 +346,7 @@ int walk_bench_command(RunOptions options) {
   if (options.shape_name.empty()) options.shape_name = "dsv3_e128";
   return mok::run_walk_bench(shape_from_options(options),
                              mok::routing_kind_from_name(options.routing), options.seed,
-                             options.once, options.pace_sweep);
+                             {options.once, options.pace_sweep, options.fabric_probe});
 }
 
 void list_shapes() {

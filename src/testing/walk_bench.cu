@@ -278,10 +278,64 @@ class WalkRunner {
   int num_sms_ = 0;
 };
 
+// The fabric probe: does an L2 partition keep copies of the lines its SMs read from the other
+// partition? The CTAs on the SMs of `reader` (0 or 1: that partition's slots; 2: every SM) each
+// read the whole buffer `repeats` times with L2-only loads (ld.global.cg, no L1), the others
+// leave. With copies kept, the fabric carries each far-homed line once per reading partition
+// (about half the buffer); without, once per read. ncu's fabric sectors of the three launches
+// tell which.
+__global__ void __launch_bounds__(1024, 1)
+    fabric_probe_kernel(const uint4* buffer, int64_t vectors, int32_t repeats,
+                        const int32_t* slot_of_sm, int32_t lower_slots, int32_t reader,
+                        unsigned int* sink) {
+  const int32_t slot = slot_of_sm[sm_id()];
+  if (reader < 2 && (slot < lower_slots ? 0 : 1) != reader) return;
+  unsigned int folded = 0;
+  for (int32_t r = 0; r < repeats; ++r)
+    for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
+      const uint4 v = __ldcg(buffer + i);
+      folded ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  if (folded == 0x9e3779b9u) atomicAdd(sink, 1u);  // keeps the loads; almost never taken
+}
+
+// Runs the fabric probe's three launches (partition 0 reads, partition 1 reads, every SM reads)
+// and prints their times. `slot_of_sm`: the layer's L2 slot table on the device.
+void run_fabric_probe(const int32_t* slot_of_sm, int32_t lower_slots, int num_sms, bool once) {
+  constexpr int64_t kBufferBytes = int64_t{8} << 20;  // fits the L2 many times over
+  constexpr int32_t kRepeats = 4;
+  DeviceBuffer buffer(kBufferBytes, "fabric probe buffer");
+  DeviceBuffer sink(sizeof(unsigned int), "fabric probe sink");
+  cuda_check(cudaMemset(buffer.pointer, 0x5a, kBufferBytes), "fabric probe buffer fill");
+  // More shared memory than two CTAs can share: one CTA per SM.
+  constexpr int kProbeShared = 120 * 1024;
+  cuda_check(cudaFuncSetAttribute(fabric_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kProbeShared),
+             "cudaFuncSetAttribute(fabric_probe_kernel)");
+  std::printf(
+      "  fabric probe: each reading CTA reads %lld MB %d times from L2 (ncu's fabric sectors:\n"
+      "  about half the buffer per reading partition if a partition keeps copies of far lines,\n"
+      "  about half of every read if not)\n",
+      static_cast<long long>(kBufferBytes >> 20), kRepeats);
+  const char* readers[] = {"partition 0's SMs", "partition 1's SMs", "every SM"};
+  for (int32_t reader = 0; reader < 3; ++reader) {
+    const double ms = median_event_ms(
+        [&] {
+          fabric_probe_kernel<<<num_sms, 1024, kProbeShared>>>(
+              buffer.as<uint4>(), kBufferBytes / 16, kRepeats, slot_of_sm, lower_slots, reader,
+              sink.as<unsigned int>());
+          cuda_check(cudaGetLastError(), "fabric_probe_kernel launch");
+        },
+        once ? 1 : 5, once ? 0 : 1);
+    std::printf("    %-18s read: %8.3f ms\n", readers[reader], ms);
+  }
+}
+
 }  // namespace
 
-int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bool once,
-                   bool pace_sweep) {
+int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
+                   const WalkBenchOptions& options) {
+  const bool once = options.once, pace_sweep = options.pace_sweep;
   const int64_t E = shape.num_local_experts(), H = shape.hidden, I = shape.intermediate;
   const std::vector<int32_t> tiles = walk_tiles_per_expert(shape, routing, seed);
   int64_t num_tiles = 0;
@@ -323,6 +377,14 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bo
     } else {
       std::printf("  the L2-partition placements are skipped\n");
     }
+  }
+  if (options.fabric_probe) {
+    if (partition_slot == nullptr)
+      throw Error(ErrorCode::kUnsupported,
+                  "walk-bench --fabric-probe: the L2 probe found no clear partitions here");
+    run_fabric_probe(partition_slot->as<int32_t>(), partition0_sms, runner.num_sms(), once);
+    cuda_check(cudaDeviceSynchronize(), "walk-bench fabric probe");
+    return 0;
   }
   // The walks to replay, each with its hold per 128 x 256 K-block (0: unpaced).
   struct Run {

@@ -1,15 +1,18 @@
 // `mok walk-bench` on a small shape, and its L2 partition probe: every walk of both forms runs to
 // its end, so each unit's armed bytes match what its boxes bring (a mismatch leaves a stage
 // unfilled, and the consumer's wait times out with a diagnosis), column tiles clipped at N included
-// (I = 320 ends gate/up in a 32-column tile, H = 448 the down GEMM in a 64-column one).
+// (I = 320 ends gate/up in a 32-column tile, H = 448 the down GEMM in a 64-column one). The
+// fabric probe's launches run where the partitions are found.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "layer/l2_partitions.h"
+#include "mok/error.h"
 #include "mok/testing/walk_bench.h"
 #include "test_util.h"
 
@@ -34,7 +37,24 @@ TEST(WalkBenchGpu, L2ProbeTimesEverySmOnce) {
 
 TEST(WalkBenchGpu, EveryWalkRunsOnASmallShape) {
   const MoeShape shape = test::make_shape(600, 448, 320, 8, 4);
-  EXPECT_EQ(run_walk_bench(shape, RoutingKind::kSkewed, 3, /*once=*/true), 0);
+  WalkBenchOptions once;
+  once.once = true;
+  EXPECT_EQ(run_walk_bench(shape, RoutingKind::kSkewed, 3, once), 0);
+}
+
+// The fabric probe runs its three launches where the L2 probe finds two partitions, and says so
+// where it does not.
+TEST(WalkBenchGpu, FabricProbeRunsWhereThePartitionsAreFound) {
+  const MoeShape shape = test::make_shape(600, 448, 320, 8, 4);
+  WalkBenchOptions probe;
+  probe.once = true;
+  probe.fabric_probe = true;
+  try {
+    EXPECT_EQ(run_walk_bench(shape, RoutingKind::kSkewed, 3, probe), 0);
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kUnsupported) << error.what();
+    EXPECT_NE(std::string(error.what()).find("no clear partitions"), std::string::npos);
+  }
 }
 
 }  // namespace

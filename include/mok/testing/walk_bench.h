@@ -80,13 +80,21 @@ int64_t walk_wave_unique_bytes(const WalkSpec& spec, WalkForm form,
                                int32_t grid);
 
 // Replays every walk of the built-in list for both forms on `shape`'s local experts, prints
-// ms, the bytes asked and their rate (median of 5 runs; `once`: one run each, for ncu) and
-// returns 0. `pace_sweep`: only the expert GEMM's walk, held 0..1536 SM cycles per 128 x 256
-// K-block on three and on four stages, then with only its A or only its B boxes, then on half
-// and a quarter of the SMs, each with block 0's cycles per K-block and SM clock: the fastest
-// pace the loads keep up with, which operand holds them back, and whether the load on the
-// shared memory system does. Needs a GPU.
-int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed, bool once,
-                   bool pace_sweep = false);
+// ms, the bytes asked and their rate (median of 5 runs) and returns 0. Needs a GPU.
+struct WalkBenchOptions {
+  bool once = false;  // one run of each walk, no warm-up (for ncu)
+  // Only the expert GEMM's walk, held 0..1536 SM cycles per 128 x 256 K-block on three and on
+  // four stages, then with only its A or only its B boxes, then on half and a quarter of the
+  // SMs, each with block 0's cycles per K-block and SM clock: the fastest pace the loads keep up
+  // with, which operand holds them back, and whether the load on the shared memory system does.
+  bool pace_sweep = false;
+  // Instead of the walks, the fabric probe: one L2 partition's SMs, then the other's, then every
+  // SM, read an 8 MB buffer from L2 (for ncu's fabric sectors: whether a partition keeps copies
+  // of the lines it reads from the other). Throws Error(kUnsupported) where the L2 probe finds
+  // no clear partitions.
+  bool fabric_probe = false;
+};
+int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
+                   const WalkBenchOptions& options = {});
 
 }  // namespace mok
