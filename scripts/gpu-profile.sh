@@ -10,13 +10,13 @@
 # `mok run` arguments, e.g. "--precision fp8_block") pick what ncu profiles; MOK_NCU_ARGS adds
 # ncu arguments (e.g. "--section ComputeWorkloadAnalysis"). MOK_WALK_SHAPES (e.g. "dsv3_e128
 # qwen3"; default none) runs `mok walk-bench` on each (walk_<shape>.log), then ncu's L2 fabric
-# and SM read sectors of each walk's one run (`--once`; ncu_walk_<shape>.txt). MOK_NCU_SOURCE=1
-# samples the warps' stalls per SASS instruction instead of ncu's default sections
-# (stalls_<shape>.txt: the top stall sites of each kernel). MOK_NCU_ENVS (entries VAR=value)
-# times the GEMM launches at MOK_NCU_SHAPE with each set (ncu_<shape>_<entry>.txt), and
-# MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2 throughput under each
-# `mok run` variant (ncu_l2_<n>.txt); either replaces the default sections. MOK_WALK_ARGS adds walk-bench arguments (e.g. --pace-sweep;
-# then no ncu of the walks). MOK_FABRIC_PROBE=1 runs the L2 fabric probe (below).
+# and SM read sectors of each walk's one run (`--once`; ncu_walk_<shape>.txt); MOK_WALK_ARGS adds
+# walk-bench arguments (e.g. --pace-sweep; then no ncu of the walks). MOK_FABRIC_PROBE=1 runs the
+# L2 fabric probe (below). Instead of ncu's default sections: MOK_NCU_SOURCE=1 samples the warps'
+# stalls per SASS instruction (stalls_<shape>.txt: the top stall sites of each kernel);
+# MOK_NCU_ENVS (entries VAR=value) times the GEMM launches with each set
+# (ncu_<shape>_<entry>.txt); MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2
+# throughput under each `mok run` variant (ncu_l2_<n>.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -88,6 +88,24 @@ if [ -n "${MOK_FABRIC_PROBE:-}" ]; then
   fi
 fi
 ncu_shape="${MOK_NCU_SHAPE-qwen3}"
+ncu_kernel="${MOK_NCU_KERNEL:-expert_gemm_kernel}"
+have_ncu=
+[ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1 && have_ncu=1
+# ncu on the first LAUNCHES launches of the GEMM kernels (MOK_NCU_KERNEL) of `mok run` at
+# MOK_NCU_SHAPE, clocks left alone: ncu_gemms LAUNCHES NCU_ARGS... [-- MOK_RUN_ARGS...]
+ncu_gemms() {
+  local launches=$1
+  shift
+  local ncu_args=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do
+    ncu_args+=("$1")
+    shift
+  done
+  [ $# -gt 0 ] && shift
+  timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none "${ncu_args[@]}" \
+    -k "regex:$ncu_kernel" --launch-count "$launches" \
+    "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 "$@"
+}
 # The L2's throughput by unit (ncu's breakdown: fabric, tags, data banks, crossbar) and the
 # sectors by source, for the GEMM launches at MOK_NCU_SHAPE under each `mok run` variant of
 # MOK_NCU_L2_VARIANTS (comma-separated argument sets, "plain" for none; e.g.
@@ -96,44 +114,39 @@ l2_metrics=gpu__time_duration.sum,breakdown:lts__throughput.avg.pct_of_peak_sust
 n=0
 IFS=, read -r -a l2_variants <<<"${MOK_NCU_L2_VARIANTS:-}"
 for variant in "${l2_variants[@]}"; do
-  [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1 || break
+  [ -n "$have_ncu" ] || break
   n=$((n + 1))
   args=()
   [ "$variant" != plain ] && read -r -a args <<<"$variant"
   echo "== ncu L2 breakdown at $ncu_shape, $variant"
-  timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --metrics "$l2_metrics" \
-    -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" --launch-count "${MOK_NCU_LAUNCHES:-2}" \
-    "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 --quick "${args[@]}" \
+  ncu_gemms "${MOK_NCU_LAUNCHES:-2}" --metrics "$l2_metrics" -- --quick "${args[@]}" \
     >"$OUT/ncu_l2_$n.txt" 2>&1 || status=1
-  grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|lts__|dram__|gpu__time" "$OUT/ncu_l2_$n.txt" |
+  grep -E "$ncu_kernel|lts__|dram__|gpu__time" "$OUT/ncu_l2_$n.txt" |
     sed -E 's/\(CUtensorMap_st.*//' | head -60
 done
-# Each entry VAR=value of MOK_NCU_ENVS (e.g. "MOK_GEMM_ABLATION=none MOK_GEMM_ABLATION=no-loads"
-# or "MOK_GEMM_WARP_STORES=0 MOK_GEMM_WARP_STORES=1") under ncu's SpeedOfLight: the GEMM
-# launches' durations, clocks and tensor-pipe activity with that variable set.
+# Each entry VAR=value of MOK_NCU_ENVS (e.g. "MOK_GEMM_ABLATION=none MOK_GEMM_ABLATION=no-loads")
+# under ncu's SpeedOfLight: the GEMM launches' durations, clocks and tensor-pipe activity with
+# that variable set.
+clock_metrics=sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
 for entry in ${MOK_NCU_ENVS:-}; do
-  [ -n "$ncu_shape" ] && command -v ncu >/dev/null 2>&1 || break
+  [ -n "$have_ncu" ] || break
   echo "== ncu at $ncu_shape, $entry"
   log="$OUT/ncu_${ncu_shape}_${entry//[^A-Za-z0-9_-]/_}.txt"
-  env "$entry" timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none \
-    --section SpeedOfLight --metrics sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
-    -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" --launch-count "${MOK_NCU_LAUNCHES:-6}" \
-    "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 ${MOK_NCU_RUN_ARGS:-} \
-    >"$log" 2>&1 # an ablated layer's check fails by design
-  grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|cycles_elapsed|hmma_cycles" "$log" |
+  # (an ablated layer's check fails by design: no status)
+  (export "$entry" && ncu_gemms "${MOK_NCU_LAUNCHES:-6}" --section SpeedOfLight \
+    --metrics "$clock_metrics" -- ${MOK_NCU_RUN_ARGS:-}) >"$log" 2>&1
+  grep -E "$ncu_kernel|Duration|cycles_elapsed|hmma_cycles" "$log" |
     sed -E 's/\(CUtensorMap_st.*//' | head -40
 done
-if [ -n "$ncu_shape" ] && [ -n "${MOK_NCU_SOURCE:-}" ] && command -v ncu >/dev/null 2>&1; then
+if [ -n "$have_ncu" ] && [ -n "${MOK_NCU_SOURCE:-}" ]; then
   # Where the warps stall, per SASS instruction: ncu's warp-state sampling into a report, its
   # details page (ncu_<shape>.txt), its source page (ncu_<shape>_sass.csv.gz) and the stall
   # sites of each kernel (stalls_<shape>.txt, scripts/ncu_stall_sites.py).
   echo "== ncu source counters at $ncu_shape"
   report="$OUT/ncu_$ncu_shape"
-  timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
-    --section WarpStateStats --section SourceCounters --import-source yes ${MOK_NCU_ARGS:-} \
-    -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" --launch-count "${MOK_NCU_LAUNCHES:-6}" \
-    -f -o "$report" "./$build_dir/mok" run --shape "$ncu_shape" --check-tokens 1 \
-    ${MOK_NCU_RUN_ARGS:-} >"$OUT/ncu_${ncu_shape}_run.log" 2>&1 || status=1
+  ncu_gemms "${MOK_NCU_LAUNCHES:-6}" --section SpeedOfLight --section WarpStateStats \
+    --section SourceCounters --import-source yes ${MOK_NCU_ARGS:-} -f -o "$report" \
+    -- ${MOK_NCU_RUN_ARGS:-} >"$OUT/ncu_${ncu_shape}_run.log" 2>&1 || status=1
   ncu -i "$report.ncu-rep" >"$OUT/ncu_$ncu_shape.txt" 2>&1 || status=1
   ncu -i "$report.ncu-rep" --page source --csv --print-source sass \
     >"$OUT/ncu_${ncu_shape}_sass.csv" 2>&1 || status=1
@@ -142,16 +155,14 @@ if [ -n "$ncu_shape" ] && [ -n "${MOK_NCU_SOURCE:-}" ] && command -v ncu >/dev/n
   cat "$OUT/stalls_$ncu_shape.txt"
   gzip -f "$OUT/ncu_${ncu_shape}_sass.csv"
   rm -f "$report.ncu-rep"
-  grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" \
+  grep -E "$ncu_kernel|Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued" \
     "$OUT/ncu_$ncu_shape.txt" | head -40
-elif [ -n "$ncu_shape" ] && [ -z "${MOK_NCU_ENVS:-}${MOK_NCU_L2_VARIANTS:-}" ] && command -v ncu >/dev/null 2>&1; then
+elif [ -n "$have_ncu" ] && [ -z "${MOK_NCU_ENVS:-}${MOK_NCU_L2_VARIANTS:-}" ]; then
   echo "== ncu at $ncu_shape"
-  timeout "${MOK_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-    --section Occupancy ${MOK_NCU_ARGS:-} -k "regex:${MOK_NCU_KERNEL:-expert_gemm_kernel}" \
-    --launch-count "${MOK_NCU_LAUNCHES:-6}" "./$build_dir/mok" run --shape "$ncu_shape" \
-    --check-tokens 1 ${MOK_NCU_RUN_ARGS:-} >"$OUT/ncu_$ncu_shape.txt" 2>&1 || status=1
-  grep -E "${MOK_NCU_KERNEL:-expert_gemm_kernel}|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
+  ncu_gemms "${MOK_NCU_LAUNCHES:-6}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section Occupancy ${MOK_NCU_ARGS:-} \
+    -- ${MOK_NCU_RUN_ARGS:-} >"$OUT/ncu_$ncu_shape.txt" 2>&1 || status=1
+  grep -E "$ncu_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
     "$OUT/ncu_$ncu_shape.txt" | head -80
 fi
 exit "$status"
