@@ -63,9 +63,8 @@ struct WalkParams {
   // Non-null: block 0's consumer writes {clock64, %globaltimer} at its first stage's wait and
   // after its last release, and its K-blocks: the SM clock and the cycles per K-block.
   long long* clock_probe;
-  int32_t operands;     // which boxes a stage loads: kLoadA | kLoadB (--pace-sweep's splits)
-  int32_t stages;       // ring depth: kStages, or up to kMaxStages of kNarrowStageBytes
-  int32_t stage_bytes;  // kStageBytes, or kNarrowStageBytes (128-row units only)
+  int32_t operands;  // which boxes a stage loads: kLoadA | kLoadB (--pace-sweep's splits)
+  int32_t stages;    // ring depth: kStages of kStageBytes, or kMaxStages of kNarrowStageBytes
   kernels::WaitContext wait;
 };
 
@@ -108,6 +107,7 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
   const int32_t slot0 = walk_slot(p);
   if (slot0 < 0) return;  // an SM the id table lacks (run_walk_bench checks the set first)
   int64_t g = 0;          // stages issued (producer) or consumed (consumer)
+  const int32_t stage_bytes = p.stages > kStages ? kNarrowStageBytes : kStageBytes;
   if (warp == 0) {
     if (lane != 0) return;
     for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
@@ -119,13 +119,13 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
         if (g >= p.stages)
           kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmFreeStage, &empty[slot],
                                  static_cast<uint32_t>((g / p.stages - 1) & 1));
-        unsigned char* stage = ring + slot * p.stage_bytes;
+        unsigned char* stage = ring + slot * stage_bytes;
         ptx::mbarrier_arrive_expect_tx(&full[slot], bytes);
         const int32_t k = kb * kBoxK;
         for (int32_t box = 0; box < ((p.operands & kLoadA) ? unit.y : 0); ++box)
           ptx::tma_load_2d(stage + box * kRowBox * kBoxK * 2, &p.a_map, &full[slot], k,
                            unit.x + box * kRowBox);
-        unsigned char* b = stage + p.stage_bytes - 32768;  // after the A boxes
+        unsigned char* b = stage + stage_bytes - 32768;  // after the A boxes
         const int32_t b_rows = (p.operands & kLoadB) ? min(p.b_rows, p.n_extent - unit.w) : 0;
         for (int32_t map = 0; map < (p.gate_up ? 2 : 1); ++map)
           for (int32_t r = 0; r < b_rows; r += p.b_box) {
@@ -219,10 +219,10 @@ const WalkCase kWalks[] = {
 // let the GEMM run at the pipe's rate; where a hold's time exceeds hold x K-blocks, the loads
 // set it.
 // Each hold runs on the GEMM's three stages and on four (kMaxStages): whether more bytes in
-// flight shorten a K-block. Then the three-stage ring at kSplitHolds with only the A boxes or
+// flight shorten a K-block. Then the three-stage ring at kCheckHolds with only the A boxes or
 // only the B boxes loaded: which operand's loads carry the cycles a K-block takes over its hold.
 const int32_t kPaceSweepHolds[] = {0, 768, 1024, 1152, 1280, 1408, 1536};
-const int32_t kSplitHolds[] = {1024, 1536};
+const int32_t kCheckHolds[] = {1024, 1536};
 // And the whole walk on half and a quarter of the SMs (each CTA taking more units): if the
 // extra cycles per K-block come from contention in the L2, the fabric or DRAM, they shrink with
 // the load; if from each SM's own loads, they stay.
@@ -341,9 +341,6 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
   int64_t num_tiles = 0;
   for (const int32_t t : tiles) num_tiles += t;
   const int64_t rows = num_tiles * 128;
-  // The operands, uninitialised: only their bytes' movement is timed.
-  DeviceBuffer a(rows * std::max(H, I) * 2, "walk-bench rows");
-  DeviceBuffer weights(E * 2 * I * H * 2, "walk-bench weights");
   WalkRunner runner;
   std::printf(
       "mok walk-bench: E=%lld H=%lld I=%lld, %s routing: %lld row tiles; %d CTAs, TMA "
@@ -386,6 +383,9 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
     cuda_check(cudaDeviceSynchronize(), "walk-bench fabric probe");
     return 0;
   }
+  // The operands, uninitialised: only their bytes' movement is timed.
+  DeviceBuffer a(rows * std::max(H, I) * 2, "walk-bench rows");
+  DeviceBuffer weights(E * 2 * I * H * 2, "walk-bench weights");
   // The walks to replay, each with its hold per 128 x 256 K-block (0: unpaced).
   struct Run {
     WalkCase walk;
@@ -405,14 +405,14 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
         runs.push_back({walk, hold, stages});
       }
     for (const int32_t operands : {kLoadA, kLoadB})
-      for (const int32_t hold : kSplitHolds) {
+      for (const int32_t hold : kCheckHolds) {
         WalkCase walk = kWalks[0];
         walk.spec.name = std::string("128 x 256, 3 stages, ") + (operands == kLoadA ? "A" : "B") +
                          " only, hold " + std::to_string(hold);
         runs.push_back({walk, hold, kStages, operands});
       }
     for (const int32_t divisor : kGridDivisors)
-      for (const int32_t hold : kSplitHolds) {
+      for (const int32_t hold : kCheckHolds) {
         const int32_t grid = runner.num_sms() / divisor;
         WalkCase walk = kWalks[0];
         walk.spec.name =
@@ -473,7 +473,6 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       p.clock_probe = pace_sweep ? clock_probe.as<long long>() : nullptr;
       p.stages = stages;
       p.operands = operands;
-      p.stage_bytes = stages > kStages ? kNarrowStageBytes : kStageBytes;
       if (stages > kStages && walk.spec.tile_rows != 128)
         throw Error(ErrorCode::kInternal, "walk-bench: a deeper ring needs 128-row units");
       p.sm_slot = walk.placement == Placement::kBlock         ? nullptr
