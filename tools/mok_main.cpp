@@ -35,7 +35,8 @@ usage:
                         as their wgmmas hold a stage (default dsv3_e128); --once runs each
                         walk once, for ncu's sector counts; --pace-sweep replays only the
                         expert GEMM's walk at a range of holds per K-block, on 3 and 4 stages,
-                        and with one operand's loads (cycles per K-block, SM clock);
+                        with one operand's loads, fewer stages held, fewer CTAs (cycles per
+                        K-block and where they go, SM clock);
                         --fabric-probe: each L2 partition's SMs reading an 8 MB buffer (for
                         ncu's fabric sectors: are far lines kept in the near partition?)
   mok shapes            list the named shapes

@@ -6,10 +6,15 @@
 // three-stage ring (four with --pace-sweep's deeper runs), arms the stage's full mbarrier with the
 // bytes its boxes bring, and issues them: one or two [128 x 64] boxes of A, then B (gate/up: tile_n
 // / 2 gate and tile_n / 2 up rows of [E, I, H], one box each; down: one box of tile_n rows of Wd
-// [E, H, I]). Warp 1 is the consumer: it waits for each stage in order, holds it as long as the
-// unit's wgmmas would (kCyclesPer128x256 per K-block of a 128 x 256 tile, in proportion to the
-// unit's rows x columns), and releases it on its empty mbarrier. Nothing else runs: the time and
-// ncu's sectors are the walk's loads alone.
+// [E, H, I]). Warp 1 is the consumer, a model of the GEMMs' tensor pipe: each K-block's math
+// takes the unit's hold (kCyclesPer128x256 per K-block of a 128 x 256 tile, in proportion to the
+// unit's rows x columns) and starts when the previous one ends or when its stage lands, if later.
+// Its times are deadlines on clock64, so the loop's own instructions add nothing while the
+// loads keep up: session 20's delay loop added ~500 cycles per K-block whatever was loaded
+// (session 21: as much with no loads at all). As the GEMMs' consumers do (wgmma wait_group 1), it
+// holds two stages, the running K-block's and the queued one's, and releases each on its empty
+// mbarrier when its math ends (--pace-sweep also runs one stage held, and none). Nothing else runs:
+// the time and ncu's sectors are the walk's loads alone.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -60,11 +65,14 @@ struct WalkParams {
   int32_t n_extent;
   int32_t cycles_per_a_box;  // pacing per 128 rows of A per K-block (0: unpaced)
   const int32_t* sm_slot;    // non-null: CTA on SM s takes the units of slot sm_slot[s]
-  // Non-null: block 0's consumer writes {clock64, %globaltimer} at its first stage's wait and
-  // after its last release, and its K-blocks: the SM clock and the cycles per K-block.
+  // Non-null: block 0 writes its ProbeSlot entries (the SM clock, the cycles per K-block, and
+  // where they go: the consumer's waits for a loaded stage, the producer's for a free one).
   long long* clock_probe;
   int32_t operands;  // which boxes a stage loads: kLoadA | kLoadB (--pace-sweep's splits)
   int32_t stages;    // ring depth: kStages of kStageBytes, or kMaxStages of kNarrowStageBytes
+  // Stages the consumer holds while the modeled tensor pipe runs (the kernel map above): 2 as
+  // the GEMMs' consumers do, 1, or 0 (each stage released as soon as it lands).
+  int32_t held_stages;
   kernels::WaitContext wait;
 };
 
@@ -81,6 +89,21 @@ __device__ __forceinline__ int32_t walk_slot(const WalkParams& p) {
 
 constexpr int32_t kLoadA = 1, kLoadB = 2;
 
+// Block 0's clock probe (WalkParams::clock_probe), in SM cycles where not said.
+enum ProbeSlot : int {
+  kProbeStartClock,    // the consumer's clock64 at its first wait
+  kProbeStartNs,       // and %globaltimer
+  kProbeEndClock,      // after its last release
+  kProbeEndNs,         //
+  kProbeKBlocks,       // stages consumed
+  kProbeConsumerWait,  // cycles in the waits for a stage not yet landed when tested
+  kProbeBlockedWaits,  // those waits
+  kProbeIssueToReady,  // over those waits: from the producer's issue to the stage's landing
+  kProbeProducerLead,  // over all waits: stages issued and not yet consumed, at the wait
+  kProbeProducerWait,  // the producer's cycles in the waits for a free stage
+  kProbeSlots
+};
+
 __device__ __forceinline__ uint32_t unit_bytes(const WalkParams& p, const int4& unit) {
   const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
   const int32_t b_loaded = ((b_rows + p.b_box - 1) / p.b_box) * p.b_box;  // whole boxes
@@ -92,6 +115,9 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
   extern __shared__ unsigned char dynamic_smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ uint64_t empty[kMaxStages];
+  // Block 0's probes: when the producer issued each stage, and how many it has issued.
+  __shared__ volatile long long issue_clock[kMaxStages];
+  __shared__ volatile long long issued;
   unsigned char* ring = &ptx::align_shared_1024<unsigned char>(dynamic_smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
@@ -102,23 +128,33 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
       ptx::mbarrier_init(&empty[s], 1);
     }
     ptx::fence_barrier_init();
+    issued = 0;
   }
   __syncthreads();
   const int32_t slot0 = walk_slot(p);
   if (slot0 < 0) return;  // an SM the id table lacks (run_walk_bench checks the set first)
   int64_t g = 0;          // stages issued (producer) or consumed (consumer)
   const int32_t stage_bytes = p.stages > kStages ? kNarrowStageBytes : kStageBytes;
+  const bool probed_block = p.clock_probe != nullptr && blockIdx.x == 0;
   if (warp == 0) {
     if (lane != 0) return;
+    long long producer_wait = 0;
     for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
       const int4 unit = p.units[u];
       if (unit.y == 0) continue;  // a slot's padding
       const uint32_t bytes = unit_bytes(p, unit);
       for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
         const int slot = static_cast<int>(g % p.stages);
+        const long long wait_start = clock64();
         if (g >= p.stages)
           kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmFreeStage, &empty[slot],
                                  static_cast<uint32_t>((g / p.stages - 1) & 1));
+        if (probed_block) {
+          const long long now = clock64();
+          producer_wait += now - wait_start;
+          issue_clock[slot] = now;
+          issued = g + 1;
+        }
         unsigned char* stage = ring + slot * stage_bytes;
         ptx::mbarrier_arrive_expect_tx(&full[slot], bytes);
         const int32_t k = kb * kBoxK;
@@ -135,33 +171,78 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
           }
       }
     }
+    if (probed_block) p.clock_probe[kProbeProducerWait] = producer_wait;
     return;
   }
-  const bool probes = p.clock_probe != nullptr && blockIdx.x == 0 && lane == 0;
+  const bool probes = probed_block && lane == 0;
+  long long start_clock = 0, consumer_wait = 0, blocked = 0, issue_to_ready = 0, lead = 0;
   if (probes) {
-    p.clock_probe[0] = clock64();
-    p.clock_probe[1] = static_cast<long long>(ptx::globaltimer_ns());
+    start_clock = clock64();
+    p.clock_probe[kProbeStartNs] = static_cast<long long>(ptx::globaltimer_ns());
   }
+  // The modeled tensor pipe: K-block g's math starts when the previous one's ends, or when its
+  // stage lands if that is later, and takes `hold` cycles. The times are deadlines, not
+  // delays, so the loop's own instructions cost nothing while the loads keep up.
+  long long pipe_free = 0;  // when the math issued so far ends
+  long long previous_end = 0;
+  int previous_slot = -1;  // held_stages 2: the stage whose math is still running
   for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
     if (p.units[u].y == 0) continue;
     const int32_t hold = p.cycles_per_a_box * p.units[u].y;
     for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
       const int slot = static_cast<int>(g % p.stages);
-      kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmLoadedStage, &full[slot],
-                             static_cast<uint32_t>((g / p.stages) & 1));
-      if (hold > 0) {
-        const long long start = clock64();
-        while (clock64() - start < hold) {
+      const uint32_t parity = static_cast<uint32_t>((g / p.stages) & 1);
+      if (probes) lead += issued - g;
+      long long start = pipe_free;
+      if (!ptx::mbarrier_test_wait(&full[slot], parity)) {
+        const long long wait_start = clock64();
+        kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmLoadedStage, &full[slot], parity);
+        const long long landed = clock64();
+        start = max(start, landed);
+        if (probes) {
+          consumer_wait += landed - wait_start;
+          ++blocked;
+          issue_to_ready += landed - issue_clock[slot];
         }
       }
+      if (pipe_free == 0) start = clock64();  // the first K-block
+      pipe_free = start + hold;
       __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
+      if (p.held_stages == 0) {
+        if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
+      } else if (p.held_stages == 1) {
+        while (clock64() < pipe_free) {
+        }
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
+      } else {
+        // As the GEMMs' consumers: this K-block's math queued behind the previous one, whose
+        // stage is released when it ends (wgmma wait_group 1).
+        if (previous_slot >= 0) {
+          while (clock64() < previous_end) {
+          }
+          __syncwarp();
+          if (lane == 0) ptx::mbarrier_arrive(&empty[previous_slot]);
+        }
+        previous_slot = slot;
+        previous_end = pipe_free;
+      }
     }
   }
+  while (clock64() < pipe_free) {
+  }
+  __syncwarp();
+  if (p.held_stages == 2 && previous_slot >= 0 && lane == 0)
+    ptx::mbarrier_arrive(&empty[previous_slot]);
   if (probes) {
-    p.clock_probe[2] = clock64();
-    p.clock_probe[3] = static_cast<long long>(ptx::globaltimer_ns());
-    p.clock_probe[4] = g;
+    p.clock_probe[kProbeStartClock] = start_clock;
+    p.clock_probe[kProbeEndClock] = clock64();
+    p.clock_probe[kProbeEndNs] = static_cast<long long>(ptx::globaltimer_ns());
+    p.clock_probe[kProbeKBlocks] = g;
+    p.clock_probe[kProbeConsumerWait] = consumer_wait;
+    p.clock_probe[kProbeBlockedWaits] = blocked;
+    p.clock_probe[kProbeIssueToReady] = issue_to_ready;
+    p.clock_probe[kProbeProducerLead] = lead;
   }
 }
 
@@ -392,7 +473,8 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
     int32_t hold;
     int32_t stages;
     int32_t operands = kLoadA | kLoadB;
-    int32_t grid = 0;  // CTAs; 0: one per SM
+    int32_t grid = 0;         // CTAs; 0: one per SM
+    int32_t held_stages = 2;  // as the GEMMs' consumers
   };
   std::vector<Run> runs;
   if (pace_sweep) {
@@ -419,18 +501,42 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
             "128 x 256, 3 stages, " + std::to_string(grid) + " CTAs, hold " + std::to_string(hold);
         runs.push_back({walk, hold, kStages, kLoadA | kLoadB, grid});
       }
+    // The ring's checks: stages that bring no bytes (the loop's own cost), the consumer holding
+    // one stage instead of two, or releasing each as it lands (more stages loading), each
+    // operand unpaced (what the loads alone sustain), and the walk on one CTA (no other SM
+    // loading).
+    const auto named = [&](const std::string& name) {
+      WalkCase walk = kWalks[0];
+      walk.spec.name = "128 x 256, 3 stages, " + name;
+      return walk;
+    };
+    runs.push_back({named("no loads, hold 1024"), 1024, kStages, 0});
+    for (const int32_t held : {1, 0})
+      for (const int32_t hold : kCheckHolds)
+        runs.push_back({named((held == 1 ? "one stage held, hold " : "released on landing, hold ") +
+                              std::to_string(hold)),
+                        hold, kStages, kLoadA | kLoadB, 0, held});
+    for (const int32_t operands : {kLoadA, kLoadB}) {
+      WalkCase walk = named(std::string(operands == kLoadA ? "A" : "B") + " only, unpaced");
+      walk.paced = false;
+      runs.push_back({walk, 0, kStages, operands});
+    }
+    runs.push_back({named("1 CTA, hold 1024"), 1024, kStages, kLoadA | kLoadB, 1});
   } else {
     for (const WalkCase& walk : kWalks)
       runs.push_back({walk, walk.paced ? kCyclesPer128x256 : 0, kStages});
   }
-  DeviceBuffer clock_probe(5 * sizeof(long long), "walk-bench clock probe");
+  DeviceBuffer clock_probe(kProbeSlots * sizeof(long long), "walk-bench clock probe");
   std::printf("  %-8s %-44s %7s %9s %9s %9s%s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
               "ms",
-              pace_sweep ? "   CTA 0: K-blocks, cycles each, GHz (hold x K-blocks / ms)" : "");
+              pace_sweep ? "   CTA 0: K-blocks, cycles each, GHz (hold x K-blocks / ms); per "
+                           "K-block: consumer wait, % blocked, issue to landing (blocked), "
+                           "stages ahead, producer wait"
+                         : "");
   for (const WalkForm form : {WalkForm::kGateUp, WalkForm::kDown}) {
     const bool gate_up = form == WalkForm::kGateUp;
     const int64_t k = gate_up ? H : I, n_extent = gate_up ? I : H;
-    for (const auto& [walk, hold, stages, operands, grid] : runs) {
+    for (const auto& [walk, hold, stages, operands, grid, held_stages] : runs) {
       if (walk.placement != Placement::kBlock && sm_slot == nullptr) continue;
       if (walk.placement == Placement::kL2Partition && partition_slot == nullptr) continue;
       std::vector<WalkLoad> loads = plan_walk(walk.spec, form, tiles, n_extent);
@@ -473,6 +579,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       p.clock_probe = pace_sweep ? clock_probe.as<long long>() : nullptr;
       p.stages = stages;
       p.operands = operands;
+      p.held_stages = held_stages;
       if (stages > kStages && walk.spec.tile_rows != 128)
         throw Error(ErrorCode::kInternal, "walk-bench: a deeper ring needs 128-row units");
       p.sm_slot = walk.placement == Placement::kBlock         ? nullptr
@@ -486,7 +593,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       const double wave = walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k,
                                                  grid > 0 ? grid : runner.num_sms()) /
                           1e9;
-      // A split run (one operand) asks for part of the walk's bytes: no byte columns.
+      // A split run (one operand, or none) asks for part of the walk's bytes: no byte columns.
       const bool whole = operands == (kLoadA | kLoadB);
       std::printf("  %-8s %-44s %7zu %9s %9s %9.3f", gate_up ? "gate/up" : "down",
                   walk.spec.name.c_str(),
@@ -496,15 +603,19 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       if (pace_sweep) {
         // The last run's block 0: its K-blocks, cycles per K-block and SM clock, and the time
         // its holds alone take over the measured time (1.00: the pace sets the time).
-        long long probe[5];
+        long long probe[kProbeSlots];
         cuda_check(cudaMemcpy(probe, clock_probe.pointer, sizeof(probe), cudaMemcpyDeviceToHost),
                    "walk-bench clock probe");
-        const double cycles = static_cast<double>(probe[2] - probe[0]);
-        const double ns = static_cast<double>(probe[3] - probe[1]);
+        const double cycles = static_cast<double>(probe[kProbeEndClock] - probe[kProbeStartClock]);
+        const double ns = static_cast<double>(probe[kProbeEndNs] - probe[kProbeStartNs]);
         const double ghz = ns > 0 ? cycles / ns : 0;
-        const double k_blocks = static_cast<double>(probe[4]);
-        std::printf("   %6.0f %7.0f %5.2f (%4.2f)", k_blocks, k_blocks > 0 ? cycles / k_blocks : 0,
-                    ghz, ghz > 0 ? hold * k_blocks / (ghz * 1e6) / ms : 0);
+        const double k_blocks = std::max(1.0, static_cast<double>(probe[kProbeKBlocks]));
+        const double blocked = static_cast<double>(probe[kProbeBlockedWaits]);
+        std::printf("   %6.0f %7.0f %5.2f (%4.2f) %6.0f %4.0f%% %6.0f %5.2f %6.0f", k_blocks,
+                    cycles / k_blocks, ghz, ghz > 0 ? hold * k_blocks / (ghz * 1e6) / ms : 0,
+                    probe[kProbeConsumerWait] / k_blocks, 100 * blocked / k_blocks,
+                    blocked > 0 ? probe[kProbeIssueToReady] / blocked : 0,
+                    probe[kProbeProducerLead] / k_blocks, probe[kProbeProducerWait] / k_blocks);
       }
       std::printf("\n");
     }

@@ -83,10 +83,11 @@ int64_t walk_wave_unique_bytes(const WalkSpec& spec, WalkForm form,
 // ms, the bytes asked and their rate (median of 5 runs) and returns 0. Needs a GPU.
 struct WalkBenchOptions {
   bool once = false;  // one run of each walk, no warm-up (for ncu)
-  // Only the expert GEMM's walk, held 0..1536 SM cycles per 128 x 256 K-block on three and on
-  // four stages, then with only its A or only its B boxes, then on half and a quarter of the
-  // SMs, each with block 0's cycles per K-block and SM clock: the fastest pace the loads keep up
-  // with, which operand holds them back, and whether the load on the shared memory system does.
+  // Only the expert GEMM's walk, its math modelled at 0..1536 SM cycles per 128 x 256 K-block
+  // on three and on four stages, then with only its A or only its B boxes, on half and a quarter
+  // of the SMs, with no loads, with one stage held or none instead of the GEMMs' two, and on one
+  // CTA; each with block 0's cycles per K-block, SM clock, and its waits: what a K-block costs
+  // when the loads are late, which operand holds them back, and whether contention does.
   bool pace_sweep = false;
   // Instead of the walks, the fabric probe: one L2 partition's SMs, then the other's, then every
   // SM, read an 8 MB buffer from L2 (for ncu's fabric sectors: whether a partition keeps copies

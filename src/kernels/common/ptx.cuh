@@ -55,6 +55,18 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* barrier, uint32_t ph
   return done != 0;
 }
 
+// Whether the phase has completed, without suspending the thread (mbarrier.test_wait).
+__device__ __forceinline__ bool mbarrier_test_wait(uint64_t* barrier, uint32_t phase) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_addr(barrier)), "r"(phase)
+      : "memory");
+  return done != 0;
+}
+
 // A load that later loads of this thread cannot pass (pairs with red.release / st.release at
 // gpu scope: the dependency counters).
 __device__ __forceinline__ unsigned long long acquire_load_u64(const unsigned long long* address) {
