@@ -37,6 +37,7 @@ struct RunOptions {
   bool cta_pairs = false;            // GPU: MoeConfig::gemm_cta_pairs
   bool wide_tiles = false;           // GPU: MoeConfig::gemm_wide_tiles
   bool l2_placement = false;         // GPU: MoeConfig::gemm_l2_placement
+  bool four_stages = false;          // GPU: MoeConfig::gemm_four_stages
   bool quick = false;                // GPU, one GPU: the layer against the baseline only
   std::vector<std::string> compare;  // --quick: knobs flipped and timed beside the layer
   int32_t gpus = 0;                  // > 0: the expert-parallel layer on this many GPUs

@@ -22,6 +22,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_cta_pairs = options.cta_pairs;
   config.gemm_wide_tiles = options.wide_tiles;
   config.gemm_l2_placement = options.l2_placement;
+  config.gemm_four_stages = options.four_stages;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
@@ -32,11 +33,17 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",           "persistent-forward",
-                                     "persistent-backward", "weight-grad-pingpong",
-                                     "skip-padding-rows",   "local-dispatch",
-                                     "wide-tiles",          "tile-group-N",
-                                     "l2-placement",        nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     "l2-placement",
+                                     "four-stages",
+                                     nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   mok::MoeConfig flipped = config;
@@ -63,6 +70,8 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_cta_pairs = false;
       flipped.gemm_wide_tiles = false;
     }
+  } else if (name == "four-stages") {
+    flipped.gemm_four_stages = !config.gemm_four_stages;
   } else if (name == "persistent-backward") {
     flipped.persistent_backward = !config.persistent_backward;
     if (flipped.persistent_backward) flipped.gemm_wide_tiles = false;

@@ -73,12 +73,14 @@ mok run options:
   --wide-tiles                 GPU: run the forward GEMMs and both dgrads in 256 x 192 tiles
   --l2-placement               GPU: the expert GEMMs' row tiles split between the L2's two
                                partitions (probed when the layer is built; same bits)
+  --four-stages                GPU: the forward's row-tile GEMMs on a ring of four stages, their
+                               outputs stored in two rounds of 128 columns (same bits)
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
                                (cta-pairs, persistent-forward, persistent-backward,
                                weight-grad-pingpong, skip-padding-rows, local-dispatch,
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
-                               l2-placement)
+                               l2-placement, four-stages)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -146,6 +148,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--l2-placement") {
       options.l2_placement = true;
+      continue;
+    }
+    if (flag == "--four-stages") {
+      options.four_stages = true;
       continue;
     }
     if (flag == "--quick") {

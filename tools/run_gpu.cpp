@@ -40,6 +40,7 @@ std::string variant_name(const mok::MoeConfig& config) {
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
+         (config.gemm_four_stages ? ", four-stage ring" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 

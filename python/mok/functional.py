@@ -78,6 +78,9 @@ class MoKConfig:
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
+    gemm_four_stages: run the forward's two row-tile GEMMs on a ring of four stages (their
+        outputs stored in two rounds of 128 columns; same bits; bf16 kernel sequence, without
+        CTA pairs or the expert-parallel push; off until measured faster).
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
@@ -111,6 +114,7 @@ class MoKConfig:
     gemm_wide_tiles: bool = False
     gemm_tile_group: int = 8
     gemm_l2_placement: bool = False
+    gemm_four_stages: bool = False
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
     check_finite: bool = False
@@ -132,6 +136,7 @@ class MoKConfig:
         config.gemm_wide_tiles = self.gemm_wide_tiles
         config.gemm_tile_group = self.gemm_tile_group
         config.gemm_l2_placement = self.gemm_l2_placement
+        config.gemm_four_stages = self.gemm_four_stages
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite

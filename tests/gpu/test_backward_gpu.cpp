@@ -155,7 +155,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(24);
+  std::vector<MoeConfig> configs(27);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -227,6 +227,16 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   // The expert GEMMs' row tiles split between the L2 partitions the layer's probe finds
   // (MoeConfig::gemm_l2_placement; the block walk where it finds none).
   configs[23].gemm_l2_placement = true;
+  // The forward's row-tile GEMMs on four stages, their outputs in two rounds of 128 columns
+  // (MoeConfig::gemm_four_stages): with 64-row tiles (this shape's experts average 175 rows), in
+  // 3-tile macrobatches (outputs at ring rows), and with the gather kernel and every padding row.
+  configs[24].gemm_four_stages = true;
+  configs[25].gemm_four_stages = true;
+  configs[25].minibatch_size = 128;
+  configs[25].macrobatch_size = 384;
+  configs[26].gemm_four_stages = true;
+  configs[26].local_dispatch = LocalDispatch::kGatherKernel;
+  configs[26].skip_padding_rows = false;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -246,7 +256,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << " skip padding " << config.skip_padding_rows << " ping-pong weight grads "
                      << config.weight_grad_pingpong << " 256 x 192 tiles " << config.gemm_wide_tiles
                      << " tile group " << config.gemm_tile_group << " L2 placement "
-                     << config.gemm_l2_placement << (with_context ? "" : ", no context"));
+                     << config.gemm_l2_placement << " four stages " << config.gemm_four_stages
+                     << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
@@ -320,6 +331,33 @@ TEST(BackwardGpu, WideTilesKeepTheBits) {
               << output << ", groups of " << group << (with_context ? "" : ", no context");
         });
       }
+    }
+  }
+}
+
+// The four-stage ring (MoeConfig::gemm_four_stages) alone, small enough for the sanitizers: the
+// forward's gate/up (with the fused gather) and down GEMMs, their outputs stored in two rounds of
+// 128 columns, give the bits of the three-stage ring, with and without the context. I = 320 ends
+// the gate/up GEMM in a 64-column tile (its second round stores nothing), H = 448 the down GEMM
+// in a 192-column one (its second round one chunk); the uniform routing's experts of ~150 rows
+// end in 64-row tiles, the skewed one's in both kinds.
+TEST(BackwardGpu, FourStagesKeepTheBits) {
+  const MoeShape shape = make_shape(300, 448, 320, 8, 4);
+  uint64_t seed = 1400;
+  for (const RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kSkewed}) {
+    SCOPED_TRACE(routing_kind_name(routing));
+    HostProblem problem = HostProblem::make(shape, routing, ++seed);
+    DeviceProblem device(problem, 0);
+    GpuLayer three_layer(shape, MoeConfig{});
+    MoeConfig four;
+    four.gemm_four_stages = true;
+    GpuLayer four_layer(shape, four);
+    for (const bool with_context : {true, false}) {
+      const HostRank want = test::gpu_step(three_layer, device, problem, with_context);
+      const HostRank got = test::gpu_step(four_layer, device, problem, with_context);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : ", no context");
+      });
     }
   }
 }

@@ -279,6 +279,7 @@ def test_config_switches_reach_the_native_config():
         "gemm_cta_pairs",
         "gemm_wide_tiles",
         "gemm_l2_placement",
+        "gemm_four_stages",
         "skip_padding_rows",
         "weight_grad_pingpong",
         "check_finite",

@@ -60,18 +60,38 @@ constexpr int kStageChunkBytes = BLOCK_M * 128;  // one [128 rows x 64 columns] 
 // Writes value(i, j) (two floats, rounded to a bf16 pair) for fragment row i and column groups
 // j in [kFirst, kLast) of this consumer warpgroup into the staging tile, at tile row row_base +
 // the fragment's row, column group j landing in chunk j / 8 of `tile`.
+// stage_fragments_at puts group kFirst in chunk first_chunk instead (the next ones after it).
 template <int kFirst, int kLast, typename Value>
-__device__ __forceinline__ void stage_fragments(char* tile, int row_base, Value value) {
+__device__ __forceinline__ void stage_fragments_at(char* tile, int first_chunk, int row_base,
+                                                   Value value) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = row_base + fragment_row(i);
 #pragma unroll
     for (int j = kFirst; j < kLast; ++j) {
-      const int offset = (j / 8) * kStageChunkBytes + row * 128 + (((j % 8) ^ (row % 8)) << 4) +
-                         (threadIdx.x % 4) * 4;
+      const int offset = (first_chunk + (j - kFirst) / 8) * kStageChunkBytes + row * 128 +
+                         (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
       const float2 pair = value(i, j);
       *reinterpret_cast<__nv_bfloat162*>(tile + offset) = __floats2bfloat162_rn(pair.x, pair.y);
     }
+  }
+}
+template <int kFirst, int kLast, typename Value>
+__device__ __forceinline__ void stage_fragments(char* tile, int row_base, Value value) {
+  static_assert(kFirst % 8 == 0, "column groups start a chunk");
+  stage_fragments_at<kFirst, kLast>(tile, kFirst / 8, row_base, value);
+}
+
+// Rows 64-127 of the first kChunks chunks as zeros (a 64-row tile's padding rows).
+template <int kChunks>
+__device__ __forceinline__ void zero_padding_rows(char* tile) {
+  const int thread = threadIdx.x - BLOCK_M;
+#pragma unroll
+  for (int q = 0; q < kChunks * 64 * 8 / kConsumerThreads; ++q) {
+    const int unit = thread + kConsumerThreads * q;
+    const int chunk = unit / (64 * 8), row = 64 + (unit / 8) % 64;
+    *reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + row * 128 +
+                              (((unit % 8) ^ (row % 8)) << 4)) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -93,15 +113,7 @@ __device__ __forceinline__ void stage_accumulators(char* tile, int consumer_idx,
     stage_fragments<16, 32>(base, row_base, value);
     return;
   }
-  // Rows 64-127 of the four chunks: 2048 16-byte units, eight per consumer thread.
-  const int thread = threadIdx.x - BLOCK_M;
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const int unit = thread + kConsumerThreads * q;
-    const int chunk = unit / (64 * 8), row = 64 + (unit / 8) % 64;
-    *reinterpret_cast<uint4*>(tile + chunk * kStageChunkBytes + row * 128 +
-                              (((unit % 8) ^ (row % 8)) << 4)) = make_uint4(0, 0, 0, 0);
-  }
+  zero_padding_rows<4>(tile);
 }
 
 // The issuing thread (the first consumer thread) waits until the previous store has read the
@@ -134,11 +146,13 @@ __device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char*
 // and bf16(u), so the bits are those of computing it from the accumulators; doing it from shared
 // memory, 16 bytes at a time, keeps the division's slow path from spilling the accumulators
 // (the eight units' h take 32 registers: no spills). Thread t handles the units t + 256 q of
-// chunks 0-1 (eight columns each).
+// chunks 0-1 (eight columns each). kGateChunks 1: one 64-column chunk of g and of u (chunks 0
+// and 1), as a round of the four-stage ring's epilogue stages them.
+template <int kGateChunks = 2>
 __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
                                              const ExpertGemmParams& params, int col_base, int row,
                                              bool issuer) {
-  constexpr int kUnitsPerThread = 2 * BLOCK_M * 8 / kConsumerThreads;
+  constexpr int kUnitsPerThread = kGateChunks * BLOCK_M * 8 / kConsumerThreads;
   const int thread = threadIdx.x - BLOCK_M;
   auto gate_unit_at = [&](int q) {
     const int unit = thread + kConsumerThreads * q;
@@ -154,7 +168,7 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
     const uint4* gate_unit = gate_unit_at(q);
     const uint4 gate = *gate_unit;
     const uint4 up = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(gate_unit) +
-                                                     2 * kStageChunkBytes);
+                                                     kGateChunks * kStageChunkBytes);
     // The branch-free division first; `a / b` for a unit with an operand outside its range
     // (swiglu.cuh: the same bits).
     if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h[q]))
@@ -165,7 +179,7 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
   for (int q = 0; q < kUnitsPerThread; ++q) *gate_unit_at(q) = h[q];
   publish_staging_tile();
   if (issuer) {
-    store_chunks(out, tile, 0, 2, col_base, params.n_extent, row, 0);
+    store_chunks(out, tile, 0, kGateChunks, col_base, params.n_extent, row, 0);
     ptx::bulk_commit_group();
   }
 }
@@ -192,6 +206,55 @@ __device__ __forceinline__ void push_tile_rows(const RowPush& push, const char* 
   }
 }
 
+// Round kRound of a tile's epilogue through a staging tile of two chunks (the four-stage ring,
+// MoeConfig::gemm_four_stages): 128 of the tile's 256 columns staged, stored and, for
+// kGateUpSwiGLU, turned into h before the next round overwrites them.
+//   kGateUpSwiGLU  round r: gate chunk r and up chunk r (staging chunks 0 and 1) to out2 / out3
+//                  at columns col_base + 64 r, then h's chunk r over the gate chunk, to out
+//   kDownStore     round r: the tile's chunks 2r and 2r + 1 to out at n_tile * 256 + 128 r
+// A 64-row tile's consumer c holds columns [128c, 128c + 128) (stage_accumulators): in the gate/up
+// it stages its chunk r into staging chunk c; in the down only consumer r stages, both its chunks.
+// Not with the expert-parallel push, which reads all 256 columns of a staged row.
+template <ExpertGemmForm kForm, int kRound, typename Fragment>
+__device__ __forceinline__ void store_round(const OutputMaps& maps, char* tile,
+                                            const ExpertGemmParams& params, const TileCoord& coord,
+                                            int consumer_idx, int row, bool issuer,
+                                            Fragment fragment) {
+  static_assert(kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kDownStore,
+                "the two-round epilogue serves the forward's row-tile forms");
+  acquire_staging_tile(issuer);
+  const int row_base = coord.half ? 0 : consumer_idx * 64;
+  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
+    if (coord.half) {
+      stage_fragments_at<8 * kRound, 8 * kRound + 8>(tile, consumer_idx, row_base, fragment);
+    } else {
+      stage_fragments_at<8 * kRound, 8 * kRound + 8>(tile, 0, row_base, fragment);
+      stage_fragments_at<16 + 8 * kRound, 24 + 8 * kRound>(tile, 1, row_base, fragment);
+    }
+    if (coord.half) zero_padding_rows<2>(tile);
+    publish_staging_tile();
+    const int col_base = coord.n_tile * 128 + 64 * kRound;
+    if (issuer) {
+      store_chunks(maps.out2, tile, 0, 1, col_base, params.n_extent, row, 0);
+      store_chunks(maps.out3, tile, 1, 1, col_base, params.n_extent, row, 0);
+      ptx::bulk_commit_group();
+    }
+    stage_swiglu<1>(maps.out, tile, params, col_base, row, issuer);
+  } else {
+    if (!coord.half)
+      stage_fragments_at<16 * kRound, 16 * kRound + 16>(tile, 0, row_base, fragment);
+    else if (consumer_idx == kRound)
+      stage_fragments_at<0, 16>(tile, 0, row_base, fragment);
+    if (coord.half) zero_padding_rows<2>(tile);
+    publish_staging_tile();
+    if (issuer) {
+      store_chunks(maps.out, tile, 0, 2, coord.n_tile * BLOCK_N + 128 * kRound, params.n_extent,
+                   row, 0);
+      ptx::bulk_commit_group();
+    }
+  }
+}
+
 template <ExpertGemmForm kForm, typename Storage>
 __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem,
                                            const ExpertGemmParams& params, const TileCoord& coord,
@@ -204,6 +267,11 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
   auto fragment = [&](int i, int j) {
     return make_float2(acc[j * 4 + i * 2], acc[j * 4 + i * 2 + 1]);
   };
+  if constexpr (Storage::kStagingChunks == 2) {
+    store_round<kForm, 0>(maps, tile, params, coord, consumer_idx, row, issuer, fragment);
+    store_round<kForm, 1>(maps, tile, params, coord, consumer_idx, row, issuer, fragment);
+    return;
+  }
 
   acquire_staging_tile(issuer);
   if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore) {

@@ -26,6 +26,8 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/macrobatch.h"
 #include "kernels/gemm/epilogue.cuh"
@@ -177,6 +179,16 @@ __device__ __forceinline__ void store_partial(const float (&acc)[128], float* va
 
 // Every form's epilogue leaves through the staging tile, which costs one stage of the ring.
 using FormStorage = GemmSharedStorage<kNumStages>;
+// The four-stage ring (kFourStages, MoeConfig::gemm_four_stages): a staging tile of 128 columns
+// (epilogue.cuh's store_round, two rounds per tile) makes room for a fourth stage, so two stages
+// load while the consumers hold two (docs/design.md, "What sets the row-tile GEMMs' time").
+using FourStageStorage = GemmSharedStorage<kNumStages + 1, BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N / 2>;
+static_assert(sizeof(FourStageStorage) + 1024 <= 227 * 1024, "four stages fit beside the tile");
+template <bool kFourStages>
+using StorageOf = std::conditional_t<kFourStages, FourStageStorage, FormStorage>;
+template <ExpertGemmForm kForm>
+constexpr bool kHasFourStages =
+    kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kDownStore;
 
 // Which forms run 64-row tiles (half_row_tiles): the forward's, whose B (the weights) is K-major.
 // Not the dgrads: there a 64-row tile finishes its K loop in half the time of its expert's
@@ -210,15 +222,19 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // non-wgmma definition of its registers) makes ptxas serialize every wgmma of the kernel (C7515):
 // that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
 // launches for macrobatches after the first can resume, and only they pay it.
-// kPaired: launched in clusters of two CTAs (CTA pairs, above).
-template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false>
+// kPaired: launched in clusters of two CTAs (CTA pairs, above). kFourStages: the four-stage ring
+// (FourStageStorage), the forward's row-tile forms alone.
+template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false,
+          bool kFourStages = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
     const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
     const __grid_constant__ CUtensorMap tmap_out, const __grid_constant__ CUtensorMap tmap_out2,
     const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
-  using Storage = FormStorage;
+  static_assert(!kFourStages || (kHasFourStages<kForm> && !kPaired && !kResumes),
+                "four stages: the forward's row-tile forms, without CTA pairs");
+  using Storage = StorageOf<kFourStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   const SegmentRows* shared_rows = nullptr;
@@ -329,13 +345,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   if constexpr (kPaired) ptx::cluster_sync();
 }
 
-template <ExpertGemmForm kForm, bool kResumes, bool kPaired>
+template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kFourStages = false>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
-  size_t smem_bytes = sizeof(FormStorage) + 1024;
+  size_t smem_bytes = sizeof(StorageOf<kFourStages>) + 1024;
   if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
-  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired>;
+  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kFourStages>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -375,6 +391,11 @@ template <ExpertGemmForm kForm, bool kResumes = false>
 cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                           bool cta_pairs, cudaStream_t stream) {
   if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, stream);
+  if constexpr (kHasFourStages<kForm> && !kResumes) {
+    // The two-round epilogue stages 128 columns at a time; the push reads whole rows.
+    if (params.four_stages && params.push.slot_peers == nullptr)
+      return launch_form<kForm, false, false, true>(maps, params, num_ctas, stream);
+  }
   return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
 }
 
@@ -411,6 +432,8 @@ namespace {
 const KernelPreloadList kPreload(
     "expert_gemm.cu",
     {kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, true>),

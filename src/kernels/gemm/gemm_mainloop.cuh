@@ -53,14 +53,17 @@ constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 
 // Shared memory of one CTA: the stage ring of (A kTileM x 64, B kTileN x 64) and the
-// epilogue's staging tile of kStagingRows x kTileN bf16 (128B-swizzled chunks of 64 columns,
-// epilogue.cuh). The expert GEMM's: 128 x 256 tiles, all 128 rows staged at once.
-template <int kStages, int kTileM = BLOCK_M, int kTileN = BLOCK_N, int kStagingRows = BLOCK_M>
+// epilogue's staging tile of kStagingRows x kStagingCols bf16 (128B-swizzled chunks of 64
+// columns, epilogue.cuh). The expert GEMM's: 128 x 256 tiles, all 128 rows and 256 columns
+// staged at once; with four stages, 128 columns at a time.
+template <int kStages, int kTileM = BLOCK_M, int kTileN = BLOCK_N, int kStagingRows = BLOCK_M,
+          int kStagingCols = kTileN>
 struct alignas(1024) GemmSharedStorage {
   static constexpr int kNumStagesHere = kStages;
+  static constexpr int kStagingChunks = kStagingCols / 64;
   __nv_bfloat16 a[kStages][kTileM * BLOCK_K];
   __nv_bfloat16 b[kStages][kTileN * BLOCK_K];
-  __nv_bfloat16 store_tile[kStagingRows * kTileN];
+  __nv_bfloat16 store_tile[kStagingRows * kStagingCols];
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
