@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A profiling call on a GPU device machine, lighter than gpu-check.sh: builds only the `mok` CLI
 # (Release), runs `mok run` on each shape of MOK_PROFILE_SHAPES (stage breakdowns, variants, the
-# ring; default "sonic_e128 dsv3_e128 dsv3"), then ncu on the expert GEMM kernels of the first
+# ring; default "sonic_e128 dsv3_e128 dsv3"; MOK_PROFILE_RUN_ARGS adds `mok run` arguments, e.g.
+# "--quick --compare four-stages"), then ncu on the expert GEMM kernels of the first
 # MOK_NCU_LAUNCHES launches (default 6: a forward's two GEMMs and a backward's four) at
 # MOK_NCU_SHAPE (default qwen3; empty: no ncu), clocks left alone. MOK_PROFILE_TESTS (a
 # GoogleTest filter, e.g. "Fp8*:BackwardGpu.CtaPairs*") also builds the GPU tests and runs those
@@ -53,8 +54,10 @@ for entry in ${MOK_PROFILE_SHAPES-sonic_e128 dsv3_e128 dsv3}; do
   check_tokens="${MOK_PROFILE_CHECK_TOKENS:-64}"
   [ "$shape" = dsv3 ] && check_tokens=0
   log="$OUT/run_${entry/:/_}.log"
+  # shellcheck disable=SC2086 # MOK_PROFILE_RUN_ARGS is a list of arguments
   timeout "${MOK_PROFILE_RUN_TIMEOUT:-200}" "./$build_dir/mok" run --shape "$shape" \
-    --check-tokens "$check_tokens" "${precision_args[@]}" >"$log" 2>&1 || status=1
+    --check-tokens "$check_tokens" "${precision_args[@]}" ${MOK_PROFILE_RUN_ARGS:-} >"$log" 2>&1 ||
+    status=1
   grep -E "ring|forward |backward |forward\+backward|stages|^    |^  [a-z_]+ +max|PASS|FAIL|rror" \
     "$log" | head -60
 done

@@ -73,8 +73,8 @@ mok run options:
   --wide-tiles                 GPU: run the forward GEMMs and both dgrads in 256 x 192 tiles
   --l2-placement               GPU: the expert GEMMs' row tiles split between the L2's two
                                partitions (probed when the layer is built; same bits)
-  --four-stages                GPU: the forward's row-tile GEMMs on a ring of four stages, their
-                               outputs stored in two rounds of 128 columns (same bits)
+  --four-stages                GPU: the row-tile GEMMs (forward and dgrads) on a ring of four
+                               stages, their outputs stored in two rounds of 128 columns
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
                                (cta-pairs, persistent-forward, persistent-backward,

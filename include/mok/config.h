@@ -107,12 +107,13 @@ struct MoeConfig {
   // bits either way. bf16, without CTA pairs or the 256 x 192 tiles. Off until measured faster
   // (written in session 18, not yet run).
   bool gemm_l2_placement = false;
-  // The forward's two row-tile GEMMs of the kernel sequence (gate/up + SwiGLU and down; not the
-  // persistent kernels, CTA pairs or the expert-parallel push) on a ring of four stages instead
-  // of three: their staging tile holds 128 columns instead of 256 and each tile's outputs leave
-  // in two rounds, so two stages load while the consumers hold two (one today). Same bits either
-  // way. Off until measured faster (written in session 21, not yet run; the ring model of
-  // `mok walk-bench --pace-sweep` predicts 16-18% off both GEMMs at dsv3_e128).
+  // The row-tile GEMMs of the kernel sequences (the forward's gate/up + SwiGLU and down, the
+  // backward's recompute and both dgrads; not the weight gradients, the persistent kernels, CTA
+  // pairs or the expert-parallel push) on a ring of four stages instead of three: their staging
+  // tile holds 128 columns instead of 256 and each tile's outputs leave in two rounds, so two
+  // stages load while the consumers hold two (one today). Same bits either way. Off until
+  // measured faster (written in session 21, not yet run; the ring model of `mok walk-bench
+  // --pace-sweep` predicts 16-18% off the forward's GEMMs at dsv3_e128).
   bool gemm_four_stages = false;
   // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
   // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile

@@ -78,9 +78,9 @@ class MoKConfig:
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
-    gemm_four_stages: run the forward's two row-tile GEMMs on a ring of four stages (their
-        outputs stored in two rounds of 128 columns; same bits; bf16 kernel sequence, without
-        CTA pairs or the expert-parallel push; off until measured faster).
+    gemm_four_stages: run the row-tile GEMMs (forward and dgrads) on a ring of four stages
+        (their outputs stored in two rounds of 128 columns; same bits; bf16 kernel sequences,
+        without CTA pairs or the expert-parallel push; off until measured faster).
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).

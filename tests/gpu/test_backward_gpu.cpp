@@ -336,11 +336,12 @@ TEST(BackwardGpu, WideTilesKeepTheBits) {
 }
 
 // The four-stage ring (MoeConfig::gemm_four_stages) alone, small enough for the sanitizers: the
-// forward's gate/up (with the fused gather) and down GEMMs, their outputs stored in two rounds of
-// 128 columns, give the bits of the three-stage ring, with and without the context. I = 320 ends
-// the gate/up GEMM in a 64-column tile (its second round stores nothing), H = 448 the down GEMM
-// in a 192-column one (its second round one chunk); the uniform routing's experts of ~150 rows
-// end in 64-row tiles, the skewed one's in both kinds.
+// forward's gate/up (with the fused gather) and down GEMMs, the backward's recompute (without the
+// context) and both dgrads, their outputs stored in two rounds of 128 columns, give the bits of
+// the three-stage ring. I = 320 ends the gate/up GEMM and the down dgrad in a 64-column tile
+// (the second round stores nothing), H = 448 the down GEMM and the gate/up dgrad in a
+// 192-column one (the second round one chunk); the uniform routing's experts of ~150 rows end in
+// 64-row tiles, the skewed one's in both kinds.
 TEST(BackwardGpu, FourStagesKeepTheBits) {
   const MoeShape shape = make_shape(300, 448, 320, 8, 4);
   uint64_t seed = 1400;

@@ -211,7 +211,9 @@ __device__ __forceinline__ void push_tile_rows(const RowPush& push, const char* 
 // kGateUpSwiGLU, turned into h before the next round overwrites them.
 //   kGateUpSwiGLU  round r: gate chunk r and up chunk r (staging chunks 0 and 1) to out2 / out3
 //                  at columns col_base + 64 r, then h's chunk r over the gate chunk, to out
-//   kDownStore     round r: the tile's chunks 2r and 2r + 1 to out at n_tile * 256 + 128 r
+//   kGateUpStore   round r: gate chunk r and up chunk r to out / out2
+//   kDownStore, kDownGrad, kGateUpGradStore  round r: the tile's chunks 2r and 2r + 1 to out at
+//                  n_tile * 256 + 128 r
 // A 64-row tile's consumer c holds columns [128c, 128c + 128) (stage_accumulators): in the gate/up
 // it stages its chunk r into staging chunk c; in the down only consumer r stages, both its chunks.
 // Not with the expert-parallel push, which reads all 256 columns of a staged row.
@@ -220,11 +222,13 @@ __device__ __forceinline__ void store_round(const OutputMaps& maps, char* tile,
                                             const ExpertGemmParams& params, const TileCoord& coord,
                                             int consumer_idx, int row, bool issuer,
                                             Fragment fragment) {
-  static_assert(kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kDownStore,
-                "the two-round epilogue serves the forward's row-tile forms");
+  static_assert(kForm != ExpertGemmForm::kWeightGrad, "the two-round epilogue serves row tiles");
+  constexpr bool kGateUp =
+      kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kGateUpStore;
+  constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
   acquire_staging_tile(issuer);
   const int row_base = coord.half ? 0 : consumer_idx * 64;
-  if constexpr (kForm == ExpertGemmForm::kGateUpSwiGLU) {
+  if constexpr (kGateUp) {
     if (coord.half) {
       stage_fragments_at<8 * kRound, 8 * kRound + 8>(tile, consumer_idx, row_base, fragment);
     } else {
@@ -235,11 +239,11 @@ __device__ __forceinline__ void store_round(const OutputMaps& maps, char* tile,
     publish_staging_tile();
     const int col_base = coord.n_tile * 128 + 64 * kRound;
     if (issuer) {
-      store_chunks(maps.out2, tile, 0, 1, col_base, params.n_extent, row, 0);
-      store_chunks(maps.out3, tile, 1, 1, col_base, params.n_extent, row, 0);
+      store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 1, col_base, params.n_extent, row, 0);
+      store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 1, 1, col_base, params.n_extent, row, 0);
       ptx::bulk_commit_group();
     }
-    stage_swiglu<1>(maps.out, tile, params, col_base, row, issuer);
+    if constexpr (kSwiGLU) stage_swiglu<1>(maps.out, tile, params, col_base, row, issuer);
   } else {
     if (!coord.half)
       stage_fragments_at<16 * kRound, 16 * kRound + 16>(tile, 0, row_base, fragment);

@@ -187,8 +187,7 @@ static_assert(sizeof(FourStageStorage) + 1024 <= 227 * 1024, "four stages fit be
 template <bool kFourStages>
 using StorageOf = std::conditional_t<kFourStages, FourStageStorage, FormStorage>;
 template <ExpertGemmForm kForm>
-constexpr bool kHasFourStages =
-    kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kDownStore;
+constexpr bool kHasFourStages = FormTraits<kForm>::kRowTiles;
 
 // Which forms run 64-row tiles (half_row_tiles): the forward's, whose B (the weights) is K-major.
 // Not the dgrads: there a 64-row tile finishes its K loop in half the time of its expert's
@@ -223,7 +222,7 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
 // that cost the one-macrobatch weight gradients 11% (4.85 -> 5.38 ms at dsv3_local). Only
 // launches for macrobatches after the first can resume, and only they pay it.
 // kPaired: launched in clusters of two CTAs (CTA pairs, above). kFourStages: the four-stage ring
-// (FourStageStorage), the forward's row-tile forms alone.
+// (FourStageStorage), the row-tile forms alone.
 template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false,
           bool kFourStages = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_out3, const ExpertGemmParams params) {
   using Traits = FormTraits<kForm>;
   static_assert(!kFourStages || (kHasFourStages<kForm> && !kPaired && !kResumes),
-                "four stages: the forward's row-tile forms, without CTA pairs");
+                "four stages: the row-tile forms, without CTA pairs");
   using Storage = StorageOf<kFourStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
@@ -434,6 +433,9 @@ const KernelPreloadList kPreload(
     {kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, true>),

@@ -118,9 +118,9 @@ struct ExpertGemmParams {
   // MoeConfig::weight_grad_pingpong: kWeightGrad in weight_grad_pingpong.cu (one macrobatch, no
   // CTA pairs; expert_gemm.cu's form otherwise).
   int32_t weight_grad_pingpong;
-  // MoeConfig::gemm_four_stages: kGateUpSwiGLU and kDownStore on a ring of four stages (a staging
-  // tile of 128 columns, stored in two rounds), without CTA pairs or the push (the launcher's
-  // choice; expert_gemm.cu). Same bits either way.
+  // MoeConfig::gemm_four_stages: the row-tile forms on a ring of four stages (a staging tile of
+  // 128 columns, stored in two rounds), without CTA pairs or the push (the launcher's choice;
+  // expert_gemm.cu). Same bits either way.
   int32_t four_stages;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
