@@ -32,12 +32,17 @@
 // ranks' pairs go to their slots as the tile is stored, after the call's exchange as the push
 // kernel's did, and return_rows launches only the push's signal, behind the GEMMs on the
 // stream. The backward's dx rows leave the gate/up dgrad's epilogue the same way, after the
-// backward's exchange (or barrier), which every rank enters after its forward's combine.
+// backward's exchange (or barrier), which every rank enters after its forward's combine; and
+// with the kernel sequence the down dgrad GEMM's producer warps pull the d_out rows from the
+// source ranks' published d_out (backward_rows), after that same barrier. A rank publishes its
+// next d_out only in its next backward, after the next forward's exchange, which every rank
+// enters only once this backward is done.
 #include "comm/ep_exchange.h"
 
 #include <string>
 
 #include "kernels/stages/launch.h"
+#include "layer/expert_engine.h"
 #include "layer/gpu_layer_state.h"
 #include "mok/schedule_gpu.h"
 
@@ -71,19 +76,7 @@ class EpExchange final : public TokenExchange {
 
   kernels::FusedGather forward_rows(GpuLayer::State& s, const ForwardArgs& args, int32_t m,
                                     cudaStream_t stream, const StageMarker&) override {
-    if (gemms_move_rows(s)) {
-      // The fused gather of the local exchange, its rows read from the source ranks' published
-      // x: the pull dispatch runs in the GEMM's producer warps.
-      const ScheduleView view = s.routed.view();
-      kernels::FusedGather gather = fused_gather(
-          s, args.x, s.rows, s.gather_state.as<unsigned long long>(), m * s.ring_rows, s.ring_rows);
-      gather.peer_x = ep_.peers<const __nv_bfloat16>(ep_.memory->x);
-      gather.row_recv = view.row_recv;
-      gather.recv_offsets = view.recv_offsets;
-      gather.recv_tokens = view.recv_tokens;
-      gather.num_ranks = ep_.num_ranks;
-      return gather;
-    }
+    if (gemms_move_rows(s)) return pull_gather(s, args.x, ep_.memory->x, s.rows, m);
     expand_received(s, false, args.x.data, s.rows.pointer, m * s.ring_rows, stream);
     return {};
   }
@@ -105,16 +98,19 @@ class EpExchange final : public TokenExchange {
       exchange(s, &fwd.top_experts, fwd.router_weights.data_as<const float>(), stream);
       build_schedule(s, fwd.top_experts, stream);
     }
-    receive_rows(s, args.d_out, ep_.memory->d_out, ep_.received_d_out, ep_.memory->received_d_out,
-                 stream);
+    if (!dgrad_pulls(s))  // else the down dgrad GEMM pulls them (backward_rows)
+      receive_rows(s, args.d_out, ep_.memory->d_out, ep_.received_d_out, ep_.memory->received_d_out,
+                   stream);
     // With the context, the forward's received x rows are still here: the macrobatches the
     // backward recomputes expand them again. A forward that pulled its rows inside the GEMM
     // left none: they are pulled now if a macrobatch is recomputed (the published x is still
     // the context's: a later forward would have replaced the context).
     if (!use_context || (ep_.dispatch_in_gemm && s.num_macrobatches > 1))
       receive_rows(s, fwd.x, ep_.memory->x, ep_.received, ep_.memory->received_x, stream);
-    mark(use_context ? "barrier + d_out dispatch"
-                     : "routing exchange + schedule + d_out, x dispatch");
+    const bool pulls = dgrad_pulls(s);
+    mark(use_context ? (pulls ? "barrier" : "barrier + d_out dispatch")
+                     : (pulls ? "routing exchange + schedule + x dispatch"
+                              : "routing exchange + schedule + d_out, x dispatch"));
     // Each pair's gradient goes to its source rank's buffer; the weights are every rank's,
     // gathered by the exchange.
     RouterWeightRoute route;
@@ -128,10 +124,14 @@ class EpExchange final : public TokenExchange {
                              bool recompute, bool, cudaStream_t stream,
                              const StageMarker&) override {
     const int64_t row_begin = m * s.ring_rows;
-    expand_received(s, true, args.d_out.data, s.d_out_rows.pointer, row_begin, stream);
+    BackwardRows rows;
+    if (dgrad_pulls(s))
+      rows.d_out = pull_gather(s, args.d_out, ep_.memory->d_out, s.d_out_rows, m);
+    else
+      expand_received(s, true, args.d_out.data, s.d_out_rows.pointer, row_begin, stream);
     if (recompute)
       expand_received(s, false, args.forward.x.data, s.rows.pointer, row_begin, stream);
-    return {};
+    return rows;
   }
 
   // The rows come from the other ranks: they are expanded before the kernel.
@@ -291,6 +291,27 @@ class EpExchange final : public TokenExchange {
   // move (T is the same on every rank).
   bool gemms_move_rows(const GpuLayer::State& s) const {
     return ep_.dispatch_in_gemm && s.shape.num_tokens > 0;
+  }
+  // And whether the backward's down dgrad GEMM pulls the d_out rows (its engine, the kernel
+  // sequence, runs the gather; the persistent backward takes them expanded).
+  bool dgrad_pulls(const GpuLayer::State& s) const {
+    return gemms_move_rows(s) && s.backward_engine->dgrad_gathers_d_out();
+  }
+  // The local exchange's fused gather of macrobatch m into `rows`, each row read from its source
+  // rank's published `symmetric` buffer (x or d_out): the pull dispatch in a GEMM's producer
+  // warps.
+  kernels::FusedGather pull_gather(GpuLayer::State& s, const TensorView& source,
+                                   const std::unique_ptr<SymmetricMemory>& symmetric,
+                                   const DeviceBuffer& rows, int32_t m) const {
+    const ScheduleView view = s.routed.view();
+    kernels::FusedGather gather = fused_gather(
+        s, source, rows, s.gather_state.as<unsigned long long>(), m * s.ring_rows, s.ring_rows);
+    gather.peer_x = ep_.peers<const __nv_bfloat16>(symmetric);
+    gather.row_recv = view.row_recv;
+    gather.recv_offsets = view.recv_offsets;
+    gather.recv_tokens = view.recv_tokens;
+    gather.num_ranks = ep_.num_ranks;
+    return gather;
   }
 
   EpRank& ep_;

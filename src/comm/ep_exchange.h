@@ -28,7 +28,8 @@ struct EpRank {
   kernels::RowCopy row_copy = kernels::RowCopy::kWarp;  // MoeConfig::ep_bulk_copies
   bool push_dispatch = false;                           // MoeConfig::ep_push_dispatch
   // MoeConfig::ep_dispatch_in_gemm: the forward's x rows pulled by the gate/up GEMM's producer
-  // warps (a bf16 layer with the producer-warps local dispatch), not by a dispatch kernel.
+  // warps (a bf16 layer with the producer-warps local dispatch), not by a dispatch kernel; and
+  // the backward's d_out rows by the down dgrad GEMM's (the kernel sequence).
   bool dispatch_in_gemm = false;
   const EpSymmetric* memory = nullptr;
   int32_t piece = 0;            // this rank's index among the process's pieces

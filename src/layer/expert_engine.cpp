@@ -37,10 +37,12 @@ class PersistentForward final : public ForwardEngine {
 class SequenceBackward final : public BackwardEngine {
  public:
   bool gathers_in_kernel() const override { return false; }
+  bool dgrad_gathers_d_out() const override { return true; }
   void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,
-                  const ExpertSetBackward*, bool recompute, const BackwardRows&, int32_t m,
+                  const ExpertSetBackward*, bool recompute, const BackwardRows& rows, int32_t m,
                   cudaStream_t stream, const StageMarker& mark) override {
-    stages::backward_experts(s, routed, recompute, stream, mark, s.num_macrobatches > 1 ? m : -1);
+    stages::backward_experts(s, routed, recompute, stream, mark, s.num_macrobatches > 1 ? m : -1,
+                             rows.d_out);
   }
   void shared_expert(const GpuLayer::State& s, const ExpertSetBackward* shared, bool recompute,
                      cudaStream_t stream, const StageMarker& mark) override {

@@ -43,6 +43,9 @@ class BackwardEngine {
   virtual bool gathers_in_kernel() const = 0;
   // Whether a backward without weight gradients (frozen weights, BackwardArgs) can skip them.
   virtual bool skips_weight_gradients() const { return true; }
+  // Whether the down dgrad GEMM runs BackwardRows::d_out's gather in its producer warps (the
+  // kernel sequence; the expert-parallel exchange's pull under MoeConfig::ep_dispatch_in_gemm).
+  virtual bool dgrad_gathers_d_out() const { return false; }
   // Macrobatch m of the routed experts (`recompute`: g and u again first); `shared` as in
   // ForwardEngine::macrobatch.
   virtual void macrobatch(const GpuLayer::State& s, const ExpertSetBackward& routed,

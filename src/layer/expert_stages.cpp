@@ -324,7 +324,8 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward
 
 // Backward of one expert set (gpu_layer_state.h).
 void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool recompute,
-                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index) {
+                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index,
+                      const kernels::FusedGather& d_out_gather) {
   const ExpertSet& set = *b.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts,
                 R = set.capacity_rows;
@@ -357,12 +358,21 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
-  if (s.config.gemm_wide_tiles)
+  if (s.config.gemm_wide_tiles) {  // (can_implement refused the pull they do not make)
     launch_wide(s, kernels::ExpertGemmForm::kDownGrad, wide_maps(maps), params, stream,
                 "down dgrad GEMM");
-  else
+  } else {
+    params.gather = d_out_gather;
     launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
-  mark("down dgrad");
+    params.gather = kernels::FusedGather{};
+  }
+  if (d_out_gather.x != nullptr) {
+    cuda_check(kernels::launch_advance_epoch(d_out_gather.epoch, stream),
+               "advance the gather epoch");
+    mark("pull d_out + down dgrad");
+  } else {
+    mark("down dgrad");
+  }
   const ScheduleView view = set.view();
   const int64_t window_begin = params.macrobatch.ring_row_base;
   const int64_t window_rows = params.macrobatch.rows > 0 ? params.macrobatch.rows : INT64_MAX;

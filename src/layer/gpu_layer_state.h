@@ -227,9 +227,12 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward
 // Recompute g, u (with `recompute`), dgrad of down with the SwiGLU backward (d_g, d_u, h_w,
 // the routed pairs' d_router_weights), the dx rows, the three weight gradients.
 // `macrobatch_index` < 0: one pass over all rows; else macrobatch m of the routed experts (the
-// weight gradients continue across macrobatches through the partial slots).
+// weight gradients continue across macrobatches through the partial slots). With `d_out_gather`
+// set (its x), the down dgrad GEMM's producer warps gather the d_out rows into set.d_out_rows
+// first (the expert-parallel pull, MoeConfig::ep_dispatch_in_gemm); else they are there.
 void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& set, bool recompute,
-                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index = -1);
+                      cudaStream_t stream, const StageMarker& mark, int32_t macrobatch_index = -1,
+                      const kernels::FusedGather& d_out_gather = {});
 // The same as one persistent kernel (MoeConfig::persistent_backward; one macrobatch): the rows
 // and d_out rows are gathered inside it by the gathers whose `x` is set, else before it; with
 // `shared`, the shared expert's backward runs in the same launch. The d_x combine runs after it.

@@ -144,16 +144,18 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   // gradients' partials across boundaries (pull and push dispatch).
   // The persistent backward: its SwiGLU tasks write the router-weight gradients into the
   // source ranks' buffers.
-  // The forward's communication inside its GEMMs (the gate/up GEMM's producer warps pull the
-  // rows from the peers' published x, the down GEMM's epilogue pushes the rows into their
-  // slots), alone and with macrobatches (the backward then pulls x for the recomputed ones).
+  // The communication inside the GEMMs (the gate/up GEMM's producer warps pull the rows from
+  // the peers' published x, the down GEMM's epilogue pushes the rows into their slots, the down
+  // dgrad's producer warps pull the d_out rows, the gate/up dgrad's epilogue pushes the dx rows),
+  // alone, with macrobatches (the backward then pulls x for the recomputed ones and d_out per
+  // macrobatch), and with the persistent backward (which takes the d_out rows expanded).
   // The forward GEMMs and the dgrads in 256 x 192 tiles (MoeConfig::gemm_wide_tiles) on each
   // rank.
   // FP8 holds one macrobatch and runs the kernel sequences: its variants are the data movement.
   for (const std::string variant :
        {"bulk copies", "push dispatch", "macrobatches", "push dispatch + macrobatches",
         "persistent backward", "in-GEMM communication", "in-GEMM communication + macrobatches",
-        "256 x 192 tiles"}) {
+        "in-GEMM communication + persistent backward", "256 x 192 tiles"}) {
     if (fp8 && variant != "bulk copies" && variant != "push dispatch") continue;
     MoeConfig variant_config = config;
     const bool push = variant.find("push") != std::string::npos;
@@ -161,7 +163,7 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
     variant_config.ep_bulk_copies = variant == "bulk copies";
     variant_config.ep_push_dispatch = push;
     variant_config.ep_dispatch_in_gemm = variant.find("in-GEMM") != std::string::npos;
-    variant_config.persistent_backward = variant == "persistent backward";
+    variant_config.persistent_backward = variant.find("persistent backward") != std::string::npos;
     variant_config.gemm_wide_tiles = variant == "256 x 192 tiles";
     if (macrobatches) {
       variant_config.minibatch_size = 128;

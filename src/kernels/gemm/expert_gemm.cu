@@ -12,7 +12,8 @@
 //   kWeightGrad     (expert, m, n) over each expert's [M, N] output, K = the expert's rows.
 // Fused local dispatch (kGateUpSwiGLU with params.gather.x set): the producer warpgroup's warps
 // 1-3 gather the routed x rows while warp 0's TMA thread waits per tile for its rows
-// (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it.
+// (dispatch_local.cuh), so the gather overlaps the GEMM instead of running before it. kDownGrad
+// the same with the d_out rows (the expert-parallel backward's pull, ep_exchange.cpp).
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
 // (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
@@ -262,7 +263,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
-    constexpr bool kCanGather = kForm == ExpertGemmForm::kGateUpSwiGLU;
+    // The forward's x rows, or the backward's d_out rows (the expert-parallel pull).
+    constexpr bool kCanGather =
+        kForm == ExpertGemmForm::kGateUpSwiGLU || kForm == ExpertGemmForm::kDownGrad;
     const bool gathers = kCanGather && params.gather.x != nullptr;
     if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&tmap_a0);
