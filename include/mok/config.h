@@ -111,9 +111,10 @@ struct MoeConfig {
   // backward's recompute and both dgrads; not the weight gradients, the persistent kernels, CTA
   // pairs or the expert-parallel push) on a ring of four stages instead of three: their staging
   // tile holds 128 columns instead of 256 and each tile's outputs leave in two rounds, so two
-  // stages load while the consumers hold two (one today). Same bits either way. Off until
-  // measured faster (written in session 21, not yet run; the ring model of `mok walk-bench
-  // --pace-sweep` predicts 16-18% off the forward's GEMMs at dsv3_e128).
+  // stages load while the consumers hold two (one today). Same bits either way. Off: session
+  // 15's forward-only version of the same ring measured 1.32x the forward's time at dsv3_e128
+  // and level at qwen3 (docs/perf.md, session 16), while the ring model of `mok walk-bench
+  // --pace-sweep` (session 21) predicts 16-18% less; kept to find out which is wrong.
   bool gemm_four_stages = false;
   // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
   // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile
