@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/common/ptx.cuh"
@@ -37,20 +38,26 @@ namespace mok {
 
 namespace {
 
-constexpr int32_t kBoxK = 64;
+constexpr int32_t kBoxK = 64;     // the GEMMs' K-block
 constexpr int32_t kRowBox = 128;  // rows of one A box
-// The ring: three stages of two A boxes and 256 rows of B (what a 256-row unit loads), or with
-// 128-row units up to four of one A box and B (48 KB, as the expert GEMM's stages) in the same
-// memory.
-constexpr int32_t kStageBytes = 2 * 16384 + 32768;
+// The ring's memory: three stages of two A boxes and 256 rows of B (what a 256-row unit loads).
+// A walk's stage holds its unit's A boxes and B of K-block box_k (stage_bytes), so 128-row units
+// fit four stages of 48 KB (the expert GEMM's), or with K-blocks of 32 up to eight of 24 KB.
 constexpr int32_t kStages = 3;
-constexpr int32_t kNarrowStageBytes = 16384 + 32768;
-constexpr int32_t kMaxStages = 4;
-constexpr int32_t kSharedBytes = kStages * kStageBytes + 1024;
-static_assert(kMaxStages * kNarrowStageBytes <= kStages * kStageBytes, "the deeper ring fits");
+constexpr int32_t kRingBytes = kStages * (2 * 16384 + 32768);
+constexpr int32_t kMaxStages = 8;
+constexpr int32_t kDeepStages = 4;  // the most 48 KB stages the ring holds
+constexpr int32_t kSharedBytes = kRingBytes + 1024;
+// The stage of a unit of `tile_rows` rows and K-blocks of box_k: its A boxes, then 256 rows of B.
+constexpr int32_t stage_bytes_of(int32_t tile_rows, int32_t box_k) {
+  return (tile_rows / kRowBox) * kRowBox * box_k * 2 + 256 * box_k * 2;
+}
 // SM cycles of one 128 x 256 x 64 K-block (4.19 MFLOP) at ~650 TFLOP/s over 132 SMs and ~1.75
 // GHz, as the stream bench paces it.
 constexpr int32_t kCyclesPer128x256 = 1500;
+// A tile's epilogue (~1.5 us at 1.98 GHz): the gate/up GEMM's staging, SwiGLU and stores of a
+// 128 x 256 tile between two mainloops.
+constexpr int32_t kEpilogueCycles = 3000;
 
 struct WalkParams {
   CUtensorMap a_map;   // [rows, K], box [128, 64]
@@ -68,8 +75,13 @@ struct WalkParams {
   // Non-null: block 0 writes its ProbeSlot entries (the SM clock, the cycles per K-block, and
   // where they go: the consumer's waits for a loaded stage, the producer's for a free one).
   long long* clock_probe;
-  int32_t operands;  // which boxes a stage loads: kLoadA | kLoadB (--pace-sweep's splits)
-  int32_t stages;    // ring depth: kStages of kStageBytes, or kMaxStages of kNarrowStageBytes
+  int32_t operands;     // which boxes a stage loads: kLoadA | kLoadB (--pace-sweep's splits)
+  int32_t stages;       // ring depth, at most kMaxStages
+  int32_t stage_bytes;  // stage_bytes_of(the walk's tile rows, box_k); stages of it fit the ring
+  int32_t box_k;        // K of a stage's boxes: kBoxK as the GEMMs, or 32 (finer stages)
+  // SM cycles the consumer spends after each unit's last K-block before the next unit's math
+  // (a GEMM tile's epilogue), its stages released (wgmma wait_group 0, as the GEMMs end a tile).
+  int32_t epilogue_cycles;
   // Stages the consumer holds while the modeled tensor pipe runs (the kernel map above): 2 as
   // the GEMMs' consumers do, 1, or 0 (each stage released as soon as it lands).
   int32_t held_stages;
@@ -107,8 +119,8 @@ enum ProbeSlot : int {
 __device__ __forceinline__ uint32_t unit_bytes(const WalkParams& p, const int4& unit) {
   const int32_t b_rows = min(p.b_rows, p.n_extent - unit.w);
   const int32_t b_loaded = ((b_rows + p.b_box - 1) / p.b_box) * p.b_box;  // whole boxes
-  return ((p.operands & kLoadA) ? unit.y * kRowBox * kBoxK * 2 : 0) +
-         ((p.operands & kLoadB) ? (p.gate_up ? 2 : 1) * b_loaded * kBoxK * 2 : 0);
+  return ((p.operands & kLoadA) ? unit.y * kRowBox * p.box_k * 2 : 0) +
+         ((p.operands & kLoadB) ? (p.gate_up ? 2 : 1) * b_loaded * p.box_k * 2 : 0);
 }
 
 __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constant__ WalkParams p) {
@@ -134,7 +146,7 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
   const int32_t slot0 = walk_slot(p);
   if (slot0 < 0) return;  // an SM the id table lacks (run_walk_bench checks the set first)
   int64_t g = 0;          // stages issued (producer) or consumed (consumer)
-  const int32_t stage_bytes = p.stages > kStages ? kNarrowStageBytes : kStageBytes;
+  const int32_t stage_bytes = p.stage_bytes;
   const bool probed_block = p.clock_probe != nullptr && blockIdx.x == 0;
   if (warp == 0) {
     if (lane != 0) return;
@@ -157,17 +169,17 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
         }
         unsigned char* stage = ring + slot * stage_bytes;
         ptx::mbarrier_arrive_expect_tx(&full[slot], bytes);
-        const int32_t k = kb * kBoxK;
+        const int32_t k = kb * p.box_k;
         for (int32_t box = 0; box < ((p.operands & kLoadA) ? unit.y : 0); ++box)
-          ptx::tma_load_2d(stage + box * kRowBox * kBoxK * 2, &p.a_map, &full[slot], k,
+          ptx::tma_load_2d(stage + box * kRowBox * p.box_k * 2, &p.a_map, &full[slot], k,
                            unit.x + box * kRowBox);
-        unsigned char* b = stage + stage_bytes - 32768;  // after the A boxes
+        unsigned char* b = stage + stage_bytes - 256 * p.box_k * 2;  // after the A boxes
         const int32_t b_rows = (p.operands & kLoadB) ? min(p.b_rows, p.n_extent - unit.w) : 0;
         for (int32_t map = 0; map < (p.gate_up ? 2 : 1); ++map)
           for (int32_t r = 0; r < b_rows; r += p.b_box) {
             ptx::tma_load_3d(b, map == 0 ? &p.b_map0 : &p.b_map1, &full[slot], k, unit.w + r,
                              unit.z);
-            b += p.b_box * kBoxK * 2;
+            b += p.b_box * p.box_k * 2;
           }
       }
     }
@@ -228,6 +240,17 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
         previous_end = pipe_free;
       }
     }
+    // A tile's end as the GEMMs' consumers make it: its last stage released once its math ends
+    // (wait_group 0), then the epilogue before the next tile's math can start.
+    if (p.epilogue_cycles > 0) {
+      while (clock64() < pipe_free) {
+      }
+      __syncwarp();
+      if (p.held_stages == 2 && previous_slot >= 0 && lane == 0)
+        ptx::mbarrier_arrive(&empty[previous_slot]);
+      previous_slot = -1;
+      pipe_free = clock64() + p.epilogue_cycles;
+    }
   }
   while (clock64() < pipe_free) {
   }
@@ -264,12 +287,33 @@ struct WalkCase {
   WalkSpec spec;
   bool paced;
   Placement placement = Placement::kBlock;
+  int32_t stages = kStages;     // the ring (WalkParams)
+  int32_t box_k = kBoxK;        // K of a stage
+  int32_t epilogue_cycles = 0;  // per unit
 };
 
 // The expert GEMM's walk and the 256 x 192 tiles' (both paced, as their math holds the ring,
 // and unpaced), then variants of the grouping and of the tile.
 const WalkCase kWalks[] = {
     {{"128 x 256, groups of 8 (expert GEMM)", 128, 256, 8}, true},
+    // The ring: four stages (two loading while two are held), K-blocks of 32 in six stages (the
+    // same bytes loading in finer stages), and each tile followed by an epilogue of ~1.5 us
+    // (kEpilogueCycles) on three and four stages: whether the pauses make the CTAs that share a
+    // weight tile drift apart and read it from DRAM again (ncu's DRAM bytes, --once).
+    {{"128 x 256, 4 stages", 128, 256, 8}, true, Placement::kBlock, kDeepStages},
+    {{"128 x 256, K-blocks of 32, 6 stages", 128, 256, 8}, true, Placement::kBlock, 6, 32},
+    {{"128 x 256, epilogues", 128, 256, 8},
+     true,
+     Placement::kBlock,
+     kStages,
+     kBoxK,
+     kEpilogueCycles},
+    {{"128 x 256, epilogues, 4 stages", 128, 256, 8},
+     true,
+     Placement::kBlock,
+     4,
+     kBoxK,
+     kEpilogueCycles},
     {{"256 x 192, groups of 8 (256 x 192 tiles)", 256, 192, 8}, true},
     {{"128 x 256, groups of 8, unpaced", 128, 256, 8}, false},
     {{"256 x 192, groups of 8, unpaced", 256, 192, 8}, false},
@@ -299,7 +343,7 @@ const WalkCase kWalks[] = {
 // pipe busy 1024 cycles at its dense rate, so a walk whose loads keep up at a hold of 1024 would
 // let the GEMM run at the pipe's rate; where a hold's time exceeds hold x K-blocks, the loads
 // set it.
-// Each hold runs on the GEMM's three stages and on four (kMaxStages): whether more bytes in
+// Each hold runs on the GEMM's three stages and on four (kDeepStages): whether more bytes in
 // flight shorten a K-block. Then the three-stage ring at kCheckHolds with only the A boxes or
 // only the B boxes loaded: which operand's loads carry the cycles a K-block takes over its hold.
 const int32_t kPaceSweepHolds[] = {0, 768, 1024, 1152, 1280, 1408, 1536};
@@ -479,7 +523,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
   std::vector<Run> runs;
   if (pace_sweep) {
     for (const int32_t hold : kPaceSweepHolds)
-      for (const int32_t stages : {kStages, kMaxStages}) {
+      for (const int32_t stages : {kStages, kDeepStages}) {
         WalkCase walk = kWalks[0];
         walk.paced = hold > 0;
         walk.spec.name = "128 x 256, " + std::to_string(stages) + " stages, " +
@@ -522,9 +566,23 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       runs.push_back({walk, 0, kStages, operands});
     }
     runs.push_back({named("1 CTA, hold 1024"), 1024, kStages, kLoadA | kLoadB, 1});
+    // The ring's shape at the GEMMs' pace: finer stages (the same bytes loading), and tiles
+    // with epilogues, three and four stages deep.
+    for (const auto& [name, stages, box_k, epilogue] :
+         {std::tuple<const char*, int32_t, int32_t, int32_t>{"K-blocks of 32, 4 stages", 4, 32, 0},
+          {"K-blocks of 32, 6 stages", 6, 32, 0},
+          {"K-blocks of 32, 8 stages", 8, 32, 0},
+          {"3 stages, epilogues", kStages, kBoxK, kEpilogueCycles},
+          {"4 stages, epilogues", 4, kBoxK, kEpilogueCycles}}) {
+      WalkCase walk = kWalks[0];
+      walk.spec.name = std::string("128 x 256, ") + name + ", hold 1024";
+      walk.box_k = box_k;
+      walk.epilogue_cycles = epilogue;
+      runs.push_back({walk, 1024, stages});
+    }
   } else {
     for (const WalkCase& walk : kWalks)
-      runs.push_back({walk, walk.paced ? kCyclesPer128x256 : 0, kStages});
+      runs.push_back({walk, walk.paced ? kCyclesPer128x256 : 0, walk.stages});
   }
   DeviceBuffer clock_probe(kProbeSlots * sizeof(long long), "walk-bench clock probe");
   std::printf("  %-8s %-44s %7s %9s %9s %9s%s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
@@ -554,7 +612,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       WalkParams p{};
       const int64_t a_dims[2] = {k, rows};
       const int64_t a_strides[1] = {k * 2};
-      const int32_t a_box[2] = {kBoxK, kRowBox};
+      const int32_t a_box[2] = {walk.box_k, kRowBox};
       p.a_map = make_tensor_map(a.pointer, TmaElement::kBF16, 2, a_dims, a_strides, a_box, true,
                                 "walk-bench rows");
       p.b_rows = gate_up ? walk.spec.tile_n / 2 : walk.spec.tile_n;
@@ -563,7 +621,7 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       // [E, H, I].
       const int64_t b_dims[3] = {k, n_extent, E};
       const int64_t b_strides[2] = {k * 2, (gate_up ? 2 : 1) * n_extent * k * 2};
-      const int32_t b_box[3] = {kBoxK, p.b_box, 1};
+      const int32_t b_box[3] = {walk.box_k, p.b_box, 1};
       p.b_map0 = make_tensor_map(weights.pointer, TmaElement::kBF16, 3, b_dims, b_strides, b_box,
                                  true, "walk-bench weights");
       p.b_map1 = gate_up ? make_tensor_map(weights.as<unsigned char>() + n_extent * k * 2,
@@ -572,16 +630,24 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
                          : p.b_map0;
       p.units = units.as<int4>();
       p.num_units = static_cast<int32_t>(loads.size());
-      p.k_blocks = static_cast<int32_t>(k / kBoxK);
+      p.k_blocks = static_cast<int32_t>(k / walk.box_k);
       p.gate_up = gate_up ? 1 : 0;
       p.n_extent = static_cast<int32_t>(n_extent);
-      p.cycles_per_a_box = walk.paced ? hold * walk.spec.tile_n / 256 : 0;
+      // The hold is per 128 x 256 x 64 K-block: a unit's K-block takes its share.
+      p.cycles_per_a_box = walk.paced ? hold * walk.spec.tile_n / 256 * walk.box_k / kBoxK : 0;
       p.clock_probe = pace_sweep ? clock_probe.as<long long>() : nullptr;
       p.stages = stages;
       p.operands = operands;
       p.held_stages = held_stages;
-      if (stages > kStages && walk.spec.tile_rows != 128)
-        throw Error(ErrorCode::kInternal, "walk-bench: a deeper ring needs 128-row units");
+      p.box_k = walk.box_k;
+      p.stage_bytes = stage_bytes_of(walk.spec.tile_rows, walk.box_k);
+      p.epilogue_cycles = walk.epilogue_cycles;
+      if (stages > kMaxStages || stages * p.stage_bytes > kRingBytes)
+        throw Error(ErrorCode::kInternal,
+                    "walk-bench: " + walk.spec.name + " asks for " + std::to_string(stages) +
+                        " stages of " + std::to_string(p.stage_bytes) + " bytes; the ring holds " +
+                        std::to_string(kRingBytes) + " bytes in at most " +
+                        std::to_string(kMaxStages) + " stages");
       p.sm_slot = walk.placement == Placement::kBlock         ? nullptr
                   : walk.placement == Placement::kL2Partition ? partition_slot->as<int32_t>()
                                                               : sm_slot->as<int32_t>();

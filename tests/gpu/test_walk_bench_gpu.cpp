@@ -42,6 +42,15 @@ TEST(WalkBenchGpu, EveryWalkRunsOnASmallShape) {
   EXPECT_EQ(run_walk_bench(shape, RoutingKind::kSkewed, 3, once), 0);
 }
 
+// The pace sweep's every ring (3-8 stages, K-blocks of 64 and 32, one operand, fewer CTAs, the
+// stages held 0-2, the epilogues) runs to the end: each fits the ring's memory and none hangs.
+TEST(WalkBenchGpu, PaceSweepRunsOnASmallShape) {
+  const MoeShape shape = test::make_shape(600, 448, 320, 8, 4);
+  WalkBenchOptions sweep;
+  sweep.pace_sweep = true;
+  EXPECT_EQ(run_walk_bench(shape, RoutingKind::kSkewed, 3, sweep), 0);
+}
+
 // The fabric probe runs its three launches where the L2 probe finds two partitions, and says so
 // where it does not.
 TEST(WalkBenchGpu, FabricProbeRunsWhereThePartitionsAreFound) {
