@@ -16,7 +16,9 @@
 # L2 fabric probe (below). Instead of ncu's default sections: MOK_NCU_SOURCE=1 samples the warps'
 # stalls per SASS instruction (stalls_<shape>.txt: the top stall sites of each kernel);
 # MOK_NCU_ENVS (entries VAR=value) times the GEMM launches with each set
-# (ncu_<shape>_<entry>.txt); MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2
+# (ncu_<shape>_<entry>.txt; MOK_NCU_METRICS replaces its clock and tensor-pipe metrics, e.g. with
+# "breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed" for the shared memory's
+# units); MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2
 # throughput under each `mok run` variant (ncu_l2_<n>.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -137,9 +139,9 @@ for entry in ${MOK_NCU_ENVS:-}; do
   log="$OUT/ncu_${ncu_shape}_${entry//[^A-Za-z0-9_-]/_}.txt"
   # (an ablated layer's check fails by design: no status)
   (export "$entry" && ncu_gemms "${MOK_NCU_LAUNCHES:-6}" --section SpeedOfLight \
-    --metrics "$clock_metrics" -- ${MOK_NCU_RUN_ARGS:-}) >"$log" 2>&1
-  grep -E "$ncu_kernel|Duration|cycles_elapsed|hmma_cycles" "$log" |
-    sed -E 's/\(CUtensorMap_st.*//' | head -40
+    --metrics "${MOK_NCU_METRICS:-$clock_metrics}" -- ${MOK_NCU_RUN_ARGS:-}) >"$log" 2>&1
+  grep -E "$ncu_kernel|Duration|cycles_elapsed|hmma_cycles|l1tex__|lts__|dram__" "$log" |
+    sed -E 's/\(CUtensorMap_st.*//' | head -120
 done
 if [ -n "$have_ncu" ] && [ -n "${MOK_NCU_SOURCE:-}" ]; then
   # Where the warps stall, per SASS instruction: ncu's warp-state sampling into a report, its
