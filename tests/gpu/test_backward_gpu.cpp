@@ -69,6 +69,20 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   });
 }
 
+// Both layers' steps on `problem`, with and without the forward context, bit for bit (`what`
+// names the variant in a failure).
+void expect_same_steps(GpuLayer& want_layer, GpuLayer& got_layer, DeviceProblem& device,
+                       const HostProblem& problem, const std::string& what = "") {
+  for (const bool with_context : {true, false}) {
+    const HostRank want = test::gpu_step(want_layer, device, problem, with_context);
+    const HostRank got = test::gpu_step(got_layer, device, problem, with_context);
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b))
+          << output << what << (with_context ? "" : ", no context");
+    });
+  }
+}
+
 TEST(BackwardGpu, MatchesReference) {
   uint64_t seed = 300;
   check_backward("tiny", named_shape("tiny"), RoutingKind::kUniform, ++seed);
@@ -292,13 +306,7 @@ TEST(BackwardGpu, SkipPaddingRowsKeepsTheBits) {
     whole.skip_padding_rows = false;
     GpuLayer whole_layer(shape, whole);
     GpuLayer skipping_layer(shape, MoeConfig{});
-    for (const bool with_context : {true, false}) {
-      const HostRank want = test::gpu_step(whole_layer, device, problem, with_context);
-      const HostRank got = test::gpu_step(skipping_layer, device, problem, with_context);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : ", no context");
-      });
-    }
+    expect_same_steps(whole_layer, skipping_layer, device, problem);
     check_backward("skip padding rows", shape, routing, seed);
   }
 }
@@ -323,14 +331,8 @@ TEST(BackwardGpu, WideTilesKeepTheBits) {
       wide.gemm_wide_tiles = true;
       wide.gemm_tile_group = group;
       GpuLayer wide_layer(shape, wide);
-      for (const bool with_context : {true, false}) {
-        const HostRank want = test::gpu_step(narrow_layer, device, problem, with_context);
-        const HostRank got = test::gpu_step(wide_layer, device, problem, with_context);
-        test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-          EXPECT_TRUE(test::bitwise_equal(a, b))
-              << output << ", groups of " << group << (with_context ? "" : ", no context");
-        });
-      }
+      expect_same_steps(narrow_layer, wide_layer, device, problem,
+                        ", groups of " + std::to_string(group));
     }
   }
 }
@@ -353,13 +355,7 @@ TEST(BackwardGpu, FourStagesKeepTheBits) {
     MoeConfig four;
     four.gemm_four_stages = true;
     GpuLayer four_layer(shape, four);
-    for (const bool with_context : {true, false}) {
-      const HostRank want = test::gpu_step(three_layer, device, problem, with_context);
-      const HostRank got = test::gpu_step(four_layer, device, problem, with_context);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : ", no context");
-      });
-    }
+    expect_same_steps(three_layer, four_layer, device, problem);
   }
 }
 
