@@ -33,8 +33,9 @@
 // kernel's did, and return_rows launches only the push's signal, behind the GEMMs on the
 // stream. The backward's dx rows leave the gate/up dgrad's epilogue the same way, after the
 // backward's exchange (or barrier), which every rank enters after its forward's combine; and
-// with the kernel sequence the down dgrad GEMM's producer warps pull the d_out rows from the
-// source ranks' published d_out (backward_rows), after that same barrier. A rank publishes its
+// the d_out rows are pulled from the source ranks' published d_out after that same barrier, by
+// the down dgrad GEMM's producer warps (the kernel sequence) or the persistent backward's spare
+// warps, which also pull the x rows when they recompute (backward_rows). A rank publishes its
 // next d_out only in its next backward, after the next forward's exchange, which every rank
 // enters only once this backward is done.
 #include "comm/ep_exchange.h"
@@ -76,7 +77,9 @@ class EpExchange final : public TokenExchange {
 
   kernels::FusedGather forward_rows(GpuLayer::State& s, const ForwardArgs& args, int32_t m,
                                     cudaStream_t stream, const StageMarker&) override {
-    if (gemms_move_rows(s)) return pull_gather(s, args.x, ep_.memory->x, s.rows, m);
+    if (gemms_move_rows(s))
+      return pull_gather(s, args.x, ep_.memory->x, s.rows, s.gather_state.as<unsigned long long>(),
+                         m * s.ring_rows, s.ring_rows);
     expand_received(s, false, args.x.data, s.rows.pointer, m * s.ring_rows, stream);
     return {};
   }
@@ -98,16 +101,17 @@ class EpExchange final : public TokenExchange {
       exchange(s, &fwd.top_experts, fwd.router_weights.data_as<const float>(), stream);
       build_schedule(s, fwd.top_experts, stream);
     }
-    if (!dgrad_pulls(s))  // else the down dgrad GEMM pulls them (backward_rows)
+    const bool pulls = pulls_d_out(s);
+    if (!pulls)  // else the down dgrad GEMM or the persistent backward pulls them (backward_rows)
       receive_rows(s, args.d_out, ep_.memory->d_out, ep_.received_d_out, ep_.memory->received_d_out,
                    stream);
     // With the context, the forward's received x rows are still here: the macrobatches the
     // backward recomputes expand them again. A forward that pulled its rows inside the GEMM
     // left none: they are pulled now if a macrobatch is recomputed (the published x is still
-    // the context's: a later forward would have replaced the context).
-    if (!use_context || (ep_.dispatch_in_gemm && s.num_macrobatches > 1))
+    // the context's: a later forward would have replaced the context), by the persistent
+    // backward itself where it runs.
+    if ((!use_context || (ep_.dispatch_in_gemm && s.num_macrobatches > 1)) && !pulls_in_kernel(s))
       receive_rows(s, fwd.x, ep_.memory->x, ep_.received, ep_.memory->received_x, stream);
-    const bool pulls = dgrad_pulls(s);
     mark(use_context ? (pulls ? "barrier" : "barrier + d_out dispatch")
                      : (pulls ? "routing exchange + schedule + x dispatch"
                               : "routing exchange + schedule + d_out, x dispatch"));
@@ -121,12 +125,26 @@ class EpExchange final : public TokenExchange {
   }
 
   BackwardRows backward_rows(GpuLayer::State& s, const BackwardArgs& args, int32_t m,
-                             bool recompute, bool, cudaStream_t stream,
+                             bool recompute, bool in_kernel, cudaStream_t stream,
                              const StageMarker&) override {
     const int64_t row_begin = m * s.ring_rows;
     BackwardRows rows;
-    if (dgrad_pulls(s))
-      rows.d_out = pull_gather(s, args.d_out, ep_.memory->d_out, s.d_out_rows, m);
+    if (in_kernel && gemms_move_rows(s)) {
+      // The persistent backward (one macrobatch): its spare producer warps pull the d_out rows
+      // and, recomputing, the x rows, each from its source rank's published buffer.
+      const int64_t max_rows = s.routed.layout.params.max_rows();
+      rows.d_out = pull_gather(
+          s, args.d_out, ep_.memory->d_out, s.d_out_rows,
+          s.counter(s.persistent_backward_state, s.backward_counters.d_out_gather()), 0, max_rows);
+      if (recompute)
+        rows.x = pull_gather(s, args.forward.x, ep_.memory->x, s.rows,
+                             s.counter(s.persistent_backward_state, s.backward_counters.x_gather()),
+                             0, max_rows);
+      return rows;
+    }
+    if (pulls_d_out(s))
+      rows.d_out = pull_gather(s, args.d_out, ep_.memory->d_out, s.d_out_rows,
+                               s.gather_state.as<unsigned long long>(), row_begin, s.ring_rows);
     else
       expand_received(s, true, args.d_out.data, s.d_out_rows.pointer, row_begin, stream);
     if (recompute)
@@ -134,8 +152,9 @@ class EpExchange final : public TokenExchange {
     return rows;
   }
 
-  // The rows come from the other ranks: they are expanded before the kernel.
-  bool gathers_in_kernel() const override { return false; }
+  // With the communication inside the GEMMs the persistent backward pulls its rows itself
+  // (backward_rows); else they come expanded from the pull or push dispatch.
+  bool gathers_in_kernel() const override { return ep_.dispatch_in_gemm; }
 
   kernels::RowPush gemm_push(GpuLayer::State& s) override {
     if (!gemms_move_rows(s)) return {};
@@ -292,20 +311,23 @@ class EpExchange final : public TokenExchange {
   bool gemms_move_rows(const GpuLayer::State& s) const {
     return ep_.dispatch_in_gemm && s.shape.num_tokens > 0;
   }
-  // And whether the backward's down dgrad GEMM pulls the d_out rows (its engine, the kernel
-  // sequence, runs the gather; the persistent backward takes them expanded).
-  bool dgrad_pulls(const GpuLayer::State& s) const {
-    return gemms_move_rows(s) && s.backward_engine->dgrad_gathers_d_out();
+  // Whether the backward's engine pulls the rows itself: the persistent backward's spare warps
+  // (d_out, and x when it recomputes), or the kernel sequence's down dgrad GEMM (d_out).
+  bool pulls_in_kernel(const GpuLayer::State& s) const {
+    return gemms_move_rows(s) && s.backward_engine->gathers_in_kernel();
   }
-  // The local exchange's fused gather of macrobatch m into `rows`, each row read from its source
-  // rank's published `symmetric` buffer (x or d_out): the pull dispatch in a GEMM's producer
-  // warps.
+  bool pulls_d_out(const GpuLayer::State& s) const {
+    return pulls_in_kernel(s) || (gemms_move_rows(s) && s.backward_engine->dgrad_gathers_d_out());
+  }
+  // The local exchange's fused gather of schedule rows [row_begin, row_begin + row_count) into
+  // `rows` with `counters`, each row read from its source rank's published `symmetric` buffer
+  // (x or d_out): the pull dispatch in a kernel's producer warps.
   kernels::FusedGather pull_gather(GpuLayer::State& s, const TensorView& source,
                                    const std::unique_ptr<SymmetricMemory>& symmetric,
-                                   const DeviceBuffer& rows, int32_t m) const {
+                                   const DeviceBuffer& rows, unsigned long long* counters,
+                                   int64_t row_begin, int64_t row_count) const {
     const ScheduleView view = s.routed.view();
-    kernels::FusedGather gather = fused_gather(
-        s, source, rows, s.gather_state.as<unsigned long long>(), m * s.ring_rows, s.ring_rows);
+    kernels::FusedGather gather = fused_gather(s, source, rows, counters, row_begin, row_count);
     gather.peer_x = ep_.peers<const __nv_bfloat16>(symmetric);
     gather.row_recv = view.row_recv;
     gather.recv_offsets = view.recv_offsets;

@@ -148,7 +148,8 @@ void check_ep(const char* name, const MoeShape& base_shape, RoutingKind routing,
   // the peers' published x, the down GEMM's epilogue pushes the rows into their slots, the down
   // dgrad's producer warps pull the d_out rows, the gate/up dgrad's epilogue pushes the dx rows),
   // alone, with macrobatches (the backward then pulls x for the recomputed ones and d_out per
-  // macrobatch), and with the persistent backward (which takes the d_out rows expanded).
+  // macrobatch), and with the persistent backward (whose spare warps pull d_out, and x when it
+  // recomputes).
   // The forward GEMMs and the dgrads in 256 x 192 tiles (MoeConfig::gemm_wide_tiles) on each
   // rank.
   // FP8 holds one macrobatch and runs the kernel sequences: its variants are the data movement.
