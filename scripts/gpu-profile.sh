@@ -16,10 +16,10 @@
 # L2 fabric probe (below). Instead of ncu's default sections: MOK_NCU_SOURCE=1 samples the warps'
 # stalls per SASS instruction (stalls_<shape>.txt: the top stall sites of each kernel);
 # MOK_NCU_ENVS (entries VAR=value) times the GEMM launches with each set
-# (ncu_<shape>_<entry>.txt; MOK_NCU_METRICS replaces its clock and tensor-pipe metrics, e.g. with
-# "breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed" for the shared memory's
-# units); MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2
-# throughput under each `mok run` variant (ncu_l2_<n>.txt).
+# (ncu_<shape>_<entry>.txt); MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2
+# throughput under each `mok run` variant (ncu_l2_<n>.txt). MOK_NCU_METRICS replaces the metrics
+# of both (e.g. "breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed": the shared
+# memory's units).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -124,9 +124,10 @@ for variant in "${l2_variants[@]}"; do
   args=()
   [ "$variant" != plain ] && read -r -a args <<<"$variant"
   echo "== ncu L2 breakdown at $ncu_shape, $variant"
-  ncu_gemms "${MOK_NCU_LAUNCHES:-2}" --metrics "$l2_metrics" -- --quick "${args[@]}" \
+  ncu_gemms "${MOK_NCU_LAUNCHES:-2}" --metrics "${MOK_NCU_METRICS:-$l2_metrics}" -- --quick \
+    "${args[@]}" \
     >"$OUT/ncu_l2_$n.txt" 2>&1 || status=1
-  grep -E "$ncu_kernel|lts__|dram__|gpu__time" "$OUT/ncu_l2_$n.txt" |
+  grep -E "$ncu_kernel|lts__|l1tex__|dram__|gpu__time|hmma" "$OUT/ncu_l2_$n.txt" |
     sed -E 's/\(CUtensorMap_st.*//' | head -60
 done
 # Each entry VAR=value of MOK_NCU_ENVS (e.g. "MOK_GEMM_ABLATION=none MOK_GEMM_ABLATION=no-loads")
