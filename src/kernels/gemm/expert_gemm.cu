@@ -16,7 +16,9 @@
 // the same with the d_out rows (the expert-parallel backward's pull, ep_exchange.cpp).
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
-// (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage.
+// (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage
+// (kFourStages, MoeConfig::gemm_four_stages: a tile of half the columns, stored in two rounds,
+// and four stages).
 // CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two CTAs walk "pair tiles", two
 // row tiles 2p and 2p + 1 (row-tile forms: of the same column tile; kWeightGrad: of the same
 // expert and column tile), one per CTA. Where both tiles read the same B (the same expert), each
