@@ -52,6 +52,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     if (flipped.gemm_cta_pairs) {  // they exclude each other
       flipped.gemm_wide_tiles = false;
       flipped.gemm_l2_placement = false;
+      flipped.gemm_four_stages = false;
     }
   } else if (name == "persistent-forward") {
     flipped.persistent_forward = !config.persistent_forward;
@@ -63,6 +64,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.persistent_forward = false;
       flipped.persistent_backward = false;
       flipped.gemm_l2_placement = false;
+      flipped.gemm_four_stages = false;
     }
   } else if (name == "l2-placement") {
     flipped.gemm_l2_placement = !config.gemm_l2_placement;
@@ -72,6 +74,10 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     }
   } else if (name == "four-stages") {
     flipped.gemm_four_stages = !config.gemm_four_stages;
+    if (flipped.gemm_four_stages) {
+      flipped.gemm_cta_pairs = false;
+      flipped.gemm_wide_tiles = false;
+    }
   } else if (name == "persistent-backward") {
     flipped.persistent_backward = !config.persistent_backward;
     if (flipped.persistent_backward) flipped.gemm_wide_tiles = false;

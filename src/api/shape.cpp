@@ -237,6 +237,20 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
       return bad(with +
                  "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its own)");
   }
+  if (config.gemm_four_stages) {
+    const std::string with = "gemm_four_stages = true with ";
+    if (config.gemm_cta_pairs)
+      return bad(with +
+                 "gemm_cta_pairs = true; valid: at most one of them (a CTA pair's stages are "
+                 "three)");
+    if (config.gemm_wide_tiles)
+      return bad(with +
+                 "gemm_wide_tiles = true; valid: at most one of them (the 256 x 192 tiles have "
+                 "their own ring)");
+    if (config.precision != Precision::kBF16)
+      return bad(with +
+                 "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its own)");
+  }
   if (config.ep_dispatch_in_gemm) {
     if (config.ep_push_dispatch)
       return bad(

@@ -242,6 +242,28 @@ TEST(ConfigValidation, L2PlacementNamesWhatExcludesIt) {
                {"gemm_l2_placement = true with precision = fp8_block"});
 }
 
+// The four-stage ring (MoeConfig::gemm_four_stages) with what it does not run, each named.
+TEST(ConfigValidation, FourStagesNameWhatExcludesThem) {
+  MoeConfig deep;
+  deep.gemm_four_stages = true;
+  EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
+  deep.persistent_forward = true;  // the kernel sequences' GEMMs take it, the others keep three
+  EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
+  MoeConfig config = deep;
+  config.gemm_cta_pairs = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_four_stages = true with gemm_cta_pairs = true"});
+  config = deep;
+  config.gemm_wide_tiles = true;
+  config.persistent_forward = false;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_four_stages = true with gemm_wide_tiles = true"});
+  config = deep;
+  config.precision = Precision::kFP8Block;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_four_stages = true with precision = fp8_block"});
+}
+
 // The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.
 TEST(ConfigValidation, TileGroupIsOneToTheMost) {
   MoeConfig config;
