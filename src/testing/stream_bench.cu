@@ -17,11 +17,14 @@
 // consecutive 32 KB blocks, CTA b taking blocks b, b + grid, ...
 //
 // Two modes model a GEMM more closely. Paced (`consumer_cycles` > 0): the consumer holds each
-// landed stage for that many SM cycles before it releases it, as consumers hold a stage while
-// its wgmmas run, so only num_stages - 1 stages are in flight during the math (kPacedCycles is a
-// 128 x 256 x 64 K-block at ~650 TFLOP/s over 132 SMs). L2-resident (`resident_tiles` > 0):
-// tile t reads tile t % resident_tiles, so many CTAs re-read a few tiles that fit in L2 (an
-// expert of many row tiles, as at `dsv3_local`): the rate TMA delivers from L2.
+// landed stage for that many SM cycles of modelled math before it releases it (deadlines on the
+// SM clock, as walk_bench.cu's tensor-pipe model), as consumers hold a stage while its wgmmas
+// run, so only num_stages - 1 stages are in flight during the math (kPacedCycles is a 128 x 256 x
+// 64 K-block at ~650 TFLOP/s over 132 SMs). Until session 21 the hold was a delay after each
+// wait, ~500 cycles longer than named: its paced rates were measured at ~2,000 cycles a stage.
+// L2-resident (`resident_tiles` > 0): tile t reads tile t % resident_tiles, so many CTAs re-read a
+// few tiles that fit in L2 (an expert of many row tiles, as at `dsv3_local`): the rate TMA delivers
+// from L2.
 //
 // The self-check mode (a non-null `checksum`) has every lane sum the 32-bit words of each
 // landed stage (an integer sum, exact in any order) into one counter per launch.
@@ -150,17 +153,27 @@ __global__ void __launch_bounds__(64, 1)
     return;
   }
   unsigned long long sum = 0;
+  long long pipe_free = 0;  // paced: when the math of the stages held so far ends
   for (int64_t g = 0; g < total; ++g) {
     const int32_t slot = static_cast<int32_t>(g % p.num_stages);
-    kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmLoadedStage, &full[slot],
-                           static_cast<uint32_t>((g / p.num_stages) & 1));
+    const uint32_t parity = static_cast<uint32_t>((g / p.num_stages) & 1);
+    // Paced, the stage's math starts when the previous one's ends, or when the stage lands if
+    // that is later: deadlines, not a delay after each wait, so the loop's own instructions
+    // cost nothing while the loads keep up (a delay loop added ~500 cycles per stage; docs/perf.md,
+    // session 21).
+    long long start = pipe_free;
+    if (!ptx::mbarrier_test_wait(&full[slot], parity)) {
+      kernels::mbarrier_wait(p.wait, kernels::WaitSite::kGemmLoadedStage, &full[slot], parity);
+      start = max(start, clock64());
+    }
     if (p.checksum != nullptr) {
       const uint32_t* words = reinterpret_cast<const uint32_t*>(ring + slot * kStageBytes);
       for (int i = lane; i < kStageBytes / 4; i += 32) sum += words[i];
     }
     if (p.consumer_cycles > 0) {
-      const long long start = clock64();
-      while (clock64() - start < p.consumer_cycles) {
+      if (pipe_free == 0) start = clock64();  // the first stage
+      pipe_free = start + p.consumer_cycles;
+      while (clock64() < pipe_free) {
       }
     }
     // Every lane's reads of the stage come before its release, and the release before the
