@@ -223,34 +223,27 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
       return bad(with +
                  "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its own)");
   }
-  if (config.gemm_l2_placement) {
-    const std::string with = "gemm_l2_placement = true with ";
+  // A variant of the bf16 128 x 256 expert GEMMs without CTA pairs: what excludes it, each named
+  // with why.
+  auto excluded_variant = [&](const char* knob, const char* pairs_why,
+                              const char* wide_why) -> Status {
+    const std::string with = std::string(knob) + " = true with ";
     if (config.gemm_cta_pairs)
-      return bad(with +
-                 "gemm_cta_pairs = true; valid: at most one of them (a CTA pair walks its two "
-                 "tiles together, wherever its SMs are)");
+      return bad(with + "gemm_cta_pairs = true; valid: at most one of them (" + pairs_why + ")");
     if (config.gemm_wide_tiles)
-      return bad(with +
-                 "gemm_wide_tiles = true; valid: at most one of them (the 256 x 192 tiles walk by "
-                 "block index)");
+      return bad(with + "gemm_wide_tiles = true; valid: at most one of them (" + wide_why + ")");
     if (config.precision != Precision::kBF16)
       return bad(with +
                  "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its own)");
-  }
-  if (config.gemm_four_stages) {
-    const std::string with = "gemm_four_stages = true with ";
-    if (config.gemm_cta_pairs)
-      return bad(with +
-                 "gemm_cta_pairs = true; valid: at most one of them (a CTA pair's stages are "
-                 "three)");
-    if (config.gemm_wide_tiles)
-      return bad(with +
-                 "gemm_wide_tiles = true; valid: at most one of them (the 256 x 192 tiles have "
-                 "their own ring)");
-    if (config.precision != Precision::kBF16)
-      return bad(with +
-                 "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its own)");
-  }
+    return Status::Ok();
+  };
+  if (config.gemm_l2_placement)
+    MOK_RETURN_IF_ERROR(excluded_variant(
+        "gemm_l2_placement", "a CTA pair walks its two tiles together, wherever its SMs are",
+        "the 256 x 192 tiles walk by block index"));
+  if (config.gemm_four_stages)
+    MOK_RETURN_IF_ERROR(excluded_variant("gemm_four_stages", "a CTA pair's stages are three",
+                                         "the 256 x 192 tiles have their own ring"));
   if (config.ep_dispatch_in_gemm) {
     if (config.ep_push_dispatch)
       return bad(
