@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mok/config.h"
@@ -223,45 +224,34 @@ TEST(ConfigValidation, WideTilesNameWhatExcludesThem) {
                {"gemm_wide_tiles = true with 2048 local experts", "at most 1024"});
 }
 
-// The L2 placement (MoeConfig::gemm_l2_placement) with what it does not run, each named.
-TEST(ConfigValidation, L2PlacementNamesWhatExcludesIt) {
-  MoeConfig placed;
-  placed.gemm_l2_placement = true;
-  EXPECT_TRUE(can_implement_knobs(placed, 1).ok());
-  MoeConfig config = placed;
-  config.gemm_cta_pairs = true;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"gemm_l2_placement = true with gemm_cta_pairs = true"});
-  config = placed;
-  config.gemm_wide_tiles = true;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"gemm_l2_placement = true with gemm_wide_tiles = true"});
-  config = placed;
-  config.precision = Precision::kFP8Block;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"gemm_l2_placement = true with precision = fp8_block"});
-}
-
-// The four-stage ring (MoeConfig::gemm_four_stages) with what it does not run, each named.
-TEST(ConfigValidation, FourStagesNameWhatExcludesThem) {
+// The variants of the bf16 128 x 256 GEMMs without CTA pairs (MoeConfig::gemm_l2_placement,
+// gemm_four_stages) with what they do not run, each named; the four-stage ring beside the
+// persistent forward too (the kernel sequences' GEMMs take it, the others keep three stages).
+TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
+  for (const auto& [name, knob] : {std::pair{"gemm_l2_placement", &MoeConfig::gemm_l2_placement},
+                                   std::pair{"gemm_four_stages", &MoeConfig::gemm_four_stages}}) {
+    SCOPED_TRACE(name);
+    MoeConfig variant;
+    variant.*knob = true;
+    EXPECT_TRUE(can_implement_knobs(variant, 1).ok());
+    const std::string with = std::string(name) + " = true with ";
+    MoeConfig config = variant;
+    config.gemm_cta_pairs = true;
+    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+                 {with + "gemm_cta_pairs = true"});
+    config = variant;
+    config.gemm_wide_tiles = true;
+    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+                 {with + "gemm_wide_tiles = true"});
+    config = variant;
+    config.precision = Precision::kFP8Block;
+    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+                 {with + "precision = fp8_block"});
+  }
   MoeConfig deep;
   deep.gemm_four_stages = true;
+  deep.persistent_forward = true;
   EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
-  deep.persistent_forward = true;  // the kernel sequences' GEMMs take it, the others keep three
-  EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
-  MoeConfig config = deep;
-  config.gemm_cta_pairs = true;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"gemm_four_stages = true with gemm_cta_pairs = true"});
-  config = deep;
-  config.gemm_wide_tiles = true;
-  config.persistent_forward = false;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"gemm_four_stages = true with gemm_wide_tiles = true"});
-  config = deep;
-  config.precision = Precision::kFP8Block;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"gemm_four_stages = true with precision = fp8_block"});
 }
 
 // The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.
