@@ -317,7 +317,8 @@ class EpExchange final : public TokenExchange {
     return gemms_move_rows(s) && s.backward_engine->gathers_in_kernel();
   }
   bool pulls_d_out(const GpuLayer::State& s) const {
-    return pulls_in_kernel(s) || (gemms_move_rows(s) && s.backward_engine->dgrad_gathers_d_out());
+    return gemms_move_rows(s) &&
+           (s.backward_engine->gathers_in_kernel() || s.backward_engine->dgrad_gathers_d_out());
   }
   // The local exchange's fused gather of schedule rows [row_begin, row_begin + row_count) into
   // `rows` with `counters`, each row read from its source rank's published `symmetric` buffer

@@ -198,6 +198,13 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
   long long pipe_free = 0;  // when the math issued so far ends
   long long previous_end = 0;
   int previous_slot = -1;  // held_stages 2: the stage whose math is still running
+  // Hands stage `slot` back once the modeled math that reads it ends at `end`.
+  const auto release_at = [&](int slot, long long end) {
+    while (clock64() < end) {
+    }
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
+  };
   for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
     if (p.units[u].y == 0) continue;
     const int32_t hold = p.cycles_per_a_box * p.units[u].y;
@@ -219,23 +226,14 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
       }
       if (pipe_free == 0) start = clock64();  // the first K-block
       pipe_free = start + hold;
-      __syncwarp();
       if (p.held_stages == 0) {
-        if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
+        release_at(slot, 0);
       } else if (p.held_stages == 1) {
-        while (clock64() < pipe_free) {
-        }
-        __syncwarp();
-        if (lane == 0) ptx::mbarrier_arrive(&empty[slot]);
+        release_at(slot, pipe_free);
       } else {
         // As the GEMMs' consumers: this K-block's math queued behind the previous one, whose
         // stage is released when it ends (wgmma wait_group 1).
-        if (previous_slot >= 0) {
-          while (clock64() < previous_end) {
-          }
-          __syncwarp();
-          if (lane == 0) ptx::mbarrier_arrive(&empty[previous_slot]);
-        }
+        if (previous_slot >= 0) release_at(previous_slot, previous_end);
         previous_slot = slot;
         previous_end = pipe_free;
       }
@@ -243,20 +241,16 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
     // A tile's end as the GEMMs' consumers make it: its last stage released once its math ends
     // (wait_group 0), then the epilogue before the next tile's math can start.
     if (p.epilogue_cycles > 0) {
+      if (previous_slot >= 0) release_at(previous_slot, pipe_free);
       while (clock64() < pipe_free) {
       }
-      __syncwarp();
-      if (p.held_stages == 2 && previous_slot >= 0 && lane == 0)
-        ptx::mbarrier_arrive(&empty[previous_slot]);
       previous_slot = -1;
       pipe_free = clock64() + p.epilogue_cycles;
     }
   }
+  if (previous_slot >= 0) release_at(previous_slot, pipe_free);
   while (clock64() < pipe_free) {
   }
-  __syncwarp();
-  if (p.held_stages == 2 && previous_slot >= 0 && lane == 0)
-    ptx::mbarrier_arrive(&empty[previous_slot]);
   if (probes) {
     p.clock_probe[kProbeStartClock] = start_clock;
     p.clock_probe[kProbeEndClock] = clock64();
@@ -311,7 +305,7 @@ const WalkCase kWalks[] = {
     {{"128 x 256, epilogues, 4 stages", 128, 256, 8},
      true,
      Placement::kBlock,
-     4,
+     kDeepStages,
      kBoxK,
      kEpilogueCycles},
     {{"256 x 192, groups of 8 (256 x 192 tiles)", 256, 192, 8}, true},
@@ -405,22 +399,20 @@ class WalkRunner {
 
 // The fabric probe: does an L2 partition keep copies of the lines its SMs read from the other
 // partition? The CTAs on the SMs of `reader` (0 or 1: that partition's slots; 2: every SM) each
-// read the whole buffer `repeats` times with L2-only loads (ld.global.cg, no L1), the others
-// leave. With copies kept, the fabric carries each far-homed line once per reading partition
-// (about half the buffer); without, once per read. ncu's fabric sectors of the three launches
-// tell which.
+// read the whole buffer once with L2-only loads (ld.global.cg, no L1), the others leave. (Read
+// four times, the repeats folded into one: session 21's ncu counted one buffer per CTA.) With
+// copies kept, the fabric carries each far-homed line once per reading partition (about half the
+// buffer); without, once per read. ncu's fabric sectors of the three launches tell which.
 __global__ void __launch_bounds__(1024, 1)
-    fabric_probe_kernel(const uint4* buffer, int64_t vectors, int32_t repeats,
-                        const int32_t* slot_of_sm, int32_t lower_slots, int32_t reader,
-                        unsigned int* sink) {
+    fabric_probe_kernel(const uint4* buffer, int64_t vectors, const int32_t* slot_of_sm,
+                        int32_t lower_slots, int32_t reader, unsigned int* sink) {
   const int32_t slot = slot_of_sm[sm_id()];
   if (reader < 2 && (slot < lower_slots ? 0 : 1) != reader) return;
   unsigned int folded = 0;
-  for (int32_t r = 0; r < repeats; ++r)
-    for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
-      const uint4 v = __ldcg(buffer + i);
-      folded ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
+  for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
+    const uint4 v = __ldcg(buffer + i);
+    folded ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
   if (folded == 0x9e3779b9u) atomicAdd(sink, 1u);  // keeps the loads; almost never taken
 }
 
@@ -428,7 +420,6 @@ __global__ void __launch_bounds__(1024, 1)
 // and prints their times. `slot_of_sm`: the layer's L2 slot table on the device.
 void run_fabric_probe(const int32_t* slot_of_sm, int32_t lower_slots, int num_sms, bool once) {
   constexpr int64_t kBufferBytes = int64_t{8} << 20;  // fits the L2 many times over
-  constexpr int32_t kRepeats = 4;
   DeviceBuffer buffer(kBufferBytes, "fabric probe buffer");
   DeviceBuffer sink(sizeof(unsigned int), "fabric probe sink");
   cuda_check(cudaMemset(buffer.pointer, 0x5a, kBufferBytes), "fabric probe buffer fill");
@@ -438,16 +429,16 @@ void run_fabric_probe(const int32_t* slot_of_sm, int32_t lower_slots, int num_sm
                                   kProbeShared),
              "cudaFuncSetAttribute(fabric_probe_kernel)");
   std::printf(
-      "  fabric probe: each reading CTA reads %lld MB %d times from L2 (ncu's fabric sectors:\n"
+      "  fabric probe: each reading CTA reads %lld MB from L2 (ncu's fabric sectors:\n"
       "  about half the buffer per reading partition if a partition keeps copies of far lines,\n"
       "  about half of every read if not)\n",
-      static_cast<long long>(kBufferBytes >> 20), kRepeats);
+      static_cast<long long>(kBufferBytes >> 20));
   const char* readers[] = {"partition 0's SMs", "partition 1's SMs", "every SM"};
   for (int32_t reader = 0; reader < 3; ++reader) {
     const double ms = median_event_ms(
         [&] {
           fabric_probe_kernel<<<num_sms, 1024, kProbeShared>>>(
-              buffer.as<uint4>(), kBufferBytes / 16, kRepeats, slot_of_sm, lower_slots, reader,
+              buffer.as<uint4>(), kBufferBytes / 16, slot_of_sm, lower_slots, reader,
               sink.as<unsigned int>());
           cuda_check(cudaGetLastError(), "fabric_probe_kernel launch");
         },
