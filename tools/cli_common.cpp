@@ -23,6 +23,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_wide_tiles = options.wide_tiles;
   config.gemm_l2_placement = options.l2_placement;
   config.gemm_four_stages = options.four_stages;
+  if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;

@@ -75,6 +75,8 @@ mok run options:
                                partitions (probed when the layer is built; same bits)
   --four-stages                GPU: the row-tile GEMMs (forward and dgrads) on a ring of four
                                stages, their outputs stored in two rounds of 128 columns
+  --padding-rows               GPU: compute the padding rows of each expert's last row tile
+                               instead of running it as a 64-row tile (skip_padding_rows off)
   --compare K1,K2,...          with --quick: each knob flipped on a layer of its own, checked
                                bitwise against the layer and timed beside it in the same rounds
                                (cta-pairs, persistent-forward, persistent-backward,
@@ -152,6 +154,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--four-stages") {
       options.four_stages = true;
+      continue;
+    }
+    if (flag == "--padding-rows") {
+      options.padding_rows = true;
       continue;
     }
     if (flag == "--quick") {
