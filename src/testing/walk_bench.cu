@@ -42,10 +42,12 @@ constexpr int32_t kBoxK = 64;     // the GEMMs' K-block
 constexpr int32_t kRowBox = 128;  // rows of one A box
 // The ring's memory: three stages of two A boxes and 256 rows of B (what a 256-row unit loads).
 // A walk's stage holds its unit's A boxes and B of K-block box_k (stage_bytes), so 128-row units
-// fit four stages of 48 KB (the expert GEMM's), or with K-blocks of 32 up to eight of 24 KB.
+// fit four stages of 48 KB (the expert GEMM's), or with K-blocks of 32 six of 24 KB. (Eight of
+// 24 KB, the ring's bytes exactly, ended in an illegal address on the H200, session 22: not yet
+// understood, so not run.)
 constexpr int32_t kStages = 3;
 constexpr int32_t kRingBytes = kStages * (2 * 16384 + 32768);
-constexpr int32_t kMaxStages = 8;
+constexpr int32_t kMaxStages = 6;
 constexpr int32_t kDeepStages = 4;  // the most 48 KB stages the ring holds
 constexpr int32_t kSharedBytes = kRingBytes + 1024;
 // The stage of a unit of `tile_rows` rows and K-blocks of box_k: its A boxes, then 256 rows of B.
@@ -562,7 +564,6 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
     for (const auto& [name, stages, box_k, epilogue] :
          {std::tuple<const char*, int32_t, int32_t, int32_t>{"K-blocks of 32, 4 stages", 4, 32, 0},
           {"K-blocks of 32, 6 stages", 6, 32, 0},
-          {"K-blocks of 32, 8 stages", 8, 32, 0},
           {"3 stages, epilogues", kStages, kBoxK, kEpilogueCycles},
           {"4 stages, epilogues", 4, kBoxK, kEpilogueCycles}}) {
       WalkCase walk = kWalks[0];

@@ -42,7 +42,7 @@ TEST(WalkBenchGpu, EveryWalkRunsOnASmallShape) {
   EXPECT_EQ(run_walk_bench(shape, RoutingKind::kSkewed, 3, once), 0);
 }
 
-// The pace sweep's every ring (3-8 stages, K-blocks of 64 and 32, one operand, fewer CTAs, the
+// The pace sweep's every ring (3-6 stages, K-blocks of 64 and 32, one operand, fewer CTAs, the
 // stages held 0-2, the epilogues) runs to the end: each fits the ring's memory and none hangs.
 TEST(WalkBenchGpu, PaceSweepRunsOnASmallShape) {
   const MoeShape shape = test::make_shape(600, 448, 320, 8, 4);
