@@ -26,6 +26,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
+  if (options.lockstep >= 0) config.gemm_lockstep_k_blocks = options.lockstep;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;
   config.ep_dispatch_in_gemm = options.dispatch_in_gemm;
@@ -34,17 +35,10 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",
-                                     "persistent-forward",
-                                     "persistent-backward",
-                                     "weight-grad-pingpong",
-                                     "skip-padding-rows",
-                                     "local-dispatch",
-                                     "wide-tiles",
-                                     "tile-group-N",
-                                     "l2-placement",
-                                     "four-stages",
-                                     nullptr};
+const char* const kCompareKnobs[] = {
+    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
+    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
+    "l2-placement",      "four-stages",        "lockstep-N",          nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   mok::MoeConfig flipped = config;
@@ -52,6 +46,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
     if (flipped.gemm_cta_pairs) {  // they exclude each other
       flipped.gemm_wide_tiles = false;
+      flipped.gemm_lockstep_k_blocks = 0;
       flipped.gemm_l2_placement = false;
       flipped.gemm_four_stages = false;
     }
@@ -62,6 +57,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.gemm_wide_tiles = !config.gemm_wide_tiles;
     if (flipped.gemm_wide_tiles) {
       flipped.gemm_cta_pairs = false;
+      flipped.gemm_lockstep_k_blocks = 0;
       flipped.persistent_forward = false;
       flipped.persistent_backward = false;
       flipped.gemm_l2_placement = false;
@@ -93,6 +89,17 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // "tile-group-N" (N of at most 4 digits; can_implement checks its range): the expert GEMMs'
     // walk in groups of N row tiles.
     flipped.gemm_tile_group = std::stoi(name.substr(group.size()));
+  } else if (const std::string_view lockstep = "lockstep-";
+             name.rfind(lockstep, 0) == 0 && name.size() > lockstep.size() &&
+             name.size() <= lockstep.size() + 4 &&
+             name.find_first_not_of("0123456789", lockstep.size()) == std::string::npos) {
+    // "lockstep-N" (N of at most 4 digits, 0 = off; can_implement checks its range): the row-tile
+    // GEMMs' CTAs kept within about N K-blocks of the slowest.
+    flipped.gemm_lockstep_k_blocks = std::stoi(name.substr(lockstep.size()));
+    if (flipped.gemm_lockstep_k_blocks > 0) {
+      flipped.gemm_wide_tiles = false;
+      flipped.gemm_cta_pairs = false;
+    }
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

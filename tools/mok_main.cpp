@@ -82,12 +82,15 @@ mok run options:
                                (cta-pairs, persistent-forward, persistent-backward,
                                weight-grad-pingpong, skip-padding-rows, local-dispatch,
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
-                               l2-placement, four-stages)
+                               l2-placement, four-stages, lockstep-N: the CTAs in step
+                               within N K-blocks, 0 off)
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
   --tile-group N               GPU: row tiles the expert GEMMs' walk takes together before the
                                next group (1-1024, default 8; same bits)
+  --lockstep N                 GPU: no CTA of a row-tile expert GEMM runs more than about N
+                               K-blocks ahead of the slowest (2-4096; default 0: off; same bits)
   --minibatch-size N           GPU: rows per overlap step of the persistent kernels (multiple of
                                128; default 0: two SM waves of tiles per GEMM of a minibatch)
   --macrobatch-size N          GPU: rows of the ring buffers of routed intermediates (multiple of
@@ -199,7 +202,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
         "--threads",         "--check-tokens", "--json",
         "--local-dispatch",  "--gpus",         "--minibatch-size",
         "--macrobatch-size", "--trace-tasks",  "--precision",
-        "--compare",         "--tile-group"};
+        "--compare",         "--tile-group",   "--lockstep"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -245,6 +248,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.macrobatch_size = parse_int(flag, value);
     else if (flag == "--tile-group")
       options.tile_group = static_cast<int32_t>(parse_int(flag, value));
+    else if (flag == "--lockstep")
+      options.lockstep = static_cast<int32_t>(parse_int(flag, value));
     else if (flag == "--compare") {
       for (size_t begin = 0; begin <= value.size();) {
         const size_t end = std::min(value.find(',', begin), value.size());

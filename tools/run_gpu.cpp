@@ -31,6 +31,13 @@ std::string tile_group_name(const mok::MoeConfig& config) {
              : ", GEMM tiles walked in groups of " + std::to_string(config.gemm_tile_group);
 }
 
+std::string lockstep_name(const mok::MoeConfig& config) {
+  return config.gemm_lockstep_k_blocks == 0
+             ? ""
+             : ", CTAs in step within " + std::to_string(config.gemm_lockstep_k_blocks) +
+                   " K-blocks";
+}
+
 // "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)[, check_finite scan]".
 std::string variant_name(const mok::MoeConfig& config) {
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
@@ -40,7 +47,7 @@ std::string variant_name(const mok::MoeConfig& config) {
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
-         (config.gemm_four_stages ? ", four-stage ring" : "") +
+         (config.gemm_four_stages ? ", four-stage ring" : "") + lockstep_name(config) +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -49,7 +56,7 @@ std::string backward_name(const mok::MoeConfig& config) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") + tile_group_name(config) +
-         (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
+         (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") + lockstep_name(config) +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }

@@ -111,11 +111,19 @@ struct MoeConfig {
   // backward's recompute and both dgrads; not the weight gradients, the persistent kernels, CTA
   // pairs or the expert-parallel push) on a ring of four stages instead of three: their staging
   // tile holds 128 columns instead of 256 and each tile's outputs leave in two rounds, so two
-  // stages load while the consumers hold two (one today). Same bits either way. Off: session
-  // 15's forward-only version of the same ring measured 1.32x the forward's time at dsv3_e128
-  // and level at qwen3 (docs/perf.md, session 16), while the ring model of `mok walk-bench
-  // --pace-sweep` (session 21) predicts 16-18% less; kept to find out which is wrong.
+  // stages load while the consumers hold two (one today). Same bits either way. Off: 1.37x the
+  // forward's time at dsv3_e128, its gate/up reading twice the DRAM bytes (the CTAs that share
+  // a weight tile drift apart, docs/perf.md, session 22); kept to measure with
+  // gemm_lockstep_k_blocks.
   bool gemm_four_stages = false;
+  // The standalone expert GEMM's row-tile forms (bf16, 128 x 256 tiles; not the weight
+  // gradients, CTA pairs, the 256 x 192 tiles or the persistent kernels) keep their CTAs in step: no CTA's
+  // producer runs more than about this many K-blocks ahead of the slowest CTA of its launch
+  // (src/kernels/gemm/lockstep.h). CTAs that share a weight tile or activation rows then read
+  // them from L2 close together instead of drifting apart and reading them from HBM again, which
+  // the four-stage ring does (docs/perf.md, session 22). Timing only: the same bits for every
+  // value. 0 (off) or 2..kMaxLockstepKBlocks; off until measured faster (written in session 22).
+  int32_t gemm_lockstep_k_blocks = 0;
   // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
   // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same
@@ -162,6 +170,8 @@ inline constexpr int32_t kMaxCommSms = 128;
 inline constexpr int64_t kMaxWideTileExperts = 1024;
 // MoeConfig::gemm_tile_group: the largest group.
 inline constexpr int32_t kMaxTileGroup = 1024;
+// MoeConfig::gemm_lockstep_k_blocks: the largest lead.
+inline constexpr int32_t kMaxLockstepKBlocks = 4096;
 
 // MoeConfig::skip_padding_rows: 64-row last tiles only where the experts average this many
 // routed rows or fewer, where the padding is 20-31% of the row tiles' work. A 64-row tile saves

@@ -198,6 +198,23 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
   if (config.gemm_tile_group < 1 || config.gemm_tile_group > kMaxTileGroup)
     return bad("gemm_tile_group = " + std::to_string(config.gemm_tile_group) + "; valid: 1 to " +
                std::to_string(kMaxTileGroup) + " row tiles");
+  if (config.gemm_lockstep_k_blocks != 0 &&
+      (config.gemm_lockstep_k_blocks < 2 || config.gemm_lockstep_k_blocks > kMaxLockstepKBlocks))
+    return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
+               "; valid: 0 (off) or 2 to " + std::to_string(kMaxLockstepKBlocks) +
+               " (K-blocks a CTA may run ahead of the slowest)");
+  if (config.gemm_lockstep_k_blocks != 0 && config.gemm_cta_pairs)
+    return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
+               " with gemm_cta_pairs = true; valid: gemm_lockstep_k_blocks = 0 (a CTA pair keeps "
+               "its two CTAs in step by itself)");
+  if (config.gemm_lockstep_k_blocks != 0 && config.gemm_wide_tiles)
+    return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
+               " with gemm_wide_tiles = true; valid: gemm_lockstep_k_blocks = 0 (the 256 x 192 "
+               "tiles' kernel does not keep its CTAs in step)");
+  if (config.gemm_lockstep_k_blocks != 0 && config.precision != Precision::kBF16)
+    return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
+               " with precision = fp8_block; valid: gemm_lockstep_k_blocks = 0 (FP8 has GEMMs "
+               "of its own)");
   if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
                "; valid: a positive, finite number of seconds");

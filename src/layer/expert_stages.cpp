@@ -61,6 +61,7 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.four_stages = s.config.gemm_four_stages ? 1 : 0;
   params.tile_group = s.config.gemm_tile_group;
   params.l2 = s.l2_placement;
+  params.lockstep = s.lockstep;
   params.swiglu_limit = s.shape.swiglu_limit;
   params.wait = s.wait_context();
   params.ablation = gemm_ablation_from_env();
@@ -192,6 +193,10 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
     cuda_check(
         kernels::launch_advance_epoch(s.l2_claims.as<unsigned long long>() + s.sm_count, stream),
         "advance the L2 placement's epoch");
+  // The lockstep's counters name the launch by its epoch too.
+  if (params.lockstep.ticks != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
+    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, stream),
+               "advance the GEMM lockstep's epoch");
 }
 
 // The 256 x 192 tiles' maps where they read and write what the 128 x 256 tiles' do (the dgrads).

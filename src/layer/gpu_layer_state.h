@@ -100,6 +100,11 @@ struct GpuLayer::State {
   // expert GEMMs get (slot_of_sm null: off, or the probe found no clear partitions), and what
   // the probe found (empty without the knob).
   DeviceBuffer l2_slot_of_sm, l2_claims;
+  // MoeConfig::gemm_lockstep_k_blocks (kernels/gemm/lockstep.h): the tick counters, the started
+  // count and the launch epoch (zeroed once), and the lockstep the expert GEMMs get (ticks null:
+  // off).
+  DeviceBuffer lockstep_counters;
+  kernels::GemmLockstep lockstep;
   kernels::L2Placement l2_placement;
   std::string l2_placement_report;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory

@@ -83,6 +83,14 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
                                              ".x; mok's kernels need Hopper (9.0, sm_90a)");
 
   if (config.gemm_l2_placement) plan_l2_placement(s);
+  if (config.gemm_lockstep_k_blocks > 0) {
+    zeroed(s.lockstep_counters, kernels::kLockstepTicks + 2, "GEMM lockstep counters");
+    unsigned long long* words = s.lockstep_counters.as<unsigned long long>();
+    s.lockstep.ticks = words;
+    s.lockstep.started = words + kernels::kLockstepTicks;
+    s.lockstep.epoch = words + kernels::kLockstepTicks + 1;
+    s.lockstep.lead_k_blocks = config.gemm_lockstep_k_blocks;
+  }
 
   // The minibatch this layer runs with (an automatic one from the shape and this GPU's SMs):
   // every later use reads s.config.

@@ -39,6 +39,10 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kExpertReady:
       return "persistent backward weight-gradient tile waiting for the SwiGLU tasks of its "
              "expert's row tiles (expected and seen count row tiles)";
+    case kernels::WaitSite::kLockstep:
+      return "expert GEMM producer waiting for the slowest CTA of its launch to catch up "
+             "(gemm_lockstep_k_blocks; expected counts the CTAs started, seen those past the "
+             "tick)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

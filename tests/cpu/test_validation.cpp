@@ -254,6 +254,41 @@ TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
   EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
 }
 
+// The row-tile GEMMs' lockstep (MoeConfig::gemm_lockstep_k_blocks): 0 (off) or 2 to
+// kMaxLockstepKBlocks K-blocks, with the four-stage ring and the L2 placement, not with CTA
+// pairs, the 256 x 192 tiles or FP8, each named.
+TEST(ConfigValidation, LockstepIsOffOrALeadOfK_blocks) {
+  MoeConfig config;
+  for (const int32_t lead : {0, 2, 16, kMaxLockstepKBlocks}) {
+    config.gemm_lockstep_k_blocks = lead;
+    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << lead;
+  }
+  for (const int32_t lead : {1, -4, kMaxLockstepKBlocks + 1}) {
+    config.gemm_lockstep_k_blocks = lead;
+    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+                 {"gemm_lockstep_k_blocks = " + std::to_string(lead), "valid: 0 (off) or 2 to"});
+  }
+  MoeConfig lockstep;
+  lockstep.gemm_lockstep_k_blocks = 16;
+  lockstep.gemm_four_stages = true;
+  lockstep.gemm_l2_placement = true;
+  EXPECT_TRUE(can_implement_knobs(lockstep, 1).ok());
+  lockstep.gemm_four_stages = false;
+  lockstep.gemm_l2_placement = false;
+  config = lockstep;
+  config.gemm_cta_pairs = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_lockstep_k_blocks = 16 with gemm_cta_pairs = true"});
+  config = lockstep;
+  config.gemm_wide_tiles = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_lockstep_k_blocks = 16 with gemm_wide_tiles = true"});
+  config = lockstep;
+  config.precision = Precision::kFP8Block;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"gemm_lockstep_k_blocks = 16 with precision = fp8_block"});
+}
+
 // The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.
 TEST(ConfigValidation, TileGroupIsOneToTheMost) {
   MoeConfig config;

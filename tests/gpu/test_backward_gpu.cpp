@@ -169,7 +169,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(27);
+  std::vector<MoeConfig> configs(28);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -251,6 +251,9 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[26].gemm_four_stages = true;
   configs[26].local_dispatch = LocalDispatch::kGatherKernel;
   configs[26].skip_padding_rows = false;
+  // The row-tile GEMMs' CTAs kept within 8 K-blocks of the slowest
+  // (MoeConfig::gemm_lockstep_k_blocks): timing only.
+  configs[27].gemm_lockstep_k_blocks = 8;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -271,6 +274,7 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.weight_grad_pingpong << " 256 x 192 tiles " << config.gemm_wide_tiles
                      << " tile group " << config.gemm_tile_group << " L2 placement "
                      << config.gemm_l2_placement << " four stages " << config.gemm_four_stages
+                     << " lockstep " << config.gemm_lockstep_k_blocks
                      << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {

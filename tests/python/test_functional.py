@@ -294,3 +294,4 @@ def test_config_switches_reach_the_native_config():
             if other != name:
                 assert getattr(native, other) == getattr(default, other), (name, other)
     assert F.MoKConfig(gemm_tile_group=3).to_native().gemm_tile_group == 3
+    assert F.MoKConfig(gemm_lockstep_k_blocks=16).to_native().gemm_lockstep_k_blocks == 16

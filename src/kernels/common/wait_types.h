@@ -23,6 +23,7 @@ enum class WaitSite : int32_t {
   kSwigluDone = 12,        // persistent backward: a gate/up dgrad tile waiting for its SwiGLU task
   kExpertReady = 13,       // persistent backward: a weight-gradient tile waiting for its expert
   kSharedGateUpDone = 14,  // persistent forward: a shared-expert down tile waiting for its gate/up
+  kLockstep = 15,          // GEMM producer waiting for the slowest CTA (gemm_lockstep_k_blocks)
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

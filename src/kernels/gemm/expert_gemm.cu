@@ -219,6 +219,24 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
   }
 }
 
+// The most units any CTA of the launch walks (MoeConfig::gemm_lockstep_k_blocks: the ticks a
+// CTA may wait on): CTA 0 of the walk's stride, or under the L2 placement of either half's.
+__device__ __forceinline__ int32_t most_units_of_a_cta(const ExpertGemmParams& params,
+                                                       const TileSpace& space, const CtaWalk& cta,
+                                                       bool placed) {
+  const auto ceil_units = [](const CtaWalk& walk) {
+    return walk.stride > 0 ? (walk.num_units + walk.stride - 1) / walk.stride : 0;
+  };
+  if (!placed) return ceil_units(cta);
+  const int32_t grid = static_cast<int32_t>(gridDim.x);
+  const CtaWalk lower =
+      l2_half_walk(0, grid, params.l2.lower_slots, space.m_units, space.num_n_tiles);
+  const CtaWalk upper = l2_half_walk(params.l2.lower_slots, grid, params.l2.lower_slots,
+                                     space.m_units, space.num_n_tiles);
+  return max(params.l2.lower_slots > 0 ? ceil_units(lower) : 0,
+             params.l2.lower_slots < grid ? ceil_units(upper) : 0);
+}
+
 // kResumes (kWeightGrad only): the launch may continue tiles from fp32 partials of an earlier
 // macrobatch. A separate instantiation because loading the partial into the accumulator (a
 // non-wgmma definition of its registers) makes ptxas serialize every wgmma of the kernel (C7515):
@@ -274,32 +292,54 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       ptx::prefetch_tensor_map(&tmap_b0);
       const unsigned long long epoch = gathers ? gather_epoch(params.gather) : 0;
       PipelineState<Storage::kNumStagesHere> state;
-      for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
+      // MoeConfig::gemm_lockstep_k_blocks: the row-tile forms' producers kept in step
+      // (lockstep.h; not in CTA pairs, which run their two CTAs in step already), begun at the
+      // CTA's first unit, whose K-blocks every unit of the launch has.
+      const bool lockstep = Traits::kRowTiles && !kPaired && params.lockstep.ticks != nullptr;
+      LockstepCta step;
+      int32_t local_unit = 0;
+      for (int unit = cta.first; unit < cta.num_units; unit += cta.stride, ++local_unit) {
         const UnitTile tile =
             unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
         const TileCoord& coord = tile.coord;
         if (coord.skip) continue;  // kWeightGrad: no rows in this macrobatch (both of a pair)
+        if (lockstep && local_unit == 0)
+          step = lockstep_begin(
+              params.lockstep,
+              lockstep_plan(params.lockstep.lead_k_blocks, coord.num_k_blocks,
+                            most_units_of_a_cta(params, space, cta,
+                                                kCanPlace && params.l2.slot_of_sm != nullptr)));
+        const auto in_step = [&](int k_block) {
+          if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_unit, k_block);
+        };
         if (tile.phantom) {
-          for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+          for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
+            in_step(k_block);
             produce_stage(params.wait, smem, state, 0,
                           [](__nv_bfloat16*, __nv_bfloat16*, uint64_t*) {});
+          }
           continue;
         }
         if (gathers) wait_for_gathered_tile(params.wait, params.gather, coord.m_tile, epoch);
         if (params.ablation == GemmAblation::kNoLoads) {
-          for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+          for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
+            in_step(k_block);
             produce_stage(params.wait, smem, state, 0,
                           [](__nv_bfloat16*, __nv_bfloat16*, uint64_t*) {});
+          }
           continue;
         }
         const PairLoad pair{static_cast<uint16_t>(tile.shares_b ? 0b11 : 0), rank};
-        for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block)
+        for (int k_block = 0; k_block < coord.num_k_blocks; ++k_block) {
+          in_step(k_block);
           produce_stage(params.wait, smem, state, kTileABytes + kTileBBytes,
                         [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
                           issue_loads<kForm>(&tmap_a0, &tmap_a1, &tmap_b0, &tmap_b1, params, coord,
                                              k_block, a_dst, b_dst, full, pair);
                         });
+        }
       }
+      if (lockstep) lockstep_end(params.lockstep, step, local_unit);
     } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,
                              gather_epoch(params.gather));

@@ -9,6 +9,7 @@
 #include "kernels/common/wait_types.h"
 #include "kernels/gemm/gemm_ablation.h"
 #include "kernels/gemm/l2_placement.h"
+#include "kernels/gemm/lockstep.h"
 #include "mok/schedule.h"
 #include "mok/task_trace.h"
 
@@ -122,6 +123,9 @@ struct ExpertGemmParams {
   // 128 columns, stored in two rounds), without CTA pairs or the push (the launcher's choice;
   // expert_gemm.cu). Same bits either way.
   int32_t four_stages;
+  // MoeConfig::gemm_lockstep_k_blocks: the row-tile forms' CTAs kept in step (lockstep.h);
+  // ticks null: off.
+  GemmLockstep lockstep;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)

@@ -1,0 +1,91 @@
+// MoeConfig::gemm_lockstep_k_blocks (src/kernels/gemm/lockstep.h): the row-tile GEMMs with
+// their CTAs kept in step give the bits of the free-running ones at every lead (a tick per
+// K-block, the default-like 16, one tick per tile), on the four-stage ring, under the L2
+// placement and with macrobatches, with and without the forward context; and a step finishes
+// with those bits while another stream holds all but 8 SMs, so that most of a launch's CTAs
+// start only after others have ended (the lockstep waits only on CTAs that have started).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "gpu_step.h"
+#include "mok/gpu_layer.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
+#include "sm_hold.cuh"
+#include "test_util.h"
+
+namespace mok {
+namespace {
+
+using test::make_shape;
+
+MoeConfig in_step(int32_t lead) {
+  MoeConfig config;
+  config.gemm_lockstep_k_blocks = lead;
+  return config;
+}
+
+TEST(LockstepGpu, SameBitsAtEveryLead) {
+  const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 71);
+  DeviceProblem device(problem, 0);
+  GpuLayer reference(shape, MoeConfig{});
+  std::vector<MoeConfig> configs = {in_step(2), in_step(16), in_step(kMaxLockstepKBlocks)};
+  configs.push_back(in_step(16));
+  configs.back().gemm_four_stages = true;
+  configs.push_back(in_step(16));
+  configs.back().gemm_l2_placement = true;
+  configs.push_back(in_step(4));
+  configs.back().minibatch_size = 128;
+  configs.back().macrobatch_size = 384;
+  for (const MoeConfig& config : configs) {
+    GpuLayer layer(shape, config);
+    for (const bool with_context : {true, false}) {
+      SCOPED_TRACE(testing::Message()
+                   << "lead " << config.gemm_lockstep_k_blocks << " four stages "
+                   << config.gemm_four_stages << " L2 placement " << config.gemm_l2_placement
+                   << " macrobatch " << config.macrobatch_size
+                   << (with_context ? "" : ", no context"));
+      const HostRank want = test::gpu_step(reference, device, problem, with_context);
+      const HostRank got = test::gpu_step(layer, device, problem, with_context);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+      });
+    }
+  }
+}
+
+TEST(LockstepGpu, FinishesOnTheSmsLeftToIt) {
+  const MoeShape shape = make_shape(1500, 1024, 512, 16, 4);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 97);
+  DeviceProblem device(problem, 0);
+  GpuLayer reference(shape, MoeConfig{});
+  const HostRank want = test::gpu_step(reference, device, problem, true);
+  // gpu_step synchronizes the device, which would wait for the SM-holding kernel: the held step
+  // runs on a stream of its own, its outputs poisoned before the hold starts.
+  cudaStream_t layer_stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    GpuLayer layer(shape, in_step(2));             // a tick per K-block: the tightest lockstep
+    test::gpu_step(layer, device, problem, true);  // warm-up: kernel attributes, module load
+    device.poison_outputs();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    {
+      const test::SmHold hold(8, 3'000'000'000ull);
+      const Status status = test::launch_step(layer, device, true, layer_stream);
+      ASSERT_TRUE(status.ok()) << status.message;
+      EXPECT_TRUE(hold.still_held()) << "the step only finished after the SM-holding kernel exited";
+    }
+    test::for_each_output(test::downloaded_outputs(device, problem), want,
+                          [&](const char* output, const auto& a, const auto& b) {
+                            EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+                          });
+  }
+  cudaStreamDestroy(layer_stream);
+}
+
+}  // namespace
+}  // namespace mok
