@@ -6,6 +6,12 @@
 #include <gtest/gtest.h>
 #include <stdint.h>
 
+#include "gpu_step.h"
+#include "mok/gpu_layer.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
+#include "test_util.h"
+
 namespace mok::test {
 namespace {  // one copy per test file that launches it
 
@@ -54,6 +60,31 @@ class SmHold {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t done_ = nullptr;
 };
+
+// One step of `layer` (forward with the context, backward) while another stream holds all but
+// 8 SMs, so that most CTAs of each launch start only once others have ended: it must end before
+// the hold does, with the bits `want` (the same step on every SM). gpu_step synchronizes the
+// device, which would wait for the hold: the held step runs on a stream of its own, its outputs
+// poisoned before the hold starts.
+inline void expect_same_bits_on_held_sms(GpuLayer& layer, DeviceProblem& device,
+                                         const HostProblem& problem, const HostRank& want) {
+  cudaStream_t layer_stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
+  gpu_step(layer, device, problem, true);  // warm-up: kernel attributes, module load
+  device.poison_outputs();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  {
+    const SmHold hold(8, 3'000'000'000ull);
+    const Status status = launch_step(layer, device, true, layer_stream);
+    ASSERT_TRUE(status.ok()) << status.message;
+    EXPECT_TRUE(hold.still_held()) << "the step only finished after the SM-holding kernel exited";
+  }
+  for_each_output(downloaded_outputs(device, problem), want,
+                  [&](const char* output, const auto& a, const auto& b) {
+                    EXPECT_TRUE(bitwise_equal(a, b)) << output;
+                  });
+  cudaStreamDestroy(layer_stream);
+}
 
 }  // namespace
 }  // namespace mok::test

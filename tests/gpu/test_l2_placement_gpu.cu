@@ -125,27 +125,8 @@ TEST(L2PlacementGpu, FinishesOnTheSmsLeftToIt) {
   DeviceProblem device(problem, 0);
   GpuLayer reference(shape, MoeConfig{});
   const HostRank want = test::gpu_step(reference, device, problem, true);
-  // gpu_step synchronizes the device, which would wait for the SM-holding kernel: the held step
-  // runs on a stream of its own, its outputs poisoned before the hold starts.
-  cudaStream_t layer_stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&layer_stream, cudaStreamNonBlocking), cudaSuccess);
-  {
-    GpuLayer layer(shape, placed());               // probed with every SM free
-    test::gpu_step(layer, device, problem, true);  // warm-up: kernel attributes, module load
-    device.poison_outputs();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    {
-      const test::SmHold hold(8, 3'000'000'000ull);
-      const Status status = test::launch_step(layer, device, true, layer_stream);
-      ASSERT_TRUE(status.ok()) << status.message;
-      EXPECT_TRUE(hold.still_held()) << "the step only finished after the SM-holding kernel exited";
-    }
-    test::for_each_output(test::downloaded_outputs(device, problem), want,
-                          [&](const char* output, const auto& a, const auto& b) {
-                            EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-                          });
-  }
-  cudaStreamDestroy(layer_stream);
+  GpuLayer layer(shape, placed());  // probed with every SM free
+  test::expect_same_bits_on_held_sms(layer, device, problem, want);
 }
 
 }  // namespace
