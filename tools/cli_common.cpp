@@ -57,7 +57,6 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.gemm_wide_tiles = !config.gemm_wide_tiles;
     if (flipped.gemm_wide_tiles) {
       flipped.gemm_cta_pairs = false;
-      flipped.gemm_lockstep_k_blocks = 0;
       flipped.persistent_forward = false;
       flipped.persistent_backward = false;
       flipped.gemm_l2_placement = false;
@@ -96,10 +95,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // "lockstep-N" (N of at most 4 digits, 0 = off; can_implement checks its range): the row-tile
     // GEMMs' CTAs kept within about N K-blocks of the slowest.
     flipped.gemm_lockstep_k_blocks = std::stoi(name.substr(lockstep.size()));
-    if (flipped.gemm_lockstep_k_blocks > 0) {
-      flipped.gemm_wide_tiles = false;
-      flipped.gemm_cta_pairs = false;
-    }
+    if (flipped.gemm_lockstep_k_blocks > 0) flipped.gemm_cta_pairs = false;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

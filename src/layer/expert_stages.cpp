@@ -182,6 +182,15 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetB
   return maps;
 }
 
+// MoeConfig::gemm_lockstep_k_blocks: the lockstep's counters name a row-tile launch by its epoch,
+// so the next launch gets a new one.
+void advance_lockstep(const kernels::ExpertGemmParams& params, kernels::ExpertGemmForm form,
+                      cudaStream_t stream) {
+  if (params.lockstep.ticks != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
+    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, stream),
+               "advance the GEMM lockstep's epoch");
+}
+
 void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
             const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
             cudaStream_t stream, const char* what) {
@@ -193,10 +202,7 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
     cuda_check(
         kernels::launch_advance_epoch(s.l2_claims.as<unsigned long long>() + s.sm_count, stream),
         "advance the L2 placement's epoch");
-  // The lockstep's counters name the launch by its epoch too.
-  if (params.lockstep.ticks != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
-    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, stream),
-               "advance the GEMM lockstep's epoch");
+  advance_lockstep(params, form, stream);
 }
 
 // The 256 x 192 tiles' maps where they read and write what the 128 x 256 tiles' do (the dgrads).
@@ -216,6 +222,7 @@ void launch_wide(const GpuLayer::State& s, kernels::ExpertGemmForm form,
                  cudaStream_t stream, const char* what) {
   cuda_check(kernels::launch_wide_tile_gemm(form, maps, params, s.sm_count, stream),
              std::string(what) + " (256 x 192 tiles)");
+  advance_lockstep(params, form, stream);
 }
 
 }  // namespace

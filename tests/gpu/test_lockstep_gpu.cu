@@ -1,9 +1,10 @@
 // MoeConfig::gemm_lockstep_k_blocks (src/kernels/gemm/lockstep.h): the row-tile GEMMs with
 // their CTAs kept in step give the bits of the free-running ones at every lead (a tick per
 // K-block, the default-like 16, one tick per tile), on the four-stage ring, under the L2
-// placement and with macrobatches, with and without the forward context; and a step finishes
-// with those bits while another stream holds all but 8 SMs, so that most of a launch's CTAs
-// start only after others have ended (the lockstep waits only on CTAs that have started).
+// placement, in the 256 x 192 tiles and with macrobatches, with and without the forward context;
+// and a step finishes with those bits while another stream holds all but 8 SMs, so that most of a
+// launch's CTAs start only after others have ended (the lockstep waits only on CTAs that have
+// started).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -38,6 +39,8 @@ TEST(LockstepGpu, SameBitsAtEveryLead) {
   configs.back().gemm_four_stages = true;
   configs.push_back(in_step(16));
   configs.back().gemm_l2_placement = true;
+  configs.push_back(in_step(16));
+  configs.back().gemm_wide_tiles = true;
   configs.push_back(in_step(4));
   configs.back().minibatch_size = 128;
   configs.back().macrobatch_size = 384;
@@ -47,8 +50,8 @@ TEST(LockstepGpu, SameBitsAtEveryLead) {
       SCOPED_TRACE(testing::Message()
                    << "lead " << config.gemm_lockstep_k_blocks << " four stages "
                    << config.gemm_four_stages << " L2 placement " << config.gemm_l2_placement
-                   << " macrobatch " << config.macrobatch_size
-                   << (with_context ? "" : ", no context"));
+                   << " 256 x 192 tiles " << config.gemm_wide_tiles << " macrobatch "
+                   << config.macrobatch_size << (with_context ? "" : ", no context"));
       const HostRank want = test::gpu_step(reference, device, problem, with_context);
       const HostRank got = test::gpu_step(layer, device, problem, with_context);
       test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {

@@ -51,6 +51,7 @@
 #include "kernels/gemm/gemm_loads.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/launch.h"
+#include "kernels/gemm/lockstep.h"
 #include "kernels/gemm/wide_tile_walk.h"
 #include "kernels/persistent/task_order.h"
 #include "kernels/stages/dispatch_local.cuh"
@@ -372,20 +373,33 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::prefetch_tensor_map(&tmap_a0);
     ptx::prefetch_tensor_map(&tmap_b0);
     PipelineState<kWideStages> state;
-    for (int32_t unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+    // MoeConfig::gemm_lockstep_k_blocks (lockstep.h): this CTA's producer kept in step with the
+    // launch's others; its one- and two-tile units take the same K-blocks, so the same ticks.
+    const bool lockstep = params.lockstep.ticks != nullptr && blockIdx.x < num_units;
+    LockstepCta step;
+    if (lockstep)
+      step = lockstep_begin(
+          params.lockstep,
+          lockstep_plan(params.lockstep.lead_k_blocks, num_k_blocks,
+                        (num_units + static_cast<int32_t>(gridDim.x) - 1) / gridDim.x));
+    int32_t local_unit = 0;
+    for (int32_t unit = blockIdx.x; unit < num_units; unit += gridDim.x, ++local_unit) {
       const WideTile tile = wide_tile(params, window, unit_start, num_n_tiles, unit);
       const int row = tile.rows.m_tile * kWideTileRows - params.macrobatch.ring_row_base;
       const uint32_t bytes = wide_stage_bytes<kForm>(params, tile);
       if (gathers)
         for (int t = 0; t < tile.rows.num_tiles; ++t)
           wait_for_gathered_tile(params.wait, params.gather, tile.rows.m_tile + t, epoch);
-      for (int k_block = 0; k_block < num_k_blocks; ++k_block)
+      for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+        if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_unit, k_block);
         produce_stage(params.wait, smem, state, bytes,
                       [&](__nv_bfloat16* a_dst, __nv_bfloat16* b_dst, uint64_t* full) {
                         issue_wide_loads<kForm>(maps, params, tile, row, k_block, a_dst, b_dst,
                                                 full);
                       });
+      }
     }
+    if (lockstep) lockstep_end(params.lockstep, step, local_unit);
     return;
   }
   ptx::setmaxnreg_inc<kWideConsumerRegisters>();
