@@ -41,6 +41,9 @@ const char* const kCompareKnobs[] = {
     "l2-placement",      "four-stages",        "lockstep-N",          nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
+  // "K1+K2+...": the knobs flipped in turn, each on the previous one's config.
+  if (const size_t plus = name.find('+'); plus != std::string::npos)
+    return flip_knob(flip_knob(config, name.substr(0, plus)), name.substr(plus + 1));
   mok::MoeConfig flipped = config;
   if (name == "cta-pairs") {
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;

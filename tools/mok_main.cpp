@@ -83,7 +83,7 @@ mok run options:
                                weight-grad-pingpong, skip-padding-rows, local-dispatch,
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
                                l2-placement, four-stages, lockstep-N: the CTAs in step
-                               within N K-blocks, 0 off)
+                               within N K-blocks, 0 off); K1+K2 flips several on one layer
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -311,7 +311,8 @@ int run_command(RunOptions options) {
                   "--compare " + knob +
                       " without --quick; valid: --quick --compare (a full run times every knob "
                       "already)");
-    flip_knob(checked_config, knob);  // names the knob if it is unknown
+    // Names the knob if it is unknown, and what a flipped layer could not run.
+    mok::can_implement(flip_knob(checked_config, knob), shape).throw_if_error();
   }
   if (options.quick && (device_name.empty() || shape.num_ranks != 1 || fp8))
     refuse_quick(fp8                   ? "an FP8 run"
