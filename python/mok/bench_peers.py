@@ -10,7 +10,8 @@ router_weights) -> out`` over the same weights (one ``Problem``):
   over each expert's rows, SwiGLU, weighted sum in fp32);
 - ``sonicmoe``: SonicMoE's given-routing entry point, when ``sonicmoe`` is importable;
 - ``torch fp8`` (``--fp8``, CUDA): the FP8 pipeline a torch user writes (bench_torch_fp8);
-- ``mok KNOB`` (``--knobs``): mok with one of ``MoKConfig``'s switches flipped, on the same weight
+- ``mok KNOB`` (``--knobs``): mok with one of ``MoKConfig``'s switches flipped (or ``FIELD=N``, or
+  several joined by ``+``: ``flipped_config``), on the same weight
   tensors (shared, not copied) and a workspace of its own: a config A/B in the same rounds.
 
 Peers hold routed experts only: with a shared expert only mok runs. A system that cannot be built
@@ -169,17 +170,45 @@ def config_switches() -> list[str]:
     return [f.name for f in fields(MoKConfig) if f.type in (bool, "bool")]
 
 
+def config_numbers() -> list[str]:
+    """MoKConfig's integer fields: what ``--knobs`` can set as ``FIELD=N``."""
+    from .functional import MoKConfig
+
+    return [f.name for f in fields(MoKConfig) if f.type in (int, "int")]
+
+
+def flipped_config(config, knob: str):
+    """`config` with `knob` applied: a MoKConfig switch flipped, ``FIELD=N`` setting an integer
+    field, or several of those joined by ``+``, in turn (e.g.
+    ``gemm_four_stages+gemm_lockstep_k_blocks=16``)."""
+    for part in knob.split("+"):
+        name, _, value = part.partition("=")
+        if value:
+            numbers = config_numbers()
+            if name not in numbers or not value.lstrip("-").isdigit():
+                raise ValueError(
+                    f"argument `knob` has {part!r}; valid: FIELD=N with FIELD one of "
+                    f"{', '.join(numbers)}"
+                )
+            config = replace(config, **{name: int(value)})
+            continue
+        switches = config_switches()
+        if name not in switches:
+            raise ValueError(
+                f"argument `knob` has {part!r}; valid: {', '.join(switches)}, or FIELD=N"
+            )
+        config = replace(config, **{name: not getattr(config, name)})
+    return config
+
+
 def _mok_knob_system(p: Problem, knob: str) -> System:
-    """mok with MoKConfig's switch `knob` flipped, over the problem module's own weight tensors,
-    through a workspace of its own."""
+    """mok with `knob` applied to its MoKConfig (flipped_config), over the problem module's own
+    weight tensors, through a workspace of its own."""
     from ._workspace import Workspace
     from .functional import moe
 
-    switches = config_switches()
-    if knob not in switches:
-        raise ValueError(f"argument `knob` is {knob!r}; valid: {', '.join(switches)}")
     module = p.module
-    config = replace(module.config, **{knob: not getattr(module.config, knob)})
+    config = flipped_config(module.config, knob)
     workspace = Workspace(config.to_native())
 
     def forward(x: Tensor, top_experts: Tensor, router_weights: Tensor) -> Tensor:

@@ -152,6 +152,23 @@ def test_knob_systems_share_the_weights_and_compute_the_layer():
         systems_of(p, peers=False, knobs=["cta_pairs"])
 
 
+def test_knobs_set_numbers_and_combine():
+    """--knobs FIELD=N sets an integer field and K1+K2 applies several in turn; a name that is
+    neither a switch nor an integer field is an error naming what is valid."""
+    from mok.bench_peers import flipped_config
+    from mok.functional import MoKConfig
+
+    base = MoKConfig()
+    both = flipped_config(base, "gemm_four_stages+gemm_lockstep_k_blocks=16")
+    assert both.gemm_four_stages and both.gemm_lockstep_k_blocks == 16
+    assert both.gemm_cta_pairs == base.gemm_cta_pairs
+    assert flipped_config(base, "gemm_tile_group=3").gemm_tile_group == 3
+    with pytest.raises(ValueError, match="FIELD=N with FIELD one of .*gemm_lockstep_k_blocks"):
+        flipped_config(base, "gemm_four_stages=2")
+    with pytest.raises(ValueError, match="valid: .*gemm_four_stages"):
+        flipped_config(base, "gemm_four_stages+lockstep")
+
+
 def test_systems_filter_builds_only_those_asked_for():
     """--systems: only the named systems are built (mok always), the rest are reported as not
     asked for, and an unknown name is an error that lists the valid ones."""
