@@ -116,8 +116,8 @@ struct MoeConfig {
   // a weight tile drift apart, docs/perf.md, session 22); kept to measure with
   // gemm_lockstep_k_blocks.
   bool gemm_four_stages = false;
-  // The kernel sequences' row-tile GEMMs (bf16, in 128 x 256 or 256 x 192 tiles; not the weight
-  // gradients, CTA pairs or the persistent kernels) keep their CTAs in step: no CTA's
+  // The kernel sequences' row-tile GEMMs (bf16 in 128 x 256 or 256 x 192 tiles, and FP8; not
+  // the weight gradients, CTA pairs or the persistent kernels) keep their CTAs in step: no CTA's
   // producer runs more than about this many K-blocks ahead of the slowest CTA of its launch
   // (src/kernels/gemm/lockstep.h). CTAs that share a weight tile or activation rows then read
   // them from L2 close together instead of drifting apart and reading them from HBM again, which

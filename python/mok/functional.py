@@ -83,7 +83,7 @@ class MoKConfig:
         without CTA pairs or the expert-parallel push; off until measured faster).
     gemm_lockstep_k_blocks: keep the row-tile GEMMs' CTAs within about this many K-blocks of
         the slowest, so the CTAs sharing a weight tile read it from L2 together (same bits;
-        bf16, without CTA pairs; 0 = off, else 2-4096; off until measured faster).
+        without CTA pairs; 0 = off, else 2-4096; off until measured faster).
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).

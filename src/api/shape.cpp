@@ -207,10 +207,6 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
                " with gemm_cta_pairs = true; valid: gemm_lockstep_k_blocks = 0 (a CTA pair keeps "
                "its two CTAs in step by itself)");
-  if (config.gemm_lockstep_k_blocks != 0 && config.precision != Precision::kBF16)
-    return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
-               " with precision = fp8_block; valid: gemm_lockstep_k_blocks = 0 (FP8 has GEMMs "
-               "of its own)");
   if (!(config.wait_timeout_s > 0.0) || !std::isfinite(config.wait_timeout_s))
     return bad("wait_timeout_s = " + std::to_string(config.wait_timeout_s) +
                "; valid: a positive, finite number of seconds");

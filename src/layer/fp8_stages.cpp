@@ -158,6 +158,7 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   params.tile_expert = view.tile_expert;
   params.wait = s.wait_context();
   params.ablation = gemm_ablation_from_env();
+  params.lockstep = s.lockstep;
   return params;
 }
 
@@ -208,6 +209,10 @@ void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, c
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
             const kernels::Fp8GemmParams& params, cudaStream_t stream, const char* what) {
   cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, stream), what);
+  // The lockstep's counters name a row-tile launch by its epoch: the next one gets a new one.
+  if (params.lockstep.ticks != nullptr && params.form == kernels::Fp8GemmForm::kRowTiles)
+    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, stream),
+               "advance the GEMM lockstep's epoch");
 }
 
 // out [out_rows, n] = a [rows, k] times each row tile's expert's b [n, k]^T (one part each).

@@ -1,10 +1,10 @@
 // MoeConfig::gemm_lockstep_k_blocks (src/kernels/gemm/lockstep.h): the row-tile GEMMs with
 // their CTAs kept in step give the bits of the free-running ones at every lead (a tick per
 // K-block, the default-like 16, one tick per tile), on the four-stage ring, under the L2
-// placement, in the 256 x 192 tiles and with macrobatches, with and without the forward context;
-// and a step finishes with those bits while another stream holds all but 8 SMs, so that most of a
-// launch's CTAs start only after others have ended (the lockstep waits only on CTAs that have
-// started).
+// placement, in the 256 x 192 tiles, with macrobatches and in FP8, with and without the forward
+// context; and a step finishes with those bits while another stream holds all but 8 SMs, so that
+// most of a launch's CTAs start only after others have ended (the lockstep waits only on CTAs that
+// have started).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -52,6 +52,31 @@ TEST(LockstepGpu, SameBitsAtEveryLead) {
                    << config.gemm_four_stages << " L2 placement " << config.gemm_l2_placement
                    << " 256 x 192 tiles " << config.gemm_wide_tiles << " macrobatch "
                    << config.macrobatch_size << (with_context ? "" : ", no context"));
+      const HostRank want = test::gpu_step(reference, device, problem, with_context);
+      const HostRank got = test::gpu_step(layer, device, problem, with_context);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+      });
+    }
+  }
+}
+
+// The FP8 row-tile GEMMs in step give the bits of the free-running ones, with a shared expert,
+// with and without the forward context.
+TEST(LockstepGpu, Fp8KeepsTheBits) {
+  const MoeShape shape = make_shape(512, 1024, 384, 16, 4, 1, 256);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 73);
+  DeviceProblem device(problem, 0);
+  MoeConfig free_running;
+  free_running.precision = Precision::kFP8Block;
+  GpuLayer reference(shape, free_running);
+  for (const int32_t lead : {2, 16}) {
+    MoeConfig config = free_running;
+    config.gemm_lockstep_k_blocks = lead;
+    GpuLayer layer(shape, config);
+    for (const bool with_context : {true, false}) {
+      SCOPED_TRACE(testing::Message()
+                   << "FP8, lead " << lead << (with_context ? "" : ", no context"));
       const HostRank want = test::gpu_step(reference, device, problem, with_context);
       const HostRank got = test::gpu_step(layer, device, problem, with_context);
       test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {

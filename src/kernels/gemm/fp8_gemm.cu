@@ -149,9 +149,21 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::prefetch_tensor_map(&maps.b);
       PipelineState<kFp8Stages> state;
       constexpr uint32_t kBytes = 2 * kFp8TileBytes + (kWeightGrad ? 2 : 1) * kFp8ScaleBytes;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      // MoeConfig::gemm_lockstep_k_blocks (lockstep.h): the row tiles' producers kept in step;
+      // every tile has K / 128 K-blocks.
+      const bool lockstep =
+          !kWeightGrad && params.lockstep.ticks != nullptr && blockIdx.x < num_tiles;
+      LockstepCta step;
+      if (lockstep)
+        step =
+            lockstep_begin(params.lockstep, lockstep_plan(params.lockstep.lead_k_blocks,
+                                                          params.k_extent / kFp8BlockK,
+                                                          (num_tiles + gridDim.x - 1) / gridDim.x));
+      int local_tile = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
         const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
+          if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_tile, k_block);
           const int s = state.stage;
           const int k_group = t.k_block0 + k_block;
           mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
@@ -182,6 +194,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           state.advance();
         }
       }
+      if (lockstep) lockstep_end(params.lockstep, step, local_tile);
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();

@@ -21,6 +21,7 @@
 
 #include "kernels/common/wait_types.h"
 #include "kernels/gemm/gemm_ablation.h"
+#include "kernels/gemm/lockstep.h"
 #include "mok/schedule.h"
 
 namespace mok::kernels {
@@ -60,6 +61,8 @@ struct Fp8GemmParams {
   int32_t k_split = 0;   // kRowTiles: 0, or a multiple of 128 below K (not with n_split)
   WaitContext wait{};
   GemmAblation ablation = GemmAblation::kNone;  // but in a measurement (gemm_ablation.h)
+  // MoeConfig::gemm_lockstep_k_blocks: kRowTiles' CTAs kept in step (lockstep.h); ticks null: off.
+  GemmLockstep lockstep{};
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
