@@ -17,7 +17,8 @@
 # stalls per SASS instruction (stalls_<shape>.txt: the top stall sites of each kernel);
 # MOK_NCU_ENVS (entries VAR=value) times the GEMM launches with each set
 # (ncu_<shape>_<entry>.txt); MOK_NCU_L2_VARIANTS (e.g. "plain,--cta-pairs") breaks down their L2
-# throughput under each `mok run` variant (ncu_l2_<n>.txt). MOK_NCU_METRICS replaces the metrics
+# throughput under each `mok run` variant (ncu_l2_<n>.txt; each with MOK_NCU_VARIANT_ARGS, default
+# --quick, which FP8 runs must set empty). MOK_NCU_METRICS replaces the metrics
 # of both (e.g. "breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed": the shared
 # memory's units).
 set -uo pipefail
@@ -124,8 +125,9 @@ for variant in "${l2_variants[@]}"; do
   args=()
   [ "$variant" != plain ] && read -r -a args <<<"$variant"
   echo "== ncu L2 breakdown at $ncu_shape, $variant"
-  ncu_gemms "${MOK_NCU_LAUNCHES:-2}" --metrics "${MOK_NCU_METRICS:-$l2_metrics}" -- --quick \
-    "${args[@]}" \
+  # shellcheck disable=SC2086 # MOK_NCU_VARIANT_ARGS is a list of arguments
+  ncu_gemms "${MOK_NCU_LAUNCHES:-2}" --metrics "${MOK_NCU_METRICS:-$l2_metrics}" -- \
+    ${MOK_NCU_VARIANT_ARGS---quick} "${args[@]}" \
     >"$OUT/ncu_l2_$n.txt" 2>&1 || status=1
   grep -E "$ncu_kernel|lts__|l1tex__|dram__|gpu__time|hmma" "$OUT/ncu_l2_$n.txt" |
     sed -E 's/\(CUtensorMap_st.*//' | head -60
