@@ -13,8 +13,10 @@
 // loads keep up: session 20's delay loop added ~500 cycles per K-block whatever was loaded
 // (session 21: as much with no loads at all). As the GEMMs' consumers do (wgmma wait_group 1), it
 // holds two stages, the running K-block's and the queued one's, and releases each on its empty
-// mbarrier when its math ends (--pace-sweep also runs one stage held, and none). Nothing else runs:
-// the time and ncu's sectors are the walk's loads alone.
+// mbarrier when its math ends (--pace-sweep also runs one stage held, and none). The drift walks
+// give each CTA a math speed of its own (+-5%) and, kept in step, run the GEMMs' lockstep
+// (kernels/gemm/lockstep.h) in the producer. Nothing else runs: the time and ncu's sectors are
+// the walk's loads alone.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -27,6 +29,8 @@
 
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/wait.cuh"
+#include "kernels/gemm/lockstep.h"
+#include "kernels/stages/launch.h"
 #include "layer/cuda_buffer.h"
 #include "layer/l2_partitions.h"
 #include "layer/tma.h"
@@ -87,8 +91,26 @@ struct WalkParams {
   // Stages the consumer holds while the modeled tensor pipe runs (the kernel map above): 2 as
   // the GEMMs' consumers do, 1, or 0 (each stage released as soon as it lands).
   int32_t held_stages;
+  // Each CTA's math runs this many percent slower or faster than the hold, by block (spread
+  // evenly over [-speed_spread_pct, +speed_spread_pct]): the GEMMs' CTAs do not run alike (SM
+  // clocks, near and far L2 lines), and the drift test needs them not to.
+  int32_t speed_spread_pct;
+  // MoeConfig::gemm_lockstep_k_blocks in the replay: the producers kept in step (ticks null: off;
+  // max_units: the most non-padding units any CTA walks).
+  kernels::GemmLockstep lockstep;
+  int32_t max_units;
   kernels::WaitContext wait;
 };
+
+// Block b's math speed: its hold scaled by (100 + spread) / 100, spread in
+// [-speed_spread_pct, speed_spread_pct] by a hash of b (0 without a spread).
+__device__ __forceinline__ int32_t hold_of(const WalkParams& p, int32_t hold) {
+  if (p.speed_spread_pct == 0) return hold;
+  const uint32_t mixed = (blockIdx.x * 2654435761u) >> 16;
+  const int32_t spread =
+      (static_cast<int32_t>(mixed % 201u) - 100) * p.speed_spread_pct / 100;  // percent
+  return hold * (100 + spread) / 100;
+}
 
 __device__ __forceinline__ int32_t sm_id() {
   uint32_t sm;
@@ -153,11 +175,18 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
   if (warp == 0) {
     if (lane != 0) return;
     long long producer_wait = 0;
+    const bool lockstep = p.lockstep.ticks != nullptr && p.max_units > 0;
+    kernels::LockstepCta step;
+    int32_t local_unit = 0;
     for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
       const int4 unit = p.units[u];
       if (unit.y == 0) continue;  // a slot's padding
+      if (lockstep && local_unit == 0)
+        step = kernels::lockstep_begin(
+            p.lockstep, kernels::lockstep_plan(p.lockstep.lead_k_blocks, p.k_blocks, p.max_units));
       const uint32_t bytes = unit_bytes(p, unit);
       for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
+        if (lockstep) kernels::lockstep_k_block(p.lockstep, step, p.wait, local_unit, kb);
         const int slot = static_cast<int>(g % p.stages);
         const long long wait_start = clock64();
         if (g >= p.stages)
@@ -184,7 +213,9 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
             b += p.b_box * p.box_k * 2;
           }
       }
+      ++local_unit;
     }
+    if (lockstep) kernels::lockstep_end(p.lockstep, step, local_unit);
     if (probed_block) p.clock_probe[kProbeProducerWait] = producer_wait;
     return;
   }
@@ -209,7 +240,7 @@ __global__ void __launch_bounds__(64, 1) walk_replay_kernel(const __grid_constan
   };
   for (int32_t u = slot0; u < p.num_units; u += gridDim.x) {
     if (p.units[u].y == 0) continue;
-    const int32_t hold = p.cycles_per_a_box * p.units[u].y;
+    const int32_t hold = hold_of(p, p.cycles_per_a_box * p.units[u].y);
     for (int32_t kb = 0; kb < p.k_blocks; ++kb, ++g) {
       const int slot = static_cast<int>(g % p.stages);
       const uint32_t parity = static_cast<uint32_t>((g / p.stages) & 1);
@@ -283,9 +314,11 @@ struct WalkCase {
   WalkSpec spec;
   bool paced;
   Placement placement = Placement::kBlock;
-  int32_t stages = kStages;     // the ring (WalkParams)
-  int32_t box_k = kBoxK;        // K of a stage
-  int32_t epilogue_cycles = 0;  // per unit
+  int32_t stages = kStages;      // the ring (WalkParams)
+  int32_t box_k = kBoxK;         // K of a stage
+  int32_t epilogue_cycles = 0;   // per unit
+  int32_t speed_spread_pct = 0;  // WalkParams::speed_spread_pct
+  int32_t lockstep_lead = 0;     // K-blocks (WalkParams::lockstep; 0: off)
 };
 
 // The expert GEMM's walk and the 256 x 192 tiles' (both paced, as their math holds the ring,
@@ -310,7 +343,34 @@ const WalkCase kWalks[] = {
      kDeepStages,
      kBoxK,
      kEpilogueCycles},
+    // The drift test with CTAs of unequal speeds (+-5%: WalkParams::speed_spread_pct), on three
+    // and four stages, with epilogues, free-running and kept in step within 16 K-blocks
+    // (lockstep.h): whether the fourth stage loses the CTAs' L2 sharing as the GEMMs' does
+    // (docs/perf.md, session 22: 22 GB of DRAM against 11), and whether the lockstep keeps it.
+    {{"128 x 256, epilogues, speeds +-5%", 128, 256, 8},
+     true,
+     Placement::kBlock,
+     kStages,
+     kBoxK,
+     kEpilogueCycles,
+     5},
+    {{"128 x 256, epilogues, 4 stages, speeds +-5%", 128, 256, 8},
+     true,
+     Placement::kBlock,
+     kDeepStages,
+     kBoxK,
+     kEpilogueCycles,
+     5},
+    {{"128 x 256, epilogues, 4 stages, speeds +-5%, in step", 128, 256, 8},
+     true,
+     Placement::kBlock,
+     kDeepStages,
+     kBoxK,
+     kEpilogueCycles,
+     5,
+     16},
     {{"256 x 192, groups of 8 (256 x 192 tiles)", 256, 192, 8}, true},
+    {{"256 x 192, in step", 256, 192, 8}, true, Placement::kBlock, kStages, kBoxK, 0, 0, 16},
     {{"128 x 256, groups of 8, unpaced", 128, 256, 8}, false},
     {{"256 x 192, groups of 8, unpaced", 256, 192, 8}, false},
     {{"128 x 256, groups of 2", 128, 256, 2}, true},
@@ -577,6 +637,11 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
       runs.push_back({walk, walk.paced ? kCyclesPer128x256 : 0, walk.stages});
   }
   DeviceBuffer clock_probe(kProbeSlots * sizeof(long long), "walk-bench clock probe");
+  // The lockstep's counters (kernels/gemm/lockstep.h), zeroed once: the in-step walks'.
+  DeviceBuffer lockstep_counters((kernels::kLockstepTicks + 2) * sizeof(unsigned long long),
+                                 "walk-bench lockstep counters");
+  cuda_check(cudaMemset(lockstep_counters.pointer, 0, lockstep_counters.bytes),
+             "walk-bench lockstep counters");
   std::printf("  %-8s %-44s %7s %9s %9s %9s%s\n", "GEMM", "walk", "units", "asked GB", "wave GB",
               "ms",
               pace_sweep ? "   CTA 0: K-blocks, cycles each, GHz (hold x K-blocks / ms); per "
@@ -644,9 +709,29 @@ int run_walk_bench(const MoeShape& shape, RoutingKind routing, uint64_t seed,
                   : walk.placement == Placement::kL2Partition ? partition_slot->as<int32_t>()
                                                               : sm_slot->as<int32_t>();
       p.wait = kernels::WaitContext{20'000'000'000ull, 0, nullptr};
+      p.speed_spread_pct = walk.speed_spread_pct;
+      p.lockstep = {};
+      p.max_units = 0;
+      if (walk.lockstep_lead > 0) {
+        // The most non-padding units a CTA walks (its slot s takes s, s + ctas, ...).
+        const int32_t ctas = grid > 0 ? grid : runner.num_sms();
+        std::vector<int32_t> per_slot(ctas, 0);
+        for (size_t u = 0; u < loads.size(); ++u)
+          if (loads[u].a_boxes > 0) ++per_slot[u % ctas];
+        p.max_units = *std::max_element(per_slot.begin(), per_slot.end());
+        unsigned long long* words = lockstep_counters.as<unsigned long long>();
+        p.lockstep = {words, words + kernels::kLockstepTicks, words + kernels::kLockstepTicks + 1,
+                      walk.lockstep_lead};
+      }
+      // Each launch a new epoch of the lockstep's counters, as the layer advances them.
+      const auto launch = [&] {
+        runner.launch(p, grid);
+        if (p.lockstep.ticks != nullptr)
+          cuda_check(kernels::launch_advance_epoch(p.lockstep.epoch, nullptr),
+                     "walk-bench lockstep epoch");
+      };
       // With `once`, no warm-up: the one launch is what ncu profiles.
-      const double ms =
-          median_event_ms([&] { runner.launch(p, grid); }, once ? 1 : 5, once ? 0 : 1);
+      const double ms = median_event_ms(launch, once ? 1 : 5, once ? 0 : 1);
       const double asked = walk_asked_bytes(walk.spec, form, loads, n_extent, k) / 1e9;
       const double wave = walk_wave_unique_bytes(walk.spec, form, loads, n_extent, k,
                                                  grid > 0 ? grid : runner.num_sms()) /
