@@ -114,9 +114,15 @@ int32_t simulate(const std::vector<int32_t>& units, int32_t num_k_blocks, int32_
   const bool all_at_once = sms >= static_cast<int32_t>(units.size());
   int32_t running = 0, spread = 0;
   for (int64_t steps = 0;; ++steps) {
-    // CTAs start in block order as SMs free up (a CTA without units never starts).
-    for (SimCta& cta : ctas) {
-      if (cta.started || cta.finished || running >= sms) continue;
+    // CTAs start as SMs free up, in an order the hardware does not promise (random here; a CTA
+    // without units never counts itself started).
+    std::vector<size_t> waiting;
+    for (size_t c = 0; c < ctas.size(); ++c)
+      if (!ctas[c].started) waiting.push_back(c);
+    std::shuffle(waiting.begin(), waiting.end(), rng);
+    for (size_t c : waiting) {
+      if (running >= sms) break;
+      SimCta& cta = ctas[c];
       cta.started = true;
       if (cta.units == 0) {
         cta.finished = true;
