@@ -23,6 +23,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_wide_tiles = options.wide_tiles;
   config.gemm_l2_placement = options.l2_placement;
   config.gemm_four_stages = options.four_stages;
+  config.gemm_tiles_by_ticket = options.tiles_by_ticket;
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
@@ -35,10 +36,19 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {
-    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
-    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
-    "l2-placement",      "four-stages",        "lockstep-N",          nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     "l2-placement",
+                                     "four-stages",
+                                     "lockstep-N",
+                                     "tiles-by-ticket",
+                                     nullptr};
 
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   // "K1+K2+...": the knobs flipped in turn, each on the previous one's config.
@@ -49,6 +59,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
     if (flipped.gemm_cta_pairs) {  // they exclude each other
       flipped.gemm_wide_tiles = false;
+      flipped.gemm_tiles_by_ticket = false;
       flipped.gemm_lockstep_k_blocks = 0;
       flipped.gemm_l2_placement = false;
       flipped.gemm_four_stages = false;
@@ -60,6 +71,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.gemm_wide_tiles = !config.gemm_wide_tiles;
     if (flipped.gemm_wide_tiles) {
       flipped.gemm_cta_pairs = false;
+      flipped.gemm_tiles_by_ticket = false;
       flipped.persistent_forward = false;
       flipped.persistent_backward = false;
       flipped.gemm_l2_placement = false;
@@ -69,12 +81,21 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.gemm_l2_placement = !config.gemm_l2_placement;
     if (flipped.gemm_l2_placement) {
       flipped.gemm_cta_pairs = false;
+      flipped.gemm_tiles_by_ticket = false;
       flipped.gemm_wide_tiles = false;
     }
   } else if (name == "four-stages") {
     flipped.gemm_four_stages = !config.gemm_four_stages;
     if (flipped.gemm_four_stages) {
       flipped.gemm_cta_pairs = false;
+      flipped.gemm_wide_tiles = false;
+    }
+  } else if (name == "tiles-by-ticket") {
+    flipped.gemm_tiles_by_ticket = !config.gemm_tiles_by_ticket;
+    if (flipped.gemm_tiles_by_ticket) {  // what it excludes
+      flipped.gemm_cta_pairs = false;
+      flipped.gemm_l2_placement = false;
+      flipped.gemm_lockstep_k_blocks = 0;
       flipped.gemm_wide_tiles = false;
     }
   } else if (name == "persistent-backward") {
@@ -98,7 +119,10 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // "lockstep-N" (N of at most 4 digits, 0 = off; can_implement checks its range): the row-tile
     // GEMMs' CTAs kept within about N K-blocks of the slowest.
     flipped.gemm_lockstep_k_blocks = std::stoi(name.substr(lockstep.size()));
-    if (flipped.gemm_lockstep_k_blocks > 0) flipped.gemm_cta_pairs = false;
+    if (flipped.gemm_lockstep_k_blocks > 0) {
+      flipped.gemm_cta_pairs = false;
+      flipped.gemm_tiles_by_ticket = false;
+    }
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

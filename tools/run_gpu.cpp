@@ -48,6 +48,7 @@ std::string variant_name(const mok::MoeConfig& config) {
          (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
          (config.gemm_four_stages ? ", four-stage ring" : "") + lockstep_name(config) +
+         (config.gemm_tiles_by_ticket ? ", GEMM tiles by ticket" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
@@ -57,6 +58,7 @@ std::string backward_name(const mok::MoeConfig& config) {
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") + lockstep_name(config) +
+         (config.gemm_tiles_by_ticket ? ", GEMM tiles by ticket" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }

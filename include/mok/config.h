@@ -124,6 +124,13 @@ struct MoeConfig {
   // the four-stage ring does (docs/perf.md, session 22). Timing only: the same bits for every
   // value. 0 (off) or 2..kMaxLockstepKBlocks; off until measured faster (written in session 22).
   int32_t gemm_lockstep_k_blocks = 0;
+  // The standalone expert GEMM's row-tile forms (bf16 128 x 256 tiles, three or four stages)
+  // take their tiles from a launch-wide ticket counter instead of the static walk
+  // (src/kernels/gemm/tile_tickets.h): the tiles in flight stay a window of consecutive tickets
+  // however the CTAs' speeds differ, so no drift accumulates, and no CTA waits on another. Same
+  // bits. Not with CTA pairs, the L2 placement, gemm_lockstep_k_blocks, the 256 x 192 tiles or
+  // FP8. Off until measured faster (written in session 22).
+  bool gemm_tiles_by_ticket = false;
   // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
   // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same

@@ -181,6 +181,7 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("gemm_l2_placement", &MoeConfig::gemm_l2_placement)
       .def_rw("gemm_four_stages", &MoeConfig::gemm_four_stages)
       .def_rw("gemm_lockstep_k_blocks", &MoeConfig::gemm_lockstep_k_blocks)
+      .def_rw("gemm_tiles_by_ticket", &MoeConfig::gemm_tiles_by_ticket)
       .def_rw("skip_padding_rows", &MoeConfig::skip_padding_rows)
       .def_rw("weight_grad_pingpong", &MoeConfig::weight_grad_pingpong)
       .def_rw("check_finite", &MoeConfig::check_finite)

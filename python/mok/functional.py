@@ -84,6 +84,9 @@ class MoKConfig:
     gemm_lockstep_k_blocks: keep the row-tile GEMMs' CTAs within about this many K-blocks of
         the slowest, so the CTAs sharing a weight tile read it from L2 together (same bits;
         without CTA pairs; 0 = off, else 2-4096; off until measured faster).
+    gemm_tiles_by_ticket: the row-tile GEMMs take their tiles from a ticket counter instead of
+        a static walk, so CTAs of unequal speeds do not drift apart (same bits; bf16 128 x 256
+        tiles, without CTA pairs, the L2 placement or the lockstep; off until measured faster).
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
@@ -119,6 +122,7 @@ class MoKConfig:
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0
+    gemm_tiles_by_ticket: bool = False
     skip_padding_rows: bool = True
     weight_grad_pingpong: bool = False
     check_finite: bool = False
@@ -142,6 +146,7 @@ class MoKConfig:
         config.gemm_l2_placement = self.gemm_l2_placement
         config.gemm_four_stages = self.gemm_four_stages
         config.gemm_lockstep_k_blocks = self.gemm_lockstep_k_blocks
+        config.gemm_tiles_by_ticket = self.gemm_tiles_by_ticket
         config.skip_padding_rows = self.skip_padding_rows
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite

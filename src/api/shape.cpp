@@ -203,6 +203,29 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
                "; valid: 0 (off) or 2 to " + std::to_string(kMaxLockstepKBlocks) +
                " (K-blocks a CTA may run ahead of the slowest)");
+  if (config.gemm_tiles_by_ticket) {
+    const std::string with = "gemm_tiles_by_ticket = true with ";
+    if (config.gemm_cta_pairs)
+      return bad(with +
+                 "gemm_cta_pairs = true; valid: at most one of them (a CTA pair walks its "
+                 "two tiles together)");
+    if (config.gemm_l2_placement)
+      return bad(with +
+                 "gemm_l2_placement = true; valid: at most one of them (the placement's "
+                 "slots are a static walk)");
+    if (config.gemm_lockstep_k_blocks != 0)
+      return bad(with +
+                 "gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
+                 "; valid: gemm_lockstep_k_blocks = 0 (two remedies for the same drift)");
+    if (config.gemm_wide_tiles)
+      return bad(with +
+                 "gemm_wide_tiles = true; valid: at most one of them (the 256 x 192 tiles "
+                 "walk statically)");
+    if (config.precision != Precision::kBF16)
+      return bad(with +
+                 "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its "
+                 "own)");
+  }
   if (config.gemm_lockstep_k_blocks != 0 && config.gemm_cta_pairs)
     return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
                " with gemm_cta_pairs = true; valid: gemm_lockstep_k_blocks = 0 (a CTA pair keeps "

@@ -62,6 +62,7 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.tile_group = s.config.gemm_tile_group;
   params.l2 = s.l2_placement;
   params.lockstep = s.lockstep;
+  params.tickets = s.tickets;
   params.swiglu_limit = s.shape.swiglu_limit;
   params.wait = s.wait_context();
   params.ablation = gemm_ablation_from_env();
@@ -182,13 +183,16 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetB
   return maps;
 }
 
-// MoeConfig::gemm_lockstep_k_blocks: the lockstep's counters name a row-tile launch by its epoch,
-// so the next launch gets a new one.
-void advance_lockstep(const kernels::ExpertGemmParams& params, kernels::ExpertGemmForm form,
-                      cudaStream_t stream) {
+// MoeConfig::gemm_lockstep_k_blocks and gemm_tiles_by_ticket: their counters name a row-tile
+// launch by its epoch, so the next launch gets a new one.
+void advance_epochs(const kernels::ExpertGemmParams& params, kernels::ExpertGemmForm form,
+                    cudaStream_t stream) {
   if (params.lockstep.ticks != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
     cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, stream),
                "advance the GEMM lockstep's epoch");
+  if (params.tickets.counter != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
+    cuda_check(kernels::launch_advance_epoch(params.tickets.epoch, stream),
+               "advance the GEMM tickets' epoch");
 }
 
 void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
@@ -202,7 +206,7 @@ void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
     cuda_check(
         kernels::launch_advance_epoch(s.l2_claims.as<unsigned long long>() + s.sm_count, stream),
         "advance the L2 placement's epoch");
-  advance_lockstep(params, form, stream);
+  advance_epochs(params, form, stream);
 }
 
 // The 256 x 192 tiles' maps where they read and write what the 128 x 256 tiles' do (the dgrads).
@@ -222,7 +226,7 @@ void launch_wide(const GpuLayer::State& s, kernels::ExpertGemmForm form,
                  cudaStream_t stream, const char* what) {
   cuda_check(kernels::launch_wide_tile_gemm(form, maps, params, s.sm_count, stream),
              std::string(what) + " (256 x 192 tiles)");
-  advance_lockstep(params, form, stream);
+  advance_epochs(params, form, stream);
 }
 
 }  // namespace

@@ -105,6 +105,10 @@ struct GpuLayer::State {
   // off).
   DeviceBuffer lockstep_counters;
   kernels::GemmLockstep lockstep;
+  // MoeConfig::gemm_tiles_by_ticket (kernels/gemm/tile_tickets.h): the ticket counter and the
+  // launch epoch (zeroed once), and the tickets the expert GEMMs get (counter null: off).
+  DeviceBuffer ticket_counters;
+  kernels::GemmTickets tickets;
   kernels::L2Placement l2_placement;
   std::string l2_placement_report;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory

@@ -91,6 +91,11 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
     s.lockstep.epoch = words + kernels::kLockstepTicks + 1;
     s.lockstep.lead_k_blocks = config.gemm_lockstep_k_blocks;
   }
+  if (config.gemm_tiles_by_ticket) {
+    zeroed(s.ticket_counters, 2, "GEMM tile tickets");
+    s.tickets.counter = s.ticket_counters.as<unsigned long long>();
+    s.tickets.epoch = s.tickets.counter + 1;
+  }
 
   // The minibatch this layer runs with (an automatic one from the shape and this GPU's SMs):
   // every later use reads s.config.

@@ -287,6 +287,38 @@ TEST(ConfigValidation, LockstepIsOffOrALeadOfK_blocks) {
   EXPECT_TRUE(can_implement_knobs(config, 1).ok());
 }
 
+// The tiles by ticket (MoeConfig::gemm_tiles_by_ticket): with the four-stage ring, not with CTA
+// pairs, the L2 placement, the lockstep, the 256 x 192 tiles or FP8, each named.
+TEST(ConfigValidation, TilesByTicketNameWhatExcludesThem) {
+  MoeConfig tickets;
+  tickets.gemm_tiles_by_ticket = true;
+  EXPECT_TRUE(can_implement_knobs(tickets, 1).ok());
+  MoeConfig deep = tickets;
+  deep.gemm_four_stages = true;
+  EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
+  const std::string with = "gemm_tiles_by_ticket = true with ";
+  MoeConfig config = tickets;
+  config.gemm_cta_pairs = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {with + "gemm_cta_pairs = true"});
+  config = tickets;
+  config.gemm_l2_placement = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {with + "gemm_l2_placement = true"});
+  config = tickets;
+  config.gemm_lockstep_k_blocks = 16;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {with + "gemm_lockstep_k_blocks = 16"});
+  config = tickets;
+  config.gemm_wide_tiles = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {with + "gemm_wide_tiles = true"});
+  config = tickets;
+  config.precision = Precision::kFP8Block;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {with + "precision = fp8_block"});
+}
+
 // The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.
 TEST(ConfigValidation, TileGroupIsOneToTheMost) {
   MoeConfig config;

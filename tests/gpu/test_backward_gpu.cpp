@@ -169,7 +169,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(28);
+  std::vector<MoeConfig> configs(30);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -254,6 +254,13 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   // The row-tile GEMMs' CTAs kept within 8 K-blocks of the slowest
   // (MoeConfig::gemm_lockstep_k_blocks): timing only.
   configs[27].gemm_lockstep_k_blocks = 8;
+  // The row-tile GEMMs' tiles by ticket (MoeConfig::gemm_tiles_by_ticket), on three stages with
+  // 64-row tiles, and on four stages in 3-tile macrobatches.
+  configs[28].gemm_tiles_by_ticket = true;
+  configs[29].gemm_tiles_by_ticket = true;
+  configs[29].gemm_four_stages = true;
+  configs[29].minibatch_size = 128;
+  configs[29].macrobatch_size = 384;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -274,8 +281,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.weight_grad_pingpong << " 256 x 192 tiles " << config.gemm_wide_tiles
                      << " tile group " << config.gemm_tile_group << " L2 placement "
                      << config.gemm_l2_placement << " four stages " << config.gemm_four_stages
-                     << " lockstep " << config.gemm_lockstep_k_blocks
-                     << (with_context ? "" : ", no context"));
+                     << " lockstep " << config.gemm_lockstep_k_blocks << " by ticket "
+                     << config.gemm_tiles_by_ticket << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

@@ -41,6 +41,7 @@
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/gemm/weight_grad_segments.cuh"
 #include "kernels/persistent/task_order.h"
+#include "kernels/persistent/task_queue.cuh"
 #include "kernels/stages/dispatch_local.cuh"
 
 namespace mok::kernels {
@@ -186,7 +187,8 @@ using FormStorage = GemmSharedStorage<kNumStages>;
 // (epilogue.cuh's store_round, two rounds per tile) makes room for a fourth stage, so two stages
 // load while the consumers hold two (docs/design.md, "What sets the row-tile GEMMs' time").
 using FourStageStorage = GemmSharedStorage<kNumStages + 1, BLOCK_M, BLOCK_N, BLOCK_M, BLOCK_N / 2>;
-static_assert(sizeof(FourStageStorage) + 1024 <= 227 * 1024, "four stages fit beside the tile");
+static_assert(sizeof(FourStageStorage) + 1024 + sizeof(TaskQueue<QueuedUnit>) <= 227 * 1024,
+              "four stages fit beside the tile (and the units' queue)");
 template <bool kFourStages>
 using StorageOf = std::conditional_t<kFourStages, FourStageStorage, FormStorage>;
 template <ExpertGemmForm kForm>
@@ -245,7 +247,7 @@ __device__ __forceinline__ int32_t most_units_of_a_cta(const ExpertGemmParams& p
 // kPaired: launched in clusters of two CTAs (CTA pairs, above). kFourStages: the four-stage ring
 // (FourStageStorage), the row-tile forms alone.
 template <ExpertGemmForm kForm, bool kResumes = false, bool kPaired = false,
-          bool kFourStages = false>
+          bool kFourStages = false, bool kByTicket = false>
 __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const __grid_constant__ CUtensorMap tmap_a0, const __grid_constant__ CUtensorMap tmap_a1,
     const __grid_constant__ CUtensorMap tmap_b0, const __grid_constant__ CUtensorMap tmap_b1,
@@ -254,6 +256,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   using Traits = FormTraits<kForm>;
   static_assert(!kFourStages || (kHasFourStages<kForm> && !kPaired && !kResumes),
                 "four stages: the row-tile forms, without CTA pairs");
+  static_assert(!kByTicket || (Traits::kRowTiles && !kPaired && !kResumes),
+                "units by ticket: the row-tile forms, without CTA pairs");
   using Storage = StorageOf<kFourStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
@@ -266,7 +270,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   if constexpr (kCanPlace) {
     if (params.l2.slot_of_sm != nullptr && threadIdx.x == 0) l2_slot = claim_l2_slot(params.l2);
   }
-  init_pipeline<kPaired>(smem);  // its barrier publishes l2_slot
+  // MoeConfig::gemm_tiles_by_ticket (tile_tickets.h): the units by ticket, handed from the
+  // producer to the consumers through a queue after the storage (launch_form sizes it in).
+  // A separate instantiation (kByTicket), so that the static walk's registers stay as they were
+  // (in one kernel for both, ptxas spilled in the default forms).
+  constexpr bool by_ticket = kByTicket;
+  [[maybe_unused]] auto& unit_queue = *reinterpret_cast<TaskQueue<QueuedUnit>*>(&smem + 1);
+  if constexpr (kByTicket) {
+    if (threadIdx.x == 0) unit_queue.init();
+  }
+  init_pipeline<kPaired>(smem);  // its barrier publishes l2_slot (and the queue's barriers)
   const TileSpace space = tile_space<kForm, kPaired>(params);
   const int warpgroup = threadIdx.x / 128;
   // The walk: CTA c takes units c, c + grid, ...; a pair (clusters of two along x) its units
@@ -295,10 +308,21 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       // MoeConfig::gemm_lockstep_k_blocks: the row-tile forms' producers kept in step
       // (lockstep.h; not in CTA pairs, which run their two CTAs in step already), begun at the
       // CTA's first unit, whose K-blocks every unit of the launch has.
-      const bool lockstep = Traits::kRowTiles && !kPaired && params.lockstep.ticks != nullptr;
+      const bool lockstep =
+          Traits::kRowTiles && !kPaired && !by_ticket && params.lockstep.ticks != nullptr;
       LockstepCta step;
       int32_t local_unit = 0;
-      for (int unit = cta.first; unit < cta.num_units; unit += cta.stride, ++local_unit) {
+      // By ticket: each unit handed to the consumers with its 64-row flag, the next ticket taken
+      // at once (its round trip passes under this unit's loads).
+      const unsigned long long base = by_ticket ? ticket_base(params.tickets) : 0;
+      int next_unit = by_ticket ? take_unit(params.tickets, base, cta.num_units) : cta.first;
+      for (int unit = next_unit;; unit = by_ticket ? next_unit : unit + cta.stride, ++local_unit) {
+        if constexpr (kByTicket) {
+          const bool half = half_row_tile<kForm, kPaired>(params, space, cta, unit);
+          unit_queue.publish(params.wait, static_cast<uint32_t>(local_unit), {unit, half ? 1 : 0});
+          if (unit < cta.num_units) next_unit = take_unit(params.tickets, base, cta.num_units);
+        }
+        if (unit >= cta.num_units) break;
         const UnitTile tile =
             unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
         const TileCoord& coord = tile.coord;
@@ -349,12 +373,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     const int consumer_idx = warpgroup - 1;
     PipelineState<Storage::kNumStagesHere> state;
     float acc[128];
-    bool half_next = half_row_tile<kForm, kPaired>(params, space, cta, cta.first);
-    for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
+    // The static walk reads the next unit's 64-row flag a unit ahead; by ticket the producer
+    // hands each unit with its flag.
+    bool half_next = !by_ticket && half_row_tile<kForm, kPaired>(params, space, cta, cta.first);
+    uint32_t units_read = 0;
+    for (int unit = cta.first;; unit += by_ticket ? 0 : cta.stride) {
+      bool half = half_next;
+      if constexpr (kByTicket) {
+        const QueuedUnit queued = unit_queue.read(params.wait, units_read++);
+        unit = queued.unit;
+        half = queued.half != 0;
+      }
+      if (unit >= cta.num_units) break;
       const UnitTile tile = unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
       TileCoord coord = tile.coord;
-      coord.half = half_next;
-      half_next = half_row_tile<kForm, kPaired>(params, space, cta, unit + cta.stride);
+      coord.half = half;
+      if (!by_ticket)
+        half_next = half_row_tile<kForm, kPaired>(params, space, cta, unit + cta.stride);
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       if constexpr (kPaired) {
         if (tile.phantom) {
@@ -389,13 +424,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   if constexpr (kPaired) ptx::cluster_sync();
 }
 
-template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kFourStages = false>
+template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kFourStages = false,
+          bool kByTicket = false>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
   size_t smem_bytes = sizeof(StorageOf<kFourStages>) + 1024;
+  if (kByTicket) smem_bytes += sizeof(TaskQueue<QueuedUnit>);  // the units' queue
   if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
-  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kFourStages>;
+  auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kFourStages, kByTicket>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -437,8 +474,13 @@ cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& pa
   if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, stream);
   if constexpr (kHasFourStages<kForm> && !kResumes) {
     // The two-round epilogue stages 128 columns at a time; the push reads whole rows.
+    const bool by_ticket = params.tickets.counter != nullptr;
     if (params.four_stages && params.push.slot_peers == nullptr)
-      return launch_form<kForm, false, false, true>(maps, params, num_ctas, stream);
+      return by_ticket
+                 ? launch_form<kForm, false, false, true, true>(maps, params, num_ctas, stream)
+                 : launch_form<kForm, false, false, true>(maps, params, num_ctas, stream);
+    if (by_ticket)
+      return launch_form<kForm, false, false, false, true>(maps, params, num_ctas, stream);
   }
   return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
 }
@@ -481,6 +523,17 @@ const KernelPreloadList kPreload(
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, false, true>),
+     kernel_symbol(
+         &expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, false, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, false, true, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, false, true, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore, false, false, true, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, false, true, true>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore, false, false, true, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpSwiGLU, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore, false, true>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad, false, true>),

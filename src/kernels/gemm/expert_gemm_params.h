@@ -10,6 +10,7 @@
 #include "kernels/gemm/gemm_ablation.h"
 #include "kernels/gemm/l2_placement.h"
 #include "kernels/gemm/lockstep.h"
+#include "kernels/gemm/tile_tickets.h"
 #include "mok/schedule.h"
 #include "mok/task_trace.h"
 
@@ -126,6 +127,9 @@ struct ExpertGemmParams {
   // MoeConfig::gemm_lockstep_k_blocks: the row-tile forms' CTAs kept in step (lockstep.h);
   // ticks null: off.
   GemmLockstep lockstep;
+  // MoeConfig::gemm_tiles_by_ticket: the row-tile forms' units by ticket (tile_tickets.h; not
+  // in CTA pairs or under the L2 placement); counter null: the static walk.
+  GemmTickets tickets;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)

@@ -1,0 +1,65 @@
+// MoeConfig::gemm_tiles_by_ticket (src/kernels/gemm/tile_tickets.h): the row-tile GEMMs taking
+// their tiles by ticket give the bits of the static walk, on three and four stages, with the
+// gather kernel and with macrobatches, with and without the forward context; and a step ends
+// with those bits while another stream holds all but 8 SMs (the tickets go to whichever CTAs
+// run).
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "gpu_step.h"
+#include "mok/gpu_layer.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
+#include "sm_hold.cuh"
+#include "test_util.h"
+
+namespace mok {
+namespace {
+
+using test::make_shape;
+
+MoeConfig by_ticket() {
+  MoeConfig config;
+  config.gemm_tiles_by_ticket = true;
+  return config;
+}
+
+TEST(TileTicketsGpu, SameBitsAsTheStaticWalk) {
+  const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 83);
+  DeviceProblem device(problem, 0);
+  GpuLayer reference(shape, MoeConfig{});
+  std::vector<MoeConfig> configs(4, by_ticket());
+  configs[1].gemm_four_stages = true;
+  configs[2].local_dispatch = LocalDispatch::kGatherKernel;
+  configs[3].minibatch_size = 128;
+  configs[3].macrobatch_size = 384;
+  for (const MoeConfig& config : configs) {
+    GpuLayer layer(shape, config);
+    for (const bool with_context : {true, false}) {
+      SCOPED_TRACE(testing::Message()
+                   << "four stages " << config.gemm_four_stages << " local dispatch "
+                   << local_dispatch_name(config.local_dispatch) << " macrobatch "
+                   << config.macrobatch_size << (with_context ? "" : ", no context"));
+      const HostRank want = test::gpu_step(reference, device, problem, with_context);
+      const HostRank got = test::gpu_step(layer, device, problem, with_context);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+      });
+    }
+  }
+}
+
+TEST(TileTicketsGpu, FinishesOnTheSmsLeftToIt) {
+  const MoeShape shape = make_shape(1500, 1024, 512, 16, 4);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 89);
+  DeviceProblem device(problem, 0);
+  GpuLayer reference(shape, MoeConfig{});
+  const HostRank want = test::gpu_step(reference, device, problem, true);
+  GpuLayer layer(shape, by_ticket());
+  test::expect_same_bits_on_held_sms(layer, device, problem, want);
+}
+
+}  // namespace
+}  // namespace mok
