@@ -5,6 +5,8 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "mok/gpu_layer.h"
 #include "mok/testing/device_problem.h"
 #include "mok/testing/host_problem.h"
@@ -51,6 +53,19 @@ inline void expect_near_reference(const HostRank& got, const HostRank& reference
     EXPECT_TRUE(all_finite(a)) << output;
     EXPECT_LE(relative_error(a, b), tolerance) << output;
   });
+}
+
+// Both layers' steps on `problem`, with and without the forward context, bit for bit (`what`
+// names the variant in a failure).
+inline void expect_same_steps(GpuLayer& want_layer, GpuLayer& got_layer, DeviceProblem& device,
+                              const HostProblem& problem, const std::string& what = "") {
+  for (const bool with_context : {true, false}) {
+    const HostRank want = gpu_step(want_layer, device, problem, with_context);
+    const HostRank got = gpu_step(got_layer, device, problem, with_context);
+    for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(bitwise_equal(a, b)) << output << what << (with_context ? "" : ", no context");
+    });
+  }
 }
 
 }  // namespace mok::test

@@ -69,19 +69,7 @@ void check_backward(const char* name, const MoeShape& shape, RoutingKind routing
   });
 }
 
-// Both layers' steps on `problem`, with and without the forward context, bit for bit (`what`
-// names the variant in a failure).
-void expect_same_steps(GpuLayer& want_layer, GpuLayer& got_layer, DeviceProblem& device,
-                       const HostProblem& problem, const std::string& what = "") {
-  for (const bool with_context : {true, false}) {
-    const HostRank want = test::gpu_step(want_layer, device, problem, with_context);
-    const HostRank got = test::gpu_step(got_layer, device, problem, with_context);
-    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-      EXPECT_TRUE(test::bitwise_equal(a, b))
-          << output << what << (with_context ? "" : ", no context");
-    });
-  }
-}
+using test::expect_same_steps;
 
 TEST(BackwardGpu, MatchesReference) {
   uint64_t seed = 300;

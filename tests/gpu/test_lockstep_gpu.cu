@@ -46,18 +46,12 @@ TEST(LockstepGpu, SameBitsAtEveryLead) {
   configs.back().macrobatch_size = 384;
   for (const MoeConfig& config : configs) {
     GpuLayer layer(shape, config);
-    for (const bool with_context : {true, false}) {
-      SCOPED_TRACE(testing::Message()
-                   << "lead " << config.gemm_lockstep_k_blocks << " four stages "
-                   << config.gemm_four_stages << " L2 placement " << config.gemm_l2_placement
-                   << " 256 x 192 tiles " << config.gemm_wide_tiles << " macrobatch "
-                   << config.macrobatch_size << (with_context ? "" : ", no context"));
-      const HostRank want = test::gpu_step(reference, device, problem, with_context);
-      const HostRank got = test::gpu_step(layer, device, problem, with_context);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-      });
-    }
+    test::expect_same_steps(reference, layer, device, problem,
+                            ", lead " + std::to_string(config.gemm_lockstep_k_blocks) +
+                                " four stages " + std::to_string(config.gemm_four_stages) +
+                                " L2 placement " + std::to_string(config.gemm_l2_placement) +
+                                " 256 x 192 tiles " + std::to_string(config.gemm_wide_tiles) +
+                                " macrobatch " + std::to_string(config.macrobatch_size));
   }
 }
 
@@ -74,15 +68,8 @@ TEST(LockstepGpu, Fp8KeepsTheBits) {
     MoeConfig config = free_running;
     config.gemm_lockstep_k_blocks = lead;
     GpuLayer layer(shape, config);
-    for (const bool with_context : {true, false}) {
-      SCOPED_TRACE(testing::Message()
-                   << "FP8, lead " << lead << (with_context ? "" : ", no context"));
-      const HostRank want = test::gpu_step(reference, device, problem, with_context);
-      const HostRank got = test::gpu_step(layer, device, problem, with_context);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-      });
-    }
+    test::expect_same_steps(reference, layer, device, problem,
+                            ", FP8, lead " + std::to_string(lead));
   }
 }
 

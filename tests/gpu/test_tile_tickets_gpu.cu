@@ -5,6 +5,7 @@
 // run).
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "gpu_step.h"
@@ -37,17 +38,10 @@ TEST(TileTicketsGpu, SameBitsAsTheStaticWalk) {
   configs[3].macrobatch_size = 384;
   for (const MoeConfig& config : configs) {
     GpuLayer layer(shape, config);
-    for (const bool with_context : {true, false}) {
-      SCOPED_TRACE(testing::Message()
-                   << "four stages " << config.gemm_four_stages << " local dispatch "
-                   << local_dispatch_name(config.local_dispatch) << " macrobatch "
-                   << config.macrobatch_size << (with_context ? "" : ", no context"));
-      const HostRank want = test::gpu_step(reference, device, problem, with_context);
-      const HostRank got = test::gpu_step(layer, device, problem, with_context);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
-      });
-    }
+    test::expect_same_steps(reference, layer, device, problem,
+                            ", four stages " + std::to_string(config.gemm_four_stages) +
+                                " local dispatch " + local_dispatch_name(config.local_dispatch) +
+                                " macrobatch " + std::to_string(config.macrobatch_size));
   }
 }
 
