@@ -50,6 +50,19 @@ const char* const kCompareKnobs[] = {"cta-pairs",
                                      "tiles-by-ticket",
                                      nullptr};
 
+namespace {
+
+// N of a knob named `prefix` + N (at most 4 digits), or -1 if `name` is not one.
+int numbered_knob(const std::string& name, std::string_view prefix) {
+  if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() ||
+      name.size() > prefix.size() + 4 ||
+      name.find_first_not_of("0123456789", prefix.size()) != std::string::npos)
+    return -1;
+  return std::stoi(name.substr(prefix.size()));
+}
+
+}  // namespace
+
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   // "K1+K2+...": the knobs flipped in turn, each on the previous one's config.
   if (const size_t plus = name.find('+'); plus != std::string::npos)
@@ -105,20 +118,14 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
   } else if (name == "skip-padding-rows") {
     flipped.skip_padding_rows = !config.skip_padding_rows;
-  } else if (const std::string_view group = "tile-group-";
-             name.rfind(group, 0) == 0 && name.size() > group.size() &&
-             name.size() <= group.size() + 4 &&
-             name.find_first_not_of("0123456789", group.size()) == std::string::npos) {
-    // "tile-group-N" (N of at most 4 digits; can_implement checks its range): the expert GEMMs'
-    // walk in groups of N row tiles.
-    flipped.gemm_tile_group = std::stoi(name.substr(group.size()));
-  } else if (const std::string_view lockstep = "lockstep-";
-             name.rfind(lockstep, 0) == 0 && name.size() > lockstep.size() &&
-             name.size() <= lockstep.size() + 4 &&
-             name.find_first_not_of("0123456789", lockstep.size()) == std::string::npos) {
-    // "lockstep-N" (N of at most 4 digits, 0 = off; can_implement checks its range): the row-tile
-    // GEMMs' CTAs kept within about N K-blocks of the slowest.
-    flipped.gemm_lockstep_k_blocks = std::stoi(name.substr(lockstep.size()));
+  } else if (const int group = numbered_knob(name, "tile-group-"); group >= 0) {
+    // "tile-group-N" (can_implement checks its range): the expert GEMMs' walk in groups of N
+    // row tiles.
+    flipped.gemm_tile_group = group;
+  } else if (const int lead = numbered_knob(name, "lockstep-"); lead >= 0) {
+    // "lockstep-N" (0 = off; can_implement checks its range): the row-tile GEMMs' CTAs kept
+    // within about N K-blocks of the slowest.
+    flipped.gemm_lockstep_k_blocks = lead;
     if (flipped.gemm_lockstep_k_blocks > 0) {
       flipped.gemm_cta_pairs = false;
       flipped.gemm_tiles_by_ticket = false;

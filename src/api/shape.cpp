@@ -203,29 +203,6 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
                "; valid: 0 (off) or 2 to " + std::to_string(kMaxLockstepKBlocks) +
                " (K-blocks a CTA may run ahead of the slowest)");
-  if (config.gemm_tiles_by_ticket) {
-    const std::string with = "gemm_tiles_by_ticket = true with ";
-    if (config.gemm_cta_pairs)
-      return bad(with +
-                 "gemm_cta_pairs = true; valid: at most one of them (a CTA pair walks its "
-                 "two tiles together)");
-    if (config.gemm_l2_placement)
-      return bad(with +
-                 "gemm_l2_placement = true; valid: at most one of them (the placement's "
-                 "slots are a static walk)");
-    if (config.gemm_lockstep_k_blocks != 0)
-      return bad(with +
-                 "gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
-                 "; valid: gemm_lockstep_k_blocks = 0 (two remedies for the same drift)");
-    if (config.gemm_wide_tiles)
-      return bad(with +
-                 "gemm_wide_tiles = true; valid: at most one of them (the 256 x 192 tiles "
-                 "walk statically)");
-    if (config.precision != Precision::kBF16)
-      return bad(with +
-                 "precision = fp8_block; valid: precision = bf16 (FP8 has GEMMs of its "
-                 "own)");
-  }
   if (config.gemm_lockstep_k_blocks != 0 && config.gemm_cta_pairs)
     return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
                " with gemm_cta_pairs = true; valid: gemm_lockstep_k_blocks = 0 (a CTA pair keeps "
@@ -276,6 +253,20 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
   if (config.gemm_four_stages)
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_four_stages", "a CTA pair's stages are three",
                                          "the 256 x 192 tiles have their own ring"));
+  if (config.gemm_tiles_by_ticket) {
+    MOK_RETURN_IF_ERROR(excluded_variant("gemm_tiles_by_ticket",
+                                         "a CTA pair walks its two tiles together",
+                                         "the 256 x 192 tiles walk statically"));
+    const std::string with = "gemm_tiles_by_ticket = true with ";
+    if (config.gemm_l2_placement)
+      return bad(with +
+                 "gemm_l2_placement = true; valid: at most one of them (the placement's "
+                 "slots are a static walk)");
+    if (config.gemm_lockstep_k_blocks != 0)
+      return bad(with +
+                 "gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
+                 "; valid: gemm_lockstep_k_blocks = 0 (two remedies for the same drift)");
+  }
   if (config.ep_dispatch_in_gemm) {
     if (config.ep_push_dispatch)
       return bad(

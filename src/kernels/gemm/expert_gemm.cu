@@ -274,7 +274,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   // producer to the consumers through a queue after the storage (launch_form sizes it in).
   // A separate instantiation (kByTicket), so that the static walk's registers stay as they were
   // (in one kernel for both, ptxas spilled in the default forms).
-  constexpr bool by_ticket = kByTicket;
   [[maybe_unused]] auto& unit_queue = *reinterpret_cast<TaskQueue<QueuedUnit>*>(&smem + 1);
   if constexpr (kByTicket) {
     if (threadIdx.x == 0) unit_queue.init();
@@ -309,14 +308,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       // (lockstep.h; not in CTA pairs, which run their two CTAs in step already), begun at the
       // CTA's first unit, whose K-blocks every unit of the launch has.
       const bool lockstep =
-          Traits::kRowTiles && !kPaired && !by_ticket && params.lockstep.ticks != nullptr;
+          Traits::kRowTiles && !kPaired && !kByTicket && params.lockstep.ticks != nullptr;
       LockstepCta step;
       int32_t local_unit = 0;
       // By ticket: each unit handed to the consumers with its 64-row flag, the next ticket taken
       // at once (its round trip passes under this unit's loads).
-      const unsigned long long base = by_ticket ? ticket_base(params.tickets) : 0;
-      int next_unit = by_ticket ? take_unit(params.tickets, base, cta.num_units) : cta.first;
-      for (int unit = next_unit;; unit = by_ticket ? next_unit : unit + cta.stride, ++local_unit) {
+      const unsigned long long base = kByTicket ? ticket_base(params.tickets) : 0;
+      int next_unit = kByTicket ? take_unit(params.tickets, base, cta.num_units) : cta.first;
+      for (int unit = next_unit;; unit = kByTicket ? next_unit : unit + cta.stride, ++local_unit) {
         if constexpr (kByTicket) {
           const bool half = half_row_tile<kForm, kPaired>(params, space, cta, unit);
           unit_queue.publish(params.wait, static_cast<uint32_t>(local_unit), {unit, half ? 1 : 0});
@@ -375,9 +374,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     float acc[128];
     // The static walk reads the next unit's 64-row flag a unit ahead; by ticket the producer
     // hands each unit with its flag.
-    bool half_next = !by_ticket && half_row_tile<kForm, kPaired>(params, space, cta, cta.first);
+    bool half_next = !kByTicket && half_row_tile<kForm, kPaired>(params, space, cta, cta.first);
     uint32_t units_read = 0;
-    for (int unit = cta.first;; unit += by_ticket ? 0 : cta.stride) {
+    for (int unit = cta.first;; unit += kByTicket ? 0 : cta.stride) {
       bool half = half_next;
       if constexpr (kByTicket) {
         const QueuedUnit queued = unit_queue.read(params.wait, units_read++);
@@ -388,7 +387,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       const UnitTile tile = unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
       TileCoord coord = tile.coord;
       coord.half = half;
-      if (!by_ticket)
+      if (!kByTicket)
         half_next = half_row_tile<kForm, kPaired>(params, space, cta, unit + cta.stride);
       if (coord.skip) continue;  // kWeightGrad: the expert has no rows in this macrobatch
       if constexpr (kPaired) {
