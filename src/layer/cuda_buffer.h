@@ -15,10 +15,15 @@ namespace mok {
 
 // Throws mok::Error (kOutOfMemory for a failed allocation, else kCudaError) naming `what`.
 inline void cuda_check(cudaError_t status, const std::string& what) {
-  if (status != cudaSuccess)
+  if (status != cudaSuccess) {
+    // A failed call that returned its error (a launch refused for its shared memory, say) also
+    // leaves it as the runtime's last error; clear it, or the next launch check reports it as
+    // its own. A sticky error stays whatever this does.
+    (void)cudaGetLastError();
     throw Error(
         status == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError,
         what + ": " + cudaGetErrorString(status));
+  }
 }
 
 // Device memory owned by one object; `bytes` is what was asked for (at least 16 are allocated,

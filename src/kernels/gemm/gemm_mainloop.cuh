@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kernels/common/ptx.cuh"
@@ -52,6 +53,7 @@ static_assert(register_split_fits(kProducerRegisters, kConsumerRegisters, 2),
 constexpr int kTileABytes = BLOCK_M * BLOCK_K * 2;
 constexpr int kTileBBytes = BLOCK_N * BLOCK_K * 2;
 
+constexpr int kStorageTailBytes = 256;  // GemmSharedStorage::tail_bytes
 // Shared memory of one CTA: the stage ring of (A kTileM x 64, B kTileN x 64) and the
 // epilogue's staging tile of kStagingRows x kStagingCols bf16 (128B-swizzled chunks of 64
 // columns, epilogue.cuh). The expert GEMM's: 128 x 256 tiles, all 128 rows and 256 columns
@@ -66,7 +68,18 @@ struct alignas(1024) GemmSharedStorage {
   __nv_bfloat16 store_tile[kStagingRows * kStagingCols];
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  // Room for a small hand-off between warps (the expert GEMM's queue of units by ticket) in
+  // the tail padding that alignas(1024) adds anyway: sizeof stays what it was. Four stages
+  // fill the 227 KB to the byte, so nothing may go after the struct.
+  alignas(16) unsigned char tail_bytes[kStorageTailBytes];
 };
+// The tail bytes take no room: they end inside the 1024-byte block the barriers began.
+template <typename Storage>
+constexpr bool kTailInPadding =
+    offsetof(Storage, tail_bytes) / 1024 ==
+        (offsetof(Storage, tail_bytes) + kStorageTailBytes - 1) / 1024 &&
+    offsetof(Storage, full) / 1024 == offsetof(Storage, tail_bytes) / 1024;
+static_assert(kTailInPadding<GemmSharedStorage<kNumStages>>, "the tail bytes cost no room");
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 <= 227 * 1024,
               "fits the SM's shared memory");
