@@ -24,6 +24,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_l2_placement = options.l2_placement;
   config.gemm_four_stages = options.four_stages;
   config.gemm_tiles_by_ticket = options.tiles_by_ticket;
+  config.gemm_auto_lockstep = !options.no_auto_lockstep;
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
@@ -36,19 +37,13 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",
-                                     "persistent-forward",
-                                     "persistent-backward",
-                                     "weight-grad-pingpong",
-                                     "skip-padding-rows",
-                                     "local-dispatch",
-                                     "wide-tiles",
-                                     "tile-group-N",
-                                     "l2-placement",
-                                     "four-stages",
-                                     "lockstep-N",
-                                     "tiles-by-ticket",
-                                     nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",           "persistent-forward",
+                                     "persistent-backward", "weight-grad-pingpong",
+                                     "skip-padding-rows",   "local-dispatch",
+                                     "wide-tiles",          "tile-group-N",
+                                     "l2-placement",        "four-stages",
+                                     "lockstep-N",          "tiles-by-ticket",
+                                     "auto-lockstep",       nullptr};
 
 namespace {
 
@@ -111,6 +106,9 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_lockstep_k_blocks = 0;
       flipped.gemm_wide_tiles = false;
     }
+  } else if (name == "auto-lockstep") {
+    // Where it engages (dsv3) the layer runs three stages free instead; elsewhere nothing changes.
+    flipped.gemm_auto_lockstep = !config.gemm_auto_lockstep;
   } else if (name == "persistent-backward") {
     flipped.persistent_backward = !config.persistent_backward;
     if (flipped.persistent_backward) flipped.gemm_wide_tiles = false;

@@ -75,6 +75,9 @@ mok run options:
                                partitions (probed when the layer is built; same bits)
   --four-stages                GPU: the row-tile GEMMs (forward and dgrads) on a ring of four
                                stages, their outputs stored in two rounds of 128 columns
+  --no-auto-lockstep           GPU: where the weights stream from HBM and the experts average
+                               under 192 rows (dsv3), do not run four stages in step within 16
+                               K-blocks by default (gemm_auto_lockstep off; same bits)
   --tiles-by-ticket            GPU: the row-tile expert GEMMs take their tiles from a ticket
                                counter instead of the static walk (same bits)
   --padding-rows               GPU: compute the padding rows of each expert's last row tile
@@ -85,8 +88,8 @@ mok run options:
                                weight-grad-pingpong, skip-padding-rows, local-dispatch,
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
                                l2-placement, four-stages, lockstep-N: the CTAs in step
-                               within N K-blocks, 0 off, tiles-by-ticket); K1+K2 flips several
-                               on one layer
+                               within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep); K1+K2
+                               flips several on one layer
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -160,6 +163,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--four-stages") {
       options.four_stages = true;
+      continue;
+    }
+    if (flag == "--no-auto-lockstep") {
+      options.no_auto_lockstep = true;
       continue;
     }
     if (flag == "--tiles-by-ticket") {

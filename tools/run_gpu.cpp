@@ -31,15 +31,19 @@ std::string tile_group_name(const mok::MoeConfig& config) {
              : ", GEMM tiles walked in groups of " + std::to_string(config.gemm_tile_group);
 }
 
-std::string lockstep_name(const mok::MoeConfig& config) {
-  return config.gemm_lockstep_k_blocks == 0
-             ? ""
-             : ", CTAs in step within " + std::to_string(config.gemm_lockstep_k_blocks) +
-                   " K-blocks";
+// ", CTAs in step within N K-blocks" where they are; "(automatic)" where MoeConfig's
+// gemm_auto_lockstep chose it for the shape.
+std::string lockstep_name(const mok::MoeConfig& config, const mok::MoeShape& shape) {
+  const mok::MoeConfig runs = mok::with_auto_lockstep(config, shape);
+  if (runs.gemm_lockstep_k_blocks == 0) return "";
+  return ", CTAs in step within " + std::to_string(runs.gemm_lockstep_k_blocks) + " K-blocks" +
+         (mok::auto_lockstep_engages(config, shape) ? " (automatic)" : "");
 }
 
-// "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)[, check_finite scan]".
-std::string variant_name(const mok::MoeConfig& config) {
+// "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)[, check_finite scan]...",
+// of the config a layer of `shape` runs with.
+std::string variant_name(const mok::MoeConfig& config, const mok::MoeShape& shape) {
+  const bool four_stages = mok::with_auto_lockstep(config, shape).gemm_four_stages;
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
          (config.persistent_forward ? ", persistent forward GEMM kernel"
                                     : ", two forward GEMM kernels") +
@@ -47,17 +51,18 @@ std::string variant_name(const mok::MoeConfig& config) {
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
-         (config.gemm_four_stages ? ", four-stage ring" : "") + lockstep_name(config) +
+         (four_stages ? ", four-stage ring" : "") + lockstep_name(config, shape) +
          (config.gemm_tiles_by_ticket ? ", GEMM tiles by ticket" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
 }
 
-// "kernel sequence" or "persistent kernel".
-std::string backward_name(const mok::MoeConfig& config) {
+// "kernel sequence" or "persistent kernel", and the knobs of the backward's GEMMs.
+std::string backward_name(const mok::MoeConfig& config, const mok::MoeShape& shape) {
   return std::string(config.persistent_backward ? "persistent kernel" : "kernel sequence") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") + tile_group_name(config) +
-         (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") + lockstep_name(config) +
+         (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
+         lockstep_name(config, shape) +
          (config.gemm_tiles_by_ticket ? ", GEMM tiles by ticket" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
@@ -85,7 +90,8 @@ void trace_persistent_kernels(const std::string& path, const mok::MoeShape& shap
       const bool forward = trace.kernel == "persistent forward";
       // Only the kernel this config varies: a forward trace of a persistent-forward config, a
       // backward trace of a persistent-backward one (once each).
-      const std::string label = forward ? variant_name(config) : backward_name(config);
+      const std::string label =
+          forward ? variant_name(config, shape) : backward_name(config, shape);
       const bool seen = std::any_of(traces.begin(), traces.end(), [&](const mok::TaskTrace& t) {
         return t.kernel == trace.kernel + " (" + label + ")";
       });
@@ -341,15 +347,15 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   const double mok_recompute_ms = medians[4], ring_step_ms = full ? medians[7] : 0.0;
   const size_t first_backward_variant = 12;  // the closures above before the variants
   std::vector<std::pair<std::string, double>> forward_variants_ms = {
-      {variant_name(config), mok_forward_ms}};
+      {variant_name(config, shape), mok_forward_ms}};
   if (full)
     forward_variants_ms.insert(forward_variants_ms.end(),
-                               {{variant_name(other_dispatch), medians[5]},
-                                {variant_name(other_gemms), medians[6]},
-                                {variant_name(checked), medians[8]},
-                                {variant_name(backward_variants[1].config), medians[9]},
-                                {variant_name(backward_variants[2].config), medians[10]},
-                                {variant_name(backward_variants[4].config), medians[11]}});
+                               {{variant_name(other_dispatch, shape), medians[5]},
+                                {variant_name(other_gemms, shape), medians[6]},
+                                {variant_name(checked, shape), medians[8]},
+                                {variant_name(backward_variants[1].config, shape), medians[9]},
+                                {variant_name(backward_variants[2].config, shape), medians[10]},
+                                {variant_name(backward_variants[4].config, shape), medians[11]}});
   // The inputs are finite: the checked layer must have nothing to report.
   const mok::Status checked_status = full ? checked_layer->synchronize(stream) : mok::Status::Ok();
   if (!checked_status.ok())
@@ -364,7 +370,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   for (const Comparison& error : grad_errors) passed &= error.finite && error.rel <= kGpuTolerance;
   std::printf("mok run: forward and backward on %s (EP = 1), %s\n", device_name.c_str(),
-              variant_name(config).c_str());
+              variant_name(config, shape).c_str());
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
               shape.to_string().c_str(), options.routing.c_str(),
               static_cast<unsigned long long>(options.seed));
@@ -407,12 +413,12 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         static_cast<long long>(ring_config.macrobatch_size), ring_step_ms,
         (forward_flop + backward_flop) / ring_step_ms / 1e9, ring_bitwise ? "yes" : "NO");
     std::printf("  backward variants (training steps; this run's backward: %s):\n",
-                backward_name(config).c_str());
+                backward_name(config, shape).c_str());
   }
   for (size_t i = 0; i < backward_variants.size(); ++i) {
     const double ms = medians[first_backward_variant + i];
     std::printf("    %-44s %9.3f ms %8.1f TFLOP/s, bitwise equal: %s\n",
-                backward_name(backward_variants[i].config).c_str(), ms,
+                backward_name(backward_variants[i].config, shape).c_str(), ms,
                 (forward_flop + backward_flop) / ms / 1e9,
                 backward_variants[i].bitwise ? "yes" : "NO");
   }
@@ -428,7 +434,8 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
         "equal: %s\n      (%s; backward: %s)\n",
         compared[i].knob.c_str(), forward_ms, forward_ms / mok_forward_ms, step_ms,
         step_ms / mok_step_ms, compared[i].bitwise ? "yes" : "NO",
-        variant_name(compared[i].config).c_str(), backward_name(compared[i].config).c_str());
+        variant_name(compared[i].config, shape).c_str(),
+        backward_name(compared[i].config, shape).c_str());
   }
   if (times_frozen)
     std::printf("    %-44s %9.3f ms (%.2fx the step's time)\n",
@@ -446,7 +453,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   }
   for (size_t i = 0; i < backward_variants.size(); ++i) {
     std::printf("  backward stages, %s (median of 10):\n",
-                backward_name(backward_variants[i].config).c_str());
+                backward_name(backward_variants[i].config, shape).c_str());
     for (const auto& [name, ms] : variant_stages[i])
       std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
   }
@@ -472,7 +479,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          << options.routing << "\", \"local_dispatch\": \""
          << mok::local_dispatch_name(config.local_dispatch)
          << "\", \"persistent_forward\": " << (config.persistent_forward ? "true" : "false")
-         << ", \"backward\": \"" << backward_name(config) << "\""
+         << ", \"backward\": \"" << backward_name(config, shape) << "\""
          << ",\n"
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"mok_ms\": {\"forward\": " << mok_forward_ms
@@ -516,7 +523,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     json << "}";
     json << ",\n  \"backward_variants\": {";
     for (size_t i = 0; i < backward_variants.size(); ++i)
-      json << (i ? ", " : "") << "\"" << backward_name(backward_variants[i].config)
+      json << (i ? ", " : "") << "\"" << backward_name(backward_variants[i].config, shape)
            << "\": {\"step_ms\": " << medians[first_backward_variant + i]
            << ", \"bitwise\": " << (backward_variants[i].bitwise ? "true" : "false") << "}";
     json << "}";

@@ -124,6 +124,14 @@ struct MoeConfig {
   // the four-stage ring does (docs/perf.md, session 22). Timing only: the same bits for every
   // value. 0 (off) or 2..kMaxLockstepKBlocks; off until measured faster (written in session 22).
   int32_t gemm_lockstep_k_blocks = 0;
+  // The automatic choice of the two knobs above: at shapes whose weights stream from HBM
+  // (auto_lockstep_engages: the experts average under kAutoLockstepMaxRowsPerExpert routed rows
+  // and their weights exceed kAutoLockstepMinWeightBytes, as at `dsv3`), the layer runs with
+  // gemm_four_stages and a lead of kAutoLockstepKBlocks, unless either is set here or a knob
+  // that excludes them is. At `dsv3` the forward took 0.87x its time and the step 0.95x, the
+  // gate/up reading 17.8 GB of HBM instead of 23.9; at 256 and more rows per expert it lost
+  // 1-6% (docs/perf.md, session 23). Same bits either way. GpuLayer::config() says what ran.
+  bool gemm_auto_lockstep = true;
   // The standalone expert GEMM's row-tile forms (bf16 128 x 256 tiles, three or four stages)
   // take their tiles from a launch-wide ticket counter instead of the static walk
   // (src/kernels/gemm/tile_tickets.h): the tiles in flight stay a window of consecutive tickets
@@ -180,6 +188,13 @@ inline constexpr int32_t kMaxTileGroup = 1024;
 // MoeConfig::gemm_lockstep_k_blocks: the largest lead.
 inline constexpr int32_t kMaxLockstepKBlocks = 4096;
 
+// MoeConfig::gemm_auto_lockstep: where it engages, and with what lead. Its weights are the
+// local experts' three matrices in bf16; 1 GiB is twenty times any Hopper L2, so the CTAs that
+// share a weight tile find it in L2 only if they read it close together.
+inline constexpr int64_t kAutoLockstepMaxRowsPerExpert = 192;
+inline constexpr int64_t kAutoLockstepMinWeightBytes = int64_t{1} << 30;
+inline constexpr int32_t kAutoLockstepKBlocks = 16;
+
 // MoeConfig::skip_padding_rows: 64-row last tiles only where the experts average this many
 // routed rows or fewer, where the padding is 20-31% of the row tiles' work. A 64-row tile saves
 // half its work but finishes its K loop before its expert's 128-row tiles on the same weight
@@ -202,6 +217,14 @@ inline constexpr int64_t kAutoMacrobatchRingBytes = int64_t{8} << 30;
 // divides it (the macrobatch itself if none does).
 inline constexpr int64_t kAutoMinibatch = 0;
 inline constexpr int32_t kMinibatchSmWaves = 2;
+
+// MoeConfig::gemm_auto_lockstep: true where it sets the two knobs for `shape`: bf16, neither
+// gemm_four_stages nor gemm_lockstep_k_blocks set, none of CTA pairs, the 256 x 192 tiles, the
+// L2 placement, the tiles by ticket or the communication inside the GEMMs, and the rule above
+// (routed rows per expert: T * K * R / E).
+bool auto_lockstep_engages(const MoeConfig& config, const MoeShape& shape);
+// `config` with gemm_auto_lockstep's choice made for `shape` (unchanged where it does not engage).
+MoeConfig with_auto_lockstep(const MoeConfig& config, const MoeShape& shape);
 
 // The minibatch rows a layer runs with: config.minibatch_size, or with kAutoMinibatch the rule
 // above. `num_sms`: the GPU's SM count (positive).

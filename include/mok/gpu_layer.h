@@ -75,6 +75,9 @@ class GpuLayer {
   std::vector<TaskTrace> task_traces(cudaStream_t stream);
 
   const MoeShape& shape() const;
+  // The config the layer runs with: the one it was built with, its automatic choices made
+  // (minibatch_size, and gemm_auto_lockstep's four stages and lead).
+  const MoeConfig& config() const;
   // Bytes of device memory the workspace holds.
   int64_t workspace_bytes() const;
   // With MoeConfig::gemm_l2_placement: what the layer's probe found of the L2's partitions and

@@ -181,6 +181,7 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("gemm_l2_placement", &MoeConfig::gemm_l2_placement)
       .def_rw("gemm_four_stages", &MoeConfig::gemm_four_stages)
       .def_rw("gemm_lockstep_k_blocks", &MoeConfig::gemm_lockstep_k_blocks)
+      .def_rw("gemm_auto_lockstep", &MoeConfig::gemm_auto_lockstep)
       .def_rw("gemm_tiles_by_ticket", &MoeConfig::gemm_tiles_by_ticket)
       .def_rw("skip_padding_rows", &MoeConfig::skip_padding_rows)
       .def_rw("weight_grad_pingpong", &MoeConfig::weight_grad_pingpong)
@@ -346,7 +347,8 @@ void bind_gpu_layer(nb::module_& m) {
           "wait with its diagnosis, a CUDA error).")
       .def("workspace_bytes", &GpuLayer::workspace_bytes)
       .def("timed_out_wait", &GpuLayer::timed_out_wait)
-      .def_prop_ro("shape", &GpuLayer::shape);
+      .def_prop_ro("shape", &GpuLayer::shape)
+      .def_prop_ro("config", &GpuLayer::config);
 }
 
 #if MOK_HAS_NCCL

@@ -284,6 +284,28 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
   return Status::Ok();
 }
 
+bool auto_lockstep_engages(const MoeConfig& config, const MoeShape& shape) {
+  if (!config.gemm_auto_lockstep || config.gemm_four_stages || config.gemm_lockstep_k_blocks != 0 ||
+      config.precision != Precision::kBF16 || config.gemm_cta_pairs || config.gemm_wide_tiles ||
+      config.gemm_l2_placement || config.gemm_tiles_by_ticket || config.ep_dispatch_in_gemm ||
+      shape.num_experts < 1)
+    return false;
+  const int64_t routed_rows = shape.num_tokens * shape.top_k * shape.num_ranks;
+  const int64_t weight_bytes =
+      shape.num_local_experts() * 3 * shape.hidden * shape.intermediate * 2;
+  return routed_rows < kAutoLockstepMaxRowsPerExpert * shape.num_experts &&
+         weight_bytes > kAutoLockstepMinWeightBytes;
+}
+
+MoeConfig with_auto_lockstep(const MoeConfig& config, const MoeShape& shape) {
+  MoeConfig resolved = config;
+  if (auto_lockstep_engages(config, shape)) {
+    resolved.gemm_four_stages = true;
+    resolved.gemm_lockstep_k_blocks = kAutoLockstepKBlocks;
+  }
+  return resolved;
+}
+
 int64_t minibatch_rows(const MoeConfig& config, const MoeShape& shape, int32_t num_sms) {
   if (config.minibatch_size != kAutoMinibatch) return config.minibatch_size;
   if (num_sms < 1)

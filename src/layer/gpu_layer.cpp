@@ -53,6 +53,7 @@ GpuLayer::GpuLayer(std::unique_ptr<State> state) : state_(std::move(state)) {
 GpuLayer::~GpuLayer() = default;
 
 const MoeShape& GpuLayer::shape() const { return state_->shape; }
+const MoeConfig& GpuLayer::config() const { return state_->config; }
 
 int64_t GpuLayer::workspace_bytes() const {
   const State& s = *state_;

@@ -69,7 +69,7 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
   auto state = std::make_unique<GpuLayer::State>();
   GpuLayer::State& s = *state;
   s.shape = shape;
-  s.config = config;
+  s.config = with_auto_lockstep(config, shape);  // every later use reads s.config
   s.rank = rank;
   cuda_check(cudaGetDevice(&s.device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, s.device),
@@ -83,13 +83,13 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
                                              ".x; mok's kernels need Hopper (9.0, sm_90a)");
 
   if (config.gemm_l2_placement) plan_l2_placement(s);
-  if (config.gemm_lockstep_k_blocks > 0) {
+  if (s.config.gemm_lockstep_k_blocks > 0) {
     zeroed(s.lockstep_counters, kernels::kLockstepTicks + 2, "GEMM lockstep counters");
     unsigned long long* words = s.lockstep_counters.as<unsigned long long>();
     s.lockstep.ticks = words;
     s.lockstep.started = words + kernels::kLockstepTicks;
     s.lockstep.epoch = words + kernels::kLockstepTicks + 1;
-    s.lockstep.lead_k_blocks = config.gemm_lockstep_k_blocks;
+    s.lockstep.lead_k_blocks = s.config.gemm_lockstep_k_blocks;
   }
   if (config.gemm_tiles_by_ticket) {
     zeroed(s.ticket_counters, 2, "GEMM tile tickets");

@@ -519,6 +519,52 @@ TEST(ArgsValidation, EachBadTensorIsNamed) {
                {"`w_shared_gate` was given", "no shared expert"});
 }
 
+// MoeConfig::gemm_auto_lockstep engages where the weights stream (over 1 GiB) and the experts
+// average under 192 rows: at `dsv3` only of the named shapes, never under a knob that sets or
+// excludes the four stages and the lockstep, and what it makes is a config can_implement takes.
+TEST(ConfigValidation, AutoLockstepEngagesWhereTheWeightsStream) {
+  const MoeConfig config;
+  for (const std::string& name : named_shape_names()) {
+    const MoeShape shape = named_shape(name);
+    const bool engages = auto_lockstep_engages(config, shape);
+    EXPECT_EQ(engages, name == "dsv3") << name;
+    const MoeConfig runs = with_auto_lockstep(config, shape);
+    EXPECT_EQ(runs.gemm_four_stages, engages) << name;
+    EXPECT_EQ(runs.gemm_lockstep_k_blocks, engages ? kAutoLockstepKBlocks : 0) << name;
+    EXPECT_TRUE(can_implement(runs, shape).ok()) << name;
+  }
+  // dsv3 on two ranks: 256 rows per expert, as at dsv3_e128.
+  EXPECT_FALSE(auto_lockstep_engages(config, named_shape("dsv3", 2)));
+  const MoeShape dsv3 = named_shape("dsv3");
+  // Just under and at the row bound (T * K * R / E = 192 rows is out).
+  MoeShape edge = dsv3;
+  edge.num_tokens = 192 * 256 / 8;
+  EXPECT_FALSE(auto_lockstep_engages(config, edge));
+  edge.num_tokens -= 1;
+  EXPECT_TRUE(auto_lockstep_engages(config, edge));
+  // Weights of at most 1 GiB stay where they are (dsv3's rows, 8 experts of 7168 x 2048: 0.7 GB).
+  MoeShape small = dsv3;
+  small.num_experts = 8;
+  small.num_tokens = 128;
+  EXPECT_FALSE(auto_lockstep_engages(config, small));
+  std::vector<MoeConfig> off(9, config);
+  off[0].gemm_auto_lockstep = false;
+  off[1].gemm_four_stages = true;
+  off[2].gemm_lockstep_k_blocks = 8;
+  off[3].precision = Precision::kFP8Block;
+  off[4].gemm_cta_pairs = true;
+  off[5].gemm_wide_tiles = true;
+  off[6].gemm_l2_placement = true;
+  off[7].gemm_tiles_by_ticket = true;
+  off[8].ep_dispatch_in_gemm = true;
+  for (size_t i = 0; i < off.size(); ++i) {
+    EXPECT_FALSE(auto_lockstep_engages(off[i], dsv3)) << i;
+    const MoeConfig runs = with_auto_lockstep(off[i], dsv3);
+    EXPECT_EQ(runs.gemm_four_stages, off[i].gemm_four_stages) << i;
+    EXPECT_EQ(runs.gemm_lockstep_k_blocks, off[i].gemm_lockstep_k_blocks) << i;
+  }
+}
+
 TEST(ArgsValidation, CudaTensorsMustShareADeviceAndBeAligned) {
   TinyCall call;
   ForwardArgs args = call.forward_args();

@@ -4,7 +4,8 @@
 // placement, in the 256 x 192 tiles, with macrobatches and in FP8, with and without the forward
 // context; and a step finishes with those bits while another stream holds all but 8 SMs, so that
 // most of a launch's CTAs start only after others have ended (the lockstep waits only on CTAs that
-// have started).
+// have started). MoeConfig::gemm_auto_lockstep turns both on at a shape whose weights stream,
+// with the bits of the layer without it.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -81,6 +82,24 @@ TEST(LockstepGpu, FinishesOnTheSmsLeftToIt) {
   const HostRank want = test::gpu_step(reference, device, problem, true);
   GpuLayer layer(shape, in_step(2));  // a tick per K-block: the tightest lockstep
   test::expect_same_bits_on_held_sms(layer, device, problem, want);
+}
+
+// 64 experts of 2048 x 1408 (1.1 GB of weights) at 128 routed rows each: the automatic rule runs
+// four stages in step within 16 K-blocks, and GpuLayer::config() says so.
+TEST(LockstepGpu, AutomaticAtAStreamingShape) {
+  const MoeShape shape = make_shape(1024, 2048, 1408, 64, 8);
+  ASSERT_TRUE(auto_lockstep_engages(MoeConfig{}, shape));
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 73);
+  DeviceProblem device(problem, 0);
+  MoeConfig free_running;
+  free_running.gemm_auto_lockstep = false;
+  GpuLayer reference(shape, free_running);
+  GpuLayer automatic(shape, MoeConfig{});
+  EXPECT_FALSE(reference.config().gemm_four_stages);
+  EXPECT_EQ(reference.config().gemm_lockstep_k_blocks, 0);
+  EXPECT_TRUE(automatic.config().gemm_four_stages);
+  EXPECT_EQ(automatic.config().gemm_lockstep_k_blocks, kAutoLockstepKBlocks);
+  test::expect_same_steps(reference, automatic, device, problem, ", automatic lockstep");
 }
 
 }  // namespace

@@ -280,6 +280,7 @@ def test_config_switches_reach_the_native_config():
         "gemm_wide_tiles",
         "gemm_l2_placement",
         "gemm_four_stages",
+        "gemm_auto_lockstep",
         "gemm_tiles_by_ticket",
         "skip_padding_rows",
         "weight_grad_pingpong",
