@@ -111,10 +111,10 @@ struct MoeConfig {
   // backward's recompute and both dgrads; not the weight gradients, the persistent kernels, CTA
   // pairs or the expert-parallel push) on a ring of four stages instead of three: their staging
   // tile holds 128 columns instead of 256 and each tile's outputs leave in two rounds, so two
-  // stages load while the consumers hold two (one today). Same bits either way. Off: 1.37x the
-  // forward's time at dsv3_e128, its gate/up reading twice the DRAM bytes (the CTAs that share
-  // a weight tile drift apart, docs/perf.md, session 22); kept to measure with
-  // gemm_lockstep_k_blocks.
+  // stages load while the consumers hold two (one today). Same bits either way. Alone it loses
+  // (1.37x the forward's time at dsv3_e128, its gate/up reading twice the DRAM bytes: the CTAs
+  // that share a weight tile drift apart, docs/perf.md, session 22); with
+  // gemm_lockstep_k_blocks it wins at dsv3, where gemm_auto_lockstep sets both.
   bool gemm_four_stages = false;
   // The kernel sequences' row-tile GEMMs (bf16 in 128 x 256 or 256 x 192 tiles, and FP8; not
   // the weight gradients, CTA pairs or the persistent kernels) keep their CTAs in step: no CTA's
@@ -122,7 +122,7 @@ struct MoeConfig {
   // (src/kernels/gemm/lockstep.h). CTAs that share a weight tile or activation rows then read
   // them from L2 close together instead of drifting apart and reading them from HBM again, which
   // the four-stage ring does (docs/perf.md, session 22). Timing only: the same bits for every
-  // value. 0 (off) or 2..kMaxLockstepKBlocks; off until measured faster (written in session 22).
+  // value. 0 (off) or 2..kMaxLockstepKBlocks; off, except where gemm_auto_lockstep sets it.
   int32_t gemm_lockstep_k_blocks = 0;
   // The automatic choice of the two knobs above: at shapes whose weights stream from HBM
   // (auto_lockstep_engages: the experts average under kAutoLockstepMaxRowsPerExpert routed rows
