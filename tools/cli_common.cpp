@@ -25,6 +25,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_four_stages = options.four_stages;
   config.gemm_tiles_by_ticket = options.tiles_by_ticket;
   config.gemm_auto_lockstep = !options.no_auto_lockstep;
+  config.gemm_expert_aligned_groups = options.aligned_groups;
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
@@ -37,13 +38,21 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",           "persistent-forward",
-                                     "persistent-backward", "weight-grad-pingpong",
-                                     "skip-padding-rows",   "local-dispatch",
-                                     "wide-tiles",          "tile-group-N",
-                                     "l2-placement",        "four-stages",
-                                     "lockstep-N",          "tiles-by-ticket",
-                                     "auto-lockstep",       nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     "l2-placement",
+                                     "four-stages",
+                                     "lockstep-N",
+                                     "tiles-by-ticket",
+                                     "auto-lockstep",
+                                     "aligned-groups",
+                                     nullptr};
 
 namespace {
 
@@ -104,6 +113,12 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_cta_pairs = false;
       flipped.gemm_l2_placement = false;
       flipped.gemm_lockstep_k_blocks = 0;
+      flipped.gemm_wide_tiles = false;
+    }
+  } else if (name == "aligned-groups") {
+    flipped.gemm_expert_aligned_groups = !config.gemm_expert_aligned_groups;
+    if (flipped.gemm_expert_aligned_groups) {  // what it excludes
+      flipped.gemm_cta_pairs = false;
       flipped.gemm_wide_tiles = false;
     }
   } else if (name == "auto-lockstep") {

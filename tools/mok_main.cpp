@@ -75,6 +75,9 @@ mok run options:
                                partitions (probed when the layer is built; same bits)
   --four-stages                GPU: the row-tile GEMMs (forward and dgrads) on a ring of four
                                stages, their outputs stored in two rounds of 128 columns
+  --aligned-groups             GPU: each group of the row-tile GEMMs' walk starts where an
+                               expert does (within 4 row tiles), so no expert straddles two
+                               groups (gemm_expert_aligned_groups; same bits)
   --no-auto-lockstep           GPU: where the weights stream from HBM and the experts average
                                under 192 rows (dsv3), do not run four stages in step within 16
                                K-blocks by default (gemm_auto_lockstep off; same bits)
@@ -88,8 +91,8 @@ mok run options:
                                weight-grad-pingpong, skip-padding-rows, local-dispatch,
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
                                l2-placement, four-stages, lockstep-N: the CTAs in step
-                               within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep); K1+K2
-                               flips several on one layer
+                               within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep,
+                               aligned-groups); K1+K2 flips several on one layer
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -163,6 +166,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--four-stages") {
       options.four_stages = true;
+      continue;
+    }
+    if (flag == "--aligned-groups") {
+      options.aligned_groups = true;
       continue;
     }
     if (flag == "--no-auto-lockstep") {

@@ -51,6 +51,7 @@ std::string variant_name(const mok::MoeConfig& config, const mok::MoeShape& shap
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
+         (config.gemm_expert_aligned_groups ? ", groups aligned to experts" : "") +
          (four_stages ? ", four-stage ring" : "") + lockstep_name(config, shape) +
          (config.gemm_tiles_by_ticket ? ", GEMM tiles by ticket" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed");
@@ -62,6 +63,7 @@ std::string backward_name(const mok::MoeConfig& config, const mok::MoeShape& sha
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", dgrads in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
+         (config.gemm_expert_aligned_groups ? ", groups aligned to experts" : "") +
          lockstep_name(config, shape) +
          (config.gemm_tiles_by_ticket ? ", GEMM tiles by ticket" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +

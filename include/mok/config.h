@@ -99,6 +99,14 @@ struct MoeConfig {
   // kTileGroupM. A knob to measure the L2 partition fabric's traffic by (docs/perf.md, session
   // 18: `mok walk-bench` replays the walks).
   int32_t gemm_tile_group = 8;
+  // The standalone expert GEMMs' row-tile forms (not CTA pairs, the 256 x 192 tiles, FP8 or the
+  // persistent kernels) start each group of gemm_tile_group row tiles where an expert starts,
+  // if one does within 4 row tiles of the group's place (src/kernels/gemm/tile_walk.h). With
+  // fixed groups an expert whose row tiles straddle two groups has its weight tiles read about
+  // a sweep apart, from HBM twice: at `dsv3` (about a third of the experts' two-tile pairs)
+  // the walk model counts 6.6% more weight reads than the weights (1.0 GB of the gate/up's
+  // 17.8). Same bits. Off until measured faster (written in session 23, not yet run).
+  bool gemm_expert_aligned_groups = false;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
   // the layer probes which SMs share a partition when it is built (atomic latencies,

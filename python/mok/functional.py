@@ -75,6 +75,9 @@ class MoKConfig:
         tiles (docs/perf.md, session 18); off.
     gemm_tile_group: row tiles the expert GEMMs' walk takes together before the next group's
         (1-1024, default 8; same bits for any group).
+    gemm_expert_aligned_groups: start each group of the row-tile GEMMs' walk where an expert
+        starts (within 4 row tiles), so no expert's weight tiles are read by two groups a sweep
+        apart (same bits; bf16 128 x 256 tiles without CTA pairs; off until measured faster).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
@@ -123,6 +126,7 @@ class MoKConfig:
     gemm_cta_pairs: bool = False
     gemm_wide_tiles: bool = False
     gemm_tile_group: int = 8
+    gemm_expert_aligned_groups: bool = False
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0
@@ -148,6 +152,7 @@ class MoKConfig:
         config.gemm_cta_pairs = self.gemm_cta_pairs
         config.gemm_wide_tiles = self.gemm_wide_tiles
         config.gemm_tile_group = self.gemm_tile_group
+        config.gemm_expert_aligned_groups = self.gemm_expert_aligned_groups
         config.gemm_l2_placement = self.gemm_l2_placement
         config.gemm_four_stages = self.gemm_four_stages
         config.gemm_lockstep_k_blocks = self.gemm_lockstep_k_blocks

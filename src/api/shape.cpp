@@ -250,6 +250,10 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     MOK_RETURN_IF_ERROR(excluded_variant(
         "gemm_l2_placement", "a CTA pair walks its two tiles together, wherever its SMs are",
         "the 256 x 192 tiles walk by block index"));
+  if (config.gemm_expert_aligned_groups)
+    MOK_RETURN_IF_ERROR(excluded_variant("gemm_expert_aligned_groups",
+                                         "a CTA pair's units are pairs of row tiles",
+                                         "the 256 x 192 tiles group their own units"));
   if (config.gemm_four_stages)
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_four_stages", "a CTA pair's stages are three",
                                          "the 256 x 192 tiles have their own ring"));

@@ -87,6 +87,75 @@ TEST(TileWalk, GroupsSweepTheirColumnsTogether) {
   EXPECT_EQ(walk_unit(14, 5, 4, true, 3).n_tile, 1);
 }
 
+// MoeConfig::gemm_expert_aligned_groups: on random experts of 1-12 row tiles, every tile once;
+// groups sweep their columns together and start where an expert does whenever one starts within
+// the reach of their place; an expert of at most reach + 1 tiles is never split; and where every
+// place is an expert start the walk is the fixed groups'.
+TEST(TileWalk, ExpertAlignedGroupsCoverEveryTileOnceAndSplitNoSmallExpert) {
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int max_tiles = trial % 3 == 0 ? 2 : trial % 3 == 1 ? 4 : 12;
+    std::vector<int32_t> tile_expert;
+    for (int expert = 0; tile_expert.size() < 40 + trial % 200; ++expert)
+      tile_expert.insert(tile_expert.end(), 1 + rng() % max_tiles, expert);
+    const int m_tiles = static_cast<int>(tile_expert.size());
+    const int n_tiles = 1 + trial % 17;
+    const int group = std::vector<int>{1, 2, 3, 5, kTileGroupM, 16}[trial % 6];
+    SCOPED_TRACE(testing::Message() << m_tiles << " x " << n_tiles << " tiles, groups of " << group
+                                    << ", experts of at most " << max_tiles);
+    std::map<std::pair<int, int>, int> covered;
+    std::vector<int> group_of_tile(m_tiles, -1);
+    int current_group = -1;
+    for (int unit = 0; unit < m_tiles * n_tiles; ++unit) {
+      const WalkUnit w = walk_unit(unit, m_tiles, n_tiles, true, group, tile_expert.data());
+      ASSERT_GE(w.m_unit, 0);
+      ASSERT_LT(w.m_unit, m_tiles);
+      ASSERT_LT(w.n_tile, n_tiles);
+      ++covered[{w.m_unit, w.n_tile}];
+      // The unit's group: the one holding row tile unit / n_tiles (tile_walk.h). Its units
+      // are contiguous, so each row tile belongs to one group and the groups sweep in order.
+      const int row = unit / n_tiles;
+      int g = row / group;
+      if (row < aligned_group_start(g, group, m_tiles, tile_expert.data())) --g;
+      if (group_of_tile[w.m_unit] < 0) group_of_tile[w.m_unit] = g;
+      EXPECT_EQ(group_of_tile[w.m_unit], g) << "row tile " << w.m_unit << " in two groups";
+      EXPECT_GE(g, current_group) << "groups out of order at unit " << unit;
+      current_group = g;
+    }
+    ASSERT_EQ(static_cast<int>(covered.size()), m_tiles * n_tiles);
+    for (const auto& [tile, count] : covered) EXPECT_EQ(count, 1);
+    // Groups are runs of row tiles, each starting at an expert start where one lies in reach.
+    const int reach = std::min(group - 1, kGroupAlignReach);
+    for (int g = 1; g * group < m_tiles; ++g) {
+      const int start = aligned_group_start(g, group, m_tiles, tile_expert.data());
+      ASSERT_GE(start, g * group);
+      ASSERT_LT(start, std::min(g * group + std::max(reach, 1), m_tiles + 1));
+      bool start_in_reach = false;  // the end of the tiles counts as one
+      for (int t = g * group; t < g * group + reach; ++t)
+        start_in_reach |= t >= m_tiles || tile_expert[t] != tile_expert[t - 1];
+      if (start_in_reach) {
+        EXPECT_TRUE(start == m_tiles || tile_expert[start] != tile_expert[start - 1])
+            << "group " << g;
+      } else {
+        EXPECT_EQ(start, g * group) << "group " << g;
+      }
+    }
+    if (max_tiles <= reach + 1)
+      for (int t = 1; t < m_tiles; ++t)
+        if (tile_expert[t] == tile_expert[t - 1])
+          EXPECT_EQ(group_of_tile[t], group_of_tile[t - 1]) << "expert split at row tile " << t;
+  }
+  // One-tile experts: every place is an expert start, so the walk is the fixed groups'.
+  std::vector<int32_t> singles(29);
+  for (int t = 0; t < 29; ++t) singles[t] = t;
+  for (int unit = 0; unit < 29 * 5; ++unit) {
+    const WalkUnit fixed = walk_unit(unit, 29, 5, true, kTileGroupM);
+    const WalkUnit aligned = walk_unit(unit, 29, 5, true, kTileGroupM, singles.data());
+    EXPECT_EQ(fixed.m_unit, aligned.m_unit);
+    EXPECT_EQ(fixed.n_tile, aligned.n_tile);
+  }
+}
+
 // The L2 placement's walk (l2_placement.h): the slots of each partition cover their row tiles'
 // units once, partition 0 the first row tiles in proportion to its slots, whatever the split of
 // the slots and the group.

@@ -225,11 +225,14 @@ TEST(ConfigValidation, WideTilesNameWhatExcludesThem) {
 }
 
 // The variants of the bf16 128 x 256 GEMMs without CTA pairs (MoeConfig::gemm_l2_placement,
-// gemm_four_stages) with what they do not run, each named; the four-stage ring beside the
-// persistent forward too (the kernel sequences' GEMMs take it, the others keep three stages).
+// gemm_four_stages, gemm_expert_aligned_groups) with what they do not run, each named; the
+// four-stage ring beside the persistent forward too (the kernel sequences' GEMMs take it, the
+// others keep three stages).
 TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
-  for (const auto& [name, knob] : {std::pair{"gemm_l2_placement", &MoeConfig::gemm_l2_placement},
-                                   std::pair{"gemm_four_stages", &MoeConfig::gemm_four_stages}}) {
+  for (const auto& [name, knob] :
+       {std::pair{"gemm_l2_placement", &MoeConfig::gemm_l2_placement},
+        std::pair{"gemm_four_stages", &MoeConfig::gemm_four_stages},
+        std::pair{"gemm_expert_aligned_groups", &MoeConfig::gemm_expert_aligned_groups}}) {
     SCOPED_TRACE(name);
     MoeConfig variant;
     variant.*knob = true;

@@ -157,7 +157,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(30);
+  std::vector<MoeConfig> configs(32);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -249,6 +249,15 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[29].gemm_four_stages = true;
   configs[29].minibatch_size = 128;
   configs[29].macrobatch_size = 384;
+  // Groups that start where an expert does (MoeConfig::gemm_expert_aligned_groups): in groups of
+  // 3 (so most groups move), and of 8 on four stages in step, in 3-tile macrobatches.
+  configs[30].gemm_expert_aligned_groups = true;
+  configs[30].gemm_tile_group = 3;
+  configs[31].gemm_expert_aligned_groups = true;
+  configs[31].gemm_four_stages = true;
+  configs[31].gemm_lockstep_k_blocks = 8;
+  configs[31].minibatch_size = 128;
+  configs[31].macrobatch_size = 384;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -270,7 +279,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << " tile group " << config.gemm_tile_group << " L2 placement "
                      << config.gemm_l2_placement << " four stages " << config.gemm_four_stages
                      << " lockstep " << config.gemm_lockstep_k_blocks << " by ticket "
-                     << config.gemm_tiles_by_ticket << (with_context ? "" : ", no context"));
+                     << config.gemm_tiles_by_ticket << " aligned groups "
+                     << config.gemm_expert_aligned_groups << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

@@ -281,6 +281,7 @@ def test_config_switches_reach_the_native_config():
         "gemm_l2_placement",
         "gemm_four_stages",
         "gemm_auto_lockstep",
+        "gemm_expert_aligned_groups",
         "gemm_tiles_by_ticket",
         "skip_padding_rows",
         "weight_grad_pingpong",

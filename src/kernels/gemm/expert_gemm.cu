@@ -120,6 +120,19 @@ __device__ __forceinline__ TileCoord tile_coord_at(const ExpertGemmParams& param
   return coord;
 }
 
+// MoeConfig::gemm_expert_aligned_groups (tile_walk.h): the experts of the CTA's walk's row tiles,
+// for groups that start where an expert does; null for groups of exactly params.tile_group.
+template <ExpertGemmForm kForm, bool kPaired>
+__device__ __forceinline__ const int32_t* aligned_tile_expert(const ExpertGemmParams& params,
+                                                              const TileSpace& space,
+                                                              const CtaWalk& cta) {
+  if constexpr (!FormTraits<kForm>::kRowTiles || kPaired) {
+    return nullptr;
+  } else {
+    return params.expert_aligned_groups ? params.tile_expert + space.m_begin + cta.m_lo : nullptr;
+  }
+}
+
 // One CTA's tile of walk unit `unit`: with pairs, the row tile of its rank in the pair tile,
 // whether that tile exists (not: a phantom with its partner's K-blocks) and whether the pair
 // reads the same B (then multicast). Row-tile forms group the units params.tile_group row tiles
@@ -136,7 +149,8 @@ __device__ __forceinline__ UnitTile unit_tile(const ExpertGemmParams& params,
                                               const TileSpace& space, const CtaWalk& cta, int unit,
                                               int rank, const SegmentRows* shared_rows) {
   constexpr bool kRowTiles = FormTraits<kForm>::kRowTiles;
-  WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, kRowTiles, params.tile_group);
+  WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, kRowTiles, params.tile_group,
+                            aligned_tile_expert<kForm, kPaired>(params, space, cta));
   walk.m_unit += cta.m_lo;
   UnitTile tile;
   if constexpr (!kPaired) {
@@ -220,7 +234,8 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
     return false;
   } else {
     if (!params.half_row_tiles || unit >= cta.num_units) return false;
-    const WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, true, params.tile_group);
+    const WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, true, params.tile_group,
+                                    aligned_tile_expert<kForm, kPaired>(params, space, cta));
     const int64_t m_tile = walk.m_unit + cta.m_lo + space.m_begin;
     return params.row_pair[m_tile * BLOCK_M + BLOCK_M / 2] < 0;
   }

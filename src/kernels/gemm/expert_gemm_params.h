@@ -114,6 +114,9 @@ struct ExpertGemmParams {
   // this many row tiles at a time, swept n-major (tile_walk.h, wide_tile_gemm.cu). Same bits for
   // any group.
   int32_t tile_group;
+  // MoeConfig::gemm_expert_aligned_groups: those groups start where an expert does, within
+  // kGroupAlignReach row tiles of their place (tile_walk.h; the row-tile forms without pairs).
+  int32_t expert_aligned_groups;
   // MoeConfig::gemm_l2_placement (l2_placement.h): each L2 partition's SMs on their share of the
   // row tiles (the row-tile forms without CTA pairs); slot_of_sm null: the block-index walk.
   L2Placement l2;

@@ -2,7 +2,9 @@
 // device so the CPU tests check it: a walk unit is one tile, or with CTA pairs one pair tile
 // (row tiles 2u and 2u + 1 of one column tile, one per CTA of the pair).
 //   row-tile forms  units grouped `group_size` at a time (MoeConfig::gemm_tile_group, default
-//                   kTileGroupM), swept n-major (task_order.h)
+//                   kTileGroupM), swept n-major (task_order.h); with
+//                   MoeConfig::gemm_expert_aligned_groups, each group's start moved to an
+//                   expert's first row tile (aligned_group_start)
 //   kWeightGrad     expert by expert; within one, column tile by column tile, row tiles fastest
 #pragma once
 
@@ -19,12 +21,69 @@ struct WalkUnit {
   int32_t expert;  // kWeightGrad; 0 for the row-tile forms
 };
 
+// MoeConfig::gemm_expert_aligned_groups: group g's first row tile is the first expert start in
+// [g * group_size, g * group_size + reach) where there is one (reach = min(kGroupAlignReach,
+// group_size - 1)), else g * group_size. An expert of up to `reach` + 1 row tiles then never
+// straddles two groups, whose CTAs would read its weight tiles about one sweep apart, from HBM
+// twice (docs/design.md, "Groups that do not split an expert"). The end of the row tiles counts
+// as an expert start (a last group may be left empty). The starts stay increasing, so the walk
+// still visits every tile once. `tile_expert`: the local expert of each of the walk's
+// `m_tiles` row tiles.
+inline constexpr int32_t kGroupAlignReach = 4;
+MOK_HOST_DEVICE inline int32_t aligned_group_start(int32_t group, int32_t group_size,
+                                                   int32_t m_tiles, const int32_t* tile_expert) {
+  const int32_t nominal = group * group_size;
+  if (group == 0 || nominal >= m_tiles) return nominal < m_tiles ? nominal : m_tiles;
+  const int32_t reach = group_size - 1 < kGroupAlignReach ? group_size - 1 : kGroupAlignReach;
+  int32_t previous = tile_expert[nominal - 1];
+#pragma unroll
+  for (int32_t i = 0; i < kGroupAlignReach; ++i) {
+    const int32_t tile = nominal + i;
+    if (i >= reach) break;
+    if (tile >= m_tiles) return m_tiles;  // the last expert ends there: the last group is empty
+    const int32_t expert = tile_expert[tile];
+    if (expert != previous) return tile;
+    previous = expert;
+  }
+  return nominal;
+}
+
+// grouped_tile_in (task_order.h) over those groups: group g holds row tiles [start(g),
+// start(g + 1)), swept n-major, and the units before it number start(g) * n_tiles, so unit u's
+// group is the one holding row tile u / n_tiles: nominal group u / n_tiles / group_size, or the
+// one before it where that starts later.
+MOK_HOST_DEVICE inline void aligned_grouped_tile_in(int32_t unit, int32_t m_tiles, int32_t n_tiles,
+                                                    int32_t group_size, const int32_t* tile_expert,
+                                                    int32_t* m_tile, int32_t* n_tile) {
+  const int32_t row = unit / n_tiles;
+  int32_t group = row / group_size;
+  int32_t first = aligned_group_start(group, group_size, m_tiles, tile_expert);
+  int32_t end;
+  if (row < first) {
+    end = first;
+    --group;
+    first = aligned_group_start(group, group_size, m_tiles, tile_expert);
+  } else {
+    end = aligned_group_start(group + 1, group_size, m_tiles, tile_expert);
+  }
+  const int32_t in_group = unit - first * n_tiles;
+  const int32_t group_m = end - first;
+  *m_tile = first + in_group % group_m;
+  *n_tile = in_group / group_m;
+}
+
 // `m_units`: row tiles per column tile (and expert), or with pairs their pair count.
-// `group_size`: the row-tile forms' group (kWeightGrad ignores it).
+// `group_size`: the row-tile forms' group (kWeightGrad ignores it). `aligned_tile_expert`: with
+// MoeConfig::gemm_expert_aligned_groups, the local expert of each of the `m_units` row tiles
+// (the row-tile forms without pairs); null: groups of exactly `group_size`.
 MOK_HOST_DEVICE inline WalkUnit walk_unit(int32_t unit, int32_t m_units, int32_t num_n_tiles,
-                                          bool row_tiles, int32_t group_size = kTileGroupM) {
+                                          bool row_tiles, int32_t group_size = kTileGroupM,
+                                          const int32_t* aligned_tile_expert = nullptr) {
   WalkUnit walk{0, 0, 0};
-  if (row_tiles) {
+  if (row_tiles && aligned_tile_expert != nullptr) {
+    aligned_grouped_tile_in(unit, m_units, num_n_tiles, group_size, aligned_tile_expert,
+                            &walk.m_unit, &walk.n_tile);
+  } else if (row_tiles) {
     grouped_tile_in(unit, m_units, num_n_tiles, group_size, &walk.m_unit, &walk.n_tile);
   } else {
     const int32_t per_expert = m_units * num_n_tiles;
