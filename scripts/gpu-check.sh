@@ -4,7 +4,8 @@
 # compute-sanitizer on the schedule GPU tests, then writes a summary. The Python package: installed
 # with the machine's PyTorch, its pytest suite, expert parallelism under torchrun (one process,
 # and one per GPU with 2+), the examples, and `python -m mok.bench` (python.log; MOK_SKIP_PYTHON=1,
-# MOK_SKIP_PYTHON_EXAMPLES=1, MOK_PYTHON_BENCH_SHAPES).
+# MOK_SKIP_PYTHON_EXAMPLES=1, MOK_PYTHON_BENCH_SHAPES). The Python benchmark runs last, after the
+# sanitizers: SonicMoE's first compile takes minutes, and a call cut off there loses only it.
 #
 # Outputs under $OUT (default ./out; the device tool returns at most 8 files): build.log,
 # ctest.log, run.log (mok run on tiny and the benchmark shapes), clocks.log (SM clock and power
@@ -171,6 +172,7 @@ fi
 # "qwen3,dsv3_local", MOK_PYTHON_BENCH_SHARED for shapes also run with a shared expert; python.log,
 # the numbers merged into results.json) --------------------------------------------------------
 python_json=""
+python_ready=0
 if [ "${MOK_SKIP_PYTHON:-0}" = 1 ]; then
   record python_install skipped
 else
@@ -196,27 +198,7 @@ else
         examples/train_moe_block.py --device cuda --steps 300 --print-every 50 --check-reproducible
       run_step python_example_hf "$OUT/python.log" timeout 120 python3 examples/hf_qwen3_moe.py --device cuda
     fi
-    # The benchmark (mok, its C++ layer, transformers' experts, the torch grouped_mm pipeline, and
-    # SonicMoE when its wheels were carried in .deps/peers/wheels: installed into a private
-    # folder for this step only), all shapes in one process; MOK_PYTHON_BENCH_PLOT=1 adds
-    # bench.png (the device tool returns 8 files: leave room for it).
-    source "$root/scripts/sonic-env.sh"
-    sonic_bench_env "$OUT/.sonic-site" "$OUT/python.log"
-    bench_shapes="${MOK_PYTHON_BENCH_SHAPES-qwen3,dsv3_local}"
-    if [ -n "$bench_shapes" ]; then
-      run_step python_bench "$OUT/python.log" timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" \
-        "${bench_env[@]}" python3 -m mok.bench --shapes "$bench_shapes" \
-        --shared "${MOK_PYTHON_BENCH_SHARED-}" --json "$OUT/tmp_python_bench.json" \
-        $([ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && echo --fp8) \
-        $([ "${MOK_PYTHON_BENCH_PLOT:-0}" = 1 ] && echo --plot "$OUT/bench.png")
-      if [ -s "$OUT/tmp_python_bench.json" ]; then
-        python_json="\"bench\": $(cat "$OUT/tmp_python_bench.json")"
-        rm -f "$OUT/tmp_python_bench.json"
-      fi
-      # The device returns 8 files: QuACK's autotuning results only when asked (sonic-env.sh).
-      [ "${MOK_SAVE_QUACK_AUTOTUNE:-0}" = 1 ] && sonic_save_autotune "$OUT"
-      rm -rf "$OUT/.sonic-site"
-    fi
+    python_ready=1
   fi
 fi
 
@@ -407,6 +389,35 @@ elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" 
 else
   echo "compute-sanitizer or the GPU test binary is missing: skipping the sanitizer runs"
   record sanitizer skipped
+fi
+
+# --- The Python benchmark, last of the runs: SonicMoE first compiles QuACK's candidates (minutes
+# on a fresh machine), so a call that runs out of time there loses only this step -----------------
+if [ "${python_ready:-0}" = 1 ]; then
+  # The benchmark (mok, its C++ layer, transformers' experts, the torch grouped_mm pipeline, and
+  # SonicMoE when its wheels were carried in .deps/peers/wheels: installed into a private
+  # folder for this step only), all shapes in one process; MOK_PYTHON_BENCH_PLOT=1 adds
+  # bench.png (the device tool returns 8 files: leave room for it).
+  # The site lives outside $OUT: a call cut off mid-step returns what is under $OUT, and the
+  # site's hundreds of files would take the returned files' places (session 23, call 4).
+  sonic_site="${TMPDIR:-/tmp}/mok-sonic-site"
+  source "$root/scripts/sonic-env.sh"
+  sonic_bench_env "$sonic_site" "$OUT/python.log"
+  bench_shapes="${MOK_PYTHON_BENCH_SHAPES-qwen3,dsv3_local}"
+  if [ -n "$bench_shapes" ]; then
+    run_step python_bench "$OUT/python.log" timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" \
+      "${bench_env[@]}" python3 -m mok.bench --shapes "$bench_shapes" \
+      --shared "${MOK_PYTHON_BENCH_SHARED-}" --json "$OUT/tmp_python_bench.json" \
+      $([ "${MOK_PYTHON_BENCH_FP8:-0}" = 1 ] && echo --fp8) \
+      $([ "${MOK_PYTHON_BENCH_PLOT:-0}" = 1 ] && echo --plot "$OUT/bench.png")
+    if [ -s "$OUT/tmp_python_bench.json" ]; then
+      python_json="\"bench\": $(cat "$OUT/tmp_python_bench.json")"
+      rm -f "$OUT/tmp_python_bench.json"
+    fi
+    # The device returns 8 files: QuACK's autotuning results only when asked (sonic-env.sh).
+    [ "${MOK_SAVE_QUACK_AUTOTUNE:-0}" = 1 ] && sonic_save_autotune "$OUT"
+    rm -rf "$sonic_site"
+  fi
 fi
 
 # --- Summary -------------------------------------------------------------------------------------
