@@ -26,6 +26,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_tiles_by_ticket = options.tiles_by_ticket;
   config.gemm_auto_lockstep = !options.no_auto_lockstep;
   config.gemm_expert_aligned_groups = options.aligned_groups;
+  config.gemm_dgrad_half_row_tiles = options.dgrad_half_tiles;
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
@@ -38,21 +39,11 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",
-                                     "persistent-forward",
-                                     "persistent-backward",
-                                     "weight-grad-pingpong",
-                                     "skip-padding-rows",
-                                     "local-dispatch",
-                                     "wide-tiles",
-                                     "tile-group-N",
-                                     "l2-placement",
-                                     "four-stages",
-                                     "lockstep-N",
-                                     "tiles-by-ticket",
-                                     "auto-lockstep",
-                                     "aligned-groups",
-                                     nullptr};
+const char* const kCompareKnobs[] = {
+    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
+    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
+    "l2-placement",      "four-stages",        "lockstep-N",          "tiles-by-ticket",
+    "auto-lockstep",     "aligned-groups",     "dgrad-half-tiles",    nullptr};
 
 namespace {
 
@@ -118,6 +109,12 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
   } else if (name == "aligned-groups") {
     flipped.gemm_expert_aligned_groups = !config.gemm_expert_aligned_groups;
     if (flipped.gemm_expert_aligned_groups) {  // what it excludes
+      flipped.gemm_cta_pairs = false;
+      flipped.gemm_wide_tiles = false;
+    }
+  } else if (name == "dgrad-half-tiles") {
+    flipped.gemm_dgrad_half_row_tiles = !config.gemm_dgrad_half_row_tiles;
+    if (flipped.gemm_dgrad_half_row_tiles) {  // what it excludes
       flipped.gemm_cta_pairs = false;
       flipped.gemm_wide_tiles = false;
     }

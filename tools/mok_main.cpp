@@ -78,6 +78,8 @@ mok run options:
   --aligned-groups             GPU: each group of the row-tile GEMMs' walk starts where an
                                expert does (within 4 row tiles), so no expert straddles two
                                groups (gemm_expert_aligned_groups; same bits)
+  --dgrad-half-tiles           GPU: 64-row last tiles in the backward's dgrads too, where the
+                               forward runs them (gemm_dgrad_half_row_tiles; same bits)
   --no-auto-lockstep           GPU: where the weights stream from HBM and the experts average
                                under 192 rows (dsv3), do not run four stages in step within 16
                                K-blocks by default (gemm_auto_lockstep off; same bits)
@@ -92,7 +94,8 @@ mok run options:
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
                                l2-placement, four-stages, lockstep-N: the CTAs in step
                                within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep,
-                               aligned-groups); K1+K2 flips several on one layer
+                               aligned-groups, dgrad-half-tiles); K1+K2 flips several on one
+                               layer
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -170,6 +173,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--aligned-groups") {
       options.aligned_groups = true;
+      continue;
+    }
+    if (flag == "--dgrad-half-tiles") {
+      options.dgrad_half_tiles = true;
       continue;
     }
     if (flag == "--no-auto-lockstep") {

@@ -92,6 +92,12 @@ struct MoeConfig {
   // holds at most 64 routed rows (half its tensor-core work). Same bits either way
   // (docs/design.md).
   bool skip_padding_rows = true;
+  // The same 64-row last tiles in the backward's two dgrads (the kernel sequence's row-tile
+  // GEMMs, bf16 128 x 256 tiles, not CTA pairs), where skip_padding_rows runs them in the forward.
+  // Free-running they lost (session 13: the 64-row tile ends its K loop early and its partner
+  // reads the shared weight tile from HBM again); with gemm_lockstep_k_blocks the partners stay
+  // in step. Same bits. Off until measured faster (written in session 23, not yet run).
+  bool gemm_dgrad_half_row_tiles = false;
   // The row tiles (or CTA pairs, or 256-row units) the expert GEMM kernels' walk takes together,
   // sweeping their column tiles before the next group's (tile_walk.h): CTAs running together
   // then share the group's activation rows and its experts' weight tiles through L2. 1..1024;

@@ -97,6 +97,8 @@ class MoKConfig:
     skip_padding_rows: stop the weight gradients at each expert's routed rows, and where the
         experts average at most 256 routed rows, run an expert's last row tile of the forward's
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
+    gemm_dgrad_half_row_tiles: run the backward's dgrads with the same 64-row last tiles as the
+        forward (same bits; bf16 128 x 256 tiles without CTA pairs; off until measured faster).
     weight_grad_pingpong: compute the weight gradients with the two consumer warpgroups of a
         CTA on different tiles (same bits; off by default until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
@@ -133,6 +135,7 @@ class MoKConfig:
     gemm_auto_lockstep: bool = True
     gemm_tiles_by_ticket: bool = False
     skip_padding_rows: bool = True
+    gemm_dgrad_half_row_tiles: bool = False
     weight_grad_pingpong: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
@@ -159,6 +162,7 @@ class MoKConfig:
         config.gemm_auto_lockstep = self.gemm_auto_lockstep
         config.gemm_tiles_by_ticket = self.gemm_tiles_by_ticket
         config.skip_padding_rows = self.skip_padding_rows
+        config.gemm_dgrad_half_row_tiles = self.gemm_dgrad_half_row_tiles
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch

@@ -250,6 +250,10 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     MOK_RETURN_IF_ERROR(excluded_variant(
         "gemm_l2_placement", "a CTA pair walks its two tiles together, wherever its SMs are",
         "the 256 x 192 tiles walk by block index"));
+  if (config.gemm_dgrad_half_row_tiles)
+    MOK_RETURN_IF_ERROR(excluded_variant("gemm_dgrad_half_row_tiles",
+                                         "a CTA pair's two tiles walk one stage sequence",
+                                         "the 256 x 192 tiles' dgrads have no 64-row tiles"));
   if (config.gemm_expert_aligned_groups)
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_expert_aligned_groups",
                                          "a CTA pair's units are pairs of row tiles",

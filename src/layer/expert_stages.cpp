@@ -57,6 +57,7 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   const bool few_rows =
       schedule.num_pairs() <= int64_t{kHalfRowTilesMaxRowsPerExpert} * schedule.num_experts;
   params.half_row_tiles = s.config.skip_padding_rows && few_rows ? 1 : 0;
+  params.dgrad_half_row_tiles = params.half_row_tiles && s.config.gemm_dgrad_half_row_tiles ? 1 : 0;
   params.weight_grad_pingpong = s.config.weight_grad_pingpong ? 1 : 0;
   params.four_stages = s.config.gemm_four_stages ? 1 : 0;
   params.tile_group = s.config.gemm_tile_group;

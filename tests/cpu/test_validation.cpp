@@ -232,7 +232,8 @@ TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
   for (const auto& [name, knob] :
        {std::pair{"gemm_l2_placement", &MoeConfig::gemm_l2_placement},
         std::pair{"gemm_four_stages", &MoeConfig::gemm_four_stages},
-        std::pair{"gemm_expert_aligned_groups", &MoeConfig::gemm_expert_aligned_groups}}) {
+        std::pair{"gemm_expert_aligned_groups", &MoeConfig::gemm_expert_aligned_groups},
+        std::pair{"gemm_dgrad_half_row_tiles", &MoeConfig::gemm_dgrad_half_row_tiles}}) {
     SCOPED_TRACE(name);
     MoeConfig variant;
     variant.*knob = true;

@@ -157,7 +157,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(32);
+  std::vector<MoeConfig> configs(34);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -258,6 +258,12 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[31].gemm_lockstep_k_blocks = 8;
   configs[31].minibatch_size = 128;
   configs[31].macrobatch_size = 384;
+  // The dgrads' 64-row tiles (MoeConfig::gemm_dgrad_half_row_tiles), free-running on three
+  // stages, and on four in step.
+  configs[32].gemm_dgrad_half_row_tiles = true;
+  configs[33].gemm_dgrad_half_row_tiles = true;
+  configs[33].gemm_four_stages = true;
+  configs[33].gemm_lockstep_k_blocks = 16;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -280,7 +286,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.gemm_l2_placement << " four stages " << config.gemm_four_stages
                      << " lockstep " << config.gemm_lockstep_k_blocks << " by ticket "
                      << config.gemm_tiles_by_ticket << " aligned groups "
-                     << config.gemm_expert_aligned_groups << (with_context ? "" : ", no context"));
+                     << config.gemm_expert_aligned_groups << " dgrad half tiles "
+                     << config.gemm_dgrad_half_row_tiles << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

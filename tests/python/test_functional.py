@@ -282,6 +282,7 @@ def test_config_switches_reach_the_native_config():
         "gemm_four_stages",
         "gemm_auto_lockstep",
         "gemm_expert_aligned_groups",
+        "gemm_dgrad_half_row_tiles",
         "gemm_tiles_by_ticket",
         "skip_padding_rows",
         "weight_grad_pingpong",

@@ -213,14 +213,14 @@ using StorageOf = std::conditional_t<kFourStages, FourStageStorage, FormStorage>
 template <ExpertGemmForm kForm>
 constexpr bool kHasFourStages = FormTraits<kForm>::kRowTiles;
 
-// Which forms run 64-row tiles (half_row_tiles): the forward's, whose B (the weights) is K-major.
-// Not the dgrads: there a 64-row tile finishes its K loop in half the time of its expert's
-// 128-row tile on the same B columns, so the two stop sharing B through L2, and at `dsv3_e128`
-// the down dgrad ran 20% slower with them (docs/perf.md, session 13). Not in CTA pairs either,
-// whose two CTAs walk one stage sequence.
+// Which forms can run 64-row tiles: the row-tile forms, not in CTA pairs (whose two CTAs walk
+// one stage sequence). The forward's (B K-major) run them with params.half_row_tiles; the dgrads'
+// (B MN-major) only with params.dgrad_half_row_tiles (MoeConfig::gemm_dgrad_half_row_tiles):
+// there a 64-row tile finishes its K loop in half the time of its expert's 128-row tile on the
+// same B columns, so free-running the two stop sharing B through L2 (the down dgrad at
+// `dsv3_e128` ran 20% slower, docs/perf.md, session 13), which the lockstep may prevent.
 template <ExpertGemmForm kForm, bool kPaired>
-constexpr bool kHalfRowTiles =
-    FormTraits<kForm>::kRowTiles && !FormTraits<kForm>::kBMnMajor && !kPaired;
+constexpr bool kHalfRowTiles = FormTraits<kForm>::kRowTiles && !kPaired;
 
 // Whether the row tile of walk unit `unit` runs at 64 rows: segments start at multiples of 128
 // and end in padding, so the tile holds at most 64 routed rows exactly when its row 64 is
@@ -233,7 +233,9 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
   if constexpr (!kHalfRowTiles<kForm, kPaired>) {
     return false;
   } else {
-    if (!params.half_row_tiles || unit >= cta.num_units) return false;
+    const int32_t enabled =
+        FormTraits<kForm>::kBMnMajor ? params.dgrad_half_row_tiles : params.half_row_tiles;
+    if (!enabled || unit >= cta.num_units) return false;
     const WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, true, params.tile_group,
                                     aligned_tile_expert<kForm, kPaired>(params, space, cta));
     const int64_t m_tile = walk.m_unit + cta.m_lo + space.m_begin;

@@ -110,6 +110,9 @@ struct ExpertGemmParams {
   // every tile whole. Same bits either way.
   int32_t skip_padding;
   int32_t half_row_tiles;
+  // MoeConfig::gemm_dgrad_half_row_tiles: the same 64-row tiles in the dgrads (B MN-major),
+  // where half_row_tiles holds.
+  int32_t dgrad_half_row_tiles;
   // MoeConfig::gemm_tile_group: the row-tile forms walk their tiles (or pairs, or 256-row units)
   // this many row tiles at a time, swept n-major (tile_walk.h, wide_tile_gemm.cu). Same bits for
   // any group.
