@@ -63,6 +63,15 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
   if (const size_t plus = name.find('+'); plus != std::string::npos)
     return flip_knob(flip_knob(config, name.substr(0, plus)), name.substr(plus + 1));
   mok::MoeConfig flipped = config;
+  // A variant of the 128 x 256 row-tile GEMMs: flipped; turned on, it leaves out the CTA pairs
+  // and the 256 x 192 tiles, which exclude it.
+  auto flip_row_tile_variant = [&](bool mok::MoeConfig::*knob) {
+    flipped.*knob = !(config.*knob);
+    if (flipped.*knob) {
+      flipped.gemm_cta_pairs = false;
+      flipped.gemm_wide_tiles = false;
+    }
+  };
   if (name == "cta-pairs") {
     flipped.gemm_cta_pairs = !config.gemm_cta_pairs;
     if (flipped.gemm_cta_pairs) {  // they exclude each other
@@ -93,11 +102,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_wide_tiles = false;
     }
   } else if (name == "four-stages") {
-    flipped.gemm_four_stages = !config.gemm_four_stages;
-    if (flipped.gemm_four_stages) {
-      flipped.gemm_cta_pairs = false;
-      flipped.gemm_wide_tiles = false;
-    }
+    flip_row_tile_variant(&mok::MoeConfig::gemm_four_stages);
   } else if (name == "tiles-by-ticket") {
     flipped.gemm_tiles_by_ticket = !config.gemm_tiles_by_ticket;
     if (flipped.gemm_tiles_by_ticket) {  // what it excludes
@@ -107,17 +112,9 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_wide_tiles = false;
     }
   } else if (name == "aligned-groups") {
-    flipped.gemm_expert_aligned_groups = !config.gemm_expert_aligned_groups;
-    if (flipped.gemm_expert_aligned_groups) {  // what it excludes
-      flipped.gemm_cta_pairs = false;
-      flipped.gemm_wide_tiles = false;
-    }
+    flip_row_tile_variant(&mok::MoeConfig::gemm_expert_aligned_groups);
   } else if (name == "dgrad-half-tiles") {
-    flipped.gemm_dgrad_half_row_tiles = !config.gemm_dgrad_half_row_tiles;
-    if (flipped.gemm_dgrad_half_row_tiles) {  // what it excludes
-      flipped.gemm_cta_pairs = false;
-      flipped.gemm_wide_tiles = false;
-    }
+    flip_row_tile_variant(&mok::MoeConfig::gemm_dgrad_half_row_tiles);
   } else if (name == "auto-lockstep") {
     // Where it engages (dsv3) the layer runs three stages free instead; elsewhere nothing changes.
     flipped.gemm_auto_lockstep = !config.gemm_auto_lockstep;
