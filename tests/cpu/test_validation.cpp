@@ -225,7 +225,8 @@ TEST(ConfigValidation, WideTilesNameWhatExcludesThem) {
 }
 
 // The variants of the bf16 128 x 256 GEMMs without CTA pairs (MoeConfig::gemm_l2_placement,
-// gemm_four_stages, gemm_expert_aligned_groups) with what they do not run, each named; the
+// gemm_four_stages, gemm_expert_aligned_groups, gemm_dgrad_half_row_tiles,
+// gemm_tiles_by_ticket) with what they do not run, each named; the
 // four-stage ring beside the persistent forward too (the kernel sequences' GEMMs take it, the
 // others keep three stages).
 TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
@@ -233,7 +234,8 @@ TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
        {std::pair{"gemm_l2_placement", &MoeConfig::gemm_l2_placement},
         std::pair{"gemm_four_stages", &MoeConfig::gemm_four_stages},
         std::pair{"gemm_expert_aligned_groups", &MoeConfig::gemm_expert_aligned_groups},
-        std::pair{"gemm_dgrad_half_row_tiles", &MoeConfig::gemm_dgrad_half_row_tiles}}) {
+        std::pair{"gemm_dgrad_half_row_tiles", &MoeConfig::gemm_dgrad_half_row_tiles},
+        std::pair{"gemm_tiles_by_ticket", &MoeConfig::gemm_tiles_by_ticket}}) {
     SCOPED_TRACE(name);
     MoeConfig variant;
     variant.*knob = true;
@@ -291,21 +293,17 @@ TEST(ConfigValidation, LockstepIsOffOrALeadOfK_blocks) {
   EXPECT_TRUE(can_implement_knobs(config, 1).ok());
 }
 
-// The tiles by ticket (MoeConfig::gemm_tiles_by_ticket): with the four-stage ring, not with CTA
-// pairs, the L2 placement, the lockstep, the 256 x 192 tiles or FP8, each named.
+// The tiles by ticket (MoeConfig::gemm_tiles_by_ticket), beyond what every GEMM variant
+// excludes (above): with the four-stage ring, not with the L2 placement or the lockstep, each
+// named.
 TEST(ConfigValidation, TilesByTicketNameWhatExcludesThem) {
   MoeConfig tickets;
   tickets.gemm_tiles_by_ticket = true;
-  EXPECT_TRUE(can_implement_knobs(tickets, 1).ok());
   MoeConfig deep = tickets;
   deep.gemm_four_stages = true;
   EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
   const std::string with = "gemm_tiles_by_ticket = true with ";
   MoeConfig config = tickets;
-  config.gemm_cta_pairs = true;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {with + "gemm_cta_pairs = true"});
-  config = tickets;
   config.gemm_l2_placement = true;
   expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
                {with + "gemm_l2_placement = true"});
@@ -313,14 +311,6 @@ TEST(ConfigValidation, TilesByTicketNameWhatExcludesThem) {
   config.gemm_lockstep_k_blocks = 16;
   expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
                {with + "gemm_lockstep_k_blocks = 16"});
-  config = tickets;
-  config.gemm_wide_tiles = true;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {with + "gemm_wide_tiles = true"});
-  config = tickets;
-  config.precision = Precision::kFP8Block;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {with + "precision = fp8_block"});
 }
 
 // The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.

@@ -86,5 +86,18 @@ inline void expect_same_bits_on_held_sms(GpuLayer& layer, DeviceProblem& device,
   cudaStreamDestroy(layer_stream);
 }
 
+// The same for a layer of `config` (built, and any probe it runs done, with every SM free) at a
+// shape of 1500 tokens over 16 experts, whose GEMM launches have many more CTAs than 8 SMs: the
+// bits are the default layer's.
+inline void expect_config_finishes_on_held_sms(const MoeConfig& config, uint64_t seed) {
+  const MoeShape shape = make_shape(1500, 1024, 512, 16, 4);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, seed);
+  DeviceProblem device(problem, 0);
+  GpuLayer reference(shape, MoeConfig{});
+  const HostRank want = gpu_step(reference, device, problem, true);
+  GpuLayer layer(shape, config);
+  expect_same_bits_on_held_sms(layer, device, problem, want);
+}
+
 }  // namespace
 }  // namespace mok::test
