@@ -293,16 +293,23 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
 }
 
 bool auto_lockstep_engages(const MoeConfig& config, const MoeShape& shape) {
+  // Measured slower (FP8) or not measured together (the L2 placement, the communication inside
+  // the GEMMs); a caller's own choice of either knob stands.
   if (!config.gemm_auto_lockstep || config.gemm_four_stages || config.gemm_lockstep_k_blocks != 0 ||
-      config.precision != Precision::kBF16 || config.gemm_cta_pairs || config.gemm_wide_tiles ||
-      config.gemm_l2_placement || config.gemm_tiles_by_ticket || config.ep_dispatch_in_gemm ||
-      shape.num_experts < 1)
+      config.precision != Precision::kBF16 || config.gemm_l2_placement ||
+      config.ep_dispatch_in_gemm || shape.num_experts < 1)
     return false;
   const int64_t routed_rows = shape.num_tokens * shape.top_k * shape.num_ranks;
   const int64_t weight_bytes =
       shape.num_local_experts() * 3 * shape.hidden * shape.intermediate * 2;
-  return routed_rows < kAutoLockstepMaxRowsPerExpert * shape.num_experts &&
-         weight_bytes > kAutoLockstepMinWeightBytes;
+  if (routed_rows >= kAutoLockstepMaxRowsPerExpert * shape.num_experts ||
+      weight_bytes <= kAutoLockstepMinWeightBytes)
+    return false;
+  // Whatever the knobs exclude (CTA pairs, the 256 x 192 tiles, the tiles by ticket) rules it out.
+  MoeConfig resolved = config;
+  resolved.gemm_four_stages = true;
+  resolved.gemm_lockstep_k_blocks = kAutoLockstepKBlocks;
+  return can_implement_knobs(resolved, shape.num_ranks).ok();
 }
 
 MoeConfig with_auto_lockstep(const MoeConfig& config, const MoeShape& shape) {
