@@ -14,7 +14,9 @@ router_weights) -> out`` over the same weights (one ``Problem``):
   several joined by ``+``: ``flipped_config``), on the same weight
   tensors (shared, not copied) and a workspace of its own: a config A/B in the same rounds.
 
-Peers hold routed experts only: with a shared expert only mok runs. A system that cannot be built
+Peers hold routed experts only: with a shared expert only mok runs. The peers share one pair of
+weight tensors in transformers' layouts (``peer_weights``): a peer adds its step's gradients and
+working memory, not a copy of the weights (22.5 GB at ``dsv3``). A system that cannot be built
 here is left out with the reason (``Problem.skipped``).
 """
 
@@ -59,6 +61,7 @@ class Problem:
     d_out: Tensor
     module: MoE
     skipped: dict[str, str] = field(default_factory=dict)
+    peer_weights_pair: tuple[Tensor, Tensor] | None = None  # made by peer_weights on first use
 
     @property
     def flop_forward(self) -> float:
@@ -243,7 +246,22 @@ def _mok_fp8_system(p: Problem) -> System:
     return System("mok fp8", module, list(module.parameters()))
 
 
+def peer_weights(p: Problem) -> tuple[Tensor, Tensor]:
+    """The peers' one pair of weights, made from the problem's on first use: gate_up [E, 2I, H]
+    (gate rows, then up rows) and down [E, H, I], transformers' layouts, which SonicMoE reads
+    through permuted views. Every peer steps on these same parameters; each system's gradients
+    are dropped before the next one runs, so they never accumulate across systems."""
+    if p.peer_weights_pair is None:
+        p.peer_weights_pair = (
+            torch.nn.Parameter(_fused_gate_up(p.module)),
+            torch.nn.Parameter(p.module.w_down.detach().clone()),
+        )
+    return p.peer_weights_pair
+
+
 def _hf_system(p: Problem, implementation: str) -> System:
+    """transformers' Qwen3-MoE experts module over `peer_weights` (built on the meta device, so
+    that its own parameters are never allocated)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -253,26 +271,15 @@ def _hf_system(p: Problem, implementation: str) -> System:
         hidden_size=p.H, moe_intermediate_size=p.I, num_experts=p.E, num_experts_per_tok=p.K
     )
     config._experts_implementation = implementation
-    experts = Qwen3MoeExperts(config).to(p.x.device, torch.bfloat16)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(_fused_gate_up(p.module))
-        experts.down_proj.copy_(p.module.w_down)
+    with torch.device("meta"):
+        experts = Qwen3MoeExperts(config)
+    experts.gate_up_proj, experts.down_proj = peer_weights(p)
     return System(f"hf {implementation}", experts, list(experts.parameters()))
 
 
-def _torch_weights(p: Problem, shared_with: System | None) -> tuple[Tensor, Tensor]:
-    """gate_up [E, 2I, H] and down [E, H, I] for a torch pipeline: those of `shared_with`
-    (transformers' experts: the same layouts) when given, else copies of the problem's."""
-    if shared_with is not None:
-        gate_up, down = shared_with.parameters
-        return gate_up, down
-    gate_up = _fused_gate_up(p.module).requires_grad_(True)
-    return gate_up, p.module.w_down.detach().clone().requires_grad_(True)
-
-
-def _torch_system(p: Problem, shared_with: System | None = None) -> System:
-    """The torch pipeline over `_torch_weights`."""
-    gate_up, down = _torch_weights(p, shared_with)
+def _torch_system(p: Problem) -> System:
+    """The torch pipeline over `peer_weights`."""
+    gate_up, down = peer_weights(p)
 
     def forward(x, top, weights):
         return torch_grouped_mm_moe(x, top, weights, gate_up, down)
@@ -280,13 +287,13 @@ def _torch_system(p: Problem, shared_with: System | None = None) -> System:
     return System("torch grouped_mm", forward, [gate_up, down])
 
 
-def _torch_fp8_system(p: Problem, shared_with: System | None = None) -> System:
-    """The torch FP8 pipeline (bench_torch_fp8), over transformers' expert weights when given."""
+def _torch_fp8_system(p: Problem) -> System:
+    """The torch FP8 pipeline (bench_torch_fp8) over `peer_weights`."""
     from .bench_torch_fp8 import torch_fp8_moe
 
     if not hasattr(torch, "_scaled_grouped_mm"):
         raise ImportError("this torch has no torch._scaled_grouped_mm")
-    gate_up, down = _torch_weights(p, shared_with)
+    gate_up, down = peer_weights(p)
 
     def forward(x, top, weights):
         return torch_fp8_moe(x, top, weights, gate_up, down)
@@ -298,9 +305,9 @@ def _sonic_system(p: Problem) -> System:
     from sonicmoe.enums import ActivationType
     from sonicmoe.functional import moe_general_routing_inputs
 
-    # SonicMoE's layouts: w1 (2I, H, E) over [gate; up] rows (concat layout), w2 (H, I, E).
-    w13 = _fused_gate_up(p.module).requires_grad_(True)
-    w2 = p.module.w_down.detach().clone().requires_grad_(True)
+    # SonicMoE's layouts: w1 (2I, H, E) over [gate; up] rows (concat layout), w2 (H, I, E): views
+    # of the peers' pair.
+    w13, w2 = peer_weights(p)
     token_of_pair = torch.arange(p.T, device=p.x.device, dtype=torch.int32).repeat_interleave(p.K)
     experts_of_pair = p.top_experts.reshape(-1).to(torch.int32)
 
@@ -374,33 +381,32 @@ def systems_of(
         if p.Is > 0:
             p.skipped["peers"] = "a shared expert: the peers hold routed experts only"
         return systems
-    # Each peer holds its own copy of the weights and, while it steps, their gradients: one
-    # whose copy would leave less than that much memory free again is left out (dsv3: 22.5 GB).
+    # A peer steps on the peers' one weight pair (made by the first peer built) and, while it
+    # steps, holds their gradients: one that would leave less than that much memory free is
+    # left out (dsv3: 22.5 GB of weights).
     weight_bytes = sum(t.numel() * t.element_size() for t in p.module.parameters())
-
-    def hf_grouped_mm() -> System | None:
-        return next((s for s in systems if s.name == "hf grouped_mm"), None)
 
     builders = [
         ("sonicmoe", lambda: _sonic_system(p)),
         ("hf grouped_mm", lambda: _hf_system(p, "grouped_mm")),
-        ("torch grouped_mm", lambda: _torch_system(p, hf_grouped_mm())),
+        ("torch grouped_mm", lambda: _torch_system(p)),
         ("hf mok", lambda: _hf_system(p, "mok")),
     ]
     if fp8 and p.x.device.type == "cuda":  # FP8 tensor cores only
-        builders.insert(3, ("torch fp8", lambda: _torch_fp8_system(p, hf_grouped_mm())))
+        builders.insert(3, ("torch fp8", lambda: _torch_fp8_system(p)))
     for name, build in builders:
         if not wanted(name):
             continue
-        shares = name.startswith("torch") and hf_grouped_mm() is not None
-        if p.x.device.type == "cuda" and not shares:
+        if p.x.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(p.x.device)
-            needed = 3 * weight_bytes + (4 << 30)
+            copies = 1 if p.peer_weights_pair is not None else 2
+            needed = copies * weight_bytes + (4 << 30)
             if free < needed:
+                what = "their gradients" if copies == 1 else "the peers' weights, their gradients"
                 p.skipped[name] = (
                     f"not enough GPU memory beside the others: {free / 2**30:.1f} GiB free, "
-                    f"{needed / 2**30:.1f} GiB needed (its weights, their gradients and the "
-                    f"step's working memory); run it with fewer --systems"
+                    f"{needed / 2**30:.1f} GiB needed ({what} and the step's working memory); "
+                    f"run it with fewer --systems"
                 )
                 continue
         try:

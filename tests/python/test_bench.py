@@ -68,17 +68,18 @@ def test_every_system_of_a_problem_computes_the_same_layer():
     pytest.importorskip("transformers")
     from mok.bench import _callables
     from mok.bench_peers import make_problem as bench_problem
-    from mok.bench_peers import systems_of
+    from mok.bench_peers import peer_weights, systems_of
 
     p = bench_problem("tiny", torch.device("cpu"), seed=1)
     systems = systems_of(p)
     names = [s.name for s in systems]
     assert set(names) >= {"mok", "hf mok", "hf grouped_mm", "torch grouped_mm"}, names
-    torch_system = next(s for s in systems if s.name == "torch grouped_mm")
-    hf_system = next(s for s in systems if s.name == "hf grouped_mm")
-    assert all(a is b for a, b in zip(torch_system.parameters, hf_system.parameters)), (
-        "the torch pipeline reads transformers' expert weights, not a copy"
-    )
+    shared = peer_weights(p)
+    for peer in (s for s in systems if not s.name.startswith("mok")):
+        assert len(peer.parameters) == 2, peer.name
+        assert all(a is b for a, b in zip(peer.parameters, shared)), (
+            f"{peer.name} steps on a copy of the weights, not the peers' one pair"
+        )
     results = []
     for system in systems:
         x = p.x.clone().requires_grad_(True)
