@@ -36,6 +36,9 @@ static_assert(sizeof(e4m3) == 1, "e4m3 must be 1 byte");
 inline constexpr float kE4m3Max = 448.0f;
 inline constexpr int64_t kFp8GroupSize = 128;  // values per scale along a row; block edge
 inline constexpr float kFp8MinAmax = 7.8886090522101181e-31f;  // 2^-100
+// The longest reduction of an FP8 row-tile GEMM (hidden, 2 * intermediate): a tile's weight-block
+// scales along K are held in shared memory, one per 128-long block.
+inline constexpr int64_t kFp8MaxReduction = 256 * kFp8GroupSize;
 
 MOK_HOST_DEVICE inline e4m3 float_to_e4m3(float value) {
   uint32_t word;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "mok/config.h"
+#include "mok/fp8.h"
 #include "mok/schedule.h"
 
 namespace mok {
@@ -140,6 +141,12 @@ Status can_implement(const MoeConfig& config, const MoeShape& shape) {
                                " a multiple of 128 (its groups "
                                "and blocks); got " +
                                std::to_string(value));
+    for (auto [field, value] :
+         {std::pair{"hidden", shape.hidden}, std::pair{"2 * intermediate", 2 * shape.intermediate},
+          std::pair{"2 * shared_intermediate", 2 * shape.shared_intermediate}})
+      if (value > kFp8MaxReduction)
+        return fp8_unsupported(std::string("needs ") + field + " (a GEMM's reduction) at most " +
+                               std::to_string(kFp8MaxReduction) + "; got " + std::to_string(value));
     if (config.persistent_forward || config.persistent_backward)
       return fp8_unsupported(
           "runs the kernel sequences; valid: persistent_forward and "

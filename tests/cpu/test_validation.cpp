@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mok/config.h"
+#include "mok/fp8.h"
 #include "mok/layer_args.h"
 #include "mok/reference.h"
 #include "mok/schedule.h"
@@ -424,7 +425,8 @@ TEST(ConfigValidation, AutoMinibatchGivesEachGemmTwoWaves) {
 }
 
 // What the GPU's FP8 path runs (one GPU or a group, the kernel sequences, one macrobatch,
-// extents and, with a shared expert, tokens in multiples of 128) and what it refuses, by name.
+// extents and, with a shared expert, tokens in multiples of 128; reductions up to
+// kFp8MaxReduction) and what it refuses, by name.
 TEST(ConfigValidation, Fp8RunsWhatItSupportsAndNamesTheRest) {
   MoeConfig fp8;
   fp8.precision = Precision::kFP8Block;
@@ -438,6 +440,15 @@ TEST(ConfigValidation, Fp8RunsWhatItSupportsAndNamesTheRest) {
   odd.hidden = 192;
   expect_error(can_implement(fp8, odd), ErrorCode::kUnsupported,
                {"precision = fp8_block", "hidden a multiple of 128", "192"});
+  MoeShape wide = shape;  // a row tile's B scales along K live in shared memory
+  wide.intermediate = kFp8MaxReduction / 2;
+  EXPECT_TRUE(can_implement(fp8, wide).ok()) << can_implement(fp8, wide).message;
+  wide.intermediate += 128;
+  expect_error(can_implement(fp8, wide), ErrorCode::kUnsupported,
+               {"precision = fp8_block", "2 * intermediate", "at most 32768", "33024"});
+  wide = shape;
+  wide.hidden = kFp8MaxReduction + 128;
+  expect_error(can_implement(fp8, wide), ErrorCode::kUnsupported, {"hidden", "32896"});
   MoeShape group = shape;  // expert parallelism: the exchange's bf16 rows, quantized per rank
   group.num_ranks = 2;
   group.num_experts = 16;

@@ -16,13 +16,18 @@
 //                 accumulation keeps too few bits for long sums, so no sum runs in the tensor
 //                 core longer than one 128-long block. (Issuing the next tile's first block
 //                 before the epilogue measured 3-6% slower; docs/perf.md.) kRowTiles: scale_a[row]
-//                 * scale_b (one per weight block, read from global memory before the stage is
-//                 waited for), the stage released before the promotion; kWeightGrad:
+//                 * scale_b (one per weight block, from the tile's B scales in shared memory),
+//                 the stage released before the promotion; kWeightGrad:
 //                 scale_a[m] * scale_b[n] per element (the B scales read from the stage, so
 //                 the stage is released after it).
 // Pipeline: kFp8Stages stages of 33 KB (the 128-byte swizzle TMA writes and wgmma reads); the
 // epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
 // overlapping the next tile's mainloop.
+// B's scales (kRowTiles): one per 128-long K-block of the tile's weight block row. The consumers
+// read the next tile's from global memory while this one runs (one per thread) and write them into
+// the other of two shared-memory rows before the epilogue's barrier, so no K-block waits on a
+// global load. (Read as each K-block issued, the load's latency sat in front of its wgmma:
+// ptxas moves the value into a uniform register at once.)
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -33,6 +38,7 @@
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/persistent/task_order.h"
+#include "mok/fp8.h"
 
 namespace mok::kernels {
 
@@ -43,6 +49,8 @@ constexpr int kFp8BlockK = 128;  // values (= bytes) per K-block: one swizzled 1
 constexpr int kFp8Stages = 5;
 constexpr int kFp8TileBytes = BLOCK_M * kFp8BlockK;  // A or B tile of one stage: 16 KB
 constexpr int kFp8ScaleBytes = BLOCK_M * 4;
+constexpr int kMaxTileKBlocks = static_cast<int>(kFp8MaxReduction / kFp8BlockK);
+static_assert(kMaxTileKBlocks <= kConsumerThreads, "one B scale per consumer thread");
 
 struct alignas(1024) Fp8SharedStorage {
   static constexpr int kNumStagesHere = kFp8Stages;
@@ -50,7 +58,8 @@ struct alignas(1024) Fp8SharedStorage {
   uint8_t b[kFp8Stages][kFp8TileBytes];
   __nv_bfloat16 store_tile[BLOCK_M * kFp8TileN];  // two [128 x 64] chunks (epilogue.cuh)
   float a_scales[kFp8Stages][BLOCK_M];
-  float b_scales[kFp8Stages][kFp8TileN];  // kWeightGrad
+  float b_scales[kFp8Stages][kFp8TileN];    // kWeightGrad
+  float tile_b_scales[2][kMaxTileKBlocks];  // kRowTiles: B's per K-block, by the CTA's tile parity
   uint64_t full[kFp8Stages];
   uint64_t empty[kFp8Stages];
 };
@@ -205,13 +214,27 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     PipelineState<kFp8Stages> load_state, release_state;
     float block0[64], block1[64];  // two K-blocks' products in flight (wgmma accumulators)
     float sum[64];                 // the promoted fp32 sum
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    // kRowTiles: this thread's B scale (K-block consumer_thread) of the CTA's tile `tile`.
+    const int consumer_thread = threadIdx.x - BLOCK_M;
+    auto load_tile_b_scale = [&](int tile) {
+      if (kWeightGrad || tile >= num_tiles) return 0.0f;
       const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-      // B's scale of each K-block in flight (kRowTiles; read from global memory as it issues).
+      return consumer_thread < t.num_k_blocks ? row_tile_b_scale(params, t, consumer_thread) : 0.0f;
+    };
+    if constexpr (!kWeightGrad) {
+      smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(blockIdx.x);
+      ptx::named_barrier_sync(1, kConsumerThreads);
+    }
+    int local_tile = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
+      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+      const float next_tile_b_scale = load_tile_b_scale(tile + gridDim.x);
+      const float* tile_b_scales = smem.tile_b_scales[local_tile & 1];
+      // B's scale of each K-block in flight (kRowTiles).
       float scale_b0 = 1.0f, scale_b1 = 1.0f;
       // Waits for K-block `k_block`'s stage and issues its four wgmma into `block`.
       auto issue = [&](int k_block, float(&block)[64], float& scale_b) {
-        if constexpr (!kWeightGrad) scale_b = row_tile_b_scale(params, t, k_block);
+        if constexpr (!kWeightGrad) scale_b = tile_b_scales[k_block];
         const int s = load_state.stage;
         mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], load_state.phase);
         const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
@@ -298,6 +321,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
       const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
+      // The next tile's B scales, published by the staging tile's barrier; the other row is no
+      // longer read (every consumer passed this tile's first barrier after the last tile's math).
+      if constexpr (!kWeightGrad)
+        smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
       acquire_staging_tile(issuer);
       char* staging = reinterpret_cast<char*>(smem.store_tile);
       stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx * 64, [&](int i, int j) {
@@ -347,10 +374,10 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
       return cudaErrorInvalidValue;
     return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, stream);
   }
-  if (params.k_extent <= 0 || params.k_extent % kFp8BlockK != 0 || params.n_split < 0 ||
-      params.n_split % kFp8TileN != 0 || params.n_split >= params.n_extent || params.k_split < 0 ||
-      params.k_split % kFp8BlockK != 0 || params.k_split >= params.k_extent ||
-      (params.n_split > 0 && params.k_split > 0))
+  if (params.k_extent <= 0 || params.k_extent % kFp8BlockK != 0 ||
+      params.k_extent > kFp8MaxReduction || params.n_split < 0 || params.n_split % kFp8TileN != 0 ||
+      params.n_split >= params.n_extent || params.k_split < 0 || params.k_split % kFp8BlockK != 0 ||
+      params.k_split >= params.k_extent || (params.n_split > 0 && params.k_split > 0))
     return cudaErrorInvalidValue;
   return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, stream);
 }

@@ -66,7 +66,7 @@ struct Fp8GemmParams {
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
-// that are not multiples of 128.
+// that are not multiples of 128, and for kRowTiles' K over kFp8MaxReduction (mok/fp8.h).
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, cudaStream_t stream);
 
