@@ -14,12 +14,8 @@
 //                 m64n128k32 e4m3 into a fresh tile (scale-d 0 first); while the next block's
 //                 run, the finished tile is added into the sum times its scales: Hopper's FP8
 //                 accumulation keeps too few bits for long sums, so no sum runs in the tensor
-//                 core longer than one 128-long block. kWeightGrad issues the next tile's
-//                 K-block 0 before the epilogue, so the tensor cores work under it: its tiles
-//                 reduce one expert's rows, 2-8 K-blocks at the named shapes, and the epilogue
-//                 is a large share of each. (kRowTiles, with 16-56 K-blocks, measured 3-6%
-//                 slower that way in session 11; docs/perf.md.) Experts without rows get zero
-//                 tiles as the walk passes them. kRowTiles: scale_a[row]
+//                 core longer than one 128-long block. (Issuing the next tile's first block
+//                 before the epilogue measured 3-6% slower; docs/perf.md.) kRowTiles: scale_a[row]
 //                 * scale_b (one per weight block, from the tile's B scales in shared memory),
 //                 the stage released before the promotion; kWeightGrad:
 //                 scale_a[m] * scale_b[n] per element (the B scales read from the stage, so
@@ -229,94 +225,110 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(blockIdx.x);
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
-    const float* tile_b_scales = smem.tile_b_scales[0];
-    // B's scale of each K-block in flight (kRowTiles).
-    float scale_b0 = 1.0f, scale_b1 = 1.0f;
-    // Waits for K-block `k_block`'s stage and issues its four wgmma into `block`.
-    auto issue = [&](int k_block, float(&block)[64], float& scale_b) {
-      if constexpr (!kWeightGrad) scale_b = tile_b_scales[k_block];
-      const int s = load_state.stage;
-      mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], load_state.phase);
-      const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
-      const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
-      ptx::fence_registers(block);
-      ptx::wgmma_fence();
+    int local_tile = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
+      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+      const float next_tile_b_scale = load_tile_b_scale(tile + gridDim.x);
+      const float* tile_b_scales = smem.tile_b_scales[local_tile & 1];
+      // B's scale of each K-block in flight (kRowTiles).
+      float scale_b0 = 1.0f, scale_b1 = 1.0f;
+      // Waits for K-block `k_block`'s stage and issues its four wgmma into `block`.
+      auto issue = [&](int k_block, float(&block)[64], float& scale_b) {
+        if constexpr (!kWeightGrad) scale_b = tile_b_scales[k_block];
+        const int s = load_state.stage;
+        mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], load_state.phase);
+        const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
+        const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
+        ptx::fence_registers(block);
+        ptx::wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kFp8BlockK / 32; ++k)  // 32 bytes = 2 descriptor units per step
-        ptx::wgmma_m64n128k32_e4m3(block, desc_a + 2 * k, desc_b + 2 * k, k > 0);
-      ptx::wgmma_commit();
-      load_state.advance();
-    };
-    // Adds the oldest K-block's finished products into the sum times their scales and hands
-    // its stage back.
-    auto promote = [&](float(&block)[64], float scale_b) {
-      ptx::fence_registers(block);
-      const int s = release_state.stage;
-      const float factor0 = smem.a_scales[s][row0] * scale_b;
-      const float factor1 = smem.a_scales[s][row1] * scale_b;
-      if constexpr (!kWeightGrad) {
-        __syncwarp();  // every lane has read its scales before the stage is handed back
-        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
-      }
-      // Fragment register j * 4 + i * 2 + c: row row0 + 8 i, column column0 + 8 j + c.
+        for (int k = 0; k < kFp8BlockK / 32; ++k)  // 32 bytes = 2 descriptor units per step
+          ptx::wgmma_m64n128k32_e4m3(block, desc_a + 2 * k, desc_b + 2 * k, k > 0);
+        ptx::wgmma_commit();
+        load_state.advance();
+      };
+      // Adds the oldest K-block's finished products into the sum times their scales and hands
+      // its stage back.
+      auto promote = [&](float(&block)[64], float scale_b) {
+        ptx::fence_registers(block);
+        const int s = release_state.stage;
+        const float factor0 = smem.a_scales[s][row0] * scale_b;
+        const float factor1 = smem.a_scales[s][row1] * scale_b;
+        if constexpr (!kWeightGrad) {
+          __syncwarp();  // every lane has read its scales before the stage is handed back
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
+        }
+        // Fragment register j * 4 + i * 2 + c: row row0 + 8 i, column column0 + 8 j + c.
 #pragma unroll
-      for (int j = 0; j < kFp8TileN / 8; ++j) {
-        float2 column_scale = make_float2(1.0f, 1.0f);
-        if constexpr (kWeightGrad)
-          column_scale = *reinterpret_cast<const float2*>(&smem.b_scales[s][column0 + 8 * j]);
+        for (int j = 0; j < kFp8TileN / 8; ++j) {
+          float2 column_scale = make_float2(1.0f, 1.0f);
+          if constexpr (kWeightGrad)
+            column_scale = *reinterpret_cast<const float2*>(&smem.b_scales[s][column0 + 8 * j]);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float row_factor = i == 0 ? factor0 : factor1;
+          for (int i = 0; i < 2; ++i) {
+            const float row_factor = i == 0 ? factor0 : factor1;
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int r = j * 4 + i * 2 + c;
-            const float factor = row_factor * (c == 0 ? column_scale.x : column_scale.y);
-            sum[r] = fmaf(block[r], factor, sum[r]);
+            for (int c = 0; c < 2; ++c) {
+              const int r = j * 4 + i * 2 + c;
+              const float factor = row_factor * (c == 0 ? column_scale.x : column_scale.y);
+              sum[r] = fmaf(block[r], factor, sum[r]);
+            }
           }
         }
-      }
-      if constexpr (kWeightGrad) {
-        __syncwarp();  // the B scales were read from the stage too
-        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
-      }
-      release_state.advance();
-    };
-    // The tile's K-blocks from K-block 0, which is in flight in block0 on entry: K-block k + 1
-    // runs on the tensor cores while K-block k is promoted (the two buffers alternate, even
-    // blocks in block0), so the promotion's FMAs hide under the wgmma. Returns with every
-    // wgmma waited for. At the loop's head K-block k is in flight in block0, always (so that
-    // ptxas sees one state there and keeps the wgmma asynchronous). The two halves stay
-    // written out: folded into one lambda over (block0, block1) and (block1, block0), ptxas
-    // serialized the wgmma again (C7514).
-    auto mainloop = [&](int num_k_blocks) {
-    // -0 + x is x for every x, -0 included: the first block's sum is its bare product.
+        if constexpr (kWeightGrad) {
+          __syncwarp();  // the B scales were read from the stage too
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
+        }
+        release_state.advance();
+      };
+      // K-block k + 1 runs on the tensor cores while K-block k is promoted: the two buffers
+      // alternate (even blocks in block0), so the promotion's FMAs hide under the wgmma.
+      // -0 + x is x for every x, -0 included: the first block's sum is its bare product.
 #pragma unroll
       for (int r = 0; r < 64; ++r) sum[r] = -0.0f;
-      for (int k_block = 0;; k_block += 2) {
-        if (k_block + 1 == num_k_blocks) {
-          ptx::wgmma_wait<0>();
+      // At the loop's head K-block k is in flight in block0, always (so that ptxas sees one
+      // state there and keeps the wgmma asynchronous); every exit waits for everything. The two
+      // halves stay written out: folded into one lambda over (block0, block1) and (block1,
+      // block0), ptxas serialized the wgmma again (C7514).
+      if (params.ablation == GemmAblation::kNoMath) {
+        // The stages waited for and handed back, nothing computed (the sum stays -0).
+        for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
+          mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[load_state.stage],
+                        load_state.phase);
+          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[load_state.stage]);
+          load_state.advance();
+          release_state.advance();
+        }
+      } else if (t.num_k_blocks > 0) {
+        issue(0, block0, scale_b0);
+        for (int k_block = 0;; k_block += 2) {
+          if (k_block + 1 == t.num_k_blocks) {
+            ptx::wgmma_wait<0>();
+            promote(block0, scale_b0);
+            break;
+          }
+          issue(k_block + 1, block1, scale_b1);
+          ptx::wgmma_wait<1>();
           promote(block0, scale_b0);
-          break;
-        }
-        issue(k_block + 1, block1, scale_b1);
-        ptx::wgmma_wait<1>();
-        promote(block0, scale_b0);
-        if (k_block + 2 == num_k_blocks) {
-          ptx::wgmma_wait<0>();
+          if (k_block + 2 == t.num_k_blocks) {
+            ptx::wgmma_wait<0>();
+            promote(block1, scale_b1);
+            break;
+          }
+          issue(k_block + 2, block0, scale_b0);
+          ptx::wgmma_wait<1>();
           promote(block1, scale_b1);
-          break;
         }
-        issue(k_block + 2, block0, scale_b0);
-        ptx::wgmma_wait<1>();
-        promote(block1, scale_b1);
       }
-    };
-    // Stores the sum (or zeros: kWeightGrad's expert without rows) as tile t's output.
-    auto epilogue = [&](const Fp8Tile& t, bool zeros) {
+      const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
+      // The next tile's B scales, published by the staging tile's barrier; the other row is no
+      // longer read (every consumer passed this tile's first barrier after the last tile's math).
+      if constexpr (!kWeightGrad)
+        smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
       acquire_staging_tile(issuer);
       char* staging = reinterpret_cast<char*>(smem.store_tile);
       stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx * 64, [&](int i, int j) {
-        return zeros ? make_float2(0.0f, 0.0f)
+        return empty ? make_float2(0.0f, 0.0f)
                      : make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
       });
       publish_staging_tile();
@@ -334,63 +346,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                        t.m_tile * BLOCK_M, 0);
         }
         ptx::bulk_commit_group();
-      }
-    };
-    if (params.ablation == GemmAblation::kNoMath) {
-      // The stages waited for and handed back, nothing computed: zeros stored.
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-        for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
-          mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[load_state.stage],
-                        load_state.phase);
-          if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[load_state.stage]);
-          load_state.advance();
-          release_state.advance();
-        }
-        epilogue(t, true);
-      }
-    } else {
-      // kWeightGrad's experts without rows have no K-blocks: their tiles are zeros, stored as
-      // the walk passes them. Every other tile has at least one.
-      auto next_with_rows = [&](int tile) {
-        for (; tile < num_tiles; tile += gridDim.x) {
-          const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-          if (t.num_k_blocks > 0) break;
-          epilogue(t, true);
-        }
-        return tile;
-      };
-      int tile = next_with_rows(blockIdx.x);
-      int local_tile = 0;  // kRowTiles: which row of tile_b_scales is this tile's
-      if (tile < num_tiles) {
-        issue(0, block0, scale_b0);
-        for (;; ++local_tile) {
-          const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-          const float next_tile_b_scale = load_tile_b_scale(tile + gridDim.x);
-          mainloop(t.num_k_blocks);
-          if constexpr (kWeightGrad) {
-            // An expert's rows are its tiles' K (2-8 K-blocks at the named shapes), so the
-            // epilogue is a large share of each tile: the next tile's K-block 0 runs under it.
-            const int next = next_with_rows(tile + gridDim.x);
-            if (next >= num_tiles) {
-              epilogue(t, false);
-              break;
-            }
-            issue(0, block0, scale_b0);
-            epilogue(t, false);
-            tile = next;
-          } else {
-            // The next tile's B scales, published by the staging tile's barrier; the other row
-            // is no longer read (every consumer passed this tile's first barrier after the last
-            // tile's math).
-            smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
-            epilogue(t, false);
-            tile += gridDim.x;
-            if (tile >= num_tiles) break;
-            tile_b_scales = smem.tile_b_scales[(local_tile + 1) & 1];
-            issue(0, block0, scale_b0);
-          }
-        }
       }
     }
     if (issuer) ptx::bulk_wait_group<0>();  // the last store reads the staging tile
