@@ -15,7 +15,8 @@
 //                 run, the finished tile is added into the sum times its scales: Hopper's FP8
 //                 accumulation keeps too few bits for long sums, so no sum runs in the tensor
 //                 core longer than one 128-long block. (Issuing the next tile's first block
-//                 before the epilogue measured 3-6% slower; docs/perf.md.) kRowTiles: scale_a[row]
+//                 before the epilogue measured 3-6% slower here, and 4-9% slower in the weight
+//                 gradients; docs/perf.md sessions 11 and 25.) kRowTiles: scale_a[row]
 //                 * scale_b (one per weight block, from the tile's B scales in shared memory),
 //                 the stage released before the promotion; kWeightGrad:
 //                 scale_a[m] * scale_b[n] per element (the B scales read from the stage, so
