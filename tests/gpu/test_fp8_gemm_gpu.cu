@@ -131,6 +131,16 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
   ASSERT_EQ(cudaMemcpy(again.data(), problem.out, again.size() * 2, cudaMemcpyDeviceToHost),
             cudaSuccess);
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0) << "not bitwise repeatable";
+  // On a few CTAs each walks many tiles of different experts and column tiles: each tile's B
+  // scales, read while the previous tile runs, must be its own (the same bits).
+  for (const int ctas : {1, 2, 5}) {
+    ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
+    ASSERT_EQ(kernels::launch_fp8_grouped_gemm(problem.maps, problem.params, ctas, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(again.data(), problem.out, again.size() * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0) << ctas << " CTAs";
+  }
 
   double error_sq = 0, want_sq = 0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -377,6 +387,15 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   std::printf("  fp8 weight gradients vs the block-scaled product: relative error %.2e\n",
               relative);
   EXPECT_LT(relative, 4e-3);
+  // On a few CTAs each walks the experts' tiles in turn, the one without rows among them.
+  for (const int ctas : {1, 3}) {
+    std::vector<bf16> walked(got.size());
+    ASSERT_EQ(cudaMemset(out, 0xff, experts * m * n * 2), cudaSuccess);
+    ASSERT_EQ(kernels::launch_fp8_grouped_gemm(maps, params, ctas, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(walked.data(), out, walked.size() * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(std::memcmp(got.data(), walked.data(), got.size() * 2), 0) << ctas << " CTAs";
+  }
 
   // The column-group quantizer's operands: the same bits.
   void *a_bf16 = nullptr, *b_bf16 = nullptr;
