@@ -307,6 +307,57 @@ void quantize_columns(const std::vector<bf16>& values, int64_t rows, int64_t col
 // The weight-gradient form: per expert over its rows (one expert without rows: zeros), both
 // operands with per-line scales; against the product in double, and the GPU quantizer's operands
 // give the same bits.
+// Device buffers, maps and parameters of one weight-gradient problem: per expert e,
+// out[e] [m, n] over the expert's rows [offsets[e], offsets[e + 1]) of A [m, rows] and B
+// [n, rows] (both column-group codes, scales [rows / 128, m or n]).
+struct Fp8WeightGradProblem {
+  int64_t rows = 0, m = 0, n = 0, experts = 0;
+  void *a_codes = nullptr, *b_codes = nullptr, *out = nullptr;
+  float *a_scales = nullptr, *b_scales = nullptr;
+  int32_t* offsets = nullptr;
+  kernels::Fp8GemmMaps maps{};
+  kernels::Fp8GemmParams params{};
+
+  Fp8WeightGradProblem(int64_t rows_, int64_t m_, int64_t n_, int64_t experts_)
+      : rows(rows_), m(m_), n(n_), experts(experts_) {
+    EXPECT_EQ(cudaMalloc(&a_codes, m * rows), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&b_codes, n * rows), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&out, experts * m * n * 2), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&a_scales, m * (rows / 128) * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&b_scales, n * (rows / 128) * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&offsets, (experts + 1) * 4), cudaSuccess);
+    const int32_t tile_box[2] = {128, 128}, scale_box[2] = {128, 1};
+    const int64_t a_dims[2] = {rows, m}, b_dims[2] = {rows, n}, row_strides[1] = {rows};
+    maps.a =
+        make_tensor_map(a_codes, TmaElement::kE4M3, 2, a_dims, row_strides, tile_box, true, "A");
+    maps.b =
+        make_tensor_map(b_codes, TmaElement::kE4M3, 2, b_dims, row_strides, tile_box, true, "B");
+    const int64_t sa_dims[2] = {m, rows / 128}, sa_strides[1] = {m * 4};
+    const int64_t sb_dims[2] = {n, rows / 128}, sb_strides[1] = {n * 4};
+    maps.a_scales = make_tensor_map(a_scales, TmaElement::kF32, 2, sa_dims, sa_strides, scale_box,
+                                    false, "A scales");
+    maps.b_scales = make_tensor_map(b_scales, TmaElement::kF32, 2, sb_dims, sb_strides, scale_box,
+                                    false, "B scales");
+    maps.out = make_tensor_map_3d(out, n, m, experts, 64, 128, "weight gradients");
+    params.form = kernels::Fp8GemmForm::kWeightGrad;
+    params.expert_offsets = offsets;
+    params.num_experts = static_cast<int32_t>(experts);
+    params.m_extent = static_cast<int32_t>(m);
+    params.n_extent = static_cast<int32_t>(n);
+    params.wait = {10'000'000'000ull, 0, nullptr};
+  }
+  ~Fp8WeightGradProblem() {
+    for (void* p : {a_codes, b_codes, out, static_cast<void*>(a_scales),
+                    static_cast<void*>(b_scales), static_cast<void*>(offsets)})
+      cudaFree(p);
+  }
+  // On `ctas` CTAs, or one per SM (0).
+  cudaError_t run(int ctas = 0) {
+    if (ctas == 0) cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, 0);
+    return kernels::launch_fp8_grouped_gemm(maps, params, ctas, nullptr);
+  }
+};
+
 TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   const int64_t rows = 640, m = 256, n = 384, experts = 3;
   const std::vector<int32_t> offsets = {0, 256, 256, 640};
@@ -319,51 +370,24 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   quantize_columns(a, rows, m, a_q, a_scales);
   quantize_columns(b, rows, n, b_q, b_scales);
 
-  void *a_codes = nullptr, *b_codes = nullptr, *out = nullptr;
-  float *device_a_scales = nullptr, *device_b_scales = nullptr;
-  int32_t* device_offsets = nullptr;
-  ASSERT_EQ(cudaMalloc(&a_codes, a_q.size()), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&b_codes, b_q.size()), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&out, experts * m * n * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_a_scales, a_scales.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_b_scales, b_scales.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_offsets, offsets.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(a_codes, a_q.data(), a_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(b_codes, b_q.data(), b_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(
-      cudaMemcpy(device_a_scales, a_scales.data(), a_scales.size() * 4, cudaMemcpyHostToDevice),
-      cudaSuccess);
-  ASSERT_EQ(
-      cudaMemcpy(device_b_scales, b_scales.data(), b_scales.size() * 4, cudaMemcpyHostToDevice),
-      cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(device_offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
+  Fp8WeightGradProblem problem(rows, m, n, experts);
+  ASSERT_EQ(cudaMemcpy(problem.a_codes, a_q.data(), a_q.size(), cudaMemcpyHostToDevice),
             cudaSuccess);
-  kernels::Fp8GemmMaps maps{};
-  const int32_t tile_box[2] = {128, 128}, scale_box[2] = {128, 1};
-  const int64_t a_dims[2] = {rows, m}, a_strides[1] = {rows};
-  const int64_t b_dims[2] = {rows, n}, b_strides[1] = {rows};
-  maps.a = make_tensor_map(a_codes, TmaElement::kE4M3, 2, a_dims, a_strides, tile_box, true, "A");
-  maps.b = make_tensor_map(b_codes, TmaElement::kE4M3, 2, b_dims, b_strides, tile_box, true, "B");
-  const int64_t sa_dims[2] = {m, rows / 128}, sa_strides[1] = {m * 4};
-  const int64_t sb_dims[2] = {n, rows / 128}, sb_strides[1] = {n * 4};
-  maps.a_scales = make_tensor_map(device_a_scales, TmaElement::kF32, 2, sa_dims, sa_strides,
-                                  scale_box, false, "A scales");
-  maps.b_scales = make_tensor_map(device_b_scales, TmaElement::kF32, 2, sb_dims, sb_strides,
-                                  scale_box, false, "B scales");
-  maps.out = make_tensor_map_3d(out, n, m, experts, 64, 128, "weight gradients");
-  kernels::Fp8GemmParams params;
-  params.form = kernels::Fp8GemmForm::kWeightGrad;
-  params.expert_offsets = device_offsets;
-  params.num_experts = static_cast<int32_t>(experts);
-  params.m_extent = static_cast<int32_t>(m);
-  params.n_extent = static_cast<int32_t>(n);
-  params.wait = {10'000'000'000ull, 0, nullptr};
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  ASSERT_EQ(cudaMemset(out, 0xff, experts * m * n * 2), cudaSuccess);
-  ASSERT_EQ(kernels::launch_fp8_grouped_gemm(maps, params, sms, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(problem.b_codes, b_q.data(), b_q.size(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(problem.a_scales, a_scales.data(), a_scales.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(problem.b_scales, b_scales.data(), b_scales.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(problem.offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemset(problem.out, 0xff, experts * m * n * 2), cudaSuccess);
+  ASSERT_EQ(problem.run(), cudaSuccess);
   std::vector<bf16> got(experts * m * n);
-  ASSERT_EQ(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), problem.out, got.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
 
   double error_sq = 0, want_sq = 0;
   for (int64_t e = 0; e < experts; ++e)
@@ -390,9 +414,9 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   // On a few CTAs each walks the experts' tiles in turn, the one without rows among them.
   for (const int ctas : {1, 3}) {
     std::vector<bf16> walked(got.size());
-    ASSERT_EQ(cudaMemset(out, 0xff, experts * m * n * 2), cudaSuccess);
-    ASSERT_EQ(kernels::launch_fp8_grouped_gemm(maps, params, ctas, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(walked.data(), out, walked.size() * 2, cudaMemcpyDeviceToHost),
+    ASSERT_EQ(cudaMemset(problem.out, 0xff, experts * m * n * 2), cudaSuccess);
+    ASSERT_EQ(problem.run(ctas), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(walked.data(), problem.out, walked.size() * 2, cudaMemcpyDeviceToHost),
               cudaSuccess);
     EXPECT_EQ(std::memcmp(got.data(), walked.data(), got.size() * 2), 0) << ctas << " CTAs";
   }
@@ -404,19 +428,37 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   ASSERT_EQ(cudaMemcpy(a_bf16, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(b_bf16, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(kernels::launch_quantize_fp8(a_bf16, rows, m, kernels::Fp8QuantizeForm::kColumnGroups,
-                                         a_codes, device_a_scales, nullptr),
+                                         problem.a_codes, problem.a_scales, nullptr),
             cudaSuccess);
   ASSERT_EQ(kernels::launch_quantize_fp8(b_bf16, rows, n, kernels::Fp8QuantizeForm::kColumnGroups,
-                                         b_codes, device_b_scales, nullptr),
+                                         problem.b_codes, problem.b_scales, nullptr),
             cudaSuccess);
-  ASSERT_EQ(kernels::launch_fp8_grouped_gemm(maps, params, sms, nullptr), cudaSuccess);
+  ASSERT_EQ(problem.run(), cudaSuccess);
   std::vector<bf16> again(got.size());
-  ASSERT_EQ(cudaMemcpy(again.data(), out, again.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(again.data(), problem.out, again.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0);
-  for (void* p :
-       {a_codes, b_codes, out, static_cast<void*>(device_a_scales),
-        static_cast<void*>(device_b_scales), static_cast<void*>(device_offsets), a_bf16, b_bf16})
-    cudaFree(p);
+  for (void* p : {a_bf16, b_bf16}) cudaFree(p);
+}
+
+// The timing problems' operands: every A code 1.0, every B code 0.5, every scale 1, and
+// `tiles_per_expert` row tiles per expert, so every output is K / 2 exactly.
+void fill_constant_operands(Fp8GemmProblem& problem, int64_t tiles_per_expert) {
+  const int64_t rows = problem.rows, n = problem.n, k = problem.k, experts = problem.experts;
+  ASSERT_EQ(cudaMemset(problem.a, 0x38, rows * k), cudaSuccess);         // 1.0 in e4m3
+  ASSERT_EQ(cudaMemset(problem.b, 0x30, experts * n * k), cudaSuccess);  // 0.5
+  const std::vector<float> ones(std::max(rows * (k / 128), experts * (n / 128) * (k / 128)), 1.0f);
+  ASSERT_EQ(cudaMemcpy(problem.a_scales, ones.data(), rows * (k / 128) * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(problem.b_scales, ones.data(), experts * (n / 128) * (k / 128) * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  std::vector<int32_t> tile_expert(rows / 128);
+  for (size_t t = 0; t < tile_expert.size(); ++t)
+    tile_expert[t] = static_cast<int32_t>(t / tiles_per_expert);
+  ASSERT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
 }
 
 // The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,
@@ -426,19 +468,8 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
 TEST(Fp8GemmGpu, Throughput) {
   const int64_t experts = 32, rows = experts * 9 * 128, n = 4096, k = 7168;
   Fp8GemmProblem problem(rows, n, k, experts);
-  ASSERT_EQ(cudaMemset(problem.a, 0x38, rows * k), cudaSuccess);  // 1.0 in e4m3
-  ASSERT_EQ(cudaMemset(problem.b, 0x30, experts * n * k), cudaSuccess);
-  std::vector<float> ones(rows * (k / 128), 1.0f);
-  ASSERT_EQ(cudaMemcpy(problem.a_scales, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(problem.b_scales, ones.data(), experts * (n / 128) * (k / 128) * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  std::vector<int32_t> tile_expert(rows / 128);
-  for (size_t t = 0; t < tile_expert.size(); ++t) tile_expert[t] = static_cast<int32_t>(t / 9);
-  ASSERT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  fill_constant_operands(problem, 9);
+  ASSERT_FALSE(HasFatalFailure());
   // The lockstep's counters, zeroed once; the epoch advanced after each launch, as the layer does.
   unsigned long long* counters = nullptr;
   ASSERT_EQ(cudaMalloc(&counters, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
@@ -535,21 +566,8 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Local) {
        {RowTileGemm{"down", 7168, 2048}, RowTileGemm{"down dgrad", 2048, 7168},
         RowTileGemm{"gate/up dgrad", 7168, 4096}}) {
     Fp8GemmProblem problem(rows, gemm.n, gemm.k, experts);
-    ASSERT_EQ(cudaMemset(problem.a, 0x38, rows * gemm.k), cudaSuccess);              // 1.0 in e4m3
-    ASSERT_EQ(cudaMemset(problem.b, 0x30, experts * gemm.n * gemm.k), cudaSuccess);  // 0.5
-    const std::vector<float> ones(
-        std::max(rows * (gemm.k / 128), experts * (gemm.n / 128) * (gemm.k / 128)), 1.0f);
-    ASSERT_EQ(cudaMemcpy(problem.a_scales, ones.data(), rows * (gemm.k / 128) * 4,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(problem.b_scales, ones.data(),
-                         experts * (gemm.n / 128) * (gemm.k / 128) * 4, cudaMemcpyHostToDevice),
-              cudaSuccess);
-    std::vector<int32_t> tile_expert(rows / 128);
-    for (size_t t = 0; t < tile_expert.size(); ++t) tile_expert[t] = static_cast<int32_t>(t / 9);
-    ASSERT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    fill_constant_operands(problem, 9);
+    ASSERT_FALSE(HasFatalFailure());
     ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * gemm.n * 2), cudaSuccess);
     const double ms = median_ms([&] { return problem.run(); });
     std::printf("  fp8 grouped GEMM, dsv3_local %s (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s\n",
@@ -560,61 +578,29 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Local) {
 
   // The weight gradients: out[e] = A_e^T-rows x B_e, K = the expert's 1,024 rows.
   const int64_t expert_rows = 1024, total_rows = experts * expert_rows, m = 2048, n = 7168;
-  void *a_codes = nullptr, *b_codes = nullptr, *out = nullptr;
-  float *a_scales = nullptr, *b_scales = nullptr;
-  int32_t* offsets = nullptr;
-  ASSERT_EQ(cudaMalloc(&a_codes, m * total_rows), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&b_codes, n * total_rows), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&out, experts * m * n * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&a_scales, m * (total_rows / 128) * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&b_scales, n * (total_rows / 128) * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&offsets, (experts + 1) * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemset(a_codes, 0x38, m * total_rows), cudaSuccess);
-  ASSERT_EQ(cudaMemset(b_codes, 0x30, n * total_rows), cudaSuccess);
+  Fp8WeightGradProblem wgrad(total_rows, m, n, experts);
+  ASSERT_EQ(cudaMemset(wgrad.a_codes, 0x38, m * total_rows), cudaSuccess);
+  ASSERT_EQ(cudaMemset(wgrad.b_codes, 0x30, n * total_rows), cudaSuccess);
   const std::vector<float> ones(n * (total_rows / 128), 1.0f);
-  ASSERT_EQ(cudaMemcpy(a_scales, ones.data(), m * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(b_scales, ones.data(), n * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  std::vector<int32_t> host_offsets(experts + 1);
-  for (int64_t e = 0; e <= experts; ++e) host_offsets[e] = static_cast<int32_t>(e * expert_rows);
   ASSERT_EQ(
-      cudaMemcpy(offsets, host_offsets.data(), host_offsets.size() * 4, cudaMemcpyHostToDevice),
+      cudaMemcpy(wgrad.a_scales, ones.data(), m * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
       cudaSuccess);
-  kernels::Fp8GemmMaps maps{};
-  const int32_t tile_box[2] = {128, 128}, scale_box[2] = {128, 1};
-  const int64_t a_dims[2] = {total_rows, m}, b_dims[2] = {total_rows, n};
-  const int64_t row_strides[1] = {total_rows};
-  maps.a = make_tensor_map(a_codes, TmaElement::kE4M3, 2, a_dims, row_strides, tile_box, true, "A");
-  maps.b = make_tensor_map(b_codes, TmaElement::kE4M3, 2, b_dims, row_strides, tile_box, true, "B");
-  const int64_t sa_dims[2] = {m, total_rows / 128}, sa_strides[1] = {m * 4};
-  const int64_t sb_dims[2] = {n, total_rows / 128}, sb_strides[1] = {n * 4};
-  maps.a_scales = make_tensor_map(a_scales, TmaElement::kF32, 2, sa_dims, sa_strides, scale_box,
-                                  false, "A scales");
-  maps.b_scales = make_tensor_map(b_scales, TmaElement::kF32, 2, sb_dims, sb_strides, scale_box,
-                                  false, "B scales");
-  maps.out = make_tensor_map_3d(out, n, m, experts, 64, 128, "weight gradients");
-  kernels::Fp8GemmParams params;
-  params.form = kernels::Fp8GemmForm::kWeightGrad;
-  params.expert_offsets = offsets;
-  params.num_experts = static_cast<int32_t>(experts);
-  params.m_extent = static_cast<int32_t>(m);
-  params.n_extent = static_cast<int32_t>(n);
-  params.wait = {10'000'000'000ull, 0, nullptr};
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  ASSERT_EQ(cudaMemset(out, 0xff, experts * m * n * 2), cudaSuccess);
-  const double ms =
-      median_ms([&] { return kernels::launch_fp8_grouped_gemm(maps, params, sms, nullptr); });
+  ASSERT_EQ(
+      cudaMemcpy(wgrad.b_scales, ones.data(), n * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  std::vector<int32_t> offsets(experts + 1);
+  for (int64_t e = 0; e <= experts; ++e) offsets[e] = static_cast<int32_t>(e * expert_rows);
+  ASSERT_EQ(cudaMemcpy(wgrad.offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemset(wgrad.out, 0xff, experts * m * n * 2), cudaSuccess);
+  const double ms = median_ms([&] { return wgrad.run(); });
   std::printf(
       "  fp8 weight gradient, dsv3_local (%lld experts x [%lld x %lld], %lld rows each): %.3f ms, "
       "%.0f TFLOP/s\n",
       static_cast<long long>(experts), static_cast<long long>(m), static_cast<long long>(n),
       static_cast<long long>(expert_rows), ms, 2.0 * total_rows * m * n / ms / 1e9);
-  expect_all_equal(out, experts * m * n, 0.5f * static_cast<float>(expert_rows), "weight gradient");
-  for (void* p : {a_codes, b_codes, out, static_cast<void*>(a_scales), static_cast<void*>(b_scales),
-                  static_cast<void*>(offsets)})
-    cudaFree(p);
+  expect_all_equal(wgrad.out, experts * m * n, 0.5f * static_cast<float>(expert_rows),
+                   "weight gradient");
 }
 
 }  // namespace
