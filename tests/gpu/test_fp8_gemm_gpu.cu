@@ -60,7 +60,7 @@ struct Fp8GemmProblem {
     const int32_t s_box[2] = {128, 1};
     maps.a_scales =
         make_tensor_map(a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box, false, "A scales");
-    maps.out = make_tensor_map_3d(out, n, rows, 1, 64, 128, "out");
+    maps.out = make_tensor_map_3d(out, n, rows, 1, 64, kernels::kFp8StoreBoxRows, "out");
     maps.out2 = maps.out;
     params.header = header;
     params.tile_expert = tile_expert;
@@ -338,7 +338,8 @@ struct Fp8WeightGradProblem {
                                     false, "A scales");
     maps.b_scales = make_tensor_map(b_scales, TmaElement::kF32, 2, sb_dims, sb_strides, scale_box,
                                     false, "B scales");
-    maps.out = make_tensor_map_3d(out, n, m, experts, 64, 128, "weight gradients");
+    maps.out =
+        make_tensor_map_3d(out, n, m, experts, 64, kernels::kFp8StoreBoxRows, "weight gradients");
     params.form = kernels::Fp8GemmForm::kWeightGrad;
     params.expert_offsets = offsets;
     params.num_experts = static_cast<int32_t>(experts);
@@ -553,10 +554,10 @@ void expect_all_equal(const void* device_out, int64_t count, float want, const c
 
 // Issue 17's bar covers every FP8 GEMM of the layer at dsv3_local, not only the gate/up: the
 // other three row-tile GEMMs (down; the dgrads, with the weights transposed) and the weight
-// gradients (32 experts of 1,024 rows, [2048 x 7168] each), free-running, TFLOP/s printed. The
-// operands are constants (every A code 1.0, every B code 0.5, scales 1), so every output is
-// K / 2 exactly, checked in full.
-TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Local) {
+// gradients ([2048 x 7168] per expert: 32 experts of 1,024 rows, and dsv3_e128's 128 of 256),
+// free-running, TFLOP/s printed. The operands are constants (every A code 1.0, every B code 0.5,
+// scales 1), so every output is K / 2 exactly, checked in full.
+TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
   const int64_t experts = 32, rows = experts * 9 * 128;
   struct RowTileGemm {
     const char* name;
@@ -576,31 +577,43 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Local) {
     expect_all_equal(problem.out, rows * gemm.n, 0.5f * static_cast<float>(gemm.k), gemm.name);
   }
 
-  // The weight gradients: out[e] = A_e^T-rows x B_e, K = the expert's 1,024 rows.
-  const int64_t expert_rows = 1024, total_rows = experts * expert_rows, m = 2048, n = 7168;
-  Fp8WeightGradProblem wgrad(total_rows, m, n, experts);
-  ASSERT_EQ(cudaMemset(wgrad.a_codes, 0x38, m * total_rows), cudaSuccess);
-  ASSERT_EQ(cudaMemset(wgrad.b_codes, 0x30, n * total_rows), cudaSuccess);
-  const std::vector<float> ones(n * (total_rows / 128), 1.0f);
-  ASSERT_EQ(
-      cudaMemcpy(wgrad.a_scales, ones.data(), m * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
-      cudaSuccess);
-  ASSERT_EQ(
-      cudaMemcpy(wgrad.b_scales, ones.data(), n * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
-      cudaSuccess);
-  std::vector<int32_t> offsets(experts + 1);
-  for (int64_t e = 0; e <= experts; ++e) offsets[e] = static_cast<int32_t>(e * expert_rows);
-  ASSERT_EQ(cudaMemcpy(wgrad.offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemset(wgrad.out, 0xff, experts * m * n * 2), cudaSuccess);
-  const double ms = median_ms([&] { return wgrad.run(); });
-  std::printf(
-      "  fp8 weight gradient, dsv3_local (%lld experts x [%lld x %lld], %lld rows each): %.3f ms, "
-      "%.0f TFLOP/s\n",
-      static_cast<long long>(experts), static_cast<long long>(m), static_cast<long long>(n),
-      static_cast<long long>(expert_rows), ms, 2.0 * total_rows * m * n / ms / 1e9);
-  expect_all_equal(wgrad.out, experts * m * n, 0.5f * static_cast<float>(expert_rows),
-                   "weight gradient");
+  // The weight gradients: out[e] = A_e^T-rows x B_e over the expert's rows, at dsv3_local's
+  // 1,024 rows per expert (8 K-blocks a tile) and dsv3_e128's 256 (2 K-blocks: the epilogue and
+  // the 3.8 GB of bf16 written weigh most there).
+  struct WeightGrad {
+    const char* name;
+    int64_t experts, expert_rows;
+  };
+  const int64_t m = 2048, n = 7168;
+  for (const WeightGrad& shape :
+       {WeightGrad{"dsv3_local", 32, 1024}, WeightGrad{"dsv3_e128", 128, 256}}) {
+    const int64_t total_rows = shape.experts * shape.expert_rows;
+    Fp8WeightGradProblem wgrad(total_rows, m, n, shape.experts);
+    ASSERT_EQ(cudaMemset(wgrad.a_codes, 0x38, m * total_rows), cudaSuccess);
+    ASSERT_EQ(cudaMemset(wgrad.b_codes, 0x30, n * total_rows), cudaSuccess);
+    const std::vector<float> ones(n * (total_rows / 128), 1.0f);
+    ASSERT_EQ(
+        cudaMemcpy(wgrad.a_scales, ones.data(), m * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
+        cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpy(wgrad.b_scales, ones.data(), n * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
+        cudaSuccess);
+    std::vector<int32_t> offsets(shape.experts + 1);
+    for (int64_t e = 0; e <= shape.experts; ++e)
+      offsets[e] = static_cast<int32_t>(e * shape.expert_rows);
+    ASSERT_EQ(cudaMemcpy(wgrad.offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemset(wgrad.out, 0xff, shape.experts * m * n * 2), cudaSuccess);
+    const double ms = median_ms([&] { return wgrad.run(); });
+    std::printf(
+        "  fp8 weight gradient, %s (%lld experts x [%lld x %lld], %lld rows each): %.3f ms, "
+        "%.0f TFLOP/s, %.2f TB/s of bf16 written\n",
+        shape.name, static_cast<long long>(shape.experts), static_cast<long long>(m),
+        static_cast<long long>(n), static_cast<long long>(shape.expert_rows), ms,
+        2.0 * total_rows * m * n / ms / 1e9, 2.0 * shape.experts * m * n / ms / 1e9);
+    expect_all_equal(wgrad.out, shape.experts * m * n, 0.5f * static_cast<float>(shape.expert_rows),
+                     "weight gradient");
+  }
 }
 
 }  // namespace
