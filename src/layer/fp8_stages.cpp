@@ -147,7 +147,7 @@ CUtensorMap scales_2d(const Fp8View& op, int64_t lines, int64_t groups, const ch
 }
 // The staging-tile epilogue's bf16 output [rows, width] (one batch entry).
 CUtensorMap output_map(void* base, int64_t width, int64_t rows, const char* what) {
-  return make_tensor_map_3d(base, width, rows, 1, 64, kernels::kFp8StoreBoxRows, what);
+  return make_tensor_map_3d(base, width, rows, 1, 64, 128, what);
 }
 
 kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet& set) {
@@ -374,8 +374,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     wgrad_maps.b = codes_2d(b_op.view(), n, rows, what);
     wgrad_maps.a_scales = scales_2d(a.view(), m, rows / 128, what);
     wgrad_maps.b_scales = scales_2d(b_op.view(), n, rows / 128, what);
-    wgrad_maps.out =
-        make_tensor_map_3d(out, n, m, E, 64, kernels::kFp8StoreBoxRows, what, out_stride);
+    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what, out_stride);
     kernels::Fp8GemmParams wgrad;
     wgrad.form = kernels::Fp8GemmForm::kWeightGrad;
     wgrad.expert_offsets = view.expert_offsets;

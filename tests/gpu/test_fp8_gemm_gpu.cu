@@ -60,7 +60,7 @@ struct Fp8GemmProblem {
     const int32_t s_box[2] = {128, 1};
     maps.a_scales =
         make_tensor_map(a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box, false, "A scales");
-    maps.out = make_tensor_map_3d(out, n, rows, 1, 64, kernels::kFp8StoreBoxRows, "out");
+    maps.out = make_tensor_map_3d(out, n, rows, 1, 64, 128, "out");
     maps.out2 = maps.out;
     params.header = header;
     params.tile_expert = tile_expert;
@@ -338,8 +338,7 @@ struct Fp8WeightGradProblem {
                                     false, "A scales");
     maps.b_scales = make_tensor_map(b_scales, TmaElement::kF32, 2, sb_dims, sb_strides, scale_box,
                                     false, "B scales");
-    maps.out =
-        make_tensor_map_3d(out, n, m, experts, 64, kernels::kFp8StoreBoxRows, "weight gradients");
+    maps.out = make_tensor_map_3d(out, n, m, experts, 64, 128, "weight gradients");
     params.form = kernels::Fp8GemmForm::kWeightGrad;
     params.expert_offsets = offsets;
     params.num_experts = static_cast<int32_t>(experts);

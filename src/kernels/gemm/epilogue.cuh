@@ -117,19 +117,16 @@ __device__ __forceinline__ void stage_accumulators(char* tile, int consumer_idx,
 }
 
 // The issuing thread (the first consumer thread) waits until the previous store has read the
-// staging tile; then every consumer thread may write it. A form whose consumer warpgroups store
-// their own rows (fp8_gemm.cu) passes its warpgroup's barrier and 128 threads instead.
-__device__ __forceinline__ void acquire_staging_tile(bool issuer, int barrier_id = 1,
-                                                     int thread_count = kConsumerThreads) {
+// staging tile; then every consumer thread may write it.
+__device__ __forceinline__ void acquire_staging_tile(bool issuer) {
   if (issuer) ptx::bulk_wait_group_read<0>();
-  ptx::named_barrier_sync(barrier_id, thread_count);
+  ptx::named_barrier_sync(1, kConsumerThreads);
 }
 
 // Makes the consumers' writes visible to TMA and lets the issuer go on.
-__device__ __forceinline__ void publish_staging_tile(int barrier_id = 1,
-                                                     int thread_count = kConsumerThreads) {
+__device__ __forceinline__ void publish_staging_tile() {
   ptx::fence_proxy_async_shared();
-  ptx::named_barrier_sync(barrier_id, thread_count);
+  ptx::named_barrier_sync(1, kConsumerThreads);
 }
 
 // Issuer: stores chunks [first_chunk, first_chunk + num_chunks) to `map` at columns

@@ -23,18 +23,15 @@
 //                 the stage is released after it).
 // Pipeline: kFp8Stages stages of 33 KB (the 128-byte swizzle TMA writes and wgmma reads); the
 // epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
-// overlapping the next tile's mainloop. Each consumer warpgroup stages and stores its own 64
-// rows (boxes of kFp8StoreBoxRows rows) behind its own named barrier, with its first thread as
-// the issuer: the consumers meet only at the stages they share, so one's epilogue can run under
-// the other's wgmma. (With one barrier for both, the tensor cores idled through every epilogue:
-// 28% of the weight gradients' warp samples at dsv3_e128, docs/perf.md session 26.) The next
-// tile's coordinates are read at the start of each tile, so their global loads (the expert
-// offsets, the tile's expert) do not sit in front of its first wgmma.
-// B's scales (kRowTiles): one per 128-long K-block of the tile's weight block row. Each consumer
-// warpgroup reads the next tile's from global memory while this one runs (two per thread) and
-// writes them into the other of its two shared-memory rows before its epilogue's barrier, so no
-// K-block waits on a global load. (Read as each K-block issued, the load's latency sat in front
-// of its wgmma: ptxas moves the value into a uniform register at once.)
+// overlapping the next tile's mainloop. (Each consumer warpgroup storing its own 64 rows behind
+// its own barrier, so that one's epilogue could run under the other's wgmma, with the next
+// tile's coordinates read a tile ahead: 7% slower in the weight gradients at dsv3_e128's 256
+// rows per expert, level elsewhere; docs/perf.md session 26.)
+// B's scales (kRowTiles): one per 128-long K-block of the tile's weight block row. The consumers
+// read the next tile's from global memory while this one runs (one per thread) and write them into
+// the other of two shared-memory rows before the epilogue's barrier, so no K-block waits on a
+// global load. (Read as each K-block issued, the load's latency sat in front of its wgmma:
+// ptxas moves the value into a uniform register at once.)
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -57,9 +54,7 @@ constexpr int kFp8Stages = 5;
 constexpr int kFp8TileBytes = BLOCK_M * kFp8BlockK;  // A or B tile of one stage: 16 KB
 constexpr int kFp8ScaleBytes = BLOCK_M * 4;
 constexpr int kMaxTileKBlocks = static_cast<int>(kFp8MaxReduction / kFp8BlockK);
-constexpr int kWarpgroupThreads = 128;
-static_assert(kMaxTileKBlocks <= 2 * kWarpgroupThreads, "two B scales per consumer thread");
-static_assert(BLOCK_M == 2 * kFp8StoreBoxRows, "each consumer warpgroup stores its 64 rows");
+static_assert(kMaxTileKBlocks <= kConsumerThreads, "one B scale per consumer thread");
 
 struct alignas(1024) Fp8SharedStorage {
   static constexpr int kNumStagesHere = kFp8Stages;
@@ -67,9 +62,8 @@ struct alignas(1024) Fp8SharedStorage {
   uint8_t b[kFp8Stages][kFp8TileBytes];
   __nv_bfloat16 store_tile[BLOCK_M * kFp8TileN];  // two [128 x 64] chunks (epilogue.cuh)
   float a_scales[kFp8Stages][BLOCK_M];
-  float b_scales[kFp8Stages][kFp8TileN];  // kWeightGrad
-  // kRowTiles: B's per K-block, a copy per consumer warpgroup, by the CTA's tile parity.
-  float tile_b_scales[2][2][kMaxTileKBlocks];
+  float b_scales[kFp8Stages][kFp8TileN];    // kWeightGrad
+  float tile_b_scales[2][kMaxTileKBlocks];  // kRowTiles: B's per K-block, by the CTA's tile parity
   uint64_t full[kFp8Stages];
   uint64_t empty[kFp8Stages];
 };
@@ -218,48 +212,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     const int consumer_idx = warpgroup - 1;
-    // Each consumer warpgroup stores its own 64 rows: its first thread issues the stores, and it
-    // syncs on its own named barrier (2 + consumer_idx), so the consumers meet only at the stages
-    // they share, and one's epilogue can run under the other's wgmma.
-    const int consumer_thread = threadIdx.x % kWarpgroupThreads;
-    const bool issuer = consumer_thread == 0;
-    const int epilogue_barrier = 2 + consumer_idx;
+    const bool issuer = threadIdx.x == BLOCK_M;
     const int row0 = consumer_idx * 64 + fragment_row(0), row1 = row0 + 8;
     const int column0 = fragment_col(0);  // + 8 j: this thread's column pair of group j
     PipelineState<kFp8Stages> load_state, release_state;
     float block0[64], block1[64];  // two K-blocks' products in flight (wgmma accumulators)
     float sum[64];                 // the promoted fp32 sum
-    // kRowTiles: this thread's two B scales (K-blocks consumer_thread and consumer_thread + 128)
-    // of tile t, for this warpgroup's copy.
-    auto load_tile_b_scales = [&](const Fp8Tile& t, bool valid) {
-      float2 scales = make_float2(0.0f, 0.0f);
-      if (kWeightGrad || !valid) return scales;
-      if (consumer_thread < t.num_k_blocks) scales.x = row_tile_b_scale(params, t, consumer_thread);
-      if (consumer_thread + kWarpgroupThreads < t.num_k_blocks)
-        scales.y = row_tile_b_scale(params, t, consumer_thread + kWarpgroupThreads);
-      return scales;
+    // kRowTiles: this thread's B scale (K-block consumer_thread) of the CTA's tile `tile`.
+    const int consumer_thread = threadIdx.x - BLOCK_M;
+    auto load_tile_b_scale = [&](int tile) {
+      if (kWeightGrad || tile >= num_tiles) return 0.0f;
+      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+      return consumer_thread < t.num_k_blocks ? row_tile_b_scale(params, t, consumer_thread) : 0.0f;
     };
-    auto publish_tile_b_scales = [&](int parity, float2 scales) {
-      smem.tile_b_scales[consumer_idx][parity][consumer_thread] = scales.x;
-      smem.tile_b_scales[consumer_idx][parity][consumer_thread + kWarpgroupThreads] = scales.y;
-    };
-    // The next tile's coordinates are read while this one runs: they come from global memory
-    // (kWeightGrad's expert offsets, kRowTiles' tile expert), which sat in front of each tile's
-    // first wgmma.
-    Fp8Tile next{};
-    if (static_cast<int>(blockIdx.x) < num_tiles)
-      next = fp8_tile<kForm>(params, blockIdx.x, num_m_tiles, num_n_tiles);
     if constexpr (!kWeightGrad) {
-      publish_tile_b_scales(0, load_tile_b_scales(next, blockIdx.x < num_tiles));
-      ptx::named_barrier_sync(epilogue_barrier, kWarpgroupThreads);
+      smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(blockIdx.x);
+      ptx::named_barrier_sync(1, kConsumerThreads);
     }
     int local_tile = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-      const Fp8Tile t = next;
-      const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
-      if (has_next) next = fp8_tile<kForm>(params, tile + gridDim.x, num_m_tiles, num_n_tiles);
-      const float2 next_tile_b_scales = load_tile_b_scales(next, has_next);
-      const float* tile_b_scales = smem.tile_b_scales[consumer_idx][local_tile & 1];
+      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+      const float next_tile_b_scale = load_tile_b_scale(tile + gridDim.x);
+      const float* tile_b_scales = smem.tile_b_scales[local_tile & 1];
       // B's scale of each K-block in flight (kRowTiles).
       float scale_b0 = 1.0f, scale_b1 = 1.0f;
       // Waits for K-block `k_block`'s stage and issues its four wgmma into `block`.
@@ -313,11 +287,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       };
       // K-block k + 1 runs on the tensor cores while K-block k is promoted: the two buffers
       // alternate (even blocks in block0), so the promotion's FMAs hide under the wgmma.
-      // -0 + x is x for every x, -0 included: the first block's sum is its bare product. A
-      // kWeightGrad tile of an expert without rows stores +0.
-      const float sum_init = t.num_k_blocks == 0 ? 0.0f : -0.0f;
+      // -0 + x is x for every x, -0 included: the first block's sum is its bare product.
 #pragma unroll
-      for (int r = 0; r < 64; ++r) sum[r] = sum_init;
+      for (int r = 0; r < 64; ++r) sum[r] = -0.0f;
       // At the loop's head K-block k is in flight in block0, always (so that ptxas sees one
       // state there and keeps the wgmma asynchronous); every exit waits for everything. The two
       // halves stay written out: folded into one lambda over (block0, block1) and (block1,
@@ -352,30 +324,30 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           promote(block1, scale_b1);
         }
       }
-      // The next tile's B scales, published by this warpgroup's staging barrier; the other row
-      // is no longer read (each of its threads passed this tile's first barrier after the last
-      // tile's math).
-      if constexpr (!kWeightGrad) publish_tile_b_scales((local_tile + 1) & 1, next_tile_b_scales);
-      acquire_staging_tile(issuer, epilogue_barrier, kWarpgroupThreads);
+      const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
+      // The next tile's B scales, published by the staging tile's barrier; the other row is no
+      // longer read (every consumer passed this tile's first barrier after the last tile's math).
+      if constexpr (!kWeightGrad)
+        smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
+      acquire_staging_tile(issuer);
       char* staging = reinterpret_cast<char*>(smem.store_tile);
       stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx * 64, [&](int i, int j) {
-        return make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
+        return empty ? make_float2(0.0f, 0.0f)
+                     : make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
       });
-      publish_staging_tile(epilogue_barrier, kWarpgroupThreads);
+      publish_staging_tile();
       if (issuer) {
-        // This warpgroup's rows: 64 of each chunk (8 KB in, so the swizzle's phase holds).
-        const char* rows = staging + consumer_idx * kFp8StoreBoxRows * 128;
-        const int row = t.m_tile * BLOCK_M + consumer_idx * kFp8StoreBoxRows;
         const int column = t.n_tile * kFp8TileN;
         if constexpr (kWeightGrad) {
-          store_chunks(&maps.out, rows, 0, kFp8TileN / 64, column, params.n_extent, row, t.expert);
+          store_chunks(&maps.out, staging, 0, kFp8TileN / 64, column, params.n_extent,
+                       t.m_tile * BLOCK_M, t.expert);
         } else {
           const bool second = params.n_split > 0 && column >= params.n_split;
-          store_chunks(second ? &maps.out2 : &maps.out, rows, 0, kFp8TileN / 64,
+          store_chunks(second ? &maps.out2 : &maps.out, staging, 0, kFp8TileN / 64,
                        second ? column - params.n_split : column,
                        second ? params.n_extent - params.n_split
                               : (params.n_split > 0 ? params.n_split : params.n_extent),
-                       row, 0);
+                       t.m_tile * BLOCK_M, 0);
         }
         ptx::bulk_commit_group();
       }

@@ -28,10 +28,6 @@ namespace mok::kernels {
 
 enum class Fp8GemmForm : int32_t { kRowTiles = 0, kWeightGrad = 1 };
 
-// Rows of the output maps' boxes: each consumer warpgroup stores its own 64 rows of a tile
-// (fp8_gemm.cu), so the two consumers never wait for each other's epilogue.
-constexpr int32_t kFp8StoreBoxRows = 64;
-
 // kRowTiles reads two operands as two tensors each where the layer keeps them apart: with
 // n_split, the output columns [n_split, N) come from B2 (at n - n_split) and go to out2 (the
 // gate/up GEMM: Wg and Wu, g and u); with k_split, the K-blocks [k_split, K) come from A2 and B2
@@ -44,7 +40,7 @@ struct Fp8GemmMaps {
   CUtensorMap a_scales;   // fp32 [K / 128, rows] (kWeightGrad: [rows / 128, M]): boxes [1 x 128]
   CUtensorMap a2_scales;  // k_split: A2's
   CUtensorMap b_scales;   // kWeightGrad: fp32 [rows / 128, N], boxes [1 x 128]
-  CUtensorMap out;        // bf16 [1, rows, N] (kWeightGrad: [E, M, N]): boxes [64 rows x 64]
+  CUtensorMap out;        // bf16 [1, rows, N] (kWeightGrad: [E, M, N]): boxes [128 rows x 64]
   CUtensorMap out2;       // n_split: the columns from n_split on
 };
 
