@@ -218,21 +218,38 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     PipelineState<kFp8Stages> load_state, release_state;
     float block0[64], block1[64];  // two K-blocks' products in flight (wgmma accumulators)
     float sum[64];                 // the promoted fp32 sum
-    // kRowTiles: this thread's B scale (K-block consumer_thread) of the CTA's tile `tile`.
+    // kRowTiles: this thread's B scale (K-block consumer_thread) of tile t.
     const int consumer_thread = threadIdx.x - BLOCK_M;
-    auto load_tile_b_scale = [&](int tile) {
-      if (kWeightGrad || tile >= num_tiles) return 0.0f;
-      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+    auto load_tile_b_scale = [&](const Fp8Tile& t, bool valid) {
+      if (kWeightGrad || !valid) return 0.0f;
       return consumer_thread < t.num_k_blocks ? row_tile_b_scale(params, t, consumer_thread) : 0.0f;
     };
+    // kRowTiles: each tile's coordinates are read once, a tile ahead (see read_next_tile).
+    Fp8Tile next{};
     if constexpr (!kWeightGrad) {
-      smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(blockIdx.x);
+      const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
+      if (has_first) next = fp8_tile<kForm>(params, blockIdx.x, num_m_tiles, num_n_tiles);
+      smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(next, has_first);
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
     int local_tile = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-      const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
-      const float next_tile_b_scale = load_tile_b_scale(tile + gridDim.x);
+      const Fp8Tile t =
+          kWeightGrad ? fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles) : next;
+      // kRowTiles: the next tile's coordinates and B scale, read once this tile's first K-block
+      // is issued, so that the walk's divisions and the tile expert's global load stay off the
+      // path to it (2-3% faster row-tile GEMMs, docs/perf.md session 27). kWeightGrad reads its
+      // tile at the loop head: read a tile ahead (from global memory or from a shared-memory
+      // copy of the expert offsets), its weight gradients ran 8% slower at dsv3_e128's two
+      // K-blocks a tile, in session 27 as in session 26's e170d09.
+      float next_tile_b_scale = 0.0f;
+      auto read_next_tile = [&] {
+        if constexpr (!kWeightGrad) {
+          const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
+          if (has_next) next = fp8_tile<kForm>(params, tile + gridDim.x, num_m_tiles, num_n_tiles);
+          next_tile_b_scale = load_tile_b_scale(next, has_next);
+        }
+      };
       const float* tile_b_scales = smem.tile_b_scales[local_tile & 1];
       // B's scale of each K-block in flight (kRowTiles).
       float scale_b0 = 1.0f, scale_b1 = 1.0f;
@@ -294,6 +311,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // state there and keeps the wgmma asynchronous); every exit waits for everything. The two
       // halves stay written out: folded into one lambda over (block0, block1) and (block1,
       // block0), ptxas serialized the wgmma again (C7514).
+      if (params.ablation == GemmAblation::kNoMath || t.num_k_blocks == 0) read_next_tile();
       if (params.ablation == GemmAblation::kNoMath) {
         // The stages waited for and handed back, nothing computed (the sum stays -0).
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
@@ -305,6 +323,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       } else if (t.num_k_blocks > 0) {
         issue(0, block0, scale_b0);
+        read_next_tile();
         for (int k_block = 0;; k_block += 2) {
           if (k_block + 1 == t.num_k_blocks) {
             ptx::wgmma_wait<0>();
