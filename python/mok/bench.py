@@ -11,7 +11,8 @@ synchronization: a training loop), in rounds: each round times every direction a
 systems one after another, starting one system later each round, so that none always runs first
 on a cool card; the median over rounds is reported, and each system's time over mok's as the
 median of the rounds' ratios. Prints ms, TFLOP/s and those ratios, and writes JSON and a plot
-(TFLOP/s per shape and system, sustained, forward and forward + backward).
+(TFLOP/s per shape and system, sustained, forward and forward + backward), both rewritten after
+every shape, so that a run cut short keeps the shapes it finished.
 """
 
 from __future__ import annotations
@@ -251,10 +252,12 @@ def main() -> None:
     print(f"mok bench (Python) on {torch.cuda.get_device_name()}", flush=True)
     results = []
 
-    def write_json() -> None:  # after every shape: a run cut short keeps what it measured
+    def write_outputs() -> None:  # after every shape: a run cut short keeps what it measured
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        if args.plot:
+            plot(results, args.plot)
 
     for shape_name, shared in runs:
         from . import _C
@@ -275,12 +278,10 @@ def main() -> None:
         )
         print_table(result)
         results.append(result)
-        write_json()
+        write_outputs()
         problem.module.workspace.release()
         del problem
         torch.cuda.empty_cache()
-    if args.plot:
-        plot(results, args.plot)
     if "sonicmoe" in sys.modules:
         # With SonicMoE's libraries loaded the interpreter's exit failed after every result was
         # written (H200, session 10): leave without its teardown so the exit status is ours.
