@@ -3,7 +3,8 @@
 // in double and scaled as the recipe says; the GPU's bf16 output within bf16 rounding of it, the
 // same bits on a second run, and rows of different experts in one launch. Then its TFLOP/s at
 // the dsv3_local gate/up GEMM, free-running and kept in step, and at the layer's other FP8 GEMMs
-// of that shape (printed; issue 17's bar is 1,100 for the FP8 GEMMs).
+// of that shape, on constant and on random operands, per call and sustained (printed; issue 17's
+// bar is 1,100 for the FP8 GEMMs).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -551,13 +552,86 @@ void expect_all_equal(const void* device_out, int64_t count, float want, const c
                       << ", the first at " << first;
 }
 
+// Calls queued back to back, one synchronization at the end, as a training loop runs them: the
+// mean milliseconds of 20 after 2 warm-ups.
+template <typename Launch>
+double sustained_ms(Launch launch) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(launch(), cudaSuccess);
+  constexpr int kCalls = 20;
+  cudaEventRecord(start);
+  for (int i = 0; i < kCalls; ++i) EXPECT_EQ(launch(), cudaSuccess);
+  cudaEventRecord(stop);
+  EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / kCalls;
+}
+
+// Random operands for the rates: a card at its power limit clocks lower on random bits than on
+// constants, and the layer's GEMMs run on quantized tensors, which use every code. Every byte
+// but e4m3's NaNs (S.1111.111); scales uniform in [0.5, 2).
+std::vector<uint8_t> random_codes(int64_t count, uint64_t seed) {
+  SplitMix64 rng(seed);
+  std::vector<uint8_t> codes(count);
+  for (int64_t i = 0; i < count; i += 8) {
+    const uint64_t word = rng.next();
+    for (int64_t b = 0; b < 8 && i + b < count; ++b) {
+      const uint8_t code = static_cast<uint8_t>(word >> (8 * b));
+      codes[i + b] = (code & 0x7f) == 0x7f ? code ^ 1 : code;
+    }
+  }
+  return codes;
+}
+std::vector<float> random_scales(int64_t count, uint64_t seed) {
+  SplitMix64 rng(seed);
+  std::vector<float> scales(count);
+  for (float& s : scales) s = static_cast<float>(0.5 + 1.5 * rng.uniform());
+  return scales;
+}
+template <typename T>
+void upload(void* device, const std::vector<T>& host) {
+  ASSERT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+
+// One output of a random-operand problem against the block-scaled sum in double: within bf16's
+// rounding of it plus 2^-10 of the sum of the terms' magnitudes (FP8 products summed in the
+// tensor cores per 128-long block), which at these K is a few percent of a typical output, so
+// a wrong operand, block, scale or expert fails it.
+struct SampledSum {
+  double sum = 0, magnitude = 0;
+  void add_block(double block, double block_magnitude, double factor) {
+    sum += block * factor;
+    magnitude += block_magnitude * std::abs(factor);
+  }
+};
+void expect_near_sum(const void* device_out, int64_t index, const SampledSum& want,
+                     const char* what) {
+  bf16 got{};
+  ASSERT_EQ(
+      cudaMemcpy(&got, static_cast<const char*>(device_out) + index * 2, 2, cudaMemcpyDeviceToHost),
+      cudaSuccess);
+  const double error = std::abs(static_cast<double>(bf16_to_float(got)) - want.sum);
+  EXPECT_LE(error, std::ldexp(std::abs(want.sum), -7) + std::ldexp(want.magnitude, -10))
+      << what << ": output " << index << " is " << bf16_to_float(got) << ", want " << want.sum;
+}
+
 // Issue 17's bar covers every FP8 GEMM of the layer at dsv3_local, not only the gate/up: the
 // other three row-tile GEMMs (down; the dgrads, with the weights transposed) and the weight
-// gradients ([2048 x 7168] per expert: 32 experts of 1,024 rows, and dsv3_e128's 128 of 256),
-// free-running, TFLOP/s printed. The operands are constants (every A code 1.0, every B code 0.5,
-// scales 1), so every output is K / 2 exactly, checked in full.
+// gradients ([2048 x 7168] per expert: 32 experts of 1,024 rows, and dsv3_e128's 128 of 256).
+// Each is timed on constant operands (every A code 1.0, every B code 0.5, scales 1: every output
+// is K / 2 exactly, checked in full) and on random ones (64 outputs checked), per call and
+// sustained; TFLOP/s printed.
 TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
-  const int64_t experts = 32, rows = experts * 9 * 128;
+  auto print = [](const char* what, double ms, double flop, const char* extra = "") {
+    std::printf("  %s: %.3f ms, %.0f TFLOP/s%s\n", what, ms, flop / ms / 1e9, extra);
+  };
+  const int64_t experts = 32, tiles_per_expert = 9, rows = experts * tiles_per_expert * 128;
   struct RowTileGemm {
     const char* name;
     int64_t n, k;
@@ -565,15 +639,49 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
   for (const RowTileGemm& gemm :
        {RowTileGemm{"down", 7168, 2048}, RowTileGemm{"down dgrad", 2048, 7168},
         RowTileGemm{"gate/up dgrad", 7168, 4096}}) {
-    Fp8GemmProblem problem(rows, gemm.n, gemm.k, experts);
-    fill_constant_operands(problem, 9);
+    const int64_t n = gemm.n, k = gemm.k, k_blocks = k / 128;
+    const double flop = 2.0 * rows * n * k;
+    Fp8GemmProblem problem(rows, n, k, experts);
+    fill_constant_operands(problem, tiles_per_expert);
     ASSERT_FALSE(HasFatalFailure());
-    ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * gemm.n * 2), cudaSuccess);
-    const double ms = median_ms([&] { return problem.run(); });
-    std::printf("  fp8 grouped GEMM, dsv3_local %s (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s\n",
-                gemm.name, static_cast<long long>(rows), static_cast<long long>(gemm.n),
-                static_cast<long long>(gemm.k), ms, 2.0 * rows * gemm.n * gemm.k / ms / 1e9);
-    expect_all_equal(problem.out, rows * gemm.n, 0.5f * static_cast<float>(gemm.k), gemm.name);
+    ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
+    const std::string label = std::string("fp8 grouped GEMM, dsv3_local ") + gemm.name + " (" +
+                              std::to_string(rows) + " x " + std::to_string(n) + " x " +
+                              std::to_string(k) + ")";
+    print((label + ", constant codes").c_str(), median_ms([&] { return problem.run(); }), flop);
+    expect_all_equal(problem.out, rows * n, 0.5f * static_cast<float>(k), gemm.name);
+
+    const std::vector<uint8_t> a = random_codes(rows * k, 71),
+                               b = random_codes(experts * n * k, 72);
+    const std::vector<float> a_scales = random_scales(rows * k_blocks, 73);
+    const std::vector<float> b_scales = random_scales(experts * (n / 128) * k_blocks, 74);
+    upload(problem.a, a);
+    upload(problem.b, b);
+    upload(problem.a_scales, a_scales);
+    upload(problem.b_scales, b_scales);
+    ASSERT_FALSE(HasFatalFailure());
+    print((label + ", random codes").c_str(), median_ms([&] { return problem.run(); }), flop);
+    print((label + ", random codes, sustained").c_str(),
+          sustained_ms([&] { return problem.run(); }), flop);
+    SplitMix64 pick(75);
+    for (int sample = 0; sample < 64; ++sample) {
+      const int64_t r = static_cast<int64_t>(pick.below(rows)), c = pick.below(n);
+      const int64_t e = r / 128 / tiles_per_expert;
+      SampledSum want;
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        double block = 0, block_magnitude = 0;
+        for (int64_t i = kb * 128; i < kb * 128 + 128; ++i) {
+          const double term = static_cast<double>(e4m3_to_float(e4m3{a[r * k + i]})) *
+                              e4m3_to_float(e4m3{b[(e * n + c) * k + i]});
+          block += term;
+          block_magnitude += std::abs(term);
+        }
+        want.add_block(block, block_magnitude,
+                       static_cast<double>(a_scales[kb * rows + r]) *
+                           b_scales[(e * (n / 128) + c / 128) * k_blocks + kb]);
+      }
+      expect_near_sum(problem.out, r * n + c, want, gemm.name);
+    }
   }
 
   // The weight gradients: out[e] = A_e^T-rows x B_e over the expert's rows, at dsv3_local's
@@ -586,32 +694,64 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
   const int64_t m = 2048, n = 7168;
   for (const WeightGrad& shape :
        {WeightGrad{"dsv3_local", 32, 1024}, WeightGrad{"dsv3_e128", 128, 256}}) {
-    const int64_t total_rows = shape.experts * shape.expert_rows;
+    const int64_t total_rows = shape.experts * shape.expert_rows, k_blocks = total_rows / 128;
+    const double flop = 2.0 * total_rows * m * n;
     Fp8WeightGradProblem wgrad(total_rows, m, n, shape.experts);
     ASSERT_EQ(cudaMemset(wgrad.a_codes, 0x38, m * total_rows), cudaSuccess);
     ASSERT_EQ(cudaMemset(wgrad.b_codes, 0x30, n * total_rows), cudaSuccess);
-    const std::vector<float> ones(n * (total_rows / 128), 1.0f);
-    ASSERT_EQ(
-        cudaMemcpy(wgrad.a_scales, ones.data(), m * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
-        cudaSuccess);
-    ASSERT_EQ(
-        cudaMemcpy(wgrad.b_scales, ones.data(), n * (total_rows / 128) * 4, cudaMemcpyHostToDevice),
-        cudaSuccess);
+    upload(wgrad.a_scales, std::vector<float>(m * k_blocks, 1.0f));
+    upload(wgrad.b_scales, std::vector<float>(n * k_blocks, 1.0f));
     std::vector<int32_t> offsets(shape.experts + 1);
     for (int64_t e = 0; e <= shape.experts; ++e)
       offsets[e] = static_cast<int32_t>(e * shape.expert_rows);
-    ASSERT_EQ(cudaMemcpy(wgrad.offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
-              cudaSuccess);
+    upload(wgrad.offsets, offsets);
+    ASSERT_FALSE(HasFatalFailure());
     ASSERT_EQ(cudaMemset(wgrad.out, 0xff, shape.experts * m * n * 2), cudaSuccess);
-    const double ms = median_ms([&] { return wgrad.run(); });
-    std::printf(
-        "  fp8 weight gradient, %s (%lld experts x [%lld x %lld], %lld rows each): %.3f ms, "
-        "%.0f TFLOP/s, %.2f TB/s of bf16 written\n",
-        shape.name, static_cast<long long>(shape.experts), static_cast<long long>(m),
-        static_cast<long long>(n), static_cast<long long>(shape.expert_rows), ms,
-        2.0 * total_rows * m * n / ms / 1e9, 2.0 * shape.experts * m * n / ms / 1e9);
+    const std::string label = std::string("fp8 weight gradient, ") + shape.name + " (" +
+                              std::to_string(shape.experts) + " experts x [" + std::to_string(m) +
+                              " x " + std::to_string(n) + "], " +
+                              std::to_string(shape.expert_rows) + " rows each)";
+    const double written = 2.0 * shape.experts * m * n;
+    auto bytes_note = [&](double ms) {
+      char note[64];
+      std::snprintf(note, sizeof(note), ", %.2f TB/s of bf16 written", written / ms / 1e9);
+      return std::string(note);
+    };
+    double ms = median_ms([&] { return wgrad.run(); });
+    print((label + ", constant codes").c_str(), ms, flop, bytes_note(ms).c_str());
     expect_all_equal(wgrad.out, shape.experts * m * n, 0.5f * static_cast<float>(shape.expert_rows),
                      "weight gradient");
+
+    const std::vector<uint8_t> a = random_codes(m * total_rows, 81);
+    const std::vector<uint8_t> b = random_codes(n * total_rows, 82);
+    const std::vector<float> a_scales = random_scales(m * k_blocks, 83);
+    const std::vector<float> b_scales = random_scales(n * k_blocks, 84);
+    upload(wgrad.a_codes, a);
+    upload(wgrad.b_codes, b);
+    upload(wgrad.a_scales, a_scales);
+    upload(wgrad.b_scales, b_scales);
+    ASSERT_FALSE(HasFatalFailure());
+    ms = median_ms([&] { return wgrad.run(); });
+    print((label + ", random codes").c_str(), ms, flop, bytes_note(ms).c_str());
+    ms = sustained_ms([&] { return wgrad.run(); });
+    print((label + ", random codes, sustained").c_str(), ms, flop, bytes_note(ms).c_str());
+    SplitMix64 pick(85);
+    for (int sample = 0; sample < 64; ++sample) {
+      const int64_t e = pick.below(shape.experts), i = pick.below(m), j = pick.below(n);
+      SampledSum want;
+      for (int64_t kb = e * shape.expert_rows / 128; kb < (e + 1) * shape.expert_rows / 128; ++kb) {
+        double block = 0, block_magnitude = 0;
+        for (int64_t t = kb * 128; t < kb * 128 + 128; ++t) {
+          const double term = static_cast<double>(e4m3_to_float(e4m3{a[i * total_rows + t]})) *
+                              e4m3_to_float(e4m3{b[j * total_rows + t]});
+          block += term;
+          block_magnitude += std::abs(term);
+        }
+        want.add_block(block, block_magnitude,
+                       static_cast<double>(a_scales[kb * m + i]) * b_scales[kb * n + j]);
+      }
+      expect_near_sum(wgrad.out, (e * m + i) * n + j, want, "weight gradient");
+    }
   }
 }
 
