@@ -462,63 +462,6 @@ void fill_constant_operands(Fp8GemmProblem& problem, int64_t tiles_per_expert) {
             cudaSuccess);
 }
 
-// The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,
-// K = H = 7168; median of 10 launches, TFLOP/s printed, free-running and with the CTAs kept
-// within 8, 16 and 32 K-blocks of the slowest (MoeConfig::gemm_lockstep_k_blocks), whose output
-// is the free-running one's to the bit.
-TEST(Fp8GemmGpu, Throughput) {
-  const int64_t experts = 32, rows = experts * 9 * 128, n = 4096, k = 7168;
-  Fp8GemmProblem problem(rows, n, k, experts);
-  fill_constant_operands(problem, 9);
-  ASSERT_FALSE(HasFatalFailure());
-  // The lockstep's counters, zeroed once; the epoch advanced after each launch, as the layer does.
-  unsigned long long* counters = nullptr;
-  ASSERT_EQ(cudaMalloc(&counters, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemset(counters, 0, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
-            cudaSuccess);
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<bf16> free_running(rows * n), in_step(rows * n);
-  for (const int32_t lead : {0, 8, 16, 32}) {
-    problem.params.lockstep = {};
-    if (lead > 0)
-      problem.params.lockstep = {counters, counters + kernels::kLockstepTicks,
-                                 counters + kernels::kLockstepTicks + 1, lead};
-    // Poisoned first: every tile of each lead's runs is written by them.
-    ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
-    std::vector<float> times;
-    for (int i = 0; i < 12; ++i) {
-      cudaEventRecord(start);
-      ASSERT_EQ(problem.run(), cudaSuccess);
-      cudaEventRecord(stop);
-      if (lead > 0)
-        ASSERT_EQ(kernels::launch_advance_epoch(problem.params.lockstep.epoch, nullptr),
-                  cudaSuccess);
-      ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      if (i >= 2) times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    const double ms = times[times.size() / 2];
-    std::printf(
-        "  fp8 grouped GEMM, dsv3_local gate/up (%lld x %lld x %lld), %s: %.3f ms, %.0f "
-        "TFLOP/s\n",
-        static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k),
-        lead == 0 ? "free-running" : ("in step within " + std::to_string(lead)).c_str(), ms,
-        2.0 * rows * n * k / ms / 1e9);
-    std::vector<bf16>& got = lead == 0 ? free_running : in_step;
-    ASSERT_EQ(cudaMemcpy(got.data(), problem.out, got.size() * 2, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    if (lead > 0) EXPECT_TRUE(test::bitwise_equal(in_step, free_running)) << "lead " << lead;
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaFree(counters);
-}
-
 // Median milliseconds of 10 launches after 2 warm-ups.
 template <typename Launch>
 double median_ms(Launch launch) {
@@ -539,17 +482,6 @@ double median_ms(Launch launch) {
   cudaEventDestroy(stop);
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
-}
-
-// Every element of a bf16 output of `count` values equals `want`: the tiles were all written.
-void expect_all_equal(const void* device_out, int64_t count, float want, const char* what) {
-  std::vector<bf16> got(count);
-  ASSERT_EQ(cudaMemcpy(got.data(), device_out, count * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  int64_t wrong = 0, first = -1;
-  for (int64_t i = 0; i < count; ++i)
-    if (bf16_to_float(got[i]) != want && wrong++ == 0) first = i;
-  EXPECT_EQ(wrong, 0) << what << ": " << wrong << " of " << count << " values differ from " << want
-                      << ", the first at " << first;
 }
 
 // Calls queued back to back, one synchronization at the end, as a training loop runs them: the
@@ -621,6 +553,133 @@ void expect_near_sum(const void* device_out, int64_t index, const SampledSum& wa
       << what << ": output " << index << " is " << bf16_to_float(got) << ", want " << want.sum;
 }
 
+// A row-tile problem's operands as random codes and scales; the host keeps them for the check.
+struct RandomRowTileOperands {
+  std::vector<uint8_t> a, b;
+  std::vector<float> a_scales, b_scales;
+};
+RandomRowTileOperands upload_random_operands(Fp8GemmProblem& problem, uint64_t seed) {
+  const int64_t k_blocks = problem.k / 128;
+  RandomRowTileOperands o{random_codes(problem.rows * problem.k, seed),
+                          random_codes(problem.experts * problem.n * problem.k, seed + 1),
+                          random_scales(problem.rows * k_blocks, seed + 2),
+                          random_scales(problem.experts * (problem.n / 128) * k_blocks, seed + 3)};
+  upload(problem.a, o.a);
+  upload(problem.b, o.b);
+  upload(problem.a_scales, o.a_scales);
+  upload(problem.b_scales, o.b_scales);
+  return o;
+}
+
+// 64 outputs of a row-tile problem on random operands (tiles_per_expert row tiles per expert).
+void expect_row_tile_samples(const Fp8GemmProblem& problem, const RandomRowTileOperands& o,
+                             int64_t tiles_per_expert, const char* what) {
+  const int64_t rows = problem.rows, n = problem.n, k = problem.k, k_blocks = k / 128;
+  SplitMix64 pick(75);
+  for (int sample = 0; sample < 64; ++sample) {
+    const int64_t r = static_cast<int64_t>(pick.below(rows)), c = pick.below(n);
+    const int64_t e = r / 128 / tiles_per_expert;
+    SampledSum want;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      double block = 0, block_magnitude = 0;
+      for (int64_t i = kb * 128; i < kb * 128 + 128; ++i) {
+        const double term = static_cast<double>(e4m3_to_float(e4m3{o.a[r * k + i]})) *
+                            e4m3_to_float(e4m3{o.b[(e * n + c) * k + i]});
+        block += term;
+        block_magnitude += std::abs(term);
+      }
+      want.add_block(block, block_magnitude,
+                     static_cast<double>(o.a_scales[kb * rows + r]) *
+                         o.b_scales[(e * (n / 128) + c / 128) * k_blocks + kb]);
+    }
+    expect_near_sum(problem.out, r * n + c, want, what);
+  }
+}
+
+// The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,
+// K = H = 7168; median of 10 launches, TFLOP/s printed, free-running and with the CTAs kept
+// within 8, 16 and 32 K-blocks of the slowest (MoeConfig::gemm_lockstep_k_blocks), whose output
+// is the free-running one's to the bit; then free-running on random operands.
+TEST(Fp8GemmGpu, Throughput) {
+  const int64_t experts = 32, rows = experts * 9 * 128, n = 4096, k = 7168;
+  Fp8GemmProblem problem(rows, n, k, experts);
+  fill_constant_operands(problem, 9);
+  ASSERT_FALSE(HasFatalFailure());
+  // The lockstep's counters, zeroed once; the epoch advanced after each launch, as the layer does.
+  unsigned long long* counters = nullptr;
+  ASSERT_EQ(cudaMalloc(&counters, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemset(counters, 0, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
+            cudaSuccess);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<bf16> free_running(rows * n), in_step(rows * n);
+  for (const int32_t lead : {0, 8, 16, 32}) {
+    problem.params.lockstep = {};
+    if (lead > 0)
+      problem.params.lockstep = {counters, counters + kernels::kLockstepTicks,
+                                 counters + kernels::kLockstepTicks + 1, lead};
+    // Poisoned first: every tile of each lead's runs is written by them.
+    ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
+    std::vector<float> times;
+    for (int i = 0; i < 12; ++i) {
+      cudaEventRecord(start);
+      ASSERT_EQ(problem.run(), cudaSuccess);
+      cudaEventRecord(stop);
+      if (lead > 0)
+        ASSERT_EQ(kernels::launch_advance_epoch(problem.params.lockstep.epoch, nullptr),
+                  cudaSuccess);
+      ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, start, stop);
+      if (i >= 2) times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    const double ms = times[times.size() / 2];
+    std::printf(
+        "  fp8 grouped GEMM, dsv3_local gate/up (%lld x %lld x %lld), %s: %.3f ms, %.0f "
+        "TFLOP/s\n",
+        static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k),
+        lead == 0 ? "free-running" : ("in step within " + std::to_string(lead)).c_str(), ms,
+        2.0 * rows * n * k / ms / 1e9);
+    std::vector<bf16>& got = lead == 0 ? free_running : in_step;
+    ASSERT_EQ(cudaMemcpy(got.data(), problem.out, got.size() * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    if (lead > 0) EXPECT_TRUE(test::bitwise_equal(in_step, free_running)) << "lead " << lead;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(counters);
+
+  // Free-running on random operands (the codes a quantized layer feeds it), per call and
+  // sustained.
+  problem.params.lockstep = {};
+  const RandomRowTileOperands operands = upload_random_operands(problem, 61);
+  ASSERT_FALSE(HasFatalFailure());
+  auto run = [&] { return problem.run(); };
+  for (const bool sustained : {false, true}) {
+    const double ms = sustained ? sustained_ms(run) : median_ms(run);
+    std::printf(
+        "  fp8 grouped GEMM, dsv3_local gate/up (%lld x %lld x %lld), free-running, random "
+        "codes%s: %.3f ms, %.0f TFLOP/s\n",
+        static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k),
+        sustained ? ", sustained" : "", ms, 2.0 * rows * n * k / ms / 1e9);
+  }
+  expect_row_tile_samples(problem, operands, 9, "gate/up");
+}
+
+// Every element of a bf16 output of `count` values equals `want`: the tiles were all written.
+void expect_all_equal(const void* device_out, int64_t count, float want, const char* what) {
+  std::vector<bf16> got(count);
+  ASSERT_EQ(cudaMemcpy(got.data(), device_out, count * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  int64_t wrong = 0, first = -1;
+  for (int64_t i = 0; i < count; ++i)
+    if (bf16_to_float(got[i]) != want && wrong++ == 0) first = i;
+  EXPECT_EQ(wrong, 0) << what << ": " << wrong << " of " << count << " values differ from " << want
+                      << ", the first at " << first;
+}
+
 // Issue 17's bar covers every FP8 GEMM of the layer at dsv3_local, not only the gate/up: the
 // other three row-tile GEMMs (down; the dgrads, with the weights transposed) and the weight
 // gradients ([2048 x 7168] per expert: 32 experts of 1,024 rows, and dsv3_e128's 128 of 256).
@@ -639,7 +698,7 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
   for (const RowTileGemm& gemm :
        {RowTileGemm{"down", 7168, 2048}, RowTileGemm{"down dgrad", 2048, 7168},
         RowTileGemm{"gate/up dgrad", 7168, 4096}}) {
-    const int64_t n = gemm.n, k = gemm.k, k_blocks = k / 128;
+    const int64_t n = gemm.n, k = gemm.k;
     const double flop = 2.0 * rows * n * k;
     Fp8GemmProblem problem(rows, n, k, experts);
     fill_constant_operands(problem, tiles_per_expert);
@@ -651,37 +710,12 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
     print((label + ", constant codes").c_str(), median_ms([&] { return problem.run(); }), flop);
     expect_all_equal(problem.out, rows * n, 0.5f * static_cast<float>(k), gemm.name);
 
-    const std::vector<uint8_t> a = random_codes(rows * k, 71),
-                               b = random_codes(experts * n * k, 72);
-    const std::vector<float> a_scales = random_scales(rows * k_blocks, 73);
-    const std::vector<float> b_scales = random_scales(experts * (n / 128) * k_blocks, 74);
-    upload(problem.a, a);
-    upload(problem.b, b);
-    upload(problem.a_scales, a_scales);
-    upload(problem.b_scales, b_scales);
+    const RandomRowTileOperands operands = upload_random_operands(problem, 71);
     ASSERT_FALSE(HasFatalFailure());
     print((label + ", random codes").c_str(), median_ms([&] { return problem.run(); }), flop);
     print((label + ", random codes, sustained").c_str(),
           sustained_ms([&] { return problem.run(); }), flop);
-    SplitMix64 pick(75);
-    for (int sample = 0; sample < 64; ++sample) {
-      const int64_t r = static_cast<int64_t>(pick.below(rows)), c = pick.below(n);
-      const int64_t e = r / 128 / tiles_per_expert;
-      SampledSum want;
-      for (int64_t kb = 0; kb < k_blocks; ++kb) {
-        double block = 0, block_magnitude = 0;
-        for (int64_t i = kb * 128; i < kb * 128 + 128; ++i) {
-          const double term = static_cast<double>(e4m3_to_float(e4m3{a[r * k + i]})) *
-                              e4m3_to_float(e4m3{b[(e * n + c) * k + i]});
-          block += term;
-          block_magnitude += std::abs(term);
-        }
-        want.add_block(block, block_magnitude,
-                       static_cast<double>(a_scales[kb * rows + r]) *
-                           b_scales[(e * (n / 128) + c / 128) * k_blocks + kb]);
-      }
-      expect_near_sum(problem.out, r * n + c, want, gemm.name);
-    }
+    expect_row_tile_samples(problem, operands, tiles_per_expert, gemm.name);
   }
 
   // The weight gradients: out[e] = A_e^T-rows x B_e over the expert's rows, at dsv3_local's
