@@ -24,16 +24,9 @@ if [ "${1:-}" = --export ]; then
   echo "exported $rev into $dir"
   exit 0
 fi
-trees=()
-while [ $# -gt 0 ] && [ "$1" != -- ]; do
-  trees+=("$1")
-  shift
-done
-[ "${1:-}" = -- ] && shift
-if [ ${#trees[@]} -eq 0 ]; then
-  echo "usage: scripts/ab-bench.sh TREE... -- MOK_RUN_ARGS..." >&2
-  exit 2
-fi
+. scripts/ab-trees.sh
+ab_parse_trees "scripts/ab-bench.sh TREE... -- MOK_RUN_ARGS..." "$@"
+set -- "${ab_args[@]}"
 OUT="${OUT:-$root/out}"
 mkdir -p "$OUT"
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -42,24 +35,7 @@ if [ -z "${MOK_NCCL_HOME:-}" ]; then
   nccl_home="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi
 fi
-jobs_each=$(($(nproc) / ${#trees[@]}))
-[ "$jobs_each" -ge 1 ] || jobs_each=1
-pids=()
-for tree in "${trees[@]}"; do
-  (
-    cd "$tree"
-    cmake -S . -B build-ab -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF >/dev/null
-    cmake --build build-ab --target mok_cli -j "$jobs_each" >/dev/null
-  ) >"$OUT/ab-build-$(basename "$(cd "$tree" && pwd)").log" 2>&1 &
-  pids+=($!)
-done
-for i in "${!pids[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    echo "build of ${trees[$i]} failed:" >&2
-    tail -n 30 "$OUT/ab-build-$(basename "$(cd "${trees[$i]}" && pwd)").log" >&2
-    exit 1
-  fi
-done
+ab_build_trees build-ab "$OUT/ab-build-" mok_cli -DMOK_BUILD_TESTS=OFF
 pattern="${MOK_AB_GREP:-^  (forward|backward|forward\+backward) |weight gradients  |training step}"
 # Logs carry the shape (`--shape NAME` among the run's arguments), so that several calls in one
 # device command keep each other's: ab-<shape>.log and ab-<shape>-<tree>-<round>.log.
@@ -75,7 +51,7 @@ summary="$OUT/ab-$label.log"
 for round in $(seq 1 "${MOK_AB_ROUNDS:-2}"); do
   for offset in "${!trees[@]}"; do
     tree="${trees[$(((offset + round - 1) % ${#trees[@]}))]}"
-    name="$(basename "$(cd "$tree" && pwd)")"
+    name="$(ab_tree_name "$tree")"
     log="$OUT/ab-$label-$name-$round.log"
     "$tree/build-ab/mok" run "$@" >"$log" 2>&1 || echo "(mok run exited $?)" >>"$log"
     {

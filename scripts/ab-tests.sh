@@ -17,14 +17,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
-trees=()
-while [ $# -gt 0 ] && [ "$1" != -- ]; do
-  trees+=("$1")
-  shift
-done
-[ "${1:-}" = -- ] && shift
-filter="${1:-}"
-if [ ${#trees[@]} -eq 0 ] || [ -z "$filter" ]; then
+. scripts/ab-trees.sh
+ab_parse_trees "scripts/ab-tests.sh TREE... -- GTEST_FILTER" "$@"
+filter="${ab_args[0]:-}"
+if [ -z "$filter" ]; then
   echo "usage: scripts/ab-tests.sh TREE... -- GTEST_FILTER" >&2
   exit 2
 fi
@@ -40,34 +36,21 @@ summary="$OUT/abt.log"
 : >"$summary"
 export PATH="$PATH:/usr/local/cuda/bin"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-jobs_each=$(($(nproc) / ${#trees[@]}))
-[ "$jobs_each" -ge 1 ] || jobs_each=1
-name_of() { basename "$(cd "$1" && pwd)"; }
-pids=()
-for tree in "${trees[@]}"; do
-  (
-    cd "$tree"
-    cmake -S . -B build-abt -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_GTEST_SOURCE_DIR="$gtest" >/dev/null
-    cmake --build build-abt --target mok_gpu_tests -j "$jobs_each" >/dev/null
-  ) >"$work/build-$(name_of "$tree").log" 2>&1 &
-  pids+=($!)
-done
-for i in "${!pids[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    echo "build of ${trees[$i]} failed:" >&2
-    tail -n 30 "$work/build-$(name_of "${trees[$i]}").log" >&2
-    exit 1
-  fi
-done
+ab_build_trees build-abt "$work/build-" mok_gpu_tests -DMOK_GTEST_SOURCE_DIR="$gtest"
 status=0
+# run_tests TREE FILTER LOG TITLE PATTERN: TREE's GPU tests of FILTER into LOG, then TITLE and
+# LOG's lines matching PATTERN (its tail if none) into the summary.
+run_tests() {
+  "$1/build-abt/mok_gpu_tests" --gtest_filter="$2" >"$3" 2>&1 || status=1
+  {
+    echo "== $4"
+    grep -E "$5" "$3" || tail -n 5 "$3"
+  } | tee -a "$summary"
+}
 if [ -n "${MOK_AB_CHECK:-}" ]; then
   for tree in "${trees[@]}"; do
-    log="$work/check-$(name_of "$tree").log"
-    "$tree/build-abt/mok_gpu_tests" --gtest_filter="$MOK_AB_CHECK" >"$log" 2>&1 || status=1
-    {
-      echo "== $(name_of "$tree"): $MOK_AB_CHECK"
-      grep -E '^\[  (PASSED|FAILED) |tests? from .* ran|^\[  FAILED  \] ' "$log" || tail -n 5 "$log"
-    } | tee -a "$summary"
+    run_tests "$tree" "$MOK_AB_CHECK" "$work/check-$(ab_tree_name "$tree").log" \
+      "$(ab_tree_name "$tree"): $MOK_AB_CHECK" '^\[  (PASSED|FAILED) |tests? from .* ran'
   done
 fi
 pattern="${MOK_AB_GREP:-TFLOP/s| ms|^\[ +(OK|FAILED) +\]}"
@@ -75,12 +58,8 @@ pattern="${MOK_AB_GREP:-TFLOP/s| ms|^\[ +(OK|FAILED) +\]}"
 for round in $(seq 1 "${MOK_AB_ROUNDS:-3}"); do
   for offset in "${!trees[@]}"; do
     tree="${trees[$(((offset + round - 1) % ${#trees[@]}))]}"
-    log="$work/$(name_of "$tree")-$round.log"
-    "$tree/build-abt/mok_gpu_tests" --gtest_filter="$filter" >"$log" 2>&1 || status=1
-    {
-      echo "== $(name_of "$tree"), round $round"
-      grep -E "$pattern" "$log" || tail -n 5 "$log"
-    } | tee -a "$summary"
+    name="$(ab_tree_name "$tree")"
+    run_tests "$tree" "$filter" "$work/$name-$round.log" "$name, round $round" "$pattern"
   done
 done
 exit $status

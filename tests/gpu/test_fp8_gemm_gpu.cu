@@ -537,7 +537,16 @@ void upload(void* device, const std::vector<T>& host) {
 // a wrong operand, block, scale or expert fails it.
 struct SampledSum {
   double sum = 0, magnitude = 0;
-  void add_block(double block, double block_magnitude, double factor) {
+  // One 128-long K-block: the products of the codes a[0..127] and b[0..127], times `factor`
+  // (the block's two scales).
+  void add_block(const uint8_t* a, const uint8_t* b, double factor) {
+    double block = 0, block_magnitude = 0;
+    for (int i = 0; i < 128; ++i) {
+      const double term =
+          static_cast<double>(e4m3_to_float(e4m3{a[i]})) * e4m3_to_float(e4m3{b[i]});
+      block += term;
+      block_magnitude += std::abs(term);
+    }
     sum += block * factor;
     magnitude += block_magnitude * std::abs(factor);
   }
@@ -580,18 +589,10 @@ void expect_row_tile_samples(const Fp8GemmProblem& problem, const RandomRowTileO
     const int64_t r = static_cast<int64_t>(pick.below(rows)), c = pick.below(n);
     const int64_t e = r / 128 / tiles_per_expert;
     SampledSum want;
-    for (int64_t kb = 0; kb < k_blocks; ++kb) {
-      double block = 0, block_magnitude = 0;
-      for (int64_t i = kb * 128; i < kb * 128 + 128; ++i) {
-        const double term = static_cast<double>(e4m3_to_float(e4m3{o.a[r * k + i]})) *
-                            e4m3_to_float(e4m3{o.b[(e * n + c) * k + i]});
-        block += term;
-        block_magnitude += std::abs(term);
-      }
-      want.add_block(block, block_magnitude,
+    for (int64_t kb = 0; kb < k_blocks; ++kb)
+      want.add_block(&o.a[r * k + kb * 128], &o.b[(e * n + c) * k + kb * 128],
                      static_cast<double>(o.a_scales[kb * rows + r]) *
                          o.b_scales[(e * (n / 128) + c / 128) * k_blocks + kb]);
-    }
     expect_near_sum(problem.out, r * n + c, want, what);
   }
 }
@@ -773,17 +774,9 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
     for (int sample = 0; sample < 64; ++sample) {
       const int64_t e = pick.below(shape.experts), i = pick.below(m), j = pick.below(n);
       SampledSum want;
-      for (int64_t kb = e * shape.expert_rows / 128; kb < (e + 1) * shape.expert_rows / 128; ++kb) {
-        double block = 0, block_magnitude = 0;
-        for (int64_t t = kb * 128; t < kb * 128 + 128; ++t) {
-          const double term = static_cast<double>(e4m3_to_float(e4m3{a[i * total_rows + t]})) *
-                              e4m3_to_float(e4m3{b[j * total_rows + t]});
-          block += term;
-          block_magnitude += std::abs(term);
-        }
-        want.add_block(block, block_magnitude,
+      for (int64_t kb = e * shape.expert_rows / 128; kb < (e + 1) * shape.expert_rows / 128; ++kb)
+        want.add_block(&a[i * total_rows + kb * 128], &b[j * total_rows + kb * 128],
                        static_cast<double>(a_scales[kb * m + i]) * b_scales[kb * n + j]);
-      }
       expect_near_sum(wgrad.out, (e * m + i) * n + j, want, "weight gradient");
     }
   }

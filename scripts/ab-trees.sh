@@ -1,0 +1,49 @@
+# The source trees of an A/B (sourced by scripts/ab-bench.sh and scripts/ab-tests.sh): the
+# command line's trees, their names, and their builds in parallel.
+
+# ab_parse_trees USAGE ARG...: the arguments before `--` into `trees`, those after it into
+# `ab_args`; prints USAGE and exits 2 without a tree.
+ab_parse_trees() {
+  local usage="$1"
+  shift
+  trees=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do
+    trees+=("$1")
+    shift
+  done
+  [ "${1:-}" = -- ] && shift
+  ab_args=("$@")
+  if [ ${#trees[@]} -eq 0 ]; then
+    echo "usage: $usage" >&2
+    exit 2
+  fi
+}
+
+# ab_tree_name TREE: the tree's folder name (`.` is the checkout's), which names its logs.
+ab_tree_name() { basename "$(cd "$1" && pwd)"; }
+
+# ab_build_trees BUILD_DIR LOG_PREFIX TARGET CMAKE_ARG...: configures and builds TARGET in
+# TREE/BUILD_DIR for every tree at once, the machine's cores shared among them, each build's
+# output in LOG_PREFIX<tree>.log; on a failure prints that log's tail and exits 1.
+ab_build_trees() {
+  local build_dir="$1" log_prefix="$2" target="$3"
+  shift 3
+  local jobs_each=$(($(nproc) / ${#trees[@]}))
+  [ "$jobs_each" -ge 1 ] || jobs_each=1
+  local pids=() tree i
+  for tree in "${trees[@]}"; do
+    (
+      cd "$tree"
+      cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+      cmake --build "$build_dir" --target "$target" -j "$jobs_each" >/dev/null
+    ) >"$log_prefix$(ab_tree_name "$tree").log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+      echo "build of ${trees[$i]} failed:" >&2
+      tail -n 30 "$log_prefix$(ab_tree_name "${trees[$i]}").log" >&2
+      exit 1
+    fi
+  done
+}
