@@ -336,6 +336,12 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
       const mok::ForwardContext step = layer.forward(args, stream);
       layer.backward(frozen_args, stream, &step);
     });
+  // The forward no backward follows (ForwardArgs::keep_context off: torch.no_grad, an
+  // evaluation): the same bits (BackwardGpu.ForwardWithoutContextKeepsTheBits).
+  mok::ForwardArgs no_context_args = args;
+  no_context_args.keep_context = false;
+  const size_t no_context_index = timed.size();
+  if (full) timed.push_back([&] { layer.forward(no_context_args, stream); });
   const size_t first_compared = timed.size();
   for (ComparedKnob& knob : compared) {
     timed.push_back([&] { knob.layer->forward(args, stream); });
@@ -444,6 +450,10 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     std::printf("    %-44s %9.3f ms (%.2fx the step's time)\n",
                 "frozen weights (no weight gradients)", medians[frozen_index],
                 medians[frozen_index] / mok_step_ms);
+  if (full)
+    std::printf("    %-44s %9.3f ms (%.2fx the forward's time)\n",
+                "forward keeping no context (torch.no_grad)", medians[no_context_index],
+                medians[no_context_index] / mok_forward_ms);
   if (full) {
     std::printf("  forward variants (same bits):\n");
     for (const auto& [name, ms] : forward_variants_ms)

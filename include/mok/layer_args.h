@@ -54,6 +54,12 @@ struct ForwardArgs {
   Fp8BlockWeight w_shared_gate_fp8;  // [Is, H]
   Fp8BlockWeight w_shared_up_fp8;    // [Is, H]
   Fp8BlockWeight w_shared_down_fp8;  // [H, Is]
+  // False: no backward starts from this forward (an evaluation, a forward under torch.no_grad).
+  // The layer then skips what only a backward reads: the gate/up GEMM's bf16 g and u beside h
+  // (the standalone and persistent forward kernels; the 256 x 192 tiles still write them), and
+  // in FP8 the x rows' column groups. The outputs are the same bits. The context it returns is
+  // one no backward accepts, and it makes the older ones stale: a backward recomputes.
+  bool keep_context = true;
 };
 
 // True when any weight of `args` is given pre-quantized.

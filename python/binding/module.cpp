@@ -281,20 +281,23 @@ void bind_gpu_layer(nb::module_& m) {
              const Array& w_gate, const Array& w_up, const Array& w_down,
              const OptionalArray& w_shared_gate, const OptionalArray& w_shared_up,
              const OptionalArray& w_shared_down, const Array& out, uintptr_t stream,
-             uint64_t weights_version, const ScaleArrays& weight_scales) {
+             uint64_t weights_version, const ScaleArrays& weight_scales, bool keep_context) {
             ForwardArgs args =
                 forward_args(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
                              w_shared_up, w_shared_down, weight_scales);
             args.out = view_of(out, "out");
             args.weights_version = weights_version;
+            args.keep_context = keep_context;
             return layer.forward(args, stream_of(stream)).generation;
           },
           "x"_a, "top_experts"_a, "router_weights"_a, "w_gate"_a, "w_up"_a, "w_down"_a,
           "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "out"_a,
           "stream"_a, "weights_version"_a = 0, "weight_scales"_a = ScaleArrays{},
+          "keep_context"_a = true,
           "Launches the forward on `stream`; returns the context (0 never names one) that a "
           "backward of the same inputs may start from. `weights_version`: "
           "ForwardArgs::weights_version (FP8: nonzero keeps quantized weights between calls). "
+          "`keep_context` false: ForwardArgs::keep_context (no backward will follow; returns 0). "
           "A float8_e4m3fn weight is pre-quantized: its 128 x 128 block scales are "
           "`weight_scales` at its index (gate, up, down, shared gate, shared up, shared down).")
       .def(

@@ -503,10 +503,10 @@ class _MoeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        # args: the nine inputs of torch.ops.mok.forward, then swiglu_limit, the workspace and
-        # the weight scales.
-        inputs, (swiglu_limit, handle, weight_scales) = args[:9], args[9:]
-        out = ops.forward_eager(*inputs, swiglu_limit, handle, weight_scales)
+        # args: the nine inputs of torch.ops.mok.forward, then swiglu_limit, the workspace, the
+        # weight scales and keep_context (False when no backward will follow).
+        inputs, (swiglu_limit, handle, weight_scales, keep) = args[:9], args[9:]
+        out = ops.forward_eager(*inputs, swiglu_limit, handle, weight_scales, keep)
         ctx.save_for_backward(*inputs, *weight_scales)
         ctx.swiglu_limit = swiglu_limit
         ctx.handle = handle
@@ -534,7 +534,13 @@ class _MoeFunction(torch.autograd.Function):
             g if wanted and w is not None and w.dtype != torch.float8_e4m3fn else None
             for g, w in zip(grads[2:], inputs[3:])
         ]
-        return (d_x, None, d_router_weights, *weight_grads, None, None, None)
+        return (d_x, None, d_router_weights, *weight_grads, None, None, None, None)
+
+
+def _records_graph(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on `tensors`: grad mode on and any of them requiring a
+    gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _autocast_to_bf16(device_type: str) -> bool:
@@ -599,5 +605,10 @@ def moe(
         # Exact in fp32 (a differentiable cast: the gradient returns in the caller's dtype):
         # FSDP2's MixedPrecisionPolicy casts every floating forward input to bf16.
         rw2 = rw2.float()
-    out = _MoeFunction.apply(x2, top2, rw2, *weights, _limit(swiglu_limit), handle, weight_scales)
+    # Nothing to differentiate (torch.no_grad, an evaluation): the forward skips what only a
+    # backward reads (ForwardArgs::keep_context).
+    keep = _records_graph(x2, rw2, *weights)
+    out = _MoeFunction.apply(
+        x2, top2, rw2, *weights, _limit(swiglu_limit), handle, weight_scales, keep
+    )
     return out.reshape(*leading, out.shape[-1])

@@ -162,6 +162,7 @@ def _forward_cuda(
     swiglu_limit: float,
     workspace: int,
     weight_scales: list[Tensor | None],
+    keep_context: bool = True,
 ) -> Tensor:
     inputs = (
         x,
@@ -181,7 +182,9 @@ def _forward_cuda(
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
     extra = _weight_arguments(space, inputs, weight_scales)
     with _run_on(x.device):
-        context = layer.forward(*_capsules(*inputs), _dl(out), stream, **extra)
+        context = layer.forward(
+            *_capsules(*inputs), _dl(out), stream, keep_context=keep_context, **extra
+        )
     space.record_forward(key, x.device, context, fingerprint(*inputs, *weight_scales))
     return out
 
@@ -193,7 +196,8 @@ forward = torch.library.custom_op("mok::forward", mutates_args=(), device_types=
 
 @forward.register_kernel("cpu")
 def _forward_cpu(*args):
-    inputs, (swiglu_limit, workspace, weight_scales) = args[:9], args[9:]
+    # keep_context (a 13th argument) changes nothing in the reference.
+    inputs, (swiglu_limit, workspace, weight_scales) = args[:9], args[9:12]
     out = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
     _C.reference_forward(
         _layer_key(inputs, swiglu_limit).shape(1),

@@ -254,6 +254,7 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
   params.k_extent = static_cast<int32_t>(H);
   params.gather = gather;
   params.macrobatch = macrobatch;
+  params.skip_context_stores = f.keep_context ? 0 : 1;
   if (s.config.gemm_wide_tiles) {
     // 256 x (96 gate + 96 up) tiles; h, g and u written with plain stores.
     kernels::WideGemmMaps wide{};
@@ -312,6 +313,7 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward
   forward_set_params(s, *routed.set, params.gate_up, params.down);
   params.gate_up.gather = gather;
   params.gate_up.macrobatch = macrobatch;
+  params.gate_up.skip_context_stores = routed.keep_context ? 0 : 1;
   params.down.macrobatch = macrobatch;
   params.down.macrobatch.out_row_base = 0;  // y is full size, in schedule rows
   params.down.push = routed.push;
@@ -323,6 +325,7 @@ void forward_experts_persistent(const GpuLayer::State& s, const ExpertSetForward
   if (shared != nullptr) {
     maps.shared = forward_set_maps(s, *shared);
     forward_set_params(s, *shared->set, params.shared_gate_up, params.shared_down);
+    params.shared_gate_up.skip_context_stores = shared->keep_context ? 0 : 1;
     params.shared_m_tiles = static_cast<int32_t>(counters.shared_tiles);
     params.shared_gate_up_done = s.counter(s.persistent_state, counters.shared_gate_up_done());
   }

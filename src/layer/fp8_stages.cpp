@@ -193,9 +193,11 @@ void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
 }
 
 // x's rows for the gate/up GEMM: gathered here both ways (`gather` from the local exchange; the
-// column groups are the backward's), or the exchange's `rows` [count, H] in row groups.
+// column groups are the backward's, skipped without `column_groups`), or the exchange's `rows`
+// [count, H] in row groups.
 void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, const void* rows,
-                     int64_t count, int64_t hidden, const Fp8SetBuffers& fp8, cudaStream_t stream) {
+                     int64_t count, int64_t hidden, const Fp8SetBuffers& fp8, cudaStream_t stream,
+                     bool column_groups = true) {
   if (gather.x == nullptr) {
     quantize(rows, count, hidden, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
     return;
@@ -203,7 +205,8 @@ void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, c
   if (count != set.capacity_rows)
     throw Error(ErrorCode::kInternal, "FP8: a gather over " + std::to_string(count) + " rows, " +
                                           std::to_string(set.capacity_rows) + " in the buffers");
-  gather_quantize(set, gather, fp8.x_rows, fp8.x_t, stream, "x rows");
+  const Fp8Operand none;  // no column groups: the kernel writes row groups alone
+  gather_quantize(set, gather, fp8.x_rows, column_groups ? fp8.x_t : none, stream, "x rows");
 }
 
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
@@ -278,7 +281,7 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, stream);
-  quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, stream);
+  quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, stream, f.keep_context);
   mark("FP8 quantization of the weights and x rows");
   gate_up_gemm(s, set, fp8, weights, rows, stream);
   cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,

@@ -131,9 +131,11 @@ void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t strea
                                 routed_weights(args),
                                 s.expert_out.pointer,
                                 s.routed.layout.params.max_rows(),
-                                s.exchange->gemm_push(s)};
-  const ExpertSetForward shared_set{
-      &s.shared, args.x.data, T, shared_weights(args), s.shared_out.pointer, T};
+                                s.exchange->gemm_push(s),
+                                args.keep_context};
+  ExpertSetForward shared_set{&s.shared, args.x.data, T, shared_weights(args), s.shared_out.pointer,
+                              T};
+  shared_set.keep_context = args.keep_context;
   const ExpertSetForward* shared = s.shape.has_shared_expert() && T > 0 ? &shared_set : nullptr;
   s.exchange->route_forward(s, args, stream, mark);
   // Macrobatches from the last to 0: macrobatch 0's rows, g and u stay in the ring for the
@@ -224,7 +226,10 @@ ForwardContext GpuLayer::forward(const ForwardArgs& args, cudaStream_t stream) {
                                                s.sm_count, stream),
                "check_finite: scan of the forward's inputs");
   run_forward(s, args, stream, [](const char*) {});
-  return ForwardContext{++s.generation};
+  ++s.generation;  // the workspace's intermediates are this forward's now
+  // Without keep_context, g and u (and FP8's x column groups) were not written: generation 0,
+  // which no backward accepts.
+  return args.keep_context ? ForwardContext{s.generation} : ForwardContext{};
 }
 
 namespace {

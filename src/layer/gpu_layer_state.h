@@ -190,6 +190,9 @@ struct ExpertSetForward {
   // Expert parallel: the down GEMM also pushes the rows of other ranks' pairs into their slots
   // (TokenExchange::gemm_push; slot_peers null = the push runs after the GEMMs, or none).
   kernels::RowPush push{};
+  // ForwardArgs::keep_context: false skips the stores only a backward reads (g and u; FP8's x
+  // column groups).
+  bool keep_context = true;
 };
 
 // The router weights the SwiGLU backward reads and where each pair's gradient goes: this

@@ -434,6 +434,60 @@ TEST(BackwardGpu, StaleContextIsRejected) {
   EXPECT_THROW(layer.backward(device.backward_args(), nullptr, &latest), Error);
 }
 
+// A forward with ForwardArgs::keep_context off (no backward follows: torch.no_grad) skips g and u
+// (FP8: x's column groups too): the same output bits; its context is one no backward accepts,
+// and the one before it is stale; a backward without a context after it recomputes to the bits
+// of a step from a kept context. In the kernel sequence (its two epilogue forms: one staging
+// round and the four-stage ring's two), the persistent forward, with a shared expert, in FP8.
+TEST(BackwardGpu, ForwardWithoutContextKeepsTheBits) {
+  struct Variant {
+    const char* name;
+    MoeConfig config;
+  };
+  MoeConfig four_stages, persistent, fp8;
+  four_stages.gemm_four_stages = true;
+  persistent.persistent_forward = true;
+  fp8.precision = Precision::kFP8Block;
+  // 384 tokens: FP8's shared expert runs whole 128-row tiles.
+  const MoeShape shape = make_shape(384, 1024, 384, 16, 4, 1, 256, 0.5f);
+  for (const Variant& variant :
+       {Variant{"kernel sequence", MoeConfig{}}, Variant{"four stages", four_stages},
+        Variant{"persistent forward", persistent}, Variant{"fp8_block", fp8}}) {
+    SCOPED_TRACE(variant.name);
+    HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 41);
+    DeviceProblem device(problem, 0);
+    GpuLayer layer(shape, variant.config);
+    const HostRank want = test::gpu_step(layer, device, problem, /*with_context=*/true);
+    const ForwardContext kept = layer.forward(device.forward_args(), nullptr);
+
+    device.poison_outputs();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ForwardArgs args = device.forward_args();
+    args.keep_context = false;
+    const ForwardContext none = layer.forward(args, nullptr);
+    ASSERT_TRUE(layer.synchronize(nullptr).ok());
+    const HostRank forward_only = test::downloaded_outputs(device, problem);
+    EXPECT_TRUE(test::bitwise_equal(forward_only.out, want.out));
+    EXPECT_EQ(none.generation, 0u);
+    EXPECT_FALSE(layer.holds_context(none));
+    EXPECT_FALSE(layer.holds_context(kept));
+    EXPECT_THROW(layer.backward(device.backward_args(), nullptr, &none), Error);
+    EXPECT_THROW(layer.backward(device.backward_args(), nullptr, &kept), Error);
+
+    device.poison_outputs();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    args = device.forward_args();
+    args.keep_context = false;
+    layer.forward(args, nullptr);
+    layer.backward(device.backward_args(), nullptr);
+    ASSERT_TRUE(layer.synchronize(nullptr).ok());
+    const HostRank got = test::downloaded_outputs(device, problem);
+    test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+      EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
+    });
+  }
+}
+
 // Frozen weights (every weight gradient absent): d_x and d_router_weights bitwise those of the
 // full backward, the weight-gradient buffers untouched, with the kernel sequence, several
 // macrobatches and in FP8; the persistent backward refuses, naming the way out.

@@ -106,6 +106,38 @@ def test_bitwise_reproducible(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_forward_without_autograd_gives_the_same_bits(device):
+    """Under torch.no_grad (and with nothing requiring a gradient) the forward keeps no context
+    (ForwardArgs::keep_context): the same output; a training step after it recomputes to the
+    same gradients."""
+    p = make_problem(device, Is=64, seed=5)
+    leaves = {
+        k: (
+            v.detach().clone().requires_grad_(True)
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v
+        )
+        for k, v in p.items()
+    }
+    out = moe_of(leaves)
+    out.backward(torch.ones_like(out))
+    want = [out.detach()] + [leaves[n].grad.clone() for n in ["x", "router_weights"] + WEIGHTS]
+    assert F._records_graph(leaves["x"])
+    with torch.no_grad():
+        assert not F._records_graph(leaves["x"])
+        assert torch.equal(moe_of(leaves), want[0])
+    assert torch.equal(moe_of(p), want[0])  # plain tensors: nothing to differentiate
+    for leaf in leaves.values():
+        if isinstance(leaf, torch.Tensor):
+            leaf.grad = None
+    out = moe_of(leaves)
+    out.backward(torch.ones_like(out))
+    got = [out.detach()] + [leaves[n].grad for n in ["x", "router_weights"] + WEIGHTS]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mok_functional_signatures(device):
     """MoK's call sequence, argument for argument: config, workspace, schedule, forward,
     backward (8 gradients in MoK's order), recompute_forward_context."""

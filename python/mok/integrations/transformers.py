@@ -86,11 +86,23 @@ class _FusedGateUpExperts(torch.autograd.Function):
     """mok's ops over a fused [E, 2I, H] gate/up weight: its halves as expert-strided views."""
 
     @staticmethod
-    def forward(ctx, x, top_experts, router_weights, gate_up, down, handle):
+    def forward(ctx, x, top_experts, router_weights, gate_up, down, handle, keep_context):
         intermediate = down.shape[-1]
         gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
         out = ops.forward_eager(
-            x, top_experts, router_weights, gate, up, down, None, None, None, math.inf, handle, []
+            x,
+            top_experts,
+            router_weights,
+            gate,
+            up,
+            down,
+            None,
+            None,
+            None,
+            math.inf,
+            handle,
+            [],
+            keep_context,
         )
         ctx.save_for_backward(x, top_experts, router_weights, gate_up, down)
         ctx.handle = handle
@@ -107,10 +119,10 @@ class _FusedGateUpExperts(torch.autograd.Function):
             # Frozen experts (a fine-tune of the router, the attention or adapters): no weight
             # gradients computed.
             grads = ops.backward_eager(*args, False)
-            return grads[0], None, grads[1], None, None, None
+            return grads[0], None, grads[1], None, None, None, None
         grads, d_gate_up = ops.backward_fused_gate_up_eager(*args)
         d_x, d_router_weights, _, _, d_down = grads[:5]
-        return d_x, None, d_router_weights, d_gate_up, d_down, None
+        return d_x, None, d_router_weights, d_gate_up, d_down, None, None
 
 
 def mok_experts_forward(
@@ -133,13 +145,12 @@ def mok_experts_forward(
     top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
     workspace = _workspace_of(self) or functional._default_workspace(functional._DEFAULT_CONFIG)
     handle = workspace.handle  # on CPU too: its config names the precision
+    router_weights = top_k_weights.float()
+    down = down.contiguous()
+    # Nothing to differentiate (generation, evaluation): no forward context kept.
+    keep_context = functional._records_graph(hidden_states, router_weights, gate_up, down)
     return _FusedGateUpExperts.apply(
-        hidden_states,
-        top_k_index,
-        top_k_weights.float(),
-        gate_up,
-        down.contiguous(),
-        handle,
+        hidden_states, top_k_index, router_weights, gate_up, down, handle, keep_context
     )
 
 

@@ -13,7 +13,8 @@
 // What each form stores (column group j < 16: gate columns, j >= 16: the up columns 128 further,
 // for the 128 + 128 gate/up tiles):
 //   kGateUpSwiGLU     bf16(g) to out2 (chunks 0-1) and bf16(u) to out3 (chunks 2-3), the
-//                     forward context; then h = bf16(swiglu(g, u)) over chunks 0-1, to out
+//                     forward context (not with params.skip_context_stores); then
+//                     h = bf16(swiglu(g, u)) over chunks 0-1, to out
 //   kGateUpStore      bf16(g) to out (chunks 0-1), bf16(u) to out2 (chunks 2-3)
 //   kDownStore, kDownGrad, kGateUpGradStore  the 256 columns to out [rows, N]; kDownStore and
 //                     kGateUpGradStore with params.push also the rows of other ranks' pairs
@@ -238,7 +239,7 @@ __device__ __forceinline__ void store_round(const OutputMaps& maps, char* tile,
     if (coord.half) zero_padding_rows<2>(tile);
     publish_staging_tile();
     const int col_base = coord.n_tile * 128 + 64 * kRound;
-    if (issuer) {
+    if (issuer && !(kSwiGLU && params.skip_context_stores)) {
       store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 1, col_base, params.n_extent, row, 0);
       store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 1, 1, col_base, params.n_extent, row, 0);
       ptx::bulk_commit_group();
@@ -285,7 +286,7 @@ __device__ __forceinline__ void store_tile(const OutputMaps& maps, Storage& smem
     stage_accumulators(tile, consumer_idx, coord.half, fragment);
     publish_staging_tile();
     constexpr bool kSwiGLU = kForm == ExpertGemmForm::kGateUpSwiGLU;
-    if (issuer) {
+    if (issuer && !(kSwiGLU && params.skip_context_stores)) {  // g and u: the forward context
       store_chunks(kSwiGLU ? maps.out2 : maps.out, tile, 0, 2, col_base, params.n_extent, row, 0);
       store_chunks(kSwiGLU ? maps.out3 : maps.out2, tile, 2, 2, col_base, params.n_extent, row, 0);
       ptx::bulk_commit_group();

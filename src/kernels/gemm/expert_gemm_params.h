@@ -136,6 +136,9 @@ struct ExpertGemmParams {
   // MoeConfig::gemm_tiles_by_ticket: the row-tile forms' units by ticket (tile_tickets.h; not
   // in CTA pairs or under the L2 placement); counter null: the static walk.
   GemmTickets tickets;
+  // kGateUpSwiGLU: 1 = g and u are not stored, h alone (ForwardArgs::keep_context off: no
+  // backward reads them).
+  int32_t skip_context_stores;
   int32_t m_extent;    // output rows M (kWeightGrad)
   int32_t n_extent;    // output columns N
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
