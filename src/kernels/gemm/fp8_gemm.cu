@@ -8,7 +8,9 @@
 //   warpgroup 0   producer: one thread loads each K-block of 128 into a stage with TMA: the A
 //                 and B tiles [128 x 128] e4m3 (16 KB each), the A tile's 128 line scales
 //                 (512 B) and, kWeightGrad, the B tile's (512 B), all completing on full[s]; it
-//                 gives its registers away (setmaxnreg.dec).
+//                 gives its registers away (setmaxnreg.dec). kWeightGrad: thread 32 is the
+//                 storer, which stores each tile the consumers staged (staging_full) and hands
+//                 the staging tile back once the store has read it (staging_free).
 //   warpgroups 1, 2  consumers: each owns 64 rows and three 64 x 128 fp32 register tiles: two
 //                 K-blocks' products in flight and the running sum. Per K-block: four wgmma
 //                 m64n128k32 e4m3 into a fresh tile (scale-d 0 first); while the next block's
@@ -23,7 +25,9 @@
 //                 the stage is released after it).
 // Pipeline: kFp8Stages stages of 33 KB (the 128-byte swizzle TMA writes and wgmma reads); the
 // epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
-// overlapping the next tile's mainloop. (Each consumer warpgroup storing its own 64 rows behind
+// overlapping the next tile's mainloop: kRowTiles through the consumers' named barrier and their
+// first thread, kWeightGrad through the storer and two mbarriers, so that its short tiles'
+// consumers never wait for each other or issue a store. (Each consumer warpgroup storing its own 64 rows behind
 // its own barrier, so that one's epilogue could run under the other's wgmma, with the next
 // tile's coordinates read a tile ahead: 7% slower in the weight gradients at dsv3_e128's 256
 // rows per expert, level elsewhere; the read-ahead alone lost 8% there; docs/perf.md sessions
