@@ -27,11 +27,10 @@
 // epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
 // overlapping the next tile's mainloop: kRowTiles through the consumers' named barrier and their
 // first thread, kWeightGrad through the storer and two mbarriers, so that its short tiles'
-// consumers never wait for each other or issue a store. (Each consumer warpgroup storing its own 64 rows behind
-// its own barrier, so that one's epilogue could run under the other's wgmma, with the next
-// tile's coordinates read a tile ahead: 7% slower in the weight gradients at dsv3_e128's 256
-// rows per expert, level elsewhere; the read-ahead alone lost 8% there; docs/perf.md sessions
-// 26-27.)
+// consumers never wait for each other or issue a store. (Each consumer warpgroup storing its
+// own 64 rows behind its own barrier, with the next tile's coordinates read a tile ahead: 7%
+// slower in the weight gradients at dsv3_e128's 256 rows per expert, level elsewhere; the
+// read-ahead alone lost 8% there; docs/perf.md sessions 26-27.)
 // B's scales (kRowTiles): one per 128-long K-block of the tile's weight block row. The consumers
 // read the next tile's from global memory while this one runs (one per thread) and write them into
 // the other of two shared-memory rows before the epilogue's barrier, so no K-block waits on a
