@@ -43,6 +43,12 @@ const char* wait_site_name(int32_t site) {
       return "expert GEMM producer waiting for the slowest CTA of its launch to catch up "
              "(gemm_lockstep_k_blocks; expected counts the CTAs started, seen those past the "
              "tick)";
+    case kernels::WaitSite::kStagingFree:
+      return "FP8 weight-gradient consumer waiting for the store of the staging tile's last tile "
+             "to have read it";
+    case kernels::WaitSite::kStagingFull:
+      return "FP8 weight-gradient storer waiting for the consumer warps to stage their tile "
+             "(expected and seen are the barrier's phase)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

@@ -24,6 +24,8 @@ enum class WaitSite : int32_t {
   kExpertReady = 13,       // persistent backward: a weight-gradient tile waiting for its expert
   kSharedGateUpDone = 14,  // persistent forward: a shared-expert down tile waiting for its gate/up
   kLockstep = 15,          // GEMM producer waiting for the slowest CTA (gemm_lockstep_k_blocks)
+  kStagingFree = 16,       // FP8 weight-gradient consumer waiting for the staging tile's last store
+  kStagingFull = 17,       // FP8 weight-gradient storer waiting for the consumers' staged tile
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

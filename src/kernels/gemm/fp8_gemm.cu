@@ -8,7 +8,9 @@
 //   warpgroup 0   producer: one thread loads each K-block of 128 into a stage with TMA: the A
 //                 and B tiles [128 x 128] e4m3 (16 KB each), the A tile's 128 line scales
 //                 (512 B) and, kWeightGrad, the B tile's (512 B), all completing on full[s]; it
-//                 gives its registers away (setmaxnreg.dec).
+//                 gives its registers away (setmaxnreg.dec). kWeightGrad: thread 32 is the
+//                 storer, which stores each tile the consumers staged (staging_full) and hands
+//                 the staging tile back once the store has read it (staging_free).
 //   warpgroups 1, 2  consumers: each owns 64 rows and three 64 x 128 fp32 register tiles: two
 //                 K-blocks' products in flight and the running sum. Per K-block: four wgmma
 //                 m64n128k32 e4m3 into a fresh tile (scale-d 0 first); while the next block's
@@ -23,11 +25,12 @@
 //                 the stage is released after it).
 // Pipeline: kFp8Stages stages of 33 KB (the 128-byte swizzle TMA writes and wgmma reads); the
 // epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
-// overlapping the next tile's mainloop. (Each consumer warpgroup storing its own 64 rows behind
-// its own barrier, so that one's epilogue could run under the other's wgmma, with the next
-// tile's coordinates read a tile ahead: 7% slower in the weight gradients at dsv3_e128's 256
-// rows per expert, level elsewhere; the read-ahead alone lost 8% there; docs/perf.md sessions
-// 26-27.)
+// overlapping the next tile's mainloop: kRowTiles through the consumers' named barrier and their
+// first thread, kWeightGrad through the storer and two mbarriers, so that its short tiles'
+// consumers never wait for each other or issue a store. (Each consumer warpgroup storing its
+// own 64 rows behind its own barrier, with the next tile's coordinates read a tile ahead: 7%
+// slower in the weight gradients at dsv3_e128's 256 rows per expert, level elsewhere; the
+// read-ahead alone lost 8% there; docs/perf.md sessions 26-27.)
 // B's scales (kRowTiles): one per 128-long K-block of the tile's weight block row. The consumers
 // read the next tile's from global memory while this one runs (one per thread) and write them into
 // the other of two shared-memory rows before the epilogue's barrier, so no K-block waits on a
@@ -67,6 +70,9 @@ struct alignas(1024) Fp8SharedStorage {
   float tile_b_scales[2][kMaxTileKBlocks];  // kRowTiles: B's per K-block, by the CTA's tile parity
   uint64_t full[kFp8Stages];
   uint64_t empty[kFp8Stages];
+  // kWeightGrad: the staging tile handed between the consumers and the storer thread.
+  uint64_t staging_full;  // a tile staged: one arrival per consumer warp
+  uint64_t staging_free;  // its store has read it: the storer's one arrival
 };
 static_assert(sizeof(Fp8SharedStorage) + 1024 <= 227 * 1024, "fits the SM's shared memory");
 
@@ -150,6 +156,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr bool kWeightGrad = kForm == Fp8GemmForm::kWeightGrad;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Fp8SharedStorage& smem = ptx::align_shared_1024<Fp8SharedStorage>(smem_raw);
+  if (kWeightGrad && threadIdx.x == 0) {  // init_pipeline fences and publishes them
+    ptx::mbarrier_init(&smem.staging_full, kConsumerThreads / 32);
+    ptx::mbarrier_init(&smem.staging_free, 1);
+  }
   init_pipeline(smem);
   const int num_m_tiles = kWeightGrad ? params.m_extent / BLOCK_M : params.header->num_tiles;
   const int num_n_tiles = params.n_extent / kFp8TileN;
@@ -209,6 +219,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
       if (lockstep) lockstep_end(params.lockstep, step, local_tile);
+    } else if (kWeightGrad && threadIdx.x == 32) {
+      // kWeightGrad's storer: stores each tile the consumers staged, and hands the staging
+      // tile back once its store has read it, so that the consumers' epilogue is the staging
+      // alone (no barrier between them, no store issued on their path).
+      ptx::prefetch_tensor_map(&maps.out);
+      const char* staging = reinterpret_cast<const char*>(smem.store_tile);
+      int local_tile = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
+        const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+        mbarrier_wait(params.wait, WaitSite::kStagingFull, &smem.staging_full, local_tile & 1);
+        store_chunks(&maps.out, staging, 0, kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent,
+                     t.m_tile * BLOCK_M, t.expert);
+        ptx::bulk_commit_group();
+        ptx::bulk_wait_group_read<0>();
+        ptx::mbarrier_arrive(&smem.staging_free);
+      }
+      ptx::bulk_wait_group<0>();
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
@@ -349,30 +376,39 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // longer read (every consumer passed this tile's first barrier after the last tile's math).
       if constexpr (!kWeightGrad)
         smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
-      acquire_staging_tile(issuer);
       char* staging = reinterpret_cast<char*>(smem.store_tile);
-      stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx * 64, [&](int i, int j) {
-        return empty ? make_float2(0.0f, 0.0f)
-                     : make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
-      });
+      auto stage = [&] {
+        stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx * 64, [&](int i, int j) {
+          return empty ? make_float2(0.0f, 0.0f)
+                       : make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
+        });
+      };
+      if constexpr (kWeightGrad) {
+        // The storer (producer warp 1) stores it: wait until the last tile's store has read
+        // the staging tile, stage, and hand it over, one arrival per warp.
+        mbarrier_wait(params.wait, WaitSite::kStagingFree, &smem.staging_free,
+                      (local_tile & 1) ^ 1);
+        stage();
+        ptx::fence_proxy_async_shared();
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.staging_full);
+        continue;
+      }
+      acquire_staging_tile(issuer);
+      stage();
       publish_staging_tile();
       if (issuer) {
         const int column = t.n_tile * kFp8TileN;
-        if constexpr (kWeightGrad) {
-          store_chunks(&maps.out, staging, 0, kFp8TileN / 64, column, params.n_extent,
-                       t.m_tile * BLOCK_M, t.expert);
-        } else {
-          const bool second = params.n_split > 0 && column >= params.n_split;
-          store_chunks(second ? &maps.out2 : &maps.out, staging, 0, kFp8TileN / 64,
-                       second ? column - params.n_split : column,
-                       second ? params.n_extent - params.n_split
-                              : (params.n_split > 0 ? params.n_split : params.n_extent),
-                       t.m_tile * BLOCK_M, 0);
-        }
+        const bool second = params.n_split > 0 && column >= params.n_split;
+        store_chunks(second ? &maps.out2 : &maps.out, staging, 0, kFp8TileN / 64,
+                     second ? column - params.n_split : column,
+                     second ? params.n_extent - params.n_split
+                            : (params.n_split > 0 ? params.n_split : params.n_extent),
+                     t.m_tile * BLOCK_M, 0);
         ptx::bulk_commit_group();
       }
     }
-    if (issuer) ptx::bulk_wait_group<0>();  // the last store reads the staging tile
+    if (issuer) ptx::bulk_wait_group<0>();  // kRowTiles: the last store reads the staging tile
   }
 }
 
