@@ -22,12 +22,22 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 from .bench_peers import SYSTEM_NAMES, Problem, System, make_problem, systems_of
 
 DIRECTIONS = ("forward", "forward+backward")
+_START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """A line with the seconds since the module loaded, flushed: a run cut off by a time limit
+    still says which system or round its time went to."""
+    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+
+
 MODES = ("per call", "sustained")
 
 
@@ -97,6 +107,7 @@ def measurement_order(names: list[str], rounds: int) -> list[tuple[int, str, str
 def run_shape(p: Problem, systems: list[System], calls: int, rounds: int) -> dict:
     timed = {}
     for system in systems:
+        progress(f"{p.shape_name}: {system.name}: first step (warm-up, autotuning)")
         try:
             timed[system.name] = _callables(p, system)
         except Exception as error:  # a peer (or a new mok path) that fails here is left out
@@ -105,7 +116,11 @@ def run_shape(p: Problem, systems: list[System], calls: int, rounds: int) -> dic
             p.skipped[system.name] = f"failed: {type(error).__name__}: {error}"[:300]
             torch.cuda.synchronize()
     samples: dict[str, list[float]] = {}
-    for _, direction, mode, name in measurement_order(list(timed), rounds):
+    last_round = -1
+    for round_idx, direction, mode, name in measurement_order(list(timed), rounds):
+        if round_idx != last_round:
+            progress(f"{p.shape_name}: round {round_idx + 1} of {rounds}")
+            last_round = round_idx
         fn = timed[name][DIRECTIONS.index(direction)]
         samples.setdefault(f"{name}|{direction}|{mode}", []).append(
             _time(fn, calls, mode == "sustained")
