@@ -4,13 +4,15 @@
 // infinity, denormal bf16, tiny values, bf16's largest): the same codes, byte for byte, and the
 // same scales (NaN where the host's is NaN); pre-quantized blocks transposed into the same bits
 // as quantizing the transposed weight; rows gathered through a schedule quantized as their
-// gathered copy. Then the quantizer's bandwidth at a dsv3 weight.
+// gathered copy. Then the quantizer's bandwidth at a dsv3 weight, and the gather pass's at
+// dsv3_local.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels/stages/fp8_quantize.h"
@@ -438,6 +440,72 @@ TEST(Fp8QuantizeGpu, Bandwidth) {
   cudaFree(in);
   cudaFree(out);
   cudaFree(scales);
+}
+
+// The forward's gather-and-quantize pass at dsv3_local's extents (4096 tokens of 7168, top-8, an
+// expert-ordered schedule of 32768 rows in 36864): random values, the tokens' rows visited in a
+// shuffled order as routing scatters them. Both group forms (a training forward: row groups for
+// the gate/up GEMM, column groups for the weight gradients) and row groups alone (a forward
+// that keeps no context); ms and GB/s, counting the gathered bf16 read once and each code
+// written (printed; the layer's "FP8 quantization of ... x rows" stage is this pass).
+TEST(Fp8QuantizeGpu, GatherBandwidth) {
+  const int64_t tokens = 4096, cols = 7168, top_k = 8, capacity = 36864, total = 32768;
+  std::vector<bf16> x(tokens * cols);
+  SplitMix64 rng(71);
+  for (bf16& v : x)
+    v = float_to_bf16(static_cast<float>(static_cast<int64_t>(rng.next() % 20001) - 10000) / 4096);
+  std::vector<int32_t> row_pair(capacity, -1);
+  for (int64_t r = 0; r < total; ++r) row_pair[r] = static_cast<int32_t>(r);
+  for (int64_t r = total - 1; r > 0; --r)
+    std::swap(row_pair[r], row_pair[static_cast<int64_t>(rng.next() % (r + 1))]);
+  ScheduleHeader header{};
+  header.total_rows = static_cast<int32_t>(total);
+  void *d_x = nullptr, *d_pairs = nullptr, *d_header = nullptr, *rows = nullptr, *columns = nullptr;
+  float *row_scales = nullptr, *column_scales = nullptr;
+  const int64_t values = capacity * cols;
+  ASSERT_EQ(cudaMalloc(&d_x, x.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_pairs, capacity * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_header, sizeof(header)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&rows, values), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&columns, values), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&row_scales, values / 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&column_scales, values / 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_x, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_pairs, row_pair.data(), capacity * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_header, &header, sizeof(header), cudaMemcpyHostToDevice), cudaSuccess);
+  kernels::Fp8GatherQuantize params;
+  params.header = static_cast<const ScheduleHeader*>(d_header);
+  params.row_pair = static_cast<const int32_t*>(d_pairs);
+  params.top_k = static_cast<int32_t>(top_k);
+  params.tokens = d_x;
+  params.cols = cols;
+  params.capacity_rows = capacity;
+  params.row_codes = rows;
+  params.row_scales = row_scales;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (const bool both_ways : {true, false}) {
+    params.column_codes = both_ways ? columns : nullptr;
+    params.column_scales = both_ways ? column_scales : nullptr;
+    ASSERT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaSuccess);
+    cudaEventRecord(start);
+    for (int i = 0; i < 10; ++i) kernels::launch_gather_quantize_fp8(params, nullptr);
+    cudaEventRecord(stop);
+    ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    const double bytes = total * cols * (2.0 + (both_ways ? 2.0 : 1.0));
+    std::printf("  fp8 gather-quantize at dsv3_local, %s: %.3f ms, %.0f GB/s\n",
+                both_ways ? "row and column groups" : "row groups", ms / 10,
+                bytes / (ms / 10 * 1e-3) / 1e9);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  for (void* p : {d_x, d_pairs, d_header, rows, columns, static_cast<void*>(row_scales),
+                  static_cast<void*>(column_scales)})
+    cudaFree(p);
 }
 
 }  // namespace
