@@ -42,6 +42,10 @@ std::vector<bf16> special_matrix(int64_t rows, int64_t cols, uint64_t seed) {
   group(3, 1, [](int64_t c) { return (c % 2 ? 1 : -1) * 0x1p-130f; });
   group(5, 0, [](int64_t c) { return static_cast<float>(c) * 0x1p-97f; });
   group(6, 1, [](int64_t c) { return c == 200 ? 3.3895314e38f : 1.0f; });
+  // Rows past the first 32 of a tile: the column forms' later row quarters meet a NaN and an
+  // infinity too.
+  group(100, 0, [](int64_t c) { return c == 7 ? NAN : 0.75f; });
+  group(77, 1, [](int64_t c) { return c == 250 ? -INFINITY : -0.25f; });
   return values;
 }
 
