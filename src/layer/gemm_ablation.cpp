@@ -13,8 +13,9 @@ kernels::GemmAblation parse_gemm_ablation(const char* value) {
   if (name.empty() || name == "none") return kernels::GemmAblation::kNone;
   if (name == "no-loads") return kernels::GemmAblation::kNoLoads;
   if (name == "no-math") return kernels::GemmAblation::kNoMath;
+  if (name == "no-swiglu") return kernels::GemmAblation::kNoSwiglu;
   throw Error(ErrorCode::kInvalidArgument,
-              "MOK_GEMM_ABLATION='" + name + "': valid are none, no-loads and no-math");
+              "MOK_GEMM_ABLATION='" + name + "': valid are none, no-loads, no-math and no-swiglu");
 }
 
 kernels::GemmAblation gemm_ablation_from_env() {

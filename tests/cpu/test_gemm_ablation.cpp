@@ -1,6 +1,6 @@
 // MOK_GEMM_ABLATION's values (src/layer/gemm_ablation.h): unset and "none" leave the GEMMs
-// whole, "no-loads" and "no-math" name their ablations, anything else is refused with the value
-// and the valid ones.
+// whole, "no-loads", "no-math" and "no-swiglu" name their ablations, anything else is refused with
+// the value and the valid ones.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -19,6 +19,7 @@ TEST(GemmAblation, NamesEachAblation) {
   EXPECT_EQ(parse_gemm_ablation("none"), GemmAblation::kNone);
   EXPECT_EQ(parse_gemm_ablation("no-loads"), GemmAblation::kNoLoads);
   EXPECT_EQ(parse_gemm_ablation("no-math"), GemmAblation::kNoMath);
+  EXPECT_EQ(parse_gemm_ablation("no-swiglu"), GemmAblation::kNoSwiglu);
 }
 
 TEST(GemmAblation, RefusesOtherValuesNamingThem) {
@@ -32,6 +33,7 @@ TEST(GemmAblation, RefusesOtherValuesNamingThem) {
       EXPECT_NE(message.find(std::string("'") + value + "'"), std::string::npos) << message;
       EXPECT_NE(message.find("no-loads"), std::string::npos) << message;
       EXPECT_NE(message.find("no-math"), std::string::npos) << message;
+      EXPECT_NE(message.find("no-swiglu"), std::string::npos) << message;
     }
   }
 }

@@ -170,6 +170,10 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
     const uint4 gate = *gate_unit;
     const uint4 up = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(gate_unit) +
                                                      kGateChunks * kStageChunkBytes);
+    if (params.ablation == GemmAblation::kNoSwiglu) {  // a measurement: h = g, no SwiGLU
+      h[q] = gate;
+      continue;
+    }
     // The branch-free division first; `a / b` for a unit with an operand outside its range
     // (swiglu.cuh: the same bits).
     if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h[q]))

@@ -7,12 +7,14 @@
 //             hold
 //   kNoMath   the consumers wait for and release each stage without their wgmmas: the loads
 //             (and the gather) and the epilogues
+//   kNoSwiglu the bf16 gate/up epilogue writes g as h instead of computing SwiGLU: what the
+//             SwiGLU math costs the forward's gate/up GEMM (an upper bound on any faster SwiGLU)
 #pragma once
 
 #include <stdint.h>
 
 namespace mok::kernels {
 
-enum class GemmAblation : int32_t { kNone = 0, kNoLoads = 1, kNoMath = 2 };
+enum class GemmAblation : int32_t { kNone = 0, kNoLoads = 1, kNoMath = 2, kNoSwiglu = 3 };
 
 }  // namespace mok::kernels
