@@ -1,7 +1,8 @@
 // The branch-free division of the SwiGLU steps (kernels/swiglu.cuh) gives the bits of `a / b`:
 // on random operands across its whole range, and on every bf16 gate value through the forward
 // and backward SwiGLU (g is bf16, so 65536 values are all of them), with and without a clamp;
-// out of its range it says so, and the callers' fallback then gives `a / b` itself.
+// out of its range it says so, and the callers' fallback then gives `a / b` itself. The unit form
+// (bf16 values, no roundings) gives the accumulator form's bits for every bf16 gate.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -82,6 +83,37 @@ __global__ void every_gate_kernel(float limit, Counts* counts) {
   }
 }
 
+// A unit of eight bf16 gate values (gate pattern 8 i .. 8 i + 7, NaN payloads and infinities
+// included) and up values: swiglu_forward_unit, which leaves out the roundings of values already
+// bf16, against swiglu_forward from the same values as fp32 accumulators, element by element.
+__global__ void unit_kernel(float limit, Counts* counts) {
+  const uint32_t unit = blockIdx.x * blockDim.x + threadIdx.x;
+  if (unit >= 65536 / 8) return;
+  uint16_t gate_bits[8], up_bits[8];
+  for (int e = 0; e < 8; ++e) {
+    const uint32_t pattern = unit * 8 + e;
+    gate_bits[e] = static_cast<uint16_t>(pattern);
+    up_bits[e] = static_cast<uint16_t>((pattern * 40503u) & 0xFFFFu);
+  }
+  uint4 gate, up, h;
+  memcpy(&gate, gate_bits, sizeof(gate));
+  memcpy(&up, up_bits, sizeof(up));
+  if (!kernels::swiglu_forward_unit<true>(gate, up, limit, h))
+    kernels::swiglu_forward_unit<false>(gate, up, limit, h);
+  uint16_t h_bits[8];
+  memcpy(h_bits, &h, sizeof(h));
+  for (int e = 0; e < 8; ++e) {
+    const float want = kernels::swiglu_forward(__uint_as_float(uint32_t(gate_bits[e]) << 16),
+                                               __uint_as_float(uint32_t(up_bits[e]) << 16), limit);
+    const uint16_t want_bits = __bfloat16_as_ushort(__float2bfloat16_rn(want));
+    atomicAdd(&counts->in_range, 1ull);
+    if (want_bits != h_bits[e] && atomicAdd(&counts->mismatches, 1ull) == 0) {
+      counts->first_bad_a = gate_bits[e];
+      counts->first_bad_b = up_bits[e];
+    }
+  }
+}
+
 Counts run_counts(void (*launch)(Counts*)) {
   Counts* counts = nullptr;
   EXPECT_EQ(cudaMallocManaged(&counts, sizeof(Counts)), cudaSuccess);
@@ -119,6 +151,18 @@ TEST(SwigluDivisionGpu, EveryBf16GateGivesTheSameSwigluBits) {
     // practice (zero, or 2^-60 <= |gate| <= 32) must be.
     EXPECT_EQ(counts.practical_out_of_range, 0u);
     EXPECT_GT(counts.in_range, 23000u);
+  }
+}
+
+TEST(SwigluDivisionGpu, UnitsOfBf16ValuesGiveTheBitsOfTheAccumulatorForm) {
+  for (const float limit : {std::numeric_limits<float>::infinity(), 7.0f, 0.5f}) {
+    SCOPED_TRACE(testing::Message() << "limit " << limit);
+    static float launch_limit;
+    launch_limit = limit;
+    const Counts counts = run_counts([](Counts* c) { unit_kernel<<<32, 256>>>(launch_limit, c); });
+    EXPECT_EQ(counts.mismatches, 0u) << "first: gate bits " << std::hex << counts.first_bad_a
+                                     << ", up bits " << counts.first_bad_b;
+    EXPECT_EQ(counts.in_range, 65536u);
   }
 }
 
