@@ -242,6 +242,19 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
 // schedule with padding rows, tokens routed twice and a window past total_rows, they are the
 // bits the quantizers give for the gathered bf16 rows, both group forms, every row below
 // total_rows; and nothing is written past it. Without a row_pair, the rows themselves.
+// A gather of `tokens` [T, cols] through the schedule (device pointers), with no outputs yet.
+kernels::Fp8GatherQuantize gather_of(const void* header, const void* row_pair, int64_t top_k,
+                                     const void* tokens, int64_t cols, int64_t capacity) {
+  kernels::Fp8GatherQuantize params;
+  params.header = static_cast<const ScheduleHeader*>(header);
+  params.row_pair = static_cast<const int32_t*>(row_pair);
+  params.top_k = static_cast<int32_t>(top_k);
+  params.tokens = tokens;
+  params.cols = cols;
+  params.capacity_rows = capacity;
+  return params;
+}
+
 TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
   const int64_t tokens = 200, cols = 384, top_k = 2, capacity = 640, total = 512;
   const std::vector<bf16> x = special_matrix(tokens, cols, 51);
@@ -281,13 +294,7 @@ TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
             cudaSuccess);
   for (void* p : {got_rows, got_cols}) ASSERT_EQ(cudaMemset(p, 0xab, values), cudaSuccess);
   for (float* p : {got_rs, got_cs}) ASSERT_EQ(cudaMemset(p, 0xab, scale_count * 4), cudaSuccess);
-  kernels::Fp8GatherQuantize params;
-  params.header = static_cast<const ScheduleHeader*>(d_header);
-  params.row_pair = static_cast<const int32_t*>(d_pairs);
-  params.top_k = static_cast<int32_t>(top_k);
-  params.tokens = d_x;
-  params.cols = cols;
-  params.capacity_rows = capacity;
+  kernels::Fp8GatherQuantize params = gather_of(d_header, d_pairs, top_k, d_x, cols, capacity);
   params.row_codes = got_rows;
   params.row_scales = got_rs;
   params.column_codes = got_cols;
@@ -478,13 +485,7 @@ TEST(Fp8QuantizeGpu, GatherBandwidth) {
   ASSERT_EQ(cudaMemcpy(d_pairs, row_pair.data(), capacity * 4, cudaMemcpyHostToDevice),
             cudaSuccess);
   ASSERT_EQ(cudaMemcpy(d_header, &header, sizeof(header), cudaMemcpyHostToDevice), cudaSuccess);
-  kernels::Fp8GatherQuantize params;
-  params.header = static_cast<const ScheduleHeader*>(d_header);
-  params.row_pair = static_cast<const int32_t*>(d_pairs);
-  params.top_k = static_cast<int32_t>(top_k);
-  params.tokens = d_x;
-  params.cols = cols;
-  params.capacity_rows = capacity;
+  kernels::Fp8GatherQuantize params = gather_of(d_header, d_pairs, top_k, d_x, cols, capacity);
   params.row_codes = rows;
   params.row_scales = row_scales;
   cudaEvent_t start, stop;

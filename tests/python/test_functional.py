@@ -27,6 +27,14 @@ def as_leaves(p):
     }
 
 
+def step_results(leaves):
+    """A training step's output and the gradients of x, the router weights and the weights, after
+    a backward of ones through mok on `leaves` (as_leaves)."""
+    out = moe_of(leaves)
+    out.backward(torch.ones_like(out))
+    return [out.detach()] + [leaves[n].grad for n in ["x", "router_weights"] + WEIGHTS]
+
+
 def moe_of(p, swiglu_limit=None):
     return F.moe(
         p["x"],
@@ -90,17 +98,8 @@ def test_bitwise_reproducible(device):
     p = make_problem(device, Is=64, seed=3)
     runs = []
     for _ in range(2):
-        leaves = {
-            k: (
-                v.detach().clone().requires_grad_(True)
-                if isinstance(v, torch.Tensor) and v.is_floating_point()
-                else v
-            )
-            for k, v in p.items()
-        }
-        out = moe_of(leaves)
-        out.backward(torch.ones_like(out))
-        runs.append([out.detach()] + [leaves[n].grad for n in ["x", "router_weights"] + WEIGHTS])
+        leaves = as_leaves(p)
+        runs.append(step_results(leaves))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -111,17 +110,8 @@ def test_forward_without_autograd_gives_the_same_bits(device):
     (ForwardArgs::keep_context): the same output; a training step after it recomputes to the
     same gradients."""
     p = make_problem(device, Is=64, seed=5)
-    leaves = {
-        k: (
-            v.detach().clone().requires_grad_(True)
-            if isinstance(v, torch.Tensor) and v.is_floating_point()
-            else v
-        )
-        for k, v in p.items()
-    }
-    out = moe_of(leaves)
-    out.backward(torch.ones_like(out))
-    want = [out.detach()] + [leaves[n].grad.clone() for n in ["x", "router_weights"] + WEIGHTS]
+    leaves = as_leaves(p)
+    want = step_results(leaves)
     assert F._records_graph(leaves["x"])
     with torch.no_grad():
         assert not F._records_graph(leaves["x"])
@@ -130,10 +120,7 @@ def test_forward_without_autograd_gives_the_same_bits(device):
     for leaf in leaves.values():
         if isinstance(leaf, torch.Tensor):
             leaf.grad = None
-    out = moe_of(leaves)
-    out.backward(torch.ones_like(out))
-    got = [out.detach()] + [leaves[n].grad for n in ["x", "router_weights"] + WEIGHTS]
-    for a, b in zip(got, want):
+    for a, b in zip(step_results(leaves), want):
         assert torch.equal(a, b)
 
 
