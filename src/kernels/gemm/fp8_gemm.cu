@@ -47,6 +47,7 @@
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/persistent/task_order.h"
 #include "mok/fp8.h"
+#include "mok/shape.h"
 
 namespace mok::kernels {
 
@@ -68,6 +69,7 @@ struct alignas(1024) Fp8SharedStorage {
   float a_scales[kFp8Stages][BLOCK_M];
   float b_scales[kFp8Stages][kFp8TileN];    // kWeightGrad
   float tile_b_scales[2][kMaxTileKBlocks];  // kRowTiles: B's per K-block, by the CTA's tile parity
+  int32_t expert_offsets[kMaxExperts + 1];  // kWeightGrad: the consumers' copy
   uint64_t full[kFp8Stages];
   uint64_t empty[kFp8Stages];
   // kWeightGrad: the staging tile handed between the consumers and the storer thread.
@@ -82,9 +84,12 @@ struct Fp8Tile {
   int num_k_blocks;
 };
 
+// `expert_offsets`: kWeightGrad's [E + 1] row offsets (params' in global memory, or the consumers'
+// copy in shared memory).
 template <Fp8GemmForm kForm>
-__device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params, int tile, int num_m_tiles,
-                                            int num_n_tiles) {
+__device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params,
+                                            const int32_t* expert_offsets, int tile,
+                                            int num_m_tiles, int num_n_tiles) {
   constexpr bool kRowTiles = kForm == Fp8GemmForm::kRowTiles;
   const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, kRowTiles);
   Fp8Tile t;
@@ -96,7 +101,7 @@ __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params, int til
     t.num_k_blocks = params.k_extent / kFp8BlockK;
   } else {
     t.expert = walk.expert;
-    const int begin = params.expert_offsets[t.expert], end = params.expert_offsets[t.expert + 1];
+    const int begin = expert_offsets[t.expert], end = expert_offsets[t.expert + 1];
     t.k_block0 = begin / kFp8BlockK;
     t.num_k_blocks = (end - begin) / kFp8BlockK;
   }
@@ -185,7 +190,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                                           (num_tiles + gridDim.x - 1) / gridDim.x));
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-        const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+        const Fp8Tile t =
+            fp8_tile<kForm>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
           if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_tile, k_block);
           const int s = state.stage;
@@ -252,18 +258,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (kWeightGrad || !valid) return 0.0f;
       return consumer_thread < t.num_k_blocks ? row_tile_b_scale(params, t, consumer_thread) : 0.0f;
     };
+    // kWeightGrad: the expert offsets copied into shared memory. A tile's first wgmma waits on
+    // its K-block count, and ptxas moves offsets read from global memory into uniform registers
+    // at once: an L2 round trip at every tile's head.
+    if constexpr (kWeightGrad) {
+      for (int e = consumer_thread; e <= params.num_experts; e += kConsumerThreads)
+        smem.expert_offsets[e] = params.expert_offsets[e];
+      ptx::named_barrier_sync(1, kConsumerThreads);
+    }
     // kRowTiles: each tile's coordinates are read once, a tile ahead (see read_next_tile).
     Fp8Tile next{};
     if constexpr (!kWeightGrad) {
       const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
-      if (has_first) next = fp8_tile<kForm>(params, blockIdx.x, num_m_tiles, num_n_tiles);
+      if (has_first)
+        next = fp8_tile<kForm>(params, smem.expert_offsets, blockIdx.x, num_m_tiles, num_n_tiles);
       smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(next, has_first);
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
     int local_tile = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
       const Fp8Tile t =
-          kWeightGrad ? fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles) : next;
+          kWeightGrad ? fp8_tile<kForm>(params, smem.expert_offsets, tile, num_m_tiles, num_n_tiles)
+                      : next;
       // kRowTiles: the next tile's coordinates and B scale, read once this tile's first K-block
       // is issued, so that the walk's divisions and the tile expert's global load stay off the
       // path to it (2-3% faster row-tile GEMMs, docs/perf.md session 27). kWeightGrad reads its
@@ -274,7 +290,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       auto read_next_tile = [&] {
         if constexpr (!kWeightGrad) {
           const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
-          if (has_next) next = fp8_tile<kForm>(params, tile + gridDim.x, num_m_tiles, num_n_tiles);
+          if (has_next)
+            next = fp8_tile<kForm>(params, smem.expert_offsets, tile + gridDim.x, num_m_tiles,
+                                   num_n_tiles);
           next_tile_b_scale = load_tile_b_scale(next, has_next);
         }
       };
@@ -430,7 +448,8 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
                                     int num_ctas, cudaStream_t stream) {
   if (params.n_extent <= 0 || params.n_extent % kFp8TileN != 0) return cudaErrorInvalidValue;
   if (params.form == Fp8GemmForm::kWeightGrad) {
-    if (params.m_extent <= 0 || params.m_extent % BLOCK_M != 0 || params.num_experts < 0)
+    if (params.m_extent <= 0 || params.m_extent % BLOCK_M != 0 || params.num_experts < 0 ||
+        params.num_experts > kMaxExperts)
       return cudaErrorInvalidValue;
     return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, stream);
   }
