@@ -233,7 +233,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const char* staging = reinterpret_cast<const char*>(smem.store_tile);
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-        const Fp8Tile t = fp8_tile<kForm>(params, tile, num_m_tiles, num_n_tiles);
+        const Fp8Tile t =
+            fp8_tile<kForm>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
         mbarrier_wait(params.wait, WaitSite::kStagingFull, &smem.staging_full, local_tile & 1);
         store_chunks(&maps.out, staging, 0, kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent,
                      t.m_tile * BLOCK_M, t.expert);
