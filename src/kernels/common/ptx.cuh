@@ -427,6 +427,15 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return result;
 }
 
+// Two bf16 pairs' larger magnitude, half by half, in one HMNMX2: each half of the result is
+// max(|a|, |b|) with the XOR of the inputs' signs as its sign (ignore it: take the magnitude),
+// or NaN if either input is. An amax over bf16 values two at a time, with no conversion.
+__device__ __forceinline__ uint32_t max_abs_bf16x2_nan(uint32_t a, uint32_t b) {
+  uint32_t result;
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(result) : "r"(a), "r"(b));
+  return result;
+}
+
 // 1 / b to about 1 ulp, subnormals flushed (the first step of swiglu.cuh's branch-free division).
 __device__ __forceinline__ float reciprocal_approx_ftz(float b) {
   float result;
