@@ -6,12 +6,10 @@
 // - row groups: each thread holds half a row (16-byte shared loads, eight rows per phase: no
 //   bank conflict); the amax runs on bf16 pairs (HMNMX2 .abs .NaN), one shuffle joins the
 //   halves, and the row's two threads write whole 32-byte sectors;
-// - column groups: each thread holds two adjacent columns of 32 rows (32-bit shared loads laid
-//   out so that a warp's four row quarters fall on four bank octets); the four quarters' maxima
-//   meet in shared memory;
-// - blocks (weights): each thread holds half a line of the tile (a row, or a column for the
-//   transposed layout); the block's amax is the CTA's (shuffles, then the 8 warps through
-//   shared memory).
+// - column groups, and the blocks (weights): each thread holds half a line of the tile (a row,
+//   or a column for the column groups and the blocks' transposed layout); a group's amax is its
+//   two halves' (one shuffle), a block's the CTA's (shuffles, then the 8 warps through shared
+//   memory).
 // Every maximum propagates NaN, as the host's does. The factors come from fp8_group_scale
 // (mok/fp8.h: two IEEE divisions), each value is multiplied by the inverse scale in fp32 (a power
 // of two: exact), and the conversion is the hardware's cvt.rn.satfinite.e4m3x2.f32.
@@ -132,65 +130,22 @@ __device__ __forceinline__ void quantize_row_groups(const StagedTile& tile, int6
   if (half == 0) scales[tile_col * rows + tile_row * kTile + line] = factors.scale;
 }
 
-// Shared memory for quantize_column_groups: each column's four partial maxima.
-using ColumnMaxima = float[4][kTile];
-
-// kColumnGroups of one staged tile into out [cols, rows] (the transpose) and scales
-// [rows/128, cols]. Thread (warp w, lane l) holds columns 2p and 2p + 1 of rows 32q .. 32q + 31,
-// with q = l / 8 and p = 8 ((w + q) % 8) + l % 8: a phase's eight lanes read eight consecutive
-// words of one staged row, and the warp's four quarters fall on four different bank octets (the
-// 68-word pitch), so the 32-bit reads meet no conflict. The four quarters of a column sit in
-// four warps: their maxima meet in `maxima` (one barrier, which every thread of the CTA reaches).
-__device__ __forceinline__ void quantize_column_groups(const StagedTile& tile, ColumnMaxima& maxima,
-                                                       int64_t tile_row, int64_t tile_col,
-                                                       int64_t rows, int64_t cols, uint8_t* out,
-                                                       float* scales) {
-  const int lane = threadIdx.x % 32, quarter = lane / 8;
-  const int column = 2 * (8 * ((threadIdx.x / 32 + quarter) % 8) + lane % 8);
-  uint32_t pairs[32];  // row 32 quarter + i: column's value low, column + 1's high
-#pragma unroll
-  for (int i = 0; i < 32; ++i)
-    pairs[i] = *reinterpret_cast<const uint32_t*>(&tile[quarter * 32 + i][column]);
-  // The two columns' magnitudes at once (a tree of pairs, then the halves apart).
-  uint32_t level[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) level[i] = ptx::max_abs_bf16x2_nan(pairs[2 * i], pairs[2 * i + 1]);
-#pragma unroll
-  for (int width = 8; width >= 1; width /= 2)
-#pragma unroll
-    for (int i = 0; i < width; ++i) level[i] = ptx::max_abs_bf16x2_nan(level[i], level[i + width]);
-  // The magnitude as a float: a bf16's sign bit cleared, widened (canonical NaN via max_nan).
-  maxima[quarter][column] = ptx::max_nan(0.0f, fabsf(low_bf16(level[0])));
-  maxima[quarter][column + 1] = ptx::max_nan(0.0f, fabsf(high_bf16(level[0])));
-  float first_amax, second_amax;
-  __syncthreads();
-  first_amax = ptx::max_nan(ptx::max_nan(maxima[0][column], maxima[1][column]),
-                            ptx::max_nan(maxima[2][column], maxima[3][column]));
-  second_amax = ptx::max_nan(ptx::max_nan(maxima[0][column + 1], maxima[1][column + 1]),
-                             ptx::max_nan(maxima[2][column + 1], maxima[3][column + 1]));
-  const Fp8GroupScale first = fp8_group_scale(first_amax), second = fp8_group_scale(second_amax);
-  // Output line tile_col * 128 + column holds the column's rows; this thread writes 32 of them.
-  uint8_t* destination = out + (tile_col * kTile + column) * rows + tile_row * kTile + quarter * 32;
-#pragma unroll
-  for (int chunk = 0; chunk < 2; ++chunk) {
-    uint32_t low_words[4], high_words[4];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const int i = chunk * 16 + w * 4;
-      low_words[w] = codes4(low_bf16(pairs[i]), low_bf16(pairs[i + 1]), low_bf16(pairs[i + 2]),
-                            low_bf16(pairs[i + 3]), first.inverse_scale);
-      high_words[w] = codes4(high_bf16(pairs[i]), high_bf16(pairs[i + 1]), high_bf16(pairs[i + 2]),
-                             high_bf16(pairs[i + 3]), second.inverse_scale);
-    }
-    *reinterpret_cast<uint4*>(destination + chunk * 16) =
-        make_uint4(low_words[0], low_words[1], low_words[2], low_words[3]);
-    *reinterpret_cast<uint4*>(destination + rows + chunk * 16) =
-        make_uint4(high_words[0], high_words[1], high_words[2], high_words[3]);
-  }
-  if (quarter == 0) {
-    scales[tile_row * cols + tile_col * kTile + column] = first.scale;
-    scales[tile_row * cols + tile_col * kTile + column + 1] = second.scale;
-  }
+// kColumnGroups of one staged tile (tile row `tile_row`, column `tile_col` of a [rows, cols]
+// matrix) into out [cols, rows] (the transpose) and scales [rows/128, cols]: each thread holds
+// half a column (the blocks' transposed layout's lines). The conflict-free layout of two columns
+// of 32 rows per thread, with the quarters' maxima through shared memory, measured slower
+// (docs/perf.md, session 29).
+__device__ __forceinline__ void quantize_column_groups(const StagedTile& tile, int64_t tile_row,
+                                                       int64_t tile_col, int64_t rows,
+                                                       int64_t cols, uint8_t* out, float* scales) {
+  const int line = threadIdx.x / 2, half = threadIdx.x % 2;
+  float values[64];
+  load_line<true>(tile, line, half, values);
+  const Fp8GroupScale factors = fp8_group_scale(line_amax(values));
+  const int64_t out_row = tile_col * kTile + line;
+  store_codes(values, factors,
+              reinterpret_cast<uint4*>(out + out_row * rows + tile_row * kTile + half * 64));
+  if (half == 0) scales[tile_row * cols + out_row] = factors.scale;
 }
 
 template <Fp8QuantizeForm kForm>
@@ -202,7 +157,6 @@ __global__ void __launch_bounds__(kThreads)
   scales += blockIdx.z * batch.scales_stride;
   __shared__ __align__(16) StagedTile tile;
   __shared__ float warp_amax[kThreads / 32];
-  __shared__ ColumnMaxima column_maxima;
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   // Stage the tile: 128 rows x 16 vectors of 8 bf16.
@@ -216,7 +170,7 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kForm == Fp8QuantizeForm::kRowGroups) {
     quantize_row_groups(tile, tile_row, tile_col, rows, cols, out, scales);
   } else if constexpr (kForm == Fp8QuantizeForm::kColumnGroups) {
-    quantize_column_groups(tile, column_maxima, tile_row, tile_col, rows, cols, out, scales);
+    quantize_column_groups(tile, tile_row, tile_col, rows, cols, out, scales);
   } else {
     constexpr bool kTransposed = kForm == Fp8QuantizeForm::kBlocksTransposed;
     const int line = threadIdx.x / 2, half = threadIdx.x % 2;
@@ -249,7 +203,6 @@ __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8Gather
   constexpr int kVectorsPerThread = kTile * (kTile / 8) / kThreads;
   __shared__ __align__(16) StagedTile tile;
   __shared__ int64_t tile_tokens[kTile];
-  __shared__ ColumnMaxima column_maxima;
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   const int64_t total_rows = p.header->total_rows;
@@ -287,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8Gather
     quantize_row_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
                         static_cast<uint8_t*>(p.row_codes), p.row_scales);
   if (p.column_codes != nullptr)
-    quantize_column_groups(tile, column_maxima, tile_row, tile_col, p.capacity_rows, p.cols,
+    quantize_column_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
                            static_cast<uint8_t*>(p.column_codes), p.column_scales);
 }
 
