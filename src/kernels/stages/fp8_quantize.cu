@@ -136,8 +136,8 @@ __device__ __forceinline__ void quantize_row_groups(const StagedTile& tile, int6
 // of 32 rows per thread, with the quarters' maxima through shared memory, measured slower
 // (docs/perf.md, session 29).
 __device__ __forceinline__ void quantize_column_groups(const StagedTile& tile, int64_t tile_row,
-                                                       int64_t tile_col, int64_t rows,
-                                                       int64_t cols, uint8_t* out, float* scales) {
+                                                       int64_t tile_col, int64_t rows, int64_t cols,
+                                                       uint8_t* out, float* scales) {
   const int line = threadIdx.x / 2, half = threadIdx.x % 2;
   float values[64];
   load_line<true>(tile, line, half, values);
