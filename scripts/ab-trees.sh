@@ -24,7 +24,8 @@ ab_tree_name() { basename "$(cd "$1" && pwd)"; }
 
 # ab_build_trees BUILD_DIR LOG_PREFIX TARGET CMAKE_ARG...: configures and builds TARGET in
 # TREE/BUILD_DIR for every tree at once, the machine's cores shared among them, each build's
-# output in LOG_PREFIX<tree>.log; on a failure prints that log's tail and exits 1.
+# output (the compiler's errors included: ninja prints them to stdout) in LOG_PREFIX<tree>.log;
+# on a failure prints the log's error lines and its tail, and exits 1.
 ab_build_trees() {
   local build_dir="$1" log_prefix="$2" target="$3"
   shift 3
@@ -34,15 +35,17 @@ ab_build_trees() {
   for tree in "${trees[@]}"; do
     (
       cd "$tree"
-      cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
-      cmake --build "$build_dir" --target "$target" -j "$jobs_each" >/dev/null
+      cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
+      cmake --build "$build_dir" --target "$target" -j "$jobs_each"
     ) >"$log_prefix$(ab_tree_name "$tree").log" 2>&1 &
     pids+=($!)
   done
   for i in "${!pids[@]}"; do
     if ! wait "${pids[$i]}"; then
+      local log="$log_prefix$(ab_tree_name "${trees[$i]}").log"
       echo "build of ${trees[$i]} failed:" >&2
-      tail -n 30 "$log_prefix$(ab_tree_name "${trees[$i]}").log" >&2
+      grep -E -m 20 "error|FAILED" "$log" >&2 || true
+      tail -n 30 "$log" >&2
       exit 1
     fi
   done
