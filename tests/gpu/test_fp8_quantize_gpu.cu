@@ -238,10 +238,6 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
     cudaFree(p);
 }
 
-// The local exchange's FP8 rows (launch_gather_quantize_fp8): gathered from token rows through a
-// schedule with padding rows, tokens routed twice and a window past total_rows, they are the
-// bits the quantizers give for the gathered bf16 rows, both group forms, every row below
-// total_rows; and nothing is written past it. Without a row_pair, the rows themselves.
 // A gather of `tokens` [T, cols] through the schedule (device pointers), with no outputs yet.
 kernels::Fp8GatherQuantize gather_of(const void* header, const void* row_pair, int64_t top_k,
                                      const void* tokens, int64_t cols, int64_t capacity) {
@@ -255,6 +251,10 @@ kernels::Fp8GatherQuantize gather_of(const void* header, const void* row_pair, i
   return params;
 }
 
+// The local exchange's FP8 rows (launch_gather_quantize_fp8): gathered from token rows through a
+// schedule with padding rows, tokens routed twice and a window past total_rows, they are the
+// bits the quantizers give for the gathered bf16 rows, both group forms, every row below
+// total_rows; and nothing is written past it. Without a row_pair, the rows themselves.
 TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
   const int64_t tokens = 200, cols = 384, top_k = 2, capacity = 640, total = 512;
   const std::vector<bf16> x = special_matrix(tokens, cols, 51);

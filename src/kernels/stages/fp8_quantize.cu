@@ -54,6 +54,12 @@ __device__ __forceinline__ float line_amax(const float (&values)[64]) {
   return ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
 }
 
+// Four values' codes as one word, the first value in the low byte.
+__device__ __forceinline__ uint32_t codes4(float v0, float v1, float v2, float v3, float inverse) {
+  return uint32_t(to_e4m3x2(v0 * inverse, v1 * inverse)) |
+         (uint32_t(to_e4m3x2(v2 * inverse, v3 * inverse)) << 16);
+}
+
 // The 64 values' codes as four 16-byte stores at `destination`.
 __device__ __forceinline__ void store_codes(const float (&values)[64], const Fp8GroupScale& factors,
                                             uint4* destination) {
@@ -61,11 +67,8 @@ __device__ __forceinline__ void store_codes(const float (&values)[64], const Fp8
     uint32_t words[4];
     for (int w = 0; w < 4; ++w) {
       const int i = chunk * 16 + w * 4;
-      const uint32_t low =
-          to_e4m3x2(values[i] * factors.inverse_scale, values[i + 1] * factors.inverse_scale);
-      const uint32_t high =
-          to_e4m3x2(values[i + 2] * factors.inverse_scale, values[i + 3] * factors.inverse_scale);
-      words[w] = low | (high << 16);
+      words[w] =
+          codes4(values[i], values[i + 1], values[i + 2], values[i + 3], factors.inverse_scale);
     }
     destination[chunk] = make_uint4(words[0], words[1], words[2], words[3]);
   }
@@ -81,12 +84,6 @@ __device__ __forceinline__ float high_bf16(uint32_t pair) {
 // is: canonical, as the float maxima's).
 __device__ __forceinline__ float halves_amax(uint32_t pair) {
   return ptx::max_nan(fabsf(low_bf16(pair)), fabsf(high_bf16(pair)));
-}
-
-// Four values' codes as one word, the first value in the low byte.
-__device__ __forceinline__ uint32_t codes4(float v0, float v1, float v2, float v3, float inverse) {
-  return uint32_t(to_e4m3x2(v0 * inverse, v1 * inverse)) |
-         (uint32_t(to_e4m3x2(v2 * inverse, v3 * inverse)) << 16);
 }
 
 // kRowGroups of one staged tile (tile row `tile_row`, column `tile_col` of a [rows, cols]
