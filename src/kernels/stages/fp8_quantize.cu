@@ -36,6 +36,10 @@ __device__ __forceinline__ uint16_t to_e4m3x2(float low, float high) {
 }
 
 using StagedTile = __nv_bfloat16[kTile][kPitch];
+// 128 lines of codes; the pitch keeps them 16-byte aligned, and a quarter-warp's 16-byte stores
+// (two halves of each of four lines) on distinct banks.
+constexpr int kCodePitch = kTile + 16;
+using CodeTile = uint8_t[kTile][kCodePitch];
 
 // Thread (line, half)'s 64 values of a staged tile: half of row `line`, or of column `line`.
 template <bool kAlongColumns>
@@ -129,20 +133,31 @@ __device__ __forceinline__ void quantize_row_groups(const StagedTile& tile, int6
 
 // kColumnGroups of one staged tile (tile row `tile_row`, column `tile_col` of a [rows, cols]
 // matrix) into out [cols, rows] (the transpose) and scales [rows/128, cols]: each thread holds
-// half a column (the blocks' transposed layout's lines). The conflict-free layout of two columns
-// of 32 rows per thread, with the quarters' maxima through shared memory, measured slower
-// (docs/perf.md, session 29).
-__device__ __forceinline__ void quantize_column_groups(const StagedTile& tile, int64_t tile_row,
+// half a column (the blocks' transposed layout's lines). The codes go back through the tile's
+// own shared memory, which the values have left for registers, so that every 16-byte global
+// store belongs to a whole 128-byte line that eight threads write together; stored straight
+// from the threads, each store instruction wrote 16 bytes into each of 16 lines. The last use
+// of the tile: the caller reads it no more. (A layout of two columns of 32 rows per thread,
+// with the quarters' maxima through shared memory, measured slower: docs/perf.md, session 29.)
+__device__ __forceinline__ void quantize_column_groups(StagedTile& tile, int64_t tile_row,
                                                        int64_t tile_col, int64_t rows, int64_t cols,
                                                        uint8_t* out, float* scales) {
   const int line = threadIdx.x / 2, half = threadIdx.x % 2;
   float values[64];
   load_line<true>(tile, line, half, values);
   const Fp8GroupScale factors = fp8_group_scale(line_amax(values));
-  const int64_t out_row = tile_col * kTile + line;
-  store_codes(values, factors,
-              reinterpret_cast<uint4*>(out + out_row * rows + tile_row * kTile + half * 64));
-  if (half == 0) scales[tile_row * cols + out_row] = factors.scale;
+  const int64_t out_row0 = tile_col * kTile;
+  if (half == 0) scales[tile_row * cols + out_row0 + line] = factors.scale;
+  static_assert(sizeof(CodeTile) <= sizeof(StagedTile), "the codes fit in the staged tile");
+  CodeTile& codes = *reinterpret_cast<CodeTile*>(&tile);
+  __syncthreads();  // every thread holds its values: the tile's memory takes the codes
+  store_codes(values, factors, reinterpret_cast<uint4*>(&codes[line][half * 64]));
+  __syncthreads();
+  for (int v = threadIdx.x; v < kTile * (kTile / 16); v += kThreads) {
+    const int r = v / (kTile / 16), c = (v % (kTile / 16)) * 16;
+    *reinterpret_cast<uint4*>(out + (out_row0 + r) * rows + tile_row * kTile + c) =
+        *reinterpret_cast<const uint4*>(&codes[r][c]);
+  }
 }
 
 template <Fp8QuantizeForm kForm>
@@ -243,8 +258,7 @@ __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8Gather
 
 // One 128 x 128 block of codes transposed through shared memory: 16-byte loads of its rows,
 // then each thread gathers 64 bytes of one column (half a line of the output) and writes them
-// as four 16-byte stores. The pitch keeps the staged rows 16-byte aligned.
-constexpr int kCodePitch = kTile + 16;
+// as four 16-byte stores.
 
 __global__ void __launch_bounds__(kThreads)
     transpose_fp8_blocks_kernel(const uint8_t* codes, const float* scales, int64_t rows,
@@ -254,7 +268,7 @@ __global__ void __launch_bounds__(kThreads)
   out += blockIdx.z * batch.out_stride;
   scales += blockIdx.z * batch.scales_stride;
   out_scales += blockIdx.z * batch.scales_stride;
-  __shared__ __align__(16) uint8_t tile[kTile][kCodePitch];
+  __shared__ __align__(16) CodeTile tile;
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   for (int v = threadIdx.x; v < kTile * (kTile / 16); v += kThreads) {
