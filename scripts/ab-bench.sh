@@ -8,9 +8,12 @@
 # A TREE is a directory with mok's sources: `.` for the working tree, or an old commit exported
 # on the development machine with `scripts/ab-bench.sh --export REV` (into .ab/REV, with any
 # character but letters, digits, '.', '_' and '-' made '-'; git-ignored:
-# carry it to the device with the run tool's `carry`). Rounds: MOK_AB_ROUNDS (default 2). Logs
-# go to $OUT/ab-<shape>-<tree>-<round>.log and a table of the lines matching MOK_AB_GREP (default: the
-# forward / backward / weight-gradient lines) to $OUT/ab-<shape>.log.
+# carry it to the device with the run tool's `carry`). Rounds: MOK_AB_ROUNDS (default 2). A table
+# of the lines matching MOK_AB_GREP (default: the forward / backward / weight-gradient lines)
+# goes to $OUT/ab-<shape>.log; the builds' and runs' whole logs (ab-build-<tree>.log,
+# ab-<shape>-<tree>-<round>.log) to ${TMPDIR:-/tmp}/mok-ab, or to $OUT with MOK_AB_KEEP_LOGS=1:
+# the device tool returns at most eight files, and three trees' logs crowded the table out
+# (session 32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -28,14 +31,16 @@ fi
 ab_parse_trees "scripts/ab-bench.sh TREE... -- MOK_RUN_ARGS..." "$@"
 set -- "${ab_args[@]}"
 OUT="${OUT:-$root/out}"
-mkdir -p "$OUT"
+logs="$OUT"
+[ "${MOK_AB_KEEP_LOGS:-0}" = 1 ] || logs="${TMPDIR:-/tmp}/mok-ab"
+mkdir -p "$OUT" "$logs"
 export PATH="$PATH:/usr/local/cuda/bin"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -z "${MOK_NCCL_HOME:-}" ]; then
   nccl_home="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi
 fi
-ab_build_trees build-ab "$OUT/ab-build-" mok_cli -DMOK_BUILD_TESTS=OFF
+ab_build_trees build-ab "$logs/ab-build-" mok_cli -DMOK_BUILD_TESTS=OFF
 pattern="${MOK_AB_GREP:-^  (forward|backward|forward\+backward) |weight gradients  |training step}"
 # Logs carry the shape (`--shape NAME` among the run's arguments), so that several calls in one
 # device command keep each other's: ab-<shape>.log and ab-<shape>-<tree>-<round>.log.
@@ -52,7 +57,7 @@ for round in $(seq 1 "${MOK_AB_ROUNDS:-2}"); do
   for offset in "${!trees[@]}"; do
     tree="${trees[$(((offset + round - 1) % ${#trees[@]}))]}"
     name="$(ab_tree_name "$tree")"
-    log="$OUT/ab-$label-$name-$round.log"
+    log="$logs/ab-$label-$name-$round.log"
     "$tree/build-ab/mok" run "$@" >"$log" 2>&1 || echo "(mok run exited $?)" >>"$log"
     {
       echo "== $name, round $round"
