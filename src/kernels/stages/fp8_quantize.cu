@@ -259,7 +259,6 @@ __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8Gather
 // One 128 x 128 block of codes transposed through shared memory: 16-byte loads of its rows,
 // then each thread gathers 64 bytes of one column (half a line of the output) and writes them
 // as four 16-byte stores.
-
 __global__ void __launch_bounds__(kThreads)
     transpose_fp8_blocks_kernel(const uint8_t* codes, const float* scales, int64_t rows,
                                 int64_t cols, uint8_t* out, float* out_scales,
