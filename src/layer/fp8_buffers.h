@@ -54,6 +54,10 @@ struct Fp8SetBuffers {
   // What w_gate, w_up, w_down hold, and what the transposed ones hold (the stages keep them
   // while a call names the same weights; layer/fp8_stages.cpp).
   mutable Fp8WeightKey weights_key, transposed_key;
+  // The transposed ones were written by the last forward's pass over the bf16 weights (both
+  // layouts at once), for the backward that follows it whatever the version; cleared by that
+  // backward and by a forward that quantizes without them.
+  mutable bool transposed_by_forward = false;
   Fp8Operand x_rows, d_out_rows, h, d_gate, d_up;
   Fp8Operand x_t, d_out_t, d_gate_t, d_up_t, h_w_t;
 

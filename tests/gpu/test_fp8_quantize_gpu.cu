@@ -238,6 +238,85 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
     cudaFree(p);
 }
 
+// Both layouts of the weights' blocks in one pass (launch_quantize_fp8_blocks_both): the bits
+// of kBlocks and of kBlocksTransposed, byte for byte, for a batch of experts strided apart with
+// special blocks (NaN, infinity, zeros, denormal bf16); either layout alone; bad extents and a
+// codes pointer without its scales refused.
+TEST(Fp8QuantizeGpu, BothBlockLayoutsInOnePassAreTheTwoForms) {
+  const int64_t rows = 256, cols = 384, count = 3, in_stride = rows * cols + 128 * cols;
+  const int64_t values = rows * cols, blocks = values / (128 * 128);
+  const std::vector<bf16> input = special_matrix(in_stride * count / cols, cols, 43);
+  void *device_in = nullptr, *plain = nullptr, *transposed = nullptr, *both = nullptr,
+       *both_t = nullptr;
+  float *plain_scales = nullptr, *transposed_scales = nullptr, *both_scales = nullptr,
+        *both_scales_t = nullptr;
+  ASSERT_EQ(cudaMalloc(&device_in, input.size() * 2), cudaSuccess);
+  for (void** p : {&plain, &transposed, &both, &both_t})
+    ASSERT_EQ(cudaMalloc(p, count * values), cudaSuccess);
+  for (float** p : {&plain_scales, &transposed_scales, &both_scales, &both_scales_t})
+    ASSERT_EQ(cudaMalloc(p, count * blocks * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device_in, input.data(), input.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  kernels::Fp8QuantizeBatch batch;
+  batch.count = count;
+  batch.in_stride = in_stride;
+  ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, Fp8QuantizeForm::kBlocks, plain,
+                                         plain_scales, nullptr, batch),
+            cudaSuccess);
+  ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, Fp8QuantizeForm::kBlocksTransposed,
+                                         transposed, transposed_scales, nullptr, batch),
+            cudaSuccess);
+  auto expect_bytes = [&](const void* got, const void* want, int64_t bytes, const char* what) {
+    std::vector<uint8_t> a(bytes), b(bytes);
+    ASSERT_EQ(cudaMemcpy(a.data(), got, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(b.data(), want, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < bytes; ++i) wrong += a[i] != b[i];
+    EXPECT_EQ(wrong, 0) << what;
+  };
+  for (const int layouts : {3, 1, 2}) {  // both, as they are alone, transposed alone
+    SCOPED_TRACE(layouts);
+    for (void* p : {both, both_t}) ASSERT_EQ(cudaMemset(p, 0xab, count * values), cudaSuccess);
+    for (float* p : {both_scales, both_scales_t})
+      ASSERT_EQ(cudaMemset(p, 0xab, count * blocks * 4), cudaSuccess);
+    const bool as_is = layouts & 1, transposed_too = layouts & 2;
+    ASSERT_EQ(kernels::launch_quantize_fp8_blocks_both(
+                  device_in, rows, cols, as_is ? both : nullptr, as_is ? both_scales : nullptr,
+                  transposed_too ? both_t : nullptr, transposed_too ? both_scales_t : nullptr,
+                  nullptr, batch),
+              cudaSuccess);
+    if (as_is) {
+      expect_bytes(both, plain, count * values, "codes as they are");
+      expect_bytes(both_scales, plain_scales, count * blocks * 4, "scales as they are");
+    }
+    if (transposed_too) {
+      expect_bytes(both_t, transposed, count * values, "codes transposed");
+      expect_bytes(both_scales_t, transposed_scales, count * blocks * 4, "scales transposed");
+    }
+  }
+  // The kBlocks codes against the host quantizer too (the reference of both forms).
+  std::vector<e4m3> want(values);
+  std::vector<float> want_scales(blocks);
+  std::vector<uint8_t> got(values);
+  quantize_fp8_blocks(input.data() + in_stride, rows, cols, want.data(), want_scales.data());
+  ASSERT_EQ(cudaMemcpy(got.data(), static_cast<char*>(plain) + values, values,
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < values; ++i) wrong += got[i] != want[i].bits;
+  EXPECT_EQ(wrong, 0) << "entry 1 against the host quantizer";
+  EXPECT_EQ(kernels::launch_quantize_fp8_blocks_both(device_in, 100, cols, both, both_scales,
+                                                     nullptr, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::launch_quantize_fp8_blocks_both(device_in, rows, cols, both, nullptr, nullptr,
+                                                     nullptr, nullptr),
+            cudaErrorInvalidValue);
+  for (void* p : {device_in, plain, transposed, both, both_t, static_cast<void*>(plain_scales),
+                  static_cast<void*>(transposed_scales), static_cast<void*>(both_scales),
+                  static_cast<void*>(both_scales_t)})
+    cudaFree(p);
+}
+
 // A gather of `tokens` [T, cols] through the schedule (device pointers), with no outputs yet.
 kernels::Fp8GatherQuantize gather_of(const void* header, const void* row_pair, int64_t top_k,
                                      const void* tokens, int64_t cols, int64_t capacity) {
@@ -446,6 +525,27 @@ TEST(Fp8QuantizeGpu, Bandwidth) {
     std::printf("  fp8 quantize form %d: %.3f ms, %.0f GB/s\n", static_cast<int>(form), ms / 10,
                 rows * cols * 3.0 / (ms / 10 * 1e-3) / 1e9);
   }
+  // Both block layouts in one pass (a training forward's weights): bf16 read once, two codes
+  // written per value.
+  void* out_t = nullptr;
+  float* scales_t = nullptr;
+  ASSERT_EQ(cudaMalloc(&out_t, rows * cols), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&scales_t, rows * cols / (128 * 128) * sizeof(float)), cudaSuccess);
+  auto both = [&] {
+    return kernels::launch_quantize_fp8_blocks_both(in, rows, cols, out, scales, out_t, scales_t,
+                                                    nullptr);
+  };
+  ASSERT_EQ(both(), cudaSuccess);
+  cudaEventRecord(start);
+  for (int i = 0; i < 10; ++i) both();
+  cudaEventRecord(stop);
+  ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+  float both_ms = 0;
+  cudaEventElapsedTime(&both_ms, start, stop);
+  std::printf("  fp8 quantize blocks both layouts in one pass: %.3f ms, %.0f GB/s\n", both_ms / 10,
+              rows * cols * 4.0 / (both_ms / 10 * 1e-3) / 1e9);
+  cudaFree(out_t);
+  cudaFree(scales_t);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaFree(in);

@@ -6,10 +6,13 @@
 // - row groups: each thread holds half a row (16-byte shared loads, eight rows per phase: no
 //   bank conflict); the amax runs on bf16 pairs (HMNMX2 .abs .NaN), one shuffle joins the
 //   halves, and the row's two threads write whole 32-byte sectors;
-// - column groups, and the blocks (weights): each thread holds half a line of the tile (a row,
-//   or a column for the column groups and the blocks' transposed layout); a group's amax is its
-//   two halves' (one shuffle), a block's the CTA's (shuffles, then the 8 warps through shared
-//   memory).
+// - column groups: each thread holds half a column of the tile; a group's amax is its two
+//   halves' (one shuffle).
+// The weights' blocks have a kernel of their own (quantize_weight_blocks_kernel): one block per
+// CTA, loaded straight into registers (no bf16 staging), its amax the CTA's (bf16 pairs, shuffles,
+// the 8 warps through shared memory), and both layouts written in one pass when asked: the codes
+// as they are, whole 128-byte lines per warp store, and transposed through a shared-memory tile
+// of codes, whole lines again.
 // Every maximum propagates NaN, as the host's does. The factors come from fp8_group_scale
 // (mok/fp8.h: two IEEE divisions), each value is multiplied by the inverse scale in fp32 (a power
 // of two: exact), and the conversion is the hardware's cvt.rn.satfinite.e4m3x2.f32.
@@ -168,7 +171,6 @@ __global__ void __launch_bounds__(kThreads)
   out += blockIdx.z * batch.out_stride;
   scales += blockIdx.z * batch.scales_stride;
   __shared__ __align__(16) StagedTile tile;
-  __shared__ float warp_amax[kThreads / 32];
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   // Stage the tile: 128 rows x 16 vectors of 8 bf16.
@@ -179,32 +181,105 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  if constexpr (kForm == Fp8QuantizeForm::kRowGroups) {
+  static_assert(kForm == Fp8QuantizeForm::kRowGroups || kForm == Fp8QuantizeForm::kColumnGroups,
+                "the blocks: quantize_weight_blocks_kernel");
+  if constexpr (kForm == Fp8QuantizeForm::kRowGroups)
     quantize_row_groups(tile, tile_row, tile_col, rows, cols, out, scales);
-  } else if constexpr (kForm == Fp8QuantizeForm::kColumnGroups) {
+  else
     quantize_column_groups(tile, tile_row, tile_col, rows, cols, out, scales);
-  } else {
-    constexpr bool kTransposed = kForm == Fp8QuantizeForm::kBlocksTransposed;
-    const int line = threadIdx.x / 2, half = threadIdx.x % 2;
-    float values[64];
-    load_line<kTransposed>(tile, line, half, values);
-    float amax = line_amax(values);
-    for (int offset = 2; offset < 32; offset *= 2)
-      amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
-    __syncthreads();
-    amax = warp_amax[0];
-    for (int w = 1; w < kThreads / 32; ++w) amax = ptx::max_nan(amax, warp_amax[w]);
-    const Fp8GroupScale factors = fp8_group_scale(amax);
-    // The output line: a row of `out` [rows, cols], or of the transposed [cols, rows].
-    const int64_t out_cols = kTransposed ? rows : cols;
-    const int64_t out_row = kTransposed ? col0 + line : row0 + line;
-    const int64_t out_col = (kTransposed ? row0 : col0) + half * 64;
-    store_codes(values, factors, reinterpret_cast<uint4*>(out + out_row * out_cols + out_col));
-    if (threadIdx.x == 0)
-      scales[kTransposed ? tile_col * (rows / kTile) + tile_row
-                         : tile_row * (cols / kTile) + tile_col] = factors.scale;
+}
+
+// kBlocks and kBlocksTransposed of a batch of [rows, cols] matrices (blockIdx.z the entry), one
+// 128 x 128 block per CTA, either layout or both (a null `out` or `out_t` skips it). Lane l of
+// warp w loads columns 8 (l % 16) .. + 7 of rows 16 w + 2 i + l / 16, i = 0..7: eight 16-byte
+// loads in flight per thread, each warp load two whole 256-byte rows. The codes of the layout
+// as it is leave as 8-byte stores, a warp store two whole 128-byte lines; the transposed ones go
+// into a shared code tile, each thread then gathers half a column of it (64 bytes), and the
+// gathered lines go back through the same tile so that the global stores are whole lines too.
+__global__ void __launch_bounds__(kThreads)
+    quantize_weight_blocks_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols,
+                                  uint8_t* out, float* scales, uint8_t* out_t, float* scales_t,
+                                  Fp8QuantizeBatch batch) {
+  in += blockIdx.z * batch.in_stride;
+  const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  __shared__ __align__(16) CodeTile codes;
+  __shared__ float warp_amax[kThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int column = (lane % 16) * 8;
+  auto row_of = [&](int i) { return warp * 16 + 2 * i + lane / 16; };
+  uint4 loaded[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    loaded[i] = __ldg(reinterpret_cast<const uint4*>(in + (row0 + row_of(i)) * cols + col0 + column));
+  uint32_t running = 0;  // this thread's magnitudes, bf16x2
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    running = ptx::max_abs_bf16x2_nan(
+        running, ptx::max_abs_bf16x2_nan(ptx::max_abs_bf16x2_nan(loaded[i].x, loaded[i].y),
+                                         ptx::max_abs_bf16x2_nan(loaded[i].z, loaded[i].w)));
+  float amax = halves_amax(running);
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2)
+    amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) amax = ptx::max_nan(amax, warp_amax[w]);
+  const Fp8GroupScale factors = fp8_group_scale(amax);
+  const float inverse = factors.inverse_scale;
+  uint2 row_codes[8];  // row row_of(i)'s eight codes at `column`
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint4& v = loaded[i];
+    row_codes[i] = make_uint2(codes4(low_bf16(v.x), high_bf16(v.x), low_bf16(v.y), high_bf16(v.y),
+                                     inverse),
+                              codes4(low_bf16(v.z), high_bf16(v.z), low_bf16(v.w), high_bf16(v.w),
+                                     inverse));
   }
+  if (out != nullptr) {
+    out += blockIdx.z * batch.out_stride;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      *reinterpret_cast<uint2*>(out + (row0 + row_of(i)) * cols + col0 + column) = row_codes[i];
+    if (threadIdx.x == 0)
+      scales[blockIdx.z * batch.scales_stride + tile_row * (cols / kTile) + tile_col] =
+          factors.scale;
+  }
+  if (out_t == nullptr) return;
+  out_t += blockIdx.z * batch.out_stride;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) *reinterpret_cast<uint2*>(&codes[row_of(i)][column]) = row_codes[i];
+  __syncthreads();
+  // Thread (line, half): column `line` of the block, rows half * 64 .. + 63, as four words of
+  // four rows' bytes per 16-byte chunk.
+  const int line = threadIdx.x / 2, half = threadIdx.x % 2;
+  uint4 gathered[4];
+#pragma unroll
+  for (int chunk = 0; chunk < 4; ++chunk) {
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int r = half * 64 + chunk * 16 + w * 4;
+      words[w] = uint32_t(codes[r][line]) | (uint32_t(codes[r + 1][line]) << 8) |
+                 (uint32_t(codes[r + 2][line]) << 16) | (uint32_t(codes[r + 3][line]) << 24);
+    }
+    gathered[chunk] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  __syncthreads();  // every column gathered: the tile takes the transposed lines
+#pragma unroll
+  for (int chunk = 0; chunk < 4; ++chunk)
+    *reinterpret_cast<uint4*>(&codes[line][half * 64 + chunk * 16]) = gathered[chunk];
+  __syncthreads();
+  for (int v = threadIdx.x; v < kTile * (kTile / 16); v += kThreads) {
+    const int r = v / (kTile / 16), c = (v % (kTile / 16)) * 16;
+    *reinterpret_cast<uint4*>(out_t + (col0 + r) * rows + row0 + c) =
+        *reinterpret_cast<const uint4*>(&codes[r][c]);
+  }
+  if (threadIdx.x == 0)
+    scales_t[blockIdx.z * batch.scales_stride + tile_col * (rows / kTile) + tile_row] =
+        factors.scale;
 }
 
 // Gathered rows quantized as they are staged (Fp8GatherQuantize): the tile's rows come from the
@@ -354,16 +429,36 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
           <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
       break;
     case Fp8QuantizeForm::kBlocks:
-      quantize_fp8_kernel<Fp8QuantizeForm::kBlocks>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
+      quantize_weight_blocks_kernel<<<grid, kThreads, 0, stream>>>(source, rows, cols, codes,
+                                                                   scales, nullptr, nullptr, batch);
       break;
     case Fp8QuantizeForm::kBlocksTransposed:
-      quantize_fp8_kernel<Fp8QuantizeForm::kBlocksTransposed>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
+      quantize_weight_blocks_kernel<<<grid, kThreads, 0, stream>>>(source, rows, cols, nullptr,
+                                                                   nullptr, codes, scales, batch);
       break;
     default:
       return cudaErrorInvalidValue;
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quantize_fp8_blocks_both(const void* in, int64_t rows, int64_t cols, void* out,
+                                           float* scales, void* out_t, float* scales_t,
+                                           cudaStream_t stream, const Fp8QuantizeBatch& requested) {
+  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0 || requested.count < 0 ||
+      requested.count > 65535 || (out == nullptr) != (scales == nullptr) ||
+      (out_t == nullptr) != (scales_t == nullptr))
+    return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
+  Fp8QuantizeBatch batch = requested;
+  if (batch.in_stride == 0) batch.in_stride = rows * cols;
+  if (batch.out_stride == 0) batch.out_stride = rows * cols;
+  if (batch.scales_stride == 0) batch.scales_stride = rows * cols / (kTile * kTile);
+  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile),
+                  static_cast<unsigned>(batch.count));
+  quantize_weight_blocks_kernel<<<grid, kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(in), rows, cols, static_cast<uint8_t*>(out), scales,
+      static_cast<uint8_t*>(out_t), scales_t, batch);
   return cudaGetLastError();
 }
 

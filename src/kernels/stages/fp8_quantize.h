@@ -48,6 +48,15 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
                                 void* out, float* scales, cudaStream_t stream,
                                 const Fp8QuantizeBatch& batch = {});
 
+// Weights in 128 x 128 blocks both ways in one pass (a training step's forward: the forward's
+// kBlocks and the dgrads' kBlocksTransposed from one read of the bf16): `out` [rows, cols] with
+// `scales` [rows/128, cols/128], and `out_t` [cols, rows] with `scales_t` [cols/128, rows/128],
+// the bits launch_quantize_fp8 gives for each form. Either pair may be null (that form is
+// skipped). The batch's out_stride and scales_stride apply to both.
+cudaError_t launch_quantize_fp8_blocks_both(const void* in, int64_t rows, int64_t cols, void* out,
+                                           float* scales, void* out_t, float* scales_t,
+                                           cudaStream_t stream, const Fp8QuantizeBatch& batch = {});
+
 // The local exchange's FP8 rows, gathered and quantized in one pass, so that no bf16 copy of
 // the routed rows is written unless asked for. Schedule row r < header->total_rows is token
 // row_pair[r] / top_k's row of `tokens` [T, cols] bf16, or zeros (row_pair[r] < 0: padding).
