@@ -74,7 +74,8 @@ struct MoeConfig {
   bool persistent_backward = false;
   // The expert GEMM kernels (not the persistent ones) in clusters of two CTAs that take two row
   // tiles of one expert (or of one expert's weight gradient) together and multicast the weight
-  // tile they share: a third less L2 traffic per FLOP. Same bits either way.
+  // tile they share: a third less L2 traffic per FLOP. Same bits either way. bf16 only: the FP8
+  // GEMMs in pairs measured level (docs/perf.md, session 33) and run as single CTAs.
   bool gemm_cta_pairs = false;
   // The forward's two GEMMs and the backward's two dgrads (the kernel sequences) in 256 x 192
   // tiles instead of 128 x 256 (src/kernels/gemm/wide_tile_gemm.cu; gate/up as 96 gate + 96 up

@@ -105,8 +105,8 @@ ForwardWeights forward_weights(const ExpertWeights& weights, int64_t experts, in
                                int64_t inter, const Fp8SetBuffers& fp8, cudaStream_t stream,
                                bool with_transposed) {
   const bool held = holds_weights(fp8.weights_key, weights);
-  const bool all_bf16 = !weights.gate_fp8.present() && !weights.up_fp8.present() &&
-                        !weights.down_fp8.present();
+  const bool all_bf16 =
+      !weights.gate_fp8.present() && !weights.up_fp8.present() && !weights.down_fp8.present();
   const bool both = !held && with_transposed && all_bf16;
   auto block = [&](const void* values, const Fp8View& given, int64_t n, int64_t k, int64_t stride,
                    const Fp8Operand& buffer, const Fp8Operand& transposed, const char* what) {
@@ -117,13 +117,12 @@ ForwardWeights forward_weights(const ExpertWeights& weights, int64_t experts, in
       quantize_weights(values, experts, n, k, stride, false, buffer, stream, what);
     return buffer.view();
   };
-  const ForwardWeights out{
-      block(weights.gate, weights.gate_fp8, inter, hidden, weights.gate_stride, fp8.w_gate,
-            fp8.w_gate_t, "w_gate"),
-      block(weights.up, weights.up_fp8, inter, hidden, weights.up_stride, fp8.w_up, fp8.w_up_t,
-            "w_up"),
-      block(weights.down, weights.down_fp8, hidden, inter, weights.down_stride, fp8.w_down,
-            fp8.w_down_t, "w_down")};
+  const ForwardWeights out{block(weights.gate, weights.gate_fp8, inter, hidden, weights.gate_stride,
+                                 fp8.w_gate, fp8.w_gate_t, "w_gate"),
+                           block(weights.up, weights.up_fp8, inter, hidden, weights.up_stride,
+                                 fp8.w_up, fp8.w_up_t, "w_up"),
+                           block(weights.down, weights.down_fp8, hidden, inter, weights.down_stride,
+                                 fp8.w_down, fp8.w_down_t, "w_down")};
   if (both) {
     fp8.transposed_key = key_of(weights);
     fp8.transposed_by_forward = true;

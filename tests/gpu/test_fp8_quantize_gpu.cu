@@ -299,9 +299,9 @@ TEST(Fp8QuantizeGpu, BothBlockLayoutsInOnePassAreTheTwoForms) {
   std::vector<float> want_scales(blocks);
   std::vector<uint8_t> got(values);
   quantize_fp8_blocks(input.data() + in_stride, rows, cols, want.data(), want_scales.data());
-  ASSERT_EQ(cudaMemcpy(got.data(), static_cast<char*>(plain) + values, values,
-                       cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(got.data(), static_cast<char*>(plain) + values, values, cudaMemcpyDeviceToHost),
+      cudaSuccess);
   int64_t wrong = 0;
   for (int64_t i = 0; i < values; ++i) wrong += got[i] != want[i].bits;
   EXPECT_EQ(wrong, 0) << "entry 1 against the host quantizer";

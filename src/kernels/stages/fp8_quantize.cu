@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(kThreads)
 // into a shared code tile, each thread then gathers half a column of it (64 bytes), and the
 // gathered lines go back through the same tile so that the global stores are whole lines too.
 __global__ void __launch_bounds__(kThreads)
-    quantize_weight_blocks_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols,
-                                  uint8_t* out, float* scales, uint8_t* out_t, float* scales_t,
+    quantize_weight_blocks_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
+                                  float* scales, uint8_t* out_t, float* scales_t,
                                   Fp8QuantizeBatch batch) {
   in += blockIdx.z * batch.in_stride;
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(kThreads)
   uint4 loaded[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
-    loaded[i] = __ldg(reinterpret_cast<const uint4*>(in + (row0 + row_of(i)) * cols + col0 + column));
+    loaded[i] =
+        __ldg(reinterpret_cast<const uint4*>(in + (row0 + row_of(i)) * cols + col0 + column));
   uint32_t running = 0;  // this thread's magnitudes, bf16x2
 #pragma unroll
   for (int i = 0; i < 8; ++i)
@@ -233,10 +234,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint4& v = loaded[i];
-    row_codes[i] = make_uint2(codes4(low_bf16(v.x), high_bf16(v.x), low_bf16(v.y), high_bf16(v.y),
-                                     inverse),
-                              codes4(low_bf16(v.z), high_bf16(v.z), low_bf16(v.w), high_bf16(v.w),
-                                     inverse));
+    row_codes[i] =
+        make_uint2(codes4(low_bf16(v.x), high_bf16(v.x), low_bf16(v.y), high_bf16(v.y), inverse),
+                   codes4(low_bf16(v.z), high_bf16(v.z), low_bf16(v.w), high_bf16(v.w), inverse));
   }
   if (out != nullptr) {
     out += blockIdx.z * batch.out_stride;
@@ -443,8 +443,9 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
 }
 
 cudaError_t launch_quantize_fp8_blocks_both(const void* in, int64_t rows, int64_t cols, void* out,
-                                           float* scales, void* out_t, float* scales_t,
-                                           cudaStream_t stream, const Fp8QuantizeBatch& requested) {
+                                            float* scales, void* out_t, float* scales_t,
+                                            cudaStream_t stream,
+                                            const Fp8QuantizeBatch& requested) {
   if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0 || requested.count < 0 ||
       requested.count > 65535 || (out == nullptr) != (scales == nullptr) ||
       (out_t == nullptr) != (scales_t == nullptr))

@@ -54,8 +54,9 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
 // the bits launch_quantize_fp8 gives for each form. Either pair may be null (that form is
 // skipped). The batch's out_stride and scales_stride apply to both.
 cudaError_t launch_quantize_fp8_blocks_both(const void* in, int64_t rows, int64_t cols, void* out,
-                                           float* scales, void* out_t, float* scales_t,
-                                           cudaStream_t stream, const Fp8QuantizeBatch& batch = {});
+                                            float* scales, void* out_t, float* scales_t,
+                                            cudaStream_t stream,
+                                            const Fp8QuantizeBatch& batch = {});
 
 // The local exchange's FP8 rows, gathered and quantized in one pass, so that no bf16 copy of
 // the routed rows is written unless asked for. Schedule row r < header->total_rows is token
