@@ -246,7 +246,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegisters>();
-    const int consumer_idx = warpgroup - 1;
+    // Warp-uniform by a shuffle, so that ptxas keeps the descriptors below in uniform registers.
+    const int consumer_idx = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
+    // Stage 0's descriptors; stage s's are s tiles further on (16-byte units: the stages are
+    // 1024-byte aligned, so only the start address moves).
+    const uint64_t desc_a0 = ptx::smem_desc_k_major_sw128(smem.a[0] + consumer_idx * 64 * 128);
+    const uint64_t desc_b0 = ptx::smem_desc_k_major_sw128(smem.b[0]);
+    constexpr uint64_t kStageDescStep = kFp8TileBytes >> 4;
     const bool issuer = threadIdx.x == BLOCK_M;
     const int row0 = consumer_idx * 64 + fragment_row(0), row1 = row0 + 8;
     const int column0 = fragment_col(0);  // + 8 j: this thread's column pair of group j
@@ -305,8 +311,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if constexpr (!kWeightGrad) scale_b = tile_b_scales[k_block];
         const int s = load_state.stage;
         mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], load_state.phase);
-        const uint64_t desc_a = ptx::smem_desc_k_major_sw128(smem.a[s] + consumer_idx * 64 * 128);
-        const uint64_t desc_b = ptx::smem_desc_k_major_sw128(smem.b[s]);
+        const uint64_t desc_a = desc_a0 + s * kStageDescStep;
+        const uint64_t desc_b = desc_b0 + s * kStageDescStep;
         ptx::fence_registers(block);
         ptx::wgmma_fence();
 #pragma unroll
