@@ -41,7 +41,9 @@ struct ForwardArgs {
   // The layer then keeps the weights it quantized in a call with the same value and weight
   // pointers, on the same stream, instead of quantizing them again. A caller changes it whenever
   // it changes the weights, e.g. once per optimizer step. 0 (the default) quantizes on every
-  // call. bf16 ignores it.
+  // forward. A forward that keeps its context quantizes the dgrads' transposed copies too, and the
+  // backward that follows uses them whatever the version: the weights must not change in place
+  // between a forward and its backward (as autograd requires). bf16 ignores it.
   uint64_t weights_version = 0;
   // Pre-quantized weights (precision fp8_block only). A matrix given here leaves its bf16 view
   // above absent: the layer reads these codes and scales as they are and never quantizes that
