@@ -46,33 +46,20 @@ void quantize(const void* in, int64_t rows, int64_t width, Fp8QuantizeForm form,
              std::string("FP8 quantization of ") + what);
 }
 
-// Weights [E, n, k] (experts `stride` elements apart, 0 = dense) in 128 x 128 blocks, as they
-// are or transposed to [E, k, n].
+// Weights [E, n, k] (experts `stride` elements apart, 0 = dense) in 128 x 128 blocks, into `out`
+// [E, n, k] (the forward's), `out_t` [E, k, n] (the dgrads'), or both in one pass (the bf16
+// read once); a null one is skipped.
 void quantize_weights(const void* weights, int64_t experts, int64_t n, int64_t k, int64_t stride,
-                      bool transposed, const Fp8Operand& out, cudaStream_t stream,
+                      const Fp8Operand* out, const Fp8Operand* out_t, cudaStream_t stream,
                       const char* what) {
   kernels::Fp8QuantizeBatch batch;
   batch.count = experts;
   batch.in_stride = stride;
-  cuda_check(
-      kernels::launch_quantize_fp8(
-          weights, n, k, transposed ? Fp8QuantizeForm::kBlocksTransposed : Fp8QuantizeForm::kBlocks,
-          out.codes.pointer, out.scale_data(), stream, batch),
-      std::string("FP8 quantization of ") + what);
-}
-
-// Weights [E, n, k] in 128 x 128 blocks both ways in one pass: `out` [E, n, k] (the forward's)
-// and `out_t` [E, k, n] (the dgrads'), the bits of the two calls above.
-void quantize_weights_both(const void* weights, int64_t experts, int64_t n, int64_t k,
-                           int64_t stride, const Fp8Operand& out, const Fp8Operand& out_t,
-                           cudaStream_t stream, const char* what) {
-  kernels::Fp8QuantizeBatch batch;
-  batch.count = experts;
-  batch.in_stride = stride;
-  cuda_check(kernels::launch_quantize_fp8_blocks_both(weights, n, k, out.codes.pointer,
-                                                      out.scale_data(), out_t.codes.pointer,
-                                                      out_t.scale_data(), stream, batch),
-             std::string("FP8 quantization of ") + what + " (both layouts)");
+  cuda_check(kernels::launch_quantize_fp8_blocks_both(
+                 weights, n, k, out ? out->codes.pointer : nullptr,
+                 out ? out->scale_data() : nullptr, out_t ? out_t->codes.pointer : nullptr,
+                 out_t ? out_t->scale_data() : nullptr, stream, batch),
+             std::string("FP8 quantization of ") + what);
 }
 
 // A matrix's identity in the keys: its bf16 pointer, or its pre-quantized codes'.
@@ -111,10 +98,9 @@ ForwardWeights forward_weights(const ExpertWeights& weights, int64_t experts, in
   auto block = [&](const void* values, const Fp8View& given, int64_t n, int64_t k, int64_t stride,
                    const Fp8Operand& buffer, const Fp8Operand& transposed, const char* what) {
     if (given.present()) return given;
-    if (both)
-      quantize_weights_both(values, experts, n, k, stride, buffer, transposed, stream, what);
-    else if (!held)
-      quantize_weights(values, experts, n, k, stride, false, buffer, stream, what);
+    if (!held)
+      quantize_weights(values, experts, n, k, stride, &buffer, both ? &transposed : nullptr, stream,
+                       what);
     return buffer.view();
   };
   const ForwardWeights out{block(weights.gate, weights.gate_fp8, inter, hidden, weights.gate_stride,
@@ -145,7 +131,7 @@ void transposed_weights(const ExpertWeights& weights, int64_t experts, int64_t h
   auto transpose = [&](const void* values, const Fp8View& given, int64_t n, int64_t k,
                        int64_t stride, const Fp8Operand& out, const char* what) {
     if (!given.present()) {
-      quantize_weights(values, experts, n, k, stride, true, out, stream, what);
+      quantize_weights(values, experts, n, k, stride, nullptr, &out, stream, what);
       return;
     }
     kernels::Fp8QuantizeBatch batch;

@@ -366,22 +366,38 @@ __global__ void __launch_bounds__(kThreads)
     out_scales[tile_col * (rows / kTile) + tile_row] = scales[tile_row * (cols / kTile) + tile_col];
 }
 
+// The extents the tile kernels take: multiples of 128, and a batch that the grid's z can hold.
+bool tiled_extents_valid(int64_t rows, int64_t cols, const Fp8QuantizeBatch& batch) {
+  return rows >= 0 && cols >= 0 && rows % kTile == 0 && cols % kTile == 0 && batch.count >= 0 &&
+         batch.count <= 65535;
+}
+
+// `requested` with its zero strides made dense: rows * cols values in and out, and
+// `scales_per_entry` scales.
+Fp8QuantizeBatch dense_batch(const Fp8QuantizeBatch& requested, int64_t rows, int64_t cols,
+                             int64_t scales_per_entry) {
+  Fp8QuantizeBatch batch = requested;
+  if (batch.in_stride == 0) batch.in_stride = rows * cols;
+  if (batch.out_stride == 0) batch.out_stride = rows * cols;
+  if (batch.scales_stride == 0) batch.scales_stride = scales_per_entry;
+  return batch;
+}
+
+// One CTA per 128 x 128 tile of each batch entry.
+dim3 tile_grid(int64_t rows, int64_t cols, const Fp8QuantizeBatch& batch) {
+  return dim3(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile),
+              static_cast<unsigned>(batch.count));
+}
+
 }  // namespace
 
 cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, int64_t rows,
                                         int64_t cols, void* out, float* out_scales,
                                         cudaStream_t stream, const Fp8QuantizeBatch& requested) {
-  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0 || requested.count < 0 ||
-      requested.count > 65535)
-    return cudaErrorInvalidValue;
+  if (!tiled_extents_valid(rows, cols, requested)) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
-  Fp8QuantizeBatch batch = requested;
-  if (batch.in_stride == 0) batch.in_stride = rows * cols;
-  if (batch.out_stride == 0) batch.out_stride = rows * cols;
-  if (batch.scales_stride == 0) batch.scales_stride = rows * cols / (kTile * kTile);
-  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile),
-                  static_cast<unsigned>(batch.count));
-  transpose_fp8_blocks_kernel<<<grid, kThreads, 0, stream>>>(
+  const Fp8QuantizeBatch batch = dense_batch(requested, rows, cols, rows * cols / (kTile * kTile));
+  transpose_fp8_blocks_kernel<<<tile_grid(rows, cols, batch), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(codes), scales, rows, cols, static_cast<uint8_t*>(out),
       out_scales, batch);
   return cudaGetLastError();
@@ -404,19 +420,17 @@ cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStre
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
                                 void* out, float* scales, cudaStream_t stream,
                                 const Fp8QuantizeBatch& requested) {
-  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0 || requested.count < 0 ||
-      requested.count > 65535)
-    return cudaErrorInvalidValue;
+  // The blocks: the weights' kernel, one layout.
+  if (form == Fp8QuantizeForm::kBlocks)
+    return launch_quantize_fp8_blocks_both(in, rows, cols, out, scales, nullptr, nullptr, stream,
+                                           requested);
+  if (form == Fp8QuantizeForm::kBlocksTransposed)
+    return launch_quantize_fp8_blocks_both(in, rows, cols, nullptr, nullptr, out, scales, stream,
+                                           requested);
+  if (!tiled_extents_valid(rows, cols, requested)) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
-  Fp8QuantizeBatch batch = requested;
-  const bool blocks =
-      form == Fp8QuantizeForm::kBlocks || form == Fp8QuantizeForm::kBlocksTransposed;
-  if (batch.in_stride == 0) batch.in_stride = rows * cols;
-  if (batch.out_stride == 0) batch.out_stride = rows * cols;
-  if (batch.scales_stride == 0)
-    batch.scales_stride = rows * cols / (blocks ? kTile * kTile : kTile);
-  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile),
-                  static_cast<unsigned>(batch.count));
+  const Fp8QuantizeBatch batch = dense_batch(requested, rows, cols, rows * cols / kTile);
+  const dim3 grid = tile_grid(rows, cols, batch);
   const auto* source = static_cast<const __nv_bfloat16*>(in);
   auto* codes = static_cast<uint8_t*>(out);
   switch (form) {
@@ -428,14 +442,6 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
       quantize_fp8_kernel<Fp8QuantizeForm::kColumnGroups>
           <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
       break;
-    case Fp8QuantizeForm::kBlocks:
-      quantize_weight_blocks_kernel<<<grid, kThreads, 0, stream>>>(source, rows, cols, codes,
-                                                                   scales, nullptr, nullptr, batch);
-      break;
-    case Fp8QuantizeForm::kBlocksTransposed:
-      quantize_weight_blocks_kernel<<<grid, kThreads, 0, stream>>>(source, rows, cols, nullptr,
-                                                                   nullptr, codes, scales, batch);
-      break;
     default:
       return cudaErrorInvalidValue;
   }
@@ -446,18 +452,12 @@ cudaError_t launch_quantize_fp8_blocks_both(const void* in, int64_t rows, int64_
                                             float* scales, void* out_t, float* scales_t,
                                             cudaStream_t stream,
                                             const Fp8QuantizeBatch& requested) {
-  if (rows < 0 || cols < 0 || rows % kTile != 0 || cols % kTile != 0 || requested.count < 0 ||
-      requested.count > 65535 || (out == nullptr) != (scales == nullptr) ||
+  if (!tiled_extents_valid(rows, cols, requested) || (out == nullptr) != (scales == nullptr) ||
       (out_t == nullptr) != (scales_t == nullptr))
     return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
-  Fp8QuantizeBatch batch = requested;
-  if (batch.in_stride == 0) batch.in_stride = rows * cols;
-  if (batch.out_stride == 0) batch.out_stride = rows * cols;
-  if (batch.scales_stride == 0) batch.scales_stride = rows * cols / (kTile * kTile);
-  const dim3 grid(static_cast<unsigned>(cols / kTile), static_cast<unsigned>(rows / kTile),
-                  static_cast<unsigned>(batch.count));
-  quantize_weight_blocks_kernel<<<grid, kThreads, 0, stream>>>(
+  const Fp8QuantizeBatch batch = dense_batch(requested, rows, cols, rows * cols / (kTile * kTile));
+  quantize_weight_blocks_kernel<<<tile_grid(rows, cols, batch), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(in), rows, cols, static_cast<uint8_t*>(out), scales,
       static_cast<uint8_t*>(out_t), scales_t, batch);
   return cudaGetLastError();
