@@ -91,8 +91,10 @@ std::vector<bf16> random_bf16(int64_t count, uint64_t seed, float scale) {
   return values;
 }
 
-TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
-  const int64_t rows = 128 * 7, n = 384, k = 640, experts = 3;
+// The row-tile form over a K of `k` against the product in double; then the same bits from
+// GPU-quantized operands, split columns and a split K.
+void expect_block_scaled_product(int64_t k) {
+  const int64_t rows = 128 * 7, n = 384, experts = 3;
   // Rows of different magnitudes per row (the row scales differ), experts of different sizes.
   std::vector<bf16> a = random_bf16(rows * k, 5, 1.0f);
   for (int64_t r = 0; r < rows; ++r)
@@ -244,7 +246,7 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
       make_tensor_map_3d(problem.out, n, rows, 1, 64, 128, "out");
 
   // Split K (the gate/up dgrad: [d_g | d_u] times [Wg; Wu]): K-blocks [0, 256) from A and B,
-  // [256, 640) from A2 and B2 (the same tensors at a K offset; each part with its own scales):
+  // [256, K) from A2 and B2 (the same tensors at a K offset; each part with its own scales):
   // the same bits as one K.
   const int64_t k_first = 256, k_second = k - k_first;
   const int64_t a2_dims[2] = {k_second, rows}, a2_strides[1] = {k};
@@ -287,6 +289,16 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
        {first, second, static_cast<void*>(first_scales), static_cast<void*>(second_scales),
         static_cast<void*>(k_first_scales), static_cast<void*>(k_second_scales)})
     cudaFree(p);
+}
+
+// K of 5 K-blocks (a tile's blocks within one turn of the stage ring) and of 18 (the ring wrapped
+// within each tile, as at every layer shape).
+TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
+  for (const int64_t k : {640, 2304}) {
+    SCOPED_TRACE("K = " + std::to_string(k));
+    expect_block_scaled_product(k);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // Quantizes [rows, cols] bf16 along its rows' direction transposed, as the weight gradients'
