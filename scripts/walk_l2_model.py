@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""An L2 model of the FP8 row-tile GEMMs' walk: how many bytes come from HBM for a walk order.
+
+The persistent kernel's CTAs take tiles c, c + grid, ... of the walk (fp8_gemm.cu, tile_walk.h);
+each K-block of a tile loads a 16 KB block of A (its row tile) and one of B (its expert's column
+tile). The model replays those loads in time order through an LRU cache of L2's size, at 16 KB
+granularity, with every CTA at one speed (in step) or at speeds spread by +-`--spread` (the drift
+of docs/perf.md, sessions 22 and 34), and counts the misses: the DRAM bytes read.
+
+Walks: `fixed` groups of G row tiles (MoeConfig::gemm_tile_group), `aligned` groups of G moved
+to expert starts within 4 tiles (gemm_expert_aligned_groups), `expert` groups of one expert's
+tiles, at most G (gemm_expert_groups). Session 34's numbers at `dsv3_local` (the defaults): the
+gate/up reads 2.22 GB in step and 3.65 GB at +-2% with fixed groups of 8 (ncu measured ~2.85 GB
+read), 1.20 and 2.06 GB with expert groups of at most 16.
+
+    python3 scripts/walk_l2_model.py --form gate_up --walks fixed:8,aligned:8,expert:16
+"""
+
+import argparse
+import bisect
+import heapq
+import random
+from collections import OrderedDict
+
+BLOCK_BYTES = 16384  # one 128 x 128 e4m3 block
+# dsv3_local's row-tile GEMMs: (column tiles, K-blocks per tile).
+FORMS = {"gate_up": (32, 56), "down": (56, 16), "down_dgrad": (16, 56), "gate_up_dgrad": (56, 32)}
+
+
+def group_starts(walk, group, tiles_per_expert):
+    """The first row tile of every group, and the row tiles' experts."""
+    tile_expert = [e for e, count in enumerate(tiles_per_expert) for _ in range(count)]
+    m_tiles = len(tile_expert)
+    if walk == "fixed":
+        starts = list(range(0, m_tiles, group))
+    elif walk == "aligned":
+        starts = [0]
+        for nominal in range(group, m_tiles, group):
+            start = nominal
+            for i in range(min(4, group - 1)):
+                if tile_expert[nominal + i] != tile_expert[nominal + i - 1]:
+                    start = nominal + i
+                    break
+            starts.append(start)
+    elif walk == "expert":
+        starts, first = [], 0
+        for count in tiles_per_expert:
+            groups = -(-count // group)
+            for g in range(groups):
+                starts.append(first + g * (count // groups) + min(g, count % groups))
+            first += count
+    else:
+        raise ValueError(f"walk {walk!r}; valid: fixed, aligned, expert")
+    return sorted(set(starts)) + [m_tiles], tile_expert
+
+
+def dram_bytes(walk, group, tiles_per_expert, n_tiles, k_blocks, l2_mb, ctas, spread, seed):
+    starts, tile_expert = group_starts(walk, group, tiles_per_expert)
+    m_tiles = len(tile_expert)
+    num_tiles = m_tiles * n_tiles
+    capacity = int(l2_mb * 2**20 / BLOCK_BYTES)
+    cache, misses = OrderedDict(), 0
+    rng = random.Random(seed)
+    speed = [1.0 + spread * rng.uniform(-1, 1) for _ in range(ctas)]
+    events = [(0.0, c, c, 0) for c in range(min(ctas, num_tiles))]
+    heapq.heapify(events)
+    while events:
+        time, cta, tile, k = heapq.heappop(events)
+        row = tile // n_tiles
+        g = bisect.bisect_right(starts, row) - 1
+        first, group_m = starts[g], starts[g + 1] - starts[g]
+        in_group = tile - first * n_tiles
+        m, n = first + in_group % group_m, in_group // group_m
+        for block in (("a", m, k), ("b", tile_expert[m], n, k)):
+            if block in cache:
+                cache.move_to_end(block)
+            else:
+                misses += 1
+                cache[block] = True
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+        k += 1
+        if k == k_blocks:
+            k, tile = 0, tile + ctas
+            if tile >= num_tiles:
+                continue
+        heapq.heappush(events, (time + speed[cta], cta, tile, k))
+    return misses * BLOCK_BYTES / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--form", choices=sorted(FORMS), default="gate_up")
+    parser.add_argument("--walks", default="fixed:8,aligned:8,expert:16")
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--tiles", default="9", help="row tiles per expert: N, or LO-HI at random")
+    parser.add_argument("--l2-mb", type=float, default=40.0)
+    parser.add_argument("--ctas", type=int, default=132)
+    parser.add_argument("--spread", type=float, default=0.02)
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    if "-" in args.tiles:
+        lo, hi = (int(v) for v in args.tiles.split("-"))
+        tiles_per_expert = [rng.randint(lo, hi) for _ in range(args.experts)]
+    else:
+        tiles_per_expert = [int(args.tiles)] * args.experts
+    n_tiles, k_blocks = FORMS[args.form]
+    for spec in args.walks.split(","):
+        walk, group = spec.split(":")
+        in_step, spread = (
+            dram_bytes(
+                walk,
+                int(group),
+                tiles_per_expert,
+                n_tiles,
+                k_blocks,
+                args.l2_mb,
+                args.ctas,
+                s,
+                args.seed,
+            )
+            for s in (0.0, args.spread)
+        )
+        print(
+            f"{args.form} {walk} groups of {group}: {in_step:.2f} GB from HBM in step, "
+            f"{spread:.2f} GB at +-{args.spread:.0%} CTA speeds"
+        )
+
+
+if __name__ == "__main__":
+    main()
