@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""An L2 model of the FP8 row-tile GEMMs' walk: how many bytes come from HBM for a walk order.
+"""An L2 model of the row-tile GEMMs' walk: how many bytes come from HBM for a walk order.
 
-The persistent kernel's CTAs take tiles c, c + grid, ... of the walk (fp8_gemm.cu, tile_walk.h);
-each K-block of a tile loads a 16 KB block of A (its row tile) and one of B (its expert's column
-tile). The model replays those loads in time order through an LRU cache of L2's size, at 16 KB
-granularity, with every CTA at one speed (in step) or at speeds spread by +-`--spread` (the drift
-of docs/perf.md, sessions 22 and 34), and counts the misses: the DRAM bytes read.
+The persistent kernel's CTAs take tiles c, c + grid, ... of the walk (fp8_gemm.cu,
+expert_gemm.cu, tile_walk.h); each K-block of a tile loads a 16 KB block of A (its row tile) and
+one of B (its expert's column tile; two in bf16's 256-column tiles). The model replays those
+loads in time order through an LRU cache of L2's size, at 16 KB granularity, with every CTA at
+one speed (in step) or at speeds spread by +-`--spread` (the drift of docs/perf.md, sessions 22
+and 34), and counts the misses: the DRAM bytes read.
 
 Walks: `fixed` groups of G row tiles (MoeConfig::gemm_tile_group), `aligned` groups of G moved
 to expert starts within 4 tiles (gemm_expert_aligned_groups), `expert` groups of one expert's
 tiles, at most G (gemm_expert_groups, branch exp/fp8-walk-groups). Session 34's numbers at
-`dsv3_local` (the defaults): the gate/up reads 2.22 GB in step and 3.65 GB at +-2% with fixed
-groups of 8 (ncu measured ~2.85 GB read), 1.20 and 2.06 GB with expert groups of at most 16.
+`dsv3_local` (the defaults): the FP8 gate/up reads 2.22 GB in step and 3.65 GB at +-2% with
+fixed groups of 8 (ncu measured ~2.85 GB read), 1.20 and 2.06 GB with expert groups of at most
+16.
 
     python3 scripts/walk_l2_model.py --form gate_up --walks fixed:8,aligned:8,expert:16
 """
@@ -22,9 +24,24 @@ import heapq
 import random
 from collections import OrderedDict
 
-BLOCK_BYTES = 16384  # one 128 x 128 e4m3 block
-# dsv3_local's row-tile GEMMs: (column tiles, K-blocks per tile).
-FORMS = {"gate_up": (32, 56), "down": (56, 16), "down_dgrad": (16, 56), "gate_up_dgrad": (56, 32)}
+BLOCK_BYTES = 16384  # one 128 x 128 e4m3 block, or 128 x 64 bf16
+# dsv3_local's row-tile GEMMs: (column tiles, K-blocks per tile, 16 KB blocks of B per K-block).
+# FP8: 128 x 128 tiles, K-blocks of 128. bf16: 128 x 256 tiles (gate/up: 128 gate + 128 up
+# columns), K-blocks of 64.
+FORMS = {
+    "fp8": {
+        "gate_up": (32, 56, 1),
+        "down": (56, 16, 1),
+        "down_dgrad": (16, 56, 1),
+        "gate_up_dgrad": (56, 32, 1),
+    },
+    "bf16": {
+        "gate_up": (16, 112, 2),
+        "down": (28, 32, 2),
+        "down_dgrad": (8, 112, 2),
+        "gate_up_dgrad": (28, 64, 2),
+    },
+}
 
 
 def group_starts(walk, group, tiles_per_expert):
@@ -54,7 +71,8 @@ def group_starts(walk, group, tiles_per_expert):
     return sorted(set(starts)) + [m_tiles], tile_expert
 
 
-def dram_bytes(walk, group, tiles_per_expert, n_tiles, k_blocks, l2_mb, ctas, spread, seed):
+def dram_bytes(walk, group, tiles_per_expert, form, l2_mb, ctas, spread, seed):
+    n_tiles, k_blocks, b_blocks = form
     starts, tile_expert = group_starts(walk, group, tiles_per_expert)
     m_tiles = len(tile_expert)
     num_tiles = m_tiles * n_tiles
@@ -71,7 +89,8 @@ def dram_bytes(walk, group, tiles_per_expert, n_tiles, k_blocks, l2_mb, ctas, sp
         first, group_m = starts[g], starts[g + 1] - starts[g]
         in_group = tile - first * n_tiles
         m, n = first + in_group % group_m, in_group // group_m
-        for block in (("a", m, k), ("b", tile_expert[m], n, k)):
+        blocks = [("a", m, k)] + [("b", tile_expert[m], n, k, j) for j in range(b_blocks)]
+        for block in blocks:
             if block in cache:
                 cache.move_to_end(block)
             else:
@@ -90,7 +109,8 @@ def dram_bytes(walk, group, tiles_per_expert, n_tiles, k_blocks, l2_mb, ctas, sp
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--form", choices=sorted(FORMS), default="gate_up")
+    parser.add_argument("--precision", choices=sorted(FORMS), default="fp8")
+    parser.add_argument("--form", choices=sorted(FORMS["fp8"]), default="gate_up")
     parser.add_argument("--walks", default="fixed:8,aligned:8,expert:16")
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--tiles", default="9", help="row tiles per expert: N, or LO-HI at random")
@@ -105,7 +125,7 @@ def main():
         tiles_per_expert = [rng.randint(lo, hi) for _ in range(args.experts)]
     else:
         tiles_per_expert = [int(args.tiles)] * args.experts
-    n_tiles, k_blocks = FORMS[args.form]
+    form = FORMS[args.precision][args.form]
     for spec in args.walks.split(","):
         walk, group = spec.split(":")
         in_step, spread = (
@@ -113,8 +133,7 @@ def main():
                 walk,
                 int(group),
                 tiles_per_expert,
-                n_tiles,
-                k_blocks,
+                form,
                 args.l2_mb,
                 args.ctas,
                 s,
@@ -123,7 +142,7 @@ def main():
             for s in (0.0, args.spread)
         )
         print(
-            f"{args.form} {walk} groups of {group}: {in_step:.2f} GB from HBM in step, "
+            f"{args.precision} {args.form} {walk} groups of {group}: {in_step:.2f} GB from HBM in step, "
             f"{spread:.2f} GB at +-{args.spread:.0%} CTA speeds"
         )
 
