@@ -55,6 +55,9 @@ def group_starts(walk, group, tiles_per_expert):
         for nominal in range(group, m_tiles, group):
             start = nominal
             for i in range(min(4, group - 1)):
+                if nominal + i >= m_tiles:  # the end counts as an expert start
+                    start = m_tiles
+                    break
                 if tile_expert[nominal + i] != tile_expert[nominal + i - 1]:
                     start = nominal + i
                     break
