@@ -93,6 +93,18 @@ __device__ __forceinline__ float halves_amax(uint32_t pair) {
   return ptx::max_nan(fabsf(low_bf16(pair)), fabsf(high_bf16(pair)));
 }
 
+// The largest magnitude (NaN if any is NaN) of eight vectors of eight bf16 values, bf16x2: one
+// thread's loaded run, to reduce with halves_amax.
+__device__ __forceinline__ uint32_t max_abs_of(const uint4 (&values)[8]) {
+  uint32_t running = 0;
+#pragma unroll
+  for (int v = 0; v < 8; ++v)
+    running = ptx::max_abs_bf16x2_nan(
+        running, ptx::max_abs_bf16x2_nan(ptx::max_abs_bf16x2_nan(values[v].x, values[v].y),
+                                         ptx::max_abs_bf16x2_nan(values[v].z, values[v].w)));
+  return running;
+}
+
 // kRowGroups of one staged tile (tile row `tile_row`, column `tile_col` of a [rows, cols]
 // matrix) into out [rows, cols] and scales [cols/128, rows]. Lane l of warp w holds half l / 16
 // of row 16 w + l % 16, as four runs of 16 columns (32 c + 16 half ..): a shared-memory phase's
@@ -107,13 +119,7 @@ __device__ __forceinline__ void quantize_row_groups(const StagedTile& tile, int6
 #pragma unroll
   for (int v = 0; v < 8; ++v)
     pairs[v] = *reinterpret_cast<const uint4*>(&tile[line][(v / 2) * 32 + half * 16 + (v % 2) * 8]);
-  uint32_t running = 0;  // both halves' magnitudes so far, bf16x2
-#pragma unroll
-  for (int v = 0; v < 8; ++v)
-    running = ptx::max_abs_bf16x2_nan(
-        running, ptx::max_abs_bf16x2_nan(ptx::max_abs_bf16x2_nan(pairs[v].x, pairs[v].y),
-                                         ptx::max_abs_bf16x2_nan(pairs[v].z, pairs[v].w)));
-  float amax = halves_amax(running);
+  float amax = halves_amax(max_abs_of(pairs));
   amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
   const Fp8GroupScale factors = fp8_group_scale(amax);
   const float inverse = factors.inverse_scale;
@@ -213,13 +219,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < 8; ++i)
     loaded[i] =
         __ldg(reinterpret_cast<const uint4*>(in + (row0 + row_of(i)) * cols + col0 + column));
-  uint32_t running = 0;  // this thread's magnitudes, bf16x2
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    running = ptx::max_abs_bf16x2_nan(
-        running, ptx::max_abs_bf16x2_nan(ptx::max_abs_bf16x2_nan(loaded[i].x, loaded[i].y),
-                                         ptx::max_abs_bf16x2_nan(loaded[i].z, loaded[i].w)));
-  float amax = halves_amax(running);
+  float amax = halves_amax(max_abs_of(loaded));
 #pragma unroll
   for (int offset = 1; offset < 32; offset *= 2)
     amax = ptx::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
