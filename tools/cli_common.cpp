@@ -30,6 +30,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
+  if (options.expert_groups >= 0) config.gemm_expert_groups = options.expert_groups;
   if (options.lockstep >= 0) config.gemm_lockstep_k_blocks = options.lockstep;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;
@@ -39,11 +40,23 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {
-    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
-    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
-    "l2-placement",      "four-stages",        "lockstep-N",          "tiles-by-ticket",
-    "auto-lockstep",     "aligned-groups",     "dgrad-half-tiles",    nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     "l2-placement",
+                                     "four-stages",
+                                     "lockstep-N",
+                                     "tiles-by-ticket",
+                                     "auto-lockstep",
+                                     "aligned-groups",
+                                     "dgrad-half-tiles",
+                                     "expert-groups-N",
+                                     nullptr};
 
 namespace {
 
@@ -129,6 +142,10 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // "tile-group-N" (can_implement checks its range): the expert GEMMs' walk in groups of N
     // row tiles.
     flipped.gemm_tile_group = group;
+  } else if (const int most = numbered_knob(name, "expert-groups-"); most >= 0) {
+    // "expert-groups-N" (FP8; 0 = off; can_implement checks the rest): each expert's row tiles
+    // walked in groups of their own, at most N a group.
+    flipped.gemm_expert_groups = most;
   } else if (const int lead = numbered_knob(name, "lockstep-"); lead >= 0) {
     // "lockstep-N" (0 = off; can_implement checks its range): the row-tile GEMMs' CTAs kept
     // within about N K-blocks of the slowest.

@@ -94,13 +94,18 @@ mok run options:
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
                                l2-placement, four-stages, lockstep-N: the CTAs in step
                                within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep,
-                               aligned-groups, dgrad-half-tiles); K1+K2 flips several on one
-                               layer
+                               aligned-groups, dgrad-half-tiles, expert-groups-N: FP8's
+                               walk in groups of one expert's tiles); K1+K2 flips several on
+                               one layer. An FP8 run (--precision fp8_block) takes it without
+                               --quick: the flipped FP8 layers timed beside it
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
   --tile-group N               GPU: row tiles the expert GEMMs' walk takes together before the
                                next group (1-1024, default 8; same bits)
+  --expert-groups N            GPU, FP8: each expert's row tiles walked as groups of their own,
+                               at most N a group (gemm_expert_groups; default 0: groups of
+                               --tile-group; same bits)
   --lockstep N                 GPU: no CTA of a row-tile expert GEMM runs more than about N
                                K-blocks ahead of the slowest (2-4096; default 0: off; same bits)
   --minibatch-size N           GPU: rows per overlap step of the persistent kernels (multiple of
@@ -230,7 +235,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
         "--threads",         "--check-tokens", "--json",
         "--local-dispatch",  "--gpus",         "--minibatch-size",
         "--macrobatch-size", "--trace-tasks",  "--precision",
-        "--compare",         "--tile-group",   "--lockstep"};
+        "--compare",         "--tile-group",   "--lockstep",
+        "--expert-groups"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -276,6 +282,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.macrobatch_size = parse_int(flag, value);
     else if (flag == "--tile-group")
       options.tile_group = static_cast<int32_t>(parse_int(flag, value));
+    else if (flag == "--expert-groups")
+      options.expert_groups = static_cast<int32_t>(parse_int(flag, value));
     else if (flag == "--lockstep")
       options.lockstep = static_cast<int32_t>(parse_int(flag, value));
     else if (flag == "--compare") {
@@ -330,15 +338,21 @@ int run_command(RunOptions options) {
     options.shape_name = device_name.empty() || options.ranks > 1 ? "tiny" : "dsv3_local";
   const mok::MoeShape shape = shape_from_options(options);
   const bool fp8 = mok::precision_from_name(options.precision) == mok::Precision::kFP8Block;
-  RunOptions checked = options;  // the CPU reference runs FP8; the other knobs as the GPU's
-  checked.precision = "bf16";
+  // The CPU reference runs FP8 on any shape; the other knobs are checked as the GPU's, FP8's
+  // only where the FP8 GPU layer runs.
+  RunOptions checked = options;
+  const bool fp8_on_gpu = fp8 && !device_name.empty() && shape.num_ranks == 1;
+  if (!fp8_on_gpu) {
+    checked.precision = "bf16";
+    checked.expert_groups = -1;
+  }
   const mok::MoeConfig checked_config = config_from_options(checked, shape);  // CPU path too
   for (const std::string& knob : options.compare) {
-    if (!options.quick)
+    if (!options.quick && !fp8_on_gpu)
       throw Error(ErrorCode::kInvalidArgument,
                   "--compare " + knob +
                       " without --quick; valid: --quick --compare (a full run times every knob "
-                      "already)");
+                      "already), or a single-GPU FP8 run (--precision fp8_block)");
     // Names the knob if it is unknown, and what a flipped layer could not run.
     mok::can_implement(flip_knob(checked_config, knob), shape).throw_if_error();
   }

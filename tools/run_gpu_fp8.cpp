@@ -1,13 +1,15 @@
 // `mok run --precision fp8_block` on a GPU: the layer in FP8 against the CPU reference's FP8 math
 // on a slice of tokens (out, d_x, d_router_weights, at the bf16 tolerance), bitwise across runs
 // and with or without the forward context; then the FP8 and the bf16 layer timed interleaved
-// (forward, and a training step from the forward's context), with the distance between them.
+// (forward, and a training step from the forward's context), with the distance between them;
+// with --compare, FP8 layers with a knob flipped, checked bitwise and timed beside it.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +50,24 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
     device.download_outputs(results[run]);
   }
   const bool deterministic = mok::outputs_equal(results[0], results[1]);
+  // --compare: each knob flipped on an FP8 layer of its own (flip_knob), checked bitwise against
+  // the first run and timed beside it with the weights kept.
+  struct ComparedKnob {
+    std::string knob;
+    std::unique_ptr<mok::GpuLayer> layer;
+    bool bitwise = false;
+  };
+  std::vector<ComparedKnob> compared;
+  for (const std::string& knob : options.compare) {
+    compared.push_back({knob, std::make_unique<mok::GpuLayer>(shape, flip_knob(config, knob))});
+    mok::HostRank flipped_outputs = mok::output_buffers(shape);
+    device.poison_outputs();
+    const mok::ForwardContext context = compared.back().layer->forward(args, stream);
+    compared.back().layer->backward(backward_args, stream, &context);
+    compared.back().layer->synchronize(stream).throw_if_error();
+    device.download_outputs(flipped_outputs);
+    compared.back().bitwise = mok::outputs_equal(flipped_outputs, results[0]);
+  }
 
   // The FP8 reference on a slice of tokens (the weight gradients depend on every token: they
   // are compared with bf16's below, printed).
@@ -71,7 +91,7 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   kept_args.weights_version = 1;
   mok::BackwardArgs kept_backward = backward_args;
   kept_backward.forward.weights_version = 1;
-  const std::vector<std::function<void()>> timed = {
+  std::vector<std::function<void()>> timed = {
       [&] { layer.forward(args, stream); },
       [&] { bf16_layer.forward(args, stream); },
       [&] {
@@ -87,6 +107,14 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
         const mok::ForwardContext step = layer.forward(kept_args, stream);
         layer.backward(kept_backward, stream, &step);
       }};
+  for (ComparedKnob& knob : compared) {
+    mok::GpuLayer& flipped = *knob.layer;
+    timed.push_back([&] { flipped.forward(kept_args, stream); });
+    timed.push_back([&] {
+      const mok::ForwardContext step = flipped.forward(kept_args, stream);
+      flipped.backward(kept_backward, stream, &step);
+    });
+  }
   const std::vector<double> medians = interleaved_median_ms(timed, stream, 8, 4);
   // Where the FP8 time goes, with the weights kept (their quantization is a stage only when
   // they change) and quantized every call.
@@ -98,6 +126,7 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   CLI_CUDA_CHECK(cudaStreamDestroy(stream));
 
   bool passed = deterministic;
+  for (const ComparedKnob& knob : compared) passed &= knob.bitwise;
   for (const Comparison& error : errors) passed &= error.finite && error.rel <= kGpuTolerance;
   std::printf("mok run: FP8 (fp8_block) on %s (EP = 1)\n", device_name.c_str());
   std::printf("  shape     %s (%s), routing %s, seed %llu\n", options.shape_name.c_str(),
@@ -118,6 +147,15 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
     std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[4 + d],
                 flops[d] / medians[4 + d] / 1e9, medians[2 * d + 1],
                 flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[4 + d]);
+  for (size_t i = 0; i < compared.size(); ++i) {
+    std::printf("  --compare %s (weights kept; same bits as the layer: %s):\n",
+                compared[i].knob.c_str(), compared[i].bitwise ? "yes" : "NO");
+    for (int d = 0; d < 2; ++d) {
+      const double ms = medians[6 + 2 * i + d];
+      std::printf("  %-22s %10.3f %10.1f %10.3f %10s %8.3fx of the layer's\n", names[d], ms,
+                  flops[d] / ms / 1e9, medians[4 + d], "", medians[4 + d] / ms);
+    }
+  }
   const std::pair<const char*, const std::vector<std::pair<std::string, float>>*> stage_lists[] = {
       {"forward, weights kept", &forward_stages},
       {"backward, weights kept", &backward_stages},
@@ -145,7 +183,13 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
          << "},\n  \"fp8_kept_weights_ms\": {\"forward\": " << medians[4]
          << ", \"forward_backward\": " << medians[5]
          << "},\n  \"bf16_ms\": {\"forward\": " << medians[1]
-         << ", \"forward_backward\": " << medians[3] << "},\n  \"errors\": {";
+         << ", \"forward_backward\": " << medians[3] << "},\n  \"compare\": {";
+    for (size_t i = 0; i < compared.size(); ++i)
+      json << (i ? ", " : "") << "\"" << compared[i].knob
+           << "\": {\"forward\": " << medians[6 + 2 * i]
+           << ", \"forward_backward\": " << medians[7 + 2 * i]
+           << ", \"bitwise\": " << (compared[i].bitwise ? "true" : "false") << "}";
+    json << "},\n  \"errors\": {";
     for (size_t i = 0; i < errors.size(); ++i)
       json << (i ? ", " : "") << "\"" << errors[i].name << "\": " << errors[i].rel;
     json << "},\n  \"against_bf16\": {";

@@ -78,6 +78,9 @@ class MoKConfig:
     gemm_expert_aligned_groups: start each group of the row-tile GEMMs' walk where an expert
         starts (within 4 row tiles), so no expert's weight tiles are read by two groups a sweep
         apart (same bits; bf16 128 x 256 tiles without CTA pairs; off until measured faster).
+    gemm_expert_groups: walk each expert's row tiles in the FP8 GEMMs as groups of their own,
+        at most this many a group (0: groups of gemm_tile_group; same bits; precision
+        "fp8_block" only; off until measured faster).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
@@ -129,6 +132,7 @@ class MoKConfig:
     gemm_wide_tiles: bool = False
     gemm_tile_group: int = 8
     gemm_expert_aligned_groups: bool = False
+    gemm_expert_groups: int = 0
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0
@@ -156,6 +160,7 @@ class MoKConfig:
         config.gemm_wide_tiles = self.gemm_wide_tiles
         config.gemm_tile_group = self.gemm_tile_group
         config.gemm_expert_aligned_groups = self.gemm_expert_aligned_groups
+        config.gemm_expert_groups = self.gemm_expert_groups
         config.gemm_l2_placement = self.gemm_l2_placement
         config.gemm_four_stages = self.gemm_four_stages
         config.gemm_lockstep_k_blocks = self.gemm_lockstep_k_blocks

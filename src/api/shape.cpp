@@ -205,6 +205,14 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
   if (config.gemm_tile_group < 1 || config.gemm_tile_group > kMaxTileGroup)
     return bad("gemm_tile_group = " + std::to_string(config.gemm_tile_group) + "; valid: 1 to " +
                std::to_string(kMaxTileGroup) + " row tiles");
+  if (config.gemm_expert_groups < 0 || config.gemm_expert_groups > kMaxTileGroup)
+    return bad("gemm_expert_groups = " + std::to_string(config.gemm_expert_groups) +
+               "; valid: 0 (groups of gemm_tile_group) or 1 to " + std::to_string(kMaxTileGroup) +
+               " row tiles");
+  if (config.gemm_expert_groups != 0 && config.precision != Precision::kFP8Block)
+    return bad("gemm_expert_groups = " + std::to_string(config.gemm_expert_groups) +
+               " with precision = bf16; valid: gemm_expert_groups = 0 (the expert groups walk "
+               "the FP8 row-tile GEMMs; the bf16 ones take gemm_expert_aligned_groups)");
   if (config.gemm_lockstep_k_blocks != 0 &&
       (config.gemm_lockstep_k_blocks < 2 || config.gemm_lockstep_k_blocks > kMaxLockstepKBlocks))
     return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +

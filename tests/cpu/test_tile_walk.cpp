@@ -3,7 +3,7 @@
 // their column tile (and expert), and only the second tile of an odd count is a phantom. And the
 // 256 x 192 down GEMM's row units (src/kernels/gemm/wide_tile_walk.h): every schedule tile of
 // the window in exactly one unit, a unit's tiles of one expert, paired from the expert's first
-// tile in the window.
+// tile in the window. And the groups of one expert's row tiles (expert_grouped_tile_in).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -153,6 +153,56 @@ TEST(TileWalk, ExpertAlignedGroupsCoverEveryTileOnceAndSplitNoSmallExpert) {
     const WalkUnit aligned = walk_unit(unit, 29, 5, true, kTileGroupM, singles.data());
     EXPECT_EQ(fixed.m_unit, aligned.m_unit);
     EXPECT_EQ(fixed.n_tile, aligned.n_tile);
+  }
+}
+
+// MoeConfig::gemm_expert_groups (expert_grouped_tile_in): on random experts of 0-40 row tiles
+// (empty experts included) and random windows of them, the walk is the order written out here:
+// expert by expert, each expert's tiles in the window split into ceil(tiles / most) runs that
+// differ by one tile at most (the longer first), each run swept n-major with m fastest. So every
+// tile of the window comes once, and no group holds two experts or more than `most` tiles.
+TEST(TileWalk, ExpertGroupsWalkEachExpertInEvenRuns) {
+  std::mt19937 rng(35);
+  constexpr int32_t kRowAlign = 128;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int max_tiles = std::vector<int>{3, 12, 40}[trial % 3];
+    std::vector<int32_t> offsets{0}, tile_expert;
+    for (int expert = 0; tile_expert.size() < 20 + trial % 150; ++expert) {
+      const int tiles = rng() % 5 == 0 ? 0 : 1 + static_cast<int>(rng() % max_tiles);
+      tile_expert.insert(tile_expert.end(), tiles, expert);
+      offsets.push_back(static_cast<int32_t>(tile_expert.size()) * kRowAlign);
+    }
+    const int total = static_cast<int>(tile_expert.size());
+    // The window: all the tiles, or a random run of them (a macrobatch's).
+    const int base = trial % 2 == 0 ? 0 : static_cast<int>(rng() % total);
+    const int m_tiles = trial % 2 == 0 ? total : 1 + static_cast<int>(rng() % (total - base));
+    const int n_tiles = 1 + trial % 13;
+    const int most = std::vector<int>{1, 2, 3, 7, 8, 16, 1024}[trial % 7];
+    SCOPED_TRACE(testing::Message()
+                 << "window [" << base << ", " << base + m_tiles << ") of " << total
+                 << " row tiles, " << n_tiles << " column tiles, groups of at most " << most);
+    std::vector<std::pair<int, int>> order;  // (m, n) relative to the window
+    for (int first = 0; first < m_tiles;) {
+      int end = first;
+      while (end < m_tiles && tile_expert[base + end] == tile_expert[base + first]) ++end;
+      const int count = end - first, groups = (count + most - 1) / most;
+      for (int g = 0, row = first; g < groups; ++g) {
+        const int size = count / groups + (g < count % groups ? 1 : 0);
+        ASSERT_LE(size, most);
+        for (int n = 0; n < n_tiles; ++n)
+          for (int m = row; m < row + size; ++m) order.emplace_back(m, n);
+        row += size;
+      }
+      first = end;
+    }
+    ASSERT_EQ(static_cast<int>(order.size()), m_tiles * n_tiles);
+    for (int unit = 0; unit < m_tiles * n_tiles; ++unit) {
+      int m = -1, n = -1;
+      expert_grouped_tile_in(unit, base, m_tiles, n_tiles, most, tile_expert.data(), offsets.data(),
+                             kRowAlign, &m, &n);
+      ASSERT_EQ(m, order[unit].first) << "unit " << unit;
+      ASSERT_EQ(n, order[unit].second) << "unit " << unit;
+    }
   }
 }
 

@@ -3,8 +3,8 @@
 // in double and scaled as the recipe says; the GPU's bf16 output within bf16 rounding of it, the
 // same bits on a second run, and rows of different experts in one launch. Then its TFLOP/s at
 // the dsv3_local gate/up GEMM, free-running and kept in step, and at the layer's other FP8 GEMMs
-// of that shape, on constant and on random operands, per call and sustained (printed; issue 17's
-// bar is 1,100 for the FP8 GEMMs).
+// of that shape, on constant and on random operands, per call and sustained, with the default
+// walk and in groups of one expert's tiles (printed; issue 17's bar is 1,100 for the FP8 GEMMs).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,7 @@ struct Fp8GemmProblem {
   void *a = nullptr, *b = nullptr, *out = nullptr;
   float *a_scales = nullptr, *b_scales = nullptr;
   int32_t* tile_expert = nullptr;
+  int32_t* expert_offsets = nullptr;  // rows, for the expert groups' walk
   ScheduleHeader* header = nullptr;
   kernels::Fp8GemmMaps maps{};
   kernels::Fp8GemmParams params{};
@@ -45,6 +47,7 @@ struct Fp8GemmProblem {
     EXPECT_EQ(cudaMalloc(&a_scales, rows * (k / 128) * 4), cudaSuccess);
     EXPECT_EQ(cudaMalloc(&b_scales, experts * (n / 128) * (k / 128) * 4), cudaSuccess);
     EXPECT_EQ(cudaMalloc(&tile_expert, rows / 128 * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&expert_offsets, (experts + 1) * 4), cudaSuccess);
     EXPECT_EQ(cudaMalloc(&header, sizeof(ScheduleHeader)), cudaSuccess);
     ScheduleHeader host_header{};
     host_header.total_rows = static_cast<int32_t>(rows);
@@ -65,6 +68,7 @@ struct Fp8GemmProblem {
     maps.out2 = maps.out;
     params.header = header;
     params.tile_expert = tile_expert;
+    params.expert_offsets = expert_offsets;
     params.b_scales = b_scales;
     params.n_extent = static_cast<int32_t>(n);
     params.k_extent = static_cast<int32_t>(k);
@@ -72,7 +76,8 @@ struct Fp8GemmProblem {
   }
   ~Fp8GemmProblem() {
     for (void* p : {a, b, out, static_cast<void*>(a_scales), static_cast<void*>(b_scales),
-                    static_cast<void*>(tile_expert), static_cast<void*>(header)})
+                    static_cast<void*>(tile_expert), static_cast<void*>(expert_offsets),
+                    static_cast<void*>(header)})
       cudaFree(p);
   }
   cudaError_t run(cudaStream_t stream = nullptr) {
@@ -472,6 +477,12 @@ void fill_constant_operands(Fp8GemmProblem& problem, int64_t tiles_per_expert) {
   ASSERT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
+  std::vector<int32_t> offsets(experts + 1);
+  for (int64_t e = 0; e <= experts; ++e)
+    offsets[e] = static_cast<int32_t>(std::min(e * tiles_per_expert * 128, rows));
+  ASSERT_EQ(cudaMemcpy(problem.expert_offsets, offsets.data(), offsets.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
 }
 
 // Median milliseconds of 10 launches after 2 warm-ups.
@@ -609,6 +620,34 @@ void expect_row_tile_samples(const Fp8GemmProblem& problem, const RandomRowTileO
   }
 }
 
+// The walk in groups of one expert's row tiles (MoeConfig::gemm_expert_groups) at each of
+// `mosts`, timed per call and sustained beside the default walk's lines; every expert holds
+// tiles_per_expert = 9 row tiles in these problems, so fixed groups of 8 split each in two.
+// Each walk gives the default walk's bits (the problem's output on entry).
+void time_expert_groups(Fp8GemmProblem& problem, const std::string& label,
+                        std::initializer_list<int32_t> mosts) {
+  const int64_t count = problem.rows * problem.n;
+  const double flop = 2.0 * problem.rows * problem.n * problem.k;
+  std::vector<bf16> default_walk(count), walked(count);
+  ASSERT_EQ(cudaMemcpy(default_walk.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  auto run = [&] { return problem.run(); };
+  for (const int32_t most : mosts) {
+    problem.params.expert_groups = most;
+    ASSERT_EQ(cudaMemset(problem.out, 0xff, count * 2), cudaSuccess);
+    for (const bool sustained : {false, true}) {
+      const double ms = sustained ? sustained_ms(run) : median_ms(run);
+      std::printf("  %s, random codes, expert groups of at most %d%s: %.3f ms, %.0f TFLOP/s\n",
+                  label.c_str(), most, sustained ? ", sustained" : "", ms, flop / ms / 1e9);
+    }
+    ASSERT_EQ(cudaMemcpy(walked.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_TRUE(test::bitwise_equal(walked, default_walk))
+        << label << ", expert groups of " << most;
+  }
+  problem.params.expert_groups = 0;
+}
+
 // The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,
 // K = H = 7168; median of 10 launches, TFLOP/s printed, free-running and with the CTAs kept
 // within 8, 16 and 32 K-blocks of the slowest (MoeConfig::gemm_lockstep_k_blocks), whose output
@@ -680,6 +719,10 @@ TEST(Fp8GemmGpu, Throughput) {
         sustained ? ", sustained" : "", ms, 2.0 * rows * n * k / ms / 1e9);
   }
   expect_row_tile_samples(problem, operands, 9, "gate/up");
+  time_expert_groups(problem,
+                     "fp8 grouped GEMM, dsv3_local gate/up (" + std::to_string(rows) + " x " +
+                         std::to_string(n) + " x " + std::to_string(k) + "), free-running",
+                     {16, 5});
 }
 
 // Every element of a bf16 output of `count` values equals `want`: the tiles were all written.
@@ -729,6 +772,7 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
     print((label + ", random codes, sustained").c_str(),
           sustained_ms([&] { return problem.run(); }), flop);
     expect_row_tile_samples(problem, operands, tiles_per_expert, gemm.name);
+    time_expert_groups(problem, label, {16});
   }
 
   // The weight gradients: out[e] = A_e^T-rows x B_e over the expert's rows, at dsv3_local's

@@ -3,7 +3,7 @@
 // on uniform and adversarial routings, with a shared expert and a clamp; bitwise across runs and
 // with or without the forward context; and the distance to the bf16 layer printed. Shapes the
 // FP8 path does not run are refused by name before anything runs. Pre-quantized weights give
-// the bits of the bf16 weights they came from.
+// the bits of the bf16 weights they came from, and every walk of the GEMMs' tiles the same bits.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -124,6 +124,37 @@ TEST(Fp8LayerGpu, KeptWeightsGiveTheSameBits) {
             cudaSuccess);
   const HostRank changed = step(every_call, 0);
   expect_same(step(keeping, 6), changed, "(version 6 after the weights changed)");
+}
+
+// The FP8 row-tile GEMMs' walk (MoeConfig::gemm_tile_group, gemm_expert_groups) reorders
+// tiles only: every walk gives the default walk's bits, on skewed routing (experts of 1 to ~20
+// row tiles) and with experts that have no rows.
+TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
+  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kHoles}) {
+    const MoeShape shape = make_shape(1200, 512, 256, 16, 4, 1, 128);
+    HostProblem problem = HostProblem::make(shape, routing, 79);
+    DeviceProblem device(problem, 0);
+    GpuLayer default_walk(shape, fp8_config());
+    const HostRank want = test::gpu_step(default_walk, device, problem, /*with_context=*/true);
+    struct Walk {
+      const char* name;
+      int32_t tile_group, expert_groups;
+    };
+    for (const Walk& walk :
+         {Walk{"groups of 1", 1, 0}, Walk{"groups of 3", 3, 0}, Walk{"groups of 1024", 1024, 0},
+          Walk{"expert groups of 1", 8, 1}, Walk{"expert groups of 3", 8, 3},
+          Walk{"expert groups of 16", 8, 16}}) {
+      SCOPED_TRACE(std::string(walk.name) + ", routing " + routing_kind_name(routing));
+      MoeConfig config = fp8_config();
+      config.gemm_tile_group = walk.tile_group;
+      config.gemm_expert_groups = walk.expert_groups;
+      GpuLayer layer(shape, config);
+      const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
+      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs from the default walk's";
+      });
+    }
+  }
 }
 
 // Weights given pre-quantized (ForwardArgs::w_*_fp8): the bits of the same weights given as

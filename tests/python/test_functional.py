@@ -275,6 +275,10 @@ def test_no_tokens(device):
         (dict(wait_timeout_s=0.0), r"wait_timeout_s = 0"),
         (dict(macrobatch_size=100), r"macrobatch_size = 100; valid: 0 \(sized from the shape\)"),
         (dict(gemm_tile_group=0), r"gemm_tile_group = 0; valid: 1 to 1024 row tiles"),
+        (
+            dict(gemm_expert_groups=16),
+            r"gemm_expert_groups = 16 with precision = bf16; valid: gemm_expert_groups = 0",
+        ),
     ],
 )
 def test_bad_config_is_refused_on_every_device(device, fields, message):
@@ -317,4 +321,5 @@ def test_config_switches_reach_the_native_config():
             if other != name:
                 assert getattr(native, other) == getattr(default, other), (name, other)
     assert F.MoKConfig(gemm_tile_group=3).to_native().gemm_tile_group == 3
+    assert F.MoKConfig(gemm_expert_groups=16).to_native().gemm_expert_groups == 16
     assert F.MoKConfig(gemm_lockstep_k_blocks=16).to_native().gemm_lockstep_k_blocks == 16

@@ -2,8 +2,9 @@
 // cores, with the fp32 promotion at every 128-long K-block.
 //
 // Grid: persistent, one 384-thread CTA per SM; CTA c takes tiles c, c + grid, ... of 128 x 128
-// outputs: kRowTiles grouped by row tiles (task_order.h's grouped_tile) so that running CTAs
-// share B; kWeightGrad expert by expert, m fastest.
+// outputs: kRowTiles grouped by row tiles so that running CTAs share B (tile_walk.h: groups of
+// MoeConfig::gemm_tile_group, or of one expert's tiles with gemm_expert_groups); kWeightGrad
+// expert by expert, m fastest.
 // Warp roles:
 //   warpgroup 0   producer: one thread loads each K-block of 128 into a stage with TMA: the A
 //                 and B tiles [128 x 128] e4m3 (16 KB each), the A tile's 128 line scales
@@ -91,16 +92,22 @@ __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params,
                                             const int32_t* expert_offsets, int tile,
                                             int num_m_tiles, int num_n_tiles) {
   constexpr bool kRowTiles = kForm == Fp8GemmForm::kRowTiles;
-  const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, kRowTiles);
   Fp8Tile t;
-  t.m_tile = walk.m_unit;
-  t.n_tile = walk.n_tile;
+  if (kRowTiles && params.expert_groups > 0) {
+    expert_grouped_tile_in(tile, 0, num_m_tiles, num_n_tiles, params.expert_groups,
+                           params.tile_expert, params.expert_offsets, BLOCK_M, &t.m_tile,
+                           &t.n_tile);
+  } else {
+    const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, kRowTiles, params.tile_group);
+    t.m_tile = walk.m_unit;
+    t.n_tile = walk.n_tile;
+    t.expert = walk.expert;
+  }
   if constexpr (kRowTiles) {
     t.expert = params.tile_expert[t.m_tile];
     t.k_block0 = 0;
     t.num_k_blocks = params.k_extent / kFp8BlockK;
   } else {
-    t.expert = walk.expert;
     const int begin = expert_offsets[t.expert], end = expert_offsets[t.expert + 1];
     t.k_block0 = begin / kFp8BlockK;
     t.num_k_blocks = (end - begin) / kFp8BlockK;
@@ -188,11 +195,21 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             lockstep_begin(params.lockstep, lockstep_plan(params.lockstep.lead_k_blocks,
                                                           params.k_extent / kFp8BlockK,
                                                           (num_tiles + gridDim.x - 1) / gridDim.x));
+      // Each tile's coordinates are read a tile ahead, once its first K-block is issued (the
+      // expert groups' walk makes two dependent global loads of them).
+      Fp8Tile next{};
+      if (static_cast<int>(blockIdx.x) < num_tiles)
+        next = fp8_tile<kForm>(params, params.expert_offsets, blockIdx.x, num_m_tiles, num_n_tiles);
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-        const Fp8Tile t =
-            fp8_tile<kForm>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
+        const Fp8Tile t = next;
+        auto read_next_tile = [&] {
+          if (tile + static_cast<int>(gridDim.x) < num_tiles)
+            next = fp8_tile<kForm>(params, params.expert_offsets, tile + gridDim.x, num_m_tiles,
+                                   num_n_tiles);
+        };
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
+          if (k_block == 1) read_next_tile();
           if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_tile, k_block);
           const int s = state.stage;
           const int k_group = t.k_block0 + k_block;
@@ -223,6 +240,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
           state.advance();
         }
+        if (t.num_k_blocks <= 1) read_next_tile();
       }
       if (lockstep) lockstep_end(params.lockstep, step, local_tile);
     } else if (kWeightGrad && threadIdx.x == 32) {

@@ -46,19 +46,26 @@ struct Fp8GemmMaps {
 
 struct Fp8GemmParams {
   Fp8GemmForm form = Fp8GemmForm::kRowTiles;
-  const ScheduleHeader* header = nullptr;   // kRowTiles: num_tiles, the 128-row tiles of A
-  const int32_t* tile_expert = nullptr;     // kRowTiles: expert of each row tile
-  const float* b_scales = nullptr;          // kRowTiles: B's [E, N / 128, K / 128] (of its part)
-  const float* b2_scales = nullptr;         // kRowTiles with a split: B2's, laid out alike
-  const int32_t* expert_offsets = nullptr;  // kWeightGrad: [E + 1] row offsets
-  int32_t num_experts = 0;                  // kWeightGrad: E
-  int32_t m_extent = 0;                     // kWeightGrad: M, a multiple of 128
-  int32_t n_extent = 0;                     // N, a multiple of 128
+  const ScheduleHeader* header = nullptr;  // kRowTiles: num_tiles, the 128-row tiles of A
+  const int32_t* tile_expert = nullptr;    // kRowTiles: expert of each row tile
+  const float* b_scales = nullptr;         // kRowTiles: B's [E, N / 128, K / 128] (of its part)
+  const float* b2_scales = nullptr;        // kRowTiles with a split: B2's, laid out alike
+  // kWeightGrad: [E + 1] row offsets; kRowTiles with expert_groups: the schedule's (multiples
+  // of 128).
+  const int32_t* expert_offsets = nullptr;
+  int32_t num_experts = 0;  // kWeightGrad: E
+  int32_t m_extent = 0;     // kWeightGrad: M, a multiple of 128
+  int32_t n_extent = 0;     // N, a multiple of 128
   // kRowTiles: 0, or a multiple of 128 below N: the output's columns from n_split on go to out2
   // (the gate/up GEMM over [Wg; Wu] writes g and u to their own buffers).
   int32_t n_split = 0;
   int32_t k_extent = 0;  // kRowTiles: K, a multiple of 128
   int32_t k_split = 0;   // kRowTiles: 0, or a multiple of 128 below K (not with n_split)
+  // kRowTiles' walk (tile_walk.h): groups of tile_group row tiles (MoeConfig::gemm_tile_group),
+  // or with expert_groups > 0 each expert's row tiles in groups of at most expert_groups
+  // (MoeConfig::gemm_expert_groups).
+  int32_t tile_group = 8;
+  int32_t expert_groups = 0;
   WaitContext wait{};
   GemmAblation ablation = GemmAblation::kNone;  // but in a measurement (gemm_ablation.h)
   // MoeConfig::gemm_lockstep_k_blocks: kRowTiles' CTAs kept in step (lockstep.h); ticks null: off.

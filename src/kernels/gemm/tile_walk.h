@@ -4,7 +4,9 @@
 //   row-tile forms  units grouped `group_size` at a time (MoeConfig::gemm_tile_group, default
 //                   kTileGroupM), swept n-major (task_order.h); with
 //                   MoeConfig::gemm_expert_aligned_groups, each group's start moved to an
-//                   expert's first row tile (aligned_group_start)
+//                   expert's first row tile (aligned_group_start); with
+//                   MoeConfig::gemm_expert_groups, groups of one expert's row tiles each
+//                   (expert_grouped_tile_in)
 //   kWeightGrad     expert by expert; within one, column tile by column tile, row tiles fastest
 #pragma once
 
@@ -69,6 +71,43 @@ MOK_HOST_DEVICE inline void aligned_grouped_tile_in(int32_t unit, int32_t m_tile
   const int32_t in_group = unit - first * n_tiles;
   const int32_t group_m = end - first;
   *m_tile = first + in_group % group_m;
+  *n_tile = in_group / group_m;
+}
+
+// MoeConfig::gemm_expert_groups = max_group: each expert's row tiles form groups of their own,
+// swept n-major, an expert of c > max_group tiles split into ceil(c / max_group) groups that
+// differ by one tile at most (the longer ones first). Fixed groups of 8 split nearly every
+// expert of `dsv3_local`'s ~9 row tiles in two, whose weight tiles are then read a sweep apart,
+// from HBM twice (docs/design.md, "Groups of one expert"). The walk covers the window of row
+// tiles [tile_base, tile_base + m_tiles) (an expert's tiles cut to it) and returns m_tile
+// relative to it. The units before an expert's tiles number (its first tile) * n_tiles, so unit
+// u's expert is that of row tile u / n_tiles: one read of `tile_expert` (indexed from schedule
+// tile 0) and two of `expert_offsets` (rows, multiples of `row_align`).
+MOK_HOST_DEVICE inline void expert_grouped_tile_in(int32_t unit, int32_t tile_base, int32_t m_tiles,
+                                                   int32_t n_tiles, int32_t max_group,
+                                                   const int32_t* tile_expert,
+                                                   const int32_t* expert_offsets, int32_t row_align,
+                                                   int32_t* m_tile, int32_t* n_tile) {
+  const int32_t row = unit / n_tiles;
+  const int32_t expert = tile_expert[tile_base + row];
+  int32_t first = expert_offsets[expert] / row_align - tile_base;
+  int32_t end = expert_offsets[expert + 1] / row_align - tile_base;
+  if (first < 0) first = 0;
+  if (end > m_tiles) end = m_tiles;
+  const int32_t count = end - first;
+  const int32_t groups = (count + max_group - 1) / max_group;
+  const int32_t base_size = count / groups, longer = count % groups;  // `longer` of base_size + 1
+  const int32_t in_expert = row - first, long_rows = longer * (base_size + 1);
+  int32_t group_first, group_m;
+  if (in_expert < long_rows) {
+    group_m = base_size + 1;
+    group_first = in_expert / group_m * group_m;
+  } else {
+    group_m = base_size;
+    group_first = long_rows + (in_expert - long_rows) / group_m * group_m;
+  }
+  const int32_t in_group = unit - (first + group_first) * n_tiles;
+  *m_tile = first + group_first + in_group % group_m;
   *n_tile = in_group / group_m;
 }
 
