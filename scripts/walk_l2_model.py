@@ -10,7 +10,7 @@ and 34), and counts the misses: the DRAM bytes read.
 
 Walks: `fixed` groups of G row tiles (MoeConfig::gemm_tile_group), `aligned` groups of G moved
 to expert starts within 4 tiles (gemm_expert_aligned_groups), `expert` groups of one expert's
-tiles, at most G (gemm_expert_groups, branch exp/fp8-walk-groups). Session 34's numbers at
+tiles, at most G (gemm_expert_groups). Session 34's numbers at
 `dsv3_local` (the defaults): the FP8 gate/up reads 2.22 GB in step and 3.65 GB at +-2% with
 fixed groups of 8 (ncu measured ~2.85 GB read), 1.20 and 2.06 GB with expert groups of at most
 16.
