@@ -94,7 +94,7 @@ mok run options:
                                wide-tiles, tile-group-N: the GEMM walk in groups of N,
                                l2-placement, four-stages, lockstep-N: the CTAs in step
                                within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep,
-                               aligned-groups, dgrad-half-tiles, expert-groups-N: the
+                               aligned-groups, dgrad-half-tiles, expert-groups-N: FP8's
                                walk in groups of one expert's tiles); K1+K2 flips several on
                                one layer. An FP8 run (--precision fp8_block) takes it without
                                --quick: the flipped FP8 layers timed beside it
@@ -103,9 +103,9 @@ mok run options:
                                breakdowns (for A/B runs of two builds; a third of the time)
   --tile-group N               GPU: row tiles the expert GEMMs' walk takes together before the
                                next group (1-1024, default 8; same bits)
-  --expert-groups N            GPU: the row-tile GEMMs walk each expert's row tiles as groups
-                               of their own, at most N a group (gemm_expert_groups; default 0:
-                               groups of --tile-group; same bits)
+  --expert-groups N            GPU, FP8: the row-tile GEMMs walk each expert's row tiles as
+                               groups of their own, at most N a group (gemm_expert_groups;
+                               default 0: groups of 8; same bits)
   --lockstep N                 GPU: no CTA of a row-tile expert GEMM runs more than about N
                                K-blocks ahead of the slowest (2-4096; default 0: off; same bits)
   --minibatch-size N           GPU: rows per overlap step of the persistent kernels (multiple of

@@ -114,14 +114,13 @@ struct MoeConfig {
   // the walk model counts 6.6% more weight reads than the weights (1.0 GB of the gate/up's
   // 17.8). Same bits. Off until measured faster (written in session 23, not yet run).
   bool gemm_expert_aligned_groups = false;
-  // The row-tile expert GEMMs (FP8's, and the bf16 128 x 256 tiles of the kernel sequences
-  // without CTA pairs or the 256 x 192 tiles; the persistent kernels keep kTileGroupM) walk each
-  // expert's row tiles as groups of their own, at most this many a group, an expert of more
-  // split into groups that differ by one tile at most (src/kernels/gemm/tile_walk.h,
-  // expert_grouped_tile_in); 0: groups of gemm_tile_group. Where experts hold a few more row tiles
-  // than a fixed group (`dsv3_local`: ~9 against 8), nearly every expert straddles two groups,
-  // whose CTAs read its weight tiles a sweep apart, from HBM twice (docs/design.md, "Groups of one
-  // expert"). 0 to 1024. Same bits. Off until measured faster (written in session 35).
+  // The FP8 row-tile GEMMs (precision fp8_block) walk each expert's row tiles as groups of their
+  // own, at most this many a group, an expert of more split into groups that differ by one tile
+  // at most (src/kernels/gemm/tile_walk.h, expert_grouped_tile_in), in a kernel of its own; 0:
+  // groups of 8 (the FP8 GEMMs do not take gemm_tile_group). Where experts hold a few more row
+  // tiles than a fixed group (`dsv3_local`: ~9 against 8), nearly every expert straddles two
+  // groups, whose CTAs read its weight tiles a sweep apart, from HBM twice (docs/design.md, "Groups
+  // of one expert"). 0 to 1024. Same bits. Off until measured faster (session 35; docs/perf.md).
   int32_t gemm_expert_groups = 0;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):

@@ -78,10 +78,9 @@ class MoKConfig:
     gemm_expert_aligned_groups: start each group of the row-tile GEMMs' walk where an expert
         starts (within 4 row tiles), so no expert's weight tiles are read by two groups a sweep
         apart (same bits; bf16 128 x 256 tiles without CTA pairs; off until measured faster).
-    gemm_expert_groups: walk each expert's row tiles as groups of their own, at most this many
-        a group (0: groups of gemm_tile_group; same bits; the FP8 GEMMs and the bf16 128 x 256
-        tiles without CTA pairs; the persistent kernels keep fixed groups; off until measured
-        faster).
+    gemm_expert_groups: walk each expert's row tiles in the FP8 GEMMs as groups of their own,
+        at most this many a group (0: groups of 8; same bits; precision "fp8_block" only; off
+        until measured faster).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).

@@ -269,23 +269,11 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_expert_aligned_groups",
                                          "a CTA pair's units are pairs of row tiles",
                                          "the 256 x 192 tiles group their own units"));
-  if (config.gemm_expert_groups != 0) {
-    // The FP8 row tiles and the bf16 128 x 256 ones.
-    const std::string with =
-        "gemm_expert_groups = " + std::to_string(config.gemm_expert_groups) + " with ";
-    if (config.gemm_cta_pairs)
-      return bad(with +
-                 "gemm_cta_pairs = true; valid: gemm_expert_groups = 0 (a CTA pair's units are "
-                 "pairs of row tiles)");
-    if (config.gemm_wide_tiles)
-      return bad(with +
-                 "gemm_wide_tiles = true; valid: gemm_expert_groups = 0 (the 256 x 192 tiles "
-                 "group their own units)");
-    if (config.gemm_expert_aligned_groups)
-      return bad(with +
-                 "gemm_expert_aligned_groups = true; valid: at most one of them (two rules for "
-                 "where the groups start)");
-  }
+  if (config.gemm_expert_groups != 0 && config.precision != Precision::kFP8Block)
+    return bad("gemm_expert_groups = " + std::to_string(config.gemm_expert_groups) +
+               " with precision = bf16; valid: gemm_expert_groups = 0 (the expert groups walk "
+               "the FP8 row-tile GEMMs; the bf16 version, commit f2b2930, awaits a timing of its "
+               "default path)");
   if (config.gemm_four_stages)
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_four_stages", "a CTA pair's stages are three",
                                          "the 256 x 192 tiles have their own ring"));

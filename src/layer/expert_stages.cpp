@@ -62,7 +62,6 @@ kernels::ExpertGemmParams base_params(const GpuLayer::State& s, const ExpertSet&
   params.four_stages = s.config.gemm_four_stages ? 1 : 0;
   params.tile_group = s.config.gemm_tile_group;
   params.expert_aligned_groups = s.config.gemm_expert_aligned_groups ? 1 : 0;
-  params.expert_groups = s.config.gemm_expert_groups;
   params.l2 = s.l2_placement;
   params.lockstep = s.lockstep;
   params.tickets = s.tickets;

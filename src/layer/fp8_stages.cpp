@@ -178,7 +178,6 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   params.header = view.header;
   params.tile_expert = view.tile_expert;
   params.expert_offsets = view.expert_offsets;
-  params.tile_group = s.config.gemm_tile_group;
   params.expert_groups = s.config.gemm_expert_groups;
   params.wait = s.wait_context();
   params.ablation = gemm_ablation_from_env();

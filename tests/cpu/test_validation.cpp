@@ -261,33 +261,24 @@ TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
   EXPECT_TRUE(can_implement_knobs(deep, 1).ok());
 }
 
-// MoeConfig::gemm_expert_groups: 0 (off) or 1 to kMaxTileGroup row tiles, in bf16 and FP8; not
-// with CTA pairs, the 256 x 192 tiles or the aligned groups, each named.
-TEST(ConfigValidation, ExpertGroupsNameWhatExcludesThem) {
-  for (const Precision precision : {Precision::kBF16, Precision::kFP8Block}) {
-    MoeConfig config;
-    config.precision = precision;
-    for (const int32_t most : {0, 1, 16, kMaxTileGroup}) {
-      config.gemm_expert_groups = most;
-      EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << most;
-    }
-    for (const int32_t most : {-1, kMaxTileGroup + 1}) {
-      config.gemm_expert_groups = most;
-      expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-                   {"gemm_expert_groups = " + std::to_string(most), "valid: 0 (groups of "});
-    }
+// MoeConfig::gemm_expert_groups: 0 (off) or 1 to kMaxTileGroup row tiles, on the FP8 GEMMs;
+// the bf16 layer refuses it by name.
+TEST(ConfigValidation, ExpertGroupsAreFp8RowTileGroups) {
+  MoeConfig config;
+  config.precision = Precision::kFP8Block;
+  for (const int32_t most : {0, 1, 16, kMaxTileGroup}) {
+    config.gemm_expert_groups = most;
+    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << most;
   }
-  MoeConfig groups;
-  groups.gemm_expert_groups = 16;
-  for (const auto& [name, knob] :
-       {std::pair{"gemm_cta_pairs", &MoeConfig::gemm_cta_pairs},
-        std::pair{"gemm_wide_tiles", &MoeConfig::gemm_wide_tiles},
-        std::pair{"gemm_expert_aligned_groups", &MoeConfig::gemm_expert_aligned_groups}}) {
-    MoeConfig config = groups;
-    config.*knob = true;
+  for (const int32_t most : {-1, kMaxTileGroup + 1}) {
+    config.gemm_expert_groups = most;
     expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-                 {std::string("gemm_expert_groups = 16 with ") + name + " = true"});
+                 {"gemm_expert_groups = " + std::to_string(most), "valid: 0 (groups of "});
   }
+  MoeConfig bf16;
+  bf16.gemm_expert_groups = 16;
+  expect_error(can_implement_knobs(bf16, 1), ErrorCode::kInvalidArgument,
+               {"gemm_expert_groups = 16 with precision = bf16", "valid: gemm_expert_groups = 0"});
 }
 
 // The row-tile GEMMs' lockstep (MoeConfig::gemm_lockstep_k_blocks): 0 (off) or 2 to

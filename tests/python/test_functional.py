@@ -276,8 +276,8 @@ def test_no_tokens(device):
         (dict(macrobatch_size=100), r"macrobatch_size = 100; valid: 0 \(sized from the shape\)"),
         (dict(gemm_tile_group=0), r"gemm_tile_group = 0; valid: 1 to 1024 row tiles"),
         (
-            dict(gemm_expert_groups=16, gemm_cta_pairs=True),
-            r"gemm_expert_groups = 16 with gemm_cta_pairs = true; valid: gemm_expert_groups = 0",
+            dict(gemm_expert_groups=16),
+            r"gemm_expert_groups = 16 with precision = bf16; valid: gemm_expert_groups = 0",
         ),
     ],
 )

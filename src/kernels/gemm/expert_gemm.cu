@@ -133,33 +133,6 @@ __device__ __forceinline__ const int32_t* aligned_tile_expert(const ExpertGemmPa
   }
 }
 
-// MoeConfig::gemm_expert_groups (tile_walk.h): unit `unit` of the window of `m_tiles` row tiles
-// from schedule tile `tile_base`. A call, not inlined: inlined into every row-tile form, ptxas
-// spilled 16-24 bytes in four of them even with the knob off (session 34).
-__device__ __noinline__ WalkUnit expert_group_walk(const int32_t* tile_expert,
-                                                   const int32_t* expert_offsets, int tile_base,
-                                                   int m_tiles, int n_tiles, int most, int unit) {
-  WalkUnit walk{0, 0, 0};
-  expert_grouped_tile_in(unit, tile_base, m_tiles, n_tiles, most, tile_expert, expert_offsets,
-                         BLOCK_M, &walk.m_unit, &walk.n_tile);
-  return walk;
-}
-
-// The walk unit `unit` of the CTA's walk (tile_walk.h), its m_unit relative to the CTA's rows.
-template <ExpertGemmForm kForm, bool kPaired>
-__device__ __forceinline__ WalkUnit cta_walk_unit(const ExpertGemmParams& params,
-                                                  const TileSpace& space, const CtaWalk& cta,
-                                                  int unit) {
-  constexpr bool kRowTiles = FormTraits<kForm>::kRowTiles;
-  if constexpr (kRowTiles && !kPaired) {
-    if (params.expert_groups > 0)
-      return expert_group_walk(params.tile_expert, params.expert_offsets, space.m_begin + cta.m_lo,
-                               cta.m_units, space.num_n_tiles, params.expert_groups, unit);
-  }
-  return walk_unit(unit, cta.m_units, space.num_n_tiles, kRowTiles, params.tile_group,
-                   aligned_tile_expert<kForm, kPaired>(params, space, cta));
-}
-
 // One CTA's tile of walk unit `unit`: with pairs, the row tile of its rank in the pair tile,
 // whether that tile exists (not: a phantom with its partner's K-blocks) and whether the pair
 // reads the same B (then multicast). Row-tile forms group the units params.tile_group row tiles
@@ -176,7 +149,8 @@ __device__ __forceinline__ UnitTile unit_tile(const ExpertGemmParams& params,
                                               const TileSpace& space, const CtaWalk& cta, int unit,
                                               int rank, const SegmentRows* shared_rows) {
   constexpr bool kRowTiles = FormTraits<kForm>::kRowTiles;
-  WalkUnit walk = cta_walk_unit<kForm, kPaired>(params, space, cta, unit);
+  WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, kRowTiles, params.tile_group,
+                            aligned_tile_expert<kForm, kPaired>(params, space, cta));
   walk.m_unit += cta.m_lo;
   UnitTile tile;
   if constexpr (!kPaired) {
@@ -262,7 +236,8 @@ __device__ __forceinline__ bool half_row_tile(const ExpertGemmParams& params,
     const int32_t enabled =
         FormTraits<kForm>::kBMnMajor ? params.dgrad_half_row_tiles : params.half_row_tiles;
     if (!enabled || unit >= cta.num_units) return false;
-    const WalkUnit walk = cta_walk_unit<kForm, kPaired>(params, space, cta, unit);
+    const WalkUnit walk = walk_unit(unit, cta.m_units, space.num_n_tiles, true, params.tile_group,
+                                    aligned_tile_expert<kForm, kPaired>(params, space, cta));
     const int64_t m_tile = walk.m_unit + cta.m_lo + space.m_begin;
     return params.row_pair[m_tile * BLOCK_M + BLOCK_M / 2] < 0;
   }

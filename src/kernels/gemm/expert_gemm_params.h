@@ -100,7 +100,7 @@ struct ExpertGemmParams {
   const ScheduleHeader* header;   // num_tiles: the 128-row tiles the schedule filled
   const int32_t* tile_expert;     // local expert of each 128-row tile
   const int32_t* row_pair;        // pair index of each row, -1 = padding
-  const int32_t* expert_offsets;  // segment starts (kWeightGrad; row tiles: expert_groups)
+  const int32_t* expert_offsets;  // segment starts (kWeightGrad)
   const int32_t* expert_counts;   // routed rows of each segment (kWeightGrad with skip_padding)
   int32_t num_experts;            // E_loc (kWeightGrad)
   // MoeConfig::skip_padding_rows, for the standalone expert GEMM kernel (expert_gemm.cu): a
@@ -120,10 +120,6 @@ struct ExpertGemmParams {
   // MoeConfig::gemm_expert_aligned_groups: those groups start where an expert does, within
   // kGroupAlignReach row tiles of their place (tile_walk.h; the row-tile forms without pairs).
   int32_t expert_aligned_groups;
-  // MoeConfig::gemm_expert_groups: > 0: each expert's row tiles (cut to the CTA's window) are
-  // groups of their own, at most this many a group (tile_walk.h; the row-tile forms without
-  // pairs, from the schedule's expert_offsets).
-  int32_t expert_groups;
   // MoeConfig::gemm_l2_placement (l2_placement.h): each L2 partition's SMs on their share of the
   // row tiles (the row-tile forms without CTA pairs); slot_of_sm null: the block-index walk.
   L2Placement l2;

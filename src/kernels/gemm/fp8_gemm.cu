@@ -3,8 +3,9 @@
 //
 // Grid: persistent, one 384-thread CTA per SM; CTA c takes tiles c, c + grid, ... of 128 x 128
 // outputs: kRowTiles grouped by row tiles so that running CTAs share B (tile_walk.h: groups of
-// MoeConfig::gemm_tile_group, or of one expert's tiles with gemm_expert_groups); kWeightGrad
-// expert by expert, m fastest.
+// kTileGroupM, or of one expert's tiles with MoeConfig::gemm_expert_groups, a kernel of its own
+// whose producer reads each tile's coordinates a tile ahead); kWeightGrad expert by expert, m
+// fastest.
 // Warp roles:
 //   warpgroup 0   producer: one thread loads each K-block of 128 into a stage with TMA: the A
 //                 and B tiles [128 x 128] e4m3 (16 KB each), the A tile's 128 line scales
@@ -86,19 +87,20 @@ struct Fp8Tile {
 };
 
 // `expert_offsets`: kWeightGrad's [E + 1] row offsets (params' in global memory, or the consumers'
-// copy in shared memory).
-template <Fp8GemmForm kForm>
+// copy in shared memory). kExpertGroups (kRowTiles): MoeConfig::gemm_expert_groups' walk, from
+// the schedule's expert offsets in params; otherwise groups of kTileGroupM.
+template <Fp8GemmForm kForm, bool kExpertGroups>
 __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params,
                                             const int32_t* expert_offsets, int tile,
                                             int num_m_tiles, int num_n_tiles) {
   constexpr bool kRowTiles = kForm == Fp8GemmForm::kRowTiles;
   Fp8Tile t;
-  if (kRowTiles && params.expert_groups > 0) {
+  if constexpr (kExpertGroups) {
     expert_grouped_tile_in(tile, 0, num_m_tiles, num_n_tiles, params.expert_groups,
                            params.tile_expert, params.expert_offsets, BLOCK_M, &t.m_tile,
                            &t.n_tile);
   } else {
-    const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, kRowTiles, params.tile_group);
+    const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, kRowTiles);
     t.m_tile = walk.m_unit;
     t.n_tile = walk.n_tile;
     t.expert = walk.expert;
@@ -162,10 +164,11 @@ __device__ __forceinline__ float row_tile_b_scale(const Fp8GemmParams& params, c
                (second ? k_block - split_blocks : k_block));
 }
 
-template <Fp8GemmForm kForm>
+template <Fp8GemmForm kForm, bool kExpertGroups = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   constexpr bool kWeightGrad = kForm == Fp8GemmForm::kWeightGrad;
+  static_assert(!kExpertGroups || !kWeightGrad, "the expert groups walk row tiles");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Fp8SharedStorage& smem = ptx::align_shared_1024<Fp8SharedStorage>(smem_raw);
   if (kWeightGrad && threadIdx.x == 0) {  // init_pipeline fences and publishes them
@@ -195,18 +198,22 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             lockstep_begin(params.lockstep, lockstep_plan(params.lockstep.lead_k_blocks,
                                                           params.k_extent / kFp8BlockK,
                                                           (num_tiles + gridDim.x - 1) / gridDim.x));
-      // Each tile's coordinates are read a tile ahead, once its first K-block is issued (the
-      // expert groups' walk makes two dependent global loads of them).
+      // kExpertGroups: each tile's coordinates are read a tile ahead, once its first K-block is
+      // issued (the walk makes two dependent global loads of them).
       Fp8Tile next{};
-      if (static_cast<int>(blockIdx.x) < num_tiles)
-        next = fp8_tile<kForm>(params, params.expert_offsets, blockIdx.x, num_m_tiles, num_n_tiles);
+      if (kExpertGroups && static_cast<int>(blockIdx.x) < num_tiles)
+        next = fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, blockIdx.x,
+                                              num_m_tiles, num_n_tiles);
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-        const Fp8Tile t = next;
+        const Fp8Tile t = kExpertGroups
+                              ? next
+                              : fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, tile,
+                                                               num_m_tiles, num_n_tiles);
         auto read_next_tile = [&] {
-          if (tile + static_cast<int>(gridDim.x) < num_tiles)
-            next = fp8_tile<kForm>(params, params.expert_offsets, tile + gridDim.x, num_m_tiles,
-                                   num_n_tiles);
+          if (kExpertGroups && tile + static_cast<int>(gridDim.x) < num_tiles)
+            next = fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, tile + gridDim.x,
+                                                  num_m_tiles, num_n_tiles);
         };
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
           if (k_block == 1) read_next_tile();
@@ -252,7 +259,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
         const Fp8Tile t =
-            fp8_tile<kForm>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
+            fp8_tile<kForm, false>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
         mbarrier_wait(params.wait, WaitSite::kStagingFull, &smem.staging_full, local_tile & 1);
         store_chunks(&maps.out, staging, 0, kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent,
                      t.m_tile * BLOCK_M, t.expert);
@@ -296,15 +303,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if constexpr (!kWeightGrad) {
       const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
       if (has_first)
-        next = fp8_tile<kForm>(params, smem.expert_offsets, blockIdx.x, num_m_tiles, num_n_tiles);
+        next = fp8_tile<kForm, kExpertGroups>(params, smem.expert_offsets, blockIdx.x, num_m_tiles,
+                                              num_n_tiles);
       smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(next, has_first);
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
     int local_tile = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-      const Fp8Tile t =
-          kWeightGrad ? fp8_tile<kForm>(params, smem.expert_offsets, tile, num_m_tiles, num_n_tiles)
-                      : next;
+      const Fp8Tile t = kWeightGrad ? fp8_tile<kForm, false>(params, smem.expert_offsets, tile,
+                                                             num_m_tiles, num_n_tiles)
+                                    : next;
       // kRowTiles: the next tile's coordinates and B scale, read once this tile's first K-block
       // is issued, so that the walk's divisions and the tile expert's global load stay off the
       // path to it (2-3% faster row-tile GEMMs, docs/perf.md session 27). kWeightGrad reads its
@@ -316,8 +324,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if constexpr (!kWeightGrad) {
           const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
           if (has_next)
-            next = fp8_tile<kForm>(params, smem.expert_offsets, tile + gridDim.x, num_m_tiles,
-                                   num_n_tiles);
+            next = fp8_tile<kForm, kExpertGroups>(params, smem.expert_offsets, tile + gridDim.x,
+                                                  num_m_tiles, num_n_tiles);
           next_tile_b_scale = load_tile_b_scale(next, has_next);
         }
       };
@@ -455,15 +463,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 }
 
-template <Fp8GemmForm kForm>
+template <Fp8GemmForm kForm, bool kExpertGroups = false>
 cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, int num_ctas,
                         cudaStream_t stream) {
   const size_t smem_bytes = sizeof(Fp8SharedStorage) + 1024;
-  cudaError_t status = cudaFuncSetAttribute(fp8_grouped_gemm_kernel<kForm>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups>;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  fp8_grouped_gemm_kernel<kForm><<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
+  kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
   return cudaGetLastError();
 }
 
@@ -483,6 +491,8 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
       params.n_split >= params.n_extent || params.k_split < 0 || params.k_split % kFp8BlockK != 0 ||
       params.k_split >= params.k_extent || (params.n_split > 0 && params.k_split > 0))
     return cudaErrorInvalidValue;
+  if (params.expert_groups > 0)
+    return launch_form<Fp8GemmForm::kRowTiles, true>(maps, params, num_ctas, stream);
   return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, stream);
 }
 

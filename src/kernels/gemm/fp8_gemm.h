@@ -61,15 +61,15 @@ struct Fp8GemmParams {
   int32_t n_split = 0;
   int32_t k_extent = 0;  // kRowTiles: K, a multiple of 128
   int32_t k_split = 0;   // kRowTiles: 0, or a multiple of 128 below K (not with n_split)
-  // kRowTiles' walk (tile_walk.h): groups of tile_group row tiles (MoeConfig::gemm_tile_group),
-  // or with expert_groups > 0 each expert's row tiles in groups of at most expert_groups
-  // (MoeConfig::gemm_expert_groups).
-  int32_t tile_group = 8;
-  int32_t expert_groups = 0;
   WaitContext wait{};
   GemmAblation ablation = GemmAblation::kNone;  // but in a measurement (gemm_ablation.h)
   // MoeConfig::gemm_lockstep_k_blocks: kRowTiles' CTAs kept in step (lockstep.h); ticks null: off.
   GemmLockstep lockstep{};
+  // kRowTiles' walk (tile_walk.h): groups of kTileGroupM row tiles, or with expert_groups > 0
+  // each expert's row tiles in groups of at most expert_groups (MoeConfig::gemm_expert_groups;
+  // a kernel of its own, so that the default walk's code stays as it was). Last, so that the
+  // other fields keep their offsets.
+  int32_t expert_groups = 0;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
