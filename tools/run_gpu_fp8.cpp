@@ -152,8 +152,8 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
                 compared[i].knob.c_str(), compared[i].bitwise ? "yes" : "NO");
     for (int d = 0; d < 2; ++d) {
       const double ms = medians[6 + 2 * i + d];
-      std::printf("  %-22s %10.3f %10.1f %10.3f %10s %8.3fx of the layer's\n", names[d], ms,
-                  flops[d] / ms / 1e9, medians[4 + d], "", medians[4 + d] / ms);
+      std::printf("  %-22s %10.3f %10.1f %10.3f %10s %8.3fx the layer's time\n", names[d], ms,
+                  flops[d] / ms / 1e9, medians[4 + d], "", ms / medians[4 + d]);
     }
   }
   const std::pair<const char*, const std::vector<std::pair<std::string, float>>*> stage_lists[] = {
