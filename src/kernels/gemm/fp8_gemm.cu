@@ -3,9 +3,10 @@
 //
 // Grid: persistent, one 384-thread CTA per SM; CTA c takes tiles c, c + grid, ... of 128 x 128
 // outputs: kRowTiles grouped by row tiles so that running CTAs share B (tile_walk.h: groups of
-// kTileGroupM, or of one expert's tiles with MoeConfig::gemm_expert_groups, a kernel of its own
-// whose producer reads each tile's coordinates a tile ahead); kWeightGrad expert by expert, m
-// fastest.
+// kTileGroupM, or of one expert's tiles with MoeConfig::gemm_expert_groups, a kernel of its
+// own); kWeightGrad expert by expert, m fastest. (One kernel for both walks, its producer reading
+// each tile's coordinates a tile ahead, ran the default walk 2-4% slower: docs/perf.md, session
+// 35.)
 // Warp roles:
 //   warpgroup 0   producer: one thread loads each K-block of 128 into a stage with TMA: the A
 //                 and B tiles [128 x 128] e4m3 (16 KB each), the A tile's 128 line scales
@@ -198,25 +199,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             lockstep_begin(params.lockstep, lockstep_plan(params.lockstep.lead_k_blocks,
                                                           params.k_extent / kFp8BlockK,
                                                           (num_tiles + gridDim.x - 1) / gridDim.x));
-      // kExpertGroups: each tile's coordinates are read a tile ahead, once its first K-block is
-      // issued (the walk makes two dependent global loads of them).
-      Fp8Tile next{};
-      if (kExpertGroups && static_cast<int>(blockIdx.x) < num_tiles)
-        next = fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, blockIdx.x,
-                                              num_m_tiles, num_n_tiles);
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-        const Fp8Tile t = kExpertGroups
-                              ? next
-                              : fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, tile,
-                                                               num_m_tiles, num_n_tiles);
-        auto read_next_tile = [&] {
-          if (kExpertGroups && tile + static_cast<int>(gridDim.x) < num_tiles)
-            next = fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, tile + gridDim.x,
-                                                  num_m_tiles, num_n_tiles);
-        };
+        const Fp8Tile t = fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, tile,
+                                                         num_m_tiles, num_n_tiles);
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
-          if (k_block == 1) read_next_tile();
           if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_tile, k_block);
           const int s = state.stage;
           const int k_group = t.k_block0 + k_block;
@@ -247,7 +234,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
           state.advance();
         }
-        if (t.num_k_blocks <= 1) read_next_tile();
       }
       if (lockstep) lockstep_end(params.lockstep, step, local_tile);
     } else if (kWeightGrad && threadIdx.x == 32) {
