@@ -143,14 +143,9 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // row tiles.
     flipped.gemm_tile_group = group;
   } else if (const int most = numbered_knob(name, "expert-groups-"); most >= 0) {
-    // "expert-groups-N" (0 = off; can_implement checks the range): each expert's row tiles
-    // walked in groups of their own, at most N a group; what excludes it turned off.
+    // "expert-groups-N" (FP8; 0 = off; can_implement checks the range): each expert's row
+    // tiles walked in groups of their own, at most N a group.
     flipped.gemm_expert_groups = most;
-    if (most > 0) {
-      flipped.gemm_cta_pairs = false;
-      flipped.gemm_wide_tiles = false;
-      flipped.gemm_expert_aligned_groups = false;
-    }
   } else if (const int lead = numbered_knob(name, "lockstep-"); lead >= 0) {
     // "lockstep-N" (0 = off; can_implement checks its range): the row-tile GEMMs' CTAs kept
     // within about N K-blocks of the slowest.

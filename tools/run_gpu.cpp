@@ -24,12 +24,8 @@ namespace mok::cli {
 
 namespace {
 
-// ", GEMM tiles walked in groups of N" where the group is not the default, or ", GEMM tiles
-// walked in groups of one expert's (at most N)".
+// ", GEMM tiles walked in groups of N" where the group is not the default.
 std::string tile_group_name(const mok::MoeConfig& config) {
-  if (config.gemm_expert_groups > 0)
-    return ", GEMM tiles walked in groups of one expert's (at most " +
-           std::to_string(config.gemm_expert_groups) + ")";
   return config.gemm_tile_group == mok::MoeConfig{}.gemm_tile_group
              ? ""
              : ", GEMM tiles walked in groups of " + std::to_string(config.gemm_tile_group);

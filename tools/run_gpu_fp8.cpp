@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli.h"
@@ -39,16 +40,20 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   const mok::ForwardArgs args = device.forward_args();
   const mok::BackwardArgs backward_args = device.backward_args();
 
-  // FP8 with the forward context, FP8 recomputing it, bf16: every output downloaded.
-  std::vector<mok::HostRank> results(3, mok::output_buffers(shape));
-  for (int run = 0; run < 3; ++run) {
+  // One training step of `which` (with its forward context, or recomputing it), every output
+  // downloaded.
+  auto step_outputs = [&](mok::GpuLayer& which, bool with_context) {
+    mok::HostRank outputs = mok::output_buffers(shape);
     device.poison_outputs();
-    mok::GpuLayer& which = run < 2 ? layer : bf16_layer;
     const mok::ForwardContext context = which.forward(args, stream);
-    which.backward(backward_args, stream, run == 1 ? nullptr : &context);
+    which.backward(backward_args, stream, with_context ? &context : nullptr);
     which.synchronize(stream).throw_if_error();
-    device.download_outputs(results[run]);
-  }
+    device.download_outputs(outputs);
+    return outputs;
+  };
+  // FP8 with the forward context, FP8 recomputing it, bf16.
+  const std::vector<mok::HostRank> results = {step_outputs(layer, true), step_outputs(layer, false),
+                                              step_outputs(bf16_layer, true)};
   const bool deterministic = mok::outputs_equal(results[0], results[1]);
   // --compare: each knob flipped on an FP8 layer of its own (flip_knob), checked bitwise against
   // the first run and timed beside it with the weights kept.
@@ -59,14 +64,9 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   };
   std::vector<ComparedKnob> compared;
   for (const std::string& knob : options.compare) {
-    compared.push_back({knob, std::make_unique<mok::GpuLayer>(shape, flip_knob(config, knob))});
-    mok::HostRank flipped_outputs = mok::output_buffers(shape);
-    device.poison_outputs();
-    const mok::ForwardContext context = compared.back().layer->forward(args, stream);
-    compared.back().layer->backward(backward_args, stream, &context);
-    compared.back().layer->synchronize(stream).throw_if_error();
-    device.download_outputs(flipped_outputs);
-    compared.back().bitwise = mok::outputs_equal(flipped_outputs, results[0]);
+    auto flipped = std::make_unique<mok::GpuLayer>(shape, flip_knob(config, knob));
+    const bool bitwise = mok::outputs_equal(step_outputs(*flipped, true), results[0]);
+    compared.push_back({knob, std::move(flipped), bitwise});
   }
 
   // The FP8 reference on a slice of tokens (the weight gradients depend on every token: they

@@ -207,7 +207,7 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
                std::to_string(kMaxTileGroup) + " row tiles");
   if (config.gemm_expert_groups < 0 || config.gemm_expert_groups > kMaxTileGroup)
     return bad("gemm_expert_groups = " + std::to_string(config.gemm_expert_groups) +
-               "; valid: 0 (groups of gemm_tile_group) or 1 to " + std::to_string(kMaxTileGroup) +
+               "; valid: 0 (fixed groups of 8) or 1 to " + std::to_string(kMaxTileGroup) +
                " row tiles");
   if (config.gemm_lockstep_k_blocks != 0 &&
       (config.gemm_lockstep_k_blocks < 2 || config.gemm_lockstep_k_blocks > kMaxLockstepKBlocks))

@@ -273,7 +273,7 @@ TEST(ConfigValidation, ExpertGroupsAreFp8RowTileGroups) {
   for (const int32_t most : {-1, kMaxTileGroup + 1}) {
     config.gemm_expert_groups = most;
     expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-                 {"gemm_expert_groups = " + std::to_string(most), "valid: 0 (groups of "});
+                 {"gemm_expert_groups = " + std::to_string(most), "valid: 0 (fixed groups of 8)"});
   }
   MoeConfig bf16;
   bf16.gemm_expert_groups = 16;
