@@ -15,9 +15,10 @@
 //             (and x rows when recomputing) gathered and quantized both ways in one pass, or
 //             quantized from the exchange's rows;
 //             d_out rows -> row groups; down dgrad -> dh_raw; the bf16 path's SwiGLU backward
-//             (d_g, d_u, h_w, d_router_weights); d_g, d_u -> row groups; gate/up dgrad (K split
-//             d_g | d_u against Wg^T | Wu^T) -> dx rows; d_g, d_u, x, d_out, h_w -> column groups
-//             transposed; the three weight-gradient GEMMs
+//             (d_g, d_u, h_w, d_router_weights) with d_g, d_u quantized both ways and h_w in
+//             column groups in the same pass (swiglu_backward_quantize.h); gate/up dgrad (K split
+//             d_g | d_u against Wg^T | Wu^T) -> dx rows; x, d_out -> column groups transposed
+//             (unless gathered so); the three weight-gradient GEMMs
 #include <cuda.h>
 
 #include <cstdint>
@@ -26,6 +27,7 @@
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/stages/fp8_quantize.h"
 #include "kernels/stages/launch.h"
+#include "kernels/stages/swiglu_backward_quantize.h"
 #include "kernels/stages/swiglu_quantize.h"
 #include "layer/fp8_buffers.h"
 #include "layer/gemm_ablation.h"
@@ -347,24 +349,45 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
              "d_out rows");
   mark("FP8 quantization of the weights and d_out rows");
 
-  // dh_raw = bf16(d_out Wd) into `hidden`; the SwiGLU backward then turns it into h_w in place.
+  // dh_raw = bf16(d_out Wd) into `hidden`, which the SwiGLU backward reads.
   row_tile_gemm(s, set, fp8.d_out_rows.view(), rows, H, fp8.w_down_t.view(), I, set.hidden.pointer,
                 R, stream, "FP8 down dgrad GEMM");
   mark("FP8 down dgrad");
+  // The SwiGLU backward (the bf16 path's math and d_router_weights) with d_g and d_u quantized
+  // both ways (row groups for this dgrad, column groups for the weight gradients) and h_w in
+  // column groups, in one pass: no bf16 d_g, d_u or h_w is written.
   const ScheduleView view = set.view();
-  cuda_check(kernels::launch_swiglu_backward(
-                 view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
-                 view.row_pair, b.router.weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
-                 set.d_up.pointer, set.hidden.pointer, b.router.grads, b.router.grad_peers,
-                 b.router.pairs_per_rank, stream, 0, INT64_MAX),
-             "SwiGLU backward launch");
-  mark("SwiGLU backward + router weight gradient");
+  const bool weight_grads = b.grads.d_w_gate != nullptr;
+  kernels::Fp8SwigluBackward swiglu;
+  swiglu.swiglu.gate = static_cast<const uint4*>(set.gate.pointer);
+  swiglu.swiglu.up = static_cast<const uint4*>(set.up.pointer);
+  swiglu.swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
+  swiglu.swiglu.row_pair = view.row_pair;
+  swiglu.swiglu.router_weights = b.router.weights;
+  swiglu.swiglu.vectors_per_row = I / 8;
+  swiglu.swiglu.limit = s.shape.swiglu_limit;
+  swiglu.swiglu.d_router_weights = b.router.grads;
+  swiglu.swiglu.d_router_weights_peers = b.router.grad_peers;
+  swiglu.swiglu.pairs_per_rank = b.router.pairs_per_rank;
+  swiglu.header = view.header;
+  swiglu.capacity_rows = R;
+  swiglu.d_gate_rows = fp8.d_gate.codes.pointer;
+  swiglu.d_gate_row_scales = fp8.d_gate.scale_data();
+  swiglu.d_up_rows = fp8.d_up.codes.pointer;
+  swiglu.d_up_row_scales = fp8.d_up.scale_data();
+  if (weight_grads) {
+    swiglu.d_gate_columns = fp8.d_gate_t.codes.pointer;
+    swiglu.d_gate_column_scales = fp8.d_gate_t.scale_data();
+    swiglu.d_up_columns = fp8.d_up_t.codes.pointer;
+    swiglu.d_up_column_scales = fp8.d_up_t.scale_data();
+    swiglu.h_w_columns = fp8.h_w_t.codes.pointer;
+    swiglu.h_w_column_scales = fp8.h_w_t.scale_data();
+  }
+  cuda_check(kernels::launch_swiglu_backward_quantize_fp8(swiglu, stream),
+             "FP8 SwiGLU backward and quantization of d_g, d_u, h_w");
+  mark("SwiGLU backward + router weight gradient + d_g, d_u, h_w quantized");
 
-  // dx rows = [d_g | d_u] [Wg; Wu]: K split at I. d_g and d_u quantized both ways in one pass
-  // each (row groups for this dgrad, column groups for the weight gradients).
-  quantize_both_ways(set, set.d_gate.pointer, nullptr, 0, I, fp8.d_gate, fp8.d_gate_t, stream,
-                     "d_gate");
-  quantize_both_ways(set, set.d_up.pointer, nullptr, 0, I, fp8.d_up, fp8.d_up_t, stream, "d_up");
+  // dx rows = [d_g | d_u] [Wg; Wu]: K split at I.
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)");
   maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)");
@@ -384,15 +407,13 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands transposed in
   // groups of 128 rows. None with frozen weights (BackwardArgs), nor their operands.
-  if (b.grads.d_w_gate == nullptr) return;
+  if (!weight_grads) return;
   if (!gathered) {
     quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, stream,
              "x rows (transposed)");
     quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.d_out_t, stream,
              "d_out rows (transposed)");
   }
-  quantize(set.hidden.pointer, R, I, Fp8QuantizeForm::kColumnGroups, fp8.h_w_t, stream,
-           "h_w (transposed)");
   auto weight_grad = [&](const Fp8Operand& a, int64_t m, const Fp8Operand& b_op, int64_t n,
                          void* out, int64_t out_stride, const char* what) {
     kernels::Fp8GemmMaps wgrad_maps{};

@@ -1,0 +1,201 @@
+// The FP8 backward's SwiGLU with its outputs quantized in the same pass
+// (swiglu_backward_quantize.h). The three passes it replaces moved ~1.15 GB at qwen3 (the
+// SwiGLU backward's g, u, dh_raw in and d_g, d_u, h_w out in bf16, then d_g, d_u and h_w read
+// back for their codes); this one reads g, u and dh_raw once and writes only codes and scales.
+//
+// Grid: one 256-thread CTA per 128 schedule rows (2 CTAs an SM: three staged tiles, 102 KB).
+// The CTA walks the rows' I columns in chunks of 128:
+//   1. each thread computes one 8-element vector (swiglu_backward.cuh) of 8 of the tile's rows:
+//      slot threadIdx % 16 of the chunk, rows threadIdx / 16 + 16 k, the loads of four rows in
+//      flight together; d_g, d_u and h_w go into three staged bf16 tiles (fp8_group_tile.cuh);
+//   2. the tiles are quantized as the quantization passes do it, with the same code: d_g and d_u
+//      in row groups, then all three in column groups (transposed through the tiles' memory).
+// The router weight's gradient: the standalone pass gives each row to one warp whose lane l sums
+// vectors l, l + 32, ... in order, then the lanes with an xor tree. Vector 16 c + s of chunk c
+// is that warp's lane 16 (c % 2) + s, so each thread keeps two partials per row (even and odd
+// chunks) that are exactly those lanes' running sums; at the end they meet in shared memory, one
+// warp per row takes lane l's partial into lane l, and the same xor tree
+// (swiglu_store_router_weight_grad) sums them: the same bits.
+#include <cuda_bf16.h>
+
+#include "kernels/stages/fp8_group_tile.cuh"
+#include "kernels/stages/swiglu_backward.cuh"
+#include "kernels/stages/swiglu_backward_quantize.h"
+
+namespace mok::kernels {
+
+namespace {
+
+using namespace fp8_tile;  // the staged tile and its group quantizers (fp8_group_tile.cuh)
+
+constexpr int kSlots = kTile / 8;                          // 8-element vectors per row of a chunk
+constexpr int kRowsPerThread = kTile * kSlots / kThreads;  // 8
+constexpr int kRowStride = kThreads / kSlots;              // 16: a thread's rows are this far apart
+constexpr int kLoadBatch = 4;                              // rows whose vectors are loaded together
+constexpr int32_t kPastTheRows = -2;                       // a tile row at or past total_rows
+
+struct SwigluBackwardTiles {
+  StagedTile d_gate, d_up, h_w;
+};
+// The rows' lane partials of the router dot, in the d_gate tile's memory once the chunks are done.
+using LanePartials = float[kTile][32];
+static_assert(sizeof(LanePartials) <= sizeof(StagedTile), "the partials fit in a staged tile");
+
+// The thread's vectors of chunk `chunk` for its rows k in [batch, batch + kLoadBatch): computed
+// (zeros for padding rows and rows past total_rows) and staged in the three tiles. The
+// branch-free division first (swiglu.cuh); the vectors it cannot take (an operand outside its
+// range: rare) are done again afterwards with `a / b`, in a loop that is not unrolled, so that
+// the kernel carries one copy of that code per batch instead of one per row (the same bits
+// either way: swiglu_backward_vector).
+__device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, int64_t row0,
+                                              int64_t chunk, int batch, const int32_t* pairs,
+                                              const float* weights,
+                                              float (&dots)[kRowsPerThread][2],
+                                              SwigluBackwardTiles& tiles) {
+  const int slot = threadIdx.x % kSlots, first = threadIdx.x / kSlots;
+  const bool odd = chunk % 2 != 0;
+  auto at_of = [&](int k) {
+    return (row0 + first + kRowStride * k) * args.vectors_per_row + chunk * kSlots + slot;
+  };
+  auto stage = [&](int row, const uint4& dg, const uint4& du, const uint4& hw) {
+    *reinterpret_cast<uint4*>(&tiles.d_gate[row][slot * 8]) = dg;
+    *reinterpret_cast<uint4*>(&tiles.d_up[row][slot * 8]) = du;
+    *reinterpret_cast<uint4*>(&tiles.h_w[row][slot * 8]) = hw;
+  };
+  uint4 g[kLoadBatch], u[kLoadBatch], dh[kLoadBatch];
+#pragma unroll
+  for (int j = 0; j < kLoadBatch; ++j) {
+    const int k = batch + j;
+    if (pairs[first + kRowStride * k] < 0) continue;
+    g[j] = args.gate[at_of(k)];
+    u[j] = args.up[at_of(k)];
+    dh[j] = args.dh_raw[at_of(k)];
+  }
+  uint32_t slow = 0;  // bit j: vector j needs the division's second try
+#pragma unroll
+  for (int j = 0; j < kLoadBatch; ++j) {
+    const int k = batch + j, row = first + kRowStride * k;
+    uint4 dg = make_uint4(0, 0, 0, 0), du = dg, hw = dg;
+    float dot = odd ? dots[k][1] : dots[k][0];
+    if (pairs[row] >= 0 && !swiglu_backward_vector_as<true>(g[j], u[j], dh[j], weights[row],
+                                                            args.limit, dot, dg, du, hw))
+      slow |= 1u << j;
+    dots[k][0] = odd ? dots[k][0] : dot;
+    dots[k][1] = odd ? dot : dots[k][1];
+    stage(row, dg, du, hw);
+  }
+  if (slow == 0) return;
+#pragma unroll 1
+  for (int j = 0; j < kLoadBatch; ++j) {
+    if ((slow >> j & 1) == 0) continue;
+    const int k = batch + j, row = first + kRowStride * k;
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i)
+      if (i == k) dot = odd ? dots[i][1] : dots[i][0];
+    uint4 dg, du, hw;
+    swiglu_backward_vector_as<false>(args.gate[at_of(k)], args.up[at_of(k)], args.dh_raw[at_of(k)],
+                                     weights[row], args.limit, dot, dg, du, hw);
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i)
+      if (i == k) {
+        dots[i][0] = odd ? dots[i][0] : dot;
+        dots[i][1] = odd ? dot : dots[i][1];
+      }
+    stage(row, dg, du, hw);
+  }
+}
+
+// Chunk `chunk` of the CTA's rows: staged, then quantized into every output given.
+__device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p, int64_t row0,
+                                                      int64_t chunk, const int32_t* pairs,
+                                                      const float* weights,
+                                                      float (&dots)[kRowsPerThread][2],
+                                                      SwigluBackwardTiles& tiles) {
+#pragma unroll
+  for (int batch = 0; batch < kRowsPerThread; batch += kLoadBatch)
+    stage_vectors(p.swiglu, row0, chunk, batch, pairs, weights, dots, tiles);
+  __syncthreads();
+  const int64_t tile_row = row0 / kTile, inter = p.swiglu.vectors_per_row * 8;
+  quantize_row_groups(tiles.d_gate, tile_row, chunk, p.capacity_rows, inter,
+                      static_cast<uint8_t*>(p.d_gate_rows), p.d_gate_row_scales);
+  quantize_row_groups(tiles.d_up, tile_row, chunk, p.capacity_rows, inter,
+                      static_cast<uint8_t*>(p.d_up_rows), p.d_up_row_scales);
+  if (p.d_gate_columns != nullptr) {  // each call's first barrier: the row groups are read
+    quantize_column_groups(tiles.d_gate, tile_row, chunk, p.capacity_rows, inter,
+                           static_cast<uint8_t*>(p.d_gate_columns), p.d_gate_column_scales);
+    quantize_column_groups(tiles.d_up, tile_row, chunk, p.capacity_rows, inter,
+                           static_cast<uint8_t*>(p.d_up_columns), p.d_up_column_scales);
+    quantize_column_groups(tiles.h_w, tile_row, chunk, p.capacity_rows, inter,
+                           static_cast<uint8_t*>(p.h_w_columns), p.h_w_column_scales);
+  }
+  __syncthreads();  // the tiles are read: the next chunk may stage
+}
+
+__global__ void __launch_bounds__(kThreads, 2)
+    swiglu_backward_quantize_kernel(Fp8SwigluBackward p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  SwigluBackwardTiles& tiles = *reinterpret_cast<SwigluBackwardTiles*>(shared);
+  __shared__ int32_t tile_pairs[kTile];  // shared, not per thread: registers are what bind here
+  __shared__ float tile_weights[kTile];
+  const SwigluBackwardArgs& args = p.swiglu;
+  const int64_t total_rows = p.header->total_rows;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  if (row0 >= total_rows) return;
+  if (threadIdx.x < kTile) {
+    const int64_t row = row0 + threadIdx.x;
+    const int32_t pair = row >= total_rows          ? kPastTheRows
+                         : args.row_pair != nullptr ? args.row_pair[row]
+                                                    : static_cast<int32_t>(row);
+    tile_pairs[threadIdx.x] = pair;
+    tile_weights[threadIdx.x] = pair >= 0 ? swiglu_row_weight(args, pair) : 0.0f;
+  }
+  __syncthreads();
+  const int slot = threadIdx.x % kSlots, first = threadIdx.x / kSlots;
+  float dots[kRowsPerThread][2];
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) dots[k][0] = dots[k][1] = 0.0f;
+  const int64_t chunks = args.vectors_per_row / kSlots;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk)
+    swiglu_backward_chunk(p, row0, chunk, tile_pairs, tile_weights, dots, tiles);
+  if (args.d_router_weights == nullptr && args.d_router_weights_peers == nullptr) return;
+  LanePartials& partials = *reinterpret_cast<LanePartials*>(&tiles.d_gate);
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    partials[first + kRowStride * k][slot] = dots[k][0];
+    partials[first + kRowStride * k][kSlots + slot] = dots[k][1];
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kRowsPerWarp = kTile / (kThreads / 32);
+  for (int row = warp * kRowsPerWarp; row < (warp + 1) * kRowsPerWarp; ++row)
+    if (tile_pairs[row] >= 0)  // the whole warp's row: the xor tree's shuffles see every lane
+      swiglu_store_router_weight_grad(args, tile_pairs[row], partials[row][lane]);
+  // Expert parallel: the gradients went to other GPUs; visible at system scope before the push
+  // kernel's signal, as the standalone pass does.
+  if (args.d_router_weights_peers != nullptr) __threadfence_system();
+}
+
+}  // namespace
+
+cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& p, cudaStream_t stream) {
+  const int64_t inter = p.swiglu.vectors_per_row * 8;
+  const bool columns = p.d_gate_columns != nullptr;
+  if (p.header == nullptr || inter <= 0 || inter % kTile != 0 || p.capacity_rows < 0 ||
+      p.capacity_rows % kTile != 0 || p.swiglu.row_begin != 0 || p.d_gate_rows == nullptr ||
+      p.d_gate_row_scales == nullptr || p.d_up_rows == nullptr || p.d_up_row_scales == nullptr ||
+      (p.d_gate_column_scales != nullptr) != columns || (p.d_up_columns != nullptr) != columns ||
+      (p.d_up_column_scales != nullptr) != columns || (p.h_w_columns != nullptr) != columns ||
+      (p.h_w_column_scales != nullptr) != columns)
+    return cudaErrorInvalidValue;
+  if (p.capacity_rows == 0) return cudaSuccess;
+  constexpr int kSharedBytes = sizeof(SwigluBackwardTiles);
+  const cudaError_t status = cudaFuncSetAttribute(
+      swiglu_backward_quantize_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (status != cudaSuccess) return status;
+  swiglu_backward_quantize_kernel<<<static_cast<unsigned>(p.capacity_rows / kTile), kThreads,
+                                    kSharedBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace mok::kernels
