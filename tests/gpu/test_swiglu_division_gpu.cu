@@ -1,8 +1,9 @@
 // The branch-free division of the SwiGLU steps (kernels/swiglu.cuh) gives the bits of `a / b`:
 // on random operands across its whole range, and on every bf16 gate value through the forward
 // and backward SwiGLU (g is bf16, so 65536 values are all of them), with and without a clamp;
-// out of its range it says so, and the callers' fallback then gives `a / b` itself. The unit form
-// (bf16 values, no roundings) gives the accumulator form's bits for every bf16 gate.
+// out of its range it says so, and the callers' fallback then gives `a / b` itself. The unit forms
+// (bf16 values, no roundings), forward and backward, give the accumulator forms' bits for every
+// bf16 gate.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "kernels/stages/swiglu.cuh"
+#include "kernels/stages/swiglu_backward.cuh"
 
 namespace mok {
 namespace {
@@ -114,6 +116,54 @@ __global__ void unit_kernel(float limit, Counts* counts) {
   }
 }
 
+// A unit of eight bf16 gate values (all 65536 patterns over the grid), up values and dh_raw
+// values (every pattern too, NaN payloads and infinities included), two router weights:
+// swiglu_backward_vector, which rounds its outputs once in their bf16 pack and leaves out the
+// rounding of the bf16 dh_raw, against swiglu_backward's accumulator form with each output
+// rounded and then packed, element by element, and the dot summed in the same order.
+__global__ void backward_unit_kernel(float limit, float weight, Counts* counts) {
+  const uint32_t unit = blockIdx.x * blockDim.x + threadIdx.x;
+  if (unit >= 65536 / 8) return;
+  uint16_t gate_bits[8], up_bits[8], dh_bits[8];
+  for (int e = 0; e < 8; ++e) {
+    const uint32_t pattern = unit * 8 + e;
+    gate_bits[e] = static_cast<uint16_t>(pattern);
+    up_bits[e] = static_cast<uint16_t>((pattern * 40503u) & 0xFFFFu);
+    dh_bits[e] = static_cast<uint16_t>((pattern * 25173u + 13849u) & 0xFFFFu);
+  }
+  uint4 gate, up, dh, d_gate, d_up, weighted;
+  memcpy(&gate, gate_bits, sizeof(gate));
+  memcpy(&up, up_bits, sizeof(up));
+  memcpy(&dh, dh_bits, sizeof(dh));
+  float dot = 0.0f;
+  kernels::swiglu_backward_vector(gate, up, dh, weight, limit, dot, d_gate, d_up, weighted);
+  uint16_t got[3][8];
+  memcpy(got[0], &d_gate, sizeof(d_gate));
+  memcpy(got[1], &d_up, sizeof(d_up));
+  memcpy(got[2], &weighted, sizeof(weighted));
+  float want_dot = 0.0f;
+  for (int e = 0; e < 8; ++e) {
+    bool unused = true;
+    const kernels::SwigluGrad want = kernels::swiglu_backward<false>(
+        __uint_as_float(uint32_t(dh_bits[e]) << 16), __uint_as_float(uint32_t(gate_bits[e]) << 16),
+        __uint_as_float(uint32_t(up_bits[e]) << 16), weight, limit, unused);
+    want_dot += want.dh_raw_times_h;
+    const float wants[3] = {want.d_gate, want.d_up, want.weighted_hidden};
+    for (int o = 0; o < 3; ++o) {
+      atomicAdd(&counts->in_range, 1ull);
+      if (__bfloat16_as_ushort(__float2bfloat16_rn(wants[o])) != got[o][e] &&
+          atomicAdd(&counts->mismatches, 1ull) == 0) {
+        counts->first_bad_a = gate_bits[e];
+        counts->first_bad_b = dh_bits[e];
+      }
+    }
+  }
+  if (bits_of(dot) != bits_of(want_dot) && atomicAdd(&counts->mismatches, 1ull) == 0) {
+    counts->first_bad_a = gate_bits[0];
+    counts->first_bad_b = dh_bits[0];
+  }
+}
+
 Counts run_counts(void (*launch)(Counts*)) {
   Counts* counts = nullptr;
   EXPECT_EQ(cudaMallocManaged(&counts, sizeof(Counts)), cudaSuccess);
@@ -163,6 +213,22 @@ TEST(SwigluDivisionGpu, UnitsOfBf16ValuesGiveTheBitsOfTheAccumulatorForm) {
     EXPECT_EQ(counts.mismatches, 0u) << "first: gate bits " << std::hex << counts.first_bad_a
                                      << ", up bits " << counts.first_bad_b;
     EXPECT_EQ(counts.in_range, 65536u);
+  }
+}
+
+TEST(SwigluDivisionGpu, BackwardUnitsOfBf16ValuesGiveTheBitsOfTheAccumulatorForm) {
+  for (const float limit : {std::numeric_limits<float>::infinity(), 7.0f, 0.5f}) {
+    for (const float weight : {0.3125f, -1.5f}) {
+      SCOPED_TRACE(testing::Message() << "limit " << limit << ", weight " << weight);
+      static float launch_limit, launch_weight;
+      launch_limit = limit;
+      launch_weight = weight;
+      const Counts counts = run_counts(
+          [](Counts* c) { backward_unit_kernel<<<32, 256>>>(launch_limit, launch_weight, c); });
+      EXPECT_EQ(counts.mismatches, 0u) << "first: gate bits " << std::hex << counts.first_bad_a
+                                       << ", dh_raw bits " << counts.first_bad_b;
+      EXPECT_EQ(counts.in_range, 3u * 65536u);
+    }
   }
 }
 

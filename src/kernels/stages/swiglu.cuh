@@ -108,15 +108,21 @@ __device__ __forceinline__ bool swiglu_forward_unit(const uint4& gate, const uin
 // weight w of the row.
 struct SwigluGrad {
   float dh_raw_times_h;   // dh_raw * h: this element's share of d_router_weights
-  float d_gate;           // bf16 value, 0 where the gate was clamped
-  float d_up;             // bf16 value, 0 where the up value was clamped
-  float weighted_hidden;  // bf16(w * h), operand of the down-weight gradient
+  float d_gate;           // bf16 value, 0 where the gate was clamped (unrounded: _of_bf16)
+  float d_up;             // bf16 value, 0 where the up value was clamped (unrounded: _of_bf16)
+  float weighted_hidden;  // bf16(w * h), operand of the down-weight gradient (unrounded: _of_bf16)
 };
 
+// The element from dh_raw, gate and up values that are bf16 already (stored rows), with d_gate,
+// d_up and weighted_hidden left for the caller's bf16 pack to round (__floats2bfloat162_rn
+// rounds each once, as round_bf16 does): swiglu_backward's bits with fewer instructions. The
+// rounding of dh_raw is the identity on a bf16 value; on a NaN one (whose payload it would make
+// canonical) every result is a product of it, and the GPU's NaN products are canonical either
+// way.
 template <bool kFast = false>
-__device__ __forceinline__ SwigluGrad swiglu_backward(float dh_acc, float gate_raw, float up_raw,
-                                                      float weight, float limit, bool& in_range) {
-  const float dh_raw = round_bf16(dh_acc);
+__device__ __forceinline__ SwigluGrad swiglu_backward_of_bf16(float dh_raw, float gate_raw,
+                                                              float up_raw, float weight,
+                                                              float limit, bool& in_range) {
   const bool gate_passes = !(gate_raw > limit);
   const bool up_passes = !(fabsf(up_raw) > limit);
   const float gate = clamp_gate(gate_raw, limit);
@@ -128,10 +134,20 @@ __device__ __forceinline__ SwigluGrad swiglu_backward(float dh_acc, float gate_r
   const float dh = weight * dh_raw;
   SwigluGrad grad;
   grad.dh_raw_times_h = dh_raw * hidden;
-  grad.d_up = up_passes ? round_bf16(dh * silu) : 0.0f;
-  grad.d_gate =
-      gate_passes ? round_bf16(dh * up * sigmoid * (1.0f + gate * (1.0f - sigmoid))) : 0.0f;
-  grad.weighted_hidden = round_bf16(weight * hidden);
+  grad.d_up = up_passes ? dh * silu : 0.0f;
+  grad.d_gate = gate_passes ? dh * up * sigmoid * (1.0f + gate * (1.0f - sigmoid)) : 0.0f;
+  grad.weighted_hidden = weight * hidden;
+  return grad;
+}
+
+template <bool kFast = false>
+__device__ __forceinline__ SwigluGrad swiglu_backward(float dh_acc, float gate_raw, float up_raw,
+                                                      float weight, float limit, bool& in_range) {
+  SwigluGrad grad =
+      swiglu_backward_of_bf16<kFast>(round_bf16(dh_acc), gate_raw, up_raw, weight, limit, in_range);
+  grad.d_gate = round_bf16(grad.d_gate);
+  grad.d_up = round_bf16(grad.d_up);
+  grad.weighted_hidden = round_bf16(grad.weighted_hidden);
   return grad;
 }
 

@@ -22,9 +22,10 @@ __device__ __forceinline__ float swiglu_row_weight(const SwigluBackwardArgs& arg
   return pair < 0 ? 0.0f : args.router_weights != nullptr ? args.router_weights[pair] : 1.0f;
 }
 
-// One 8-element vector of a row, kFast or not (swiglu.cuh): d_g, d_u and h_w out, and
-// <dh_raw, h> of its elements added to `dot` in element order. Returns false if kFast met an
-// operand outside its range (nothing written then).
+// One 8-element vector of a row, kFast or not (swiglu.cuh): d_g, d_u and h_w out (each rounded
+// once, by its bf16 pack: swiglu_backward_of_bf16), and <dh_raw, h> of its elements added to
+// `dot` in element order. Returns false if kFast met an operand outside its range (nothing
+// written then).
 template <bool kFast>
 __device__ __forceinline__ bool swiglu_backward_vector_as(const uint4& g, const uint4& u,
                                                           const uint4& dh, float weight,
@@ -43,8 +44,10 @@ __device__ __forceinline__ bool swiglu_backward_vector_as(const uint4& g, const 
   for (int p = 0; p < 4; ++p) {
     const float2 gf = __bfloat1622float2(g2[p]), uf = __bfloat1622float2(u2[p]),
                  df = __bfloat1622float2(dh2[p]);
-    const SwigluGrad low = swiglu_backward<kFast>(df.x, gf.x, uf.x, weight, limit, in_range);
-    const SwigluGrad high = swiglu_backward<kFast>(df.y, gf.y, uf.y, weight, limit, in_range);
+    const SwigluGrad low =
+        swiglu_backward_of_bf16<kFast>(df.x, gf.x, uf.x, weight, limit, in_range);
+    const SwigluGrad high =
+        swiglu_backward_of_bf16<kFast>(df.y, gf.y, uf.y, weight, limit, in_range);
     sum += low.dh_raw_times_h;
     sum += high.dh_raw_times_h;
     dg2[p] = __floats2bfloat162_rn(low.d_gate, high.d_gate);
