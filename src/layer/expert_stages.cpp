@@ -167,21 +167,10 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetB
   params.wgrad_gate_up = form(I, H, 0);
   params.wgrad_down = form(H, I, 0);
   const ScheduleView view = set.view();
-  kernels::SwigluBackwardArgs& swiglu = params.swiglu;
-  swiglu.gate = static_cast<const uint4*>(set.gate.pointer);
-  swiglu.up = static_cast<const uint4*>(set.up.pointer);
-  swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
-  swiglu.row_pair = view.row_pair;
-  swiglu.router_weights = b.router.weights;
-  swiglu.vectors_per_row = I / 8;
-  swiglu.limit = s.shape.swiglu_limit;
-  swiglu.d_gate = static_cast<uint4*>(set.d_gate.pointer);
-  swiglu.d_up = static_cast<uint4*>(set.d_up.pointer);
-  swiglu.weighted_hidden = static_cast<uint4*>(set.hidden.pointer);
-  swiglu.d_router_weights = b.router.grads;
-  swiglu.d_router_weights_peers = b.router.grad_peers;
-  swiglu.pairs_per_rank = b.router.pairs_per_rank;
-  swiglu.row_begin = 0;
+  params.swiglu = kernels::make_swiglu_backward_args(
+      set.gate.pointer, set.up.pointer, set.hidden.pointer, view.row_pair, b.router.weights, I,
+      s.shape.swiglu_limit, set.d_gate.pointer, set.d_up.pointer, set.hidden.pointer,
+      b.router.grads, b.router.grad_peers, b.router.pairs_per_rank, 0);
   return maps;
 }
 

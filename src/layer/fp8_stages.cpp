@@ -187,19 +187,20 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   return params;
 }
 
-// Rows in schedule order quantized into both group forms in one pass: row groups (a row-tile
-// GEMM's A) and column groups (a weight gradient's operand). With a row_pair they are gathered
-// from `source` [T, width] (schedule row r is token row_pair[r] / top_k); without one they are
-// `source` [R, width] itself.
-void quantize_both_ways(const ExpertSet& set, const void* source, const int32_t* row_pair,
-                        int32_t top_k, int64_t width, const Fp8Operand& row_groups,
-                        const Fp8Operand& column_groups, cudaStream_t stream, const char* what) {
+// The rows of `gather` (the local exchange's) gathered from its tokens (schedule row r is token
+// row_pair[r] / top_k) and quantized into both group forms in one pass: row groups (a row-tile
+// GEMM's A) and column groups (a weight gradient's operand; skipped when `column_groups` holds
+// none).
+void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
+                     const Fp8Operand& row_groups, const Fp8Operand& column_groups,
+                     cudaStream_t stream, const char* what) {
+  const ScheduleView view = set.view();
   kernels::Fp8GatherQuantize params;
-  params.header = set.view().header;
-  params.row_pair = row_pair;
-  params.top_k = top_k;
-  params.tokens = source;
-  params.cols = width;
+  params.header = view.header;
+  params.row_pair = view.row_pair;
+  params.top_k = gather.top_k;
+  params.tokens = gather.x;
+  params.cols = gather.hidden;
   params.capacity_rows = set.capacity_rows;
   params.row_codes = row_groups.codes.pointer;
   params.row_scales = row_groups.scale_data();
@@ -207,14 +208,6 @@ void quantize_both_ways(const ExpertSet& set, const void* source, const int32_t*
   params.column_scales = column_groups.scale_data();
   cuda_check(kernels::launch_gather_quantize_fp8(params, stream),
              std::string("FP8 quantization of ") + what);
-}
-
-// The rows of `gather` (the local exchange's), gathered and quantized both ways.
-void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
-                     const Fp8Operand& row_groups, const Fp8Operand& column_groups,
-                     cudaStream_t stream, const char* what) {
-  quantize_both_ways(set, gather.x, set.view().row_pair, gather.top_k, gather.hidden, row_groups,
-                     column_groups, stream, what);
 }
 
 // x's rows for the gate/up GEMM: gathered here both ways (`gather` from the local exchange; the
@@ -359,16 +352,10 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   const ScheduleView view = set.view();
   const bool weight_grads = b.grads.d_w_gate != nullptr;
   kernels::Fp8SwigluBackward swiglu;
-  swiglu.swiglu.gate = static_cast<const uint4*>(set.gate.pointer);
-  swiglu.swiglu.up = static_cast<const uint4*>(set.up.pointer);
-  swiglu.swiglu.dh_raw = static_cast<const uint4*>(set.hidden.pointer);
-  swiglu.swiglu.row_pair = view.row_pair;
-  swiglu.swiglu.router_weights = b.router.weights;
-  swiglu.swiglu.vectors_per_row = I / 8;
-  swiglu.swiglu.limit = s.shape.swiglu_limit;
-  swiglu.swiglu.d_router_weights = b.router.grads;
-  swiglu.swiglu.d_router_weights_peers = b.router.grad_peers;
-  swiglu.swiglu.pairs_per_rank = b.router.pairs_per_rank;
+  swiglu.swiglu = kernels::make_swiglu_backward_args(
+      set.gate.pointer, set.up.pointer, set.hidden.pointer, view.row_pair, b.router.weights, I,
+      s.shape.swiglu_limit, nullptr, nullptr, nullptr, b.router.grads, b.router.grad_peers,
+      b.router.pairs_per_rank, 0);
   swiglu.header = view.header;
   swiglu.capacity_rows = R;
   swiglu.d_gate_rows = fp8.d_gate.codes.pointer;

@@ -42,14 +42,17 @@ struct ExpertSet {
   int64_t capacity_rows = 0;  // rows of the [rows, I] buffers (a multiple of 128)
   DeviceBuffer hidden;        // forward h; backward dh_raw, then h_w in place
   DeviceBuffer gate, up;      // backward: recomputed bf16 g, u
-  DeviceBuffer d_gate, d_up;  // backward
+  DeviceBuffer d_gate, d_up;  // bf16 backward (FP8 writes d_g and d_u as codes only)
 
-  void allocate(int64_t rows, int64_t inter, int64_t experts) {
+  void allocate(int64_t rows, int64_t inter, int64_t experts, Precision precision) {
     capacity_rows = rows;
     intermediate = inter;
     num_experts = experts;
-    for (DeviceBuffer* buffer : {&hidden, &gate, &up, &d_gate, &d_up})
+    for (DeviceBuffer* buffer : {&hidden, &gate, &up})
       buffer->allocate(rows * inter * 2, "expert buffer");
+    if (precision == Precision::kBF16)
+      for (DeviceBuffer* buffer : {&d_gate, &d_up})
+        buffer->allocate(rows * inter * 2, "expert buffer");
   }
   ScheduleView view() const { return ScheduleView::at(schedule.pointer, layout); }
   int64_t bytes() const {

@@ -196,6 +196,31 @@ struct SwigluBackwardArgs {
   int64_t row_begin;  // the row buffers hold schedule row r at r - row_begin (a macrobatch)
 };
 
+// The arguments of one SwiGLU backward over rows of `intermediate` columns (the standalone pass,
+// and the FP8 pass that quantizes its outputs, whose bf16 outputs are then null).
+inline SwigluBackwardArgs make_swiglu_backward_args(
+    const void* gate, const void* up, const void* dh_raw, const int32_t* row_pair,
+    const float* router_weights, int64_t intermediate, float limit, void* d_gate, void* d_up,
+    void* weighted_hidden, float* d_router_weights, float* const* d_router_weights_peers,
+    int32_t pairs_per_rank, int64_t row_begin) {
+  SwigluBackwardArgs args;
+  args.gate = static_cast<const uint4*>(gate);
+  args.up = static_cast<const uint4*>(up);
+  args.dh_raw = static_cast<const uint4*>(dh_raw);
+  args.row_pair = row_pair;
+  args.router_weights = router_weights;
+  args.vectors_per_row = intermediate / 8;
+  args.limit = limit;
+  args.d_gate = static_cast<uint4*>(d_gate);
+  args.d_up = static_cast<uint4*>(d_up);
+  args.weighted_hidden = static_cast<uint4*>(weighted_hidden);
+  args.d_router_weights = d_router_weights;
+  args.d_router_weights_peers = d_router_weights_peers;
+  args.pairs_per_rank = pairs_per_rank;
+  args.row_begin = row_begin;
+  return args;
+}
+
 // The persistent backward kernel (backward_gemms.cu), per expert set (the routed experts, the
 // shared expert): the parameters of each GEMM form it runs, the SwiGLU task's arguments and the
 // set's dependency counters (backward_task_order.h). Counters carry the launch's epoch like the

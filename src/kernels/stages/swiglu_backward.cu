@@ -42,21 +42,9 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
   int device = 0, sm_count = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  SwigluBackwardArgs args;
-  args.gate = static_cast<const uint4*>(gate);
-  args.up = static_cast<const uint4*>(up);
-  args.dh_raw = static_cast<const uint4*>(dh_raw);
-  args.row_pair = row_pair;
-  args.router_weights = router_weights;
-  args.vectors_per_row = intermediate / 8;
-  args.limit = limit;
-  args.d_gate = static_cast<uint4*>(d_gate);
-  args.d_up = static_cast<uint4*>(d_up);
-  args.weighted_hidden = static_cast<uint4*>(weighted_hidden);
-  args.d_router_weights = d_router_weights;
-  args.d_router_weights_peers = d_router_weights_peers;
-  args.pairs_per_rank = pairs_per_rank;
-  args.row_begin = row_begin;
+  const SwigluBackwardArgs args = make_swiglu_backward_args(
+      gate, up, dh_raw, row_pair, router_weights, intermediate, limit, d_gate, d_up,
+      weighted_hidden, d_router_weights, d_router_weights_peers, pairs_per_rank, row_begin);
   swiglu_backward_kernel<<<sm_count * 8, 256, 0, stream>>>(args, header, num_rows, row_count);
   return cudaGetLastError();
 }
