@@ -443,6 +443,13 @@ __device__ __forceinline__ float reciprocal_approx_ftz(float b) {
   return result;
 }
 
+// 2^x, MUFU.EX2 (relative error ~2^-22; inputs and results below 2^-126 flushed to zero).
+__device__ __forceinline__ float exp2_approx_ftz(float x) {
+  float result;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x));
+  return result;
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t time;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(time));

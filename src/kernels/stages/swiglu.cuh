@@ -46,6 +46,11 @@ __device__ __forceinline__ float divide(float a, float b, bool& in_range) {
     return a / b;
 }
 
+// 1 + exp(-g) = 1 + 2^(-g log2(e)) on MUFU.EX2.
+__device__ __forceinline__ float sigmoid_denominator(float gate) {
+  return 1.0f + ptx::exp2_approx_ftz(gate * -1.4426950408889634f);
+}
+
 // The clamp of docs/design.md, g = min(g, L) and u = clamp(u, -L, L), with a NaN value kept NaN
 // as in the reference (fminf / fmaxf would return the limit: without a clamp a NaN gate became
 // +inf and a NaN up value -inf, so h, d_u and the weight gradients turned finite or infinite
@@ -65,7 +70,7 @@ __device__ __forceinline__ float swiglu_forward_of_bf16(float gate_bf16, float u
                                                         bool& in_range) {
   const float gate = clamp_gate(gate_bf16, limit);
   const float up = clamp_up(up_bf16, limit);
-  const float silu = divide<kFast>(gate, 1.0f + expf(-gate), in_range);
+  const float silu = gate * ptx::reciprocal_approx_ftz(sigmoid_denominator(gate));
   return silu * up;
 }
 
@@ -127,9 +132,8 @@ __device__ __forceinline__ SwigluGrad swiglu_backward_of_bf16(float dh_raw, floa
   const bool up_passes = !(fabsf(up_raw) > limit);
   const float gate = clamp_gate(gate_raw, limit);
   const float up = clamp_up(up_raw, limit);
-  const float denominator = 1.0f + expf(-gate);
-  const float silu = divide<kFast>(gate, denominator, in_range);
-  const float sigmoid = divide<kFast>(1.0f, denominator, in_range);
+  const float sigmoid = ptx::reciprocal_approx_ftz(sigmoid_denominator(gate));
+  const float silu = gate * sigmoid;
   const float hidden = round_bf16(silu * up);
   const float dh = weight * dh_raw;
   SwigluGrad grad;
