@@ -436,7 +436,7 @@ __device__ __forceinline__ uint32_t max_abs_bf16x2_nan(uint32_t a, uint32_t b) {
   return result;
 }
 
-// 1 / b to about 1 ulp, subnormals flushed (the first step of swiglu.cuh's branch-free division).
+// 1 / b to about 1 ulp (MUFU.RCP), subnormals flushed: swiglu.cuh's sigmoid.
 __device__ __forceinline__ float reciprocal_approx_ftz(float b) {
   float result;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(b));

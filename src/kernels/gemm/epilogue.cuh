@@ -145,8 +145,8 @@ __device__ __forceinline__ void store_chunks(const CUtensorMap* map, const char*
 // 16-byte units of g (chunks 0-1) and u (chunks 2-3) while their store reads the tile, writes h
 // over g once the store has read it, and the issuer stores h to `out`. h depends only on bf16(g)
 // and bf16(u), so the bits are those of computing it from the accumulators; doing it from shared
-// memory, 16 bytes at a time, keeps the division's slow path from spilling the accumulators
-// (the eight units' h take 32 registers: no spills). Thread t handles the units t + 256 q of
+// memory, 16 bytes at a time, keeps SwiGLU's registers off the accumulators' (the eight units'
+// h take 32 registers: no spills). Thread t handles the units t + 256 q of
 // chunks 0-1 (eight columns each). kGateChunks 1: one 64-column chunk of g and of u (chunks 0
 // and 1), as a round of the four-stage ring's epilogue stages them.
 template <int kGateChunks = 2>
@@ -174,10 +174,7 @@ __device__ __forceinline__ void stage_swiglu(const CUtensorMap* out, char* tile,
       h[q] = gate;
       continue;
     }
-    // The branch-free division first; `a / b` for a unit with an operand outside its range
-    // (swiglu.cuh: the same bits).
-    if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h[q]))
-      swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h[q]);
+    h[q] = swiglu_forward_unit(gate, up, params.swiglu_limit);
   }
   acquire_staging_tile(issuer);
 #pragma unroll

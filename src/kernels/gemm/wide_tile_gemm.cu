@@ -262,9 +262,7 @@ __device__ __forceinline__ void copy_out_swiglu(const WideSwigluOutputs& outs,
     const int col = col0 + 8 * v;
     if (col >= params.n_extent) continue;
     const uint4 gate = unit_at(r, v), up = unit_at(r, kUnits + v);
-    uint4 h;
-    if (!swiglu_forward_unit<true>(gate, up, params.swiglu_limit, h))
-      swiglu_forward_unit<false>(gate, up, params.swiglu_limit, h);
+    const uint4 h = swiglu_forward_unit(gate, up, params.swiglu_limit);
     const int64_t at = static_cast<int64_t>(row0 + r) * ld + col;
     *reinterpret_cast<uint4*>(outs.gate + at) = gate;
     *reinterpret_cast<uint4*>(outs.up + at) = up;

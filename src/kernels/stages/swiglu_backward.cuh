@@ -22,54 +22,30 @@ __device__ __forceinline__ float swiglu_row_weight(const SwigluBackwardArgs& arg
   return pair < 0 ? 0.0f : args.router_weights != nullptr ? args.router_weights[pair] : 1.0f;
 }
 
-// One 8-element vector of a row, kFast or not (swiglu.cuh): d_g, d_u and h_w out (each rounded
-// once, by its bf16 pack: swiglu_backward_of_bf16), and <dh_raw, h> of its elements added to
-// `dot` in element order. Returns false if kFast met an operand outside its range (nothing
-// written then).
-template <bool kFast>
-__device__ __forceinline__ bool swiglu_backward_vector_as(const uint4& g, const uint4& u,
-                                                          const uint4& dh, float weight,
-                                                          float limit, float& dot, uint4& dg_out,
-                                                          uint4& du_out, uint4& hw_out) {
-  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g);
-  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
-  const __nv_bfloat162* dh2 = reinterpret_cast<const __nv_bfloat162*>(&dh);
-  uint4 dg, du, hw;
-  __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&dg);
-  __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&du);
-  __nv_bfloat162* hw2 = reinterpret_cast<__nv_bfloat162*>(&hw);
-  bool in_range = true;
-  float sum = dot;
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const float2 gf = __bfloat1622float2(g2[p]), uf = __bfloat1622float2(u2[p]),
-                 df = __bfloat1622float2(dh2[p]);
-    const SwigluGrad low =
-        swiglu_backward_of_bf16<kFast>(df.x, gf.x, uf.x, weight, limit, in_range);
-    const SwigluGrad high =
-        swiglu_backward_of_bf16<kFast>(df.y, gf.y, uf.y, weight, limit, in_range);
-    sum += low.dh_raw_times_h;
-    sum += high.dh_raw_times_h;
-    dg2[p] = __floats2bfloat162_rn(low.d_gate, high.d_gate);
-    du2[p] = __floats2bfloat162_rn(low.d_up, high.d_up);
-    hw2[p] = __floats2bfloat162_rn(low.weighted_hidden, high.weighted_hidden);
-  }
-  if (kFast && !in_range) return false;
-  dot = sum;
-  dg_out = dg;
-  du_out = du;
-  hw_out = hw;
-  return true;
-}
-
-// One 8-element vector of a row: the branch-free division first, `a / b` for a vector with an
-// operand outside its range; the same bits either way (swiglu.cuh).
+// One 8-element vector of a row: d_g, d_u and h_w out (each rounded once, by its bf16 pack:
+// swiglu_backward_of_bf16), and <dh_raw, h> of its elements added to `dot` in element order.
 __device__ __forceinline__ void swiglu_backward_vector(const uint4& g, const uint4& u,
                                                        const uint4& dh, float weight, float limit,
                                                        float& dot, uint4& dg_out, uint4& du_out,
                                                        uint4& hw_out) {
-  if (!swiglu_backward_vector_as<true>(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out))
-    swiglu_backward_vector_as<false>(g, u, dh, weight, limit, dot, dg_out, du_out, hw_out);
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g);
+  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+  const __nv_bfloat162* dh2 = reinterpret_cast<const __nv_bfloat162*>(&dh);
+  __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&dg_out);
+  __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&du_out);
+  __nv_bfloat162* hw2 = reinterpret_cast<__nv_bfloat162*>(&hw_out);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 gf = __bfloat1622float2(g2[p]), uf = __bfloat1622float2(u2[p]),
+                 df = __bfloat1622float2(dh2[p]);
+    const SwigluGrad low = swiglu_backward_of_bf16(df.x, gf.x, uf.x, weight, limit);
+    const SwigluGrad high = swiglu_backward_of_bf16(df.y, gf.y, uf.y, weight, limit);
+    dot += low.dh_raw_times_h;
+    dot += high.dh_raw_times_h;
+    dg2[p] = __floats2bfloat162_rn(low.d_gate, high.d_gate);
+    du2[p] = __floats2bfloat162_rn(low.d_up, high.d_up);
+    hw2[p] = __floats2bfloat162_rn(low.weighted_hidden, high.weighted_hidden);
+  }
 }
 
 // The end of a row: the lanes' dots summed with a fixed xor tree; lane 0 stores the router

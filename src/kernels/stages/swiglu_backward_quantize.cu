@@ -42,11 +42,7 @@ using LanePartials = float[kTile][32];
 static_assert(sizeof(LanePartials) <= sizeof(StagedTile), "the partials fit in a staged tile");
 
 // The thread's vectors of chunk `chunk` for its rows k in [batch, batch + kLoadBatch): computed
-// (zeros for padding rows and rows past total_rows) and staged in the three tiles. The
-// branch-free division first (swiglu.cuh); the vectors it cannot take (an operand outside its
-// range: rare) are done again afterwards with `a / b`, in a loop that is not unrolled, so that
-// the kernel carries one copy of that code per batch instead of one per row (the same bits
-// either way: swiglu_backward_vector).
+// (zeros for padding rows and rows past total_rows) and staged in the three tiles.
 __device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, int64_t row0,
                                               int64_t chunk, int batch, const int32_t* pairs,
                                               const float* weights,
@@ -57,11 +53,6 @@ __device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, in
   auto at_of = [&](int k) {
     return (row0 + first + kRowStride * k) * args.vectors_per_row + chunk * kSlots + slot;
   };
-  auto stage = [&](int row, const uint4& dg, const uint4& du, const uint4& hw) {
-    *reinterpret_cast<uint4*>(&tiles.d_gate[row][slot * 8]) = dg;
-    *reinterpret_cast<uint4*>(&tiles.d_up[row][slot * 8]) = du;
-    *reinterpret_cast<uint4*>(&tiles.h_w[row][slot * 8]) = hw;
-  };
   uint4 g[kLoadBatch], u[kLoadBatch], dh[kLoadBatch];
 #pragma unroll
   for (int j = 0; j < kLoadBatch; ++j) {
@@ -71,38 +62,18 @@ __device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, in
     u[j] = args.up[at_of(k)];
     dh[j] = args.dh_raw[at_of(k)];
   }
-  uint32_t slow = 0;  // bit j: vector j needs the division's second try
 #pragma unroll
   for (int j = 0; j < kLoadBatch; ++j) {
     const int k = batch + j, row = first + kRowStride * k;
     uint4 dg = make_uint4(0, 0, 0, 0), du = dg, hw = dg;
     float dot = odd ? dots[k][1] : dots[k][0];
-    if (pairs[row] >= 0 && !swiglu_backward_vector_as<true>(g[j], u[j], dh[j], weights[row],
-                                                            args.limit, dot, dg, du, hw))
-      slow |= 1u << j;
+    if (pairs[row] >= 0)
+      swiglu_backward_vector(g[j], u[j], dh[j], weights[row], args.limit, dot, dg, du, hw);
     dots[k][0] = odd ? dots[k][0] : dot;
     dots[k][1] = odd ? dot : dots[k][1];
-    stage(row, dg, du, hw);
-  }
-  if (slow == 0) return;
-#pragma unroll 1
-  for (int j = 0; j < kLoadBatch; ++j) {
-    if ((slow >> j & 1) == 0) continue;
-    const int k = batch + j, row = first + kRowStride * k;
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i)
-      if (i == k) dot = odd ? dots[i][1] : dots[i][0];
-    uint4 dg, du, hw;
-    swiglu_backward_vector_as<false>(args.gate[at_of(k)], args.up[at_of(k)], args.dh_raw[at_of(k)],
-                                     weights[row], args.limit, dot, dg, du, hw);
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i)
-      if (i == k) {
-        dots[i][0] = odd ? dots[i][0] : dot;
-        dots[i][1] = odd ? dot : dots[i][1];
-      }
-    stage(row, dg, du, hw);
+    *reinterpret_cast<uint4*>(&tiles.d_gate[row][slot * 8]) = dg;
+    *reinterpret_cast<uint4*>(&tiles.d_up[row][slot * 8]) = du;
+    *reinterpret_cast<uint4*>(&tiles.h_w[row][slot * 8]) = hw;
   }
 }
 

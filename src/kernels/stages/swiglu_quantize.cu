@@ -2,7 +2,7 @@
 //
 // Grid: 256-thread CTAs; each half-warp owns one 1 x 128 group of one row: every lane loads 8
 // gate and 8 up values (16 bytes each), computes their h with the epilogue's code
-// (swiglu_forward_unit: the branch-free division first, `a / b` for a unit outside its range),
+// (swiglu_forward_unit),
 // the group's amax comes from four shuffles (NaN-propagating, as the quantizers'), and each lane
 // writes its 8 codes (8 bytes); lane 0 of the half-warp writes the group's scale.
 #include <cuda_bf16.h>
@@ -32,8 +32,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = group / groups_per_row, group_in_row = group % groups_per_row;
   const int64_t unit = row * (inter / 8) + group_in_row * kLanesPerGroup + lane;
   const uint4 g = gate[unit], u = up[unit];
-  uint4 h;
-  if (!swiglu_forward_unit<true>(g, u, limit, h)) swiglu_forward_unit<false>(g, u, limit, h);
+  const uint4 h = swiglu_forward_unit(g, u, limit);
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&h);
   float values[8];
   float amax = 0.0f;
