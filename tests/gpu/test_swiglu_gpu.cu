@@ -183,6 +183,34 @@ TEST(SwigluGpu, EveryBf16GateIsWithinItsBoundOfTheExactMath) {
   }
 }
 
+// Every bf16 gate with fixed up and dh_raw values (infinities among them).
+__global__ void fixed_operands_kernel(float up, float dh, float limit, float weight, Outputs* out) {
+  const uint32_t pattern = blockIdx.x * blockDim.x + threadIdx.x;
+  if (pattern >= 65536) return;
+  const float gate = bf16_bits_to_float(static_cast<uint16_t>(pattern));
+  const kernels::SwigluGrad grad = kernels::swiglu_backward(dh, gate, up, weight, limit);
+  out[pattern] = {kernels::round_bf16(kernels::swiglu_forward(gate, up, limit)), grad.d_gate,
+                  grad.d_up, grad.weighted_hidden};
+}
+
+float bf16_of(float value) { return __bfloat162float(__float2bfloat16_rn(value)); }
+
+// NaN, +inf, -inf or finite.
+int value_class(float value) {
+  return std::isnan(value) ? 0 : std::isinf(value) ? (value > 0 ? 1 : 2) : 3;
+}
+
+// The reference's fp32 SwiGLU (src/reference/expert_math.cpp), element by element.
+Outputs reference_outputs(float gate, float up, float dh_raw, float limit, float weight) {
+  const float g = gate > limit ? limit : gate;
+  const float u = up > limit ? limit : (up < -limit ? -limit : up);
+  const float denominator = 1.0f + std::exp(-g);
+  const float silu = g / denominator, sig = 1.0f / denominator;
+  const float h = bf16_of(silu * u), dh = weight * dh_raw;
+  return {h, !(gate > limit) ? bf16_of(dh * u * sig * (1.0f + g * (1.0f - sig))) : 0.0f,
+          !(std::fabs(up) > limit) ? bf16_of(dh * silu) : 0.0f, bf16_of(weight * h)};
+}
+
 // A unit of eight bf16 gate values (gate pattern 8 i .. 8 i + 7, NaN payloads and infinities
 // included) and up values: swiglu_forward_unit, which leaves out the roundings of values already
 // bf16, against swiglu_forward from the same values as fp32 accumulators, element by element.
@@ -297,6 +325,48 @@ TEST(SwigluGpu, BackwardUnitsOfBf16ValuesGiveTheBitsOfTheAccumulatorForm) {
       EXPECT_EQ(counts.elements, 3u * 65536u);
     }
   }
+}
+
+}  // namespace
+}  // namespace mok
+
+namespace mok {
+namespace {
+
+// The non-finite contract (docs/design.md, "Numerics"): with an infinite up or dh_raw, every bf16
+// gate's h, d_g, d_u and h_w have the class (NaN, +inf, -inf, finite) that the reference's fp32
+// math gives them, gates -88.7 .. -87.3 included, where sigmoid is subnormal (swiglu.cuh).
+TEST(SwigluGpu, InfiniteOperandsGiveTheReferenceClassAtEveryGate) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const std::pair<float, float> operands[] = {
+      {kInf, 1.5f}, {-kInf, -0.75f}, {1.5f, kInf}, {0.0f, kInf}, {kInf, kInf}};
+  Outputs* out = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&out, 65536 * sizeof(Outputs)), cudaSuccess);
+  for (const float limit : {kInf, 7.0f}) {
+    for (const auto& [up, dh] : operands) {
+      SCOPED_TRACE(testing::Message() << "limit " << limit << ", up " << up << ", dh " << dh);
+      fixed_operands_kernel<<<256, 256>>>(up, dh, limit, 0.3125f, out);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      int64_t mismatches = 0;
+      std::string first;
+      for (uint32_t pattern = 0; pattern < 65536; ++pattern) {
+        const float gate = bf16_bits_to_float(static_cast<uint16_t>(pattern));
+        const Outputs want = reference_outputs(gate, up, dh, limit, 0.3125f);
+        const Outputs got = out[pattern];
+        const float wants[4] = {want.h, want.d_gate, want.d_up, want.weighted_hidden};
+        const float gots[4] = {got.h, got.d_gate, got.d_up, got.weighted_hidden};
+        for (int o = 0; o < 4; ++o) {
+          if (value_class(gots[o]) == value_class(wants[o])) continue;
+          if (mismatches++ == 0)
+            first = "output " + std::to_string(o) + " (h, d_g, d_u, h_w) at gate " +
+                    std::to_string(gate) + ": got " + std::to_string(gots[o]) + ", reference " +
+                    std::to_string(wants[o]);
+        }
+      }
+      EXPECT_EQ(mismatches, 0) << first;
+    }
+  }
+  cudaFree(out);
 }
 
 }  // namespace

@@ -19,10 +19,14 @@ __device__ __forceinline__ float round_bf16(float value) {
   return __bfloat162float(__float2bfloat16_rn(value));
 }
 
-// 1 / (1 + exp(-g)) = rcp(1 + 2^(-g log2 e)). A gate below about -87 makes the power overflow to
-// +inf or the reciprocal flush to zero: sigmoid +0, silu -0 (|silu| < 2^-120 there).
+// 1 / (1 + exp(-g)) = rcp((1 + 2^(-g log2 e)) / 16) / 16. The scaled denominator (one FFMA, as
+// exact as the sum) is at most 2^124, so MUFU.RCP's result stays normal, and the last product
+// keeps a subnormal sigmoid, which MUFU.RCP would flush (gates -88.7 .. -87.3): sigmoid and silu
+// are then zero exactly where exp(-g) overflows fp32, as in the reference, and an infinite up or
+// dh_raw meets the reference's zero or tiny factor (a NaN or an infinity, docs/design.md).
 __device__ __forceinline__ float sigmoid(float gate) {
-  return ptx::reciprocal_approx_ftz(1.0f + ptx::exp2_approx_ftz(gate * -1.4426950408889634f));
+  const float power = ptx::exp2_approx_ftz(gate * -1.4426950408889634f);
+  return ptx::reciprocal_approx_ftz(__fmaf_rn(power, 0x1p-4f, 0x1p-4f)) * 0x1p-4f;
 }
 
 // The clamp of docs/design.md, g = min(g, L) and u = clamp(u, -L, L), with a NaN value kept NaN
