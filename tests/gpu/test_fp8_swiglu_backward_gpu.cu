@@ -23,6 +23,7 @@
 #include "layer/cuda_buffer.h"
 #include "mok/fp8.h"
 #include "mok/testing/routing.h"
+#include "testing/bench_device.h"
 
 namespace mok {
 namespace {
@@ -308,30 +309,16 @@ TEST(Fp8SwigluBackwardGpu, OnePassAgainstTheThreePassesTimed) {
     SwigluOutputs three(e.rows, e.inter, num_pairs), one(e.rows, e.inter, num_pairs);
     SwigluScratch scratch(p);
     const kernels::Fp8SwigluBackward fused = fused_params(p, in, INFINITY, true, one);
-    cudaEvent_t start, stop;
-    cudaEventCreate(&start);
-    cudaEventCreate(&stop);
-    auto time = [&](auto&& run) {
-      run();
-      cudaEventRecord(start);
-      for (int i = 0; i < 10; ++i) run();
-      cudaEventRecord(stop);
-      EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      return ms / 10;
-    };
-    const float three_ms = time([&] { three_passes(p, in, INFINITY, true, scratch, three); });
-    const float one_ms =
-        time([&] { kernels::launch_swiglu_backward_quantize_fp8(fused, nullptr); });
+    const double three_ms =
+        median_event_ms([&] { three_passes(p, in, INFINITY, true, scratch, three); }, 10);
+    const double one_ms =
+        median_event_ms([&] { kernels::launch_swiglu_backward_quantize_fp8(fused, nullptr); }, 10);
     const double bytes = e.rows * e.inter * (3 * 2.0 + 5 * 1.0) + e.rows * e.inter / 128 * 20.0;
     std::printf("  fp8 SwiGLU backward at %s: three passes %.3f ms, one pass %.3f ms, %.0f GB/s\n",
                 e.name, three_ms, one_ms, bytes / (one_ms * 1e-3) / 1e9);
     EXPECT_EQ(std::memcmp(download(three.gate_cols).data(), download(one.gate_cols).data(),
                           three.gate_cols.bytes),
               0);
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
   }
 }
 

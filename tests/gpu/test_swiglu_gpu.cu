@@ -64,15 +64,19 @@ struct Outputs {
   float h, d_gate, d_up, weighted_hidden;
 };
 
+__device__ Outputs outputs_of(float gate, float up, float dh, float limit, float weight) {
+  const kernels::SwigluGrad grad = kernels::swiglu_backward(dh, gate, up, weight, limit);
+  return {kernels::round_bf16(kernels::swiglu_forward(gate, up, limit)), grad.d_gate, grad.d_up,
+          grad.weighted_hidden};
+}
+
 __global__ void every_gate_kernel(float limit, float weight, Outputs* out) {
   const uint32_t pattern = blockIdx.x * blockDim.x + threadIdx.x;
   if (pattern >= 65536) return;
-  const float gate = bf16_bits_to_float(static_cast<uint16_t>(pattern));
-  const float up = bf16_bits_to_float(practical_pattern(up_pattern(pattern)));
-  const float dh = bf16_bits_to_float(practical_pattern(dh_pattern(pattern)));
-  const kernels::SwigluGrad grad = kernels::swiglu_backward(dh, gate, up, weight, limit);
-  out[pattern] = {kernels::round_bf16(kernels::swiglu_forward(gate, up, limit)), grad.d_gate,
-                  grad.d_up, grad.weighted_hidden};
+  out[pattern] =
+      outputs_of(bf16_bits_to_float(static_cast<uint16_t>(pattern)),
+                 bf16_bits_to_float(practical_pattern(up_pattern(pattern))),
+                 bf16_bits_to_float(practical_pattern(dh_pattern(pattern))), limit, weight);
 }
 
 float to_bf16(double value) {  // round to nearest even through fp32 (fine at a one-ulp bound)
@@ -187,13 +191,9 @@ TEST(SwigluGpu, EveryBf16GateIsWithinItsBoundOfTheExactMath) {
 __global__ void fixed_operands_kernel(float up, float dh, float limit, float weight, Outputs* out) {
   const uint32_t pattern = blockIdx.x * blockDim.x + threadIdx.x;
   if (pattern >= 65536) return;
-  const float gate = bf16_bits_to_float(static_cast<uint16_t>(pattern));
-  const kernels::SwigluGrad grad = kernels::swiglu_backward(dh, gate, up, weight, limit);
-  out[pattern] = {kernels::round_bf16(kernels::swiglu_forward(gate, up, limit)), grad.d_gate,
-                  grad.d_up, grad.weighted_hidden};
+  out[pattern] =
+      outputs_of(bf16_bits_to_float(static_cast<uint16_t>(pattern)), up, dh, limit, weight);
 }
-
-float bf16_of(float value) { return __bfloat162float(__float2bfloat16_rn(value)); }
 
 // NaN, +inf, -inf or finite.
 int value_class(float value) {
@@ -206,9 +206,9 @@ Outputs reference_outputs(float gate, float up, float dh_raw, float limit, float
   const float u = up > limit ? limit : (up < -limit ? -limit : up);
   const float denominator = 1.0f + std::exp(-g);
   const float silu = g / denominator, sig = 1.0f / denominator;
-  const float h = bf16_of(silu * u), dh = weight * dh_raw;
-  return {h, !(gate > limit) ? bf16_of(dh * u * sig * (1.0f + g * (1.0f - sig))) : 0.0f,
-          !(std::fabs(up) > limit) ? bf16_of(dh * silu) : 0.0f, bf16_of(weight * h)};
+  const float h = to_bf16(silu * u), dh = weight * dh_raw;
+  return {h, !(gate > limit) ? to_bf16(dh * u * sig * (1.0f + g * (1.0f - sig))) : 0.0f,
+          !(std::fabs(up) > limit) ? to_bf16(dh * silu) : 0.0f, to_bf16(weight * h)};
 }
 
 // A unit of eight bf16 gate values (gate pattern 8 i .. 8 i + 7, NaN payloads and infinities

@@ -1,9 +1,9 @@
 // SwiGLU on the GPU, with the clamp and the rounding points of docs/design.md: gate and up
 // arrive as fp32 accumulators, are rounded to bf16, clamped, and combined in fp32.
 //
-// exp and the division run on the SFU: silu(g) = g * rcp(1 + 2^(-g log2 e)), sigmoid = rcp(1 +
-// 2^(-g log2 e)), with MUFU.EX2 and MUFU.RCP (relative errors ~2^-22 and ~2^-23; the product
-// g log2 e adds |g| 2^-24). That is a few fp32 ulps before the bf16 rounding of h, d_g and d_u
+// exp and the division run on the SFU: sigmoid(g) = 1 / (1 + 2^(-g log2 e)) and silu(g) = g *
+// sigmoid(g), with MUFU.EX2 and MUFU.RCP (relative errors ~2^-22 and ~2^-23; the product g log2 e
+// adds |g| 2^-24). That is a few fp32 ulps before the bf16 rounding of h, d_g and d_u
 // (2^-9), and about 10 instructions an element of the forward where expf and an IEEE division took
 // ~28 (docs/design.md, "SwiGLU on the SFU"). Every GPU path runs these functions, so their bits
 // agree; against the CPU reference (std::exp, `/`) they agree to the bf16 tolerance, as expf did.

@@ -2,9 +2,9 @@
 //
 // Grid: 256-thread CTAs; each half-warp owns one 1 x 128 group of one row: every lane loads 8
 // gate and 8 up values (16 bytes each), computes their h with the epilogue's code
-// (swiglu_forward_unit),
-// the group's amax comes from four shuffles (NaN-propagating, as the quantizers'), and each lane
-// writes its 8 codes (8 bytes); lane 0 of the half-warp writes the group's scale.
+// (swiglu_forward_unit), the group's amax comes from four shuffles (NaN-propagating, as the
+// quantizers'), and each lane writes its 8 codes (8 bytes); lane 0 of the half-warp writes the
+// group's scale.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
