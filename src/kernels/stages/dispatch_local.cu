@@ -8,9 +8,11 @@
 // them), kVectorsInFlight loads a lane issued before their stores. Rows past header.total_rows
 // are left alone. A launch may cover one macrobatch's window of rows (kernels/macrobatch.h),
 // stored at row - window start in the ring buffer.
-// Why the loads go first: the copy is bound by the bytes each SM has in flight. Loading and
-// storing one vector at a time (the loads may not pass the stores of a possibly aliased row)
-// held ~16 KB per SM in flight and ran at ~1.6 TB/s on an H100 (docs/perf.md, session 38).
+// What bounds it is DRAM: at `qwen3` on an H100 it writes 280 MB and, with the source rows
+// mostly missing L2 (23-31% hits; streaming stores and an evict-last policy on the loads moved
+// that little), reads ~160-180 MB, at 81% of the DRAM peak (ncu, docs/perf.md, session 38).
+// Loading a lane's vectors before storing them (one at a time before) took 2-3% off; the
+// copy's cost goes only with the copy (MoeConfig::gemm_rows_by_index reads d_out in place).
 #include <cuda_bf16.h>
 
 #include <algorithm>
