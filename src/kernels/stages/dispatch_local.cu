@@ -12,7 +12,7 @@
 // mostly missing L2 (23-31% hits; streaming stores and an evict-last policy on the loads moved
 // that little), reads ~160-180 MB, at 81% of the DRAM peak (ncu, docs/perf.md, session 38).
 // Loading a lane's vectors before storing them (one at a time before) took 2-3% off; the
-// copy's cost goes only with the copy (MoeConfig::gemm_rows_by_index reads d_out in place).
+// copy's cost goes only with the copy itself (the GEMMs reading d_out in place).
 #include <cuda_bf16.h>
 
 #include <algorithm>
