@@ -90,6 +90,9 @@ TEST(BackwardGpu, MatchesReference) {
                  ++seed);
   check_backward("many experts", make_shape(257, 768, 256, 64, 8), RoutingKind::kUniform, ++seed);
   check_backward("wide", make_shape(512, 2048, 768, 8, 2, 1, 256), RoutingKind::kUniform, ++seed);
+  // More than the d_x combine's eight rows in flight: a second round of rows, with holes.
+  check_backward("top 10 with holes", make_shape(200, 768, 256, 16, 10), RoutingKind::kHoles,
+                 ++seed);
 }
 
 // The GEMMs in CTA pairs (MoeConfig::gemm_cta_pairs) against the reference: pairs of one expert

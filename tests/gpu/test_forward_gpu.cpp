@@ -74,6 +74,8 @@ TEST(ForwardGpu, MatchesReference) {
       {"no routes no shared", make_shape(130, 512, 256, 8, 4), RoutingKind::kNoRoutes},
       {"zero tokens", make_shape(0, 512, 256, 8, 4, 1, 64), RoutingKind::kUniform},
       {"large K", make_shape(257, 768, 256, 64, 8), RoutingKind::kUniform},
+      // More than the combine's eight rows in flight: a second round of rows, with holes.
+      {"top 10 with holes", make_shape(200, 768, 256, 16, 10, 1, 128), RoutingKind::kHoles},
   };
   uint64_t seed = 100;
   for (const Case& test_case : cases) check_case(test_case, ++seed);

@@ -5,7 +5,11 @@
 // not routed, it adds nothing). The expert-parallel combine reads its pushed rows from the slots
 // and its own experts' rows from `local_rows`, coded as index <= -2 (stages/launch.h).
 //
-// Roles: one thread per (token, 8 columns): 16-byte loads of each row, 8 fp32 accumulators.
+// Roles: one thread per (token, 8 columns): 16-byte loads of each row, 8 fp32 accumulators. A
+// thread reads up to kRowsInFlight routed rows' indices, then issues all their loads, then adds
+// them in k order: one row at a time (each load waited for before the next was issued) held too
+// few bytes in flight to reach the HBM rate (docs/perf.md, session 38). The order of the sums,
+// and so the bits, is the same.
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_preload.h"
@@ -15,10 +19,24 @@ namespace mok::kernels {
 
 namespace {
 
-__global__ void combine_kernel(const uint4* expert_rows, const int32_t* row_index,
-                               const uint4* local_rows, const uint4* shared,
-                               const float* router_weights, int64_t num_tokens,
-                               int64_t vectors_per_row, int32_t top_k, uint4* out) {
+constexpr int kCombineThreads = 256;
+constexpr int kRowsInFlight = 8;  // a top-8 token's rows in one round
+
+__device__ __forceinline__ void add_row(float (&acc)[8], const uint4& packed, float weight) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 value = __bfloat1622float2(pairs[p]);
+    acc[2 * p] = fmaf(weight, value.x, acc[2 * p]);
+    acc[2 * p + 1] = fmaf(weight, value.y, acc[2 * p + 1]);
+  }
+}
+
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const uint4* __restrict__ expert_rows, const int32_t* __restrict__ row_index,
+                   const uint4* __restrict__ local_rows, const uint4* __restrict__ shared,
+                   const float* __restrict__ router_weights, int64_t num_tokens,
+                   int64_t vectors_per_row, int32_t top_k, uint4* __restrict__ out) {
   const int64_t total = num_tokens * vectors_per_row;
   for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -37,20 +55,26 @@ __global__ void combine_kernel(const uint4* expert_rows, const int32_t* row_inde
 #pragma unroll
       for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
     }
-    for (int k = 0; k < top_k; ++k) {
-      const int32_t row = row_index[token * top_k + k];
-      if (row == -1) continue;
-      const float weight = router_weights != nullptr ? router_weights[token * top_k + k] : 1.0f;
-      const uint4 packed =
-          row >= 0 ? expert_rows[row * vectors_per_row + vector]
-                   : local_rows[(-2 - static_cast<int64_t>(row)) * vectors_per_row + vector];
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+    for (int k_base = 0; k_base < top_k; k_base += kRowsInFlight) {
+      uint4 packed[kRowsInFlight];
+      float weight[kRowsInFlight];
+      bool routed[kRowsInFlight];
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const float2 value = __bfloat1622float2(pairs[p]);
-        acc[2 * p] = fmaf(weight, value.x, acc[2 * p]);
-        acc[2 * p + 1] = fmaf(weight, value.y, acc[2 * p + 1]);
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int k = k_base + u;
+        const int32_t row = k < top_k ? row_index[token * top_k + k] : -1;
+        routed[u] = row != -1;  // -1: the slot adds nothing
+        weight[u] = 1.0f;
+        packed[u] = make_uint4(0, 0, 0, 0);
+        if (!routed[u]) continue;
+        if (router_weights != nullptr) weight[u] = router_weights[token * top_k + k];
+        packed[u] = row >= 0
+                        ? expert_rows[row * vectors_per_row + vector]
+                        : local_rows[(-2 - static_cast<int64_t>(row)) * vectors_per_row + vector];
       }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u)
+        if (routed[u]) add_row(acc, packed[u], weight[u]);
     }
     uint4 result;
     __nv_bfloat162* result_pairs = reinterpret_cast<__nv_bfloat162*>(&result);
@@ -68,8 +92,9 @@ cudaError_t launch_combine(const void* expert_rows, const int32_t* index, const 
   if (num_tokens == 0) return cudaSuccess;
   const int64_t vectors_per_row = hidden / 8;
   const int64_t total = num_tokens * vectors_per_row;
-  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16));
-  combine_kernel<<<blocks, 256, 0, stream>>>(
+  const int blocks = static_cast<int>(
+      std::min<int64_t>((total + kCombineThreads - 1) / kCombineThreads, 132 * 16));
+  combine_kernel<<<blocks, kCombineThreads, 0, stream>>>(
       static_cast<const uint4*>(expert_rows), index, static_cast<const uint4*>(local_rows),
       static_cast<const uint4*>(shared), router_weights, num_tokens, vectors_per_row, top_k,
       static_cast<uint4*>(out));

@@ -5,9 +5,17 @@
 // fused into its gate/up GEMM (dispatch_local.cuh), whose epoch this file also advances.
 //
 // Roles: a grid-stride loop; each warp copies one row at a time in 16-byte vectors (H/8 of
-// them). Rows past header.total_rows are left alone. A launch may cover one macrobatch's window
-// of rows (kernels/macrobatch.h), stored at row - window start in the ring buffer.
+// them), kVectorsInFlight loads a lane issued before their stores. Rows past header.total_rows
+// are left alone. A launch may cover one macrobatch's window of rows (kernels/macrobatch.h),
+// stored at row - window start in the ring buffer.
+// What bounds it is DRAM: at `qwen3` on an H100 it writes 280 MB and, with the source rows
+// mostly missing L2 (23-31% hits; streaming stores and an evict-last policy on the loads moved
+// that little), reads ~160-180 MB, at 81% of the DRAM peak (ncu, docs/perf.md, session 38).
+// Loading a lane's vectors before storing them (one at a time before) took 2-3% off; the
+// copy's cost goes only with the copy itself (the GEMMs reading d_out in place).
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "kernels/common/kernel_preload.h"
 #include "kernels/stages/launch.h"
@@ -16,9 +24,16 @@ namespace mok::kernels {
 
 namespace {
 
-__global__ void gather_rows_kernel(const ScheduleHeader* header, const int32_t* row_pair,
-                                   const uint4* x, int64_t vectors_per_row, int32_t top_k,
-                                   uint4* rows, int64_t row_begin, int64_t row_count) {
+constexpr int kGatherThreads = 256;
+constexpr int kVectorsInFlight = 8;  // 4 KB a warp: a 2048-wide bf16 row in one round
+// Four CTAs an SM give ptxas 64 registers: with no minimum it kept 32 and interleaved the loads
+// with the stores, two in flight.
+constexpr int kGatherMinBlocksPerSm = 4;
+
+__global__ void __launch_bounds__(kGatherThreads, kGatherMinBlocksPerSm)
+    gather_rows_kernel(const ScheduleHeader* header, const int32_t* row_pair,
+                       const uint4* __restrict__ x, int64_t vectors_per_row, int32_t top_k,
+                       uint4* __restrict__ rows, int64_t row_begin, int64_t row_count) {
   const int64_t end = min(static_cast<int64_t>(header->total_rows), row_begin + row_count);
   const int64_t warps_total = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int lane = threadIdx.x % 32;
@@ -26,11 +41,17 @@ __global__ void gather_rows_kernel(const ScheduleHeader* header, const int32_t* 
        row < end; row += warps_total) {
     const int pair = row_pair[row];
     uint4* dst = rows + (row - row_begin) * vectors_per_row;
-    if (pair < 0) {
-      for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-    } else {
-      const uint4* src = x + static_cast<int64_t>(pair / top_k) * vectors_per_row;
-      for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = __ldg(src + v);
+    const uint4* src = x + static_cast<int64_t>(pair < 0 ? 0 : pair / top_k) * vectors_per_row;
+    for (int64_t base = lane; base < vectors_per_row; base += 32 * kVectorsInFlight) {
+      uint4 values[kVectorsInFlight];
+#pragma unroll
+      for (int u = 0; u < kVectorsInFlight; ++u) {
+        values[u] = make_uint4(0, 0, 0, 0);  // a padding row's zeros
+        if (pair >= 0 && base + u * 32 < vectors_per_row) values[u] = __ldg(src + base + u * 32);
+      }
+#pragma unroll
+      for (int u = 0; u < kVectorsInFlight; ++u)
+        if (base + u * 32 < vectors_per_row) dst[base + u * 32] = values[u];
     }
   }
 }
@@ -52,7 +73,10 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
   int device = 0, sm_count = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  gather_rows_kernel<<<sm_count * 4, 256, 0, stream>>>(
+  int blocks_per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, gather_rows_kernel, kGatherThreads,
+                                                0);
+  gather_rows_kernel<<<sm_count * std::max(blocks_per_sm, 1), kGatherThreads, 0, stream>>>(
       header, row_pair, static_cast<const uint4*>(x), hidden / 8, top_k, static_cast<uint4*>(rows),
       row_begin, max_rows);
   return cudaGetLastError();

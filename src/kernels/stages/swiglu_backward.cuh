@@ -74,25 +74,45 @@ __device__ __forceinline__ void swiglu_store_padding_vector(const SwigluBackward
   args.weighted_hidden[at] = zero;
 }
 
-// Schedule row `row`, by the 32 lanes of the calling warp: lane l takes vectors l, l + 32, ...
+// Schedule row `row`, by the 32 lanes of the calling warp: lane l takes vectors l, l + 32, ...,
+// kSwigluVectorsInFlight of them at a time, all loaded before any is computed and stored: the
+// pass is bound by the bytes in flight, and with one vector at a time (its loads may not pass
+// the stores, weighted_hidden may alias dh_raw) each lane's row waited for a load three times
+// at I = 768 (docs/perf.md, session 38). A lane reads each element before it writes it, so the
+// aliasing still holds, and `dot` adds the vectors in the same order.
+constexpr int kSwigluVectorsInFlight = 4;
+
 __device__ __forceinline__ void swiglu_backward_row(const SwigluBackwardArgs& args, int64_t row) {
   const int lane = threadIdx.x % 32;
   const int pair = args.row_pair != nullptr ? args.row_pair[row] : static_cast<int>(row);
+  const int64_t row_at = (row - args.row_begin) * args.vectors_per_row;
   if (pair < 0) {
     for (int64_t v = lane; v < args.vectors_per_row; v += 32)
-      swiglu_store_padding_vector(args, (row - args.row_begin) * args.vectors_per_row + v);
+      swiglu_store_padding_vector(args, row_at + v);
     return;
   }
   const float weight = swiglu_row_weight(args, pair);
   float dot = 0.0f;
-  for (int64_t v = lane; v < args.vectors_per_row; v += 32) {
-    const int64_t at = (row - args.row_begin) * args.vectors_per_row + v;
-    uint4 dg_out, du_out, hw_out;
-    swiglu_backward_vector(args.gate[at], args.up[at], args.dh_raw[at], weight, args.limit, dot,
-                           dg_out, du_out, hw_out);
-    args.d_gate[at] = dg_out;
-    args.d_up[at] = du_out;
-    args.weighted_hidden[at] = hw_out;
+  for (int64_t base = lane; base < args.vectors_per_row; base += 32 * kSwigluVectorsInFlight) {
+    uint4 g[kSwigluVectorsInFlight], u[kSwigluVectorsInFlight], dh[kSwigluVectorsInFlight];
+#pragma unroll
+    for (int q = 0; q < kSwigluVectorsInFlight; ++q) {
+      const int64_t v = base + 32 * q;
+      if (v >= args.vectors_per_row) break;
+      g[q] = args.gate[row_at + v];
+      u[q] = args.up[row_at + v];
+      dh[q] = args.dh_raw[row_at + v];
+    }
+#pragma unroll
+    for (int q = 0; q < kSwigluVectorsInFlight; ++q) {
+      const int64_t v = base + 32 * q;
+      if (v >= args.vectors_per_row) break;
+      uint4 dg_out, du_out, hw_out;
+      swiglu_backward_vector(g[q], u[q], dh[q], weight, args.limit, dot, dg_out, du_out, hw_out);
+      args.d_gate[row_at + v] = dg_out;
+      args.d_up[row_at + v] = du_out;
+      args.weighted_hidden[row_at + v] = hw_out;
+    }
   }
   swiglu_store_router_weight_grad(args, pair, dot);
 }
