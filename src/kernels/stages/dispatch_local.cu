@@ -4,20 +4,19 @@
 // backward (d_out rows, and x rows without a forward context); the forward runs the same copy
 // fused into its gate/up GEMM (dispatch_local.cuh), whose epoch this file also advances.
 //
-// Roles: a grid-stride loop; each warp copies one row at a time in 16-byte vectors (H/8 of
-// them), kVectorsInFlight loads a lane issued before their stores. Rows past header.total_rows
-// are left alone. A launch may cover one macrobatch's window of rows (kernels/macrobatch.h),
-// stored at row - window start in the ring buffer.
+// Roles: a grid-stride loop; each warp copies one row at a time (copy_row of dispatch_local.cuh,
+// 8 vectors a lane in flight). Rows past header.total_rows are left alone. A launch may cover
+// one macrobatch's window of rows (kernels/macrobatch.h), stored at row - window start in the
+// ring buffer.
 // What bounds it is DRAM: at `qwen3` on an H100 it writes 280 MB and, with the source rows
 // mostly missing L2 (23-31% hits; streaming stores and an evict-last policy on the loads moved
 // that little), reads ~160-180 MB, at 81% of the DRAM peak (ncu, docs/perf.md, session 38).
-// Loading a lane's vectors before storing them (one at a time before) took 2-3% off; the
-// copy's cost goes only with the copy itself (the GEMMs reading d_out in place).
+// Eight vectors in flight instead of one took 2-3% off; the copy's cost goes only with the copy
+// itself (the GEMMs reading d_out in place).
 #include <cuda_bf16.h>
 
-#include <algorithm>
-
 #include "kernels/common/kernel_preload.h"
+#include "kernels/stages/dispatch_local.cuh"
 #include "kernels/stages/launch.h"
 
 namespace mok::kernels {
@@ -25,34 +24,22 @@ namespace mok::kernels {
 namespace {
 
 constexpr int kGatherThreads = 256;
-constexpr int kVectorsInFlight = 8;  // 4 KB a warp: a 2048-wide bf16 row in one round
 // Four CTAs an SM give ptxas 64 registers: with no minimum it kept 32 and interleaved the loads
-// with the stores, two in flight.
-constexpr int kGatherMinBlocksPerSm = 4;
+// with the stores, two in flight. 64 registers also cap the SM at those four CTAs.
+constexpr int kGatherCtasPerSm = 4;
 
-__global__ void __launch_bounds__(kGatherThreads, kGatherMinBlocksPerSm)
-    gather_rows_kernel(const ScheduleHeader* header, const int32_t* row_pair,
-                       const uint4* __restrict__ x, int64_t vectors_per_row, int32_t top_k,
-                       uint4* __restrict__ rows, int64_t row_begin, int64_t row_count) {
+__global__ void __launch_bounds__(kGatherThreads, kGatherCtasPerSm)
+    gather_rows_kernel(const ScheduleHeader* header, const int32_t* row_pair, const uint4* x,
+                       int64_t vectors_per_row, int32_t top_k, uint4* rows, int64_t row_begin,
+                       int64_t row_count) {
   const int64_t end = min(static_cast<int64_t>(header->total_rows), row_begin + row_count);
   const int64_t warps_total = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int lane = threadIdx.x % 32;
   for (int64_t row = row_begin + (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
        row < end; row += warps_total) {
     const int pair = row_pair[row];
-    uint4* dst = rows + (row - row_begin) * vectors_per_row;
-    const uint4* src = x + static_cast<int64_t>(pair < 0 ? 0 : pair / top_k) * vectors_per_row;
-    for (int64_t base = lane; base < vectors_per_row; base += 32 * kVectorsInFlight) {
-      uint4 values[kVectorsInFlight];
-#pragma unroll
-      for (int u = 0; u < kVectorsInFlight; ++u) {
-        values[u] = make_uint4(0, 0, 0, 0);  // a padding row's zeros
-        if (pair >= 0 && base + u * 32 < vectors_per_row) values[u] = __ldg(src + base + u * 32);
-      }
-#pragma unroll
-      for (int u = 0; u < kVectorsInFlight; ++u)
-        if (base + u * 32 < vectors_per_row) dst[base + u * 32] = values[u];
-    }
+    copy_row<8>(pair < 0 ? nullptr : x + static_cast<int64_t>(pair / top_k) * vectors_per_row,
+                rows + (row - row_begin) * vectors_per_row, vectors_per_row, lane, true);
   }
 }
 
@@ -73,10 +60,7 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
   int device = 0, sm_count = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  int blocks_per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, gather_rows_kernel, kGatherThreads,
-                                                0);
-  gather_rows_kernel<<<sm_count * std::max(blocks_per_sm, 1), kGatherThreads, 0, stream>>>(
+  gather_rows_kernel<<<sm_count * kGatherCtasPerSm, kGatherThreads, 0, stream>>>(
       header, row_pair, static_cast<const uint4*>(x), hidden / 8, top_k, static_cast<uint4*>(rows),
       row_begin, max_rows);
   return cudaGetLastError();

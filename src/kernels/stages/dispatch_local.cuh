@@ -53,6 +53,27 @@ __device__ __forceinline__ void release_add_u64(unsigned long long* address,
   asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
+// One row copied by the calling warp: lane l moves the 16-byte vectors l, l + 32, ..., kInFlight
+// of them loaded before their stores (a row copy's speed is its warp's bytes in flight); `src`
+// null: zeros (a padding row). `read_only`: the source does not change during the kernel
+// (ld.global.nc); otherwise plain loads (another GPU's rows).
+template <int kInFlight>
+__device__ __forceinline__ void copy_row(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                         int64_t vectors_per_row, int lane, bool read_only) {
+  for (int64_t base = lane; base < vectors_per_row; base += 32 * kInFlight) {
+    uint4 values[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      values[u] = make_uint4(0, 0, 0, 0);
+      if (src != nullptr && base + u * 32 < vectors_per_row)
+        values[u] = read_only ? __ldg(src + base + u * 32) : src[base + u * 32];
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (base + u * 32 < vectors_per_row) dst[base + u * 32] = values[u];
+  }
+}
+
 // Run by each gatherer warp until the ticket passes the last row.
 __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather,
                                                        const ScheduleHeader* header,
@@ -78,25 +99,10 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
     const int64_t row = gather.row_begin + static_cast<int64_t>(claimed);
     const int pair = row_pair[row];
     uint4* dst = rows + (row - gather.row_begin) * vectors_per_row;
-    if (pair < 0) {
-      for (int64_t v = lane; v < vectors_per_row; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-    } else {
-      // kLoadsInFlight independent 16-byte loads per lane before their stores: one warp copies
-      // a whole row, so its memory-level parallelism sets the gather's speed. Peer rows are
-      // read with plain loads (another GPU's memory, written before the routing exchange).
-      const uint4* src = gather_source_row(gather, row, pair, vectors_per_row);
-      constexpr int kLoadsInFlight = 4;
-      for (int64_t base = lane; base < vectors_per_row; base += 32 * kLoadsInFlight) {
-        uint4 values[kLoadsInFlight];
-#pragma unroll
-        for (int u = 0; u < kLoadsInFlight; ++u)
-          if (base + u * 32 < vectors_per_row)
-            values[u] = gather.peer_x == nullptr ? __ldg(src + base + u * 32) : src[base + u * 32];
-#pragma unroll
-        for (int u = 0; u < kLoadsInFlight; ++u)
-          if (base + u * 32 < vectors_per_row) dst[base + u * 32] = values[u];
-      }
-    }
+    // Four vectors a lane in flight on the producer's 56 registers. Peer rows are read with
+    // plain loads (another GPU's memory, written before the routing exchange).
+    copy_row<4>(pair < 0 ? nullptr : gather_source_row(gather, row, pair, vectors_per_row), dst,
+                vectors_per_row, lane, gather.peer_x == nullptr);
     __syncwarp();
     if (lane == 0) {
       unsigned long long* count = gather.tile_rows_done + row / kGatherTileRows;

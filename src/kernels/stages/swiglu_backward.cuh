@@ -24,9 +24,10 @@ __device__ __forceinline__ float swiglu_row_weight(const SwigluBackwardArgs& arg
 
 // One 8-element vector of a row: d_g, d_u and h_w out (each rounded once, by its bf16 pack:
 // swiglu_backward_of_bf16), and <dh_raw, h> of its elements added to `dot` in element order.
-__device__ __forceinline__ void swiglu_backward_vector(const uint4& g, const uint4& u,
-                                                       const uint4& dh, float weight, float limit,
-                                                       float& dot, uint4& dg_out, uint4& du_out,
+// The operands by value: a reference into global memory compiled to a 32-bit load per pair.
+__device__ __forceinline__ void swiglu_backward_vector(const uint4 g, const uint4 u, const uint4 dh,
+                                                       float weight, float limit, float& dot,
+                                                       uint4& dg_out, uint4& du_out,
                                                        uint4& hw_out) {
   const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g);
   const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
@@ -75,11 +76,10 @@ __device__ __forceinline__ void swiglu_store_padding_vector(const SwigluBackward
 }
 
 // Schedule row `row`, by the 32 lanes of the calling warp: lane l takes vectors l, l + 32, ...,
-// kSwigluVectorsInFlight of them at a time, all loaded before any is computed and stored: the
-// pass is bound by the bytes in flight, and with one vector at a time (its loads may not pass
-// the stores, weighted_hidden may alias dh_raw) each lane's row waited for a load three times
-// at I = 768 (docs/perf.md, session 38). A lane reads each element before it writes it, so the
-// aliasing still holds, and `dot` adds the vectors in the same order.
+// kSwigluVectorsInFlight of them at a time, all loaded before any is computed and stored (one at
+// a time, the loads could not pass the stores, since weighted_hidden may alias dh_raw: 2% slower,
+// docs/perf.md, session 38). A lane reads each element before it writes it, so the aliasing
+// still holds, and `dot` adds the vectors in the same order.
 constexpr int kSwigluVectorsInFlight = 4;
 
 __device__ __forceinline__ void swiglu_backward_row(const SwigluBackwardArgs& args, int64_t row) {
