@@ -12,7 +12,8 @@
 // mostly missing L2 (23-31% hits; streaming stores and an evict-last policy on the loads moved
 // that little), reads ~160-180 MB, at 81% of the DRAM peak (ncu, docs/perf.md, session 38).
 // Eight vectors in flight instead of one took 2-3% off; the copy's cost goes only with the copy
-// itself (the GEMMs reading d_out in place).
+// itself, and the GEMMs reading the rows in place instead measured slower (docs/perf.md, session
+// 39).
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_preload.h"
