@@ -13,6 +13,12 @@ on a cool card; the median over rounds is reported, and each system's time over 
 median of the rounds' ratios. Prints ms, TFLOP/s and those ratios, and writes JSON and a plot
 (TFLOP/s per shape and system, sustained, forward and forward + backward), both rewritten after
 every shape, so that a run cut short keeps the shapes it finished.
+
+    python -m mok.bench --from-json run1.json,run2.json --json all.json --plot all.png
+
+prints earlier runs' tables (their ``--json`` files, or ``scripts/gpu-check.sh``'s results.json)
+and merges them, one result per shape, into one JSON and one plot, without a GPU: the shapes of
+a judging benchmark that did not fit one device call, shown together.
 """
 
 from __future__ import annotations
@@ -206,6 +212,39 @@ def plot(results: list[dict], path: str) -> None:
     plt.close(figure)
 
 
+def load_results(path: str) -> tuple[str, list[dict]]:
+    """(device, results) of an earlier run: the JSON this module's ``--json`` writes, or
+    ``scripts/gpu-check.sh``'s results.json, which holds it under ``python.bench``."""
+    with open(path) as f:
+        data = json.load(f)
+    python = data.get("python") if isinstance(data, dict) else None
+    if isinstance(python, dict) and isinstance(python.get("bench"), dict):
+        data = python["bench"]
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        raise ValueError(
+            f"--from-json: {path!r} holds no benchmark results (expected this module's --json "
+            "output, with a 'results' list, or gpu-check.sh's results.json with 'python.bench')"
+        )
+    return str(data.get("device", "unknown device")), data["results"]
+
+
+def merge_results(paths: list[str]) -> tuple[list[str], list[dict]]:
+    """The results of several runs in file order, one per shape: a later file's result for a
+    shape replaces an earlier one's. Each result keeps its run's device and file under
+    ``source``; ratios hold within a run, so the tables print them per shape as measured."""
+    devices, merged = [], {}
+    for path in paths:
+        device, results = load_results(path)
+        if device not in devices:
+            devices.append(device)
+        for result in results:
+            shape = result["shape"]
+            if shape in merged:
+                print(f"{shape}: {path} replaces {merged[shape]['source']['file']}", flush=True)
+            merged[shape] = {**result, "source": {"file": path, "device": device}}
+    return devices, list(merged.values())
+
+
 def _install_sonic_precompile(path: str, workers: int = 14) -> None:
     """Loads the peers' SonicMoE benchmark module from ``path`` and installs its parallel
     pre-compile of QuACK's autotuning candidates (which configs and which wins stay QuACK's)."""
@@ -222,6 +261,22 @@ def _install_sonic_precompile(path: str, workers: int = 14) -> None:
     spec.loader.exec_module(module)
     module.install_parallel_precompile(workers)
     print(f"SonicMoE: QuACK's candidates pre-compiled by {workers} workers ({path})", flush=True)
+
+
+def report_from_json(paths: list[str], json_path: str | None, plot_path: str | None) -> None:
+    """``--from-json``: earlier runs' tables, merged JSON and plot; no GPU needed."""
+    devices, results = merge_results(paths)
+    print(f"mok bench (Python), from {len(paths)} file(s), measured on {', '.join(devices)}")
+    if len(devices) > 1:
+        print("  (different devices: compare systems within a shape, not shapes across runs)")
+    for result in results:
+        print(f"{result['source']['file']} ({result['source']['device']}):")
+        print_table(result)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": ", ".join(devices), "results": results}, f, indent=1)
+    if plot_path:
+        plot(results, plot_path)
 
 
 def main() -> None:
@@ -252,12 +307,22 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="a PNG of TFLOP/s per shape and system")
     parser.add_argument(
+        "--from-json",
+        default="",
+        help="comma-separated results of earlier runs (--json files, or gpu-check.sh's "
+        "results.json): prints their tables and writes --json / --plot from them, one per "
+        "shape (a later file's replaces an earlier one's), without running anything",
+    )
+    parser.add_argument(
         "--sonic-precompile",
         default=os.environ.get("MOK_BENCH_SONIC_PRECOMPILE", ""),
         help="the peers' sonic_bench.py: its shared pool compiles QuACK's autotuning candidates "
         "in parallel (SonicMoE's first call takes minutes without it); the tuning is QuACK's",
     )
     args = parser.parse_args()
+    if args.from_json:
+        report_from_json([p for p in args.from_json.split(",") if p], args.json, args.plot)
+        return
     if args.sonic_precompile:
         _install_sonic_precompile(args.sonic_precompile)
     shapes = [args.shape] if args.shape else [s for s in args.shapes.split(",") if s]

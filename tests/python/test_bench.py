@@ -1,8 +1,10 @@
 """The benchmark's parts that run without a GPU: the torch grouped_mm peer computes the layer
-(against the float64 torch implementation, outputs and gradients), and the plot is drawn from a
-result (a PNG with one bar group per shape)."""
+(against the float64 torch implementation, outputs and gradients), the plot is drawn from a
+result (a PNG with one bar group per shape), and earlier runs' results merge into one report."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -183,3 +185,81 @@ def test_systems_filter_builds_only_those_asked_for():
     assert "torch grouped_mm" in p.skipped and "hf mok" in p.skipped
     with pytest.raises(ValueError, match="valid: mok"):
         systems_of(bench_problem("tiny", torch.device("cpu"), seed=1), only={"sonic"})
+
+
+def _bench_result(shape: str, mok_ms: float) -> dict:
+    """A result as `run_shape` returns it, for two systems."""
+    entry = lambda ms: {"ms": ms, "tflops": 1.0 / ms, "rounds_ms": [ms], "over_mok": 1.0}  # noqa: E731
+    systems = {
+        name: {
+            f"{d}, {m}": entry(mok_ms * factor)
+            for d in ("forward", "forward+backward")
+            for m in ("per call", "sustained")
+        }
+        for name, factor in (("mok", 1.0), ("sonicmoe", 1.1))
+    }
+    return {
+        "shape": shape,
+        "T": 8,
+        "H": 16,
+        "I": 8,
+        "E": 4,
+        "K": 2,
+        "Is": 0,
+        "rounds": 5,
+        "calls": 20,
+        "skipped": {},
+        "systems": systems,
+    }
+
+
+def test_from_json_merges_earlier_runs_without_a_gpu(tmp_path, capsys):
+    """`--from-json` reads this module's --json output and gpu-check.sh's results.json, keeps one
+    result per shape (the later file's), prints the tables and writes the merged JSON and plot."""
+    import json
+
+    from mok.bench import main
+
+    first = tmp_path / "bench.json"
+    first.write_text(
+        json.dumps(
+            {
+                "device": "H200",
+                "results": [_bench_result("qwen3", 1.0), _bench_result("dsv3_local", 5.0)],
+            }
+        )
+    )
+    second = tmp_path / "results.json"
+    second.write_text(
+        json.dumps(
+            {
+                "ok": True,
+                "python": {"bench": {"device": "H200", "results": [_bench_result("qwen3", 2.0)]}},
+            }
+        )
+    )
+    merged = tmp_path / "all.json"
+    argv = ["mok.bench", "--from-json", f"{first},{second}", "--json", str(merged)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        argv += ["--plot", str(tmp_path / "all.png")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.argv", argv)
+        main()
+    printed = capsys.readouterr().out
+    assert f"qwen3: {second} replaces {first}" in printed
+    assert "dsv3_local (T=8" in printed and "qwen3 (T=8" in printed
+    results = json.loads(merged.read_text())["results"]
+    assert [r["shape"] for r in results] == ["qwen3", "dsv3_local"]
+    assert results[0]["systems"]["mok"]["forward, sustained"]["ms"] == 2.0
+    assert results[0]["source"] == {"file": str(second), "device": "H200"}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "all.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_from_json_names_a_file_without_results(tmp_path):
+    from mok.bench import load_results
+
+    path = tmp_path / "other.json"
+    path.write_text('{"ok": true}')
+    with pytest.raises(ValueError, match="other.json.*holds no benchmark results"):
+        load_results(str(path))
