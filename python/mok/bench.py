@@ -272,9 +272,16 @@ def report_from_json(paths: list[str], json_path: str | None, plot_path: str | N
     for result in results:
         print(f"{result['source']['file']} ({result['source']['device']}):")
         print_table(result)
+    write_outputs(results, ", ".join(devices), json_path, plot_path)
+
+
+def write_outputs(
+    results: list[dict], device: str, json_path: str | None, plot_path: str | None
+) -> None:
+    """The results as JSON (what ``--from-json`` reads back) and as a plot, where asked."""
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": ", ".join(devices), "results": results}, f, indent=1)
+            json.dump({"device": device, "results": results}, f, indent=1)
     if plot_path:
         plot(results, plot_path)
 
@@ -332,13 +339,6 @@ def main() -> None:
     print(f"mok bench (Python) on {torch.cuda.get_device_name()}", flush=True)
     results = []
 
-    def write_outputs() -> None:  # after every shape: a run cut short keeps what it measured
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
-        if args.plot:
-            plot(results, args.plot)
-
     for shape_name, shared in runs:
         from . import _C
 
@@ -358,7 +358,8 @@ def main() -> None:
         )
         print_table(result)
         results.append(result)
-        write_outputs()
+        # After every shape: a run cut short keeps what it measured.
+        write_outputs(results, torch.cuda.get_device_name(), args.json, args.plot)
         problem.module.workspace.release()
         del problem
         torch.cuda.empty_cache()
