@@ -42,6 +42,7 @@ struct RunOptions {
   bool no_auto_lockstep = false;     // GPU: MoeConfig::gemm_auto_lockstep off
   bool aligned_groups = false;       // GPU: MoeConfig::gemm_expert_aligned_groups
   bool dgrad_half_tiles = false;     // GPU: MoeConfig::gemm_dgrad_half_row_tiles
+  bool swiglu_in_dgrad = false;      // GPU: MoeConfig::swiglu_backward_in_dgrad
   bool padding_rows = false;         // GPU: MoeConfig::skip_padding_rows off
   bool quick = false;                // GPU, one GPU: the layer against the baseline only
   std::vector<std::string> compare;  // --quick: knobs flipped and timed beside the layer

@@ -27,6 +27,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_auto_lockstep = !options.no_auto_lockstep;
   config.gemm_expert_aligned_groups = options.aligned_groups;
   config.gemm_dgrad_half_row_tiles = options.dgrad_half_tiles;
+  config.swiglu_backward_in_dgrad = options.swiglu_in_dgrad;
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
@@ -40,23 +41,15 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",
-                                     "persistent-forward",
-                                     "persistent-backward",
-                                     "weight-grad-pingpong",
-                                     "skip-padding-rows",
-                                     "local-dispatch",
-                                     "wide-tiles",
-                                     "tile-group-N",
-                                     "l2-placement",
-                                     "four-stages",
-                                     "lockstep-N",
-                                     "tiles-by-ticket",
-                                     "auto-lockstep",
-                                     "aligned-groups",
-                                     "dgrad-half-tiles",
-                                     "expert-groups-N",
-                                     nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",           "persistent-forward",
+                                     "persistent-backward", "weight-grad-pingpong",
+                                     "skip-padding-rows",   "local-dispatch",
+                                     "wide-tiles",          "tile-group-N",
+                                     "l2-placement",        "four-stages",
+                                     "lockstep-N",          "tiles-by-ticket",
+                                     "auto-lockstep",       "aligned-groups",
+                                     "dgrad-half-tiles",    "expert-groups-N",
+                                     "swiglu-in-dgrad",     nullptr};
 
 namespace {
 
@@ -106,6 +99,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.persistent_backward = false;
       flipped.gemm_l2_placement = false;
       flipped.gemm_four_stages = false;
+      flipped.swiglu_backward_in_dgrad = false;
     }
   } else if (name == "l2-placement") {
     flipped.gemm_l2_placement = !config.gemm_l2_placement;
@@ -128,12 +122,22 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flip_row_tile_variant(&mok::MoeConfig::gemm_expert_aligned_groups);
   } else if (name == "dgrad-half-tiles") {
     flip_row_tile_variant(&mok::MoeConfig::gemm_dgrad_half_row_tiles);
+  } else if (name == "swiglu-in-dgrad") {
+    flipped.swiglu_backward_in_dgrad = !config.swiglu_backward_in_dgrad;
+    if (flipped.swiglu_backward_in_dgrad) {  // what has no such epilogue
+      flipped.persistent_backward = false;
+      flipped.gemm_wide_tiles = false;
+      flipped.ep_dispatch_in_gemm = false;
+    }
   } else if (name == "auto-lockstep") {
     // Where it engages (dsv3) the layer runs three stages free instead; elsewhere nothing changes.
     flipped.gemm_auto_lockstep = !config.gemm_auto_lockstep;
   } else if (name == "persistent-backward") {
     flipped.persistent_backward = !config.persistent_backward;
-    if (flipped.persistent_backward) flipped.gemm_wide_tiles = false;
+    if (flipped.persistent_backward) {
+      flipped.gemm_wide_tiles = false;
+      flipped.swiglu_backward_in_dgrad = false;
+    }
   } else if (name == "weight-grad-pingpong") {
     flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
   } else if (name == "skip-padding-rows") {

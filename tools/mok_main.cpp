@@ -75,6 +75,9 @@ mok run options:
                                partitions (probed when the layer is built; same bits)
   --four-stages                GPU: the row-tile GEMMs (forward and dgrads) on a ring of four
                                stages, their outputs stored in two rounds of 128 columns
+  --swiglu-in-dgrad            GPU: the backward's down dgrad runs the SwiGLU backward in its
+                               epilogue instead of a pass of its own (swiglu_backward_in_dgrad;
+                               the kernel sequence, bf16; same bits)
   --aligned-groups             GPU: each group of the row-tile GEMMs' walk starts where an
                                expert does (within 4 row tiles), so no expert straddles two
                                groups (gemm_expert_aligned_groups; same bits)
@@ -95,9 +98,9 @@ mok run options:
                                l2-placement, four-stages, lockstep-N: the CTAs in step
                                within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep,
                                aligned-groups, dgrad-half-tiles, expert-groups-N: FP8's
-                               walk in groups of one expert's tiles); K1+K2 flips several on
-                               one layer. An FP8 run (--precision fp8_block) takes it without
-                               --quick: the flipped FP8 layers timed beside it
+                               walk in groups of one expert's tiles, swiglu-in-dgrad); K1+K2
+                               flips several on one layer. An FP8 run (--precision fp8_block)
+                               takes it without --quick: the flipped FP8 layers timed beside it
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -174,6 +177,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--four-stages") {
       options.four_stages = true;
+      continue;
+    }
+    if (flag == "--swiglu-in-dgrad") {
+      options.swiglu_in_dgrad = true;
       continue;
     }
     if (flag == "--aligned-groups") {

@@ -68,6 +68,7 @@ std::string backward_name(const mok::MoeConfig& config, const mok::MoeShape& sha
          (config.gemm_tiles_by_ticket ? ", GEMM tiles by ticket" : "") +
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.gemm_dgrad_half_row_tiles ? ", 64-row dgrad tiles" : "") +
+         (config.swiglu_backward_in_dgrad ? ", SwiGLU backward in the down dgrad" : "") +
          (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
 }
 

@@ -162,6 +162,13 @@ struct MoeConfig {
   // bits. Not with CTA pairs, the L2 placement, gemm_lockstep_k_blocks, the 256 x 192 tiles or
   // FP8. Off until measured faster (written in session 22).
   bool gemm_tiles_by_ticket = false;
+  // The backward's down dgrad runs the SwiGLU backward in its epilogue (g and u by TMA in
+  // 128 x 32 subtiles, d_g, d_u and h_w stored from shared memory; dh_raw never written; the
+  // router weights' gradient per 256-column tile, summed after), replacing the standalone
+  // SwiGLU backward pass. The stage path only (not persistent_backward), bf16. Same bits either
+  // way. The down dgrad then runs without CTA pairs, four stages, 64-row tiles or tiles by
+  // ticket (its epilogue's shared memory takes their room).
+  bool swiglu_backward_in_dgrad = false;
   // The weight gradients with the two consumer warpgroups of a CTA on different 128 x 128 tiles,
   // one's epilogue under the other's mainloop, instead of both on one 128 x 256 tile
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same

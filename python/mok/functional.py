@@ -102,6 +102,10 @@ class MoKConfig:
         GEMMs at 64 rows when it holds at most 64 (same bits; off computes every padding row).
     gemm_dgrad_half_row_tiles: run the backward's dgrads with the same 64-row last tiles as the
         forward (same bits; bf16 128 x 256 tiles without CTA pairs; off until measured faster).
+    swiglu_backward_in_dgrad: run the SwiGLU backward in the epilogue of the backward's down
+        dgrad instead of a pass of its own (same bits; bf16 kernel sequence, without
+        ``persistent_backward``, the 256 x 192 tiles or ``ep_dispatch_in_gemm``; off until
+        measured faster).
     weight_grad_pingpong: compute the weight gradients with the two consumer warpgroups of a
         CTA on different tiles (same bits; off by default until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
@@ -140,6 +144,7 @@ class MoKConfig:
     gemm_tiles_by_ticket: bool = False
     skip_padding_rows: bool = True
     gemm_dgrad_half_row_tiles: bool = False
+    swiglu_backward_in_dgrad: bool = False
     weight_grad_pingpong: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
@@ -168,6 +173,7 @@ class MoKConfig:
         config.gemm_tiles_by_ticket = self.gemm_tiles_by_ticket
         config.skip_padding_rows = self.skip_padding_rows
         config.gemm_dgrad_half_row_tiles = self.gemm_dgrad_half_row_tiles
+        config.swiglu_backward_in_dgrad = self.swiglu_backward_in_dgrad
         config.weight_grad_pingpong = self.weight_grad_pingpong
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch

@@ -305,6 +305,26 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
           "ep_dispatch_in_gemm = true with precision = fp8_block; valid: precision = bf16 "
           "(FP8 quantizes the rows as it gathers them, before its GEMM)");
   }
+  if (config.swiglu_backward_in_dgrad) {
+    const std::string with = "swiglu_backward_in_dgrad = true with ";
+    if (config.persistent_backward)
+      return bad(with +
+                 "persistent_backward = true; valid: at most one of them (the persistent "
+                 "backward runs its own SwiGLU task)");
+    if (config.precision != Precision::kBF16)
+      return bad(with +
+                 "precision = fp8_block; valid: precision = bf16 (the FP8 backward's SwiGLU "
+                 "quantizes its outputs in its own pass)");
+    if (config.gemm_wide_tiles)
+      return bad(with +
+                 "gemm_wide_tiles = true; valid: at most one of them (the 256 x 192 tiles have "
+                 "no such epilogue)");
+    if (config.ep_dispatch_in_gemm)
+      return bad(with +
+                 "ep_dispatch_in_gemm = true; valid: at most one of them (the down dgrad's "
+                 "producer warps pull the d_out rows there; the epilogue's loader uses one of "
+                 "them)");
+  }
   return Status::Ok();
 }
 

@@ -368,31 +368,66 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
   maps.a0 = maps.a1 = k_major_rows(d_out_rows, H, rows_in_map, "d_out rows");
   maps.b0 = maps.b1 = mn_major_weights(w_down, I, H, E, "w_down (MN-major)", b.weights.down_stride);
   maps.out = output_rows(set.hidden.pointer, I, R, "dh_raw");
-  if (s.config.gemm_wide_tiles) {  // (can_implement refused the pull they do not make)
-    launch_wide(s, kernels::ExpertGemmForm::kDownGrad, wide_maps(maps), params, stream,
-                "down dgrad GEMM");
-  } else {
-    params.gather = d_out_gather;
-    launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
-    params.gather = kernels::FusedGather{};
-  }
-  if (d_out_gather.x != nullptr) {
-    cuda_check(kernels::launch_advance_epoch(d_out_gather.epoch, stream),
-               "advance the gather epoch");
-    mark("pull d_out + down dgrad");
-  } else {
-    mark("down dgrad");
-  }
   const ScheduleView view = set.view();
   const int64_t window_begin = params.macrobatch.ring_row_base;
   const int64_t window_rows = params.macrobatch.rows > 0 ? params.macrobatch.rows : INT64_MAX;
-  cuda_check(kernels::launch_swiglu_backward(
-                 view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
-                 view.row_pair, b.router.weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
-                 set.d_up.pointer, set.hidden.pointer, b.router.grads, b.router.grad_peers,
-                 b.router.pairs_per_rank, stream, window_begin, window_rows),
-             "SwiGLU backward launch");
-  mark("SwiGLU backward + router weight gradient");
+  if (s.config.swiglu_backward_in_dgrad) {
+    // The SwiGLU backward in the down dgrad's epilogue: h_w, d_g and d_u come out of the GEMM,
+    // dh_raw is never written, and each row's router-weight gradient leaves as one partial per
+    // 256-column tile, summed after in column order (the standalone pass's order: same bits).
+    if (d_out_gather.x != nullptr)
+      throw Error(ErrorCode::kInternal,
+                  "backward_experts: swiglu_backward_in_dgrad with the d_out pull inside the down "
+                  "dgrad (ep_dispatch_in_gemm); can_implement refuses the two together");
+    kernels::ExpertGemmMaps dgated = maps;
+    // [128 rows x 32 columns] boxes (64-byte swizzle): the epilogue's subtiles.
+    auto subtiles = [&](void* base, const char* what) {
+      return make_tensor_map_3d(base, I, R, 1, 32, 128, what);
+    };
+    dgated.a1 = subtiles(set.gate.pointer, "gate (dgated epilogue)");
+    dgated.b1 = subtiles(set.up.pointer, "up (dgated epilogue)");
+    dgated.out = subtiles(set.d_gate.pointer, "d_gate (dgated epilogue)");
+    dgated.out2 = subtiles(set.d_up.pointer, "d_up (dgated epilogue)");
+    dgated.out3 = subtiles(set.hidden.pointer, "h_w (dgated epilogue)");
+    kernels::ExpertGemmParams dgated_params = params;
+    dgated_params.dgated.router_weights = b.router.weights;
+    const bool router_grads = b.router.grads != nullptr || b.router.grad_peers != nullptr;
+    float* partials = router_grads ? set.router_grad_partials.as<float>() : nullptr;
+    dgated_params.dgated.router_grad_partials = partials;
+    dgated_params.dgated.partial_rows = set.capacity_rows;
+    launch(s, kernels::ExpertGemmForm::kDownGradSwiGLU, dgated, dgated_params, stream,
+           "down dgrad + SwiGLU backward GEMM");
+    if (partials != nullptr)
+      cuda_check(
+          kernels::launch_router_weight_grad_sum(
+              view.header, partials, set.capacity_rows, view.row_pair, I, b.router.grads,
+              b.router.grad_peers, b.router.pairs_per_rank, stream, window_begin, window_rows),
+          "router weight gradient sum launch");
+    mark("down dgrad + SwiGLU backward + router weight gradient");
+  } else {
+    if (s.config.gemm_wide_tiles) {  // (can_implement refused the pull they do not make)
+      launch_wide(s, kernels::ExpertGemmForm::kDownGrad, wide_maps(maps), params, stream,
+                  "down dgrad GEMM");
+    } else {
+      params.gather = d_out_gather;
+      launch(s, kernels::ExpertGemmForm::kDownGrad, maps, params, stream, "down dgrad GEMM");
+      params.gather = kernels::FusedGather{};
+    }
+    if (d_out_gather.x != nullptr) {
+      cuda_check(kernels::launch_advance_epoch(d_out_gather.epoch, stream),
+                 "advance the gather epoch");
+      mark("pull d_out + down dgrad");
+    } else {
+      mark("down dgrad");
+    }
+    cuda_check(kernels::launch_swiglu_backward(
+                   view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
+                   view.row_pair, b.router.weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
+                   set.d_up.pointer, set.hidden.pointer, b.router.grads, b.router.grad_peers,
+                   b.router.pairs_per_rank, stream, window_begin, window_rows),
+               "SwiGLU backward launch");
+    mark("SwiGLU backward + router weight gradient");
+  }
 
   maps.a0 = k_major_rows(set.d_gate.pointer, I, R, "d_gate");
   maps.a1 = k_major_rows(set.d_up.pointer, I, R, "d_up");

@@ -43,20 +43,27 @@ struct ExpertSet {
   DeviceBuffer hidden;        // forward h; backward dh_raw, then h_w in place
   DeviceBuffer gate, up;      // backward: recomputed bf16 g, u
   DeviceBuffer d_gate, d_up;  // bf16 backward (FP8 writes d_g and d_u as codes only)
+  // MoeConfig::swiglu_backward_in_dgrad: each row's router-weight gradient over each 256-column
+  // tile of I, fp32 [ceil(I / 256)][capacity_rows] (kernels::DgatedArgs), summed after the GEMM.
+  DeviceBuffer router_grad_partials;
 
-  void allocate(int64_t rows, int64_t inter, int64_t experts, Precision precision) {
+  void allocate(int64_t rows, int64_t inter, int64_t experts, const MoeConfig& config) {
     capacity_rows = rows;
     intermediate = inter;
     num_experts = experts;
     for (DeviceBuffer* buffer : {&hidden, &gate, &up})
       buffer->allocate(rows * inter * 2, "expert buffer");
-    if (precision == Precision::kBF16)
+    if (config.precision == Precision::kBF16)
       for (DeviceBuffer* buffer : {&d_gate, &d_up})
         buffer->allocate(rows * inter * 2, "expert buffer");
+    if (config.swiglu_backward_in_dgrad)
+      router_grad_partials.allocate((inter + 255) / 256 * rows * 4,
+                                    "router-weight gradient partials");
   }
   ScheduleView view() const { return ScheduleView::at(schedule.pointer, layout); }
   int64_t bytes() const {
-    return schedule.bytes + hidden.bytes + gate.bytes + up.bytes + d_gate.bytes + d_up.bytes;
+    return schedule.bytes + hidden.bytes + gate.bytes + up.bytes + d_gate.bytes + d_up.bytes +
+           router_grad_partials.bytes;
   }
 };
 

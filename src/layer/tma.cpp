@@ -46,6 +46,26 @@ CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims,
   return map;
 }
 
+// The swizzle of a bf16 box of `box_inner` elements per row: the one whose span is the row's
+// bytes, so that each row of the box is one swizzle atom (what the kernels' shared-memory
+// layouts assume).
+CUtensorMapSwizzle bf16_swizzle(int32_t box_inner, const char* what) {
+  switch (box_inner * 2) {
+    case 128:
+      return CU_TENSOR_MAP_SWIZZLE_128B;
+    case 64:
+      return CU_TENSOR_MAP_SWIZZLE_64B;
+    case 32:
+      return CU_TENSOR_MAP_SWIZZLE_32B;
+    default:
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("tensor map of ") + what +
+                      ": box_inner = " + std::to_string(box_inner) +
+                      " bf16 elements; valid: 64, 32 or 16 (rows of 128, 64 or 32 bytes, "
+                      "one swizzle span)");
+  }
+}
+
 }  // namespace
 
 CUtensorMap make_tensor_map_2d(const void* base, int64_t inner, int64_t outer, int32_t box_inner,
@@ -54,7 +74,8 @@ CUtensorMap make_tensor_map_2d(const void* base, int64_t inner, int64_t outer, i
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * 2};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner),
                              static_cast<cuuint32_t>(box_outer)};
-  return encode(base, 2, dims, strides, box, what);
+  return encode(base, 2, dims, strides, box, what, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                bf16_swizzle(box_inner, what));
 }
 
 CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, int64_t batch,
@@ -67,7 +88,8 @@ CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, i
                                  static_cast<cuuint64_t>(entry) * 2};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer),
                              1};
-  return encode(base, 3, dims, strides, box, what);
+  return encode(base, 3, dims, strides, box, what, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                bf16_swizzle(box_inner, what));
 }
 
 CUtensorMap make_tensor_map(const void* base, TmaElement element, int rank, const int64_t* dims,

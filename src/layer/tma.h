@@ -10,14 +10,16 @@
 
 namespace mok {
 
-// A row-major bf16 matrix [outer, inner] read in boxes of [box_outer, box_inner] elements with
-// the 128-byte swizzle (box_inner * 2 must be 128). `what` names the operand in errors.
+// A row-major bf16 matrix [outer, inner] read in boxes of [box_outer, box_inner] elements,
+// swizzled by the box's row bytes: box_inner 64 (128 bytes) takes the 128-byte swizzle, 32 the
+// 64-byte one, 16 the 32-byte one (each box row one swizzle span, as the kernels' shared-memory
+// layouts assume); any other box_inner is an Error. `what` names the operand in errors.
 CUtensorMap make_tensor_map_2d(const void* base, int64_t inner, int64_t outer, int32_t box_inner,
                                int32_t box_outer, const char* what);
 
 // A bf16 tensor [batch, outer, inner], row-major within each batch entry, entries
 // `batch_stride` elements apart (0: inner * outer, dense), read in boxes of
-// [1, box_outer, box_inner].
+// [1, box_outer, box_inner], swizzled by box_inner as make_tensor_map_2d's.
 CUtensorMap make_tensor_map_3d(const void* base, int64_t inner, int64_t outer, int64_t batch,
                                int32_t box_inner, int32_t box_outer, const char* what,
                                int64_t batch_stride = 0);

@@ -49,6 +49,12 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kStagingFull:
       return "FP8 weight-gradient storer waiting for the consumer warps to stage their tile "
              "(expected and seen are the barrier's phase)";
+    case kernels::WaitSite::kEpilogueLoaded:
+      return "down dgrad + SwiGLU consumer waiting for the TMA loads of a subtile's g and u "
+             "(expected and seen are the barrier's phase)";
+    case kernels::WaitSite::kEpilogueFree:
+      return "down dgrad + SwiGLU loader waiting for a subtile buffer's stores to have read it "
+             "(expected and seen are the barrier's phase)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

@@ -225,6 +225,39 @@ TEST(ConfigValidation, WideTilesNameWhatExcludesThem) {
                {"gemm_wide_tiles = true with 2048 local experts", "at most 1024"});
 }
 
+// The SwiGLU backward in the down dgrad's epilogue (MoeConfig::swiglu_backward_in_dgrad) with
+// what has no such epilogue, each named; beside the GEMM variants it sets aside in that GEMM
+// (CTA pairs, four stages, tiles by ticket) and the persistent forward it runs.
+TEST(ConfigValidation, SwigluInDgradNamesWhatExcludesIt) {
+  MoeConfig dgated;
+  dgated.swiglu_backward_in_dgrad = true;
+  for (const std::string& name : named_shape_names())
+    EXPECT_TRUE(can_implement(dgated, named_shape(name)).ok()) << name;
+  for (auto knob : {&MoeConfig::gemm_cta_pairs, &MoeConfig::gemm_four_stages,
+                    &MoeConfig::gemm_tiles_by_ticket, &MoeConfig::persistent_forward}) {
+    MoeConfig config = dgated;
+    config.*knob = true;
+    EXPECT_TRUE(can_implement_knobs(config, 1).ok());
+  }
+  const std::string with = "swiglu_backward_in_dgrad = true with ";
+  MoeConfig config = dgated;
+  config.persistent_backward = true;
+  expect_error(can_implement(config, named_shape("tiny")), ErrorCode::kInvalidArgument,
+               {with + "persistent_backward = true", "its own SwiGLU task"});
+  config = dgated;
+  config.precision = Precision::kFP8Block;
+  expect_error(can_implement(config, named_shape("tiny")), ErrorCode::kInvalidArgument,
+               {with + "precision = fp8_block", "valid: precision = bf16"});
+  config = dgated;
+  config.gemm_wide_tiles = true;
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {with + "gemm_wide_tiles = true", "256 x 192"});
+  config = dgated;
+  config.ep_dispatch_in_gemm = true;
+  expect_error(can_implement_knobs(config, 2), ErrorCode::kInvalidArgument,
+               {with + "ep_dispatch_in_gemm = true", "valid: at most one of them"});
+}
+
 // The variants of the bf16 128 x 256 GEMMs without CTA pairs (MoeConfig::gemm_l2_placement,
 // gemm_four_stages, gemm_expert_aligned_groups, gemm_dgrad_half_row_tiles,
 // gemm_tiles_by_ticket) with what they do not run, each named; the

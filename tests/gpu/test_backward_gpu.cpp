@@ -160,7 +160,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(34);
+  std::vector<MoeConfig> configs(38);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -267,6 +267,19 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[33].gemm_dgrad_half_row_tiles = true;
   configs[33].gemm_four_stages = true;
   configs[33].gemm_lockstep_k_blocks = 16;
+  // The SwiGLU backward in the down dgrad's epilogue (MoeConfig::swiglu_backward_in_dgrad;
+  // I = 384 ends in a 128-column tile, the shared expert's 128 is one): alone, in 2-tile
+  // macrobatches (its router-weight partials at ring rows), and beside the CTA pairs and the
+  // four stages in step that the down dgrad then sets aside.
+  configs[34].swiglu_backward_in_dgrad = true;
+  configs[35].swiglu_backward_in_dgrad = true;
+  configs[35].minibatch_size = 128;
+  configs[35].macrobatch_size = 256;
+  configs[36].swiglu_backward_in_dgrad = true;
+  configs[36].gemm_cta_pairs = true;
+  configs[37].swiglu_backward_in_dgrad = true;
+  configs[37].gemm_four_stages = true;
+  configs[37].gemm_lockstep_k_blocks = 8;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -290,7 +303,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << " lockstep " << config.gemm_lockstep_k_blocks << " by ticket "
                      << config.gemm_tiles_by_ticket << " aligned groups "
                      << config.gemm_expert_aligned_groups << " dgrad half tiles "
-                     << config.gemm_dgrad_half_row_tiles << (with_context ? "" : ", no context"));
+                     << config.gemm_dgrad_half_row_tiles << " SwiGLU in dgrad "
+                     << config.swiglu_backward_in_dgrad << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
@@ -375,6 +389,42 @@ TEST(BackwardGpu, FourStagesKeepTheBits) {
     four.gemm_four_stages = true;
     GpuLayer four_layer(shape, four);
     expect_same_steps(three_layer, four_layer, device, problem);
+  }
+}
+
+// The SwiGLU backward in the down dgrad's epilogue (MoeConfig::swiglu_backward_in_dgrad) gives
+// the bits of the standalone pass, with and without the context, and stays within the
+// reference's tolerance with every output written. I = 320 ends the down dgrad in a 64-column
+// tile (a partial tile of g and u subtiles and router-weight partials), the shared expert's
+// Is = 192 is one partial tile (weight 1, no router gradient); a clamp; router weights zero,
+// negative and positive. I = 512: two whole tiles, no clamp, no shared expert. No tokens at all.
+TEST(BackwardGpu, SwigluInDgradKeepsTheBits) {
+  struct Case {
+    const char* name;
+    MoeShape shape;
+    RoutingKind routing;
+  };
+  const Case cases[] = {
+      {"I 320 shared+clamp", make_shape(300, 448, 320, 8, 4, 1, 192, 0.5f), RoutingKind::kUniform},
+      {"I 320 skewed shared+clamp", make_shape(300, 448, 320, 8, 4, 1, 192, 0.5f),
+       RoutingKind::kSkewed},
+      {"I 512", make_shape(200, 512, 512, 8, 4), RoutingKind::kUniform},
+      {"zero tokens", make_shape(0, 512, 320, 8, 4, 1, 64), RoutingKind::kUniform},
+  };
+  MoeConfig dgated;
+  dgated.swiglu_backward_in_dgrad = true;
+  uint64_t seed = 1500;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    HostProblem problem = HostProblem::make(c.shape, c.routing, ++seed);
+    std::vector<float>& weights = problem.ranks[0].router_weights;
+    for (size_t i = 0; i < weights.size(); ++i)
+      weights[i] = i % 3 == 0 ? 0.0f : i % 3 == 1 ? -weights[i] : weights[i];
+    DeviceProblem device(problem, 0);
+    GpuLayer standalone_layer(c.shape, MoeConfig{});
+    GpuLayer dgated_layer(c.shape, dgated);
+    expect_same_steps(standalone_layer, dgated_layer, device, problem);
+    check_backward(c.name, c.shape, c.routing, seed, /*signed_router_weights=*/true, dgated);
   }
 }
 

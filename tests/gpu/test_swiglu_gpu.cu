@@ -245,7 +245,8 @@ __global__ void unit_kernel(float limit, Counts* counts) {
 // values (every pattern too, NaN payloads and infinities included), two router weights:
 // swiglu_backward_vector, which rounds its outputs once in their bf16 pack and leaves out the
 // rounding of the bf16 dh_raw, against swiglu_backward's accumulator form with each output
-// rounded and then packed, element by element, and the dot summed in the same order.
+// rounded and then packed, element by element, and the vector's dot in swiglu_backward.cuh's
+// step-1 order, ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7)).
 __global__ void backward_unit_kernel(float limit, float weight, Counts* counts) {
   const uint32_t unit = blockIdx.x * blockDim.x + threadIdx.x;
   if (unit >= 65536 / 8) return;
@@ -266,12 +267,12 @@ __global__ void backward_unit_kernel(float limit, float weight, Counts* counts) 
   memcpy(got[0], &d_gate, sizeof(d_gate));
   memcpy(got[1], &d_up, sizeof(d_up));
   memcpy(got[2], &weighted, sizeof(weighted));
-  float want_dot = 0.0f;
+  float products[8];
   for (int e = 0; e < 8; ++e) {
     const kernels::SwigluGrad want = kernels::swiglu_backward(
         __uint_as_float(uint32_t(dh_bits[e]) << 16), __uint_as_float(uint32_t(gate_bits[e]) << 16),
         __uint_as_float(uint32_t(up_bits[e]) << 16), weight, limit);
-    want_dot += want.dh_raw_times_h;
+    products[e] = want.dh_raw_times_h;
     const float wants[3] = {want.d_gate, want.d_up, want.weighted_hidden};
     for (int o = 0; o < 3; ++o) {
       atomicAdd(&counts->elements, 1ull);
@@ -282,6 +283,8 @@ __global__ void backward_unit_kernel(float limit, float weight, Counts* counts) 
       }
     }
   }
+  const float want_dot = ((products[0] + products[1]) + (products[2] + products[3])) +
+                         ((products[4] + products[5]) + (products[6] + products[7]));
   if (bits_of(dot) != bits_of(want_dot) && atomicAdd(&counts->mismatches, 1ull) == 0) {
     counts->first_bad_a = gate_bits[0];
     counts->first_bad_b = dh_bits[0];

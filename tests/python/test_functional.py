@@ -307,6 +307,7 @@ def test_config_switches_reach_the_native_config():
         "gemm_expert_aligned_groups",
         "gemm_dgrad_half_row_tiles",
         "gemm_tiles_by_ticket",
+        "swiglu_backward_in_dgrad",
         "skip_padding_rows",
         "weight_grad_pingpong",
         "check_finite",

@@ -26,6 +26,8 @@ enum class WaitSite : int32_t {
   kLockstep = 15,          // GEMM producer waiting for the slowest CTA (gemm_lockstep_k_blocks)
   kStagingFree = 16,       // FP8 weight-gradient consumer waiting for the staging tile's last store
   kStagingFull = 17,       // FP8 weight-gradient storer waiting for the consumers' staged tile
+  kEpilogueLoaded = 18,    // down dgrad + SwiGLU consumer waiting for a subtile's g and u (TMA)
+  kEpilogueFree = 19,      // down dgrad + SwiGLU loader waiting for a subtile's stores to read it
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

@@ -16,16 +16,17 @@
 // the same with the d_out rows (the expert-parallel backward's pull, ep_exchange.cpp).
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
-// (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage
-// (kFourStages, MoeConfig::gemm_four_stages: a tile of half the columns, stored in two rounds,
-// and four stages).
-// CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two CTAs walk "pair tiles", two
-// row tiles 2p and 2p + 1 (row-tile forms: of the same column tile; kWeightGrad: of the same
-// expert and column tile), one per CTA. Where both tiles read the same B (the same expert), each
-// CTA loads half of B and multicasts it to both (gemm_loads.cuh): 32 KB of L2 reads per CTA and
-// K-block instead of 48. A stage is reused once both CTAs' consumers released it (each consumer
-// warp arrives on its own and its peer's empty barrier), so the pair runs in lockstep; a CTA
-// whose tile does not exist (an odd tile count) passes the stages empty ("phantom").
+// (epilogue.cuh), overlapping the next tile's mainloop (kDownGradSwiGLU: through its epilogue's
+// subtile ring instead, filled by producer warp 1: dgated_epilogue.cuh); the tile costs the ring
+// its fourth stage (kFourStages, MoeConfig::gemm_four_stages: a tile of half the columns, stored in
+// two rounds, and four stages). CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two
+// CTAs walk "pair tiles", two row tiles 2p and 2p + 1 (row-tile forms: of the same column tile;
+// kWeightGrad: of the same expert and column tile), one per CTA. Where both tiles read the same B
+// (the same expert), each CTA loads half of B and multicasts it to both (gemm_loads.cuh): 32 KB of
+// L2 reads per CTA and K-block instead of 48. A stage is reused once both CTAs' consumers released
+// it (each consumer warp arrives on its own and its peer's empty barrier), so the pair runs in
+// lockstep; a CTA whose tile does not exist (an odd tile count) passes the stages empty
+// ("phantom").
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -33,6 +34,7 @@
 
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/macrobatch.h"
+#include "kernels/gemm/dgated_epilogue.cuh"
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/expert_gemm_params.h"
 #include "kernels/gemm/gemm_loads.cuh"
@@ -208,10 +210,16 @@ static_assert(sizeof(FourStageStorage) + 1024 <= 227 * 1024, "four stages fit be
 static_assert(sizeof(TaskQueue<QueuedUnit>) <= kStorageTailBytes, "the units' queue fits the tail");
 static_assert(kTailInPadding<FourStageStorage> && kTailInPadding<FormStorage>,
               "the tail costs no room");
-template <bool kFourStages>
-using StorageOf = std::conditional_t<kFourStages, FourStageStorage, FormStorage>;
 template <ExpertGemmForm kForm>
-constexpr bool kHasFourStages = FormTraits<kForm>::kRowTiles;
+constexpr bool kDgated = kForm == ExpertGemmForm::kDownGradSwiGLU;
+template <ExpertGemmForm kForm, bool kFourStages>
+using StorageOf =
+    std::conditional_t<kDgated<kForm>, DgatedSharedStorage,
+                       std::conditional_t<kFourStages, FourStageStorage, FormStorage>>;
+static_assert(sizeof(TaskQueue<QueuedUnit>) <= kStorageTailBytes, "the queue's tail, any storage");
+// The SwiGLU epilogue's subtile ring takes the room a fourth stage would.
+template <ExpertGemmForm kForm>
+constexpr bool kHasFourStages = FormTraits<kForm>::kRowTiles && !kDgated<kForm>;
 
 // Which forms can run 64-row tiles: the row-tile forms, not in CTA pairs (whose two CTAs walk
 // one stage sequence). The forward's (B K-major) run them with params.half_row_tiles; the dgrads'
@@ -219,8 +227,9 @@ constexpr bool kHasFourStages = FormTraits<kForm>::kRowTiles;
 // there a 64-row tile finishes its K loop in half the time of its expert's 128-row tile on the
 // same B columns, so free-running the two stop sharing B through L2 (the down dgrad at
 // `dsv3_e128` ran 20% slower, docs/perf.md, session 13), which the lockstep may prevent.
+// Not kDownGradSwiGLU, whose epilogue walks 128-row subtiles.
 template <ExpertGemmForm kForm, bool kPaired>
-constexpr bool kHalfRowTiles = FormTraits<kForm>::kRowTiles && !kPaired;
+constexpr bool kHalfRowTiles = FormTraits<kForm>::kRowTiles && !kPaired && !kDgated<kForm>;
 
 // Whether the row tile of walk unit `unit` runs at 64 rows: segments start at multiples of 128
 // and end in padding, so the tile holds at most 64 routed rows exactly when its row 64 is
@@ -280,7 +289,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
                 "four stages: the row-tile forms, without CTA pairs");
   static_assert(!kByTicket || (Traits::kRowTiles && !kPaired && !kResumes),
                 "units by ticket: the row-tile forms, without CTA pairs");
-  using Storage = StorageOf<kFourStages>;
+  static_assert(!kDgated<kForm> || (!kPaired && !kByTicket),
+                "the SwiGLU epilogue's loader walks the static walk's units alone");
+  using Storage = StorageOf<kForm, kFourStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   const SegmentRows* shared_rows = nullptr;
@@ -299,6 +310,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
   [[maybe_unused]] auto& unit_queue = *reinterpret_cast<TaskQueue<QueuedUnit>*>(smem.tail_bytes);
   if constexpr (kByTicket) {
     if (threadIdx.x == 0) unit_queue.init();
+  }
+  if constexpr (kDgated<kForm>) {
+    if (threadIdx.x == 0) init_dgated_barriers(smem);
   }
   init_pipeline<kPaired>(smem);  // its barrier publishes l2_slot (and the queue's barriers)
   const TileSpace space = tile_space<kForm, kPaired>(params);
@@ -385,6 +399,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         }
       }
       if (lockstep) lockstep_end(params.lockstep, step, local_unit);
+    } else if (kDgated<kForm> && threadIdx.x == 32) {
+      if constexpr (kDgated<kForm>) {
+        ptx::prefetch_tensor_map(&tmap_a1);
+        ptx::prefetch_tensor_map(&tmap_b1);
+        PipelineState<kDgatedBuffers> subtiles;
+        for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
+          const UnitTile tile =
+              unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
+          load_dgated_tile(&tmap_a1, &tmap_b1, params, smem, subtiles, tile.coord);
+        }
+      }
     } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,
                              gather_epoch(params.gather));
@@ -393,6 +418,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
     ptx::setmaxnreg_inc<kConsumerRegisters>();
     const int consumer_idx = warpgroup - 1;
     PipelineState<Storage::kNumStagesHere> state;
+    [[maybe_unused]] PipelineState<kDgatedBuffers> subtiles;  // kDownGradSwiGLU's epilogue ring
     float acc[128];
     // The static walk reads the next unit's 64-row flag a unit ahead; by ticket the producer
     // hands each unit with its flag.
@@ -424,6 +450,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         if (resumes)
           load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
       }
+      [[maybe_unused]] DgatedRows dgated_rows_of_tile;
+      if constexpr (kDgated<kForm>) dgated_rows_of_tile = dgated_rows(params, coord, consumer_idx);
       if (params.ablation == GemmAblation::kNoMath)
         pass_stages<kPaired>(params.wait, smem, state, coord.num_k_blocks);
       else if (coord.half)
@@ -432,7 +460,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
       else
         consume_tile<Traits::kAMnMajor, Traits::kBMnMajor, kPaired>(
             params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
-      if (coord.store_slot >= 0)
+      if constexpr (kDgated<kForm>)
+        store_dgated_tile({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
+                          acc, dgated_rows_of_tile, subtiles);
+      else if (coord.store_slot >= 0)
         store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
       else
         store_tile<kForm>({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
@@ -449,7 +480,7 @@ template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kFourStages = 
           bool kByTicket = false>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
                         cudaStream_t stream) {
-  size_t smem_bytes = sizeof(StorageOf<kFourStages>) + 1024;
+  size_t smem_bytes = sizeof(StorageOf<kForm, kFourStages>) + 1024;
   if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
   auto* kernel = &expert_gemm_kernel<kForm, kResumes, kPaired, kFourStages, kByTicket>;
@@ -522,6 +553,10 @@ cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
       return launch_either<Form::kDownGrad>(maps, params, num_ctas, cta_pairs, stream);
     case Form::kGateUpGradStore:
       return launch_either<Form::kGateUpGradStore>(maps, params, num_ctas, cta_pairs, stream);
+    case Form::kDownGradSwiGLU:
+      // One form: no pairs, four stages, 64-row tiles or tickets (MoeConfig::
+      // swiglu_backward_in_dgrad says why); the lockstep and the L2 placement still apply.
+      return launch_form<Form::kDownGradSwiGLU, false, false>(maps, params, num_ctas, stream);
     case Form::kWeightGrad:
       if (params.weight_grad_pingpong && params.macrobatch.rows == 0 && !cta_pairs)
         return launch_weight_grad_pingpong(maps, params, num_ctas, stream);
@@ -562,6 +597,7 @@ const KernelPreloadList kPreload(
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownStore>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpStore>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGrad>),
+     kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kDownGradSwiGLU>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kGateUpGradStore>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad>),
      kernel_symbol(&expert_gemm_kernel<ExpertGemmForm::kWeightGrad, true>)});

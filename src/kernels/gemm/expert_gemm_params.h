@@ -31,7 +31,8 @@ enum class ExpertGemmForm : int32_t {
   kGateUpStore = 2,
   // Backward dgrad of down: dh_raw = bf16(d_out rows Wd) [rows, I] to out. A = d_out rows
   // [rows, H] (K = H); B = Wd [E_loc, H, I] read MN-major (K = H rows, N = I contiguous). The
-  // SwiGLU backward runs after it as its own memory-bound kernel (swiglu_backward.cu).
+  // SwiGLU backward runs after it as its own memory-bound kernel (swiglu_backward.cu), or in
+  // the GEMM's epilogue (kDownGradSwiGLU).
   kDownGrad = 3,
   // Backward dgrad of gate/up: A = [d_g | d_u] (two maps, K = 2I); B = [Wg ; Wu] read MN-major
   // (K = I rows of each, N = H contiguous); dx rows stored in schedule order like kDownStore.
@@ -40,6 +41,23 @@ enum class ExpertGemmForm : int32_t {
   // (K = rows in schedule order, one CTA per output tile, fixed order): A = [rows, M] and
   // B = [rows, N], both MN-major. dWg = d_g^T x, dWu = d_u^T x, dWd = d_out^T h_w.
   kWeightGrad = 5,
+  // Backward dgrad of down with the SwiGLU backward in its epilogue (dgated_epilogue.cuh;
+  // MoeConfig::swiglu_backward_in_dgrad): kDownGrad's mainloop (a0, b0); the epilogue reads g
+  // (a1) and u (b1) [rows, I] by TMA in [128 x 32] subtiles and writes d_g (out), d_u (out2) and
+  // h_w (out3) [rows, I], and each row's router-weight gradient over the tile's 256 columns
+  // into params.dgated.router_grad_partials (summed by launch_router_weight_grad_sum). dh_raw is
+  // never written.
+  kDownGradSwiGLU = 6,
+};
+
+// kDownGradSwiGLU's epilogue: the rows' router weights, and where each row's share of
+// d_router_weights over a column tile goes: partials[n_tile * partial_rows + row - out_row_base]
+// (routed rows only; the sum over column tiles, in column order, is
+// launch_router_weight_grad_sum's).
+struct DgatedArgs {
+  const float* router_weights = nullptr;  // per pair; null = weight 1 (the shared expert)
+  float* router_grad_partials = nullptr;  // [ceil(I / 256)][partial_rows]; null = not wanted
+  int64_t partial_rows = 0;
 };
 
 // The local dispatch fused into the forward gate/up GEMM (dispatch_local.cuh): the producer
@@ -144,7 +162,8 @@ struct ExpertGemmParams {
   int32_t k_extent;    // reduction length (row-tile forms; kGateUpGradStore: I of one half)
   float swiglu_limit;  // infinity = no clamp
   FusedGather gather;  // kGateUpSwiGLU only: the fused local dispatch (gather.x null = off)
-  RowPush push;  // kDownStore / kGateUpGradStore of the routed experts (slot_peers null = off)
+  RowPush push;       // kDownStore / kGateUpGradStore of the routed experts (slot_peers null = off)
+  DgatedArgs dgated;  // kDownGradSwiGLU only
   WaitContext wait;
   MacrobatchParams macrobatch;
   GemmAblation ablation;  // kNone but in a measurement (gemm_ablation.h)
@@ -252,7 +271,7 @@ struct BackwardGemmsParams {
   TaskTraceArgs trace;
 };
 
-constexpr int tile_n_columns(ExpertGemmForm form) {
+constexpr int tile_n_columns(ExpertGemmForm form) {  // kDownGradSwiGLU: 256, as kDownGrad
   return form == ExpertGemmForm::kGateUpSwiGLU || form == ExpertGemmForm::kGateUpStore ? 128 : 256;
 }
 

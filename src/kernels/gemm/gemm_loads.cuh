@@ -6,7 +6,7 @@
 // [rows x 64 K], MN-major boxes [64 K-rows x 64 MN], four of them for a 256-wide B):
 //   kGateUpSwiGLU, kGateUpStore  A rows (a0), B gate rows (b0) then up rows (b1), 128 each
 //   kDownStore                   A = h rows (a0), B = Wd rows (b0), two boxes of 128
-//   kDownGrad                    A = d_out rows (a0), B = Wd MN-major (b0)
+//   kDownGrad, kDownGradSwiGLU   A = d_out rows (a0), B = Wd MN-major (b0)
 //   kGateUpGradStore             K < I: A = d_g (a0), B = Wg MN-major (b0); then d_u (a1), Wu (b1)
 //   kWeightGrad                  A = [rows, M] MN-major (a0, two chunks), B = [rows, N] (b0)
 // A CTA pair of the standalone kernel (expert_gemm.cu) whose two tiles read the same B loads
@@ -27,9 +27,9 @@ namespace mok::kernels {
 template <ExpertGemmForm kForm>
 struct FormTraits {
   static constexpr bool kAMnMajor = kForm == ExpertGemmForm::kWeightGrad;
-  static constexpr bool kBMnMajor = kForm == ExpertGemmForm::kDownGrad ||
-                                    kForm == ExpertGemmForm::kGateUpGradStore ||
-                                    kForm == ExpertGemmForm::kWeightGrad;
+  static constexpr bool kBMnMajor =
+      kForm == ExpertGemmForm::kDownGrad || kForm == ExpertGemmForm::kDownGradSwiGLU ||
+      kForm == ExpertGemmForm::kGateUpGradStore || kForm == ExpertGemmForm::kWeightGrad;
   static constexpr bool kRowTiles = kForm != ExpertGemmForm::kWeightGrad;
   static constexpr int kTileN = tile_n_columns(kForm);
 };
@@ -80,7 +80,8 @@ __device__ __forceinline__ void issue_loads(const CUtensorMap* a0, const CUtenso
     for (int half = first_half; half < end_half; ++half)
       load_b_3d(pair, b_dst + half * 128 * BLOCK_K, b0, full, k, coord.n_tile * 256 + half * 128,
                 coord.expert);
-  } else if constexpr (kForm == ExpertGemmForm::kDownGrad) {
+  } else if constexpr (kForm == ExpertGemmForm::kDownGrad ||
+                       kForm == ExpertGemmForm::kDownGradSwiGLU) {
     ptx::tma_load_2d(a_dst, a0, full, k, row);
     for (int c = 2 * first_half; c < 2 * end_half; ++c)
       load_b_3d(pair, b_dst + c * kChunk, b0, full, coord.n_tile * 256 + c * 64, k, coord.expert);

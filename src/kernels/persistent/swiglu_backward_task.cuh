@@ -11,9 +11,9 @@
 // second half), each as four TMA boxes of [32 rows x 64 columns], 128-byte swizzled, 4 KB apart.
 // Stages run row block by row block, column groups in order within each.
 // Consumer warp w (0-7) takes rows 4w .. 4w + 3 of each row block; lane l takes vector l of the
-// 32 16-byte vectors of each column group: the column order of swiglu_backward_row (lane l takes
-// vectors l, l + 32, ...), so the router weights' gradients have the standalone pass's bits. A
-// row's dot stays in the lane's registers over the column groups; the xor tree ends it.
+// 32 16-byte vectors of each column group, as swiglu_backward_row does, so the router weights'
+// gradients have the standalone pass's bits: each group's tree by the warp's shuffles, the
+// groups added in column order in the lanes' registers.
 // d_g, d_u and h_w (over dh_raw's own rows, which this task alone reads) leave by plain stores.
 #pragma once
 
@@ -79,20 +79,20 @@ __device__ __forceinline__ void issue_swiglu_loads(const CUtensorMap* gate, cons
 // K-block). Operands and results by value, so the call passes them in registers.
 struct SwigluVectorOut {
   uint4 d_gate, d_up, weighted_hidden;
-  float dot;
+  float vector_dot;
 };
 // A padding row's vector is zeros (swiglu_backward.cuh: swiglu_store_padding_vector says why).
 static __device__ __noinline__ SwigluVectorOut swiglu_vector_out_of_line(uint4 g, uint4 u, uint4 dh,
                                                                          float weight, float limit,
-                                                                         float dot, bool padding) {
+                                                                         bool padding) {
   SwigluVectorOut out;
   if (padding) {
     out.d_gate = out.d_up = out.weighted_hidden = make_uint4(0, 0, 0, 0);
-    out.dot = dot;
+    out.vector_dot = 0.0f;
     return out;
   }
-  swiglu_backward_vector(g, u, dh, weight, limit, dot, out.d_gate, out.d_up, out.weighted_hidden);
-  out.dot = dot;
+  swiglu_backward_vector(g, u, dh, weight, limit, out.vector_dot, out.d_gate, out.d_up,
+                         out.weighted_hidden);
   return out;
 }
 
@@ -151,20 +151,25 @@ __device__ __forceinline__ void run_swiglu_tile(const WaitContext& wait, Storage
           if (lane == 0) ptx::mbarrier_arrive(&smem.empty[state.stage]);
         }
         const int64_t row = first_row + r;
-        if (!in_row || row >= total_rows) continue;
-        const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
-        const SwigluVectorOut out = swiglu_vector_out_of_line(gate_in, up_in, dh_in, weight[r],
-                                                              args.limit, dot[r], pair[r] < 0);
-        dot[r] = out.dot;
-        args.d_gate[at] = out.d_gate;
-        args.d_up[at] = out.d_up;
-        args.weighted_hidden[at] = out.weighted_hidden;
+        if (row >= total_rows) continue;  // the whole warp's row
+        float vector_dot = 0.0f;          // past the row's end: +0 in the group's tree
+        if (in_row) {
+          const int64_t at = (row - args.row_begin) * args.vectors_per_row + vector;
+          const SwigluVectorOut out =
+              swiglu_vector_out_of_line(gate_in, up_in, dh_in, weight[r], args.limit, pair[r] < 0);
+          vector_dot = out.vector_dot;
+          args.d_gate[at] = out.d_gate;
+          args.d_up[at] = out.d_up;
+          args.weighted_hidden[at] = out.weighted_hidden;
+        }
+        dot[r] += router_dot_group(vector_dot);
       }
       state.advance();
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      if (first_row + i < total_rows) swiglu_store_router_weight_grad(args, pair[i], dot[i]);
+      if (first_row + i < total_rows && pair[i] >= 0 && lane == 0)
+        store_router_weight_grad(args, pair[i], dot[i]);
   }
 }
 

@@ -53,8 +53,9 @@ cudaError_t launch_combine(const void* expert_rows, const int32_t* index, const 
 // SwiGLU backward (swiglu_backward.cu), one warp per row, over rows [0, header->total_rows) (or
 // [0, num_rows) when header is null): from bf16 g, u and dh_raw rows, d_g, d_up and
 // h_w = bf16(w h) rows (weighted_hidden may alias dh_raw: each element is read, then written, by
-// one thread), and d_router_weights[row_pair[row]] = <dh_raw, h> of the row (lanes in fixed
-// order, then a fixed xor tree). Row r's pair is row_pair[r] (identity when null; -1 = padding,
+// one thread), and d_router_weights[row_pair[row]] = <dh_raw, h> of the row in the fixed order of
+// swiglu_backward.cuh (per 8-column vector, a tree over each 256-column group's 32 vectors, the
+// groups in column order). Row r's pair is row_pair[r] (identity when null; -1 = padding,
 // weight 0, nothing written to d_router_weights); router_weights null = weight 1;
 // d_router_weights may be null (the shared expert). Expert parallel: with
 // d_router_weights_peers set, pair p's gradient goes to d_router_weights_peers[p / pairs_per_rank]
@@ -69,5 +70,18 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
                                    float* d_router_weights, float* const* d_router_weights_peers,
                                    int32_t pairs_per_rank, cudaStream_t stream,
                                    int64_t row_begin = 0, int64_t row_count = INT64_MAX);
+
+// The router weights' gradients from the per-column-tile partials of the down dgrad's SwiGLU
+// epilogue (ExpertGemmForm::kDownGradSwiGLU): for each routed row r of [row_begin, row_begin +
+// row_count) ∩ [0, header->total_rows), d_router_weights[row_pair[r]] = ((0 + p_0) + p_1) + ...
+// over p_t = partials[t * partial_rows + r - row_begin], t < ceil(intermediate / 256): the
+// column order in which the standalone pass adds its 256-column groups, so the same bits.
+// d_router_weights_peers and pairs_per_rank as launch_swiglu_backward's.
+cudaError_t launch_router_weight_grad_sum(const ScheduleHeader* header, const float* partials,
+                                          int64_t partial_rows, const int32_t* row_pair,
+                                          int64_t intermediate, float* d_router_weights,
+                                          float* const* d_router_weights_peers,
+                                          int32_t pairs_per_rank, cudaStream_t stream,
+                                          int64_t row_begin = 0, int64_t row_count = INT64_MAX);
 
 }  // namespace mok::kernels

@@ -4,6 +4,8 @@
 //
 // Roles: one warp per row (swiglu_backward.cuh, shared with the persistent backward); lanes walk
 // the row's columns in 8-element (16-byte) vectors, so loads and stores are coalesced.
+// Also here: the sum of the router weights' gradient partials that the down dgrad's SwiGLU
+// epilogue leaves per column tile (ExpertGemmForm::kDownGradSwiGLU), one thread per row.
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_preload.h"
@@ -28,7 +30,50 @@ __global__ void swiglu_backward_kernel(SwigluBackwardArgs args, const ScheduleHe
   if (args.d_router_weights_peers != nullptr) __threadfence_system();
 }
 
+// The routed rows' partials summed in column-tile order (launch_router_weight_grad_sum).
+__global__ void router_weight_grad_sum_kernel(const ScheduleHeader* header, const float* partials,
+                                              int64_t partial_rows, const int32_t* row_pair,
+                                              int32_t column_tiles, SwigluBackwardArgs out,
+                                              int64_t row_begin, int64_t row_count) {
+  const int64_t rows = header->total_rows;
+  const int64_t end = row_count < rows - row_begin ? row_begin + row_count : rows;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t row = row_begin + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       row < end; row += threads) {
+    const int32_t pair = row_pair[row];
+    if (pair < 0) continue;  // padding: no gradient, its partials never written
+    float dot = 0.0f;
+    for (int32_t tile = 0; tile < column_tiles; ++tile)
+      dot += partials[tile * partial_rows + (row - row_begin)];
+    store_router_weight_grad(out, pair, dot);
+  }
+  if (out.d_router_weights_peers != nullptr) __threadfence_system();  // as the pass above
+}
+
 }  // namespace
+
+cudaError_t launch_router_weight_grad_sum(const ScheduleHeader* header, const float* partials,
+                                          int64_t partial_rows, const int32_t* row_pair,
+                                          int64_t intermediate, float* d_router_weights,
+                                          float* const* d_router_weights_peers,
+                                          int32_t pairs_per_rank, cudaStream_t stream,
+                                          int64_t row_begin, int64_t row_count) {
+  if (header == nullptr || partials == nullptr || row_pair == nullptr || partial_rows <= 0 ||
+      row_begin < 0 || row_count < 0 || intermediate <= 0)
+    return cudaErrorInvalidValue;
+  if (d_router_weights == nullptr && d_router_weights_peers == nullptr) return cudaSuccess;
+  int device = 0, sm_count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  SwigluBackwardArgs out{};
+  out.d_router_weights = d_router_weights;
+  out.d_router_weights_peers = d_router_weights_peers;
+  out.pairs_per_rank = pairs_per_rank;
+  const int32_t column_tiles = static_cast<int32_t>((intermediate + 255) / 256);
+  router_weight_grad_sum_kernel<<<sm_count * 2, 256, 0, stream>>>(
+      header, partials, partial_rows, row_pair, column_tiles, out, row_begin, row_count);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate,
                                    const void* up, const void* dh_raw, const int32_t* row_pair,
@@ -51,7 +96,9 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
 
 // Loaded up front by expert-parallel groups (kernel_preload.h).
 namespace {
-const KernelPreloadList kPreload("swiglu_backward.cu", {kernel_symbol(&swiglu_backward_kernel)});
+const KernelPreloadList kPreload("swiglu_backward.cu",
+                                 {kernel_symbol(&swiglu_backward_kernel),
+                                  kernel_symbol(&router_weight_grad_sum_kernel)});
 }  // namespace
 
 }  // namespace mok::kernels

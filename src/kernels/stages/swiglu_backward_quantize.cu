@@ -10,12 +10,11 @@
 //      flight together; d_g, d_u and h_w go into three staged bf16 tiles (fp8_group_tile.cuh);
 //   2. the tiles are quantized as the quantization passes do it, with the same code: d_g and d_u
 //      in row groups, then all three in column groups (transposed through the tiles' memory).
-// The router weight's gradient: the standalone pass gives each row to one warp whose lane l sums
-// vectors l, l + 32, ... in order, then the lanes with an xor tree. Vector 16 c + s of chunk c
-// is that warp's lane 16 (c % 2) + s, so each thread keeps two partials per row (even and odd
-// chunks) that are exactly those lanes' running sums; at the end they meet in shared memory, one
-// warp per row takes lane l's partial into lane l, and the same xor tree
-// (swiglu_store_router_weight_grad) sums them: the same bits.
+// The router weight's gradient, in the order of swiglu_backward.cuh: a 256-column group is chunks
+// 2t and 2t + 1, its vector 16 c + s (slot s of chunk c) in the standalone pass's lane
+// 16 (c % 2) + s. The 16 slots of a row are one half-warp, so each chunk's half of the group's
+// tree is the half-warp's butterfly over lanes 1-8; the even chunk's half waits in a register
+// for the odd one's, and their sum (the tree's last level) joins the row's running sum.
 #include <cuda_bf16.h>
 
 #include "kernels/stages/fp8_group_tile.cuh"
@@ -37,12 +36,11 @@ constexpr int32_t kPastTheRows = -2;                       // a tile row at or p
 struct SwigluBackwardTiles {
   StagedTile d_gate, d_up, h_w;
 };
-// The rows' lane partials of the router dot, in the d_gate tile's memory once the chunks are done.
-using LanePartials = float[kTile][32];
-static_assert(sizeof(LanePartials) <= sizeof(StagedTile), "the partials fit in a staged tile");
+static_assert(kSlots == 16, "a chunk is half of a 256-column group: one half-warp per row");
 
 // The thread's vectors of chunk `chunk` for its rows k in [batch, batch + kLoadBatch): computed
-// (zeros for padding rows and rows past total_rows) and staged in the three tiles.
+// (zeros for padding rows and rows past total_rows) and staged in the three tiles. dots[k][0]:
+// row k's sum over the groups done; dots[k][1]: the open group's even half.
 __device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, int64_t row0,
                                               int64_t chunk, int batch, const int32_t* pairs,
                                               const float* weights,
@@ -66,11 +64,14 @@ __device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, in
   for (int j = 0; j < kLoadBatch; ++j) {
     const int k = batch + j, row = first + kRowStride * k;
     uint4 dg = make_uint4(0, 0, 0, 0), du = dg, hw = dg;
-    float dot = odd ? dots[k][1] : dots[k][0];
+    float vector_dot = 0.0f;
     if (pairs[row] >= 0)
-      swiglu_backward_vector(g[j], u[j], dh[j], weights[row], args.limit, dot, dg, du, hw);
-    dots[k][0] = odd ? dots[k][0] : dot;
-    dots[k][1] = odd ? dot : dots[k][1];
+      swiglu_backward_vector(g[j], u[j], dh[j], weights[row], args.limit, vector_dot, dg, du, hw);
+    const float half = router_dot_group<kSlots>(vector_dot);  // every lane: the shuffles
+    if (odd)
+      dots[k][0] += dots[k][1] + half;
+    else
+      dots[k][1] = half;
     *reinterpret_cast<uint4*>(&tiles.d_gate[row][slot * 8]) = dg;
     *reinterpret_cast<uint4*>(&tiles.d_up[row][slot * 8]) = du;
     *reinterpret_cast<uint4*>(&tiles.h_w[row][slot * 8]) = hw;
@@ -130,18 +131,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int64_t chunk = 0; chunk < chunks; ++chunk)
     swiglu_backward_chunk(p, row0, chunk, tile_pairs, tile_weights, dots, tiles);
   if (args.d_router_weights == nullptr && args.d_router_weights_peers == nullptr) return;
-  LanePartials& partials = *reinterpret_cast<LanePartials*>(&tiles.d_gate);
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k) {
-    partials[first + kRowStride * k][slot] = dots[k][0];
-    partials[first + kRowStride * k][kSlots + slot] = dots[k][1];
+    // An odd number of chunks leaves the last group's odd half past the row's end: +0.
+    const float dot = chunks % 2 != 0 ? dots[k][0] + (dots[k][1] + 0.0f) : dots[k][0];
+    const int32_t pair = tile_pairs[first + kRowStride * k];
+    if (slot == 0 && pair >= 0) store_router_weight_grad(args, pair, dot);
   }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int kRowsPerWarp = kTile / (kThreads / 32);
-  for (int row = warp * kRowsPerWarp; row < (warp + 1) * kRowsPerWarp; ++row)
-    if (tile_pairs[row] >= 0)  // the whole warp's row: the xor tree's shuffles see every lane
-      swiglu_store_router_weight_grad(args, tile_pairs[row], partials[row][lane]);
   // Expert parallel: the gradients went to other GPUs; visible at system scope before the push
   // kernel's signal, as the standalone pass does.
   if (args.d_router_weights_peers != nullptr) __threadfence_system();
