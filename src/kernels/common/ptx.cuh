@@ -112,6 +112,15 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* address, uint32_t b
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
 }
 
+// The same for one box of a tensor map: brought into L2, nothing written to shared memory.
+__device__ __forceinline__ void tma_prefetch_l2_3d(const CUtensorMap* map, int32_t coord_inner,
+                                                   int32_t coord_middle, int32_t coord_outer) {
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(coord_inner), "r"(coord_middle), "r"(coord_outer)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map,
                                             uint64_t* barrier, int32_t coord_inner,
                                             int32_t coord_outer) {

@@ -76,6 +76,10 @@ __device__ __forceinline__ int dgated_subtiles(int n_extent, int n_tile) {
 }
 
 // Loader: g (map `gate`) and u (map `up`) of one tile's subtiles, in order, into the ring.
+// First the subtiles past the ring's depth are asked into L2: the loader reaches this tile while
+// the previous tile's epilogue runs, a mainloop before this one's, and its later subtiles' loads
+// are issued only as the epilogue frees buffers, one subtile of computing before they are
+// needed: from L2 they land in time, from DRAM they would not.
 __device__ __forceinline__ void load_dgated_tile(const CUtensorMap* gate, const CUtensorMap* up,
                                                  const ExpertGemmParams& params,
                                                  DgatedSharedStorage& smem,
@@ -83,6 +87,11 @@ __device__ __forceinline__ void load_dgated_tile(const CUtensorMap* gate, const 
                                                  const TileCoord& coord) {
   const int row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
   const int subtiles = dgated_subtiles(params.n_extent, coord.n_tile);
+  for (int s = kDgatedBuffers; s < subtiles; ++s) {
+    const int column = coord.n_tile * BLOCK_N + s * kDgatedSubtileCols;
+    ptx::tma_prefetch_l2_3d(gate, column, row, 0);
+    ptx::tma_prefetch_l2_3d(up, column, row, 0);
+  }
   for (int s = 0; s < subtiles; ++s) {
     mbarrier_wait(params.wait, WaitSite::kEpilogueFree, &smem.subtile_empty[state.stage],
                   state.phase ^ 1);
