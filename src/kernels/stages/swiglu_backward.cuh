@@ -62,8 +62,9 @@ __device__ __forceinline__ void swiglu_backward_vector(const uint4 g, const uint
 }
 
 // Step 2 over a warp whose lane l holds vector l of a group (+0 past the row's end): the
-// group's sum, the same in every lane. kLanes 16: over each half-warp (lanes l and l + 16 hold
-// vectors of two groups' halves; the FP8 pass adds the halves as the tree's last level).
+// group's sum, the same in every lane. kLanes 16: each half-warp on its own, over half a group
+// (the FP8 pass: a half-warp per row and 128-column chunk; it adds the halves as the tree's
+// last level).
 template <int kLanes = 32>
 __device__ __forceinline__ float router_dot_group(float vector_dot) {
 #pragma unroll
