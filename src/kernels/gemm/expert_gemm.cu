@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
           load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
       }
       [[maybe_unused]] DgatedRows dgated_rows_of_tile;
-      if constexpr (kDgated<kForm>) dgated_rows_of_tile = dgated_rows(params, coord, consumer_idx);
+      if constexpr (kDgated<kForm>) dgated_rows_of_tile = dgated_rows(params, coord);
       if (params.ablation == GemmAblation::kNoMath)
         pass_stages<kPaired>(params.wait, smem, state, coord.num_k_blocks);
       else if (coord.half)
