@@ -55,6 +55,9 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kEpilogueFree:
       return "down dgrad + SwiGLU loader waiting for a subtile buffer's stores to have read it "
              "(expected and seen are the barrier's phase)";
+    case kernels::WaitSite::kEpilogueWritten:
+      return "down dgrad + SwiGLU storer waiting for the consumer warps to write a subtile "
+             "(expected and seen are the barrier's phase)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

@@ -28,6 +28,7 @@ enum class WaitSite : int32_t {
   kStagingFull = 17,       // FP8 weight-gradient storer waiting for the consumers' staged tile
   kEpilogueLoaded = 18,    // down dgrad + SwiGLU consumer waiting for a subtile's g and u (TMA)
   kEpilogueFree = 19,      // down dgrad + SwiGLU loader waiting for a subtile's stores to read it
+  kEpilogueWritten = 20,   // down dgrad + SwiGLU storer waiting for the consumers' subtile
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

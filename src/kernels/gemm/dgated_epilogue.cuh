@@ -11,11 +11,16 @@
 //                 tile's later subtiles into L2. (Session 32's epilogue loaded g and u from
 //                 global memory with the tensor cores idle, and lost: docs/design.md, "Epilogue
 //                 fusions inside the GEMMs".)
+//   producer warp 2, lane 0  the storer: once the eight consumer warps have written a buffer,
+//                 stores its three boxes by TMA and hands it back to the loader as soon as the
+//                 stores have read it.
 //   consumers     per subtile: wait for its g and u; stage dh_raw = bf16(acc) (the kDownGrad
-//                 store's rounding) into a hidden box; then each thread takes two 16-byte
-//                 vectors of the subtile through the standalone pass's vector function, writing
-//                 d_g over g, d_u over u and h_w over dh_raw; the first consumer thread stores the
-//                 three boxes by TMA and hands the ring buffer back once its stores have read it.
+//                 store's rounding) into the buffer's third box; each thread then takes one
+//                 16-byte vector of each of its two fragment rows through the standalone pass's
+//                 vector function, writing d_g over g, d_u over u and h_w over dh_raw. A warp
+//                 reads back only rows it staged, so __syncwarp is the only wait among the
+//                 consumers (named barriers and the storing thread's waits between subtiles took
+//                 ~5% of the kernel's warp samples, session 41).
 // Only the staging indexes the accumulators (unrolled per subtile behind a switch); the SwiGLU
 // arithmetic is one loop body for all subtiles: fully unrolled, the epilogue's ~6,000
 // instructions a warp stalled on instruction fetch (session 41, ncu: 38% of its samples).
@@ -37,27 +42,25 @@ namespace mok::kernels {
 
 constexpr int kDgatedSubtileCols = 32;  // 64-byte rows: TMA's 64-byte swizzle
 constexpr int kDgatedSubtiles = BLOCK_N / kDgatedSubtileCols;
-constexpr int kDgatedBuffers = 4;      // the loader's ring of g and u subtiles
-constexpr int kDgatedHiddenBoxes = 2;  // dh_raw, then h_w over it, two subtiles in flight
+constexpr int kDgatedBuffers = 3;  // the ring: g (then d_g), u (then d_u), dh_raw (then h_w)
 constexpr int kDgatedBoxElements = BLOCK_M * kDgatedSubtileCols;
 constexpr uint32_t kDgatedBoxBytes = kDgatedBoxElements * 2;
 static_assert(kDgatedSubtiles == 8, "the tree over a tile's subtiles below has three levels");
 
 // The mainloop's ring (as GemmSharedStorage<kNumStages>) and, in the staging tile's place, the
-// epilogue's boxes of [128 rows x 32 columns] bf16, 64-byte swizzled (16-byte unit c of row r
-// at c ^ ((r / 2) % 4)): the loader's ring of g (then d_g over it) and u (then d_u), and two
-// boxes of dh_raw (then h_w over it). 80 KB against the staging tile's 64: the size of the
-// four-stage ring's storage, which fills the 227 KB.
+// epilogue's ring of buffers, each three boxes of [128 rows x 32 columns] bf16, 64-byte swizzled
+// (16-byte unit c of row r at c ^ ((r / 2) % 4)): g then d_g over it, u then d_u, dh_raw then
+// h_w. 72 KB against the staging tile's 64.
 struct alignas(1024) DgatedSharedStorage {
   static constexpr int kNumStagesHere = kNumStages;
   __nv_bfloat16 a[kNumStages][BLOCK_M * BLOCK_K];
   __nv_bfloat16 b[kNumStages][BLOCK_N * BLOCK_K];
-  __nv_bfloat16 subtile[kDgatedBuffers][2][kDgatedBoxElements];
-  __nv_bfloat16 hidden[kDgatedHiddenBoxes][kDgatedBoxElements];
+  __nv_bfloat16 subtile[kDgatedBuffers][3][kDgatedBoxElements];
   uint64_t full[kNumStages];
   uint64_t empty[kNumStages];
-  uint64_t subtile_full[kDgatedBuffers];   // the loader's g and u landed
-  uint64_t subtile_empty[kDgatedBuffers];  // the stores have read d_g and d_u
+  uint64_t subtile_full[kDgatedBuffers];   // loader -> consumers: g and u landed
+  uint64_t subtile_done[kDgatedBuffers];   // consumers -> storer: d_g, d_u, h_w written
+  uint64_t subtile_empty[kDgatedBuffers];  // storer -> loader: the stores have read them
   alignas(16) unsigned char tail_bytes[kStorageTailBytes];
 };
 static_assert(kTailInPadding<DgatedSharedStorage>, "the tail bytes cost no room");
@@ -67,6 +70,7 @@ static_assert(sizeof(DgatedSharedStorage) + 1024 <= 227 * 1024, "fits the SM's s
 __device__ __forceinline__ void init_dgated_barriers(DgatedSharedStorage& smem) {
   for (int k = 0; k < kDgatedBuffers; ++k) {
     ptx::mbarrier_init(&smem.subtile_full[k], 1);
+    ptx::mbarrier_init(&smem.subtile_done[k], kConsumerThreads / 32);
     ptx::mbarrier_init(&smem.subtile_empty[k], 1);
   }
 }
@@ -112,29 +116,37 @@ __device__ __forceinline__ void load_dgated_tile(const CUtensorMap* gate, const 
   }
 }
 
-// A consumer thread's two rows of the tile in the SwiGLU walk: rows t / 4 and t / 4 + 64 of
-// consumer thread t (unit t % 4 of each subtile row): their pairs and weights, read before the
-// mainloop so that the loads' latency hides under it.
+// A consumer thread's two rows in the SwiGLU walk: its fragment rows (i = 0, 1), so that a warp
+// reads back only the rows it staged. Their pairs are read before the mainloop and their
+// weights (a load that waits for the pair) when the epilogue begins, so neither load's
+// latency holds up a tile.
 struct DgatedRows {
   int32_t pair[2];
   float weight[2];
 };
-__device__ __forceinline__ int dgated_row(int k) { return (threadIdx.x - BLOCK_M) / 4 + 64 * k; }
-__device__ __forceinline__ DgatedRows dgated_rows(const ExpertGemmParams& params,
-                                                  const TileCoord& coord) {
+__device__ __forceinline__ int dgated_row(int consumer_idx, int k) {
+  return consumer_idx * 64 + fragment_row(k);
+}
+__device__ __forceinline__ DgatedRows dgated_pairs(const ExpertGemmParams& params,
+                                                   const TileCoord& coord, int consumer_idx) {
   DgatedRows rows;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    const int32_t pair =
-        params.row_pair[static_cast<int64_t>(coord.m_tile) * BLOCK_M + dgated_row(k)];
-    rows.pair[k] = pair;
-    // As swiglu_row_weight: 0 for padding (unused: a padding row's outputs are zeros), 1 without
-    // router weights.
-    rows.weight[k] = pair < 0                                  ? 0.0f
-                     : params.dgated.router_weights != nullptr ? params.dgated.router_weights[pair]
-                                                               : 1.0f;
+    rows.pair[k] =
+        params.row_pair[static_cast<int64_t>(coord.m_tile) * BLOCK_M + dgated_row(consumer_idx, k)];
+    rows.weight[k] = 0.0f;
   }
   return rows;
+}
+// As swiglu_row_weight: 0 for padding (unused: a padding row's outputs are zeros), 1 without
+// router weights.
+__device__ __forceinline__ void dgated_weights(const ExpertGemmParams& params, DgatedRows& rows) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    rows.weight[k] = rows.pair[k] < 0 ? 0.0f
+                     : params.dgated.router_weights != nullptr
+                         ? params.dgated.router_weights[rows.pair[k]]
+                         : 1.0f;
 }
 
 // dh_raw = bf16(acc) of subtile kSubtile's columns into `box`: a thread's accumulator pairs
@@ -145,7 +157,7 @@ __device__ __forceinline__ void stage_dh_raw(char* box, const float (&acc)[128],
   const int quad = threadIdx.x % 4;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int row = consumer_idx * 64 + fragment_row(i);
+    const int row = dgated_row(consumer_idx, i);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int j = 4 * kSubtile + c;
@@ -184,18 +196,18 @@ __device__ __forceinline__ void stage_dh_raw_of(int subtile, char* box, const fl
   }
 }
 
-// One subtile's SwiGLU backward by a consumer thread: its two 16-byte vectors (rows
-// dgated_row(k), unit t % 4) through the standalone pass's vector function (the same bits), the
-// outputs written over their inputs (d_g over g, d_u over u, h_w over dh_raw). node[k]: the
-// subtile's share of row k's router dot, the quad's four vectors added as the tree's first two
-// levels (the quad holds the row's four vectors of the subtile).
+// One subtile's SwiGLU backward by a consumer thread: unit q = lane % 4 of its two rows (the
+// rows its warp staged, so __syncwarp is the only wait) through the standalone pass's vector
+// function (the same bits), the outputs written over their inputs (d_g over g, d_u over u, h_w
+// over dh_raw). node[k]: the subtile's share of row k's router dot, the quad's four vectors
+// added as the tree's first two levels.
 __device__ __forceinline__ void dgated_subtile(char* gate, char* up, char* hidden,
-                                               const DgatedRows& rows, float limit,
-                                               float (&node)[2]) {
+                                               const DgatedRows& rows, int consumer_idx,
+                                               float limit, float (&node)[2]) {
   const int unit = threadIdx.x % 4;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    const int offset = dgated_box_offset(dgated_row(k), unit);
+    const int offset = dgated_box_offset(dgated_row(consumer_idx, k), unit);
     const uint4 g = ptx::ld_shared_v4(gate + offset), u = ptx::ld_shared_v4(up + offset),
                 dh = ptx::ld_shared_v4(hidden + offset);
     uint4 d_gate = make_uint4(0, 0, 0, 0), d_up = d_gate, weighted_hidden = d_gate;
@@ -239,62 +251,69 @@ struct DgatedTree {
   }
 };
 
-// Consumers: the epilogue of one tile (the file's comment). Per subtile: its g and u waited for,
-// dh_raw staged, a barrier, the SwiGLU backward from shared memory, a barrier (before which the
-// issuer has seen the previous subtile's stores read their boxes: the hidden box the next
-// subtile stages into is free, and the ring buffer goes back to the loader), the stores.
-// `state`: the consumers' place in the loader's ring.
-__device__ __forceinline__ void store_dgated_tile(const OutputMaps& maps, DgatedSharedStorage& smem,
-                                                  const ExpertGemmParams& params,
-                                                  const TileCoord& coord, int consumer_idx,
-                                                  const float (&acc)[128], const DgatedRows& rows,
-                                                  PipelineState<kDgatedBuffers>& state) {
-  const bool issuer = threadIdx.x == BLOCK_M;  // first consumer thread
-  const int out_row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
+// Storer (producer warp 2, lane 0): one tile's subtiles, in the consumers' order: once the eight
+// consumer warps have written a buffer, its three boxes to d_g (out), d_u (out2) and h_w (out3),
+// and the buffer back to the loader as soon as the stores have read it. The caller waits for
+// the last stores' writes before the kernel ends.
+__device__ __forceinline__ void store_dgated_subtiles(const OutputMaps& maps,
+                                                      const ExpertGemmParams& params,
+                                                      DgatedSharedStorage& smem,
+                                                      PipelineState<kDgatedBuffers>& state,
+                                                      const TileCoord& coord) {
+  const int row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
+  const int subtiles = dgated_subtiles(params.n_extent, coord.n_tile);
+  for (int s = 0; s < subtiles; ++s) {
+    mbarrier_wait(params.wait, WaitSite::kEpilogueWritten, &smem.subtile_done[state.stage],
+                  state.phase);
+    const int column = coord.n_tile * BLOCK_N + s * kDgatedSubtileCols;
+    ptx::tma_store_3d(maps.out, smem.subtile[state.stage][0], column, row, 0);
+    ptx::tma_store_3d(maps.out2, smem.subtile[state.stage][1], column, row, 0);
+    ptx::tma_store_3d(maps.out3, smem.subtile[state.stage][2], column, row, 0);
+    ptx::bulk_commit_group();
+    ptx::bulk_wait_group_read<0>();
+    ptx::mbarrier_arrive(&smem.subtile_empty[state.stage]);
+    state.advance();
+  }
+}
+
+// Consumers: the epilogue of one tile (the file's comment). No barrier among the consumers: per
+// subtile each warp waits for its g and u, stages and reads back its own rows, and tells the
+// storer it is done. `state`: the consumers' place in the ring.
+__device__ __forceinline__ void dgated_epilogue(DgatedSharedStorage& smem,
+                                                const ExpertGemmParams& params,
+                                                const TileCoord& coord, int consumer_idx,
+                                                const float (&acc)[128], DgatedRows rows,
+                                                PipelineState<kDgatedBuffers>& state) {
+  dgated_weights(params, rows);
   const int subtiles = dgated_subtiles(params.n_extent, coord.n_tile);
   DgatedTree tree;
-  int previous_stage = -1;
 #pragma unroll 1
   for (int s = 0; s < subtiles; ++s) {
     mbarrier_wait(params.wait, WaitSite::kEpilogueLoaded, &smem.subtile_full[state.stage],
                   state.phase);
     char* gate = reinterpret_cast<char*>(smem.subtile[state.stage][0]);
     char* up = reinterpret_cast<char*>(smem.subtile[state.stage][1]);
-    char* hidden = reinterpret_cast<char*>(smem.hidden[s % kDgatedHiddenBoxes]);
+    char* hidden = reinterpret_cast<char*>(smem.subtile[state.stage][2]);
     stage_dh_raw_of(s, hidden, acc, consumer_idx);
-    ptx::named_barrier_sync(1, kConsumerThreads);
+    __syncwarp();
     float node[2];
-    dgated_subtile(gate, up, hidden, rows, params.swiglu_limit, node);
+    dgated_subtile(gate, up, hidden, rows, consumer_idx, params.swiglu_limit, node);
     tree.add(s, node);
-    ptx::fence_proxy_async_shared();
-    if (issuer && previous_stage >= 0) {
-      ptx::bulk_wait_group_read<0>();
-      ptx::mbarrier_arrive(&smem.subtile_empty[previous_stage]);
-    }
-    ptx::named_barrier_sync(1, kConsumerThreads);
-    if (issuer) {
-      const int column = coord.n_tile * BLOCK_N + s * kDgatedSubtileCols;
-      ptx::tma_store_3d(maps.out, gate, column, out_row, 0);
-      ptx::tma_store_3d(maps.out2, up, column, out_row, 0);
-      ptx::tma_store_3d(maps.out3, hidden, column, out_row, 0);
-      ptx::bulk_commit_group();
-    }
-    previous_stage = state.stage;
+    ptx::fence_proxy_async_shared();  // this thread's writes, before the storer's TMA reads
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.subtile_done[state.stage]);
     state.advance();
   }
   const float zero[2] = {0.0f, 0.0f};  // subtiles past the row's end: +0, as lanes past it give
 #pragma unroll 1
   for (int s = subtiles; s < kDgatedSubtiles; ++s) tree.add(s, zero);
-  if (issuer && previous_stage >= 0) {
-    ptx::bulk_wait_group_read<0>();
-    ptx::mbarrier_arrive(&smem.subtile_empty[previous_stage]);
-  }
   float* partials = params.dgated.router_grad_partials;
   if (partials == nullptr || threadIdx.x % 4 != 0) return;
+  const int out_row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
 #pragma unroll
   for (int k = 0; k < 2; ++k)
     if (rows.pair[k] >= 0)
-      partials[coord.n_tile * params.dgated.partial_rows + out_row + dgated_row(k)] =
+      partials[coord.n_tile * params.dgated.partial_rows + out_row + dgated_row(consumer_idx, k)] =
           tree.tile_dot[k];
 }
 

@@ -410,6 +410,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
           load_dgated_tile(&tmap_a1, &tmap_b1, params, smem, subtiles, tile.coord);
         }
       }
+    } else if (kDgated<kForm> && threadIdx.x == 64) {
+      if constexpr (kDgated<kForm>) {
+        PipelineState<kDgatedBuffers> subtiles;
+        for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
+          const UnitTile tile =
+              unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
+          store_dgated_subtiles({&tmap_out, &tmap_out2, &tmap_out3}, params, smem, subtiles,
+                                tile.coord);
+        }
+        ptx::bulk_wait_group<0>();  // the stores' writes, before the kernel ends
+      }
     } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,
                              gather_epoch(params.gather));
@@ -451,7 +462,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
           load_partial(acc, partial_tile(params.macrobatch.partial[coord.load_slot], coord, space));
       }
       [[maybe_unused]] DgatedRows dgated_rows_of_tile;
-      if constexpr (kDgated<kForm>) dgated_rows_of_tile = dgated_rows(params, coord);
+      if constexpr (kDgated<kForm>) dgated_rows_of_tile = dgated_pairs(params, coord, consumer_idx);
       if (params.ablation == GemmAblation::kNoMath)
         pass_stages<kPaired>(params.wait, smem, state, coord.num_k_blocks);
       else if (coord.half)
@@ -461,8 +472,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         consume_tile<Traits::kAMnMajor, Traits::kBMnMajor, kPaired>(
             params.wait, smem, state, coord.num_k_blocks, consumer_idx, acc, resumes);
       if constexpr (kDgated<kForm>)
-        store_dgated_tile({&tmap_out, &tmap_out2, &tmap_out3}, smem, params, coord, consumer_idx,
-                          acc, dgated_rows_of_tile, subtiles);
+        dgated_epilogue(smem, params, coord, consumer_idx, acc, dgated_rows_of_tile, subtiles);
       else if (coord.store_slot >= 0)
         store_partial(acc, partial_tile(params.macrobatch.partial[coord.store_slot], coord, space));
       else
