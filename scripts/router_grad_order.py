@@ -10,10 +10,11 @@ the config (docs/design.md, backward step 2):
 The kernels reach that order from different layouts. This script walks each layout as its
 kernel does, so a change to one walk can be checked against the others without a GPU:
   lane_walk   the standalone pass and the persistent task: lane l holds vector l of a group;
-  tile_walk   the down dgrad's SwiGLU epilogue (dgated_epilogue.cuh): quad thread q holds
-              columns 8j + 2q, +1 of vector j; per 32-column subtile a reduce-scatter over the
-              quad, the subtile's four vectors, then the tree over the eight subtiles in
-              registers; one partial per 256-column tile, summed in column order after;
+  tile_walk   the down dgrad's SwiGLU epilogue (dgated_epilogue.cuh): per 32-column subtile a
+              quad of lanes holds a row's four vectors and adds them (the tree's first two
+              levels), the tree over the tile's eight subtiles stays in registers (open nodes
+              closed by the subtile index's bits), one partial per 256-column tile, summed in
+              column order after;
   fp8_walk    the FP8 SwiGLU pass (swiglu_backward_quantize.cu): a half-warp per row and
               128-column chunk, the even chunk's half of a group waiting for the odd one's.
 Run it to check them on random rows (exit status 1 on a mismatch).
@@ -49,27 +50,6 @@ def lane_walk(e):
     return total
 
 
-def subtile_dot(pair_dot):
-    """dgated_subtile_dot: pair_dot[q][c] is quad thread q's pair of the subtile's vector c."""
-    half0, half1 = [None] * 4, [None] * 4
-    for q in range(4):
-        odd, partner = q & 1, q ^ 1
-        keep0 = pair_dot[q][1] if odd else pair_dot[q][0]
-        keep1 = pair_dot[q][3] if odd else pair_dot[q][2]
-        send0 = pair_dot[partner][0] if partner & 1 else pair_dot[partner][1]
-        send1 = pair_dot[partner][2] if partner & 1 else pair_dot[partner][3]
-        half0[q], half1[q] = f32(keep0 + send0), f32(keep1 + send1)
-    vectors = []
-    for q in range(4):
-        partner = q ^ 2
-        keep = half1[q] if q & 2 else half0[q]
-        received = half0[partner] if partner & 2 else half1[partner]
-        vectors.append(f32(keep + received))
-    quad = butterfly(vectors, [1, 2])
-    assert all(value.tobytes() == quad[0].tobytes() for value in quad)
-    return quad[0]
-
-
 def tile_walk(e):
     total = f32(0)
     for tile in range((len(e) + 255) // 256):
@@ -77,14 +57,11 @@ def tile_walk(e):
         subtiles = (columns + 31) // 32
         open_nodes, tile_dot = [None] * 3, None
         for s in range(8):
-            node = f32(0)
+            node = f32(0)  # past the row's end
             if s < subtiles:
                 base = 256 * tile + 32 * s
-                pair_dot = [
-                    [f32(e[base + 8 * c + 2 * q] + e[base + 8 * c + 2 * q + 1]) for c in range(4)]
-                    for q in range(4)
-                ]
-                node = subtile_dot(pair_dot)
+                quad = [vector_dot(e[base + 8 * c : base + 8 * c + 8]) for c in range(4)]
+                node = butterfly(quad, [1, 2])[0]
             if s & 1:
                 node = f32(open_nodes[0] + node)
                 if s & 2:
