@@ -392,6 +392,11 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
     kernels::ExpertGemmParams dgated_params = params;
     dgated_params.dgated.router_weights = b.router.weights;
     const bool router_grads = b.router.grads != nullptr || b.router.grad_peers != nullptr;
+    if (router_grads && set.router_grad_partials.pointer == nullptr)
+      throw Error(ErrorCode::kInternal,
+                  "backward_experts: swiglu_backward_in_dgrad with router weight gradients wanted "
+                  "for an expert set without router-gradient partials (only the routed set has "
+                  "them)");
     float* partials = router_grads ? set.router_grad_partials.as<float>() : nullptr;
     dgated_params.dgated.router_grad_partials = partials;
     dgated_params.dgated.partial_rows = set.capacity_rows;

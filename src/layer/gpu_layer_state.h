@@ -45,9 +45,11 @@ struct ExpertSet {
   DeviceBuffer d_gate, d_up;  // bf16 backward (FP8 writes d_g and d_u as codes only)
   // MoeConfig::swiglu_backward_in_dgrad: each row's router-weight gradient over each 256-column
   // tile of I, fp32 [ceil(I / 256)][capacity_rows] (kernels::DgatedArgs), summed after the GEMM.
+  // The routed set's only: the shared expert has no router weights.
   DeviceBuffer router_grad_partials;
 
-  void allocate(int64_t rows, int64_t inter, int64_t experts, const MoeConfig& config) {
+  void allocate(int64_t rows, int64_t inter, int64_t experts, const MoeConfig& config,
+                bool router_weights) {
     capacity_rows = rows;
     intermediate = inter;
     num_experts = experts;
@@ -56,7 +58,7 @@ struct ExpertSet {
     if (config.precision == Precision::kBF16)
       for (DeviceBuffer* buffer : {&d_gate, &d_up})
         buffer->allocate(rows * inter * 2, "expert buffer");
-    if (config.swiglu_backward_in_dgrad)
+    if (config.swiglu_backward_in_dgrad && router_weights)
       router_grad_partials.allocate((inter + 255) / 256 * rows * 4,
                                     "router-weight gradient partials");
   }

@@ -110,7 +110,7 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
   s.ring_rows = macrobatch_ring_rows(s.config, shape, max_rows, s.sm_count);
   s.num_macrobatches = static_cast<int32_t>((max_rows + s.ring_rows - 1) / s.ring_rows);
   s.routed.schedule.allocate(s.routed.layout.total_bytes, "schedule buffer");
-  s.routed.allocate(s.ring_rows, I, shape.num_local_experts(), config);
+  s.routed.allocate(s.ring_rows, I, shape.num_local_experts(), config, /*router_weights=*/true);
   s.rows.allocate(s.ring_rows * H * 2, "routed rows buffer (one macrobatch)");
   s.d_out_rows.allocate(s.ring_rows * H * 2, "routed d_out rows buffer (one macrobatch)");
   s.expert_out.allocate(max_rows * H * 2, "expert output rows buffer");
@@ -166,7 +166,8 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
     cuda_check(
         cudaMemcpy(s.shared.schedule.pointer, host.data(), host.size(), cudaMemcpyHostToDevice),
         "upload shared expert schedule");
-    s.shared.allocate(round_up(std::max<int64_t>(T, 1), 128), shape.shared_intermediate, 1, config);
+    s.shared.allocate(round_up(std::max<int64_t>(T, 1), 128), shape.shared_intermediate, 1, config,
+                      /*router_weights=*/false);
     s.shared_out.allocate(T * H * 2, "shared output buffer");
     if (config.precision == Precision::kFP8Block)
       s.fp8_shared.allocate(round_up(std::max<int64_t>(T, 1), 128), H, shape.shared_intermediate,
