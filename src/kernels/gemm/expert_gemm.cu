@@ -16,17 +16,17 @@
 // the same with the d_out rows (the expert-parallel backward's pull, ep_exchange.cpp).
 // Producer loads per K-block of 64: gemm_loads.cuh (shared with the persistent kernels).
 // Every form's output leaves through the shared-memory staging tile and TMA stores
-// (epilogue.cuh), overlapping the next tile's mainloop (kDownGradSwiGLU: through its epilogue's
-// subtile ring instead, filled by producer warp 1: dgated_epilogue.cuh); the tile costs the ring
-// its fourth stage (kFourStages, MoeConfig::gemm_four_stages: a tile of half the columns, stored in
-// two rounds, and four stages). CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two
-// CTAs walk "pair tiles", two row tiles 2p and 2p + 1 (row-tile forms: of the same column tile;
-// kWeightGrad: of the same expert and column tile), one per CTA. Where both tiles read the same B
-// (the same expert), each CTA loads half of B and multicasts it to both (gemm_loads.cuh): 32 KB of
-// L2 reads per CTA and K-block instead of 48. A stage is reused once both CTAs' consumers released
-// it (each consumer warp arrives on its own and its peer's empty barrier), so the pair runs in
-// lockstep; a CTA whose tile does not exist (an odd tile count) passes the stages empty
-// ("phantom").
+// (epilogue.cuh), overlapping the next tile's mainloop; the tile costs the ring its fourth stage
+// (kFourStages, MoeConfig::gemm_four_stages: a tile of half the columns, stored in two rounds,
+// and four stages). kDownGradSwiGLU instead runs the SwiGLU backward in its epilogue, through a
+// ring of subtiles that producer warp 1 loads and producer warp 2 stores (dgated_epilogue.cuh).
+// CTA pairs (kPaired, MoeConfig::gemm_cta_pairs): clusters of two CTAs walk "pair tiles", two
+// row tiles 2p and 2p + 1 (row-tile forms: of the same column tile; kWeightGrad: of the same
+// expert and column tile), one per CTA. Where both tiles read the same B (the same expert), each
+// CTA loads half of B and multicasts it to both (gemm_loads.cuh): 32 KB of L2 reads per CTA and
+// K-block instead of 48. A stage is reused once both CTAs' consumers released it (each consumer
+// warp arrives on its own and its peer's empty barrier), so the pair runs in lockstep; a CTA
+// whose tile does not exist (an odd tile count) passes the stages empty ("phantom").
 #include <cuda.h>
 #include <cuda_bf16.h>
 
