@@ -21,7 +21,7 @@
 //                 reads back only rows it staged, so __syncwarp is the only wait among the
 //                 consumers (named barriers and the storing thread's waits between subtiles took
 //                 ~5% of the kernel's warp samples, session 41).
-// Only the staging indexes the accumulators (unrolled per subtile behind a switch); the SwiGLU
+// Only the staging indexes the accumulators (unrolled per subtile, one compare each); the SwiGLU
 // arithmetic is one loop body for all subtiles: fully unrolled, the epilogue's ~6,000
 // instructions a warp stalled on instruction fetch (session 41, ncu: 38% of its samples).
 // The router weights' gradient in the order of swiglu_backward.cuh: a row's four vectors of a
@@ -32,6 +32,8 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+
+#include <utility>
 
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/expert_gemm_params.h"
@@ -87,6 +89,16 @@ __device__ __forceinline__ int dgated_box_offset(int row, int unit) {
   return row * 64 + ((unit ^ ((row >> 1) & 3)) << 4);
 }
 
+// Where a tile's [rows, I] operands and outputs sit: its first row in the buffers (a
+// macrobatch's ring rows), and subtile s's first column.
+__device__ __forceinline__ int dgated_first_row(const ExpertGemmParams& params,
+                                                const TileCoord& coord) {
+  return coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
+}
+__device__ __forceinline__ int dgated_column(const TileCoord& coord, int subtile) {
+  return coord.n_tile * BLOCK_N + subtile * kDgatedSubtileCols;
+}
+
 // Loader: g (map `gate`) and u (map `up`) of one tile's subtiles, in order, into the ring.
 // First the subtiles past the ring's depth are asked into L2: the loader reaches this tile while
 // the previous tile's epilogue runs, a mainloop before this one's, and its later subtiles' loads
@@ -97,10 +109,10 @@ __device__ __forceinline__ void load_dgated_tile(const CUtensorMap* gate, const 
                                                  DgatedSharedStorage& smem,
                                                  PipelineState<kDgatedBuffers>& state,
                                                  const TileCoord& coord) {
-  const int row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
+  const int row = dgated_first_row(params, coord);
   const int subtiles = dgated_subtiles(params.n_extent, coord.n_tile);
   for (int s = kDgatedBuffers; s < subtiles; ++s) {
-    const int column = coord.n_tile * BLOCK_N + s * kDgatedSubtileCols;
+    const int column = dgated_column(coord, s);
     ptx::tma_prefetch_l2_3d(gate, column, row, 0);
     ptx::tma_prefetch_l2_3d(up, column, row, 0);
   }
@@ -109,7 +121,7 @@ __device__ __forceinline__ void load_dgated_tile(const CUtensorMap* gate, const 
                   state.phase ^ 1);
     uint64_t* full = &smem.subtile_full[state.stage];
     ptx::mbarrier_arrive_expect_tx(full, 2 * kDgatedBoxBytes);
-    const int column = coord.n_tile * BLOCK_N + s * kDgatedSubtileCols;
+    const int column = dgated_column(coord, s);
     ptx::tma_load_3d(smem.subtile[state.stage][0], gate, full, column, row, 0);
     ptx::tma_load_3d(smem.subtile[state.stage][1], up, full, column, row, 0);
     state.advance();
@@ -166,34 +178,12 @@ __device__ __forceinline__ void stage_dh_raw(char* box, const float (&acc)[128],
     }
   }
 }
+// stage_dh_raw of a runtime subtile index: one compare and call per subtile.
+template <int... kSubtiles>
 __device__ __forceinline__ void stage_dh_raw_of(int subtile, char* box, const float (&acc)[128],
-                                                int consumer_idx) {
-  switch (subtile) {
-    case 0:
-      stage_dh_raw<0>(box, acc, consumer_idx);
-      break;
-    case 1:
-      stage_dh_raw<1>(box, acc, consumer_idx);
-      break;
-    case 2:
-      stage_dh_raw<2>(box, acc, consumer_idx);
-      break;
-    case 3:
-      stage_dh_raw<3>(box, acc, consumer_idx);
-      break;
-    case 4:
-      stage_dh_raw<4>(box, acc, consumer_idx);
-      break;
-    case 5:
-      stage_dh_raw<5>(box, acc, consumer_idx);
-      break;
-    case 6:
-      stage_dh_raw<6>(box, acc, consumer_idx);
-      break;
-    default:
-      stage_dh_raw<7>(box, acc, consumer_idx);
-      break;
-  }
+                                                int consumer_idx,
+                                                std::integer_sequence<int, kSubtiles...>) {
+  ((subtile == kSubtiles ? stage_dh_raw<kSubtiles>(box, acc, consumer_idx) : void()), ...);
 }
 
 // One subtile's SwiGLU backward by a consumer thread: unit q = lane % 4 of its two rows (the
@@ -218,9 +208,7 @@ __device__ __forceinline__ void dgated_subtile(char* gate, char* up, char* hidde
     *reinterpret_cast<uint4*>(gate + offset) = d_gate;
     *reinterpret_cast<uint4*>(up + offset) = d_up;
     *reinterpret_cast<uint4*>(hidden + offset) = weighted_hidden;
-    vector_dot += __shfl_xor_sync(0xffffffffu, vector_dot, 1);
-    vector_dot += __shfl_xor_sync(0xffffffffu, vector_dot, 2);
-    node[k] = vector_dot;
+    node[k] = router_dot_group<4>(vector_dot);
   }
 }
 
@@ -260,12 +248,12 @@ __device__ __forceinline__ void store_dgated_subtiles(const OutputMaps& maps,
                                                       DgatedSharedStorage& smem,
                                                       PipelineState<kDgatedBuffers>& state,
                                                       const TileCoord& coord) {
-  const int row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
+  const int row = dgated_first_row(params, coord);
   const int subtiles = dgated_subtiles(params.n_extent, coord.n_tile);
   for (int s = 0; s < subtiles; ++s) {
     mbarrier_wait(params.wait, WaitSite::kEpilogueWritten, &smem.subtile_done[state.stage],
                   state.phase);
-    const int column = coord.n_tile * BLOCK_N + s * kDgatedSubtileCols;
+    const int column = dgated_column(coord, s);
     ptx::tma_store_3d(maps.out, smem.subtile[state.stage][0], column, row, 0);
     ptx::tma_store_3d(maps.out2, smem.subtile[state.stage][1], column, row, 0);
     ptx::tma_store_3d(maps.out3, smem.subtile[state.stage][2], column, row, 0);
@@ -294,7 +282,8 @@ __device__ __forceinline__ void dgated_epilogue(DgatedSharedStorage& smem,
     char* gate = reinterpret_cast<char*>(smem.subtile[state.stage][0]);
     char* up = reinterpret_cast<char*>(smem.subtile[state.stage][1]);
     char* hidden = reinterpret_cast<char*>(smem.subtile[state.stage][2]);
-    stage_dh_raw_of(s, hidden, acc, consumer_idx);
+    stage_dh_raw_of(s, hidden, acc, consumer_idx,
+                    std::make_integer_sequence<int, kDgatedSubtiles>{});
     __syncwarp();
     float node[2];
     dgated_subtile(gate, up, hidden, rows, consumer_idx, params.swiglu_limit, node);
@@ -309,7 +298,7 @@ __device__ __forceinline__ void dgated_epilogue(DgatedSharedStorage& smem,
   for (int s = subtiles; s < kDgatedSubtiles; ++s) tree.add(s, zero);
   float* partials = params.dgated.router_grad_partials;
   if (partials == nullptr || threadIdx.x % 4 != 0) return;
-  const int out_row = coord.m_tile * BLOCK_M - params.macrobatch.out_row_base;
+  const int out_row = dgated_first_row(params, coord);
 #pragma unroll
   for (int k = 0; k < 2; ++k)
     if (rows.pair[k] >= 0)

@@ -216,7 +216,6 @@ template <ExpertGemmForm kForm, bool kFourStages>
 using StorageOf =
     std::conditional_t<kDgated<kForm>, DgatedSharedStorage,
                        std::conditional_t<kFourStages, FourStageStorage, FormStorage>>;
-static_assert(sizeof(TaskQueue<QueuedUnit>) <= kStorageTailBytes, "the queue's tail, any storage");
 // The SwiGLU epilogue's subtile ring takes the room a fourth stage would.
 template <ExpertGemmForm kForm>
 constexpr bool kHasFourStages = FormTraits<kForm>::kRowTiles && !kDgated<kForm>;
@@ -399,27 +398,25 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
         }
       }
       if (lockstep) lockstep_end(params.lockstep, step, local_unit);
-    } else if (kDgated<kForm> && threadIdx.x == 32) {
+    } else if (kDgated<kForm> && (threadIdx.x == 32 || threadIdx.x == 64)) {
+      // kDownGradSwiGLU's loader (warp 1) and storer (warp 2), each over the CTA's tiles.
       if constexpr (kDgated<kForm>) {
-        ptx::prefetch_tensor_map(&tmap_a1);
-        ptx::prefetch_tensor_map(&tmap_b1);
+        const bool loader = threadIdx.x == 32;
+        if (loader) {
+          ptx::prefetch_tensor_map(&tmap_a1);
+          ptx::prefetch_tensor_map(&tmap_b1);
+        }
         PipelineState<kDgatedBuffers> subtiles;
         for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
-          const UnitTile tile =
-              unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
-          load_dgated_tile(&tmap_a1, &tmap_b1, params, smem, subtiles, tile.coord);
+          const TileCoord coord =
+              unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows).coord;
+          if (loader)
+            load_dgated_tile(&tmap_a1, &tmap_b1, params, smem, subtiles, coord);
+          else
+            store_dgated_subtiles({&tmap_out, &tmap_out2, &tmap_out3}, params, smem, subtiles,
+                                  coord);
         }
-      }
-    } else if (kDgated<kForm> && threadIdx.x == 64) {
-      if constexpr (kDgated<kForm>) {
-        PipelineState<kDgatedBuffers> subtiles;
-        for (int unit = cta.first; unit < cta.num_units; unit += cta.stride) {
-          const UnitTile tile =
-              unit_tile<kForm, kPaired>(params, space, cta, unit, rank, shared_rows);
-          store_dgated_subtiles({&tmap_out, &tmap_out2, &tmap_out3}, params, smem, subtiles,
-                                tile.coord);
-        }
-        ptx::bulk_wait_group<0>();  // the stores' writes, before the kernel ends
+        if (!loader) ptx::bulk_wait_group<0>();  // the stores' writes, before the kernel ends
       }
     } else if (gathers && threadIdx.x >= 32) {
       gather_rows_into_tiles(params.gather, params.header, params.row_pair,
