@@ -43,13 +43,14 @@ kernels::FusedGather fused_gather(const GpuLayer::State& s, const TensorView& so
 
 namespace {
 
+// Walked by token: each token's row is read once (docs/design.md, "The gathers").
 void gather_rows(const GpuLayer::State& s, const TensorView& source, const DeviceBuffer& rows,
                  int64_t row_begin, cudaStream_t stream, const char* what) {
   const ScheduleView view = s.routed.view();
-  cuda_check(
-      kernels::launch_gather_rows(view.header, view.row_pair, source.data, s.shape.hidden,
-                                  s.shape.top_k, rows.pointer, s.ring_rows, stream, row_begin),
-      what);
+  cuda_check(kernels::launch_gather_rows_by_token(
+                 view.header, view.row_pair, view.pair_row, source.data, s.shape.num_tokens,
+                 s.shape.hidden, s.shape.top_k, rows.pointer, s.ring_rows, stream, row_begin),
+             what);
 }
 
 class LocalExchange final : public TokenExchange {

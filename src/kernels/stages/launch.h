@@ -21,6 +21,15 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
                                cudaStream_t stream, int64_t row_begin = 0);
 
+// The same rows, walked by token (the layer's gather): a warp per token reads x[token] once and
+// stores it into each row pair_row[token * top_k + k] inside the window; padding rows get zeros.
+// `pair_row` holds num_tokens * top_k entries (-1: not routed here); top_k <= 32. Bitwise the
+// same buffer as launch_gather_rows.
+cudaError_t launch_gather_rows_by_token(const ScheduleHeader* header, const int32_t* row_pair,
+                                        const int32_t* pair_row, const void* x, int64_t num_tokens,
+                                        int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
+                                        cudaStream_t stream, int64_t row_begin = 0);
+
 // The L2 partition probe (l2_probe.cu; layer/l2_partitions.h): `num_ctas` CTAs, one per SM
 // (each asks for most of an SM's shared memory), each recording its SM id in sm_of_block[b] and
 // the SM cycles per dependent atomic add to each of kL2ProbeLines lines of `lines` in
