@@ -66,8 +66,7 @@ struct GatherProblem {
         ids(static_cast<size_t>(tokens_in) * top_k_in * sizeof(int32_t)),
         schedule(static_cast<size_t>(layout.total_bytes)),
         x(static_cast<size_t>(tokens_in) * hidden_in * 2) {
-    const std::vector<int32_t> routing =
-        generate_routing(kind, 1, tokens, top_k, experts, seed);
+    const std::vector<int32_t> routing = generate_routing(kind, 1, tokens, top_k, experts, seed);
     if (!routing.empty())
       CUDA_CHECK(cudaMemcpy(ids.get(), routing.data(), routing.size() * sizeof(int32_t),
                             cudaMemcpyHostToDevice));
@@ -97,9 +96,7 @@ struct GatherProblem {
   }
 
   ScheduleView device_view() const { return ScheduleView::at(schedule.get(), layout); }
-  ScheduleView host_view() {
-    return ScheduleView::at(host_schedule.data(), layout);
-  }
+  ScheduleView host_view() { return ScheduleView::at(host_schedule.data(), layout); }
 };
 
 enum class Walk { kByRow, kByToken };
@@ -108,9 +105,8 @@ cudaError_t gather(const GatherProblem& problem, Walk walk, void* rows, int64_t 
                    int64_t row_begin, cudaStream_t stream = nullptr) {
   const ScheduleView view = problem.device_view();
   if (walk == Walk::kByRow)
-    return kernels::launch_gather_rows(view.header, view.row_pair, problem.x.get(),
-                                       problem.hidden, problem.top_k, rows, window_rows, stream,
-                                       row_begin);
+    return kernels::launch_gather_rows(view.header, view.row_pair, problem.x.get(), problem.hidden,
+                                       problem.top_k, rows, window_rows, stream, row_begin);
   return kernels::launch_gather_rows_by_token(view.header, view.row_pair, view.pair_row,
                                               problem.x.get(), problem.tokens, problem.hidden,
                                               problem.top_k, rows, window_rows, stream, row_begin);
@@ -166,8 +162,8 @@ TEST(GatherGpu, BothWalksWriteWhatTheScheduleSays) {
     int32_t tokens, top_k, experts;
     int64_t hidden;
   };
-  const Case cases[] = {{300, 8, 16, 1024}, {257, 4, 8, 2056}, {1, 1, 4, 64}, {0, 2, 4, 128},
-                        {513, 32, 64, 512}};
+  const Case cases[] = {
+      {300, 8, 16, 1024}, {257, 4, 8, 2056}, {1, 1, 4, 64}, {0, 2, 4, 128}, {513, 32, 64, 512}};
   uint64_t seed = 11;
   for (const Case& c : cases)
     for (RoutingKind kind : all_routing_kinds()) {
@@ -196,14 +192,14 @@ TEST(GatherGpu, ByTokenRefusesWhatItCannotWalk) {
   GatherProblem problem(RoutingKind::kUniform, 16, 2, 4, 64, 3);
   const ScheduleView view = problem.device_view();
   DeviceMemory rows(1 << 20);
-  EXPECT_EQ(kernels::launch_gather_rows_by_token(view.header, view.row_pair, view.pair_row,
-                                                 problem.x.get(), 16, 64, 33, rows.get(), 128,
-                                                 nullptr),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(kernels::launch_gather_rows_by_token(view.header, view.row_pair, view.pair_row,
-                                                 problem.x.get(), 16, 60, 2, rows.get(), 128,
-                                                 nullptr),
-            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      kernels::launch_gather_rows_by_token(view.header, view.row_pair, view.pair_row,
+                                           problem.x.get(), 16, 64, 33, rows.get(), 128, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(
+      kernels::launch_gather_rows_by_token(view.header, view.row_pair, view.pair_row,
+                                           problem.x.get(), 16, 60, 2, rows.get(), 128, nullptr),
+      cudaErrorInvalidValue);
   EXPECT_EQ(kernels::launch_gather_rows_by_token(view.header, view.row_pair, view.pair_row,
                                                  problem.x.get(), 16, 64, 2, rows.get(), 128,
                                                  nullptr, -1),
@@ -218,8 +214,8 @@ TEST(GatherGpu, WalksTimedAtTheLayersShapes) {
     int32_t tokens, top_k, experts;
     int64_t hidden;
   };
-  for (const Shape& shape : {Shape{"qwen3", 8192, 8, 128, 2048},
-                             Shape{"sonic_e128", 32768, 8, 128, 4096}}) {
+  for (const Shape& shape :
+       {Shape{"qwen3", 8192, 8, 128, 2048}, Shape{"sonic_e128", 32768, 8, 128, 4096}}) {
     SCOPED_TRACE(shape.name);
     GatherProblem problem(RoutingKind::kUniform, shape.tokens, shape.top_k, shape.experts,
                           shape.hidden, 5, /*keep_host_x=*/false);

@@ -124,8 +124,7 @@ cudaError_t launch_gather_rows_by_token(const ScheduleHeader* header, const int3
                                         int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
                                         cudaStream_t stream, int64_t row_begin) {
   if (max_rows == 0) return cudaSuccess;
-  if (row_begin < 0 || max_rows < 0 || num_tokens < 0 || top_k < 1 || top_k > 32 ||
-      hidden % 8 != 0)
+  if (row_begin < 0 || max_rows < 0 || num_tokens < 0 || top_k < 1 || top_k > 32 || hidden % 8 != 0)
     return cudaErrorInvalidValue;
   int device = 0, sm_count = 0;
   cudaGetDevice(&device);
