@@ -80,7 +80,10 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherCtasPerSm)
     const unsigned slots = __ballot_sync(~0u, my_row >= 0);
     if (slots == 0) continue;
     const uint4* __restrict__ src = x + token * vectors_per_row;
-    for (int64_t base = lane; base < vectors_per_row; base += 32 * kInFlight) {
+    // The chunk loop is warp-uniform: the shuffles below need every lane, also where a row's
+    // vectors do not fill the last chunk.
+    for (int64_t chunk = 0; chunk < vectors_per_row; chunk += 32 * kInFlight) {
+      const int64_t base = chunk + lane;
       uint4 values[kInFlight];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
