@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "device_memory.h"
 #include "kernels/stages/launch.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
@@ -23,27 +24,7 @@
 namespace mok {
 namespace {
 
-void cuda_check(cudaError_t error, const char* what) {
-  if (error != cudaSuccess)
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(error));
-}
-#define CUDA_CHECK(expr) cuda_check((expr), #expr)
-
-class DeviceMemory {
- public:
-  explicit DeviceMemory(size_t bytes) {
-    if (bytes > 0) CUDA_CHECK(cudaMalloc(&data_, bytes));
-  }
-  ~DeviceMemory() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  void* get() const { return data_; }
-
- private:
-  void* data_ = nullptr;
-};
+using test::DeviceMemory;
 
 constexpr int kPoisonByte = 0x5A;
 

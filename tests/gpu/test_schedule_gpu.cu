@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "device_memory.h"
 #include "mok/schedule.h"
 #include "mok/schedule_gpu.h"
 #include "mok/testing/routing.h"
@@ -27,30 +28,7 @@ namespace {
 
 constexpr int kPoisonByte = 0xAB;
 
-void cuda_check(cudaError_t error, const char* what) {
-  if (error != cudaSuccess)
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(error));
-}
-#define CUDA_CHECK(expr) cuda_check((expr), #expr)
-
-// Owns one device allocation.
-class DeviceMemory {
- public:
-  explicit DeviceMemory(size_t bytes) : bytes_(bytes) {
-    if (bytes > 0) CUDA_CHECK(cudaMalloc(&data_, bytes));
-  }
-  ~DeviceMemory() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  void* get() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
+using test::DeviceMemory;
 
 struct Shape {
   int32_t ranks, tokens, top_k, local_experts, local_rank, row_align;
