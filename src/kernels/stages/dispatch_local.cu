@@ -101,6 +101,14 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherCtasPerSm)
 
 __global__ void advance_epoch_kernel(unsigned long long* epoch) { *epoch += 1; }
 
+// Both walks' grid: their launch bound's CTAs on every SM of the current device.
+int gather_ctas() {
+  int device = 0, sm_count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  return sm_count * kGatherCtasPerSm;
+}
+
 }  // namespace
 
 cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream) {
@@ -113,10 +121,7 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
                                cudaStream_t stream, int64_t row_begin) {
   if (max_rows == 0) return cudaSuccess;
   if (row_begin < 0 || max_rows < 0) return cudaErrorInvalidValue;
-  int device = 0, sm_count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  gather_rows_kernel<<<sm_count * kGatherCtasPerSm, kGatherThreads, 0, stream>>>(
+  gather_rows_kernel<<<gather_ctas(), kGatherThreads, 0, stream>>>(
       header, row_pair, static_cast<const uint4*>(x), hidden / 8, top_k, static_cast<uint4*>(rows),
       row_begin, max_rows);
   return cudaGetLastError();
@@ -129,10 +134,7 @@ cudaError_t launch_gather_rows_by_token(const ScheduleHeader* header, const int3
   if (max_rows == 0) return cudaSuccess;
   if (row_begin < 0 || max_rows < 0 || num_tokens < 0 || top_k < 1 || top_k > 32 || hidden % 8 != 0)
     return cudaErrorInvalidValue;
-  int device = 0, sm_count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  gather_rows_by_token_kernel<<<sm_count * kGatherCtasPerSm, kGatherThreads, 0, stream>>>(
+  gather_rows_by_token_kernel<<<gather_ctas(), kGatherThreads, 0, stream>>>(
       header, row_pair, pair_row, static_cast<const uint4*>(x), num_tokens, hidden / 8, top_k,
       static_cast<uint4*>(rows), row_begin, max_rows);
   return cudaGetLastError();
