@@ -43,6 +43,7 @@ struct RunOptions {
   bool aligned_groups = false;       // GPU: MoeConfig::gemm_expert_aligned_groups
   bool dgrad_half_tiles = false;     // GPU: MoeConfig::gemm_dgrad_half_row_tiles
   bool swiglu_in_dgrad = false;      // GPU: MoeConfig::swiglu_backward_in_dgrad
+  bool overlap_launches = false;     // GPU: MoeConfig::overlap_kernel_launches
   bool padding_rows = false;         // GPU: MoeConfig::skip_padding_rows off
   bool quick = false;                // GPU, one GPU: the layer against the baseline only
   std::vector<std::string> compare;  // --quick: knobs flipped and timed beside the layer

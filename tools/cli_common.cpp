@@ -28,6 +28,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.gemm_expert_aligned_groups = options.aligned_groups;
   config.gemm_dgrad_half_row_tiles = options.dgrad_half_tiles;
   config.swiglu_backward_in_dgrad = options.swiglu_in_dgrad;
+  config.overlap_kernel_launches = options.overlap_launches;
   if (options.padding_rows) config.skip_padding_rows = false;
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
@@ -41,15 +42,25 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",           "persistent-forward",
-                                     "persistent-backward", "weight-grad-pingpong",
-                                     "skip-padding-rows",   "local-dispatch",
-                                     "wide-tiles",          "tile-group-N",
-                                     "l2-placement",        "four-stages",
-                                     "lockstep-N",          "tiles-by-ticket",
-                                     "auto-lockstep",       "aligned-groups",
-                                     "dgrad-half-tiles",    "expert-groups-N",
-                                     "swiglu-in-dgrad",     nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     "l2-placement",
+                                     "four-stages",
+                                     "lockstep-N",
+                                     "tiles-by-ticket",
+                                     "auto-lockstep",
+                                     "aligned-groups",
+                                     "dgrad-half-tiles",
+                                     "expert-groups-N",
+                                     "swiglu-in-dgrad",
+                                     "overlap-launches",
+                                     nullptr};
 
 namespace {
 
@@ -138,6 +149,8 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_wide_tiles = false;
       flipped.swiglu_backward_in_dgrad = false;
     }
+  } else if (name == "overlap-launches") {
+    flipped.overlap_kernel_launches = !config.overlap_kernel_launches;
   } else if (name == "weight-grad-pingpong") {
     flipped.weight_grad_pingpong = !config.weight_grad_pingpong;
   } else if (name == "skip-padding-rows") {

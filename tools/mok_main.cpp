@@ -78,6 +78,9 @@ mok run options:
   --swiglu-in-dgrad            GPU: the backward's down dgrad runs the SwiGLU backward in its
                                epilogue instead of a pass of its own (swiglu_backward_in_dgrad;
                                the kernel sequence, bf16; same bits)
+  --overlap-launches           GPU: the layer's kernels launched with programmatic dependent
+                               launch, each scheduled while the previous one finishes
+                               (overlap_kernel_launches; same bits)
   --aligned-groups             GPU: each group of the row-tile GEMMs' walk starts where an
                                expert does (within 4 row tiles), so no expert straddles two
                                groups (gemm_expert_aligned_groups; same bits)
@@ -98,9 +101,10 @@ mok run options:
                                l2-placement, four-stages, lockstep-N: the CTAs in step
                                within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep,
                                aligned-groups, dgrad-half-tiles, expert-groups-N: FP8's
-                               walk in groups of one expert's tiles, swiglu-in-dgrad); K1+K2
-                               flips several on one layer. An FP8 run (--precision fp8_block)
-                               takes it without --quick: the flipped FP8 layers timed beside it
+                               walk in groups of one expert's tiles, swiglu-in-dgrad,
+                               overlap-launches); K1+K2 flips several on one layer. An FP8
+                               run (--precision fp8_block) takes it without --quick: the
+                               flipped FP8 layers timed beside it
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)
@@ -181,6 +185,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
     if (flag == "--swiglu-in-dgrad") {
       options.swiglu_in_dgrad = true;
+      continue;
+    }
+    if (flag == "--overlap-launches") {
+      options.overlap_launches = true;
       continue;
     }
     if (flag == "--aligned-groups") {

@@ -48,6 +48,7 @@ std::string variant_name(const mok::MoeConfig& config, const mok::MoeShape& shap
          (config.persistent_forward ? ", persistent forward GEMM kernel"
                                     : ", two forward GEMM kernels") +
          (config.check_finite ? ", check_finite scan" : "") +
+         (config.overlap_kernel_launches ? ", launches overlapped" : "") +
          (config.gemm_cta_pairs ? ", CTA pairs" : "") +
          (config.gemm_wide_tiles ? ", GEMMs in 256 x 192 tiles" : "") + tile_group_name(config) +
          (config.gemm_l2_placement ? ", GEMMs by L2 partition" : "") +
@@ -69,7 +70,8 @@ std::string backward_name(const mok::MoeConfig& config, const mok::MoeShape& sha
          (config.skip_padding_rows ? "" : ", padding rows computed") +
          (config.gemm_dgrad_half_row_tiles ? ", 64-row dgrad tiles" : "") +
          (config.swiglu_backward_in_dgrad ? ", SwiGLU backward in the down dgrad" : "") +
-         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "");
+         (config.weight_grad_pingpong ? ", weight gradients in ping-pong" : "") +
+         (config.overlap_kernel_launches ? ", launches overlapped" : "");
 }
 
 // Runs forward and backward once more on a layer of each config that has a persistent kernel,

@@ -174,6 +174,13 @@ struct MoeConfig {
   // (src/kernels/gemm/weight_grad_pingpong.cu): with one macrobatch and without CTA pairs. Same
   // bits either way. Off until it is measured faster (written in session 13, not yet run).
   bool weight_grad_pingpong = false;
+  // The single-GPU layer's kernels (the expert GEMMs, the gathers, the SwiGLU backward, the
+  // combines, the epoch advances, and the schedule's last three, which always are) launch with
+  // programmatic dependent launch: a kernel's CTAs are scheduled while the previous kernel
+  // finishes, and wait for its completion before they touch memory. The same results as plain
+  // stream order, with the launch latency between kernels taken under the previous kernel's
+  // tail. Off until it is measured faster (written in session 43).
+  bool overlap_kernel_launches = false;
   // The persistent kernels record when each task was taken, queued, started and finished
   // (mok/task_trace.h; GpuLayer::task_traces). A profiling aid: a few stores per task, a buffer
   // of 64 bytes per task; the kernel sequences have nothing to trace.

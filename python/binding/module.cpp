@@ -188,6 +188,7 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("skip_padding_rows", &MoeConfig::skip_padding_rows)
       .def_rw("gemm_dgrad_half_row_tiles", &MoeConfig::gemm_dgrad_half_row_tiles)
       .def_rw("swiglu_backward_in_dgrad", &MoeConfig::swiglu_backward_in_dgrad)
+      .def_rw("overlap_kernel_launches", &MoeConfig::overlap_kernel_launches)
       .def_rw("weight_grad_pingpong", &MoeConfig::weight_grad_pingpong)
       .def_rw("check_finite", &MoeConfig::check_finite)
       .def_rw("ep_bulk_copies", &MoeConfig::ep_bulk_copies)

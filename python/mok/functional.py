@@ -108,6 +108,9 @@ class MoKConfig:
         measured faster).
     weight_grad_pingpong: compute the weight gradients with the two consumer warpgroups of a
         CTA on different tiles (same bits; off by default until measured faster).
+    overlap_kernel_launches: launch the layer's kernels with programmatic dependent launch, each
+        scheduled while the previous one finishes and waiting for it before touching memory
+        (same results; one GPU; off until measured faster).
     check_finite: scan every call's inputs for NaN and infinities; ``synchronize`` reports the
         first (a debugging aid: one memory-bound pass over the weights per call).
     local_dispatch: "producer-warps" (default) or "gather-kernel".
@@ -146,6 +149,7 @@ class MoKConfig:
     gemm_dgrad_half_row_tiles: bool = False
     swiglu_backward_in_dgrad: bool = False
     weight_grad_pingpong: bool = False
+    overlap_kernel_launches: bool = False
     check_finite: bool = False
     local_dispatch: str = "producer-warps"
     ep_dispatch_in_gemm: bool = False
@@ -175,6 +179,7 @@ class MoKConfig:
         config.gemm_dgrad_half_row_tiles = self.gemm_dgrad_half_row_tiles
         config.swiglu_backward_in_dgrad = self.swiglu_backward_in_dgrad
         config.weight_grad_pingpong = self.weight_grad_pingpong
+        config.overlap_kernel_launches = self.overlap_kernel_launches
         config.check_finite = self.check_finite
         config.local_dispatch = self.local_dispatch
         config.ep_dispatch_in_gemm = self.ep_dispatch_in_gemm

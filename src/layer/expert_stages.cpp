@@ -177,27 +177,27 @@ kernels::BackwardSetMaps backward_set(const GpuLayer::State& s, const ExpertSetB
 // MoeConfig::gemm_lockstep_k_blocks and gemm_tiles_by_ticket: their counters name a row-tile
 // launch by its epoch, so the next launch gets a new one.
 void advance_epochs(const kernels::ExpertGemmParams& params, kernels::ExpertGemmForm form,
-                    cudaStream_t stream) {
+                    kernels::KernelStream on) {
   if (params.lockstep.ticks != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
-    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, stream),
+    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, on),
                "advance the GEMM lockstep's epoch");
   if (params.tickets.counter != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
-    cuda_check(kernels::launch_advance_epoch(params.tickets.epoch, stream),
+    cuda_check(kernels::launch_advance_epoch(params.tickets.epoch, on),
                "advance the GEMM tickets' epoch");
 }
 
 void launch(const GpuLayer::State& s, kernels::ExpertGemmForm form,
             const kernels::ExpertGemmMaps& maps, const kernels::ExpertGemmParams& params,
             cudaStream_t stream, const char* what) {
-  cuda_check(
-      kernels::launch_expert_gemm(form, maps, params, s.sm_count, s.config.gemm_cta_pairs, stream),
-      what);
+  cuda_check(kernels::launch_expert_gemm(form, maps, params, s.sm_count, s.config.gemm_cta_pairs,
+                                         s.on(stream)),
+             what);
   // The L2 placement's claims name the launch by the epoch: the next launch gets a new one.
   if (params.l2.slot_of_sm != nullptr && form != kernels::ExpertGemmForm::kWeightGrad)
-    cuda_check(
-        kernels::launch_advance_epoch(s.l2_claims.as<unsigned long long>() + s.sm_count, stream),
-        "advance the L2 placement's epoch");
-  advance_epochs(params, form, stream);
+    cuda_check(kernels::launch_advance_epoch(s.l2_claims.as<unsigned long long>() + s.sm_count,
+                                             s.on(stream)),
+               "advance the L2 placement's epoch");
+  advance_epochs(params, form, s.on(stream));
 }
 
 // The 256 x 192 tiles' maps where they read and write what the 128 x 256 tiles' do (the dgrads).
@@ -260,7 +260,8 @@ void forward_experts(const GpuLayer::State& s, const ExpertSetForward& f,
     launch(s, kernels::ExpertGemmForm::kGateUpSwiGLU, maps, params, stream, "gate/up GEMM");
   }
   if (gather.x != nullptr) {
-    cuda_check(kernels::launch_advance_epoch(gather.epoch, stream), "advance the gather epoch");
+    cuda_check(kernels::launch_advance_epoch(gather.epoch, s.on(stream)),
+               "advance the gather epoch");
     mark("gather + gate/up GEMM + SwiGLU");
   } else {
     mark("gate/up GEMM + SwiGLU");
@@ -403,11 +404,11 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
     launch(s, kernels::ExpertGemmForm::kDownGradSwiGLU, dgated, dgated_params, stream,
            "down dgrad + SwiGLU backward GEMM");
     if (partials != nullptr)
-      cuda_check(
-          kernels::launch_router_weight_grad_sum(
-              view.header, partials, set.capacity_rows, view.row_pair, I, b.router.grads,
-              b.router.grad_peers, b.router.pairs_per_rank, stream, window_begin, window_rows),
-          "router weight gradient sum launch");
+      cuda_check(kernels::launch_router_weight_grad_sum(
+                     view.header, partials, set.capacity_rows, view.row_pair, I, b.router.grads,
+                     b.router.grad_peers, b.router.pairs_per_rank, s.on(stream), window_begin,
+                     window_rows),
+                 "router weight gradient sum launch");
     mark("down dgrad + SwiGLU backward + router weight gradient");
   } else {
     if (s.config.gemm_wide_tiles) {  // (can_implement refused the pull they do not make)
@@ -419,7 +420,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
       params.gather = kernels::FusedGather{};
     }
     if (d_out_gather.x != nullptr) {
-      cuda_check(kernels::launch_advance_epoch(d_out_gather.epoch, stream),
+      cuda_check(kernels::launch_advance_epoch(d_out_gather.epoch, s.on(stream)),
                  "advance the gather epoch");
       mark("pull d_out + down dgrad");
     } else {
@@ -429,7 +430,7 @@ void backward_experts(const GpuLayer::State& s, const ExpertSetBackward& b, bool
                    view.header, 0, set.gate.pointer, set.up.pointer, set.hidden.pointer,
                    view.row_pair, b.router.weights, I, s.shape.swiglu_limit, set.d_gate.pointer,
                    set.d_up.pointer, set.hidden.pointer, b.router.grads, b.router.grad_peers,
-                   b.router.pairs_per_rank, stream, window_begin, window_rows),
+                   b.router.pairs_per_rank, s.on(stream), window_begin, window_rows),
                "SwiGLU backward launch");
     mark("SwiGLU backward + router weight gradient");
   }

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "kernels/common/counter_layouts.h"
+#include "kernels/common/kernel_stream.h"
 #include "kernels/common/wait_types.h"
 #include "kernels/gemm/expert_gemm_params.h"
 #include "layer/cuda_buffer.h"
@@ -138,6 +139,11 @@ struct GpuLayer::State {
 
   kernels::WaitContext wait_context() const {
     return {static_cast<uint64_t>(config.wait_timeout_s * 1e9), rank, diagnosis_device};
+  }
+  // Where the layer's kernels launch on `stream`: overlapped with the previous kernel under
+  // MoeConfig::overlap_kernel_launches.
+  kernels::KernelStream on(cudaStream_t stream) const {
+    return {stream, config.overlap_kernel_launches};
   }
   unsigned long long* counter(const DeviceBuffer& buffer, int64_t offset) const {
     return buffer.as<unsigned long long>() + offset;

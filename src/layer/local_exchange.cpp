@@ -49,7 +49,7 @@ void gather_rows(const GpuLayer::State& s, const TensorView& source, const Devic
   const ScheduleView view = s.routed.view();
   cuda_check(kernels::launch_gather_rows_by_token(
                  view.header, view.row_pair, view.pair_row, source.data, s.shape.num_tokens,
-                 s.shape.hidden, s.shape.top_k, rows.pointer, s.ring_rows, stream, row_begin),
+                 s.shape.hidden, s.shape.top_k, rows.pointer, s.ring_rows, s.on(stream), row_begin),
              what);
 }
 
@@ -131,10 +131,10 @@ class LocalExchange final : public TokenExchange {
 
   void combine(GpuLayer::State& s, const TensorView&, const void* shared, const float* weights,
                void* out, cudaStream_t stream) override {
-    cuda_check(
-        kernels::launch_combine(s.expert_out.pointer, s.routed.view().pair_row, shared, weights,
-                                s.shape.num_tokens, s.shape.hidden, s.shape.top_k, out, stream),
-        "combine launch");
+    cuda_check(kernels::launch_combine(s.expert_out.pointer, s.routed.view().pair_row, shared,
+                                       weights, s.shape.num_tokens, s.shape.hidden, s.shape.top_k,
+                                       out, s.on(stream)),
+               "combine launch");
   }
 
   void finish_backward(GpuLayer::State&, const BackwardArgs&, cudaStream_t) override {}

@@ -160,7 +160,7 @@ TEST(BackwardGpu, WeightGradPingPongMatchesReference) {
 // all of them, the other experts get zero gradients), holes.
 TEST(BackwardGpu, BitwiseInvariantToConfig) {
   const MoeShape shape = make_shape(700, 1024, 384, 16, 4, 1, 128, 0.5f);
-  std::vector<MoeConfig> configs(38);
+  std::vector<MoeConfig> configs(43);
   configs[0].minibatch_size = 128;
   configs[0].macrobatch_size = 256;
   configs[1].minibatch_size = 1024;
@@ -280,6 +280,18 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
   configs[37].swiglu_backward_in_dgrad = true;
   configs[37].gemm_four_stages = true;
   configs[37].gemm_lockstep_k_blocks = 8;
+  // The launches overlapped (MoeConfig::overlap_kernel_launches): every kernel of the sequence
+  // waits for the one before; alone, in macrobatches (the gathers' windows), with the gather
+  // kernel, with the SwiGLU epilogue's partial sum and the lockstep's epochs, with CTA pairs
+  // (clusters launched overlapped).
+  for (int c = 38; c < 43; ++c) configs[c].overlap_kernel_launches = true;
+  configs[39].minibatch_size = 128;
+  configs[39].macrobatch_size = 256;
+  configs[40].local_dispatch = LocalDispatch::kGatherKernel;
+  configs[41].swiglu_backward_in_dgrad = true;
+  configs[41].gemm_four_stages = true;
+  configs[41].gemm_lockstep_k_blocks = 8;
+  configs[42].gemm_cta_pairs = true;
   uint64_t seed = 41;
   for (const RoutingKind routing :
        {RoutingKind::kSkewed, RoutingKind::kOneExpert, RoutingKind::kHoles}) {
@@ -304,7 +316,8 @@ TEST(BackwardGpu, BitwiseInvariantToConfig) {
                      << config.gemm_tiles_by_ticket << " aligned groups "
                      << config.gemm_expert_aligned_groups << " dgrad half tiles "
                      << config.gemm_dgrad_half_row_tiles << " SwiGLU in dgrad "
-                     << config.swiglu_backward_in_dgrad << (with_context ? "" : ", no context"));
+                     << config.swiglu_backward_in_dgrad << " overlapped "
+                     << config.overlap_kernel_launches << (with_context ? "" : ", no context"));
         const HostRank got = test::gpu_step(layer, device, problem, with_context);
         test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
           EXPECT_TRUE(test::bitwise_equal(a, b)) << output;

@@ -115,8 +115,12 @@ TEST(ForwardGpu, LocalDispatchModesAreBitwiseEqual) {
 // The whole forward captured once in a CUDA graph and replayed with new routing contents: the
 // schedule and the fused dispatch's epochs live in device memory, so every replay is a fresh,
 // correct forward.
-// Parameters: the local dispatch mode, and whether the GEMMs run as the persistent kernel.
-class ForwardGraphReplay : public testing::TestWithParam<std::tuple<LocalDispatch, bool>> {};
+// Parameters: the local dispatch mode, and how the GEMMs run: two kernels, the persistent kernel,
+// or two kernels with every launch overlapped (MoeConfig::overlap_kernel_launches: the graph then
+// holds programmatic edges).
+enum class ForwardKernels { kTwo, kPersistent, kTwoOverlapped };
+class ForwardGraphReplay
+    : public testing::TestWithParam<std::tuple<LocalDispatch, ForwardKernels>> {};
 
 TEST_P(ForwardGraphReplay, NewRoutingEachReplay) {
   const MoeShape shape = make_shape(300, 512, 256, 16, 4, 1, 128);
@@ -125,7 +129,8 @@ TEST_P(ForwardGraphReplay, NewRoutingEachReplay) {
   MoeConfig config;
   // The producer warps' and the persistent kernel's epochs must survive replays.
   config.local_dispatch = std::get<0>(GetParam());
-  config.persistent_forward = std::get<1>(GetParam());
+  config.persistent_forward = std::get<1>(GetParam()) == ForwardKernels::kPersistent;
+  config.overlap_kernel_launches = std::get<1>(GetParam()) == ForwardKernels::kTwoOverlapped;
   config.wait_timeout_s = 10;
   GpuLayer layer(shape, config);
   cudaStream_t stream;
@@ -160,16 +165,25 @@ TEST_P(ForwardGraphReplay, NewRoutingEachReplay) {
   cudaStreamDestroy(stream);
 }
 
-INSTANTIATE_TEST_SUITE_P(LocalDispatch, ForwardGraphReplay,
-                         testing::Combine(testing::Values(LocalDispatch::kGatherKernel,
-                                                          LocalDispatch::kProducerWarps),
-                                          testing::Bool()),
-                         [](const testing::TestParamInfo<std::tuple<LocalDispatch, bool>>& info) {
-                           std::string name = local_dispatch_name(std::get<0>(info.param));
-                           for (char& c : name)
-                             if (c == '-') c = '_';
-                           return name + (std::get<1>(info.param) ? "_persistent" : "_two_kernels");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    LocalDispatch, ForwardGraphReplay,
+    testing::Combine(testing::Values(LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps),
+                     testing::Values(ForwardKernels::kTwo, ForwardKernels::kPersistent,
+                                     ForwardKernels::kTwoOverlapped)),
+    [](const testing::TestParamInfo<std::tuple<LocalDispatch, ForwardKernels>>& info) {
+      std::string name = local_dispatch_name(std::get<0>(info.param));
+      for (char& c : name)
+        if (c == '-') c = '_';
+      switch (std::get<1>(info.param)) {
+        case ForwardKernels::kTwo:
+          return name + "_two_kernels";
+        case ForwardKernels::kPersistent:
+          return name + "_persistent";
+        case ForwardKernels::kTwoOverlapped:
+          break;
+      }
+      return name + "_two_kernels_overlapped";
+    });
 
 TEST(ForwardGpu, BadExpertIdIsReportedAtSynchronize) {
   const MoeShape shape = named_shape("tiny");

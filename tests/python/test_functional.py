@@ -310,6 +310,7 @@ def test_config_switches_reach_the_native_config():
         "swiglu_backward_in_dgrad",
         "skip_padding_rows",
         "weight_grad_pingpong",
+        "overlap_kernel_launches",
         "check_finite",
         "ep_dispatch_in_gemm",
     ]

@@ -421,6 +421,30 @@ __device__ __forceinline__ uint4 ld_shared_v4(const void* address) {
   return value;
 }
 
+// ---- programmatic dependent launch (PDL) --------------------------------------------------
+// A kernel launched with the programmatic-serialization attribute (kernels/common/
+// overlapped_launch.h) may be resident before the previous kernel on its stream has finished;
+// it must call wait_for_previous_kernel before its first access to global memory. Without the
+// attribute both are no-ops, so a kernel that waits may be launched either way.
+
+// The previous kernel has completed and its writes are visible after this.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// The next kernel may be scheduled once every CTA of this one has called this (or exited); it
+// still waits for this kernel's completion before touching memory.
+__device__ __forceinline__ void let_next_kernel_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Both, as the layer's kernels begin: nothing of this kernel touches memory before the previous
+// one is done, and the next one's CTAs may take the SMs this kernel leaves free from now on.
+__device__ __forceinline__ void begin_after_previous_kernel() {
+  wait_for_previous_kernel();
+  let_next_kernel_launch();
+}
+
 // ---- fp32 arithmetic -------------------------------------------------------------------------
 
 // min / max that return NaN when either operand is NaN (fminf / fmaxf return the other operand:

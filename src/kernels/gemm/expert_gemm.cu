@@ -34,6 +34,7 @@
 
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/macrobatch.h"
+#include "kernels/common/overlapped_launch.h"
 #include "kernels/gemm/dgated_epilogue.cuh"
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/expert_gemm_params.h"
@@ -290,6 +291,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
                 "units by ticket: the row-tile forms, without CTA pairs");
   static_assert(!kDgated<kForm> || (!kPaired && !kByTicket),
                 "the SwiGLU epilogue's loader walks the static walk's units alone");
+  // Launched overlapped (MoeConfig::overlap_kernel_launches), the CTA may be here while the
+  // previous kernel still runs: nothing below touches memory before it has completed.
+  ptx::begin_after_previous_kernel();
   using Storage = StorageOf<kForm, kFourStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
@@ -486,7 +490,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) expert_gemm_kernel(
 template <ExpertGemmForm kForm, bool kResumes, bool kPaired, bool kFourStages = false,
           bool kByTicket = false>
 cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
-                        cudaStream_t stream) {
+                        KernelStream on) {
   size_t smem_bytes = sizeof(StorageOf<kForm, kFourStages>) + 1024;
   if (!FormTraits<kForm>::kRowTiles && segments_in_shared(params.num_experts))
     smem_bytes += static_cast<size_t>(params.num_experts) * sizeof(SegmentRows);
@@ -494,83 +498,79 @@ cudaError_t launch_form(const ExpertGemmMaps& maps, const ExpertGemmParams& para
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  if constexpr (!kPaired) {
-    kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps.a0, maps.a1, maps.b0, maps.b1,
-                                                          maps.out, maps.out2, maps.out3, params);
-    return cudaGetLastError();
-  } else {
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.blockDim = dim3(kNumThreads);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+  int grid = num_ctas;
+  if constexpr (kPaired) {
     // Persistent: as many pairs as fit at once (a GPC with an odd number of free SMs leaves
     // one out). Asked once per kernel (one GPU model per process is assumed).
     static int max_clusters = -1;
     if (max_clusters < 0) {
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      cudaLaunchConfig_t config{};
       config.gridDim = dim3(2 * (num_ctas / 2));
+      config.blockDim = dim3(kNumThreads);
+      config.dynamicSmemBytes = smem_bytes;
+      config.stream = on.stream;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
       status = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config);
       if (status != cudaSuccess) return status;
     }
     const int pairs = max_clusters < num_ctas / 2 ? max_clusters : num_ctas / 2;
-    if (pairs < 1) return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
-    config.gridDim = dim3(2 * pairs);
-    return cudaLaunchKernelEx(&config, kernel, maps.a0, maps.a1, maps.b0, maps.b1, maps.out,
-                              maps.out2, maps.out3, params);
+    if (pairs < 1) return launch_form<kForm, kResumes, false>(maps, params, num_ctas, on);
+    grid = 2 * pairs;
   }
+  return launch_maybe_overlapped(kernel, grid, kNumThreads, smem_bytes, on, kPaired ? 2 : 1,
+                                 maps.a0, maps.a1, maps.b0, maps.b1, maps.out, maps.out2, maps.out3,
+                                 params);
 }
 
 template <ExpertGemmForm kForm, bool kResumes = false>
 cudaError_t launch_either(const ExpertGemmMaps& maps, const ExpertGemmParams& params, int num_ctas,
-                          bool cta_pairs, cudaStream_t stream) {
-  if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, stream);
+                          bool cta_pairs, KernelStream on) {
+  if (cta_pairs) return launch_form<kForm, kResumes, true>(maps, params, num_ctas, on);
   if constexpr (kHasFourStages<kForm> && !kResumes) {
     // The two-round epilogue stages 128 columns at a time; the push reads whole rows.
     const bool by_ticket = params.tickets.counter != nullptr;
     if (params.four_stages && params.push.slot_peers == nullptr)
-      return by_ticket
-                 ? launch_form<kForm, false, false, true, true>(maps, params, num_ctas, stream)
-                 : launch_form<kForm, false, false, true>(maps, params, num_ctas, stream);
-    if (by_ticket)
-      return launch_form<kForm, false, false, false, true>(maps, params, num_ctas, stream);
+      return by_ticket ? launch_form<kForm, false, false, true, true>(maps, params, num_ctas, on)
+                       : launch_form<kForm, false, false, true>(maps, params, num_ctas, on);
+    if (by_ticket) return launch_form<kForm, false, false, false, true>(maps, params, num_ctas, on);
   }
-  return launch_form<kForm, kResumes, false>(maps, params, num_ctas, stream);
+  return launch_form<kForm, kResumes, false>(maps, params, num_ctas, on);
 }
 
 }  // namespace
 
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
                                const ExpertGemmParams& params, int num_ctas, bool cta_pairs,
-                               cudaStream_t stream) {
+                               KernelStream on) {
   using Form = ExpertGemmForm;
   switch (form) {
     case Form::kGateUpSwiGLU:
-      return launch_either<Form::kGateUpSwiGLU>(maps, params, num_ctas, cta_pairs, stream);
+      return launch_either<Form::kGateUpSwiGLU>(maps, params, num_ctas, cta_pairs, on);
     case Form::kDownStore:
-      return launch_either<Form::kDownStore>(maps, params, num_ctas, cta_pairs, stream);
+      return launch_either<Form::kDownStore>(maps, params, num_ctas, cta_pairs, on);
     case Form::kGateUpStore:
-      return launch_either<Form::kGateUpStore>(maps, params, num_ctas, cta_pairs, stream);
+      return launch_either<Form::kGateUpStore>(maps, params, num_ctas, cta_pairs, on);
     case Form::kDownGrad:
-      return launch_either<Form::kDownGrad>(maps, params, num_ctas, cta_pairs, stream);
+      return launch_either<Form::kDownGrad>(maps, params, num_ctas, cta_pairs, on);
     case Form::kGateUpGradStore:
-      return launch_either<Form::kGateUpGradStore>(maps, params, num_ctas, cta_pairs, stream);
+      return launch_either<Form::kGateUpGradStore>(maps, params, num_ctas, cta_pairs, on);
     case Form::kDownGradSwiGLU:
       // One form: no pairs, four stages, 64-row tiles or tickets (MoeConfig::
       // swiglu_backward_in_dgrad says why); the lockstep and the L2 placement still apply.
-      return launch_form<Form::kDownGradSwiGLU, false, false>(maps, params, num_ctas, stream);
+      return launch_form<Form::kDownGradSwiGLU, false, false>(maps, params, num_ctas, on);
     case Form::kWeightGrad:
       if (params.weight_grad_pingpong && params.macrobatch.rows == 0 && !cta_pairs)
-        return launch_weight_grad_pingpong(maps, params, num_ctas, stream);
+        return launch_weight_grad_pingpong(maps, params, num_ctas, on.stream);
       // Macrobatch 0 (and a single macrobatch) starts every tile from zero.
       if (params.macrobatch.rows > 0 && params.macrobatch.index > 0)
-        return launch_either<Form::kWeightGrad, true>(maps, params, num_ctas, cta_pairs, stream);
-      return launch_either<Form::kWeightGrad>(maps, params, num_ctas, cta_pairs, stream);
+        return launch_either<Form::kWeightGrad, true>(maps, params, num_ctas, cta_pairs, on);
+      return launch_either<Form::kWeightGrad>(maps, params, num_ctas, cta_pairs, on);
   }
   return cudaErrorInvalidValue;
 }

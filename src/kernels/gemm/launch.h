@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_stream.h"
 #include "kernels/gemm/expert_gemm_params.h"
 #include "kernels/gemm/wide_tile_walk.h"
 
@@ -26,9 +27,12 @@ struct ExpertGemmMaps {
 // then rounded down to the pairs that fit at once.
 // kWeightGrad with params.weight_grad_pingpong, one macrobatch and no pairs runs
 // launch_weight_grad_pingpong instead.
+// `on`: a stream, or {stream, true} to overlap the launch with the previous kernel
+// (kernels/common/kernel_stream.h; the kernel waits for it before touching memory). The ping-pong
+// weight gradients launch plainly.
 cudaError_t launch_expert_gemm(ExpertGemmForm form, const ExpertGemmMaps& maps,
                                const ExpertGemmParams& params, int num_ctas, bool cta_pairs,
-                               cudaStream_t stream);
+                               KernelStream on);
 
 // The weight gradients with the consumer warpgroups on different 128 x 128 tiles
 // (weight_grad_pingpong.cu): reads a0 (A, [rows, M] MN-major), b0 (B, [rows, N] MN-major) and

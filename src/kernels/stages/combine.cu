@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/overlapped_launch.h"
+#include "kernels/common/ptx.cuh"
 #include "kernels/stages/launch.h"
 
 namespace mok::kernels {
@@ -37,6 +39,7 @@ __global__ void __launch_bounds__(kCombineThreads)
                    const uint4* __restrict__ local_rows, const uint4* __restrict__ shared,
                    const float* __restrict__ router_weights, int64_t num_tokens,
                    int64_t vectors_per_row, int32_t top_k, uint4* __restrict__ out) {
+  ptx::begin_after_previous_kernel();
   const int64_t total = num_tokens * vectors_per_row;
   for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -88,17 +91,16 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 cudaError_t launch_combine(const void* expert_rows, const int32_t* index, const void* shared,
                            const float* router_weights, int64_t num_tokens, int64_t hidden,
-                           int32_t top_k, void* out, cudaStream_t stream, const void* local_rows) {
+                           int32_t top_k, void* out, KernelStream on, const void* local_rows) {
   if (num_tokens == 0) return cudaSuccess;
   const int64_t vectors_per_row = hidden / 8;
   const int64_t total = num_tokens * vectors_per_row;
   const int blocks = static_cast<int>(
       std::min<int64_t>((total + kCombineThreads - 1) / kCombineThreads, 132 * 16));
-  combine_kernel<<<blocks, kCombineThreads, 0, stream>>>(
-      static_cast<const uint4*>(expert_rows), index, static_cast<const uint4*>(local_rows),
-      static_cast<const uint4*>(shared), router_weights, num_tokens, vectors_per_row, top_k,
-      static_cast<uint4*>(out));
-  return cudaGetLastError();
+  return launch_maybe_overlapped(
+      combine_kernel, blocks, kCombineThreads, 0, on, 1, static_cast<const uint4*>(expert_rows),
+      index, static_cast<const uint4*>(local_rows), static_cast<const uint4*>(shared),
+      router_weights, num_tokens, vectors_per_row, top_k, static_cast<uint4*>(out));
 }
 
 // Loaded up front by expert-parallel groups (kernel_preload.h).

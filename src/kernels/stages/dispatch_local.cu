@@ -20,6 +20,8 @@
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/overlapped_launch.h"
+#include "kernels/common/ptx.cuh"
 #include "kernels/stages/dispatch_local.cuh"
 #include "kernels/stages/launch.h"
 
@@ -36,6 +38,7 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherCtasPerSm)
     gather_rows_kernel(const ScheduleHeader* header, const int32_t* row_pair, const uint4* x,
                        int64_t vectors_per_row, int32_t top_k, uint4* rows, int64_t row_begin,
                        int64_t row_count) {
+  ptx::begin_after_previous_kernel();
   const int64_t end = min(static_cast<int64_t>(header->total_rows), row_begin + row_count);
   const int64_t warps_total = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int lane = threadIdx.x % 32;
@@ -57,6 +60,7 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherCtasPerSm)
                                 int64_t vectors_per_row, int32_t top_k, uint4* rows,
                                 int64_t row_begin, int64_t row_count) {
   constexpr int kInFlight = 8;
+  ptx::begin_after_previous_kernel();
   const int64_t end = min(static_cast<int64_t>(header->total_rows), row_begin + row_count);
   const int64_t warps_total = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int64_t warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
@@ -99,7 +103,10 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherCtasPerSm)
   }
 }
 
-__global__ void advance_epoch_kernel(unsigned long long* epoch) { *epoch += 1; }
+__global__ void advance_epoch_kernel(unsigned long long* epoch) {
+  ptx::begin_after_previous_kernel();
+  *epoch += 1;
+}
 
 // Both walks' grid: their launch bound's CTAs on every SM of the current device.
 int gather_ctas() {
@@ -111,33 +118,31 @@ int gather_ctas() {
 
 }  // namespace
 
-cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream) {
-  advance_epoch_kernel<<<1, 1, 0, stream>>>(epoch);
-  return cudaGetLastError();
+cudaError_t launch_advance_epoch(unsigned long long* epoch, KernelStream on) {
+  return launch_maybe_overlapped(advance_epoch_kernel, 1, 1, 0, on, 1, epoch);
 }
 
 cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair, const void* x,
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
-                               cudaStream_t stream, int64_t row_begin) {
+                               KernelStream on, int64_t row_begin) {
   if (max_rows == 0) return cudaSuccess;
   if (row_begin < 0 || max_rows < 0) return cudaErrorInvalidValue;
-  gather_rows_kernel<<<gather_ctas(), kGatherThreads, 0, stream>>>(
-      header, row_pair, static_cast<const uint4*>(x), hidden / 8, top_k, static_cast<uint4*>(rows),
-      row_begin, max_rows);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(gather_rows_kernel, gather_ctas(), kGatherThreads, 0, on, 1,
+                                 header, row_pair, static_cast<const uint4*>(x), hidden / 8, top_k,
+                                 static_cast<uint4*>(rows), row_begin, max_rows);
 }
 
 cudaError_t launch_gather_rows_by_token(const ScheduleHeader* header, const int32_t* row_pair,
                                         const int32_t* pair_row, const void* x, int64_t num_tokens,
                                         int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
-                                        cudaStream_t stream, int64_t row_begin) {
+                                        KernelStream on, int64_t row_begin) {
   if (max_rows == 0) return cudaSuccess;
   if (row_begin < 0 || max_rows < 0 || num_tokens < 0 || top_k < 1 || top_k > 32 || hidden % 8 != 0)
     return cudaErrorInvalidValue;
-  gather_rows_by_token_kernel<<<gather_ctas(), kGatherThreads, 0, stream>>>(
-      header, row_pair, pair_row, static_cast<const uint4*>(x), num_tokens, hidden / 8, top_k,
-      static_cast<uint4*>(rows), row_begin, max_rows);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(gather_rows_by_token_kernel, gather_ctas(), kGatherThreads, 0, on,
+                                 1, header, row_pair, pair_row, static_cast<const uint4*>(x),
+                                 num_tokens, hidden / 8, top_k, static_cast<uint4*>(rows),
+                                 row_begin, max_rows);
 }
 
 // Loaded up front by expert-parallel groups (kernel_preload.h).

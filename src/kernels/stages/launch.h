@@ -1,7 +1,9 @@
 // Host-callable launchers of the layer's element-wise stages: the local dispatch, the epoch
 // advance, the combine, the SwiGLU backward (dispatch_local.cu, combine.cu, swiglu_backward.cu;
 // the schedule's launcher is public: mok/schedule_gpu.h, non_finite_scan.h has its own).
-// Pointers are device memory; nothing here synchronizes.
+// Pointers are device memory; nothing here synchronizes. Each takes a KernelStream: a stream, or
+// {stream, true} to overlap the launch with the previous kernel (kernel_stream.h; every kernel
+// here waits for it before touching memory).
 #pragma once
 
 #include <cuda.h>
@@ -9,6 +11,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_stream.h"
 #include "mok/schedule.h"
 
 namespace mok::kernels {
@@ -19,7 +22,7 @@ namespace mok::kernels {
 // the schedule's max_rows: the whole schedule). `top_k` decodes the pair index.
 cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_pair, const void* x,
                                int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
-                               cudaStream_t stream, int64_t row_begin = 0);
+                               KernelStream on, int64_t row_begin = 0);
 
 // The same rows, walked by token (the layer's gather): a warp per token reads x[token] once and
 // stores it into each row pair_row[token * top_k + k] inside the window; padding rows get zeros.
@@ -28,7 +31,7 @@ cudaError_t launch_gather_rows(const ScheduleHeader* header, const int32_t* row_
 cudaError_t launch_gather_rows_by_token(const ScheduleHeader* header, const int32_t* row_pair,
                                         const int32_t* pair_row, const void* x, int64_t num_tokens,
                                         int64_t hidden, int32_t top_k, void* rows, int64_t max_rows,
-                                        cudaStream_t stream, int64_t row_begin = 0);
+                                        KernelStream on, int64_t row_begin = 0);
 
 // The L2 partition probe (l2_probe.cu; layer/l2_partitions.h): `num_ctas` CTAs, one per SM
 // (each asks for most of an SM's shared memory), each recording its SM id in sm_of_block[b] and
@@ -45,7 +48,7 @@ cudaError_t launch_l2_probe(uint32_t* lines, uint32_t* latency, int32_t* sm_of_b
 // Advances an epoch word by one (the fused local dispatch's after each gate/up GEMM that used
 // it, the persistent forward's after each launch): one thread, stream-ordered, CUDA-graph
 // capturable.
-cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream);
+cudaError_t launch_advance_epoch(unsigned long long* epoch, KernelStream on);
 
 // Combine (combine.cu): out[t] = bf16(shared[t] + sum_k fmaf(w[t,k], row(p))) with p = t*K + k,
 // in k order, where row(p) is row index[p] of `expert_rows` for index[p] >= 0, row
@@ -56,7 +59,7 @@ cudaError_t launch_advance_epoch(unsigned long long* epoch, cudaStream_t stream)
 // acc + y exactly).
 cudaError_t launch_combine(const void* expert_rows, const int32_t* index, const void* shared,
                            const float* router_weights, int64_t num_tokens, int64_t hidden,
-                           int32_t top_k, void* out, cudaStream_t stream,
+                           int32_t top_k, void* out, KernelStream on,
                            const void* local_rows = nullptr);
 
 // SwiGLU backward (swiglu_backward.cu), one warp per row, over rows [0, header->total_rows) (or
@@ -77,8 +80,8 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
                                    const float* router_weights, int64_t intermediate, float limit,
                                    void* d_gate, void* d_up, void* weighted_hidden,
                                    float* d_router_weights, float* const* d_router_weights_peers,
-                                   int32_t pairs_per_rank, cudaStream_t stream,
-                                   int64_t row_begin = 0, int64_t row_count = INT64_MAX);
+                                   int32_t pairs_per_rank, KernelStream on, int64_t row_begin = 0,
+                                   int64_t row_count = INT64_MAX);
 
 // The router weights' gradients from the per-column-tile partials of the down dgrad's SwiGLU
 // epilogue (ExpertGemmForm::kDownGradSwiGLU): for each routed row r of [row_begin, row_begin +
@@ -90,7 +93,7 @@ cudaError_t launch_router_weight_grad_sum(const ScheduleHeader* header, const fl
                                           int64_t partial_rows, const int32_t* row_pair,
                                           int64_t intermediate, float* d_router_weights,
                                           float* const* d_router_weights_peers,
-                                          int32_t pairs_per_rank, cudaStream_t stream,
+                                          int32_t pairs_per_rank, KernelStream on,
                                           int64_t row_begin = 0, int64_t row_count = INT64_MAX);
 
 }  // namespace mok::kernels

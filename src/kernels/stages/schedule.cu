@@ -44,6 +44,8 @@
 #include <string>
 
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/overlapped_launch.h"
+#include "kernels/common/ptx.cuh"
 #include "mok/schedule_gpu.h"
 
 namespace mok {
@@ -83,16 +85,6 @@ struct BuildArgs {
 };
 
 enum class WalkPass { kCount, kPlace };
-
-// PDL, device side: the predecessor grid has completed and its writes are visible after this.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
-// PDL, device side: the next kernel may be scheduled now (it still waits for our completion).
-__device__ __forceinline__ void let_next_kernel_launch() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 
 // Shared-memory words one walking warp needs: its counters [E_loc], the receive-list entry of
 // each token of its chunk, and the staged local expert of each pair of the chunk.
@@ -222,11 +214,12 @@ template <typename ExpertId, WalkPass kPass>
 __global__ void __launch_bounds__(kWalkWarpsPerBlock* kWarpSize)
     schedule_walk_kernel(BuildArgs args, const ExpertId* __restrict__ routing) {
   extern __shared__ int32_t walk_shared[];
-  // The place walk is the last kernel: it never lets the caller's next kernel start early.
+  // The count walk follows the caller's work plainly; the place walk waits for the offsets.
+  // Either lets the next kernel be scheduled early: one launched overlapped waits for it.
   if constexpr (kPass == WalkPass::kPlace)
-    wait_for_previous_kernel();
+    ptx::begin_after_previous_kernel();
   else
-    let_next_kernel_launch();
+    ptx::let_next_kernel_launch();
   const int32_t warp = static_cast<int32_t>(threadIdx.x) / kWarpSize;
   const int32_t warps_per_block = static_cast<int32_t>(blockDim.x) / kWarpSize;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp;
@@ -246,8 +239,8 @@ __global__ void __launch_bounds__(kScanThreads) schedule_scan_kernel(BuildArgs a
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int32_t rank_start[kMaxRanks + 1];
 
-  wait_for_previous_kernel();
-  let_next_kernel_launch();
+  ptx::wait_for_previous_kernel();
+  ptx::let_next_kernel_launch();
   const ScheduleView& view = args.view;
   const int32_t column = static_cast<int32_t>(blockIdx.x);
   const bool recv_block = column == args.num_local_experts;
@@ -307,8 +300,8 @@ __global__ void __launch_bounds__(kOffsetsThreads)
     typename BlockReduce::TempStorage reduce;
   } storage;
 
-  wait_for_previous_kernel();
-  let_next_kernel_launch();
+  ptx::wait_for_previous_kernel();
+  ptx::let_next_kernel_launch();
   const ScheduleView& view = args.view;
   const int32_t local_experts = args.num_local_experts;
   const int32_t align = args.row_align;
@@ -494,24 +487,6 @@ Status check_launch(const char* kernel, cudaError_t launch_error, const Schedule
   return Status::Ok();
 }
 
-// PDL, host side: `kernel` may start before the previous work on `stream` completes; it calls
-// wait_for_previous_kernel before touching memory.
-template <typename... Params, typename... Args>
-cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
-                              cudaStream_t stream, Args... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
 template <typename ExpertId>
 Status launch_pipeline(const BuildArgs& args, const ScheduleParams& params, const ExpertId* routing,
                        cudaStream_t stream) {
@@ -534,19 +509,21 @@ Status launch_pipeline(const BuildArgs& args, const ScheduleParams& params, cons
     MOK_RETURN_IF_ERROR(check_launch("kernel `count walk`", cudaSuccess, params));
   }
   const dim3 scan_grid(static_cast<unsigned>(args.num_local_experts + 1));
-  MOK_RETURN_IF_ERROR(check_launch(
-      "kernel `scan`",
-      launch_overlapped(schedule_scan_kernel, scan_grid, dim3(kScanThreads), 0, stream, args),
-      params));
   MOK_RETURN_IF_ERROR(
-      check_launch("kernel `offsets`",
-                   launch_overlapped(schedule_offsets_kernel<ExpertId>, dim3(1),
-                                     dim3(kOffsetsThreads), 0, stream, args, routing),
+      check_launch("kernel `scan`",
+                   kernels::launch_maybe_overlapped(schedule_scan_kernel, scan_grid,
+                                                    dim3(kScanThreads), 0, {stream, true}, 1, args),
                    params));
+  MOK_RETURN_IF_ERROR(check_launch(
+      "kernel `offsets`",
+      kernels::launch_maybe_overlapped(schedule_offsets_kernel<ExpertId>, dim3(1),
+                                       dim3(kOffsetsThreads), 0, {stream, true}, 1, args, routing),
+      params));
   if (walk_blocks > 0)
     MOK_RETURN_IF_ERROR(check_launch(
         "kernel `place walk`",
-        launch_overlapped(place_kernel, walk_grid, walk_block, walk_shared, stream, args, routing),
+        kernels::launch_maybe_overlapped(place_kernel, walk_grid, walk_block, walk_shared,
+                                         {stream, true}, 1, args, routing),
         params));
   return Status::Ok();
 }

@@ -9,6 +9,8 @@
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/overlapped_launch.h"
+#include "kernels/common/ptx.cuh"
 #include "kernels/stages/launch.h"
 #include "kernels/stages/swiglu_backward.cuh"
 
@@ -18,6 +20,7 @@ namespace {
 
 __global__ void swiglu_backward_kernel(SwigluBackwardArgs args, const ScheduleHeader* header,
                                        int64_t num_rows, int64_t row_count) {
+  ptx::begin_after_previous_kernel();
   const int64_t rows = header != nullptr ? header->total_rows : num_rows;
   const int64_t end = row_count < rows - args.row_begin ? args.row_begin + row_count : rows;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -35,6 +38,7 @@ __global__ void router_weight_grad_sum_kernel(const ScheduleHeader* header, cons
                                               int64_t partial_rows, const int32_t* row_pair,
                                               int32_t column_tiles, SwigluBackwardArgs out,
                                               int64_t row_begin, int64_t row_count) {
+  ptx::begin_after_previous_kernel();
   const int64_t rows = header->total_rows;
   const int64_t end = row_count < rows - row_begin ? row_begin + row_count : rows;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -56,7 +60,7 @@ cudaError_t launch_router_weight_grad_sum(const ScheduleHeader* header, const fl
                                           int64_t partial_rows, const int32_t* row_pair,
                                           int64_t intermediate, float* d_router_weights,
                                           float* const* d_router_weights_peers,
-                                          int32_t pairs_per_rank, cudaStream_t stream,
+                                          int32_t pairs_per_rank, KernelStream on,
                                           int64_t row_begin, int64_t row_count) {
   if (header == nullptr || partials == nullptr || row_pair == nullptr || partial_rows <= 0 ||
       row_begin < 0 || row_count < 0 || intermediate <= 0)
@@ -70,9 +74,9 @@ cudaError_t launch_router_weight_grad_sum(const ScheduleHeader* header, const fl
   out.d_router_weights_peers = d_router_weights_peers;
   out.pairs_per_rank = pairs_per_rank;
   const int32_t column_tiles = static_cast<int32_t>((intermediate + 255) / 256);
-  router_weight_grad_sum_kernel<<<sm_count * 2, 256, 0, stream>>>(
-      header, partials, partial_rows, row_pair, column_tiles, out, row_begin, row_count);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(router_weight_grad_sum_kernel, sm_count * 2, 256, 0, on, 1, header,
+                                 partials, partial_rows, row_pair, column_tiles, out, row_begin,
+                                 row_count);
 }
 
 cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_rows, const void* gate,
@@ -80,7 +84,7 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
                                    const float* router_weights, int64_t intermediate, float limit,
                                    void* d_gate, void* d_up, void* weighted_hidden,
                                    float* d_router_weights, float* const* d_router_weights_peers,
-                                   int32_t pairs_per_rank, cudaStream_t stream, int64_t row_begin,
+                                   int32_t pairs_per_rank, KernelStream on, int64_t row_begin,
                                    int64_t row_count) {
   if (header == nullptr && num_rows == 0) return cudaSuccess;
   if (row_begin < 0 || row_count < 0) return cudaErrorInvalidValue;
@@ -90,8 +94,8 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
   const SwigluBackwardArgs args = make_swiglu_backward_args(
       gate, up, dh_raw, row_pair, router_weights, intermediate, limit, d_gate, d_up,
       weighted_hidden, d_router_weights, d_router_weights_peers, pairs_per_rank, row_begin);
-  swiglu_backward_kernel<<<sm_count * 8, 256, 0, stream>>>(args, header, num_rows, row_count);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(swiglu_backward_kernel, sm_count * 8, 256, 0, on, 1, args, header,
+                                 num_rows, row_count);
 }
 
 // Loaded up front by expert-parallel groups (kernel_preload.h).

@@ -1,0 +1,20 @@
+// Where a launcher's kernel runs: its stream, and whether the launch may overlap the previous
+// kernel there (programmatic dependent launch, overlapped_launch.h; MoeConfig::
+// overlap_kernel_launches). Overlapped, the kernel's CTAs are scheduled while that kernel
+// finishes and wait for it before they touch memory: the same results as plain stream order,
+// less launch latency between the two. Built implicitly from a stream (not overlapped), so a
+// launcher's callers that do not overlap pass the stream as before. Plain host C++.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+namespace mok::kernels {
+
+struct KernelStream {
+  cudaStream_t stream;
+  bool overlap;
+  KernelStream(cudaStream_t stream_, bool overlap_ = false)  // NOLINT: implicit by design
+      : stream(stream_), overlap(overlap_) {}
+};
+
+}  // namespace mok::kernels
