@@ -438,11 +438,14 @@ __device__ __forceinline__ void let_next_kernel_launch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// Both, as the layer's kernels begin: nothing of this kernel touches memory before the previous
-// one is done, and the next one's CTAs may take the SMs this kernel leaves free from now on.
+// Both, as the layer's kernels begin. The next kernel is let go first, so that in a chain
+// A -> B -> C the launch of C overlaps A's tail too, not only B (B may be a one-thread epoch
+// advance); it cannot take an SM from A or B: it is scheduled only once every CTA of B is
+// resident, and B only once every CTA of A was. Then nothing of this kernel touches memory
+// before the previous one is done.
 __device__ __forceinline__ void begin_after_previous_kernel() {
-  wait_for_previous_kernel();
   let_next_kernel_launch();
+  wait_for_previous_kernel();
 }
 
 // ---- fp32 arithmetic -------------------------------------------------------------------------
