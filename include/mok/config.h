@@ -175,7 +175,8 @@ struct MoeConfig {
   // bits either way. Off until it is measured faster (written in session 13, not yet run).
   bool weight_grad_pingpong = false;
   // The single-GPU layer's kernels (the expert GEMMs, the gathers, the SwiGLU backward, the
-  // combines, the epoch advances, and the schedule's last three, which always are) launch with
+  // combines, the epoch advances, FP8's quantizations and GEMMs, and the schedule's last three,
+  // which always are) launch with
   // programmatic dependent launch: a kernel's CTAs are scheduled while the previous kernel
   // finishes, and wait for its completion before they touch memory. The same results as plain
   // stream order, with the launch latency between kernels taken under the previous kernel's

@@ -42,26 +42,26 @@ using kernels::Fp8QuantizeForm;
 
 // `rows` rows of `width` bf16 at `in` quantized as `form` into `out`.
 void quantize(const void* in, int64_t rows, int64_t width, Fp8QuantizeForm form,
-              const Fp8Operand& out, cudaStream_t stream, const char* what) {
-  cuda_check(kernels::launch_quantize_fp8(in, rows, width, form, out.codes.pointer,
-                                          out.scale_data(), stream),
-             std::string("FP8 quantization of ") + what);
+              const Fp8Operand& out, kernels::KernelStream on, const char* what) {
+  cuda_check(
+      kernels::launch_quantize_fp8(in, rows, width, form, out.codes.pointer, out.scale_data(), on),
+      std::string("FP8 quantization of ") + what);
 }
 
 // Weights [E, n, k] (experts `stride` elements apart, 0 = dense) in 128 x 128 blocks, into `out`
 // [E, n, k] (the forward's), `out_t` [E, k, n] (the dgrads'), or both in one pass (the bf16
 // read once); a null one is skipped.
 void quantize_weights(const void* weights, int64_t experts, int64_t n, int64_t k, int64_t stride,
-                      const Fp8Operand* out, const Fp8Operand* out_t, cudaStream_t stream,
+                      const Fp8Operand* out, const Fp8Operand* out_t, kernels::KernelStream on,
                       const char* what) {
   kernels::Fp8QuantizeBatch batch;
   batch.count = experts;
   batch.in_stride = stride;
-  cuda_check(kernels::launch_quantize_fp8_blocks_both(
-                 weights, n, k, out ? out->codes.pointer : nullptr,
-                 out ? out->scale_data() : nullptr, out_t ? out_t->codes.pointer : nullptr,
-                 out_t ? out_t->scale_data() : nullptr, stream, batch),
-             std::string("FP8 quantization of ") + what);
+  cuda_check(
+      kernels::launch_quantize_fp8_blocks_both(
+          weights, n, k, out ? out->codes.pointer : nullptr, out ? out->scale_data() : nullptr,
+          out_t ? out_t->codes.pointer : nullptr, out_t ? out_t->scale_data() : nullptr, on, batch),
+      std::string("FP8 quantization of ") + what);
 }
 
 // A matrix's identity in the keys: its bf16 pointer, or its pre-quantized codes'.
@@ -91,7 +91,7 @@ struct ForwardWeights {
 // the same pass (the bf16 read once, not twice: ~1 ms less per training step at dsv3_local when
 // the weights change every step), and transposed_weights finds them.
 ForwardWeights forward_weights(const ExpertWeights& weights, int64_t experts, int64_t hidden,
-                               int64_t inter, const Fp8SetBuffers& fp8, cudaStream_t stream,
+                               int64_t inter, const Fp8SetBuffers& fp8, kernels::KernelStream on,
                                bool with_transposed) {
   const bool held = holds_weights(fp8.weights_key, weights);
   const bool all_bf16 =
@@ -101,7 +101,7 @@ ForwardWeights forward_weights(const ExpertWeights& weights, int64_t experts, in
                    const Fp8Operand& buffer, const Fp8Operand& transposed, const char* what) {
     if (given.present()) return given;
     if (!held)
-      quantize_weights(values, experts, n, k, stride, &buffer, both ? &transposed : nullptr, stream,
+      quantize_weights(values, experts, n, k, stride, &buffer, both ? &transposed : nullptr, on,
                        what);
     return buffer.view();
   };
@@ -124,7 +124,7 @@ ForwardWeights forward_weights(const ExpertWeights& weights, int64_t experts, in
 // The backward's weights as the dgrads' K-major operands, [E, k, n] from [E, n, k]: a bf16
 // weight quantized transposed, a pre-quantized one transposed code by code (the same bits).
 void transposed_weights(const ExpertWeights& weights, int64_t experts, int64_t hidden,
-                        int64_t inter, const Fp8SetBuffers& fp8, cudaStream_t stream) {
+                        int64_t inter, const Fp8SetBuffers& fp8, kernels::KernelStream on) {
   // Held across calls (a nonzero weights_version), or written by the forward's pass this
   // backward follows (any version: a forward and its backward see the same weights).
   const bool from_forward = fp8.transposed_by_forward && fp8.transposed_key == key_of(weights);
@@ -133,15 +133,14 @@ void transposed_weights(const ExpertWeights& weights, int64_t experts, int64_t h
   auto transpose = [&](const void* values, const Fp8View& given, int64_t n, int64_t k,
                        int64_t stride, const Fp8Operand& out, const char* what) {
     if (!given.present()) {
-      quantize_weights(values, experts, n, k, stride, nullptr, &out, stream, what);
+      quantize_weights(values, experts, n, k, stride, nullptr, &out, on, what);
       return;
     }
     kernels::Fp8QuantizeBatch batch;
     batch.count = experts;
-    cuda_check(
-        kernels::launch_transpose_fp8_blocks(given.codes, given.scales, n, k, out.codes.pointer,
-                                             out.scale_data(), stream, batch),
-        std::string("FP8 transposition of ") + what);
+    cuda_check(kernels::launch_transpose_fp8_blocks(given.codes, given.scales, n, k,
+                                                    out.codes.pointer, out.scale_data(), on, batch),
+               std::string("FP8 transposition of ") + what);
   };
   transpose(weights.down, weights.down_fp8, hidden, inter, weights.down_stride, fp8.w_down_t,
             "w_down (transposed)");
@@ -193,7 +192,7 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
 // none).
 void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
                      const Fp8Operand& row_groups, const Fp8Operand& column_groups,
-                     cudaStream_t stream, const char* what) {
+                     kernels::KernelStream on, const char* what) {
   const ScheduleView view = set.view();
   kernels::Fp8GatherQuantize params;
   params.header = view.header;
@@ -206,7 +205,7 @@ void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
   params.row_scales = row_groups.scale_data();
   params.column_codes = column_groups.codes.pointer;
   params.column_scales = column_groups.scale_data();
-  cuda_check(kernels::launch_gather_quantize_fp8(params, stream),
+  cuda_check(kernels::launch_gather_quantize_fp8(params, on),
              std::string("FP8 quantization of ") + what);
 }
 
@@ -214,32 +213,32 @@ void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
 // column groups are the backward's, skipped without `column_groups`), or the exchange's `rows`
 // [count, H] in row groups.
 void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, const void* rows,
-                     int64_t count, int64_t hidden, const Fp8SetBuffers& fp8, cudaStream_t stream,
-                     bool column_groups = true) {
+                     int64_t count, int64_t hidden, const Fp8SetBuffers& fp8,
+                     kernels::KernelStream on, bool column_groups = true) {
   if (gather.x == nullptr) {
-    quantize(rows, count, hidden, Fp8QuantizeForm::kRowGroups, fp8.x_rows, stream, "x rows");
+    quantize(rows, count, hidden, Fp8QuantizeForm::kRowGroups, fp8.x_rows, on, "x rows");
     return;
   }
   if (count != set.capacity_rows)
     throw Error(ErrorCode::kInternal, "FP8: a gather over " + std::to_string(count) + " rows, " +
                                           std::to_string(set.capacity_rows) + " in the buffers");
   const Fp8Operand none;  // no column groups: the kernel writes row groups alone
-  gather_quantize(set, gather, fp8.x_rows, column_groups ? fp8.x_t : none, stream, "x rows");
+  gather_quantize(set, gather, fp8.x_rows, column_groups ? fp8.x_t : none, on, "x rows");
 }
 
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
-            const kernels::Fp8GemmParams& params, cudaStream_t stream, const char* what) {
-  cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, stream), what);
+            const kernels::Fp8GemmParams& params, kernels::KernelStream on, const char* what) {
+  cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, on), what);
   // The lockstep's counters name a row-tile launch by its epoch: the next one gets a new one.
   if (params.lockstep.ticks != nullptr && params.form == kernels::Fp8GemmForm::kRowTiles)
-    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, stream),
+    cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, on),
                "advance the GEMM lockstep's epoch");
 }
 
 // out [out_rows, n] = a [rows, k] times each row tile's expert's b [n, k]^T (one part each).
 void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View& a, int64_t rows,
                    int64_t k, const Fp8View& b, int64_t n, void* out, int64_t out_rows,
-                   cudaStream_t stream, const char* what) {
+                   kernels::KernelStream on, const char* what) {
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(a, rows, k, what);
   maps.a_scales = scales_2d(a, rows, k / 128, what);
@@ -249,13 +248,13 @@ void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View
   params.b_scales = b.scales;
   params.n_extent = static_cast<int32_t>(n);
   params.k_extent = static_cast<int32_t>(k);
-  launch(s, maps, params, stream, what);
+  launch(s, maps, params, on, what);
 }
 
 // g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, quantized
 // before).
 void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBuffers& fp8,
-                  const ForwardWeights& weights, int64_t rows, cudaStream_t stream) {
+                  const ForwardWeights& weights, int64_t rows, kernels::KernelStream on) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::Fp8GemmMaps maps{};
@@ -271,7 +270,7 @@ void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBu
   params.n_extent = static_cast<int32_t>(2 * I);
   params.n_split = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
-  launch(s, maps, params, stream, "FP8 gate/up GEMM");
+  launch(s, maps, params, on, "FP8 gate/up GEMM");
 }
 
 // Pre-quantized matrices are dense (check_forward_args); their bf16 strides are 0.
@@ -294,21 +293,22 @@ namespace stages {
 void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
                          const kernels::FusedGather& x_gather, const Fp8SetBuffers& fp8,
                          cudaStream_t stream, const StageMarker& mark) {
+  const kernels::KernelStream on = s.on(stream);
   const ExpertSet& set = *f.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
-  const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, stream, f.keep_context);
-  quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, stream, f.keep_context);
+  const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, on, f.keep_context);
+  quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
   mark("FP8 quantization of the weights and x rows");
-  gate_up_gemm(s, set, fp8, weights, rows, stream);
+  gate_up_gemm(s, set, fp8, weights, rows, on);
   cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
                                                  s.shape.swiglu_limit, fp8.h.codes.pointer,
-                                                 fp8.h.scale_data(), stream),
+                                                 fp8.h.scale_data(), on),
              "FP8 SwiGLU + quantization of h");
   mark("FP8 gate/up GEMM + SwiGLU");
 
-  row_tile_gemm(s, set, fp8.h.view(), R, I, weights.down, H, f.out, f.out_rows, stream,
+  row_tile_gemm(s, set, fp8.h.view(), R, I, weights.down, H, f.out, f.out_rows, on,
                 "FP8 down GEMM");
   mark("FP8 down GEMM");
 }
@@ -317,6 +317,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
                           const kernels::FusedGather& d_out_gather,
                           const kernels::FusedGather& x_gather, const Fp8SetBuffers& fp8,
                           cudaStream_t stream, const StageMarker& mark) {
+  const kernels::KernelStream on = s.on(stream);
   const ExpertSet& set = *b.set;
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows, rows = b.rows_in_map;
@@ -329,22 +330,21 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   // else from the forward's (its context); d_out's both ways. Else from the exchange's rows.
   const bool gathered = d_out_gather.x != nullptr;
   if (recompute) {
-    const ForwardWeights weights = forward_weights(b.weights, E, H, I, fp8, stream, true);
-    quantize_x_rows(set, x_gather, b.rows, rows, H, fp8, stream);
-    gate_up_gemm(s, set, fp8, weights, rows, stream);
+    const ForwardWeights weights = forward_weights(b.weights, E, H, I, fp8, on, true);
+    quantize_x_rows(set, x_gather, b.rows, rows, H, fp8, on);
+    gate_up_gemm(s, set, fp8, weights, rows, on);
     mark("FP8 gate/up recompute");
   }
-  transposed_weights(b.weights, E, H, I, fp8, stream);
+  transposed_weights(b.weights, E, H, I, fp8, on);
   if (gathered)
-    gather_quantize(set, d_out_gather, fp8.d_out_rows, fp8.d_out_t, stream, "d_out rows");
+    gather_quantize(set, d_out_gather, fp8.d_out_rows, fp8.d_out_t, on, "d_out rows");
   else
-    quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, stream,
-             "d_out rows");
+    quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kRowGroups, fp8.d_out_rows, on, "d_out rows");
   mark("FP8 quantization of the weights and d_out rows");
 
   // dh_raw = bf16(d_out Wd) into `hidden`, which the SwiGLU backward reads.
   row_tile_gemm(s, set, fp8.d_out_rows.view(), rows, H, fp8.w_down_t.view(), I, set.hidden.pointer,
-                R, stream, "FP8 down dgrad GEMM");
+                R, on, "FP8 down dgrad GEMM");
   mark("FP8 down dgrad");
   // The SwiGLU backward (the bf16 path's math and d_router_weights) with d_g and d_u quantized
   // both ways (row groups for this dgrad, column groups for the weight gradients) and h_w in
@@ -370,7 +370,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     swiglu.h_w_columns = fp8.h_w_t.codes.pointer;
     swiglu.h_w_column_scales = fp8.h_w_t.scale_data();
   }
-  cuda_check(kernels::launch_swiglu_backward_quantize_fp8(swiglu, stream),
+  cuda_check(kernels::launch_swiglu_backward_quantize_fp8(swiglu, on),
              "FP8 SwiGLU backward and quantization of d_g, d_u, h_w");
   mark("SwiGLU backward + router weight gradient + d_g, d_u, h_w quantized");
 
@@ -389,16 +389,15 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   params.n_extent = static_cast<int32_t>(H);
   params.k_extent = static_cast<int32_t>(2 * I);
   params.k_split = static_cast<int32_t>(I);
-  launch(s, maps, params, stream, "FP8 gate/up dgrad GEMM");
+  launch(s, maps, params, on, "FP8 gate/up dgrad GEMM");
   mark("FP8 gate/up dgrad");
 
   // Weight gradients: K = the expert's rows (zero on padding rows), both operands transposed in
   // groups of 128 rows. None with frozen weights (BackwardArgs), nor their operands.
   if (!weight_grads) return;
   if (!gathered) {
-    quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, stream,
-             "x rows (transposed)");
-    quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.d_out_t, stream,
+    quantize(b.rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.x_t, on, "x rows (transposed)");
+    quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.d_out_t, on,
              "d_out rows (transposed)");
   }
   auto weight_grad = [&](const Fp8Operand& a, int64_t m, const Fp8Operand& b_op, int64_t n,
@@ -417,7 +416,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     wgrad.n_extent = static_cast<int32_t>(n);
     wgrad.wait = s.wait_context();
     wgrad.ablation = gemm_ablation_from_env();
-    launch(s, wgrad_maps, wgrad, stream, what);
+    launch(s, wgrad_maps, wgrad, on, what);
   };
   weight_grad(fp8.d_gate_t, I, fp8.x_t, H, b.grads.d_w_gate, b.grads.d_w_gate_stride,
               "FP8 weight gradient of gate");

@@ -158,6 +158,31 @@ TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
   }
 }
 
+// The FP8 layer's launches overlapped (MoeConfig::overlap_kernel_launches): every kernel waits
+// for the one before, so the bits are the plain launches', with and without the forward context
+// (the recompute's gather, quantization and GEMM), on skewed routing and with empty experts.
+TEST(Fp8LayerGpu, OverlappedLaunchesGiveTheSameBits) {
+  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kHoles}) {
+    const MoeShape shape = make_shape(1280, 512, 256, 16, 4, 1, 128);
+    HostProblem problem = HostProblem::make(shape, routing, 83);
+    DeviceProblem device(problem, 0);
+    GpuLayer plain(shape, fp8_config());
+    MoeConfig config = fp8_config();
+    config.overlap_kernel_launches = true;
+    GpuLayer overlapped(shape, config);
+    for (const bool with_context : {true, false}) {
+      SCOPED_TRACE(std::string(routing_kind_name(routing)) + (with_context ? "" : ", recomputed"));
+      const HostRank want = test::gpu_step(plain, device, problem, with_context);
+      for (int call = 0; call < 2; ++call) {
+        const HostRank got = test::gpu_step(overlapped, device, problem, with_context);
+        test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+          EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " (call " << call << ")";
+        });
+      }
+    }
+  }
+}
+
 // Weights given pre-quantized (ForwardArgs::w_*_fp8): the bits of the same weights given as
 // bf16, all six pre-quantized or only some, with and without the forward context, and kept
 // across calls of one weights_version. A bf16 layer refuses them by name.

@@ -42,6 +42,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include "kernels/common/overlapped_launch.h"
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/wait.cuh"
 #include "kernels/gemm/epilogue.cuh"
@@ -168,6 +169,9 @@ __device__ __forceinline__ float row_tile_b_scale(const Fp8GemmParams& params, c
 template <Fp8GemmForm kForm, bool kExpertGroups = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
+  // Launched overlapped (MoeConfig::overlap_kernel_launches): nothing below touches memory
+  // before the previous kernel has completed.
+  ptx::begin_after_previous_kernel();
   constexpr bool kWeightGrad = kForm == Fp8GemmForm::kWeightGrad;
   static_assert(!kExpertGroups || !kWeightGrad, "the expert groups walk row tiles");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -451,26 +455,25 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
 template <Fp8GemmForm kForm, bool kExpertGroups = false>
 cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, int num_ctas,
-                        cudaStream_t stream) {
+                        KernelStream on) {
   const size_t smem_bytes = sizeof(Fp8SharedStorage) + 1024;
   auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  kernel<<<num_ctas, kNumThreads, smem_bytes, stream>>>(maps, params);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(kernel, num_ctas, kNumThreads, smem_bytes, on, 1, maps, params);
 }
 
 }  // namespace
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
-                                    int num_ctas, cudaStream_t stream) {
+                                    int num_ctas, KernelStream on) {
   if (params.n_extent <= 0 || params.n_extent % kFp8TileN != 0) return cudaErrorInvalidValue;
   if (params.form == Fp8GemmForm::kWeightGrad) {
     if (params.m_extent <= 0 || params.m_extent % BLOCK_M != 0 || params.num_experts < 0 ||
         params.num_experts > kMaxExperts)
       return cudaErrorInvalidValue;
-    return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, stream);
+    return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, on);
   }
   if (params.k_extent <= 0 || params.k_extent % kFp8BlockK != 0 ||
       params.k_extent > kFp8MaxReduction || params.n_split < 0 || params.n_split % kFp8TileN != 0 ||
@@ -478,8 +481,8 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
       params.k_split >= params.k_extent || (params.n_split > 0 && params.k_split > 0))
     return cudaErrorInvalidValue;
   if (params.expert_groups > 0)
-    return launch_form<Fp8GemmForm::kRowTiles, true>(maps, params, num_ctas, stream);
-  return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, stream);
+    return launch_form<Fp8GemmForm::kRowTiles, true>(maps, params, num_ctas, on);
+  return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, on);
 }
 
 }  // namespace mok::kernels

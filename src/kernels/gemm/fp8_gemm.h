@@ -19,6 +19,7 @@
 #include <cuda_runtime_api.h>
 #include <stdint.h>
 
+#include "kernels/common/kernel_stream.h"
 #include "kernels/common/wait_types.h"
 #include "kernels/gemm/gemm_ablation.h"
 #include "kernels/gemm/lockstep.h"
@@ -75,6 +76,6 @@ struct Fp8GemmParams {
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
 // that are not multiples of 128, and for kRowTiles' K over kFp8MaxReduction (mok/fp8.h).
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
-                                    int num_ctas, cudaStream_t stream);
+                                    int num_ctas, KernelStream on);
 
 }  // namespace mok::kernels

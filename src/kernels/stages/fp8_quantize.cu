@@ -20,6 +20,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "kernels/common/overlapped_launch.h"
 #include "kernels/common/ptx.cuh"
 #include "kernels/stages/fp8_group_tile.cuh"
 #include "kernels/stages/fp8_quantize.h"
@@ -35,6 +36,7 @@ template <Fp8QuantizeForm kForm>
 __global__ void __launch_bounds__(kThreads)
     quantize_fp8_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
                         float* scales, Fp8QuantizeBatch batch) {
+  ptx::begin_after_previous_kernel();
   in += blockIdx.z * batch.in_stride;
   out += blockIdx.z * batch.out_stride;
   scales += blockIdx.z * batch.scales_stride;
@@ -68,6 +70,7 @@ __global__ void __launch_bounds__(kThreads)
     quantize_weight_blocks_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
                                   float* scales, uint8_t* out_t, float* scales_t,
                                   Fp8QuantizeBatch batch) {
+  ptx::begin_after_previous_kernel();
   in += blockIdx.z * batch.in_stride;
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
@@ -149,6 +152,7 @@ __global__ void __launch_bounds__(kThreads)
 // wholly past total_rows writes nothing. The tile's 128 token indices are read first, so that
 // each thread's eight 16-byte loads are independent and in flight together.
 __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8GatherQuantize p) {
+  ptx::begin_after_previous_kernel();
   constexpr int kVectorsPerThread = kTile * (kTile / 8) / kThreads;
   __shared__ __align__(16) StagedTile tile;
   __shared__ int64_t tile_tokens[kTile];
@@ -200,6 +204,7 @@ __global__ void __launch_bounds__(kThreads)
     transpose_fp8_blocks_kernel(const uint8_t* codes, const float* scales, int64_t rows,
                                 int64_t cols, uint8_t* out, float* out_scales,
                                 Fp8QuantizeBatch batch) {
+  ptx::begin_after_previous_kernel();
   codes += blockIdx.z * batch.in_stride;
   out += blockIdx.z * batch.out_stride;
   scales += blockIdx.z * batch.scales_stride;
@@ -254,18 +259,17 @@ dim3 tile_grid(int64_t rows, int64_t cols, const Fp8QuantizeBatch& batch) {
 }  // namespace
 
 cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, int64_t rows,
-                                        int64_t cols, void* out, float* out_scales,
-                                        cudaStream_t stream, const Fp8QuantizeBatch& requested) {
+                                        int64_t cols, void* out, float* out_scales, KernelStream on,
+                                        const Fp8QuantizeBatch& requested) {
   if (!tiled_extents_valid(rows, cols, requested)) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
   const Fp8QuantizeBatch batch = dense_batch(requested, rows, cols, rows * cols / (kTile * kTile));
-  transpose_fp8_blocks_kernel<<<tile_grid(rows, cols, batch), kThreads, 0, stream>>>(
-      static_cast<const uint8_t*>(codes), scales, rows, cols, static_cast<uint8_t*>(out),
-      out_scales, batch);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(transpose_fp8_blocks_kernel, tile_grid(rows, cols, batch),
+                                 kThreads, 0, on, 1, static_cast<const uint8_t*>(codes), scales,
+                                 rows, cols, static_cast<uint8_t*>(out), out_scales, batch);
 }
 
-cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStream_t stream) {
+cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, KernelStream on) {
   if (params.cols <= 0 || params.cols % kTile != 0 || params.capacity_rows < 0 ||
       params.capacity_rows % kTile != 0 || params.header == nullptr ||
       (params.row_pair != nullptr && params.top_k <= 0) ||
@@ -275,19 +279,18 @@ cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStre
   if (params.capacity_rows == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(params.cols / kTile),
                   static_cast<unsigned>(params.capacity_rows / kTile));
-  gather_quantize_fp8_kernel<<<grid, kThreads, 0, stream>>>(params);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(gather_quantize_fp8_kernel, grid, kThreads, 0, on, 1, params);
 }
 
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
-                                void* out, float* scales, cudaStream_t stream,
+                                void* out, float* scales, KernelStream on,
                                 const Fp8QuantizeBatch& requested) {
   // The blocks: the weights' kernel, one layout.
   if (form == Fp8QuantizeForm::kBlocks)
-    return launch_quantize_fp8_blocks_both(in, rows, cols, out, scales, nullptr, nullptr, stream,
+    return launch_quantize_fp8_blocks_both(in, rows, cols, out, scales, nullptr, nullptr, on,
                                            requested);
   if (form == Fp8QuantizeForm::kBlocksTransposed)
-    return launch_quantize_fp8_blocks_both(in, rows, cols, nullptr, nullptr, out, scales, stream,
+    return launch_quantize_fp8_blocks_both(in, rows, cols, nullptr, nullptr, out, scales, on,
                                            requested);
   if (!tiled_extents_valid(rows, cols, requested)) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
@@ -297,32 +300,28 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
   auto* codes = static_cast<uint8_t*>(out);
   switch (form) {
     case Fp8QuantizeForm::kRowGroups:
-      quantize_fp8_kernel<Fp8QuantizeForm::kRowGroups>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
-      break;
+      return launch_maybe_overlapped(quantize_fp8_kernel<Fp8QuantizeForm::kRowGroups>, grid,
+                                     kThreads, 0, on, 1, source, rows, cols, codes, scales, batch);
     case Fp8QuantizeForm::kColumnGroups:
-      quantize_fp8_kernel<Fp8QuantizeForm::kColumnGroups>
-          <<<grid, kThreads, 0, stream>>>(source, rows, cols, codes, scales, batch);
-      break;
+      return launch_maybe_overlapped(quantize_fp8_kernel<Fp8QuantizeForm::kColumnGroups>, grid,
+                                     kThreads, 0, on, 1, source, rows, cols, codes, scales, batch);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_quantize_fp8_blocks_both(const void* in, int64_t rows, int64_t cols, void* out,
                                             float* scales, void* out_t, float* scales_t,
-                                            cudaStream_t stream,
-                                            const Fp8QuantizeBatch& requested) {
+                                            KernelStream on, const Fp8QuantizeBatch& requested) {
   if (!tiled_extents_valid(rows, cols, requested) || (out == nullptr) != (scales == nullptr) ||
       (out_t == nullptr) != (scales_t == nullptr))
     return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0 || requested.count == 0) return cudaSuccess;
   const Fp8QuantizeBatch batch = dense_batch(requested, rows, cols, rows * cols / (kTile * kTile));
-  quantize_weight_blocks_kernel<<<tile_grid(rows, cols, batch), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(in), rows, cols, static_cast<uint8_t*>(out), scales,
-      static_cast<uint8_t*>(out_t), scales_t, batch);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(quantize_weight_blocks_kernel, tile_grid(rows, cols, batch),
+                                 kThreads, 0, on, 1, static_cast<const __nv_bfloat16*>(in), rows,
+                                 cols, static_cast<uint8_t*>(out), scales,
+                                 static_cast<uint8_t*>(out_t), scales_t, batch);
 }
 
 }  // namespace mok::kernels

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_stream.h"
 #include "mok/schedule.h"
 
 namespace mok::kernels {
@@ -45,7 +46,7 @@ struct Fp8QuantizeBatch {
 // 128 x 128 tile (and batch entry). cudaErrorInvalidValue for extents that are not multiples of
 // 128.
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
-                                void* out, float* scales, cudaStream_t stream,
+                                void* out, float* scales, KernelStream on,
                                 const Fp8QuantizeBatch& batch = {});
 
 // Weights in 128 x 128 blocks both ways in one pass (a training step's forward: the forward's
@@ -55,8 +56,7 @@ cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8Q
 // skipped). The batch's out_stride and scales_stride apply to both.
 cudaError_t launch_quantize_fp8_blocks_both(const void* in, int64_t rows, int64_t cols, void* out,
                                             float* scales, void* out_t, float* scales_t,
-                                            cudaStream_t stream,
-                                            const Fp8QuantizeBatch& batch = {});
+                                            KernelStream on, const Fp8QuantizeBatch& batch = {});
 
 // The local exchange's FP8 rows, gathered and quantized in one pass, so that no bf16 copy of
 // the routed rows is written unless asked for. Schedule row r < header->total_rows is token
@@ -83,7 +83,7 @@ struct Fp8GatherQuantize {
   void* column_codes = nullptr;
   float* column_scales = nullptr;
 };
-cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStream_t stream);
+cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, KernelStream on);
 
 // Pre-quantized weights (ForwardArgs::w_*_fp8) as the dgrads' operands: e4m3 `codes` [rows,
 // cols] in 128 x 128 blocks with `scales` [rows/128, cols/128] to `out` [cols, rows] and
@@ -91,7 +91,7 @@ cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, cudaStre
 // came from (a block's amax, and so each code, is the same both ways). Batch strides count
 // codes and scales (0: dense). One 256-thread CTA per block and batch entry.
 cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, int64_t rows,
-                                        int64_t cols, void* out, float* out_scales,
-                                        cudaStream_t stream, const Fp8QuantizeBatch& batch = {});
+                                        int64_t cols, void* out, float* out_scales, KernelStream on,
+                                        const Fp8QuantizeBatch& batch = {});
 
 }  // namespace mok::kernels

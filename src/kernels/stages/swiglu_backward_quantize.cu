@@ -17,6 +17,8 @@
 // for the odd one's, and their sum (the tree's last level) joins the row's running sum.
 #include <cuda_bf16.h>
 
+#include "kernels/common/overlapped_launch.h"
+#include "kernels/common/ptx.cuh"
 #include "kernels/stages/fp8_group_tile.cuh"
 #include "kernels/stages/swiglu_backward.cuh"
 #include "kernels/stages/swiglu_backward_quantize.h"
@@ -106,6 +108,7 @@ __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p
 
 __global__ void __launch_bounds__(kThreads, 2)
     swiglu_backward_quantize_kernel(Fp8SwigluBackward p) {
+  ptx::begin_after_previous_kernel();
   extern __shared__ __align__(16) uint8_t shared[];
   SwigluBackwardTiles& tiles = *reinterpret_cast<SwigluBackwardTiles*>(shared);
   __shared__ int32_t tile_pairs[kTile];  // shared, not per thread: registers are what bind here
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
-cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& p, cudaStream_t stream) {
+cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& p, KernelStream on) {
   const int64_t inter = p.swiglu.vectors_per_row * 8;
   const bool columns = p.d_gate_columns != nullptr;
   if (p.header == nullptr || inter <= 0 || inter % kTile != 0 || p.capacity_rows < 0 ||
@@ -160,9 +163,9 @@ cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& p, cuda
   const cudaError_t status = cudaFuncSetAttribute(
       swiglu_backward_quantize_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (status != cudaSuccess) return status;
-  swiglu_backward_quantize_kernel<<<static_cast<unsigned>(p.capacity_rows / kTile), kThreads,
-                                    kSharedBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(swiglu_backward_quantize_kernel,
+                                 static_cast<unsigned>(p.capacity_rows / kTile), kThreads,
+                                 kSharedBytes, on, 1, p);
 }
 
 }  // namespace mok::kernels

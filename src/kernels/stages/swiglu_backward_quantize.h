@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_stream.h"
 #include "kernels/gemm/expert_gemm_params.h"
 #include "mok/schedule.h"
 
@@ -45,7 +46,6 @@ struct Fp8SwigluBackward {
 // past total_rows quantize as zeros (as launch_gather_quantize_fp8 does). cudaErrorInvalidValue
 // for I or capacity_rows not a multiple of 128, a missing row output, some column outputs without
 // the others, or row_begin != 0.
-cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& params,
-                                                cudaStream_t stream);
+cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& params, KernelStream on);
 
 }  // namespace mok::kernels

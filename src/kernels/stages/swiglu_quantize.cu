@@ -9,6 +9,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "kernels/common/overlapped_launch.h"
 #include "kernels/common/ptx.cuh"
 #include "kernels/stages/swiglu.cuh"
 #include "kernels/stages/swiglu_quantize.h"
@@ -24,6 +25,7 @@ constexpr int kLanesPerGroup = 16;  // 8 values each
 __global__ void __launch_bounds__(kThreads)
     swiglu_quantize_kernel(const uint4* gate, const uint4* up, int64_t rows, int64_t inter,
                            float limit, uint2* h_codes, float* h_scales) {
+  ptx::begin_after_previous_kernel();
   const int64_t groups_per_row = inter / 128;
   const int64_t group = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) /
                         kLanesPerGroup;  // row-major over (row, group)
@@ -67,15 +69,15 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t launch_swiglu_quantize_fp8(const void* gate, const void* up, int64_t rows,
                                        int64_t inter, float limit, void* h_codes, float* h_scales,
-                                       cudaStream_t stream) {
+                                       KernelStream on) {
   if (rows < 0 || inter <= 0 || inter % 128 != 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const int64_t threads = rows * (inter / 128) * kLanesPerGroup;
   const int64_t blocks = (threads + kThreads - 1) / kThreads;
-  swiglu_quantize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(gate), static_cast<const uint4*>(up), rows, inter, limit,
-      static_cast<uint2*>(h_codes), h_scales);
-  return cudaGetLastError();
+  return launch_maybe_overlapped(swiglu_quantize_kernel, static_cast<unsigned>(blocks), kThreads, 0,
+                                 on, 1, static_cast<const uint4*>(gate),
+                                 static_cast<const uint4*>(up), rows, inter, limit,
+                                 static_cast<uint2*>(h_codes), h_scales);
 }
 
 }  // namespace mok::kernels

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_stream.h"
+
 namespace mok::kernels {
 
 // gate, up: bf16 [rows, inter], inter a multiple of 128; limit: the SwiGLU clamp (infinity =
@@ -15,6 +17,6 @@ namespace mok::kernels {
 // GEMM's A scales). cudaErrorInvalidValue for inter not a multiple of 128.
 cudaError_t launch_swiglu_quantize_fp8(const void* gate, const void* up, int64_t rows,
                                        int64_t inter, float limit, void* h_codes, float* h_scales,
-                                       cudaStream_t stream);
+                                       KernelStream on);
 
 }  // namespace mok::kernels
