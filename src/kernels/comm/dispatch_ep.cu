@@ -34,6 +34,7 @@
 #include "kernels/comm/peer_barrier.cuh"
 #include "kernels/comm/row_copy.cuh"
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/kernel_stream.h"
 
 namespace mok::kernels {
 
@@ -193,9 +194,7 @@ cudaError_t launch_push_dispatch(const PushDispatchArgs& args, int num_ctas, cud
 cudaError_t launch_expand_received(const ExpandReceivedArgs& args, cudaStream_t stream) {
   if (args.row_begin < 0 || args.row_count < 0 || args.rank < 0) return cudaErrorInvalidValue;
   if (args.row_count == 0) return cudaSuccess;
-  int device = 0, sm_count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  const int sm_count = current_sm_count();
   expand_received_kernel<<<sm_count * 4, 256, 0, stream>>>(args);
   return cudaGetLastError();
 }

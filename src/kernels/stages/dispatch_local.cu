@@ -109,12 +109,7 @@ __global__ void advance_epoch_kernel(unsigned long long* epoch) {
 }
 
 // Both walks' grid: their launch bound's CTAs on every SM of the current device.
-int gather_ctas() {
-  int device = 0, sm_count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  return sm_count * kGatherCtasPerSm;
-}
+int gather_ctas() { return current_sm_count() * kGatherCtasPerSm; }
 
 }  // namespace
 

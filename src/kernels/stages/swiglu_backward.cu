@@ -66,9 +66,7 @@ cudaError_t launch_router_weight_grad_sum(const ScheduleHeader* header, const fl
       row_begin < 0 || row_count < 0 || intermediate <= 0)
     return cudaErrorInvalidValue;
   if (d_router_weights == nullptr && d_router_weights_peers == nullptr) return cudaSuccess;
-  int device = 0, sm_count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  const int sm_count = current_sm_count();
   SwigluBackwardArgs out{};
   out.d_router_weights = d_router_weights;
   out.d_router_weights_peers = d_router_weights_peers;
@@ -88,9 +86,7 @@ cudaError_t launch_swiglu_backward(const ScheduleHeader* header, int64_t num_row
                                    int64_t row_count) {
   if (header == nullptr && num_rows == 0) return cudaSuccess;
   if (row_begin < 0 || row_count < 0) return cudaErrorInvalidValue;
-  int device = 0, sm_count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  const int sm_count = current_sm_count();
   const SwigluBackwardArgs args = make_swiglu_backward_args(
       gate, up, dh_raw, row_pair, router_weights, intermediate, limit, d_gate, d_up,
       weighted_hidden, d_router_weights, d_router_weights_peers, pairs_per_rank, row_begin);
