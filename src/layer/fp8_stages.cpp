@@ -358,6 +358,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
       b.router.pairs_per_rank, 0);
   swiglu.header = view.header;
   swiglu.capacity_rows = R;
+  swiglu.router_grad_partials = set.router_grad_partials.as<float>();  // lets I split over CTAs
   swiglu.d_gate_rows = fp8.d_gate.codes.pointer;
   swiglu.d_gate_row_scales = fp8.d_gate.scale_data();
   swiglu.d_up_rows = fp8.d_up.codes.pointer;

@@ -44,9 +44,11 @@ struct ExpertSet {
   DeviceBuffer hidden;        // forward h; backward dh_raw, then h_w in place
   DeviceBuffer gate, up;      // backward: recomputed bf16 g, u
   DeviceBuffer d_gate, d_up;  // bf16 backward (FP8 writes d_g and d_u as codes only)
-  // MoeConfig::swiglu_backward_in_dgrad: each row's router-weight gradient over each 256-column
-  // tile of I, fp32 [ceil(I / 256)][capacity_rows] (kernels::DgatedArgs), summed after the GEMM.
-  // The routed set's only: the shared expert has no router weights.
+  // Each row's router-weight gradient over each 256-column tile of I, fp32
+  // [ceil(I / 256)][capacity_rows], summed after the kernel that leaves them: the down dgrad's
+  // SwiGLU epilogue (MoeConfig::swiglu_backward_in_dgrad, kernels::DgatedArgs) or FP8's SwiGLU
+  // backward split over CTAs along I (kernels::Fp8SwigluBackward). The routed set's only: the
+  // shared expert has no router weights.
   DeviceBuffer router_grad_partials;
 
   void allocate(int64_t rows, int64_t inter, int64_t experts, const MoeConfig& config,
@@ -59,7 +61,8 @@ struct ExpertSet {
     if (config.precision == Precision::kBF16)
       for (DeviceBuffer* buffer : {&d_gate, &d_up})
         buffer->allocate(rows * inter * 2, "expert buffer");
-    if (config.swiglu_backward_in_dgrad && router_weights)
+    if ((config.swiglu_backward_in_dgrad || config.precision == Precision::kFP8Block) &&
+        router_weights)
       router_grad_partials.allocate((inter + 255) / 256 * rows * 4,
                                     "router-weight gradient partials");
   }

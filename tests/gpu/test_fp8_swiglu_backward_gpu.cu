@@ -5,8 +5,9 @@
 // must match: values across bf16's range with NaN, infinities and gates far negative (the
 // division's second try), padding rows, negative and zero router weights, a tile only partly
 // below total_rows and a tile wholly past it (left untouched), with and without the SwiGLU clamp,
-// without router weights (the shared expert) and without the column groups (frozen weights).
-// Then both ways' time at qwen3's and dsv3_local's extents.
+// without router weights (the shared expert) and without the column groups (frozen weights),
+// and each row tile's I in one CTA or split over several (the router sums through partials).
+// Then the ways' times at qwen3's and dsv3_local's extents.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -220,66 +221,84 @@ int64_t code_mismatches(const std::vector<uint8_t>& want, const std::vector<uint
   return wrong;
 }
 
+// How the one pass splits each row tile's I over CTAs: one CTA a tile (no router partials);
+// the launcher's choice with partials (at 6 tiles, every group its own CTA); two runs with
+// partials (uneven at three groups).
+struct SplitCase {
+  const char* name;
+  bool partials;
+  int32_t column_splits;
+};
+constexpr SplitCase kSplitCases[] = {
+    {"one CTA a tile", false, 0}, {"chosen splits", true, 0}, {"two runs", true, 2}};
+
 TEST(Fp8SwigluBackwardGpu, OnePassGivesTheThreePassesBits) {
   // 768 rows: tiles 0-3 below total_rows, tile 4 partly (520), tile 5 wholly past it.
   const int64_t capacity = 768, total = 520, touched = 640;
-  for (const int64_t inter : {384, 256}) {    // three chunks (odd) and two
-    for (const bool pairs : {true, false}) {  // routed (router weights) or the shared expert
+  for (const int64_t inter : {384, 256, 768}) {  // 3 chunks (odd), 2, and 6 (three groups)
+    for (const bool pairs : {true, false}) {     // routed (router weights) or the shared expert
       const SwigluProblem p = make_problem(capacity, total, inter, pairs, 90 + inter + pairs);
       const SwigluInputs in(p);
       const int64_t num_pairs = static_cast<int64_t>(p.router_weights.size());
-      for (const float limit : {INFINITY, 0.75f}) {
-        for (const bool columns : {true, false}) {
-          SCOPED_TRACE("inter " + std::to_string(inter) + (pairs ? ", routed" : ", shared") +
-                       ", limit " + std::to_string(limit) + (columns ? "" : ", no columns"));
-          SwigluOutputs want(capacity, inter, num_pairs), got(capacity, inter, num_pairs);
-          SwigluScratch scratch(p);
-          three_passes(p, in, limit, columns, scratch, want);
-          ASSERT_EQ(kernels::launch_swiglu_backward_quantize_fp8(
-                        fused_params(p, in, limit, columns, got), nullptr),
-                    cudaSuccess);
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          const auto w_gr = download(want.gate_rows), g_gr = download(got.gate_rows);
-          const auto w_ur = download(want.up_rows), g_ur = download(got.up_rows);
-          EXPECT_EQ(code_mismatches(w_gr, g_gr, capacity, inter, touched, false), 0);
-          EXPECT_EQ(code_mismatches(w_ur, g_ur, capacity, inter, touched, false), 0);
-          for (int64_t at = touched * inter; at < capacity * inter; ++at)
-            ASSERT_EQ(g_gr[at], 0xab) << "a row code written past total_rows' last tile";
-          // Row-group scales [inter/128, capacity]; column-group scales [capacity/128, inter].
-          const auto w_grs = download(want.gate_row_scales), g_grs = download(got.gate_row_scales);
-          const auto w_urs = download(want.up_row_scales), g_urs = download(got.up_row_scales);
-          for (int64_t g = 0; g < inter / 128; ++g) {
-            EXPECT_EQ(std::memcmp(&w_grs[g * capacity * 4], &g_grs[g * capacity * 4], touched * 4),
-                      0)
-                << "d_g row scales, group " << g;
-            EXPECT_EQ(std::memcmp(&w_urs[g * capacity * 4], &g_urs[g * capacity * 4], touched * 4),
-                      0)
-                << "d_u row scales, group " << g;
-          }
-          if (columns) {
-            const std::pair<DeviceBuffer*, DeviceBuffer*> forms[3][2] = {
-                {{&want.gate_cols, &got.gate_cols}, {&want.gate_col_scales, &got.gate_col_scales}},
-                {{&want.up_cols, &got.up_cols}, {&want.up_col_scales, &got.up_col_scales}},
-                {{&want.hw_cols, &got.hw_cols}, {&want.hw_col_scales, &got.hw_col_scales}}};
-            const char* names[3] = {"d_g", "d_u", "h_w"};
-            for (int f = 0; f < 3; ++f) {
-              const auto wc = download(*forms[f][0].first), gc = download(*forms[f][0].second);
-              EXPECT_EQ(code_mismatches(wc, gc, capacity, inter, touched, true), 0) << names[f];
-              const auto ws = download(*forms[f][1].first), gs = download(*forms[f][1].second);
-              EXPECT_EQ(std::memcmp(ws.data(), gs.data(), touched / 128 * inter * 4), 0)
-                  << names[f] << " column scales";
+      DeviceBuffer partials;
+      partials.allocate((inter + 255) / 256 * capacity * 4, "router-gradient partials");
+      for (const float limit : {INFINITY, 0.75f})
+        for (const bool columns : {true, false})
+          for (const SplitCase split : kSplitCases) {
+            SCOPED_TRACE("inter " + std::to_string(inter) + (pairs ? ", routed" : ", shared") +
+                         ", limit " + std::to_string(limit) + (columns ? "" : ", no columns") +
+                         ", " + split.name);
+            SwigluOutputs want(capacity, inter, num_pairs), got(capacity, inter, num_pairs);
+            SwigluScratch scratch(p);
+            three_passes(p, in, limit, columns, scratch, want);
+            kernels::Fp8SwigluBackward fused = fused_params(p, in, limit, columns, got);
+            fused.column_splits = split.column_splits;
+            if (split.partials) fused.router_grad_partials = partials.as<float>();
+            ASSERT_EQ(kernels::launch_swiglu_backward_quantize_fp8(fused, nullptr), cudaSuccess);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const auto w_gr = download(want.gate_rows), g_gr = download(got.gate_rows);
+            const auto w_ur = download(want.up_rows), g_ur = download(got.up_rows);
+            EXPECT_EQ(code_mismatches(w_gr, g_gr, capacity, inter, touched, false), 0);
+            EXPECT_EQ(code_mismatches(w_ur, g_ur, capacity, inter, touched, false), 0);
+            for (int64_t at = touched * inter; at < capacity * inter; ++at)
+              ASSERT_EQ(g_gr[at], 0xab) << "a row code written past total_rows' last tile";
+            // Row-group scales [inter/128, capacity]; column-group scales [capacity/128, inter].
+            const auto w_grs = download(want.gate_row_scales),
+                       g_grs = download(got.gate_row_scales);
+            const auto w_urs = download(want.up_row_scales), g_urs = download(got.up_row_scales);
+            for (int64_t g = 0; g < inter / 128; ++g) {
+              EXPECT_EQ(
+                  std::memcmp(&w_grs[g * capacity * 4], &g_grs[g * capacity * 4], touched * 4), 0)
+                  << "d_g row scales, group " << g;
+              EXPECT_EQ(
+                  std::memcmp(&w_urs[g * capacity * 4], &g_urs[g * capacity * 4], touched * 4), 0)
+                  << "d_u row scales, group " << g;
             }
-          } else {
-            const auto untouched = download(got.gate_cols);
-            for (uint8_t byte : untouched) ASSERT_EQ(byte, 0xab) << "column codes without columns";
+            if (columns) {
+              const std::pair<DeviceBuffer*, DeviceBuffer*> forms[3][2] = {
+                  {{&want.gate_cols, &got.gate_cols},
+                   {&want.gate_col_scales, &got.gate_col_scales}},
+                  {{&want.up_cols, &got.up_cols}, {&want.up_col_scales, &got.up_col_scales}},
+                  {{&want.hw_cols, &got.hw_cols}, {&want.hw_col_scales, &got.hw_col_scales}}};
+              const char* names[3] = {"d_g", "d_u", "h_w"};
+              for (int f = 0; f < 3; ++f) {
+                const auto wc = download(*forms[f][0].first), gc = download(*forms[f][0].second);
+                EXPECT_EQ(code_mismatches(wc, gc, capacity, inter, touched, true), 0) << names[f];
+                const auto ws = download(*forms[f][1].first), gs = download(*forms[f][1].second);
+                EXPECT_EQ(std::memcmp(ws.data(), gs.data(), touched / 128 * inter * 4), 0)
+                    << names[f] << " column scales";
+              }
+            } else {
+              const auto untouched = download(got.gate_cols);
+              for (uint8_t byte : untouched)
+                ASSERT_EQ(byte, 0xab) << "column codes without columns";
+            }
+            if (pairs)
+              EXPECT_EQ(std::memcmp(download(want.router).data(), download(got.router).data(),
+                                    num_pairs * 4),
+                        0)
+                  << "d_router_weights";
           }
-          if (pairs)
-            EXPECT_EQ(std::memcmp(download(want.router).data(), download(got.router).data(),
-                                  num_pairs * 4),
-                      0)
-                << "d_router_weights";
-        }
-      }
     }
   }
   // Bad arguments: I not a multiple of 128, some column outputs without the others.
@@ -291,6 +310,9 @@ TEST(Fp8SwigluBackwardGpu, OnePassGivesTheThreePassesBits) {
   EXPECT_EQ(kernels::launch_swiglu_backward_quantize_fp8(bad, nullptr), cudaErrorInvalidValue);
   bad = fused_params(p, in, INFINITY, true, out);
   bad.h_w_columns = nullptr;
+  EXPECT_EQ(kernels::launch_swiglu_backward_quantize_fp8(bad, nullptr), cudaErrorInvalidValue);
+  bad = fused_params(p, in, INFINITY, true, out);
+  bad.column_splits = -1;
   EXPECT_EQ(kernels::launch_swiglu_backward_quantize_fp8(bad, nullptr), cudaErrorInvalidValue);
 }
 
@@ -309,13 +331,22 @@ TEST(Fp8SwigluBackwardGpu, OnePassAgainstTheThreePassesTimed) {
     SwigluOutputs three(e.rows, e.inter, num_pairs), one(e.rows, e.inter, num_pairs);
     SwigluScratch scratch(p);
     const kernels::Fp8SwigluBackward fused = fused_params(p, in, INFINITY, true, one);
+    DeviceBuffer partials;
+    partials.allocate((e.inter + 255) / 256 * e.rows * 4, "router-gradient partials");
+    kernels::Fp8SwigluBackward split = fused;
+    split.router_grad_partials = partials.as<float>();
     const double three_ms =
         median_event_ms([&] { three_passes(p, in, INFINITY, true, scratch, three); }, 10);
     const double one_ms =
         median_event_ms([&] { kernels::launch_swiglu_backward_quantize_fp8(fused, nullptr); }, 10);
+    const double split_ms =
+        median_event_ms([&] { kernels::launch_swiglu_backward_quantize_fp8(split, nullptr); }, 10);
     const double bytes = e.rows * e.inter * (3 * 2.0 + 5 * 1.0) + e.rows * e.inter / 128 * 20.0;
-    std::printf("  fp8 SwiGLU backward at %s: three passes %.3f ms, one pass %.3f ms, %.0f GB/s\n",
-                e.name, three_ms, one_ms, bytes / (one_ms * 1e-3) / 1e9);
+    std::printf(
+        "  fp8 SwiGLU backward at %s: three passes %.3f ms, one pass %.3f ms (%.0f GB/s), "
+        "split as the launcher chooses %.3f ms (%.0f GB/s)\n",
+        e.name, three_ms, one_ms, bytes / (one_ms * 1e-3) / 1e9, split_ms,
+        bytes / (split_ms * 1e-3) / 1e9);
     EXPECT_EQ(std::memcmp(download(three.gate_cols).data(), download(one.gate_cols).data(),
                           three.gate_cols.bytes),
               0);

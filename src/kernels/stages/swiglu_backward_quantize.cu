@@ -17,9 +17,11 @@
 // for the odd one's, and their sum (the tree's last level) joins the row's running sum.
 #include <cuda_bf16.h>
 
+#include "kernels/common/kernel_stream.h"
 #include "kernels/common/overlapped_launch.h"
 #include "kernels/common/ptx.cuh"
 #include "kernels/stages/fp8_group_tile.cuh"
+#include "kernels/stages/launch.h"
 #include "kernels/stages/swiglu_backward.cuh"
 #include "kernels/stages/swiglu_backward_quantize.h"
 
@@ -40,14 +42,26 @@ struct SwigluBackwardTiles {
 };
 static_assert(kSlots == 16, "a chunk is half of a 256-column group: one half-warp per row");
 
+// Row `row` of the tile's sum over 256-column group `group` into the partials (a routed row's,
+// by its slot-0 thread), for launch_router_weight_grad_sum.
+__device__ __forceinline__ void store_group_partial(float* partials, int64_t capacity_rows,
+                                                    int64_t row0, int row, int64_t group,
+                                                    const int32_t* pairs, float value) {
+  if (threadIdx.x % kSlots == 0 && pairs[row] >= 0)
+    partials[group * capacity_rows + row0 + row] = value;
+}
+
 // The thread's vectors of chunk `chunk` for its rows k in [batch, batch + kLoadBatch): computed
 // (zeros for padding rows and rows past total_rows) and staged in the three tiles. dots[k][0]:
-// row k's sum over the groups done; dots[k][1]: the open group's even half.
-__device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, int64_t row0,
+// row k's sum over the groups done; dots[k][1]: the open group's even half. With `partials`
+// (kGroupPartials: the CTA takes a run of the groups), each closed group's sum goes there instead.
+template <bool kGroupPartials>
+__device__ __forceinline__ void stage_vectors(const Fp8SwigluBackward& p, int64_t row0,
                                               int64_t chunk, int batch, const int32_t* pairs,
                                               const float* weights,
                                               float (&dots)[kRowsPerThread][2],
                                               SwigluBackwardTiles& tiles) {
+  const SwigluBackwardArgs& args = p.swiglu;
   const int slot = threadIdx.x % kSlots, first = threadIdx.x / kSlots;
   const bool odd = chunk % 2 != 0;
   auto at_of = [&](int k) {
@@ -70,10 +84,14 @@ __device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, in
     if (pairs[row] >= 0)
       swiglu_backward_vector(g[j], u[j], dh[j], weights[row], args.limit, vector_dot, dg, du, hw);
     const float half = router_dot_group<kSlots>(vector_dot);  // every lane: the shuffles
-    if (odd)
-      dots[k][0] += dots[k][1] + half;
-    else
+    if (!odd) {
       dots[k][1] = half;
+    } else if constexpr (kGroupPartials) {
+      store_group_partial(p.router_grad_partials, p.capacity_rows, row0, row, chunk / 2, pairs,
+                          dots[k][1] + half);
+    } else {
+      dots[k][0] += dots[k][1] + half;
+    }
     *reinterpret_cast<uint4*>(&tiles.d_gate[row][slot * 8]) = dg;
     *reinterpret_cast<uint4*>(&tiles.d_up[row][slot * 8]) = du;
     *reinterpret_cast<uint4*>(&tiles.h_w[row][slot * 8]) = hw;
@@ -81,6 +99,7 @@ __device__ __forceinline__ void stage_vectors(const SwigluBackwardArgs& args, in
 }
 
 // Chunk `chunk` of the CTA's rows: staged, then quantized into every output given.
+template <bool kGroupPartials>
 __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p, int64_t row0,
                                                       int64_t chunk, const int32_t* pairs,
                                                       const float* weights,
@@ -88,7 +107,7 @@ __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p
                                                       SwigluBackwardTiles& tiles) {
 #pragma unroll
   for (int batch = 0; batch < kRowsPerThread; batch += kLoadBatch)
-    stage_vectors(p.swiglu, row0, chunk, batch, pairs, weights, dots, tiles);
+    stage_vectors<kGroupPartials>(p, row0, chunk, batch, pairs, weights, dots, tiles);
   __syncthreads();
   const int64_t tile_row = row0 / kTile, inter = p.swiglu.vectors_per_row * 8;
   quantize_row_groups(tiles.d_gate, tile_row, chunk, p.capacity_rows, inter,
@@ -106,6 +125,9 @@ __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p
   __syncthreads();  // the tiles are read: the next chunk may stage
 }
 
+// kGroupPartials: the CTA takes a run of the groups and leaves their router sums in
+// p.router_grad_partials.
+template <bool kGroupPartials>
 __global__ void __launch_bounds__(kThreads, 2)
     swiglu_backward_quantize_kernel(Fp8SwigluBackward p) {
   ptx::begin_after_previous_kernel();
@@ -130,20 +152,34 @@ __global__ void __launch_bounds__(kThreads, 2)
   float dots[kRowsPerThread][2];
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k) dots[k][0] = dots[k][1] = 0.0f;
-  const int64_t chunks = args.vectors_per_row / kSlots;
-  for (int64_t chunk = 0; chunk < chunks; ++chunk)
-    swiglu_backward_chunk(p, row0, chunk, tile_pairs, tile_weights, dots, tiles);
+  // This CTA's run of the 256-column groups (blockIdx.y of gridDim.y), as chunks.
+  const int64_t chunks = args.vectors_per_row / kSlots, groups = (chunks + 1) / 2;
+  const int64_t per_run = (groups + gridDim.y - 1) / gridDim.y;
+  const int64_t chunk_begin = 2 * per_run * blockIdx.y;
+  const int64_t chunk_end = min(chunks, chunk_begin + 2 * per_run);
+  for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk)
+    swiglu_backward_chunk<kGroupPartials>(p, row0, chunk, tile_pairs, tile_weights, dots, tiles);
   if (args.d_router_weights == nullptr && args.d_router_weights_peers == nullptr) return;
-#pragma unroll
-  for (int k = 0; k < kRowsPerThread; ++k) {
+  if constexpr (kGroupPartials) {
     // An odd number of chunks leaves the last group's odd half past the row's end: +0.
-    const float dot = chunks % 2 != 0 ? dots[k][0] + (dots[k][1] + 0.0f) : dots[k][0];
-    const int32_t pair = tile_pairs[first + kRowStride * k];
-    if (slot == 0 && pair >= 0) store_router_weight_grad(args, pair, dot);
+    if (chunks % 2 != 0 && chunk_end == chunks && chunk_begin < chunk_end) {
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k)
+        store_group_partial(p.router_grad_partials, p.capacity_rows, row0, first + kRowStride * k,
+                            groups - 1, tile_pairs, dots[k][1] + 0.0f);
+    }
+  } else {  // launch_router_weight_grad_sum stores (and fences) the partials' sums
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      // An odd number of chunks leaves the last group's odd half past the row's end: +0.
+      const float dot = chunks % 2 != 0 ? dots[k][0] + (dots[k][1] + 0.0f) : dots[k][0];
+      const int32_t pair = tile_pairs[first + kRowStride * k];
+      if (slot == 0 && pair >= 0) store_router_weight_grad(args, pair, dot);
+    }
+    // Expert parallel: the gradients went to other GPUs; visible at system scope before the
+    // push kernel's signal, as the standalone pass does.
+    if (args.d_router_weights_peers != nullptr) __threadfence_system();
   }
-  // Expert parallel: the gradients went to other GPUs; visible at system scope before the push
-  // kernel's signal, as the standalone pass does.
-  if (args.d_router_weights_peers != nullptr) __threadfence_system();
 }
 
 }  // namespace
@@ -158,14 +194,46 @@ cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& p, Kern
       (p.d_up_column_scales != nullptr) != columns || (p.h_w_columns != nullptr) != columns ||
       (p.h_w_column_scales != nullptr) != columns)
     return cudaErrorInvalidValue;
+  if (p.column_splits < 0) return cudaErrorInvalidValue;
   if (p.capacity_rows == 0) return cudaSuccess;
   constexpr int kSharedBytes = sizeof(SwigluBackwardTiles);
-  const cudaError_t status = cudaFuncSetAttribute(
-      swiglu_backward_quantize_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (status != cudaSuccess) return status;
-  return launch_maybe_overlapped(swiglu_backward_quantize_kernel,
-                                 static_cast<unsigned>(p.capacity_rows / kTile), kThreads,
-                                 kSharedBytes, on, 1, p);
+  cudaError_t status = cudaSuccess;
+  for (auto kernel :
+       {swiglu_backward_quantize_kernel<false>, swiglu_backward_quantize_kernel<true>})
+    if ((status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kSharedBytes)) != cudaSuccess)
+      return status;
+  // How many CTAs take each row tile's I: split only where each group's router sum can wait in
+  // the partials (or no router gradient is wanted).
+  const int64_t row_tiles = p.capacity_rows / kTile;
+  const int32_t groups = static_cast<int32_t>((inter / kTile + 1) / 2);
+  const bool router_grads =
+      p.swiglu.d_router_weights != nullptr || p.swiglu.d_router_weights_peers != nullptr;
+  int32_t splits = 1;
+  if (!router_grads || (p.router_grad_partials != nullptr && p.swiglu.row_pair != nullptr)) {
+    if (p.column_splits > 0) {
+      splits = p.column_splits < groups ? p.column_splits : groups;
+    } else {
+      int per_sm = 0;
+      status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &per_sm, swiglu_backward_quantize_kernel<true>, kThreads, kSharedBytes);
+      if (status != cudaSuccess) return status;
+      splits = swiglu_backward_quantize_splits(row_tiles, groups,
+                                               static_cast<int64_t>(per_sm) * current_sm_count());
+    }
+  }
+  Fp8SwigluBackward run = p;
+  if (!router_grads || splits == 1) run.router_grad_partials = nullptr;
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
+  status = run.router_grad_partials != nullptr
+               ? launch_maybe_overlapped(swiglu_backward_quantize_kernel<true>, grid, kThreads,
+                                         kSharedBytes, on, 1, run)
+               : launch_maybe_overlapped(swiglu_backward_quantize_kernel<false>, grid, kThreads,
+                                         kSharedBytes, on, 1, run);
+  if (status != cudaSuccess || run.router_grad_partials == nullptr) return status;
+  return launch_router_weight_grad_sum(
+      p.header, run.router_grad_partials, p.capacity_rows, p.swiglu.row_pair, inter,
+      p.swiglu.d_router_weights, p.swiglu.d_router_weights_peers, p.swiglu.pairs_per_rank, on);
 }
 
 }  // namespace mok::kernels

@@ -40,12 +40,47 @@ struct Fp8SwigluBackward {
   float* d_up_column_scales = nullptr;
   void* h_w_columns = nullptr;
   float* h_w_column_scales = nullptr;
+  // Each row's router-weight gradient over each 256-column group of I, fp32
+  // [ceil(I / 256)][capacity_rows] (the layout launch_router_weight_grad_sum reads). Given, the
+  // launcher may split a row tile's I over several CTAs, each a run of groups, which leave their
+  // groups' sums here; launch_router_weight_grad_sum then adds them in the standalone pass's
+  // order, so d_router_weights keeps its bits. Null: where router gradients are wanted, one CTA
+  // per row tile, which sums its rows' groups itself.
+  float* router_grad_partials = nullptr;
+  // CTAs per row tile: 0 lets the launcher choose (swiglu_backward_quantize_splits); more than
+  // the groups is cut to them. Where router gradients are wanted without partials, always 1.
+  int32_t column_splits = 0;
 };
 
-// One CTA per 128 schedule rows; tiles wholly past total_rows write nothing, the rows of a tile
-// past total_rows quantize as zeros (as launch_gather_quantize_fp8 does). cudaErrorInvalidValue
-// for I or capacity_rows not a multiple of 128, a missing row output, some column outputs without
-// the others, or row_begin != 0.
+// The CTAs per row tile that finish the pass soonest. The row tiles' CTAs run in waves of
+// `slots` (CTAs resident at once); a CTA takes its run of the `groups` 256-column groups plus a
+// fixed start worth an eighth of a group (its rows' pairs and weights, its first loads). Only
+// splits that divide the groups evenly are weighed; ties go to fewer. At dsv3_local (~288 row
+// tiles of 8 groups, 264 slots on 132 SMs) one CTA per tile leaves a second wave of ~24 CTAs
+// (the pass moved 1.15 TB/s there against 1.71 at qwen3, session 36); eight CTAs a tile run
+// nine short waves. At qwen3 (512 tiles of 3 groups) one CTA a tile stays.
+inline int32_t swiglu_backward_quantize_splits(int64_t row_tiles, int32_t groups, int64_t slots) {
+  if (row_tiles <= 0 || groups <= 1 || slots <= 0) return 1;
+  int32_t best = 1;
+  double best_cost = 0.0;
+  for (int32_t splits = 1; splits <= groups; ++splits) {
+    if (groups % splits != 0) continue;
+    const int64_t waves = (row_tiles * splits + slots - 1) / slots;
+    const double cost = static_cast<double>(waves) * (groups / splits + 0.125);
+    if (splits == 1 || cost < best_cost) {
+      best = splits;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+// One CTA per 128 schedule rows and run of I's 256-column groups (router_grad_partials,
+// column_splits), then, with partials in use, launch_router_weight_grad_sum; tiles wholly past
+// total_rows write nothing, the rows of a tile past total_rows quantize as zeros (as
+// launch_gather_quantize_fp8 does). cudaErrorInvalidValue for I or capacity_rows not a multiple
+// of 128, a missing row output, some column outputs without the others, row_begin != 0 or
+// column_splits < 0.
 cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& params, KernelStream on);
 
 }  // namespace mok::kernels
