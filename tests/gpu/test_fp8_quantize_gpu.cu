@@ -601,7 +601,9 @@ TEST(Fp8QuantizeGpu, GatherBandwidth) {
     ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
     float ms = 0;
     cudaEventElapsedTime(&ms, start, stop);
-    const double bytes = total * cols * (2.0 + (both_ways ? 2.0 : 1.0));
+    // The compulsory bytes: x read once (the grid's row-tile order keeps each column slice of
+    // the token rows in L2 while its copies are gathered), the codes written.
+    const double bytes = tokens * cols * 2.0 + total * cols * (both_ways ? 2.0 : 1.0);
     std::printf("  fp8 gather-quantize at dsv3_local, %s: %.3f ms, %.0f GB/s\n",
                 both_ways ? "row and column groups" : "row groups", ms / 10,
                 bytes / (ms / 10 * 1e-3) / 1e9);
