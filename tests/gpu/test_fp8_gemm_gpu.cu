@@ -838,5 +838,81 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
   }
 }
 
+// Fp8GemmParams::consumer_lag_k_blocks: the weight gradients with consumer warpgroup 1 started
+// 1-3 K-blocks behind warpgroup 0 give the bits of both together, on experts of 0, 1, 2, 5 and
+// 8 K-blocks (fewer than the lag included) on 7 CTAs (several tiles each) and on one CTA a SM;
+// then each lag's time at dsv3_local's 8 K-blocks a tile and dsv3_e128's 2, random codes, per
+// call and sustained. Lags past kFp8MaxConsumerLag, or on the row tiles, are refused.
+TEST(Fp8GemmGpu, WeightGradConsumersApart) {
+  {
+    const std::vector<int64_t> blocks = {2, 0, 5, 1, 8, 2, 1};
+    const int64_t experts = static_cast<int64_t>(blocks.size()), m = 256, n = 384;
+    std::vector<int32_t> offsets(experts + 1, 0);
+    for (int64_t e = 0; e < experts; ++e)
+      offsets[e + 1] = offsets[e] + static_cast<int32_t>(blocks[e] * 128);
+    const int64_t rows = offsets[experts], k_blocks = rows / 128;
+    Fp8WeightGradProblem wgrad(rows, m, n, experts);
+    upload(wgrad.a_codes, random_codes(m * rows, 91));
+    upload(wgrad.b_codes, random_codes(n * rows, 92));
+    upload(wgrad.a_scales, random_scales(m * k_blocks, 93));
+    upload(wgrad.b_scales, random_scales(n * k_blocks, 94));
+    upload(wgrad.offsets, offsets);
+    ASSERT_FALSE(HasFatalFailure());
+    const int64_t out_bytes = experts * m * n * 2;
+    std::vector<uint8_t> together(out_bytes), apart(out_bytes);
+    for (const int ctas : {7, 0}) {
+      wgrad.params.consumer_lag_k_blocks = 0;
+      ASSERT_EQ(cudaMemset(wgrad.out, 0xff, out_bytes), cudaSuccess);
+      ASSERT_EQ(wgrad.run(ctas), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(together.data(), wgrad.out, out_bytes, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      for (int32_t lag = 1; lag <= kernels::kFp8MaxConsumerLag; ++lag) {
+        SCOPED_TRACE("lag " + std::to_string(lag) + ", " + std::to_string(ctas) + " CTAs");
+        wgrad.params.consumer_lag_k_blocks = lag;
+        ASSERT_EQ(cudaMemset(wgrad.out, 0xff, out_bytes), cudaSuccess);
+        ASSERT_EQ(wgrad.run(ctas), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(apart.data(), wgrad.out, out_bytes, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        EXPECT_EQ(std::memcmp(together.data(), apart.data(), out_bytes), 0);
+      }
+    }
+    wgrad.params.consumer_lag_k_blocks = kernels::kFp8MaxConsumerLag + 1;
+    EXPECT_EQ(wgrad.run(), cudaErrorInvalidValue);
+    wgrad.params.consumer_lag_k_blocks = -1;
+    EXPECT_EQ(wgrad.run(), cudaErrorInvalidValue);
+    wgrad.params.consumer_lag_k_blocks = 1;
+    wgrad.params.form = kernels::Fp8GemmForm::kRowTiles;
+    EXPECT_EQ(wgrad.run(), cudaErrorInvalidValue);
+  }
+  struct Shape {
+    const char* name;
+    int64_t experts, expert_rows;
+  };
+  const int64_t m = 2048, n = 7168;
+  for (const Shape& shape : {Shape{"dsv3_local", 32, 1024}, Shape{"dsv3_e128", 128, 256}}) {
+    const int64_t rows = shape.experts * shape.expert_rows, k_blocks = rows / 128;
+    const double flop = 2.0 * rows * m * n;
+    Fp8WeightGradProblem wgrad(rows, m, n, shape.experts);
+    upload(wgrad.a_codes, random_codes(m * rows, 81));
+    upload(wgrad.b_codes, random_codes(n * rows, 82));
+    upload(wgrad.a_scales, random_scales(m * k_blocks, 83));
+    upload(wgrad.b_scales, random_scales(n * k_blocks, 84));
+    std::vector<int32_t> offsets(shape.experts + 1);
+    for (int64_t e = 0; e <= shape.experts; ++e)
+      offsets[e] = static_cast<int32_t>(e * shape.expert_rows);
+    upload(wgrad.offsets, offsets);
+    ASSERT_FALSE(HasFatalFailure());
+    for (int32_t lag = 0; lag <= kernels::kFp8MaxConsumerLag; ++lag) {
+      wgrad.params.consumer_lag_k_blocks = lag;
+      const double per_call = median_ms([&] { return wgrad.run(); });
+      const double sustained = sustained_ms([&] { return wgrad.run(); });
+      std::printf(
+          "  fp8 weight gradient, %s, consumers %d K-blocks apart: %.3f ms (%.0f TFLOP/s), "
+          "sustained %.3f ms (%.0f TFLOP/s)\n",
+          shape.name, lag, per_call, flop / per_call / 1e9, sustained, flop / sustained / 1e9);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mok
