@@ -127,8 +127,9 @@ TEST(Fp8LayerGpu, KeptWeightsGiveTheSameBits) {
 }
 
 // The FP8 row-tile GEMMs' walk (MoeConfig::gemm_tile_group, gemm_expert_groups) reorders
-// tiles only: every walk gives the default walk's bits, on skewed routing (experts of 1 to ~20
-// row tiles) and with experts that have no rows.
+// tiles only, and the weight gradients' consumers apart (fp8_weight_grad_consumer_lag) change
+// only when each runs: every variant gives the default's bits, on skewed routing (experts of 1
+// to ~20 row tiles) and with experts that have no rows.
 TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
   for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kHoles}) {
     // (FP8 with a shared expert takes whole 128-token tiles.)
@@ -139,16 +140,19 @@ TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
     const HostRank want = test::gpu_step(default_walk, device, problem, /*with_context=*/true);
     struct Walk {
       const char* name;
-      int32_t tile_group, expert_groups;
+      int32_t tile_group, expert_groups, wgrad_lag;
     };
     for (const Walk& walk :
-         {Walk{"groups of 1", 1, 0}, Walk{"groups of 3", 3, 0}, Walk{"groups of 1024", 1024, 0},
-          Walk{"expert groups of 1", 8, 1}, Walk{"expert groups of 3", 8, 3},
-          Walk{"expert groups of 16", 8, 16}}) {
+         {Walk{"groups of 1", 1, 0, 0}, Walk{"groups of 3", 3, 0, 0},
+          Walk{"groups of 1024", 1024, 0, 0}, Walk{"expert groups of 1", 8, 1, 0},
+          Walk{"expert groups of 3", 8, 3, 0}, Walk{"expert groups of 16", 8, 16, 0},
+          Walk{"weight-gradient consumers 1 K-block apart", 8, 0, 1},
+          Walk{"weight-gradient consumers 3 K-blocks apart", 8, 0, 3}}) {
       SCOPED_TRACE(std::string(walk.name) + ", routing " + routing_kind_name(routing));
       MoeConfig config = fp8_config();
       config.gemm_tile_group = walk.tile_group;
       config.gemm_expert_groups = walk.expert_groups;
+      config.fp8_weight_grad_consumer_lag = walk.wgrad_lag;
       GpuLayer layer(shape, config);
       const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
       test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
