@@ -3,8 +3,10 @@
 // SwiGLU backward's g, u, dh_raw in and d_g, d_u, h_w out in bf16, then d_g, d_u and h_w read
 // back for their codes); this one reads g, u and dh_raw once and writes only codes and scales.
 //
-// Grid: one 256-thread CTA per 128 schedule rows (2 CTAs an SM: three staged tiles, 102 KB).
-// The CTA walks the rows' I columns in chunks of 128:
+// Grid: 256-thread CTAs (2 an SM: three staged tiles, 102 KB), x: the 128-row tiles, y: runs of
+// I's 256-column groups (one run, the whole of I, unless the launcher splits I where the tiles
+// alone would leave a wave nearly empty: swiglu_backward_quantize_splits). The CTA walks its
+// run's I columns in chunks of 128:
 //   1. each thread computes one 8-element vector (swiglu_backward.cuh) of 8 of the tile's rows:
 //      slot threadIdx % 16 of the chunk, rows threadIdx / 16 + 16 k, the loads of four rows in
 //      flight together; d_g, d_u and h_w go into three staged bf16 tiles (fp8_group_tile.cuh);
@@ -14,7 +16,9 @@
 // 2t and 2t + 1, its vector 16 c + s (slot s of chunk c) in the standalone pass's lane
 // 16 (c % 2) + s. The 16 slots of a row are one half-warp, so each chunk's half of the group's
 // tree is the half-warp's butterfly over lanes 1-8; the even chunk's half waits in a register
-// for the odd one's, and their sum (the tree's last level) joins the row's running sum.
+// for the odd one's, and their sum (the tree's last level) joins the row's running sum. Split
+// (kGroupPartials), each group's sum goes to the router partials instead, and
+// launch_router_weight_grad_sum adds them in the same order after the kernel.
 #include <cuda_bf16.h>
 
 #include "kernels/common/kernel_stream.h"
