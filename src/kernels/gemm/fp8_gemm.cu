@@ -293,8 +293,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         smem.expert_offsets[e] = params.expert_offsets[e];
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
-    // kWeightGrad with a consumer lag: warpgroup 1 waits until warpgroup 0 has issued `lag`
-    // K-blocks (or has none left), once; nothing joins them after that.
+    // kWeightGrad with a consumer lag: consumer 1 (warpgroup 2) waits until consumer 0 has
+    // issued `lag` K-blocks (or has none left), once; nothing joins them after that. (A hang of
+    // consumer 0 ends in its own waits' diagnosis, which this barrier then never outlives.)
     const int lag = kWeightGrad ? params.consumer_lag_k_blocks : 0;
     int issued = 0;  // warpgroup 0's K-blocks issued, up to `lag`
     auto release_lagging_warpgroup = [&] {
