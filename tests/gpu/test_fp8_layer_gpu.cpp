@@ -36,6 +36,26 @@ MoeConfig fp8_config() {
   return config;
 }
 
+// Every output of `got` bit for bit `want`'s; `note` says which run `got` was.
+void expect_same_bits(const HostRank& got, const HostRank& want, const std::string& note) {
+  test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
+    EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " " << note;
+  });
+}
+
+// The problems the bits-against-a-variant tests share: skewed routing (experts of 1 to ~20 row
+// tiles) and experts without rows, with a shared expert (FP8 then takes whole 128-token tiles).
+// `check(routing, shape, problem, device)` for each.
+template <typename Check>
+void for_each_bits_problem(uint64_t seed, Check check) {
+  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kHoles}) {
+    const MoeShape shape = make_shape(1280, 512, 256, 16, 4, 1, 128);
+    HostProblem problem = HostProblem::make(shape, routing, seed);
+    DeviceProblem device(problem, 0);
+    check(routing, shape, problem, device);
+  }
+}
+
 void check_fp8(const char* name, const MoeShape& shape, RoutingKind routing, uint64_t seed) {
   SCOPED_TRACE(std::string(name) + " " + shape.to_string() + " routing " +
                routing_kind_name(routing));
@@ -64,11 +84,8 @@ void check_fp8(const char* name, const MoeShape& shape, RoutingKind routing, uin
   });
   std::printf("\n");
   for (const bool with_context : {true, false}) {
-    const HostRank again = test::gpu_step(layer, device, problem, with_context);
-    test::for_each_output(again, got, [&](const char* output, const auto& a, const auto& b) {
-      EXPECT_TRUE(test::bitwise_equal(a, b))
-          << output << (with_context ? " differs across runs" : " differs when recomputing");
-    });
+    expect_same_bits(test::gpu_step(layer, device, problem, with_context), got,
+                     with_context ? "differs across runs" : "differs when recomputing");
   }
 }
 
@@ -106,14 +123,9 @@ TEST(Fp8LayerGpu, KeptWeightsGiveTheSameBits) {
     device.download_outputs(result);
     return result;
   };
-  auto expect_same = [](const HostRank& a, const HostRank& b, const char* when) {
-    test::for_each_output(a, b, [&](const char* output, const auto& x, const auto& y) {
-      EXPECT_TRUE(test::bitwise_equal(x, y)) << output << " " << when;
-    });
-  };
   const HostRank want = step(every_call, 0);
-  expect_same(step(keeping, 5), want, "(first call of version 5)");
-  expect_same(step(keeping, 5), want, "(version 5 kept)");
+  expect_same_bits(step(keeping, 5), want, "(first call of version 5)");
+  expect_same_bits(step(keeping, 5), want, "(version 5 kept)");
   // Halve w_down in place (a bf16 halving is exact), as a new version of the weights.
   const ForwardArgs args = device.forward_args();
   std::vector<bf16> down(args.w_down.nbytes() / 2);
@@ -123,7 +135,7 @@ TEST(Fp8LayerGpu, KeptWeightsGiveTheSameBits) {
   ASSERT_EQ(cudaMemcpy(args.w_down.data, down.data(), args.w_down.nbytes(), cudaMemcpyHostToDevice),
             cudaSuccess);
   const HostRank changed = step(every_call, 0);
-  expect_same(step(keeping, 6), changed, "(version 6 after the weights changed)");
+  expect_same_bits(step(keeping, 6), changed, "(version 6 after the weights changed)");
 }
 
 // The FP8 row-tile GEMMs' walk (MoeConfig::gemm_tile_group, gemm_expert_groups) reorders
@@ -131,11 +143,8 @@ TEST(Fp8LayerGpu, KeptWeightsGiveTheSameBits) {
 // only when each runs: every variant gives the default's bits, on skewed routing (experts of 1
 // to ~20 row tiles) and with experts that have no rows.
 TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
-  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kHoles}) {
-    // (FP8 with a shared expert takes whole 128-token tiles.)
-    const MoeShape shape = make_shape(1280, 512, 256, 16, 4, 1, 128);
-    HostProblem problem = HostProblem::make(shape, routing, 79);
-    DeviceProblem device(problem, 0);
+  for_each_bits_problem(79, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+                               DeviceProblem& device) {
     GpuLayer default_walk(shape, fp8_config());
     const HostRank want = test::gpu_step(default_walk, device, problem, /*with_context=*/true);
     struct Walk {
@@ -154,22 +163,18 @@ TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
       config.gemm_expert_groups = walk.expert_groups;
       config.fp8_weight_grad_consumer_lag = walk.wgrad_lag;
       GpuLayer layer(shape, config);
-      const HostRank got = test::gpu_step(layer, device, problem, /*with_context=*/true);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " differs from the default walk's";
-      });
+      expect_same_bits(test::gpu_step(layer, device, problem, /*with_context=*/true), want,
+                       "differs from the default walk's");
     }
-  }
+  });
 }
 
 // The FP8 layer's launches overlapped (MoeConfig::overlap_kernel_launches): every kernel waits
 // for the one before, so the bits are the plain launches', with and without the forward context
 // (the recompute's gather, quantization and GEMM), on skewed routing and with empty experts.
 TEST(Fp8LayerGpu, OverlappedLaunchesGiveTheSameBits) {
-  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kHoles}) {
-    const MoeShape shape = make_shape(1280, 512, 256, 16, 4, 1, 128);
-    HostProblem problem = HostProblem::make(shape, routing, 83);
-    DeviceProblem device(problem, 0);
+  for_each_bits_problem(83, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+                               DeviceProblem& device) {
     GpuLayer plain(shape, fp8_config());
     MoeConfig config = fp8_config();
     config.overlap_kernel_launches = true;
@@ -177,14 +182,11 @@ TEST(Fp8LayerGpu, OverlappedLaunchesGiveTheSameBits) {
     for (const bool with_context : {true, false}) {
       SCOPED_TRACE(std::string(routing_kind_name(routing)) + (with_context ? "" : ", recomputed"));
       const HostRank want = test::gpu_step(plain, device, problem, with_context);
-      for (int call = 0; call < 2; ++call) {
-        const HostRank got = test::gpu_step(overlapped, device, problem, with_context);
-        test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-          EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " (call " << call << ")";
-        });
-      }
+      for (int call = 0; call < 2; ++call)
+        expect_same_bits(test::gpu_step(overlapped, device, problem, with_context), want,
+                         "(call " + std::to_string(call) + ")");
     }
-  }
+  });
 }
 
 // Weights given pre-quantized (ForwardArgs::w_*_fp8): the bits of the same weights given as
@@ -203,10 +205,8 @@ TEST(Fp8LayerGpu, PreQuantizedWeightsGiveTheSameBits) {
     device.upload_fp8_weights(quantized, which);
     GpuLayer given(shape, fp8_config());
     for (const bool with_context : {true, false}) {
-      const HostRank got = test::gpu_step(given, device, problem, with_context);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << (with_context ? "" : " (recomputed)");
-      });
+      expect_same_bits(test::gpu_step(given, device, problem, with_context), want,
+                       with_context ? "" : "(recomputed)");
     }
     for (int call = 0; call < 2; ++call) {  // the transposed copies kept for version 3
       device.poison_outputs();
@@ -220,9 +220,7 @@ TEST(Fp8LayerGpu, PreQuantizedWeightsGiveTheSameBits) {
       ASSERT_TRUE(given.synchronize(nullptr).ok());
       HostRank got = output_buffers(shape);
       device.download_outputs(got);
-      test::for_each_output(got, want, [&](const char* output, const auto& a, const auto& b) {
-        EXPECT_TRUE(test::bitwise_equal(a, b)) << output << " (version 3, call " << call << ")";
-      });
+      expect_same_bits(got, want, "(version 3, call " + std::to_string(call) + ")");
     }
   }
   DeviceProblem device(problem, 0);

@@ -297,11 +297,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // issued `lag` K-blocks (or has none left), once; nothing joins them after that. (A hang of
     // consumer 0 ends in its own waits' diagnosis, which this barrier then never outlives.)
     const int lag = kWeightGrad ? params.consumer_lag_k_blocks : 0;
-    int issued = 0;  // warpgroup 0's K-blocks issued, up to `lag`
-    auto release_lagging_warpgroup = [&] {
-      if (lag > 0 && consumer_idx == 0 && issued < lag)
-        ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
-    };
+    int issued = 0;  // consumer 0's K-blocks issued
     if (lag > 0 && consumer_idx == 1) ptx::named_barrier_sync(kLagBarrier, kConsumerThreads);
     // kRowTiles: each tile's coordinates are read once, a tile ahead (see read_next_tile).
     Fp8Tile next{};
@@ -352,7 +348,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::wgmma_commit();
         load_state.advance();
         if constexpr (kWeightGrad) {
-          if (lag > 0 && consumer_idx == 0 && issued < lag && ++issued == lag)
+          if (lag > 0 && consumer_idx == 0 && ++issued == lag)
             ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
         }
       };
@@ -468,7 +464,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::bulk_commit_group();
       }
     }
-    if constexpr (kWeightGrad) release_lagging_warpgroup();  // fewer K-blocks than the lag
+    if (lag > 0 && consumer_idx == 0 && issued < lag)  // fewer K-blocks than the lag
+      ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
     if (issuer) ptx::bulk_wait_group<0>();  // kRowTiles: the last store reads the staging tile
   }
 }

@@ -44,6 +44,12 @@ constexpr int32_t kPastTheRows = -2;                       // a tile row at or p
 struct SwigluBackwardTiles {
   StagedTile d_gate, d_up, h_w;
 };
+// CTAs an SM holds: the staged tiles bind (the launch bounds promise the registers for it), so
+// the launcher sizes its waves from this, not from an occupancy query per launch.
+constexpr int kCtasPerSm = 2;
+static_assert(kCtasPerSm * (sizeof(SwigluBackwardTiles) + 2 * 1024) <= 228 * 1024,
+              "the staged tiles of kCtasPerSm CTAs (with their static and reserved shared "
+              "memory) fit an SM");
 static_assert(kSlots == 16, "a chunk is half of a 256-column group: one half-warp per row");
 
 // Row `row` of the tile's sum over 256-column group `group` into the partials (a routed row's,
@@ -132,7 +138,7 @@ __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p
 // kGroupPartials: the CTA takes a run of the groups and leaves their router sums in
 // p.router_grad_partials.
 template <bool kGroupPartials>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     swiglu_backward_quantize_kernel(Fp8SwigluBackward p) {
   ptx::begin_after_previous_kernel();
   extern __shared__ __align__(16) uint8_t shared[];
@@ -200,13 +206,6 @@ cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& p, Kern
     return cudaErrorInvalidValue;
   if (p.column_splits < 0) return cudaErrorInvalidValue;
   if (p.capacity_rows == 0) return cudaSuccess;
-  constexpr int kSharedBytes = sizeof(SwigluBackwardTiles);
-  cudaError_t status = cudaSuccess;
-  for (auto kernel :
-       {swiglu_backward_quantize_kernel<false>, swiglu_backward_quantize_kernel<true>})
-    if ((status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kSharedBytes)) != cudaSuccess)
-      return status;
   // How many CTAs take each row tile's I: split only where each group's router sum can wait in
   // the partials (or no router gradient is wanted).
   const int64_t row_tiles = p.capacity_rows / kTile;
@@ -218,22 +217,21 @@ cudaError_t launch_swiglu_backward_quantize_fp8(const Fp8SwigluBackward& p, Kern
     if (p.column_splits > 0) {
       splits = p.column_splits < groups ? p.column_splits : groups;
     } else {
-      int per_sm = 0;
-      status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, swiglu_backward_quantize_kernel<true>, kThreads, kSharedBytes);
-      if (status != cudaSuccess) return status;
-      splits = swiglu_backward_quantize_splits(row_tiles, groups,
-                                               static_cast<int64_t>(per_sm) * current_sm_count());
+      splits = swiglu_backward_quantize_splits(
+          row_tiles, groups, static_cast<int64_t>(kCtasPerSm) * current_sm_count());
     }
   }
   Fp8SwigluBackward run = p;
   if (!router_grads || splits == 1) run.router_grad_partials = nullptr;
-  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
-  status = run.router_grad_partials != nullptr
-               ? launch_maybe_overlapped(swiglu_backward_quantize_kernel<true>, grid, kThreads,
-                                         kSharedBytes, on, 1, run)
-               : launch_maybe_overlapped(swiglu_backward_quantize_kernel<false>, grid, kThreads,
-                                         kSharedBytes, on, 1, run);
+  auto* kernel = run.router_grad_partials != nullptr ? swiglu_backward_quantize_kernel<true>
+                                                     : swiglu_backward_quantize_kernel<false>;
+  constexpr int kSharedBytes = sizeof(SwigluBackwardTiles);
+  cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (status != cudaSuccess) return status;
+  status = launch_maybe_overlapped(
+      kernel, dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits)), kThreads,
+      kSharedBytes, on, 1, run);
   if (status != cudaSuccess || run.router_grad_partials == nullptr) return status;
   return launch_router_weight_grad_sum(
       p.header, run.router_grad_partials, p.capacity_rows, p.swiglu.row_pair, inter,
