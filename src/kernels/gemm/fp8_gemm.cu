@@ -294,10 +294,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
     // kWeightGrad with a consumer lag: consumer 1 (warpgroup 2) waits until consumer 0 has
-    // issued `lag` K-blocks (or has none left), once; nothing joins them after that. (A hang of
-    // consumer 0 ends in its own waits' diagnosis, which this barrier then never outlives.)
+    // issued `lag` K-blocks or finished its first tile's (whichever comes first: its second
+    // tile's staging waits for consumer 1's first), or has no tile, once; nothing joins them
+    // after that. (A hang of consumer 0 ends in its own waits' diagnosis, which this barrier
+    // then never outlives.)
     const int lag = kWeightGrad ? params.consumer_lag_k_blocks : 0;
-    int issued = 0;  // consumer 0's K-blocks issued
+    // Consumer 0's K-blocks still to issue before it releases consumer 1 (0: released).
+    int lag_left = lag > 0 && consumer_idx == 0 ? lag : 0;
     if (lag > 0 && consumer_idx == 1) ptx::named_barrier_sync(kLagBarrier, kConsumerThreads);
     // kRowTiles: each tile's coordinates are read once, a tile ahead (see read_next_tile).
     Fp8Tile next{};
@@ -348,7 +351,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::wgmma_commit();
         load_state.advance();
         if constexpr (kWeightGrad) {
-          if (lag > 0 && consumer_idx == 0 && ++issued == lag)
+          if (lag_left > 0 && --lag_left == 0)
             ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
         }
       };
@@ -428,6 +431,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
       const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
+      if (kWeightGrad && lag_left > 0) {       // the first tile had fewer K-blocks than the lag
+        ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
+        lag_left = 0;
+      }
       // The next tile's B scales, published by the staging tile's barrier; the other row is no
       // longer read (every consumer passed this tile's first barrier after the last tile's math).
       if constexpr (!kWeightGrad)
@@ -464,7 +471,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::bulk_commit_group();
       }
     }
-    if (lag > 0 && consumer_idx == 0 && issued < lag)  // fewer K-blocks than the lag
+    if (lag_left > 0)  // no tile
       ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
     if (issuer) ptx::bulk_wait_group<0>();  // kRowTiles: the last store reads the staging tile
   }
