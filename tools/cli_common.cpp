@@ -42,12 +42,25 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {
-    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
-    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
-    "l2-placement",      "four-stages",        "lockstep-N",          "tiles-by-ticket",
-    "auto-lockstep",     "aligned-groups",     "dgrad-half-tiles",    "expert-groups-N",
-    "wgrad-lag-N",       "swiglu-in-dgrad",    "overlap-launches",    nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     "l2-placement",
+                                     "four-stages",
+                                     "lockstep-N",
+                                     "tiles-by-ticket",
+                                     "auto-lockstep",
+                                     "aligned-groups",
+                                     "dgrad-half-tiles",
+                                     "expert-groups-N",
+                                     "swiglu-in-dgrad",
+                                     "overlap-launches",
+                                     nullptr};
 
 namespace {
 
@@ -146,10 +159,6 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // "tile-group-N" (can_implement checks its range): the expert GEMMs' walk in groups of N
     // row tiles.
     flipped.gemm_tile_group = group;
-  } else if (const int lag = numbered_knob(name, "wgrad-lag-"); lag >= 0) {
-    // "wgrad-lag-N" (FP8; 0 = together; can_implement checks the range): the weight-gradient
-    // GEMMs' second consumer N K-blocks behind the first.
-    flipped.fp8_weight_grad_consumer_lag = lag;
   } else if (const int most = numbered_knob(name, "expert-groups-"); most >= 0) {
     // "expert-groups-N" (FP8; 0 = off; can_implement checks the range): each expert's row
     // tiles walked in groups of their own, at most N a group.

@@ -122,13 +122,6 @@ struct MoeConfig {
   // groups, whose CTAs read its weight tiles a sweep apart, from HBM twice (docs/design.md, "Groups
   // of one expert"). 0 to 1024. Same bits. Off until measured faster (session 35; docs/perf.md).
   int32_t gemm_expert_groups = 0;
-  // The FP8 weight-gradient GEMMs (precision fp8_block) with their second consumer warpgroup
-  // started this many K-blocks behind the first, so that each one's last promotion and staging
-  // run under the other's tensor-core work at its tiles' ends (a tile reduces one expert's rows:
-  // 8 K-blocks at `dsv3_local`, 2 at `dsv3_e128`, and those ends cost ~14% and more of the
-  // GEMM). 0 (together) to kMaxFp8WeightGradConsumerLag. Same bits. Off until measured faster
-  // (written in session 44, not yet run).
-  int32_t fp8_weight_grad_consumer_lag = 0;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
   // the layer probes which SMs share a partition when it is built (atomic latencies,
@@ -230,9 +223,6 @@ inline constexpr int32_t kMaxCommSms = 128;
 inline constexpr int64_t kMaxWideTileExperts = 1024;
 // MoeConfig::gemm_tile_group: the largest group.
 inline constexpr int32_t kMaxTileGroup = 1024;
-// MoeConfig::fp8_weight_grad_consumer_lag's largest: the ring's five stages less the one the
-// producer loads ahead and the one the leading consumer reads.
-inline constexpr int32_t kMaxFp8WeightGradConsumerLag = 3;
 // MoeConfig::gemm_lockstep_k_blocks: the largest lead.
 inline constexpr int32_t kMaxLockstepKBlocks = 4096;
 

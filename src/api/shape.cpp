@@ -209,11 +209,6 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad("gemm_expert_groups = " + std::to_string(config.gemm_expert_groups) +
                "; valid: 0 (fixed groups of 8) or 1 to " + std::to_string(kMaxTileGroup) +
                " row tiles");
-  if (config.fp8_weight_grad_consumer_lag < 0 ||
-      config.fp8_weight_grad_consumer_lag > kMaxFp8WeightGradConsumerLag)
-    return bad(
-        "fp8_weight_grad_consumer_lag = " + std::to_string(config.fp8_weight_grad_consumer_lag) +
-        "; valid: 0 (together) to " + std::to_string(kMaxFp8WeightGradConsumerLag) + " K-blocks");
   if (config.gemm_lockstep_k_blocks != 0 &&
       (config.gemm_lockstep_k_blocks < 2 || config.gemm_lockstep_k_blocks > kMaxLockstepKBlocks))
     return bad("gemm_lockstep_k_blocks = " + std::to_string(config.gemm_lockstep_k_blocks) +
@@ -279,11 +274,6 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
                " with precision = bf16; valid: gemm_expert_groups = 0 (the expert groups walk "
                "the FP8 row-tile GEMMs; the bf16 version, commit f2b2930, awaits a timing of its "
                "default path)");
-  if (config.fp8_weight_grad_consumer_lag != 0 && config.precision != Precision::kFP8Block)
-    return bad(
-        "fp8_weight_grad_consumer_lag = " + std::to_string(config.fp8_weight_grad_consumer_lag) +
-        " with precision = bf16; valid: fp8_weight_grad_consumer_lag = 0 (it staggers the "
-        "FP8 weight-gradient GEMMs' consumers)");
   if (config.gemm_four_stages)
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_four_stages", "a CTA pair's stages are three",
                                          "the 256 x 192 tiles have their own ring"));

@@ -36,9 +36,6 @@
 
 namespace mok {
 
-static_assert(kernels::kFp8MaxConsumerLag == kMaxFp8WeightGradConsumerLag,
-              "MoeConfig::fp8_weight_grad_consumer_lag's range is the kernel's");
-
 namespace {
 
 using kernels::Fp8QuantizeForm;
@@ -420,7 +417,6 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     wgrad.n_extent = static_cast<int32_t>(n);
     wgrad.wait = s.wait_context();
     wgrad.ablation = gemm_ablation_from_env();
-    wgrad.consumer_lag_k_blocks = s.config.fp8_weight_grad_consumer_lag;
     launch(s, wgrad_maps, wgrad, on, what);
   };
   weight_grad(fp8.d_gate_t, I, fp8.x_t, H, b.grads.d_w_gate, b.grads.d_w_gate_stride,

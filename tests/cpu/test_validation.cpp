@@ -314,28 +314,6 @@ TEST(ConfigValidation, ExpertGroupsAreFp8RowTileGroups) {
                {"gemm_expert_groups = 16 with precision = bf16", "valid: gemm_expert_groups = 0"});
 }
 
-// MoeConfig::fp8_weight_grad_consumer_lag: 0 to kMaxFp8WeightGradConsumerLag K-blocks, on the
-// FP8 weight gradients; the bf16 layer refuses it by name.
-TEST(ConfigValidation, WeightGradConsumerLagIsFp8s) {
-  MoeConfig config;
-  config.precision = Precision::kFP8Block;
-  for (int32_t lag = 0; lag <= kMaxFp8WeightGradConsumerLag; ++lag) {
-    config.fp8_weight_grad_consumer_lag = lag;
-    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << lag;
-  }
-  for (const int32_t lag : {-1, kMaxFp8WeightGradConsumerLag + 1}) {
-    config.fp8_weight_grad_consumer_lag = lag;
-    expect_error(
-        can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-        {"fp8_weight_grad_consumer_lag = " + std::to_string(lag), "valid: 0 (together) to 3"});
-  }
-  MoeConfig bf16;
-  bf16.fp8_weight_grad_consumer_lag = 1;
-  expect_error(can_implement_knobs(bf16, 1), ErrorCode::kInvalidArgument,
-               {"fp8_weight_grad_consumer_lag = 1 with precision = bf16",
-                "valid: fp8_weight_grad_consumer_lag = 0"});
-}
-
 // The row-tile GEMMs' lockstep (MoeConfig::gemm_lockstep_k_blocks): 0 (off) or 2 to
 // kMaxLockstepKBlocks K-blocks, with the four-stage ring, the L2 placement, the 256 x 192 tiles
 // and FP8, not with CTA pairs (named).

@@ -324,6 +324,4 @@ def test_config_switches_reach_the_native_config():
                 assert getattr(native, other) == getattr(default, other), (name, other)
     assert F.MoKConfig(gemm_tile_group=3).to_native().gemm_tile_group == 3
     assert F.MoKConfig(gemm_expert_groups=16).to_native().gemm_expert_groups == 16
-    lagged = F.MoKConfig(fp8_weight_grad_consumer_lag=2).to_native()
-    assert lagged.fp8_weight_grad_consumer_lag == 2
     assert F.MoKConfig(gemm_lockstep_k_blocks=16).to_native().gemm_lockstep_k_blocks == 16

@@ -25,10 +25,7 @@
 //                 * scale_b (one per weight block, from the tile's B scales in shared memory),
 //                 the stage released before the promotion; kWeightGrad:
 //                 scale_a[m] * scale_b[n] per element (the B scales read from the stage, so
-//                 the stage is released after it). kWeightGrad with
-//                 Fp8GemmParams::consumer_lag_k_blocks: warpgroup 2 starts that many K-blocks
-//                 behind warpgroup 1 (one named barrier at its start), so that one's last
-//                 promotion and staging overlap the other's wgmma at each of the short tiles' ends.
+//                 the stage is released after it).
 // Pipeline: kFp8Stages stages of 33 KB (the 128-byte swizzle TMA writes and wgmma reads); the
 // epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
 // overlapping the next tile's mainloop: kRowTiles through the consumers' named barrier and their
@@ -66,8 +63,6 @@ constexpr int kFp8Stages = 5;
 constexpr int kFp8TileBytes = BLOCK_M * kFp8BlockK;  // A or B tile of one stage: 16 KB
 constexpr int kFp8ScaleBytes = BLOCK_M * 4;
 constexpr int kMaxTileKBlocks = static_cast<int>(kFp8MaxReduction / kFp8BlockK);
-constexpr int kLagBarrier = 2;  // named barrier: the lagging consumer's one start (id 1: both)
-static_assert(kFp8MaxConsumerLag <= kFp8Stages - 2, "the lag leaves the producer a stage");
 static_assert(kMaxTileKBlocks <= kConsumerThreads, "one B scale per consumer thread");
 
 struct alignas(1024) Fp8SharedStorage {
@@ -293,15 +288,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         smem.expert_offsets[e] = params.expert_offsets[e];
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
-    // kWeightGrad with a consumer lag: consumer 1 (warpgroup 2) waits until consumer 0 has
-    // issued `lag` K-blocks or finished its first tile's (whichever comes first: its second
-    // tile's staging waits for consumer 1's first), or has no tile, once; nothing joins them
-    // after that. (A hang of consumer 0 ends in its own waits' diagnosis, which this barrier
-    // then never outlives.)
-    const int lag = kWeightGrad ? params.consumer_lag_k_blocks : 0;
-    // Consumer 0's K-blocks still to issue before it releases consumer 1 (0: released).
-    int lag_left = lag > 0 && consumer_idx == 0 ? lag : 0;
-    if (lag > 0 && consumer_idx == 1) ptx::named_barrier_sync(kLagBarrier, kConsumerThreads);
     // kRowTiles: each tile's coordinates are read once, a tile ahead (see read_next_tile).
     Fp8Tile next{};
     if constexpr (!kWeightGrad) {
@@ -350,10 +336,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::wgmma_m64n128k32_e4m3(block, desc_a + 2 * k, desc_b + 2 * k, k > 0);
         ptx::wgmma_commit();
         load_state.advance();
-        if constexpr (kWeightGrad) {
-          if (lag_left > 0 && --lag_left == 0)
-            ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
-        }
       };
       // Adds the oldest K-block's finished products into the sum times their scales and hands
       // its stage back.
@@ -431,10 +413,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
       const bool empty = t.num_k_blocks == 0;  // kWeightGrad: an expert without rows
-      if (kWeightGrad && lag_left > 0) {       // the first tile had fewer K-blocks than the lag
-        ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
-        lag_left = 0;
-      }
       // The next tile's B scales, published by the staging tile's barrier; the other row is no
       // longer read (every consumer passed this tile's first barrier after the last tile's math).
       if constexpr (!kWeightGrad)
@@ -471,8 +449,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::bulk_commit_group();
       }
     }
-    if (lag_left > 0)  // no tile
-      ptx::named_barrier_arrive(kLagBarrier, kConsumerThreads);
     if (issuer) ptx::bulk_wait_group<0>();  // kRowTiles: the last store reads the staging tile
   }
 }
@@ -492,10 +468,7 @@ cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, in
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, KernelStream on) {
-  if (params.n_extent <= 0 || params.n_extent % kFp8TileN != 0 ||
-      params.consumer_lag_k_blocks < 0 || params.consumer_lag_k_blocks > kFp8MaxConsumerLag ||
-      (params.form != Fp8GemmForm::kWeightGrad && params.consumer_lag_k_blocks != 0))
-    return cudaErrorInvalidValue;
+  if (params.n_extent <= 0 || params.n_extent % kFp8TileN != 0) return cudaErrorInvalidValue;
   if (params.form == Fp8GemmForm::kWeightGrad) {
     if (params.m_extent <= 0 || params.m_extent % BLOCK_M != 0 || params.num_experts < 0 ||
         params.num_experts > kMaxExperts)

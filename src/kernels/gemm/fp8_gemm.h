@@ -71,21 +71,10 @@ struct Fp8GemmParams {
   // a kernel of its own, so that the default walk's code stays as it was). Last, so that the
   // other fields keep their offsets.
   int32_t expert_groups = 0;
-  // kWeightGrad: consumer warpgroup 1 starts this many K-blocks behind warpgroup 0, so that each
-  // one's last promotion and staging run while the other's wgmma keep the tensor cores busy
-  // (both stay apart: no barrier joins them, each stages its own 64 rows when its tile ends).
-  // 0: together. At most kFp8MaxConsumerLag; kRowTiles takes 0 only (its consumers meet at every
-  // tile's staging barrier).
-  int32_t consumer_lag_k_blocks = 0;
 };
 
-// The largest consumer_lag_k_blocks: the leading warpgroup may hold no stage the lagging one has
-// not yet read beyond the ring's five, and the producer needs one free to load ahead.
-inline constexpr int32_t kFp8MaxConsumerLag = 3;
-
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
-// that are not multiples of 128, for kRowTiles' K over kFp8MaxReduction (mok/fp8.h), and for a
-// consumer lag outside [0, kFp8MaxConsumerLag] (kRowTiles: other than 0).
+// that are not multiples of 128, and for kRowTiles' K over kFp8MaxReduction (mok/fp8.h).
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, KernelStream on);
 
