@@ -71,6 +71,12 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
 extern const char* const kCompareKnobs[];
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name);
 
+// Runs `set_up` (a compared knob's layer made and its first step run); an out-of-memory error
+// there is rethrown saying that each compared knob holds a layer of its own, so fewer knobs a
+// run fit (e.g. `dsv3_e128` in FP8 fits one beside the layer and bf16's on 80 GB).
+void set_up_compared_knob(const std::string& knob, size_t knobs,
+                          const std::function<void()>& set_up);
+
 struct Comparison {
   std::string name;
   double max_abs = 0, rel = 0;

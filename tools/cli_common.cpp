@@ -75,6 +75,20 @@ int numbered_knob(const std::string& name, std::string_view prefix) {
 
 }  // namespace
 
+void set_up_compared_knob(const std::string& knob, size_t knobs,
+                          const std::function<void()>& set_up) {
+  try {
+    set_up();
+  } catch (const mok::Error& error) {
+    if (error.code() != mok::ErrorCode::kOutOfMemory) throw;
+    throw mok::Error(mok::ErrorCode::kOutOfMemory,
+                     std::string(error.what()) + " (--compare " + knob + ": each of the " +
+                         std::to_string(knobs) +
+                         " compared knobs holds a layer of its own beside the layer and its "
+                         "baseline; compare fewer knobs a run)");
+  }
+}
+
 mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) {
   // "K1+K2+...": the knobs flipped in turn, each on the previous one's config.
   if (const size_t plus = name.find('+'); plus != std::string::npos)

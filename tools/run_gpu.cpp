@@ -248,11 +248,13 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
   std::vector<ComparedKnob> compared;
   for (const std::string& knob : options.compare) {
     const mok::MoeConfig flipped = flip_knob(config, knob);
-    compared.push_back({knob, flipped, std::make_unique<mok::GpuLayer>(shape, flipped)});
-    if (flipped.gemm_l2_placement && !config.gemm_l2_placement)
-      std::printf("  --compare %s: %s\n", knob.c_str(),
-                  compared.back().layer->l2_placement_report().c_str());
-    compared.back().bitwise = same_bits_as_first(*compared.back().layer);
+    set_up_compared_knob(knob, options.compare.size(), [&] {
+      compared.push_back({knob, flipped, std::make_unique<mok::GpuLayer>(shape, flipped)});
+      if (flipped.gemm_l2_placement && !config.gemm_l2_placement)
+        std::printf("  --compare %s: %s\n", knob.c_str(),
+                    compared.back().layer->l2_placement_report().c_str());
+      compared.back().bitwise = same_bits_as_first(*compared.back().layer);
+    });
   }
   bool backward_variants_bitwise = true;
   for (BackwardVariant& variant : backward_variants) {

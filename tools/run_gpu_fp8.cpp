@@ -64,9 +64,12 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   };
   std::vector<ComparedKnob> compared;
   for (const std::string& knob : options.compare) {
-    auto flipped = std::make_unique<mok::GpuLayer>(shape, flip_knob(config, knob));
-    const bool bitwise = mok::outputs_equal(step_outputs(*flipped, true), results[0]);
-    compared.push_back({knob, std::move(flipped), bitwise});
+    const mok::MoeConfig flipped_config = flip_knob(config, knob);
+    set_up_compared_knob(knob, options.compare.size(), [&] {
+      auto flipped = std::make_unique<mok::GpuLayer>(shape, flipped_config);
+      const bool bitwise = mok::outputs_equal(step_outputs(*flipped, true), results[0]);
+      compared.push_back({knob, std::move(flipped), bitwise});
+    });
   }
 
   // The FP8 reference on a slice of tokens (the weight gradients depend on every token: they
