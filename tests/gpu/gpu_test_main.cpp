@@ -5,10 +5,29 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <string>
+
+#include "wait_record.h"
 
 namespace {
 
 constexpr int kSkipReturnCode = 77;
+
+// Prints the process's wait diagnosis (wait_record.h) under the first test that fails after a
+// device wait timed out: the abort leaves only "illegal memory access" in the CUDA errors, and
+// every later test of the process fails on the dead context.
+class WaitDiagnosisPrinter : public ::testing::EmptyTestEventListener {
+  void OnTestEnd(const ::testing::TestInfo& test) override {
+    if (printed_ || !test.result()->Failed()) return;
+    const std::string report = mok::test::test_wait_report();
+    if (report.empty()) return;
+    printed_ = true;
+    std::printf("[ DIAGNOSIS ] %s.%s: %s (the CUDA context is gone: later tests fail on it)\n",
+                test.test_suite_name(), test.name(), report.c_str());
+    std::fflush(stdout);
+  }
+  bool printed_ = false;
+};
 
 }  // namespace
 
@@ -37,5 +56,6 @@ int main(int argc, char** argv) {
         "fail to launch them\n");
   std::fflush(stdout);
   ::testing::InitGoogleTest(&argc, argv);
+  ::testing::UnitTest::GetInstance()->listeners().Append(new WaitDiagnosisPrinter);
   return RUN_ALL_TESTS();
 }

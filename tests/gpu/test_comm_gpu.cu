@@ -19,7 +19,6 @@
 #include "kernels/comm/launch.h"
 #include "kernels/comm/peer_barrier.cuh"
 #include "kernels/stages/launch.h"
-#include "layer/wait_report.h"
 #include "mok/bootstrap.h"
 #include "mok/comm.h"
 #include "mok/dtype.h"
@@ -28,6 +27,7 @@
 #include "mok/testing/routing.h"
 #include "rank_process.h"
 #include "test_util.h"
+#include "wait_record.h"
 #endif
 
 namespace mok {
@@ -548,18 +548,12 @@ void run_exchange_without_rank_1() {
   SymmetricMemory routing_all(raw(group), 4096, "routing_all");
   SymmetricMemory flags(raw(group), 16, "exchange flags", true);
   cudaSetDevice(0);
-  kernels::WaitDiagnosis* record = nullptr;
-  kernels::WaitDiagnosis* record_device = nullptr;
+  const test::WaitRecord record;
   int32_t* top_experts = nullptr;
   unsigned long long* epoch = nullptr;
-  if (cudaHostAlloc(reinterpret_cast<void**>(&record), sizeof(*record), cudaHostAllocMapped) !=
-          cudaSuccess ||
-      cudaHostGetDevicePointer(reinterpret_cast<void**>(&record_device), record, 0) !=
-          cudaSuccess ||
-      cudaMalloc(&top_experts, 2048) != cudaSuccess || cudaMalloc(&epoch, 8) != cudaSuccess ||
+  if (cudaMalloc(&top_experts, 2048) != cudaSuccess || cudaMalloc(&epoch, 8) != cudaSuccess ||
       cudaMemset(epoch, 0, 8) != cudaSuccess || cudaMemset(top_experts, 0, 2048) != cudaSuccess)
     std::exit(10);
-  *record = kernels::WaitDiagnosis{};
   kernels::RoutingExchangeArgs args;
   args.top_experts = top_experts;
   args.bytes_per_rank = 2048;
@@ -568,14 +562,14 @@ void run_exchange_without_rank_1() {
   args.rank = 0;
   args.num_ranks = 2;
   args.epoch = epoch;
-  args.wait = kernels::WaitContext{300'000'000ull, 0, record_device};
+  args.wait = record.context(300'000'000ull, 0);
   const auto start = std::chrono::steady_clock::now();
   if (kernels::launch_routing_exchange(args, nullptr) != cudaSuccess) std::exit(11);
   const cudaError_t status = cudaDeviceSynchronize();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (status == cudaSuccess || record->timed_out != 1 || seconds > 30) std::exit(12);
-  std::fprintf(stderr, "%s\n", describe_wait_diagnosis(*record).c_str());
+  if (status == cudaSuccess || !record.timed_out() || seconds > 30) std::exit(12);
+  std::fprintf(stderr, "%s\n", record.report().c_str());
   std::_Exit(3);  // the context is gone: skip destructors that would call into it
 }
 

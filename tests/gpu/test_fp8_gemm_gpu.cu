@@ -24,6 +24,7 @@
 #include "mok/schedule.h"
 #include "mok/testing/routing.h"
 #include "test_util.h"
+#include "wait_record.h"
 
 namespace mok {
 namespace {
@@ -72,7 +73,7 @@ struct Fp8GemmProblem {
     params.b_scales = b_scales;
     params.n_extent = static_cast<int32_t>(n);
     params.k_extent = static_cast<int32_t>(k);
-    params.wait = {10'000'000'000ull, 0, nullptr};
+    params.wait = test::test_wait_context();
   }
   ~Fp8GemmProblem() {
     for (void* p : {a, b, out, static_cast<void*>(a_scales), static_cast<void*>(b_scales),
@@ -362,7 +363,7 @@ struct Fp8WeightGradProblem {
     params.num_experts = static_cast<int32_t>(experts);
     params.m_extent = static_cast<int32_t>(m);
     params.n_extent = static_cast<int32_t>(n);
-    params.wait = {10'000'000'000ull, 0, nullptr};
+    params.wait = test::test_wait_context();
   }
   ~Fp8WeightGradProblem() {
     for (void* p : {a_codes, b_codes, out, static_cast<void*>(a_scales),

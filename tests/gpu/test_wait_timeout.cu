@@ -9,7 +9,7 @@
 #include <cstdlib>
 
 #include "kernels/common/wait.cuh"
-#include "layer/wait_report.h"
+#include "wait_record.h"
 
 namespace mok {
 namespace {
@@ -23,19 +23,12 @@ __global__ void never_ready_kernel(kernels::WaitContext context, const int* flag
 
 // Child process: run the wait with a 0.2 s timeout; report the host-side diagnosis and exit 3.
 void run_never_ready_wait() {
-  kernels::WaitDiagnosis* record = nullptr;
-  kernels::WaitDiagnosis* record_device = nullptr;
-  if (cudaHostAlloc(reinterpret_cast<void**>(&record), sizeof(*record), cudaHostAllocMapped) !=
-      cudaSuccess)
-    std::exit(10);
-  *record = kernels::WaitDiagnosis{};
-  if (cudaHostGetDevicePointer(reinterpret_cast<void**>(&record_device), record, 0) != cudaSuccess)
-    std::exit(11);
+  const test::WaitRecord record;
   int* flag = nullptr;
   if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess ||
       cudaMemset(flag, 0, sizeof(int)) != cudaSuccess)
     std::exit(12);
-  const kernels::WaitContext context{200'000'000ull, 5, record_device};
+  const kernels::WaitContext context = record.context(200'000'000ull, 5);
   const auto start = std::chrono::steady_clock::now();
   never_ready_kernel<<<2, 64>>>(context, flag);
   const cudaError_t status = cudaDeviceSynchronize();
@@ -43,9 +36,9 @@ void run_never_ready_wait() {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "kernel ended after %.2f s with '%s'\n", seconds,
                cudaGetErrorString(status));
-  if (status == cudaSuccess || record->timed_out != 1 || seconds > 30) std::exit(13);
-  std::fprintf(stderr, "%s\n", describe_wait_diagnosis(*record).c_str());
-  std::exit(3);
+  if (status == cudaSuccess || !record.timed_out() || seconds > 30) std::exit(13);
+  std::fprintf(stderr, "%s\n", record.report().c_str());
+  std::_Exit(3);  // the context is gone: skip destructors that would call into it
 }
 
 TEST(WaitTimeout, UnsatisfiableWaitEndsInDiagnosis) {
