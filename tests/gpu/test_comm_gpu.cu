@@ -77,14 +77,13 @@ TEST(CommGpu, PeerStoresLandAndSignalsCarryEpochs) {
   const int32_t num_ranks = static_cast<int32_t>(group.size());
   SymmetricMemory data(raw(group), int64_t{4} * kWordsPerPair * num_ranks, "test data");
   SymmetricMemory flags(raw(group), int64_t{8} * num_ranks, "test flags", /*zero_fill=*/true);
-  const kernels::WaitContext wait{10'000'000'000ull, 0, nullptr};
   for (uint64_t epoch = 1; epoch <= 3; ++epoch) {
     for (int32_t rank = 0; rank < num_ranks; ++rank) {
       ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
       peer_store_kernel<<<num_ranks, 128>>>(
           reinterpret_cast<int32_t* const*>(data.device_peers(rank)),
           reinterpret_cast<uint64_t* const*>(flags.device_peers(rank)), rank, epoch,
-          kernels::WaitContext{wait.timeout_ns, rank, nullptr});
+          test::test_wait_context(rank));
       ASSERT_EQ(cudaGetLastError(), cudaSuccess);
     }
     for (int32_t rank = 0; rank < num_ranks; ++rank) {
@@ -155,7 +154,7 @@ TEST(CommGpu, RoutingAllGatherThenScheduleOnEveryRank) {
       args.rank = rank;
       args.num_ranks = num_ranks;
       args.epoch = ranks[rank].epoch;
-      args.wait = kernels::WaitContext{10'000'000'000ull, rank, nullptr};
+      args.wait = test::test_wait_context(rank);
       ASSERT_EQ(kernels::launch_routing_exchange(args, nullptr), cudaSuccess);
       ASSERT_EQ(kernels::launch_advance_epoch(ranks[rank].epoch, nullptr), cudaSuccess);
       ASSERT_TRUE(launch_build_schedule(ranks[rank].layout, routing_all.local(rank), DType::kInt32,
@@ -267,7 +266,7 @@ TEST(CommGpu, PullDispatchAndPushCombineAcrossRanks) {
       for (int32_t rank = 0; rank < num_ranks; ++rank) {
         ASSERT_EQ(cudaSetDevice(devices[rank]), cudaSuccess);
         RankState& state = ranks[rank];
-        const kernels::WaitContext wait{10'000'000'000ull, rank, nullptr};
+        const kernels::WaitContext wait = test::test_wait_context(rank);
         kernels::RoutingExchangeArgs exchange;
         exchange.top_experts = state.top_experts;
         exchange.bytes_per_rank = 4 * pairs;
@@ -387,7 +386,7 @@ TEST(CommGpu, DISABLED_RankProcess) {
     peer_store_kernel<<<num_ranks, 128>>>(reinterpret_cast<int32_t* const*>(data.device_peers(0)),
                                           reinterpret_cast<uint64_t* const*>(flags.device_peers(0)),
                                           rank, epoch,
-                                          kernels::WaitContext{20'000'000'000ull, rank, nullptr});
+                                          test::test_wait_context(rank, 20'000'000'000ull));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<int32_t> got(static_cast<size_t>(kWordsPerPair) * num_ranks);
     ASSERT_EQ(cudaMemcpy(got.data(), data.local(0), got.size() * 4, cudaMemcpyDeviceToHost),
@@ -469,9 +468,9 @@ TEST(CommGpu, PushDispatchLandsWhereThePullWould) {
         push.done = state.counters + 1;
         push.epoch = state.counters;
         ASSERT_EQ(kernels::launch_push_dispatch(push, 24, nullptr), cudaSuccess);
-        ASSERT_EQ(kernels::launch_wait_for_peers(
-                      static_cast<const uint64_t*>(flags.local(rank)), num_ranks, state.counters,
-                      kernels::WaitContext{10'000'000'000ull, rank, nullptr}, nullptr),
+        ASSERT_EQ(kernels::launch_wait_for_peers(static_cast<const uint64_t*>(flags.local(rank)),
+                                                 num_ranks, state.counters,
+                                                 test::test_wait_context(rank), nullptr),
                   cudaSuccess);
         ASSERT_EQ(kernels::launch_advance_epoch(state.counters, nullptr), cudaSuccess);
       }
