@@ -70,13 +70,12 @@ std::vector<WalkLoad> place_by_expert_halves(const std::vector<WalkLoad>& loads,
       (parity && lower_slots != (grid + 1) / 2))
     throw Error(ErrorCode::kInvalidArgument,
                 "place_by_expert_halves: grid = " + std::to_string(grid) + ", num_experts = " +
-                    std::to_string(num_experts) + ", lower_slots = " +
-                    std::to_string(lower_slots) +
+                    std::to_string(num_experts) + ", lower_slots = " + std::to_string(lower_slots) +
                     "; valid: grid >= 2, num_experts >= 1, lower_slots in [1, grid) (with parity "
                     "(grid + 1) / 2)");
   // The experts split as the slots do.
-  const int32_t split_expert = static_cast<int32_t>(
-      (static_cast<int64_t>(num_experts) * lower_slots + grid / 2) / grid);
+  const int32_t split_expert =
+      static_cast<int32_t>((static_cast<int64_t>(num_experts) * lower_slots + grid / 2) / grid);
   std::vector<WalkLoad> halves[2];
   for (const WalkLoad& load : loads) halves[load.expert >= split_expert ? 1 : 0].push_back(load);
   // Slots of each half: [0, lower_slots) and [lower_slots, grid), or the even and the odd ones.

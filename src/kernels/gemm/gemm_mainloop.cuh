@@ -75,10 +75,11 @@ struct alignas(1024) GemmSharedStorage {
 };
 // The tail bytes take no room: they end inside the 1024-byte block the barriers began.
 template <typename Storage>
-constexpr bool kTailInPadding =
-    offsetof(Storage, tail_bytes) / 1024 ==
-        (offsetof(Storage, tail_bytes) + kStorageTailBytes - 1) / 1024 &&
-    offsetof(Storage, full) / 1024 == offsetof(Storage, tail_bytes) / 1024;
+constexpr bool kTailInPadding = offsetof(Storage, tail_bytes) / 1024 ==
+                                    (offsetof(Storage, tail_bytes) + kStorageTailBytes - 1) /
+                                        1024 &&
+                                offsetof(Storage, full) / 1024 ==
+                                    offsetof(Storage, tail_bytes) / 1024;
 static_assert(kTailInPadding<GemmSharedStorage<kNumStages>>, "the tail bytes cost no room");
 static_assert(sizeof(__nv_bfloat16) * BLOCK_M * BLOCK_K % 1024 == 0, "stages stay 1024-aligned");
 static_assert(sizeof(GemmSharedStorage<kNumStages>) + 1024 <= 227 * 1024,
