@@ -221,6 +221,49 @@ int64_t code_mismatches(const std::vector<uint8_t>& want, const std::vector<uint
   return wrong;
 }
 
+// Every output of the one pass (`got`) against the three passes' (`want`) for the rows below
+// `touched`: row codes and scales, column codes and scales where `columns` (else left
+// untouched), and `router_pairs` router-weight gradients; no row code past `touched`.
+void expect_same_outputs(const SwigluOutputs& want, const SwigluOutputs& got, int64_t capacity,
+                         int64_t inter, int64_t touched, bool columns, int64_t router_pairs) {
+  const auto w_gr = download(want.gate_rows), g_gr = download(got.gate_rows);
+  const auto w_ur = download(want.up_rows), g_ur = download(got.up_rows);
+  EXPECT_EQ(code_mismatches(w_gr, g_gr, capacity, inter, touched, false), 0);
+  EXPECT_EQ(code_mismatches(w_ur, g_ur, capacity, inter, touched, false), 0);
+  for (int64_t at = touched * inter; at < capacity * inter; ++at)
+    ASSERT_EQ(g_gr[at], 0xab) << "a row code written past total_rows' last tile";
+  // Row-group scales [inter/128, capacity]; column-group scales [capacity/128, inter].
+  const auto w_grs = download(want.gate_row_scales), g_grs = download(got.gate_row_scales);
+  const auto w_urs = download(want.up_row_scales), g_urs = download(got.up_row_scales);
+  for (int64_t g = 0; g < inter / 128; ++g) {
+    EXPECT_EQ(std::memcmp(&w_grs[g * capacity * 4], &g_grs[g * capacity * 4], touched * 4), 0)
+        << "d_g row scales, group " << g;
+    EXPECT_EQ(std::memcmp(&w_urs[g * capacity * 4], &g_urs[g * capacity * 4], touched * 4), 0)
+        << "d_u row scales, group " << g;
+  }
+  if (columns) {
+    const std::pair<const DeviceBuffer*, const DeviceBuffer*> forms[3][2] = {
+        {{&want.gate_cols, &got.gate_cols}, {&want.gate_col_scales, &got.gate_col_scales}},
+        {{&want.up_cols, &got.up_cols}, {&want.up_col_scales, &got.up_col_scales}},
+        {{&want.hw_cols, &got.hw_cols}, {&want.hw_col_scales, &got.hw_col_scales}}};
+    const char* names[3] = {"d_g", "d_u", "h_w"};
+    for (int f = 0; f < 3; ++f) {
+      const auto wc = download(*forms[f][0].first), gc = download(*forms[f][0].second);
+      EXPECT_EQ(code_mismatches(wc, gc, capacity, inter, touched, true), 0) << names[f];
+      const auto ws = download(*forms[f][1].first), gs = download(*forms[f][1].second);
+      EXPECT_EQ(std::memcmp(ws.data(), gs.data(), touched / 128 * inter * 4), 0)
+          << names[f] << " column scales";
+    }
+  } else {
+    const auto untouched = download(got.gate_cols);
+    for (uint8_t byte : untouched) ASSERT_EQ(byte, 0xab) << "column codes without columns";
+  }
+  if (router_pairs > 0)
+    EXPECT_EQ(
+        std::memcmp(download(want.router).data(), download(got.router).data(), router_pairs * 4), 0)
+        << "d_router_weights";
+}
+
 // How the one pass splits each row tile's I over CTAs: one CTA a tile (no router partials);
 // the launcher's choice with partials (at 6 tiles, every group its own CTA); two runs with
 // partials (uneven at three groups).
@@ -256,48 +299,9 @@ TEST(Fp8SwigluBackwardGpu, OnePassGivesTheThreePassesBits) {
             if (split.partials) fused.router_grad_partials = partials.as<float>();
             ASSERT_EQ(kernels::launch_swiglu_backward_quantize_fp8(fused, nullptr), cudaSuccess);
             ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            const auto w_gr = download(want.gate_rows), g_gr = download(got.gate_rows);
-            const auto w_ur = download(want.up_rows), g_ur = download(got.up_rows);
-            EXPECT_EQ(code_mismatches(w_gr, g_gr, capacity, inter, touched, false), 0);
-            EXPECT_EQ(code_mismatches(w_ur, g_ur, capacity, inter, touched, false), 0);
-            for (int64_t at = touched * inter; at < capacity * inter; ++at)
-              ASSERT_EQ(g_gr[at], 0xab) << "a row code written past total_rows' last tile";
-            // Row-group scales [inter/128, capacity]; column-group scales [capacity/128, inter].
-            const auto w_grs = download(want.gate_row_scales),
-                       g_grs = download(got.gate_row_scales);
-            const auto w_urs = download(want.up_row_scales), g_urs = download(got.up_row_scales);
-            for (int64_t g = 0; g < inter / 128; ++g) {
-              EXPECT_EQ(
-                  std::memcmp(&w_grs[g * capacity * 4], &g_grs[g * capacity * 4], touched * 4), 0)
-                  << "d_g row scales, group " << g;
-              EXPECT_EQ(
-                  std::memcmp(&w_urs[g * capacity * 4], &g_urs[g * capacity * 4], touched * 4), 0)
-                  << "d_u row scales, group " << g;
-            }
-            if (columns) {
-              const std::pair<DeviceBuffer*, DeviceBuffer*> forms[3][2] = {
-                  {{&want.gate_cols, &got.gate_cols},
-                   {&want.gate_col_scales, &got.gate_col_scales}},
-                  {{&want.up_cols, &got.up_cols}, {&want.up_col_scales, &got.up_col_scales}},
-                  {{&want.hw_cols, &got.hw_cols}, {&want.hw_col_scales, &got.hw_col_scales}}};
-              const char* names[3] = {"d_g", "d_u", "h_w"};
-              for (int f = 0; f < 3; ++f) {
-                const auto wc = download(*forms[f][0].first), gc = download(*forms[f][0].second);
-                EXPECT_EQ(code_mismatches(wc, gc, capacity, inter, touched, true), 0) << names[f];
-                const auto ws = download(*forms[f][1].first), gs = download(*forms[f][1].second);
-                EXPECT_EQ(std::memcmp(ws.data(), gs.data(), touched / 128 * inter * 4), 0)
-                    << names[f] << " column scales";
-              }
-            } else {
-              const auto untouched = download(got.gate_cols);
-              for (uint8_t byte : untouched)
-                ASSERT_EQ(byte, 0xab) << "column codes without columns";
-            }
-            if (pairs)
-              EXPECT_EQ(std::memcmp(download(want.router).data(), download(got.router).data(),
-                                    num_pairs * 4),
-                        0)
-                  << "d_router_weights";
+            expect_same_outputs(want, got, capacity, inter, touched, columns,
+                                pairs ? num_pairs : 0);
+            if (HasFatalFailure()) return;
           }
     }
   }

@@ -170,8 +170,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk)
     swiglu_backward_chunk<kGroupPartials>(p, row0, chunk, tile_pairs, tile_weights, dots, tiles);
   if (args.d_router_weights == nullptr && args.d_router_weights_peers == nullptr) return;
+  // An odd number of chunks leaves the last group's odd half past the row's end: +0.
   if constexpr (kGroupPartials) {
-    // An odd number of chunks leaves the last group's odd half past the row's end: +0.
     if (chunks % 2 != 0 && chunk_end == chunks && chunk_begin < chunk_end) {
 #pragma unroll
       for (int k = 0; k < kRowsPerThread; ++k)
@@ -181,7 +181,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   } else {  // launch_router_weight_grad_sum stores (and fences) the partials' sums
 #pragma unroll
     for (int k = 0; k < kRowsPerThread; ++k) {
-      // An odd number of chunks leaves the last group's odd half past the row's end: +0.
       const float dot = chunks % 2 != 0 ? dots[k][0] + (dots[k][1] + 0.0f) : dots[k][0];
       const int32_t pair = tile_pairs[first + kRowStride * k];
       if (slot == 0 && pair >= 0) store_router_weight_grad(args, pair, dot);
