@@ -14,6 +14,7 @@
 #include "mok/config.h"
 #include "mok/dtype.h"
 #include "mok/error.h"
+#include "mok/gpu_layer.h"
 #include "mok/shape.h"
 #include "mok/testing/host_problem.h"
 
@@ -158,6 +159,9 @@ std::vector<double> interleaved_median_ms(const std::vector<std::function<void()
                                           const std::function<void()>& settle = {});
 // One line per comparison: name (padded to name_width), max |err|, rel err, NOT FINITE.
 void print_comparisons(const std::vector<Comparison>& comparisons, int name_width);
+// One line per profiled stage: name (padded to name_width), ms, and its SM clock in GHz ("?" when
+// the clock probes paired no SM).
+void print_stages(const std::vector<mok::StageTime>& stages, int name_width);
 // The name of CUDA device 0, or "" when there is no usable GPU.
 std::string cuda_device_name();
 

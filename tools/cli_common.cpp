@@ -205,6 +205,16 @@ void print_comparisons(const std::vector<Comparison>& comparisons, int name_widt
                 error.max_abs, error.rel, error.finite ? "" : "  NOT FINITE");
 }
 
+void print_stages(const std::vector<mok::StageTime>& stages, int name_width) {
+  for (const mok::StageTime& stage : stages) {
+    if (stage.sm_clock_ghz > 0)
+      std::printf("    %-*s %9.3f ms %6.2f GHz\n", name_width, stage.name.c_str(), stage.ms,
+                  stage.sm_clock_ghz);
+    else
+      std::printf("    %-*s %9.3f ms %6s GHz\n", name_width, stage.name.c_str(), stage.ms, "?");
+  }
+}
+
 double median_ms(const std::function<void()>& body, cudaStream_t stream, int warmup, int iterations,
                  const std::function<void()>& settle) {
   cudaEvent_t start, stop;

@@ -264,7 +264,7 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
 
   // Training step timing: forward, then the backward from the forward's saved activations
   // (mok's context; the baseline keeps its permuted x and gate/up outputs as autograd would).
-  using Stages = std::vector<std::pair<std::string, float>>;
+  using Stages = std::vector<mok::StageTime>;
   Stages forward_stages, backward_stages;
   if (full) {
     forward_stages = layer.profile_forward(args, stream, 10);
@@ -464,16 +464,15 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
     for (const auto& [name, ms] : forward_variants_ms)
       std::printf("    %-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, forward_flop / ms / 1e9);
     for (const auto* stages : {&forward_stages, &backward_stages}) {
-      std::printf("  mok %s stages (median of 10, events between stages):\n",
+      std::printf("  mok %s stages (median of 10, events between stages; SM clock):\n",
                   stages == &forward_stages ? "forward" : "backward");
-      for (const auto& [name, ms] : *stages) std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
+      print_stages(*stages, 30);
     }
   }
   for (size_t i = 0; i < backward_variants.size(); ++i) {
     std::printf("  backward stages, %s (median of 10):\n",
                 backward_name(backward_variants[i].config, shape).c_str());
-    for (const auto& [name, ms] : variant_stages[i])
-      std::printf("    %-30s %9.3f ms\n", name.c_str(), ms);
+    print_stages(variant_stages[i], 30);
   }
   std::printf("  against the CPU reference on %lld of %lld tokens (tolerance %.0e):\n",
               static_cast<long long>(check_count), static_cast<long long>(shape.num_tokens),
@@ -513,9 +512,17 @@ int run_gpu(const RunOptions& options, const mok::MoeShape& shape, const std::st
          << ", \"forward_backward\": " << base_step_ms / mok_step_ms << "},\n  \"stages_ms\": {";
     bool first_stage = true;
     for (const auto* stages : {&forward_stages, &backward_stages})
-      for (const auto& [name, ms] : *stages) {
+      for (const mok::StageTime& stage : *stages) {
         json << (first_stage ? "" : ", ") << "\"" << (stages == &forward_stages ? "fwd " : "bwd ")
-             << name << "\": " << ms;
+             << stage.name << "\": " << stage.ms;
+        first_stage = false;
+      }
+    json << "},\n  \"stages_sm_clock_ghz\": {";
+    first_stage = true;
+    for (const auto* stages : {&forward_stages, &backward_stages})
+      for (const mok::StageTime& stage : *stages) {
+        json << (first_stage ? "" : ", ") << "\"" << (stages == &forward_stages ? "fwd " : "bwd ")
+             << stage.name << "\": " << stage.sm_clock_ghz;
         first_stage = false;
       }
     json << "},\n  \"forward_ms_by_variant\": {";

@@ -159,13 +159,13 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
                   flops[d] / ms / 1e9, medians[4 + d], "", ms / medians[4 + d]);
     }
   }
-  const std::pair<const char*, const std::vector<std::pair<std::string, float>>*> stage_lists[] = {
+  const std::pair<const char*, const std::vector<mok::StageTime>*> stage_lists[] = {
       {"forward, weights kept", &forward_stages},
       {"backward, weights kept", &backward_stages},
       {"forward, weights quantized", &requantizing_stages}};
   for (const auto& [title, stages] : stage_lists) {
-    std::printf("  FP8 %s: stages (median of 10, events between stages):\n", title);
-    for (const auto& [name, ms] : *stages) std::printf("    %-44s %9.3f ms\n", name.c_str(), ms);
+    std::printf("  FP8 %s: stages (median of 10, events between stages; SM clock):\n", title);
+    print_stages(*stages, 44);
   }
   std::printf("  against the CPU reference's FP8 on %lld of %lld tokens (tolerance %.0e):\n",
               static_cast<long long>(check_count), static_cast<long long>(shape.num_tokens),

@@ -32,6 +32,18 @@ struct ForwardContext {
   uint64_t generation = 0;
 };
 
+// One stage of a profile (GpuLayer::profile_forward / profile_backward): the median of its
+// times over the runs, and the median of its SM clocks. A stage's SM clock is measured on the
+// device, by a probe before and after it: each SM's cycles over the nanoseconds between them,
+// the median over the SMs (0 when the probes could not pair an SM). Under the card's power
+// limit it falls below the boost clock; a stage slower in the layer than alone at a lower clock
+// pays for the energy of the work around it.
+struct StageTime {
+  std::string name;
+  float ms = 0;
+  float sm_clock_ghz = 0;
+};
+
 class GpuLayer {
  public:
   // Allocates the workspace for `shape` on the current CUDA device; throws mok::Error if the
@@ -57,14 +69,13 @@ class GpuLayer {
   // replaced them. Front ends that cannot order calls (autograd) ask before passing a context.
   bool holds_context(const ForwardContext& context) const;
 
-  // Runs the forward `iterations` times with CUDA events between its stages and returns the
-  // median milliseconds of each stage (name, ms), then "total". Synchronizes.
-  std::vector<std::pair<std::string, float>> profile_forward(const ForwardArgs& args,
-                                                             cudaStream_t stream, int iterations);
+  // Runs the forward `iterations` times with CUDA events between its stages and returns each
+  // stage's median time and SM clock (StageTime), then "total". Synchronizes.
+  std::vector<StageTime> profile_forward(const ForwardArgs& args, cudaStream_t stream,
+                                         int iterations);
 
-  std::vector<std::pair<std::string, float>> profile_backward(
-      const BackwardArgs& args, cudaStream_t stream, int iterations,
-      const ForwardContext* context = nullptr);
+  std::vector<StageTime> profile_backward(const BackwardArgs& args, cudaStream_t stream,
+                                          int iterations, const ForwardContext* context = nullptr);
 
   // Waits for `stream` and reports what the device found: bad expert ids (naming rank, token,
   // slot and value), a timed-out device wait (with its diagnosis), or a CUDA error.

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/stages/clock_probe.h"
 #include "kernels/stages/non_finite_scan.h"
 #include "layer/cuda_buffer.h"
 #include "layer/expert_engine.h"
@@ -289,19 +290,21 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
 
 namespace {
 
-// Runs `run(mark)` `iterations` times with events at every mark; the median of each stage.
+// Runs `run(mark)` `iterations` times with events and clock probes (kernels/stages/
+// clock_probe.h) at every mark; the median time and SM clock of each stage. The probes are
+// launches of their own, so each stage's time includes one (a few microseconds).
 // Refuses a rank of an expert-parallel group: its calls wait for every rank, so one rank's
 // synchronizing profile loop would wait for the others until the device timeout.
-std::vector<std::pair<std::string, float>> profile_stages(
-    const GpuLayer::State& s, const char* who, cudaStream_t stream, int iterations,
-    const std::function<void(const StageMarker&)>& run) {
+std::vector<StageTime> profile_stages(const GpuLayer::State& s, const char* who,
+                                      cudaStream_t stream, int iterations,
+                                      const std::function<void(const StageMarker&)>& run) {
   if (!s.exchange->profiles())
     throw Error(ErrorCode::kUnsupported,
                 std::string(who) + ": this layer is rank " + std::to_string(s.rank) +
                     " of an expert-parallel group, whose calls wait for every rank; profile a "
                     "single-GPU layer (num_ranks = 1)");
   std::vector<std::string> names;
-  std::vector<std::vector<float>> samples;
+  std::vector<std::vector<float>> samples, clocks;
   std::vector<cudaEvent_t> events;
   auto event_at = [&](size_t index) {
     while (events.size() <= index) {
@@ -311,12 +314,30 @@ std::vector<std::pair<std::string, float>> profile_stages(
     }
     return events[index];
   };
+  // One probe of s.sm_count samples per mark (a run marks a dozen stages at most).
+  constexpr size_t kMaxProbes = 64;
+  const int per_probe = std::max(s.sm_count, 1);
+  DeviceBuffer probes(static_cast<int64_t>(kMaxProbes * per_probe * sizeof(kernels::ClockSample)),
+                      std::string(who) + "'s clock probes");
+  auto probe_at = [&](size_t index) {
+    if (index >= kMaxProbes)
+      throw Error(ErrorCode::kInternal, std::string(who) + ": more than " +
+                                            std::to_string(kMaxProbes - 1) + " stages to profile");
+    return probes.as<kernels::ClockSample>() + index * per_probe;
+  };
+  std::vector<kernels::ClockSample> probed;
   for (int iteration = 0; iteration < iterations; ++iteration) {
     size_t marker = 0;
-    cuda_check(cudaEventRecord(event_at(marker++), stream), "cudaEventRecord");
+    auto mark_here = [&] {
+      cuda_check(kernels::launch_clock_probe(probe_at(marker), per_probe, stream),
+                 std::string(who) + "'s clock probe");
+      cuda_check(cudaEventRecord(event_at(marker), stream), "cudaEventRecord");
+      ++marker;
+    };
+    mark_here();
     std::vector<std::string> stage_names;
     run([&](const char* name) {
-      cuda_check(cudaEventRecord(event_at(marker++), stream), "cudaEventRecord");
+      mark_here();
       stage_names.push_back(name);
     });
     cuda_check(cudaStreamSynchronize(stream), "profile synchronize");
@@ -324,32 +345,43 @@ std::vector<std::pair<std::string, float>> profile_stages(
       names = stage_names;
       names.push_back("total");
       samples.assign(names.size(), {});
+      clocks.assign(names.size(), {});
     }
+    probed.resize(marker * per_probe);
+    cuda_check(cudaMemcpy(probed.data(), probes.pointer, probed.size() * sizeof(probed[0]),
+                          cudaMemcpyDeviceToHost),
+               std::string(who) + ": read the clock probes");
+    auto clock_between = [&](size_t first, size_t last) {
+      return static_cast<float>(kernels::median_sm_clock_ghz(
+          probed.data() + first * per_probe, probed.data() + last * per_probe, per_probe));
+    };
     for (size_t stage = 0; stage + 1 < marker; ++stage) {
       float ms = 0;
       cuda_check(cudaEventElapsedTime(&ms, events[stage], events[stage + 1]),
                  "cudaEventElapsedTime");
       samples[stage].push_back(ms);
+      clocks[stage].push_back(clock_between(stage, stage + 1));
     }
     float total = 0;
     cuda_check(cudaEventElapsedTime(&total, events[0], events[marker - 1]), "cudaEventElapsedTime");
     samples.back().push_back(total);
+    clocks.back().push_back(clock_between(0, marker - 1));
   }
   for (cudaEvent_t event : events) cudaEventDestroy(event);
-  std::vector<std::pair<std::string, float>> medians;
-  for (size_t stage = 0; stage < names.size(); ++stage) {
-    std::vector<float>& values = samples[stage];
+  auto median = [](std::vector<float>& values) {
     std::sort(values.begin(), values.end());
-    medians.emplace_back(names[stage], values.empty() ? 0.0f : values[values.size() / 2]);
-  }
+    return values.empty() ? 0.0f : values[values.size() / 2];
+  };
+  std::vector<StageTime> medians;
+  for (size_t stage = 0; stage < names.size(); ++stage)
+    medians.push_back({names[stage], median(samples[stage]), median(clocks[stage])});
   return medians;
 }
 
 }  // namespace
 
-std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const ForwardArgs& args,
-                                                                     cudaStream_t stream,
-                                                                     int iterations) {
+std::vector<StageTime> GpuLayer::profile_forward(const ForwardArgs& args, cudaStream_t stream,
+                                                 int iterations) {
   State& s = *state_;
   check_forward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   check_weight_precision("forward", args, s.config.precision).throw_if_error();
@@ -357,8 +389,8 @@ std::vector<std::pair<std::string, float>> GpuLayer::profile_forward(const Forwa
                         [&](const StageMarker& mark) { run_forward(s, args, stream, mark); });
 }
 
-std::vector<std::pair<std::string, float>> GpuLayer::profile_backward(
-    const BackwardArgs& args, cudaStream_t stream, int iterations, const ForwardContext* context) {
+std::vector<StageTime> GpuLayer::profile_backward(const BackwardArgs& args, cudaStream_t stream,
+                                                  int iterations, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
   check_weight_precision("backward", args.forward, s.config.precision).throw_if_error();
