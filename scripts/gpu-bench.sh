@@ -9,7 +9,8 @@
 # --knobs MOK_PYTHON_BENCH_KNOBS when set (MoKConfig switches timed flipped beside mok, e.g.
 # "gemm_cta_pairs,weight_grad_pingpong").
 # MOK_PYTHON_TESTS=1 runs the Python tests (pytest, CUDA cases included) before the benchmark.
-# Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png, quack-autotune.tgz.
+# Outputs under $OUT: setup.log, pytest.log, bench.log, bench.json, bench.png, quack-autotune.tgz
+# and quack-objects.tgz (QuACK's compiled kernels; carry .deps/quack-autotune once kept).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -39,6 +40,6 @@ timeout "${MOK_PYTHON_BENCH_TIMEOUT:-500}" "${bench_env[@]}" python3 -m mok.benc
   "${fp8[@]}" --json "$OUT/bench.json" \
   --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1 || status=1
 cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
-sonic_save_autotune "$OUT"  # quack-autotune.tgz: merge it with scripts/keep-quack-autotune.sh
+sonic_save_autotune "$OUT"  # keep both archives with scripts/keep-quack-autotune.sh
 rm -rf "$site"
 exit "$status"

@@ -3,7 +3,8 @@
 # packs the *.autotune.json files of the cache folder (and nothing else) into
 # quack-autotune.tgz, and the archive unpacks into the same relative paths, as sonic_bench_env
 # seeds them on the next machine; sonic_keep_autotune merges an archive's results (and nothing
-# else) into the folder kept in the repository.
+# else) into the folder kept in the repository; the compiled kernels travel in
+# quack-objects.tgz, which sonic_keep_objects merges into one kept archive.
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 work=$(mktemp -d)
@@ -40,8 +41,32 @@ for kept in "$root"/scripts/quack-autotune/*/*; do
   [[ "${kept#"$root"/scripts/quack-autotune/}" =~ ^[A-Za-z0-9]+/[A-Za-z0-9_]+\.autotune\.json$ ]] ||
     { echo "FAIL: scripts/quack-autotune holds $kept"; exit 1; }
 done
+# The compiled kernels (FINGERPRINT/KEY.o) go into quack-objects.tgz, and only those; a second
+# call's archive merges with the kept one, a newer object replacing an older one of its name.
+[ -f "$work/out/quack-objects.tgz" ] || { echo "FAIL: no objects archive"; exit 1; }
+got=$(tar -tzf "$work/out/quack-objects.tgz" | sort | tr '\n' ' ')
+[ "$got" = "./KEYB/kernel.o " ] || { echo "FAIL: the objects archive holds '$got'"; exit 1; }
+kept_objects="$work/deps/quack-objects.tgz"
+sonic_keep_objects "$work/out/quack-objects.tgz" "$kept_objects" >/dev/null ||
+  { echo "FAIL: sonic_keep_objects failed"; exit 1; }
+mkdir -p "$work/second/FP2" "$work/second/KEYB"
+echo 'other code' >"$work/second/FP2/other.o"
+echo 'newer code' >"$work/second/KEYB/kernel.o"
+echo 'not an object' >"$work/second/FP2/notes.txt"
+(cd "$work/second" && tar -czf "$work/out/second.tgz" .)
+message=$(sonic_keep_objects "$work/out/second.tgz" "$kept_objects") ||
+  { echo "FAIL: sonic_keep_objects failed on a merge"; exit 1; }
+[[ "$message" == "kept 2 QuACK compiled kernels in $kept_objects"* ]] ||
+  { echo "FAIL: sonic_keep_objects said '$message'"; exit 1; }
+mkdir -p "$work/merged"
+tar -xzf "$kept_objects" -C "$work/merged"
+got=$(cd "$work/merged" && find . -type f | sort | tr '\n' ' ')
+[ "$got" = "./FP2/other.o ./KEYB/kernel.o " ] || { echo "FAIL: merged '$got'"; exit 1; }
+[ "$(cat "$work/merged/KEYB/kernel.o")" = "newer code" ] ||
+  { echo "FAIL: the newer object did not replace the kept one"; exit 1; }
 sonic_cache_dir=""
-rm -f "$work/out/quack-autotune.tgz"
+rm -f "$work/out/quack-autotune.tgz" "$work/out/quack-objects.tgz"
 sonic_save_autotune "$work/out"  # without SonicMoE installed: nothing to save, no error
-[ ! -e "$work/out/quack-autotune.tgz" ] || { echo "FAIL: an archive without a cache"; exit 1; }
+[ ! -e "$work/out/quack-autotune.tgz" ] && [ ! -e "$work/out/quack-objects.tgz" ] ||
+  { echo "FAIL: an archive without a cache"; exit 1; }
 echo "all passed"
