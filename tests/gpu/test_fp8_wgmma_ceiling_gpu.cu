@@ -1,0 +1,233 @@
+// What the tensor pipe gives the FP8 GEMMs' consumer loops with no loads at all: two consumer
+// warpgroups per SM, their operands fixed in shared memory, running the K-block loop of
+// fp8_gemm.cu's consumers (four m64nNk32 e4m3 wgmma per 128-long K-block) in five forms:
+//   accumulate N   one accumulator, as a bf16 GEMM's loop (no promotion): the pipe's ceiling for
+//                  m64nNk32 at N = 128 and 256;
+//   2 in flight    fp8_gemm.cu's loop: K-block k + 1 issued while K-block k is promoted into the
+//                  fp32 sum, one factor per row (the row tiles) or per element (the weight
+//                  gradients: FMUL + FFMA);
+//   1 in flight N  each K-block waited for, then promoted (DeepGEMM's loop), at N = 128 and 192:
+//                  192 columns fit the registers only with one block in flight.
+// Each prints TFLOP/s per call and its share of the FP8 peak at the SM clock the launches ran at
+// (8,192 FLOP per cycle per SM; the clock from the clock probes). The row-tile GEMMs reach
+// 60-63% of the pipe in the layer, 57-63% even without their loads (docs/design.md, the FP8
+// GEMMs): these forms say how much of that the loop's shape sets. No bits are checked (the
+// operands are fixed codes); the bounds catch a miscounted FLOP or a broken clock.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels/common/ptx.cuh"
+#include "kernels/stages/clock_probe.h"
+
+namespace mok {
+namespace {
+
+constexpr int kThreads = 256;      // two consumer warpgroups
+constexpr int kBlockKBytes = 128;  // one K-block: 128 e4m3 values, one swizzled row
+constexpr int kKBlocks = 4096;     // per CTA and launch (even: the 2-in-flight loop's pairs)
+constexpr double kFlopPerCyclePerSm = 8192;  // FP8 dense wgmma, H100 / H200
+
+enum class Loop { kAccumulate, kTwoInFlight, kTwoInFlightPerElement, kOneInFlight };
+
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                           bool accumulate) {
+  if constexpr (N == 128)
+    ptx::wgmma_m64n128k32_e4m3(d, desc_a, desc_b, accumulate);
+  else if constexpr (N == 192)
+    ptx::wgmma_m64n192k32_e4m3(d, desc_a, desc_b, accumulate);
+  else
+    ptx::wgmma_m64n256k32_e4m3(d, desc_a, desc_b, accumulate);
+}
+
+template <int N>
+__device__ __forceinline__ void issue(float (&block)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                      bool accumulate) {
+  ptx::fence_registers(block);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kBlockKBytes / 32; ++k)  // 32 bytes = 2 descriptor units per step
+    wgmma_e4m3<N>(block, desc_a + 2 * k, desc_b + 2 * k, accumulate || k > 0);
+  ptx::wgmma_commit();
+}
+
+// sum += block * factor: one factor per fragment row (kPerElement false), or that times a
+// column scale per element, read from shared memory as the weight gradients read theirs.
+template <int N, bool kPerElement>
+__device__ __forceinline__ void promote(float (&block)[N / 2], float (&sum)[N / 2],
+                                        const float* scales, int k_block) {
+  ptx::fence_registers(block);
+  const float* stage = scales + (k_block % 4) * 2 * N;
+  const float factor0 = stage[threadIdx.x % 64], factor1 = stage[threadIdx.x % 64 + 64];
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    float2 column = make_float2(1.0f, 1.0f);
+    if constexpr (kPerElement)
+      column = *reinterpret_cast<const float2*>(&stage[N + 8 * j + 2 * (threadIdx.x % 4)]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float row = i < 2 ? factor0 : factor1;
+      const float factor = kPerElement ? row * (i % 2 ? column.y : column.x) : row;
+      sum[j * 4 + i] = fmaf(block[j * 4 + i], factor, sum[j * 4 + i]);
+    }
+  }
+}
+
+// Every value of the sum, so that none of its promotions is dead code.
+template <int kCount>
+__device__ __forceinline__ float total(const float (&values)[kCount]) {
+  float result = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) result += values[i];
+  return result;
+}
+
+template <int N, Loop kLoop>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_ceiling_kernel(int k_blocks, float* sink) {
+  extern __shared__ uint8_t shared_raw[];
+  uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) &
+                                               ~uintptr_t{1023});
+  uint8_t* a = shared;                                             // 128 rows: each warpgroup's 64
+  uint8_t* b = a + 128 * kBlockKBytes;                             // N rows
+  float* scales = reinterpret_cast<float*>(b + N * kBlockKBytes);  // 4 stages of 2N factors
+  // Fixed codes with their exponents spread (no NaN: bit patterns 0x7F and 0xFF never occur).
+  uint32_t* codes = reinterpret_cast<uint32_t*>(shared);
+  for (int i = threadIdx.x; i < (128 + N) * kBlockKBytes / 4; i += kThreads)
+    codes[i] = (i * 0x9E3779B1u) & 0x3E3E3E3Eu;
+  for (int i = threadIdx.x; i < 4 * 2 * N; i += kThreads)
+    scales[i] = 1.0f / static_cast<float>(1 << (i % 5));
+  ptx::fence_proxy_async_shared();  // the codes, written by threads, read by wgmma
+  __syncthreads();
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  const uint64_t desc_a = ptx::smem_desc_k_major_sw128(a + warpgroup * 64 * kBlockKBytes);
+  const uint64_t desc_b = ptx::smem_desc_k_major_sw128(b);
+  float result = 0.0f;
+  if constexpr (kLoop == Loop::kAccumulate) {
+    float acc[N / 2];
+#pragma unroll
+    for (int r = 0; r < N / 2; ++r) acc[r] = 0.0f;
+    for (int k_block = 0; k_block < k_blocks; ++k_block) {
+      issue<N>(acc, desc_a, desc_b, k_block > 0);
+      ptx::wgmma_wait<1>();
+    }
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(acc);
+    result = total(acc);
+  } else if constexpr (kLoop == Loop::kOneInFlight) {
+    float block[N / 2], sum[N / 2];
+#pragma unroll
+    for (int r = 0; r < N / 2; ++r) sum[r] = -0.0f;
+    for (int k_block = 0; k_block < k_blocks; ++k_block) {
+      issue<N>(block, desc_a, desc_b, false);
+      ptx::wgmma_wait<0>();
+      promote<N, false>(block, sum, scales, k_block);
+    }
+    result = total(sum);
+  } else {
+    constexpr bool kPerElement = kLoop == Loop::kTwoInFlightPerElement;
+    float block0[N / 2], block1[N / 2], sum[N / 2];
+#pragma unroll
+    for (int r = 0; r < N / 2; ++r) sum[r] = -0.0f;
+    // At the loop's head K-block k is in flight in block0, and every exit waits for all: one
+    // state on every path, so that ptxas keeps the wgmma asynchronous (fp8_gemm.cu's loop).
+    issue<N>(block0, desc_a, desc_b, false);
+    for (int k_block = 0;; k_block += 2) {
+      if (k_block + 1 == k_blocks) {
+        ptx::wgmma_wait<0>();
+        promote<N, kPerElement>(block0, sum, scales, k_block);
+        break;
+      }
+      issue<N>(block1, desc_a, desc_b, false);
+      ptx::wgmma_wait<1>();
+      promote<N, kPerElement>(block0, sum, scales, k_block);
+      if (k_block + 2 == k_blocks) {
+        ptx::wgmma_wait<0>();
+        promote<N, kPerElement>(block1, sum, scales, k_block + 1);
+        break;
+      }
+      issue<N>(block0, desc_a, desc_b, false);
+      ptx::wgmma_wait<1>();
+      promote<N, kPerElement>(block1, sum, scales, k_block + 1);
+    }
+    result = total(sum);
+  }
+  sink[blockIdx.x * kThreads + threadIdx.x] = result;
+}
+
+struct Measured {
+  double ms = 0, tflops = 0, clock_ghz = 0, peak_share = 0;
+};
+
+template <int N, Loop kLoop>
+Measured time_form(int sm_count, float* sink, kernels::ClockSample* probes) {
+  const int shared_bytes = 1024 + (128 + N) * kBlockKBytes + 4 * 2 * N * 4;
+  auto kernel = wgmma_ceiling_kernel<N, kLoop>;
+  EXPECT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes),
+            cudaSuccess);
+  for (int warm = 0; warm < 2; ++warm) kernel<<<sm_count, kThreads, shared_bytes>>>(kKBlocks, sink);
+  constexpr int kLaunches = 10;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  EXPECT_EQ(kernels::launch_clock_probe(probes, sm_count, nullptr), cudaSuccess);
+  cudaEventRecord(start);
+  for (int launch = 0; launch < kLaunches; ++launch)
+    kernel<<<sm_count, kThreads, shared_bytes>>>(kKBlocks, sink);
+  cudaEventRecord(stop);
+  EXPECT_EQ(kernels::launch_clock_probe(probes + sm_count, sm_count, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::vector<kernels::ClockSample> probed(2 * sm_count);
+  cudaMemcpy(probed.data(), probes, probed.size() * sizeof(probed[0]), cudaMemcpyDeviceToHost);
+  Measured m;
+  m.ms = ms / kLaunches;
+  const double flop = 2.0 * 128 * N * kBlockKBytes * kKBlocks * sm_count;
+  m.tflops = flop / (m.ms * 1e-3) / 1e12;
+  m.clock_ghz = kernels::median_sm_clock_ghz(probed.data(), probed.data() + sm_count, sm_count);
+  if (m.clock_ghz > 0)
+    m.peak_share = m.tflops * 1e12 / (kFlopPerCyclePerSm * sm_count * m.clock_ghz * 1e9);
+  return m;
+}
+
+TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
+  int device = 0, sm_count = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  float* sink = nullptr;
+  kernels::ClockSample* probes = nullptr;
+  ASSERT_EQ(cudaMalloc(&sink, sm_count * kThreads * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&probes, 2 * sm_count * sizeof(kernels::ClockSample)), cudaSuccess);
+  const std::vector<std::pair<std::string, Measured>> forms = {
+      {"accumulate, N = 128", time_form<128, Loop::kAccumulate>(sm_count, sink, probes)},
+      {"accumulate, N = 256", time_form<256, Loop::kAccumulate>(sm_count, sink, probes)},
+      {"2 in flight, row factors, N = 128 (row tiles)",
+       time_form<128, Loop::kTwoInFlight>(sm_count, sink, probes)},
+      {"2 in flight, element factors, N = 128 (wgrad)",
+       time_form<128, Loop::kTwoInFlightPerElement>(sm_count, sink, probes)},
+      {"1 in flight, row factors, N = 128",
+       time_form<128, Loop::kOneInFlight>(sm_count, sink, probes)},
+      {"1 in flight, row factors, N = 192",
+       time_form<192, Loop::kOneInFlight>(sm_count, sink, probes)},
+  };
+  cudaFree(sink);
+  cudaFree(probes);
+  for (const auto& [name, m] : forms) {
+    std::printf("  fp8 wgmma loop, %-48s %8.3f ms %7.0f TFLOP/s  %.2f GHz  %5.1f%% of peak\n",
+                name.c_str(), m.ms, m.tflops, m.clock_ghz, 100 * m.peak_share);
+    EXPECT_GT(m.tflops, 50.0) << name;
+    EXPECT_GT(m.clock_ghz, 0.3) << name;
+    EXPECT_LT(m.peak_share, 1.05) << name << ": more than the tensor pipe can do (a miscount)";
+  }
+}
+
+}  // namespace
+}  // namespace mok
