@@ -219,9 +219,11 @@ __device__ __forceinline__ void bulk_wait_group() {
 // 16 bytes from global to shared memory without a register (cp.async, cached in L2 only), or 16
 // zero bytes when `valid` is false (the source then is not read). Completes at cp_async_wait.
 __device__ __forceinline__ void cp_async_16_or_zero(void* shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(shared)),
-               "l"(global), "r"(valid ? 16 : 0)
-               : "memory");
+  asm volatile(
+      "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
+      " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(smem_addr(shared)),
+      "l"(global), "r"(static_cast<uint32_t>(valid))
+      : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");

@@ -161,12 +161,13 @@ constexpr int kGatherColumnTiles = 4;
 
 struct GatherShared {
   StagedTile tiles[2];
-  int64_t tile_tokens[kTile];
+  int64_t row_offsets[kTile];  // the tile's rows: their token's element offset, -1 for zeros
 };
 
 __global__ void __launch_bounds__(kThreads, 3) gather_quantize_fp8_kernel(Fp8GatherQuantize p) {
   ptx::begin_after_previous_kernel();
   constexpr int kVectorsPerThread = kTile * (kTile / 8) / kThreads;
+  constexpr int kRowsPerPass = kThreads / (kTile / 8);  // rows one pass of the CTA's vectors fills
   extern __shared__ __align__(16) uint8_t gather_shared[];
   GatherShared& shared = *reinterpret_cast<GatherShared*>(gather_shared);
   const int64_t tile_row = blockIdx.x, first_tile_col = blockIdx.y * int64_t{kGatherColumnTiles};
@@ -176,23 +177,27 @@ __global__ void __launch_bounds__(kThreads, 3) gather_quantize_fp8_kernel(Fp8Gat
   const int64_t tile_cols = std::min<int64_t>(kGatherColumnTiles, p.cols / kTile - first_tile_col);
   if (threadIdx.x < kTile) {
     const int64_t row = row0 + threadIdx.x;
+    int64_t token = -1;
     if (p.row_pair == nullptr) {  // the rows themselves
-      shared.tile_tokens[threadIdx.x] = row < total_rows ? row : -1;
+      token = row < total_rows ? row : -1;
     } else {
       const int32_t pair = row < total_rows ? p.row_pair[row] : -1;
-      shared.tile_tokens[threadIdx.x] = pair >= 0 ? pair / p.top_k : -1;
+      token = pair >= 0 ? pair / p.top_k : -1;
     }
+    shared.row_offsets[threadIdx.x] = token >= 0 ? token * p.cols : -1;
   }
   __syncthreads();
   const auto* tokens = static_cast<const __nv_bfloat16*>(p.tokens);
+  // Thread t stages 8 columns (16 bytes) at column (t % 16) * 8 of rows t / 16 + 16 k.
+  const int first_row = threadIdx.x / (kTile / 8), column = (threadIdx.x % (kTile / 8)) * 8;
   auto stage = [&](int64_t i) {  // tile i of the run into buffer i % 2, one cp.async group
+    const int64_t col = (first_tile_col + i) * kTile + column;
+    __nv_bfloat16* destination = &shared.tiles[i % 2][first_row][column];
 #pragma unroll
     for (int k = 0; k < kVectorsPerThread; ++k) {
-      const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
-      const int64_t token = shared.tile_tokens[r];
-      const __nv_bfloat16* source =
-          token >= 0 ? tokens + token * p.cols + (first_tile_col + i) * kTile + c : tokens;
-      ptx::cp_async_16_or_zero(&shared.tiles[i % 2][r][c], source, token >= 0);
+      const int64_t offset = shared.row_offsets[first_row + k * kRowsPerPass];
+      ptx::cp_async_16_or_zero(destination + k * kRowsPerPass * kPitch,
+                               tokens + (offset >= 0 ? offset + col : 0), offset >= 0);
     }
     ptx::cp_async_commit();
   };
