@@ -4,7 +4,8 @@
 // same bits on a second run, and rows of different experts in one launch. Then its TFLOP/s at
 // the dsv3_local gate/up GEMM, free-running and kept in step, and at the layer's other FP8 GEMMs
 // of that shape, on constant and on random operands, per call and sustained, with the default
-// walk and in groups of one expert's tiles (printed; issue 17's bar is 1,100 for the FP8 GEMMs).
+// walk and in groups of one expert's tiles, each with the SM clock it ran at (printed; issue 17's
+// bar is 1,100 for the FP8 GEMMs).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "kernels/gemm/fp8_gemm.h"
+#include "kernels/stages/clock_probe.h"
 #include "kernels/stages/fp8_quantize.h"
 #include "kernels/stages/launch.h"
 #include "layer/tma.h"
@@ -486,46 +488,93 @@ void fill_constant_operands(Fp8GemmProblem& problem, int64_t tiles_per_expert) {
             cudaSuccess);
 }
 
-// Median milliseconds of 10 launches after 2 warm-ups.
+// A launch's (or a run of launches') milliseconds and the SM clock it ran at (clock probes
+// around it, kernels/stages/clock_probe.h): on the power-limited card a form's rate is its work
+// per cycle times the clock its power draw leaves, and the two are read apart.
+struct Timed {
+  double ms = 0;
+  double ghz = 0;
+};
+
+// Clock probes of the current device's SM count, before and after what they bracket.
+class ClockWindow {
+ public:
+  ClockWindow() {
+    int device = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device);
+    EXPECT_EQ(cudaMalloc(&probes_, 2 * sm_count_ * sizeof(kernels::ClockSample)), cudaSuccess);
+  }
+  ~ClockWindow() { cudaFree(probes_); }
+  void open() { EXPECT_EQ(kernels::launch_clock_probe(probes_, sm_count_, nullptr), cudaSuccess); }
+  void close() {
+    EXPECT_EQ(kernels::launch_clock_probe(probes_ + sm_count_, sm_count_, nullptr), cudaSuccess);
+  }
+  // After the stream reached the closing probe (synchronizes).
+  double ghz() {
+    std::vector<kernels::ClockSample> probed(2 * sm_count_);
+    EXPECT_EQ(cudaMemcpy(probed.data(), probes_, probed.size() * sizeof(probed[0]),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return kernels::median_sm_clock_ghz(probed.data(), probed.data() + sm_count_, sm_count_);
+  }
+
+ private:
+  int sm_count_ = 0;
+  kernels::ClockSample* probes_ = nullptr;
+};
+
+// Median milliseconds of 10 launches after 2 warm-ups, and their median clock.
 template <typename Launch>
-double median_ms(Launch launch) {
+Timed median_ms(Launch launch) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
+  ClockWindow window;
   std::vector<float> times;
+  std::vector<double> clocks;
   for (int i = 0; i < 12; ++i) {
+    window.open();
     cudaEventRecord(start);
     EXPECT_EQ(launch(), cudaSuccess);
     cudaEventRecord(stop);
+    window.close();
     EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
     float ms = 0;
     cudaEventElapsedTime(&ms, start, stop);
-    if (i >= 2) times.push_back(ms);
+    if (i >= 2) {
+      times.push_back(ms);
+      clocks.push_back(window.ghz());
+    }
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  std::sort(clocks.begin(), clocks.end());
+  return {times[times.size() / 2], clocks[clocks.size() / 2]};
 }
 
 // Calls queued back to back, one synchronization at the end, as a training loop runs them: the
-// mean milliseconds of 20 after 2 warm-ups.
+// mean milliseconds of 20 after 2 warm-ups, and the clock over the 20.
 template <typename Launch>
-double sustained_ms(Launch launch) {
+Timed sustained_ms(Launch launch) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
+  ClockWindow window;
   for (int i = 0; i < 2; ++i) EXPECT_EQ(launch(), cudaSuccess);
   constexpr int kCalls = 20;
+  window.open();
   cudaEventRecord(start);
   for (int i = 0; i < kCalls; ++i) EXPECT_EQ(launch(), cudaSuccess);
   cudaEventRecord(stop);
+  window.close();
   EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
   float ms = 0;
   cudaEventElapsedTime(&ms, start, stop);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  return ms / kCalls;
+  return {ms / kCalls, window.ghz()};
 }
 
 // Random operands for the rates: a card at its power limit clocks lower on random bits than on
@@ -637,9 +686,10 @@ void time_expert_groups(Fp8GemmProblem& problem, const std::string& label,
     problem.params.expert_groups = most;
     ASSERT_EQ(cudaMemset(problem.out, 0xff, count * 2), cudaSuccess);
     for (const bool sustained : {false, true}) {
-      const double ms = sustained ? sustained_ms(run) : median_ms(run);
-      std::printf("  %s, random codes, expert groups of at most %d%s: %.3f ms, %.0f TFLOP/s\n",
-                  label.c_str(), most, sustained ? ", sustained" : "", ms, flop / ms / 1e9);
+      const Timed t = sustained ? sustained_ms(run) : median_ms(run);
+      std::printf(
+          "  %s, random codes, expert groups of at most %d%s: %.3f ms, %.0f TFLOP/s, %.2f GHz\n",
+          label.c_str(), most, sustained ? ", sustained" : "", t.ms, flop / t.ms / 1e9, t.ghz);
     }
     ASSERT_EQ(cudaMemcpy(walked.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
               cudaSuccess);
@@ -712,12 +762,12 @@ TEST(Fp8GemmGpu, Throughput) {
   ASSERT_FALSE(HasFatalFailure());
   auto run = [&] { return problem.run(); };
   for (const bool sustained : {false, true}) {
-    const double ms = sustained ? sustained_ms(run) : median_ms(run);
+    const Timed t = sustained ? sustained_ms(run) : median_ms(run);
     std::printf(
         "  fp8 grouped GEMM, dsv3_local gate/up (%lld x %lld x %lld), free-running, random "
-        "codes%s: %.3f ms, %.0f TFLOP/s\n",
+        "codes%s: %.3f ms, %.0f TFLOP/s, %.2f GHz\n",
         static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k),
-        sustained ? ", sustained" : "", ms, 2.0 * rows * n * k / ms / 1e9);
+        sustained ? ", sustained" : "", t.ms, 2.0 * rows * n * k / t.ms / 1e9, t.ghz);
   }
   expect_row_tile_samples(problem, operands, 9, "gate/up");
   time_expert_groups(problem,
@@ -744,8 +794,9 @@ void expect_all_equal(const void* device_out, int64_t count, float want, const c
 // is K / 2 exactly, checked in full) and on random ones (64 outputs checked), per call and
 // sustained; TFLOP/s printed.
 TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
-  auto print = [](const char* what, double ms, double flop, const char* extra = "") {
-    std::printf("  %s: %.3f ms, %.0f TFLOP/s%s\n", what, ms, flop / ms / 1e9, extra);
+  auto print = [](const char* what, const Timed& t, double flop, const char* extra = "") {
+    std::printf("  %s: %.3f ms, %.0f TFLOP/s, %.2f GHz%s\n", what, t.ms, flop / t.ms / 1e9, t.ghz,
+                extra);
   };
   const int64_t experts = 32, tiles_per_expert = 9, rows = experts * tiles_per_expert * 128;
   struct RowTileGemm {
@@ -809,8 +860,8 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
       std::snprintf(note, sizeof(note), ", %.2f TB/s of bf16 written", written / ms / 1e9);
       return std::string(note);
     };
-    double ms = median_ms([&] { return wgrad.run(); });
-    print((label + ", constant codes").c_str(), ms, flop, bytes_note(ms).c_str());
+    Timed t = median_ms([&] { return wgrad.run(); });
+    print((label + ", constant codes").c_str(), t, flop, bytes_note(t.ms).c_str());
     expect_all_equal(wgrad.out, shape.experts * m * n, 0.5f * static_cast<float>(shape.expert_rows),
                      "weight gradient");
 
@@ -823,10 +874,10 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
     upload(wgrad.a_scales, a_scales);
     upload(wgrad.b_scales, b_scales);
     ASSERT_FALSE(HasFatalFailure());
-    ms = median_ms([&] { return wgrad.run(); });
-    print((label + ", random codes").c_str(), ms, flop, bytes_note(ms).c_str());
-    ms = sustained_ms([&] { return wgrad.run(); });
-    print((label + ", random codes, sustained").c_str(), ms, flop, bytes_note(ms).c_str());
+    t = median_ms([&] { return wgrad.run(); });
+    print((label + ", random codes").c_str(), t, flop, bytes_note(t.ms).c_str());
+    t = sustained_ms([&] { return wgrad.run(); });
+    print((label + ", random codes, sustained").c_str(), t, flop, bytes_note(t.ms).c_str());
     SplitMix64 pick(85);
     for (int sample = 0; sample < 64; ++sample) {
       const int64_t e = pick.below(shape.experts), i = pick.below(m), j = pick.below(n);
