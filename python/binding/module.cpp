@@ -8,6 +8,8 @@
 //                                        is built (before any CUDA-graph capture); forward and
 //                                        backward launch on the stream given as an integer (the
 //                                        caller's current stream) without host synchronization
+//   SmClockWindow                        the SM clock over a stretch of a stream's work,
+//                                        measured on the device (the benchmark's GHz)
 //   make_unique_id, Communicator,        expert parallelism, one process per GPU (built with
 //   EpLayer                              NCCL)
 // mok::Error becomes ValueError (invalid argument), NotImplementedError (unsupported) or
@@ -34,6 +36,7 @@
 #include "mok/layer_args.h"
 #include "mok/reference.h"
 #include "mok/shape.h"
+#include "mok/sm_clock.h"
 #include "tensors.h"
 #if MOK_HAS_NCCL
 #include "mok/bootstrap.h"
@@ -359,6 +362,21 @@ void bind_gpu_layer(nb::module_& m) {
       .def_prop_ro("config", &GpuLayer::config);
 }
 
+void bind_sm_clock(nb::module_& m) {
+  nb::class_<SmClockWindow>(m, "SmClockWindow")
+      .def(nb::init<>())
+      .def(
+          "open", [](SmClockWindow& window, uintptr_t stream) { window.open(stream_of(stream)); },
+          "stream"_a)
+      .def(
+          "close", [](SmClockWindow& window, uintptr_t stream) { window.close(stream_of(stream)); },
+          "stream"_a)
+      .def("ghz", [](SmClockWindow& window) {
+        nb::gil_scoped_release release;
+        return window.ghz();
+      });
+}
+
 #if MOK_HAS_NCCL
 void bind_expert_parallel(nb::module_& m) {
   m.def("make_unique_id", [] {
@@ -413,6 +431,7 @@ NB_MODULE(_C, m) {
   bind_reference(m);
   bind_fp8_weights(m);
   bind_gpu_layer(m);
+  bind_sm_clock(m);
 #if MOK_HAS_NCCL
   m.attr("has_nccl") = true;
   bind_expert_parallel(m);

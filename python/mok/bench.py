@@ -10,9 +10,10 @@ per call (median of synchronized calls) and sustained (calls queued back to back
 synchronization: a training loop), in rounds: each round times every direction and mode for all
 systems one after another, starting one system later each round, so that none always runs first
 on a cool card; the median over rounds is reported, and each system's time over mok's as the
-median of the rounds' ratios. Prints ms, TFLOP/s and those ratios, and writes JSON and a plot
-(TFLOP/s per shape and system, sustained, forward and forward + backward), both rewritten after
-every shape, so that a run cut short keeps the shapes it finished.
+median of the rounds' ratios, with the SM clock each ran at (``_C.SmClockWindow``: probes on
+the device before and after). Prints ms, TFLOP/s, those ratios and the clocks, and writes JSON
+and a plot (TFLOP/s per shape and system, sustained, forward and forward + backward), both
+rewritten after every shape, so that a run cut short keeps the shapes it finished.
 
     python -m mok.bench --from-json run1.json,run2.json --json all.json --plot all.png
 
@@ -47,26 +48,35 @@ def progress(message: str) -> None:
 MODES = ("per call", "sustained")
 
 
-def _time(fn, calls: int, sustained: bool) -> float:
-    """Milliseconds per call."""
+def _time(fn, calls: int, sustained: bool, clock) -> tuple[float, float]:
+    """Milliseconds per call, and the SM clock in GHz the calls ran at (`clock`, an
+    `_C.SmClockWindow`: probes before and after on the device; the median over the calls per
+    call). On the power-limited card a system's sustained time is its work per cycle over the
+    clock its power draw leaves, so the clock tells the two apart."""
     torch.cuda.synchronize()
+    stream = torch.cuda.current_stream().cuda_stream
     if sustained:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        clock.open(stream)
         start.record()
         for _ in range(calls):
             fn()
         end.record()
+        clock.close(stream)
         end.synchronize()
-        return start.elapsed_time(end) / calls
-    times = []
+        return start.elapsed_time(end) / calls, clock.ghz()
+    times, clocks = [], []
     for _ in range(calls):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        clock.open(stream)
         start.record()
         fn()
         end.record()
+        clock.close(stream)
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        clocks.append(clock.ghz())
+    return statistics.median(times), statistics.median(clocks)
 
 
 def _callables(p: Problem, system: System):
@@ -121,16 +131,20 @@ def run_shape(p: Problem, systems: list[System], calls: int, rounds: int) -> dic
                 raise
             p.skipped[system.name] = f"failed: {type(error).__name__}: {error}"[:300]
             torch.cuda.synchronize()
+    from . import _C
+
+    clock = _C.SmClockWindow()
     samples: dict[str, list[float]] = {}
+    clocks: dict[str, list[float]] = {}
     last_round = -1
     for round_idx, direction, mode, name in measurement_order(list(timed), rounds):
         if round_idx != last_round:
             progress(f"{p.shape_name}: round {round_idx + 1} of {rounds}")
             last_round = round_idx
         fn = timed[name][DIRECTIONS.index(direction)]
-        samples.setdefault(f"{name}|{direction}|{mode}", []).append(
-            _time(fn, calls, mode == "sustained")
-        )
+        ms, ghz = _time(fn, calls, mode == "sustained", clock)
+        samples.setdefault(f"{name}|{direction}|{mode}", []).append(ms)
+        clocks.setdefault(f"{name}|{direction}|{mode}", []).append(ghz)
         timed[name][2]()  # its gradients go before the next system runs
     p.module.workspace.synchronize()  # raises what the device found
     result = {
@@ -158,6 +172,7 @@ def run_shape(p: Problem, systems: list[System], calls: int, rounds: int) -> dic
             "rounds_ms": values,
             # The median of the rounds' ratios: each pairs two systems timed moments apart.
             "over_mok": statistics.median(v / m for v, m in zip(values, mok_values)),
+            "ghz": statistics.median(clocks[key]),
         }
     return result
 
@@ -169,13 +184,18 @@ def print_table(result: dict) -> None:
         f"K={result['K']} Is={result['Is']}), median of {result['rounds']} rotated rounds",
         flush=True,
     )
-    print(f"  {'system':<18} {'':<28} {'ms':>9} {'TFLOP/s':>9} {'time / mok':>11}")
-    print("  (ms: median of the rounds; time / mok: median of the rounds' ratios)")
+    print(f"  {'system':<18} {'':<28} {'ms':>9} {'TFLOP/s':>9} {'time / mok':>11} {'GHz':>6}")
+    print(
+        "  (ms: median of the rounds; time / mok: median of the rounds' ratios; GHz: the SM"
+        " clock the calls ran at)"
+    )
     for name, entries in systems.items():
         for key, value in entries.items():
             ratio = value["over_mok"]
+            ghz = f"{value['ghz']:6.2f}" if value.get("ghz") else f"{'':>6}"
             print(
                 f"  {name:<18} {key:<28} {value['ms']:9.3f} {value['tflops']:9.1f} {ratio:10.2f}x"
+                f" {ghz}"
             )
     for name, why in result["skipped"].items():
         print(f"  {name:<18} skipped: {why}")

@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "kernels/gemm/fp8_gemm.h"
-#include "kernels/stages/clock_probe.h"
 #include "kernels/stages/fp8_quantize.h"
 #include "kernels/stages/launch.h"
 #include "layer/tma.h"
 #include "mok/fp8.h"
 #include "mok/schedule.h"
+#include "mok/sm_clock.h"
 #include "mok/testing/routing.h"
 #include "test_util.h"
 #include "wait_record.h"
@@ -489,39 +489,11 @@ void fill_constant_operands(Fp8GemmProblem& problem, int64_t tiles_per_expert) {
 }
 
 // A launch's (or a run of launches') milliseconds and the SM clock it ran at (clock probes
-// around it, kernels/stages/clock_probe.h): on the power-limited card a form's rate is its work
+// around it, mok/sm_clock.h): on the power-limited card a form's rate is its work
 // per cycle times the clock its power draw leaves, and the two are read apart.
 struct Timed {
   double ms = 0;
   double ghz = 0;
-};
-
-// Clock probes of the current device's SM count, before and after what they bracket.
-class ClockWindow {
- public:
-  ClockWindow() {
-    int device = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device);
-    EXPECT_EQ(cudaMalloc(&probes_, 2 * sm_count_ * sizeof(kernels::ClockSample)), cudaSuccess);
-  }
-  ~ClockWindow() { cudaFree(probes_); }
-  void open() { EXPECT_EQ(kernels::launch_clock_probe(probes_, sm_count_, nullptr), cudaSuccess); }
-  void close() {
-    EXPECT_EQ(kernels::launch_clock_probe(probes_ + sm_count_, sm_count_, nullptr), cudaSuccess);
-  }
-  // After the stream reached the closing probe (synchronizes).
-  double ghz() {
-    std::vector<kernels::ClockSample> probed(2 * sm_count_);
-    EXPECT_EQ(cudaMemcpy(probed.data(), probes_, probed.size() * sizeof(probed[0]),
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    return kernels::median_sm_clock_ghz(probed.data(), probed.data() + sm_count_, sm_count_);
-  }
-
- private:
-  int sm_count_ = 0;
-  kernels::ClockSample* probes_ = nullptr;
 };
 
 // Median milliseconds of 10 launches after 2 warm-ups, and their median clock.
@@ -530,15 +502,15 @@ Timed median_ms(Launch launch) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  ClockWindow window;
+  SmClockWindow window;
   std::vector<float> times;
   std::vector<double> clocks;
   for (int i = 0; i < 12; ++i) {
-    window.open();
+    window.open(nullptr);
     cudaEventRecord(start);
     EXPECT_EQ(launch(), cudaSuccess);
     cudaEventRecord(stop);
-    window.close();
+    window.close(nullptr);
     EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
     float ms = 0;
     cudaEventElapsedTime(&ms, start, stop);
@@ -561,14 +533,14 @@ Timed sustained_ms(Launch launch) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  ClockWindow window;
+  SmClockWindow window;
   for (int i = 0; i < 2; ++i) EXPECT_EQ(launch(), cudaSuccess);
   constexpr int kCalls = 20;
-  window.open();
+  window.open(nullptr);
   cudaEventRecord(start);
   for (int i = 0; i < kCalls; ++i) EXPECT_EQ(launch(), cudaSuccess);
   cudaEventRecord(stop);
-  window.close();
+  window.close(nullptr);
   EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
   float ms = 0;
   cudaEventElapsedTime(&ms, start, stop);

@@ -9,8 +9,8 @@
 //   1 in flight N  each K-block waited for, then promoted (DeepGEMM's loop), at N = 128 and 192:
 //                  192 columns fit the registers only with one block in flight.
 // Each prints TFLOP/s per call and its share of the FP8 peak at the SM clock the launches ran at
-// (8,192 FLOP per cycle per SM; the clock from the clock probes). The row-tile GEMMs reach
-// 60-63% of the pipe in the layer, 57-63% even without their loads (docs/design.md, the FP8
+// (8,192 FLOP per cycle per SM; the clock from mok::SmClockWindow's probes). The row-tile GEMMs
+// reach 60-63% of the pipe in the layer, 57-63% even without their loads (docs/design.md, the FP8
 // GEMMs): these forms say how much of that the loop's shape sets. No bits are checked (the
 // operands are fixed codes); the bounds catch a miscounted FLOP or a broken clock.
 #include <cuda_runtime_api.h>
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "kernels/common/ptx.cuh"
-#include "kernels/stages/clock_probe.h"
+#include "mok/sm_clock.h"
 
 namespace mok {
 namespace {
@@ -165,7 +165,7 @@ struct Measured {
 };
 
 template <int N, Loop kLoop>
-Measured time_form(int sm_count, float* sink, kernels::ClockSample* probes) {
+Measured time_form(int sm_count, float* sink, SmClockWindow& window) {
   const int shared_bytes = 1024 + (128 + N) * kBlockKBytes + 4 * 2 * N * 4;
   auto kernel = wgmma_ceiling_kernel<N, kLoop>;
   EXPECT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes),
@@ -175,24 +175,22 @@ Measured time_form(int sm_count, float* sink, kernels::ClockSample* probes) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  EXPECT_EQ(kernels::launch_clock_probe(probes, sm_count, nullptr), cudaSuccess);
+  window.open(nullptr);
   cudaEventRecord(start);
   for (int launch = 0; launch < kLaunches; ++launch)
     kernel<<<sm_count, kThreads, shared_bytes>>>(kKBlocks, sink);
   cudaEventRecord(stop);
-  EXPECT_EQ(kernels::launch_clock_probe(probes + sm_count, sm_count, nullptr), cudaSuccess);
+  window.close(nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   float ms = 0;
   cudaEventElapsedTime(&ms, start, stop);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  std::vector<kernels::ClockSample> probed(2 * sm_count);
-  cudaMemcpy(probed.data(), probes, probed.size() * sizeof(probed[0]), cudaMemcpyDeviceToHost);
   Measured m;
   m.ms = ms / kLaunches;
   const double flop = 2.0 * 128 * N * kBlockKBytes * kKBlocks * sm_count;
   m.tflops = flop / (m.ms * 1e-3) / 1e12;
-  m.clock_ghz = kernels::median_sm_clock_ghz(probed.data(), probed.data() + sm_count, sm_count);
+  m.clock_ghz = window.ghz();
   if (m.clock_ghz > 0)
     m.peak_share = m.tflops * 1e12 / (kFlopPerCyclePerSm * sm_count * m.clock_ghz * 1e9);
   return m;
@@ -203,23 +201,21 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
   float* sink = nullptr;
-  kernels::ClockSample* probes = nullptr;
   ASSERT_EQ(cudaMalloc(&sink, sm_count * kThreads * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&probes, 2 * sm_count * sizeof(kernels::ClockSample)), cudaSuccess);
+  SmClockWindow window;
   const std::vector<std::pair<std::string, Measured>> forms = {
-      {"accumulate, N = 128", time_form<128, Loop::kAccumulate>(sm_count, sink, probes)},
-      {"accumulate, N = 256", time_form<256, Loop::kAccumulate>(sm_count, sink, probes)},
+      {"accumulate, N = 128", time_form<128, Loop::kAccumulate>(sm_count, sink, window)},
+      {"accumulate, N = 256", time_form<256, Loop::kAccumulate>(sm_count, sink, window)},
       {"2 in flight, row factors, N = 128 (row tiles)",
-       time_form<128, Loop::kTwoInFlight>(sm_count, sink, probes)},
+       time_form<128, Loop::kTwoInFlight>(sm_count, sink, window)},
       {"2 in flight, element factors, N = 128 (wgrad)",
-       time_form<128, Loop::kTwoInFlightPerElement>(sm_count, sink, probes)},
+       time_form<128, Loop::kTwoInFlightPerElement>(sm_count, sink, window)},
       {"1 in flight, row factors, N = 128",
-       time_form<128, Loop::kOneInFlight>(sm_count, sink, probes)},
+       time_form<128, Loop::kOneInFlight>(sm_count, sink, window)},
       {"1 in flight, row factors, N = 192",
-       time_form<192, Loop::kOneInFlight>(sm_count, sink, probes)},
+       time_form<192, Loop::kOneInFlight>(sm_count, sink, window)},
   };
   cudaFree(sink);
-  cudaFree(probes);
   for (const auto& [name, m] : forms) {
     std::printf("  fp8 wgmma loop, %-48s %8.3f ms %7.0f TFLOP/s  %.2f GHz  %5.1f%% of peak\n",
                 name.c_str(), m.ms, m.tflops, m.clock_ghz, 100 * m.peak_share);

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import as_float64, make_problem, relative_error, torch_moe
+from conftest import as_float64, cuda_reason, make_problem, relative_error, torch_moe
 from mok.bench import plot
 from mok.bench_peers import torch_grouped_mm_moe
 
@@ -263,3 +263,24 @@ def test_from_json_names_a_file_without_results(tmp_path):
     path.write_text('{"ok": true}')
     with pytest.raises(ValueError, match="other.json.*holds no benchmark results"):
         load_results(str(path))
+
+
+@pytest.mark.skipif(cuda_reason() is not None, reason=str(cuda_reason()))
+def test_sm_clock_window_reads_the_clock_around_work():
+    """`_C.SmClockWindow` (the benchmark's GHz column) around a few large matmuls on the current
+    stream reads a clock a Hopper card can run at, and its `_time` pairs it with the time."""
+    from mok import _C
+    from mok.bench import _time
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    window = _C.SmClockWindow()
+    stream = torch.cuda.current_stream().cuda_stream
+    window.open(stream)
+    for _ in range(20):
+        a @ a
+    window.close(stream)
+    ghz = window.ghz()
+    assert 0.3 < ghz < 3.0, ghz
+    for sustained in (False, True):
+        ms, clock = _time(lambda: a @ a, 5, sustained, window)
+        assert ms > 0 and 0.3 < clock < 3.0, (sustained, ms, clock)
