@@ -18,7 +18,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/stages/clock_probe.h"
 #include "kernels/stages/non_finite_scan.h"
 #include "layer/cuda_buffer.h"
 #include "layer/expert_engine.h"
@@ -27,6 +26,7 @@
 #include "layer/token_exchange.h"
 #include "layer/wait_report.h"
 #include "mok/schedule.h"
+#include "mok/sm_clock.h"
 
 namespace mok {
 
@@ -290,9 +290,9 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
 
 namespace {
 
-// Runs `run(mark)` `iterations` times with events and clock probes (kernels/stages/
-// clock_probe.h) at every mark; the median time and SM clock of each stage. The probes are
-// launches of their own, so each stage's time includes one (a few microseconds).
+// Runs `run(mark)` `iterations` times with events and clock probes (mok/sm_clock.h) at every
+// mark; the median time and SM clock of each stage. The probes are launches of their own, so
+// each stage's time includes one (a few microseconds).
 // Refuses a rank of an expert-parallel group: its calls wait for every rank, so one rank's
 // synchronizing profile loop would wait for the others until the device timeout.
 std::vector<StageTime> profile_stages(const GpuLayer::State& s, const char* who,
@@ -314,23 +314,13 @@ std::vector<StageTime> profile_stages(const GpuLayer::State& s, const char* who,
     }
     return events[index];
   };
-  // One probe of s.sm_count samples per mark (a run marks a dozen stages at most).
-  constexpr size_t kMaxProbes = 64;
-  const int per_probe = std::max(s.sm_count, 1);
-  DeviceBuffer probes(static_cast<int64_t>(kMaxProbes * per_probe * sizeof(kernels::ClockSample)),
-                      std::string(who) + "'s clock probes");
-  auto probe_at = [&](size_t index) {
-    if (index >= kMaxProbes)
-      throw Error(ErrorCode::kInternal, std::string(who) + ": more than " +
-                                            std::to_string(kMaxProbes - 1) + " stages to profile");
-    return probes.as<kernels::ClockSample>() + index * per_probe;
-  };
-  std::vector<kernels::ClockSample> probed;
+  // One clock probe per mark (a run marks a dozen stages at most).
+  constexpr int kMaxMarks = 64;
+  SmClockWindow clock(kMaxMarks);
   for (int iteration = 0; iteration < iterations; ++iteration) {
     size_t marker = 0;
     auto mark_here = [&] {
-      cuda_check(kernels::launch_clock_probe(probe_at(marker), per_probe, stream),
-                 std::string(who) + "'s clock probe");
+      clock.mark(static_cast<int>(marker), stream);
       cuda_check(cudaEventRecord(event_at(marker), stream), "cudaEventRecord");
       ++marker;
     };
@@ -347,13 +337,8 @@ std::vector<StageTime> profile_stages(const GpuLayer::State& s, const char* who,
       samples.assign(names.size(), {});
       clocks.assign(names.size(), {});
     }
-    probed.resize(marker * per_probe);
-    cuda_check(cudaMemcpy(probed.data(), probes.pointer, probed.size() * sizeof(probed[0]),
-                          cudaMemcpyDeviceToHost),
-               std::string(who) + ": read the clock probes");
     auto clock_between = [&](size_t first, size_t last) {
-      return static_cast<float>(kernels::median_sm_clock_ghz(
-          probed.data() + first * per_probe, probed.data() + last * per_probe, per_probe));
+      return static_cast<float>(clock.ghz(static_cast<int>(first), static_cast<int>(last)));
     };
     for (size_t stage = 0; stage + 1 < marker; ++stage) {
       float ms = 0;
