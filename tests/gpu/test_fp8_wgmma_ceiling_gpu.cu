@@ -1,13 +1,17 @@
 // What the tensor pipe gives the FP8 GEMMs' consumer loops with no loads at all: two consumer
 // warpgroups per SM, their operands fixed in shared memory, running the K-block loop of
-// fp8_gemm.cu's consumers (four m64nNk32 e4m3 wgmma per 128-long K-block) in five forms:
+// fp8_gemm.cu's consumers (four m64nNk32 e4m3 wgmma per 128-long K-block) in these forms:
 //   accumulate N   one accumulator, as a bf16 GEMM's loop (no promotion): the pipe's ceiling for
 //                  m64nNk32 at N = 128 and 256;
 //   2 in flight    fp8_gemm.cu's loop: K-block k + 1 issued while K-block k is promoted into the
 //                  fp32 sum, one factor per row (the row tiles) or per element (the weight
-//                  gradients: FMUL + FFMA);
-//   1 in flight N  each K-block waited for, then promoted (DeepGEMM's loop), at N = 128 and 192:
-//                  192 columns fit the registers only with one block in flight.
+//                  gradients: FMUL + FFMA, the column scales read from shared memory per
+//                  K-block). Two more forms take the element form apart: its column scales held
+//                  in registers (no shared-memory reads), and row factors with two FFMA per
+//                  element (its FP32 instruction count, no FMUL feeding an FFMA);
+//   1 in flight N  each K-block waited for, then promoted (DeepGEMM's loop), at N = 128 and 192,
+//                  and with element factors at N = 128: 192 columns fit the registers only with
+//                  one block in flight.
 // Each prints TFLOP/s per call and its share of the FP8 peak at the SM clock the launches ran at
 // (8,192 FLOP per cycle per SM; the clock from mok::SmClockWindow's probes). The row-tile GEMMs
 // reach 60-63% of the pipe in the layer, 57-63% even without their loads (docs/design.md, the FP8
@@ -33,7 +37,15 @@ constexpr int kBlockKBytes = 128;  // one K-block: 128 e4m3 values, one swizzled
 constexpr int kKBlocks = 4096;     // per CTA and launch (even: the 2-in-flight loop's pairs)
 constexpr double kFlopPerCyclePerSm = 8192;  // FP8 dense wgmma, H100 / H200
 
-enum class Loop { kAccumulate, kTwoInFlight, kTwoInFlightPerElement, kOneInFlight };
+enum class Loop { kAccumulate, kTwoInFlight, kOneInFlight };
+
+// How a K-block's products are added into the sum.
+enum class Promotion {
+  kRow,                 // sum += block * row factor (the row tiles)
+  kElement,             // sum += block * (row factor * column scale), scales read per K-block
+  kElementHeldColumns,  // the same, the column scales read once into registers
+  kRowTwice,            // sum += block * f0; sum += block * f1: kElement's FP32 count, no FMUL
+};
 
 template <int N>
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
@@ -57,24 +69,33 @@ __device__ __forceinline__ void issue(float (&block)[N / 2], uint64_t desc_a, ui
   ptx::wgmma_commit();
 }
 
-// sum += block * factor: one factor per fragment row (kPerElement false), or that times a
-// column scale per element, read from shared memory as the weight gradients read theirs.
-template <int N, bool kPerElement>
+// Promotes one K-block (Promotion above). `scales`: four stages of N row factors and N column
+// scales in shared memory; `held`: this thread's column scales when kElementHeldColumns.
+template <int N, Promotion kPromotion>
 __device__ __forceinline__ void promote(float (&block)[N / 2], float (&sum)[N / 2],
-                                        const float* scales, int k_block) {
+                                        const float* scales, const float2 (&held)[N / 8],
+                                        int k_block) {
   ptx::fence_registers(block);
   const float* stage = scales + (k_block % 4) * 2 * N;
   const float factor0 = stage[threadIdx.x % 64], factor1 = stage[threadIdx.x % 64 + 64];
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
     float2 column = make_float2(1.0f, 1.0f);
-    if constexpr (kPerElement)
+    if constexpr (kPromotion == Promotion::kElement)
       column = *reinterpret_cast<const float2*>(&stage[N + 8 * j + 2 * (threadIdx.x % 4)]);
+    if constexpr (kPromotion == Promotion::kElementHeldColumns) column = held[j];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float row = i < 2 ? factor0 : factor1;
-      const float factor = kPerElement ? row * (i % 2 ? column.y : column.x) : row;
-      sum[j * 4 + i] = fmaf(block[j * 4 + i], factor, sum[j * 4 + i]);
+      const int r = j * 4 + i;
+      if constexpr (kPromotion == Promotion::kRowTwice) {
+        sum[r] = fmaf(block[r], row, sum[r]);
+        sum[r] = fmaf(block[r], factor0 + factor1, sum[r]);
+      } else if constexpr (kPromotion == Promotion::kRow) {
+        sum[r] = fmaf(block[r], row, sum[r]);
+      } else {
+        sum[r] = fmaf(block[r], row * (i % 2 ? column.y : column.x), sum[r]);
+      }
     }
   }
 }
@@ -88,11 +109,11 @@ __device__ __forceinline__ float total(const float (&values)[kCount]) {
   return result;
 }
 
-template <int N, Loop kLoop>
+template <int N, Loop kLoop, Promotion kPromotion>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_ceiling_kernel(int k_blocks, float* sink) {
-  extern __shared__ uint8_t shared_raw[];
-  uint8_t* shared = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared_raw) + 1023) &
-                                               ~uintptr_t{1023});
+  extern __shared__ __align__(1024) unsigned char shared_raw[];
+  // Rounded up as an offset (ptx::align_shared_1024), so that the scales' reads stay LDS.
+  uint8_t* shared = &ptx::align_shared_1024<uint8_t>(shared_raw);
   uint8_t* a = shared;                                             // 128 rows: each warpgroup's 64
   uint8_t* b = a + 128 * kBlockKBytes;                             // N rows
   float* scales = reinterpret_cast<float*>(b + N * kBlockKBytes);  // 4 stages of 2N factors
@@ -107,6 +128,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ceiling_kernel(int k_blocks
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const uint64_t desc_a = ptx::smem_desc_k_major_sw128(a + warpgroup * 64 * kBlockKBytes);
   const uint64_t desc_b = ptx::smem_desc_k_major_sw128(b);
+  float2 held[N / 8];
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+    held[j] = kPromotion == Promotion::kElementHeldColumns
+                  ? *reinterpret_cast<const float2*>(&scales[N + 8 * j + 2 * (threadIdx.x % 4)])
+                  : make_float2(1.0f, 1.0f);
   float result = 0.0f;
   if constexpr (kLoop == Loop::kAccumulate) {
     float acc[N / 2];
@@ -126,11 +153,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ceiling_kernel(int k_blocks
     for (int k_block = 0; k_block < k_blocks; ++k_block) {
       issue<N>(block, desc_a, desc_b, false);
       ptx::wgmma_wait<0>();
-      promote<N, false>(block, sum, scales, k_block);
+      promote<N, kPromotion>(block, sum, scales, held, k_block);
     }
     result = total(sum);
   } else {
-    constexpr bool kPerElement = kLoop == Loop::kTwoInFlightPerElement;
     float block0[N / 2], block1[N / 2], sum[N / 2];
 #pragma unroll
     for (int r = 0; r < N / 2; ++r) sum[r] = -0.0f;
@@ -140,20 +166,20 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ceiling_kernel(int k_blocks
     for (int k_block = 0;; k_block += 2) {
       if (k_block + 1 == k_blocks) {
         ptx::wgmma_wait<0>();
-        promote<N, kPerElement>(block0, sum, scales, k_block);
+        promote<N, kPromotion>(block0, sum, scales, held, k_block);
         break;
       }
       issue<N>(block1, desc_a, desc_b, false);
       ptx::wgmma_wait<1>();
-      promote<N, kPerElement>(block0, sum, scales, k_block);
+      promote<N, kPromotion>(block0, sum, scales, held, k_block);
       if (k_block + 2 == k_blocks) {
         ptx::wgmma_wait<0>();
-        promote<N, kPerElement>(block1, sum, scales, k_block + 1);
+        promote<N, kPromotion>(block1, sum, scales, held, k_block + 1);
         break;
       }
       issue<N>(block0, desc_a, desc_b, false);
       ptx::wgmma_wait<1>();
-      promote<N, kPerElement>(block1, sum, scales, k_block + 1);
+      promote<N, kPromotion>(block1, sum, scales, held, k_block + 1);
     }
     result = total(sum);
   }
@@ -164,10 +190,10 @@ struct Measured {
   double ms = 0, tflops = 0, clock_ghz = 0, peak_share = 0;
 };
 
-template <int N, Loop kLoop>
+template <int N, Loop kLoop, Promotion kPromotion = Promotion::kRow>
 Measured time_form(int sm_count, float* sink, SmClockWindow& window) {
   const int shared_bytes = 1024 + (128 + N) * kBlockKBytes + 4 * 2 * N * 4;
-  auto kernel = wgmma_ceiling_kernel<N, kLoop>;
+  auto kernel = wgmma_ceiling_kernel<N, kLoop, kPromotion>;
   EXPECT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes),
             cudaSuccess);
   for (int warm = 0; warm < 2; ++warm) kernel<<<sm_count, kThreads, shared_bytes>>>(kKBlocks, sink);
@@ -209,9 +235,15 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
       {"2 in flight, row factors, N = 128 (row tiles)",
        time_form<128, Loop::kTwoInFlight>(sm_count, sink, window)},
       {"2 in flight, element factors, N = 128 (wgrad)",
-       time_form<128, Loop::kTwoInFlightPerElement>(sm_count, sink, window)},
+       time_form<128, Loop::kTwoInFlight, Promotion::kElement>(sm_count, sink, window)},
+      {"2 in flight, element factors, column scales held",
+       time_form<128, Loop::kTwoInFlight, Promotion::kElementHeldColumns>(sm_count, sink, window)},
+      {"2 in flight, row factors, two FFMA per element",
+       time_form<128, Loop::kTwoInFlight, Promotion::kRowTwice>(sm_count, sink, window)},
       {"1 in flight, row factors, N = 128",
        time_form<128, Loop::kOneInFlight>(sm_count, sink, window)},
+      {"1 in flight, element factors, N = 128",
+       time_form<128, Loop::kOneInFlight, Promotion::kElement>(sm_count, sink, window)},
       {"1 in flight, row factors, N = 192",
        time_form<192, Loop::kOneInFlight>(sm_count, sink, window)},
   };
