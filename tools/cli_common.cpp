@@ -60,6 +60,7 @@ const char* const kCompareKnobs[] = {"cta-pairs",
                                      "expert-groups-N",
                                      "swiglu-in-dgrad",
                                      "overlap-launches",
+                                     "fp8-rows-192",
                                      nullptr};
 
 namespace {
@@ -185,6 +186,10 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_cta_pairs = false;
       flipped.gemm_tiles_by_ticket = false;
     }
+  } else if (name == "fp8-rows-192") {
+    // FP8: the row-tile GEMMs in 192-row tiles (128 when they already are).
+    flipped.fp8_row_tile_rows = config.fp8_row_tile_rows == 192 ? 128 : 192;
+    if (flipped.fp8_row_tile_rows == 192) flipped.gemm_expert_groups = 0;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps
