@@ -42,26 +42,12 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",
-                                     "persistent-forward",
-                                     "persistent-backward",
-                                     "weight-grad-pingpong",
-                                     "skip-padding-rows",
-                                     "local-dispatch",
-                                     "wide-tiles",
-                                     "tile-group-N",
-                                     "l2-placement",
-                                     "four-stages",
-                                     "lockstep-N",
-                                     "tiles-by-ticket",
-                                     "auto-lockstep",
-                                     "aligned-groups",
-                                     "dgrad-half-tiles",
-                                     "expert-groups-N",
-                                     "swiglu-in-dgrad",
-                                     "overlap-launches",
-                                     "fp8-rows-192",
-                                     nullptr};
+const char* const kCompareKnobs[] = {
+    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
+    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
+    "l2-placement",      "four-stages",        "lockstep-N",          "tiles-by-ticket",
+    "auto-lockstep",     "aligned-groups",     "dgrad-half-tiles",    "expert-groups-N",
+    "swiglu-in-dgrad",   "overlap-launches",   "fp8-rows-192",        nullptr};
 
 namespace {
 

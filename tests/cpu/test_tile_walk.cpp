@@ -245,8 +245,7 @@ TEST(TileWalk, Rows192TilesCoverEachExpertsRowsOnce) {
       previous_expert = t.expert;
       previous_end = end;
     }
-    for (int row = 0; row < offsets.back(); ++row)
-      ASSERT_EQ(covered[row], 1) << "row " << row;
+    for (int row = 0; row < offsets.back(); ++row) ASSERT_EQ(covered[row], 1) << "row " << row;
   }
 }
 

@@ -330,9 +330,9 @@ TEST(ConfigValidation, Fp8RowTileRowsAre128Or192) {
   }
   config.fp8_row_tile_rows = 192;
   config.gemm_expert_groups = 16;
-  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-               {"fp8_row_tile_rows = 192 with gemm_expert_groups = 16",
-                "valid: gemm_expert_groups = 0"});
+  expect_error(
+      can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+      {"fp8_row_tile_rows = 192 with gemm_expert_groups = 16", "valid: gemm_expert_groups = 0"});
   MoeConfig bf16;
   bf16.fp8_row_tile_rows = 192;
   expect_error(can_implement_knobs(bf16, 1), ErrorCode::kInvalidArgument,

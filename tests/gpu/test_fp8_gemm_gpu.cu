@@ -386,9 +386,9 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
         std::vector<bf16> values(rows * n + rows * 128);
         EXPECT_EQ(cudaMemcpy(values.data(), problem.out, rows * n * 2, cudaMemcpyDeviceToHost),
                   cudaSuccess);
-        EXPECT_EQ(cudaMemcpy(values.data() + rows * n, out2, rows * 128 * 2,
-                             cudaMemcpyDeviceToHost),
-                  cudaSuccess);
+        EXPECT_EQ(
+            cudaMemcpy(values.data() + rows * n, out2, rows * 128 * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
         return values;
       };
       auto clear = [&] {
@@ -802,8 +802,8 @@ void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
       make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
   const int64_t s_dims[2] = {problem.rows, problem.k / 128}, s_strides[1] = {problem.rows * 4};
   const int32_t s_box[2] = {192, 1};
-  problem.maps.a_scales = make_tensor_map(problem.a_scales, TmaElement::kF32, 2, s_dims,
-                                          s_strides, s_box, false, "A scales");
+  problem.maps.a_scales = make_tensor_map(problem.a_scales, TmaElement::kF32, 2, s_dims, s_strides,
+                                          s_box, false, "A scales");
   problem.maps.out = problem.maps.out2 =
       make_tensor_map_3d(problem.out, problem.n, problem.rows, 1, 64, 64, "out");
   problem.params.tile_rows = 192;

@@ -229,7 +229,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int consumer_thread = threadIdx.x - BLOCK_M;
     auto load_tile_b_scale = [&](const Fp8Tile& t, bool valid) {
       if (kWeightGrad || !valid) return 0.0f;
-      return consumer_thread < t.num_k_blocks ? row_tile_b_scale(params, t.expert, t.n_tile, consumer_thread) : 0.0f;
+      return consumer_thread < t.num_k_blocks
+                 ? row_tile_b_scale(params, t.expert, t.n_tile, consumer_thread)
+                 : 0.0f;
     };
     // kWeightGrad: the expert offsets copied into shared memory. A tile's first wgmma waits on
     // its K-block count, and ptxas moves offsets read from global memory into uniform registers

@@ -52,12 +52,12 @@ constexpr int kConsumerRegs = 160;
 static_assert(128 * (kProducerRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536,
               "the register split fits the 512-thread CTA's pool");
 constexpr int kStages = 4;
-constexpr int kATileBytes = kRows192 * kFp8BlockK;   // 24 KB
-constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;  // 16 KB
+constexpr int kATileBytes = kRows192 * kFp8BlockK;       // 24 KB
+constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;      // 16 KB
 constexpr int kStagingChunkBytes = kRows192Chunk * 128;  // [64 rows x 64 columns] bf16
 constexpr int kPrefixPerThread = static_cast<int>(kMaxExperts) / kThreads;
 static_assert(kPrefixPerThread * kThreads == kMaxExperts, "the prefix sum's experts per thread");
-static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread");
+static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread (the first ones)");
 
 struct alignas(1024) Rows192Storage {
   uint8_t a[kStages][kATileBytes];
@@ -119,8 +119,7 @@ __device__ __forceinline__ void number_the_tiles(const Fp8GemmParams& params,
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    fp8_gemm_192_rows_kernel(const __grid_constant__ Fp8GemmMaps maps,
-                             const Fp8GemmParams params) {
+    fp8_gemm_192_rows_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   ptx::begin_after_previous_kernel();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Rows192Storage& smem = ptx::align_shared_1024<Rows192Storage>(smem_raw);
@@ -161,8 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ptx::tma_load_2d(smem.a[s], src.a, &smem.full[s], src.k_group * kFp8BlockK, t.rows.row0);
         ptx::tma_load_3d(smem.b[s], src.b, &smem.full[s], src.k_group * kFp8BlockK,
                          src.b_n_tile * kFp8TileN, t.rows.expert);
-        ptx::tma_load_2d(smem.a_scales[s], src.a_scales, &smem.full[s], t.rows.row0,
-                         src.k_group);
+        ptx::tma_load_2d(smem.a_scales[s], src.a_scales, &smem.full[s], t.rows.row0, src.k_group);
         state.advance();
       }
     }
@@ -191,7 +189,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
     if (has_first) next = tile_at(params, smem.tile_start, blockIdx.x, num_m_tiles, num_n_tiles);
-    smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, has_first);
+    if (consumer_thread < kMaxTileKBlocks)
+      smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, has_first);
     ptx::named_barrier_sync(1, kConsumers);
   }
   int local_tile = 0;
@@ -245,7 +244,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // The next tile's B scales, published by the staging barrier below (the other row is no
     // longer read: every consumer passed this tile's first barrier after the last tile's math).
-    smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
+    if (consumer_thread < kMaxTileKBlocks)
+      smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
     if (issuer) ptx::bulk_wait_group_read<0>();  // the last tile's store has read the staging
     ptx::named_barrier_sync(1, kConsumers);
     if (chunk < t.rows.valid_chunks) {
