@@ -99,6 +99,42 @@ std::vector<bf16> random_bf16(int64_t count, uint64_t seed, float scale) {
   return values;
 }
 
+// The host quantizers' codes and scales of a row-tile problem's A (bf16 [rows, k], row groups)
+// and B (bf16 [experts, n, k], blocks per expert), uploaded with its tile experts.
+struct QuantizedOperands {
+  std::vector<e4m3> a_q, b_q;
+  std::vector<float> a_scales, b_scales;  // a_scales [rows, K / 128] (the host's layout)
+};
+QuantizedOperands quantize_and_upload(Fp8GemmProblem& problem, const std::vector<bf16>& a,
+                                      const std::vector<bf16>& b,
+                                      const std::vector<int32_t>& tile_expert) {
+  const int64_t rows = problem.rows, n = problem.n, k = problem.k, experts = problem.experts;
+  QuantizedOperands q;
+  q.a_q.resize(rows * k);
+  q.b_q.resize(experts * n * k);
+  q.a_scales.resize(rows * (k / 128));
+  q.b_scales.resize(experts * (n / 128) * (k / 128));
+  quantize_fp8_rows(a.data(), rows, k, q.a_q.data(), q.a_scales.data());
+  for (int64_t e = 0; e < experts; ++e)
+    quantize_fp8_blocks(b.data() + e * n * k, n, k, q.b_q.data() + e * n * k,
+                        q.b_scales.data() + e * (n / 128) * (k / 128));
+  std::vector<float> a_scales_t(q.a_scales.size());  // [K / 128, rows], as the GEMM reads them
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < k / 128; ++g) a_scales_t[g * rows + r] = q.a_scales[r * (k / 128) + g];
+  EXPECT_EQ(cudaMemcpy(problem.a, q.a_q.data(), q.a_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.b, q.b_q.data(), q.b_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.a_scales, a_scales_t.data(), a_scales_t.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.b_scales, q.b_scales.data(), q.b_scales.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  return q;
+}
+
 // The row-tile form over a K of `k` against the product in double; then the same bits from
 // GPU-quantized operands, split columns and a split K.
 void expect_block_scaled_product(int64_t k) {
@@ -110,28 +146,13 @@ void expect_block_scaled_product(int64_t k) {
       a[r * k + c] = float_to_bf16(bf16_to_float(a[r * k + c]) * std::ldexp(1.0f, r % 9 - 4));
   const std::vector<bf16> b = random_bf16(experts * n * k, 6, 0.05f);
   const std::vector<int32_t> tile_expert = {0, 0, 2, 1, 1, 1, 2};
-  std::vector<e4m3> a_q(rows * k), b_q(experts * n * k);
-  std::vector<float> a_scales(rows * (k / 128)), b_scales(experts * (n / 128) * (k / 128));
-  quantize_fp8_rows(a.data(), rows, k, a_q.data(), a_scales.data());
-  for (int64_t e = 0; e < experts; ++e)
-    quantize_fp8_blocks(b.data() + e * n * k, n, k, b_q.data() + e * n * k,
-                        b_scales.data() + e * (n / 128) * (k / 128));
-  std::vector<float> a_scales_t(a_scales.size());  // [K / 128, rows], as the GEMM reads them
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < k / 128; ++g) a_scales_t[g * rows + r] = a_scales[r * (k / 128) + g];
-
   Fp8GemmProblem problem(rows, n, k, experts);
-  ASSERT_EQ(cudaMemcpy(problem.a, a_q.data(), a_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(problem.b, b_q.data(), b_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(problem.a_scales, a_scales_t.data(), a_scales_t.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(
-      cudaMemcpy(problem.b_scales, b_scales.data(), b_scales.size() * 4, cudaMemcpyHostToDevice),
-      cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  const QuantizedOperands q = quantize_and_upload(problem, a, b, tile_expert);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const std::vector<e4m3>& a_q = q.a_q;
+  const std::vector<e4m3>& b_q = q.b_q;
+  const std::vector<float>& a_scales = q.a_scales;
+  const std::vector<float>& b_scales = q.b_scales;
   ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);  // NaN where unwritten
   ASSERT_EQ(problem.run(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -327,27 +348,9 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     SCOPED_TRACE("K = " + std::to_string(k));
     const std::vector<bf16> a = random_bf16(rows * k, 47, 1.0f);
     const std::vector<bf16> b = random_bf16(experts * n * k, 48, 0.05f);
-    std::vector<e4m3> a_q(rows * k), b_q(experts * n * k);
-    std::vector<float> a_scales(rows * (k / 128)), b_scales(experts * (n / 128) * (k / 128));
-    quantize_fp8_rows(a.data(), rows, k, a_q.data(), a_scales.data());
-    for (int64_t e = 0; e < experts; ++e)
-      quantize_fp8_blocks(b.data() + e * n * k, n, k, b_q.data() + e * n * k,
-                          b_scales.data() + e * (n / 128) * (k / 128));
-    std::vector<float> a_scales_t(a_scales.size());
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < k / 128; ++g) a_scales_t[g * rows + r] = a_scales[r * (k / 128) + g];
     Fp8GemmProblem problem(rows, n, k, experts);
-    ASSERT_EQ(cudaMemcpy(problem.a, a_q.data(), a_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(problem.b, b_q.data(), b_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(problem.a_scales, a_scales_t.data(), a_scales_t.size() * 4,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
-    ASSERT_EQ(
-        cudaMemcpy(problem.b_scales, b_scales.data(), b_scales.size() * 4, cudaMemcpyHostToDevice),
-        cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    quantize_and_upload(problem, a, b, tile_expert);
+    ASSERT_FALSE(HasFailure());
     ASSERT_EQ(cudaMemcpy(problem.expert_offsets, offsets.data(), offsets.size() * 4,
                          cudaMemcpyHostToDevice),
               cudaSuccess);

@@ -149,13 +149,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int num_k_blocks = params.k_extent / kFp8BlockK;
       for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
         const int s = state.stage;
-        mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
-        if (params.ablation == GemmAblation::kNoLoads) {  // the stage armed with no bytes
-          ptx::mbarrier_arrive_expect_tx(&smem.full[s], 0);
+        if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, kBytes)) {
           state.advance();
           continue;
         }
-        ptx::mbarrier_arrive_expect_tx(&smem.full[s], kBytes);
         const Fp8Sources src = row_tile_sources(maps, params, t.n_tile, k_block);
         ptx::tma_load_2d(smem.a[s], src.a, &smem.full[s], src.k_group * kFp8BlockK, t.rows.row0);
         ptx::tma_load_3d(smem.b[s], src.b, &smem.full[s], src.k_group * kFp8BlockK,

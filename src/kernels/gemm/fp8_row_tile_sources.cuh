@@ -1,10 +1,12 @@
 // What the FP8 row-tile GEMMs (fp8_gemm.cu's 128-row tiles, fp8_gemm_192_rows.cu's 192-row
-// ones) share: the K-block size, and where each K-block's operands and B scale come from with
-// fp8_gemm.h's splits.
+// ones) share: the K-block size, where each K-block's operands and B scale come from with
+// fp8_gemm.h's splits, and the producer's arming of a free stage.
 #pragma once
 
 #include <cuda.h>
 
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
 #include "kernels/gemm/fp8_gemm.h"
 #include "mok/fp8.h"
 
@@ -59,6 +61,17 @@ __device__ __forceinline__ float row_tile_b_scale(const Fp8GemmParams& params, i
   return __ldg((second ? params.b2_scales : params.b_scales) +
                (static_cast<int64_t>(expert) * n_tiles + n_tile) * part_blocks +
                (second ? k_block - split_blocks : k_block));
+}
+
+// The producer waits for stage `stage` to be free (its consumers' arrivals on `empty`, in the
+// ring's `phase`) and arms `full` for `bytes`; under the no-loads ablation for none, and then
+// returns false: the caller issues no loads.
+__device__ __forceinline__ bool arm_free_stage(const Fp8GemmParams& params, uint64_t* empty,
+                                               uint64_t* full, uint32_t phase, uint32_t bytes) {
+  mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, empty, phase ^ 1);
+  const bool load = params.ablation != GemmAblation::kNoLoads;
+  ptx::mbarrier_arrive_expect_tx(full, load ? bytes : 0);
+  return load;
 }
 
 }  // namespace mok::kernels
