@@ -1,5 +1,5 @@
 // What the tensor pipe gives the FP8 GEMMs' consumer loops with no loads at all: two consumer
-// warpgroups per SM, their operands fixed in shared memory, running the K-block loop of
+// (or three) warpgroups per SM, their operands fixed in shared memory, running the K-block loop of
 // fp8_gemm.cu's consumers (four m64nNk32 e4m3 wgmma per 128-long K-block) in these forms:
 //   accumulate N   one accumulator, as a bf16 GEMM's loop (no promotion): the pipe's ceiling for
 //                  m64nNk32 at N = 128 and 256;
@@ -10,8 +10,12 @@
 //                  in registers (no shared-memory reads), and row factors with two FFMA per
 //                  element (its FP32 instruction count, no FMUL feeding an FFMA);
 //   1 in flight N  each K-block waited for, then promoted (DeepGEMM's loop), at N = 128 and 192,
-//                  and with element factors at N = 128: 192 columns fit the registers only with
-//                  one block in flight.
+//                  and with element factors at N = 128 (their column scales read from shared
+//                  memory in the promotion, or into registers while the K-block's wgmma run);
+//                  192 columns fit the registers only with one block in flight. And with three
+//                  consumer warpgroups (a 192 x 128 tile: one in flight is what fits 384
+//                  consumer threads' registers), the row tiles' loop for fewer operand bytes
+//                  per FLOP than 128 x 128.
 // Each prints TFLOP/s per call and its share of the FP8 peak at the SM clock the launches ran at
 // (8,192 FLOP per cycle per SM; the clock from mok::SmClockWindow's probes). The row-tile GEMMs
 // reach 60-63% of the pipe in the layer, 57-63% even without their loads (docs/design.md, the FP8
@@ -32,7 +36,7 @@
 namespace mok {
 namespace {
 
-constexpr int kThreads = 256;      // two consumer warpgroups
+constexpr int kMaxThreads = 384;   // up to three consumer warpgroups
 constexpr int kBlockKBytes = 128;  // one K-block: 128 e4m3 values, one swizzled row
 constexpr int kKBlocks = 4096;     // per CTA and launch (even: the 2-in-flight loop's pairs)
 constexpr double kFlopPerCyclePerSm = 8192;  // FP8 dense wgmma, H100 / H200
@@ -45,6 +49,8 @@ enum class Promotion {
   kElement,             // sum += block * (row factor * column scale), scales read per K-block
   kElementHeldColumns,  // the same, the column scales read once into registers
   kRowTwice,            // sum += block * f0; sum += block * f1: kElement's FP32 count, no FMUL
+  kElementReadAtIssue,  // kElement with the K-block's column scales read into registers while
+                        // its wgmma run (one in flight: the registers of a second block free)
 };
 
 template <int N>
@@ -83,7 +89,9 @@ __device__ __forceinline__ void promote(float (&block)[N / 2], float (&sum)[N / 
     float2 column = make_float2(1.0f, 1.0f);
     if constexpr (kPromotion == Promotion::kElement)
       column = *reinterpret_cast<const float2*>(&stage[N + 8 * j + 2 * (threadIdx.x % 4)]);
-    if constexpr (kPromotion == Promotion::kElementHeldColumns) column = held[j];
+    if constexpr (kPromotion == Promotion::kElementHeldColumns ||
+                  kPromotion == Promotion::kElementReadAtIssue)
+      column = held[j];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float row = i < 2 ? factor0 : factor1;
@@ -109,17 +117,19 @@ __device__ __forceinline__ float total(const float (&values)[kCount]) {
   return result;
 }
 
-template <int N, Loop kLoop, Promotion kPromotion>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_ceiling_kernel(int k_blocks, float* sink) {
+template <int N, Loop kLoop, Promotion kPromotion, int kWarpgroups>
+__global__ void __launch_bounds__(kWarpgroups * 128, 1)
+    wgmma_ceiling_kernel(int k_blocks, float* sink) {
+  constexpr int kThreads = kWarpgroups * 128;
   extern __shared__ __align__(1024) unsigned char shared_raw[];
   // Rounded up as an offset (ptx::align_shared_1024), so that the scales' reads stay LDS.
   uint8_t* shared = &ptx::align_shared_1024<uint8_t>(shared_raw);
-  uint8_t* a = shared;                                             // 128 rows: each warpgroup's 64
-  uint8_t* b = a + 128 * kBlockKBytes;                             // N rows
+  uint8_t* a = shared;                                             // each warpgroup's 64 rows
+  uint8_t* b = a + 64 * kWarpgroups * kBlockKBytes;                // N rows
   float* scales = reinterpret_cast<float*>(b + N * kBlockKBytes);  // 4 stages of 2N factors
   // Fixed codes with their exponents spread (no NaN: bit patterns 0x7F and 0xFF never occur).
   uint32_t* codes = reinterpret_cast<uint32_t*>(shared);
-  for (int i = threadIdx.x; i < (128 + N) * kBlockKBytes / 4; i += kThreads)
+  for (int i = threadIdx.x; i < (64 * kWarpgroups + N) * kBlockKBytes / 4; i += kThreads)
     codes[i] = (i * 0x9E3779B1u) & 0x3E3E3E3Eu;
   for (int i = threadIdx.x; i < 4 * 2 * N; i += kThreads)
     scales[i] = 1.0f / static_cast<float>(1 << (i % 5));
@@ -152,6 +162,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ceiling_kernel(int k_blocks
     for (int r = 0; r < N / 2; ++r) sum[r] = -0.0f;
     for (int k_block = 0; k_block < k_blocks; ++k_block) {
       issue<N>(block, desc_a, desc_b, false);
+      if constexpr (kPromotion == Promotion::kElementReadAtIssue) {
+        const float* stage = scales + (k_block % 4) * 2 * N;
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+          held[j] = *reinterpret_cast<const float2*>(&stage[N + 8 * j + 2 * (threadIdx.x % 4)]);
+      }
       ptx::wgmma_wait<0>();
       promote<N, kPromotion>(block, sum, scales, held, k_block);
     }
@@ -190,10 +206,11 @@ struct Measured {
   double ms = 0, tflops = 0, clock_ghz = 0, peak_share = 0;
 };
 
-template <int N, Loop kLoop, Promotion kPromotion = Promotion::kRow>
+template <int N, Loop kLoop, Promotion kPromotion = Promotion::kRow, int kWarpgroups = 2>
 Measured time_form(int sm_count, float* sink, SmClockWindow& window) {
-  const int shared_bytes = 1024 + (128 + N) * kBlockKBytes + 4 * 2 * N * 4;
-  auto kernel = wgmma_ceiling_kernel<N, kLoop, kPromotion>;
+  constexpr int kThreads = kWarpgroups * 128;
+  const int shared_bytes = 1024 + (64 * kWarpgroups + N) * kBlockKBytes + 4 * 2 * N * 4;
+  auto kernel = wgmma_ceiling_kernel<N, kLoop, kPromotion, kWarpgroups>;
   EXPECT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes),
             cudaSuccess);
   for (int warm = 0; warm < 2; ++warm) kernel<<<sm_count, kThreads, shared_bytes>>>(kKBlocks, sink);
@@ -214,7 +231,7 @@ Measured time_form(int sm_count, float* sink, SmClockWindow& window) {
   cudaEventDestroy(stop);
   Measured m;
   m.ms = ms / kLaunches;
-  const double flop = 2.0 * 128 * N * kBlockKBytes * kKBlocks * sm_count;
+  const double flop = 2.0 * 64 * kWarpgroups * N * kBlockKBytes * kKBlocks * sm_count;
   m.tflops = flop / (m.ms * 1e-3) / 1e12;
   m.clock_ghz = window.ghz();
   if (m.clock_ghz > 0)
@@ -227,7 +244,7 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
   float* sink = nullptr;
-  ASSERT_EQ(cudaMalloc(&sink, sm_count * kThreads * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&sink, sm_count * kMaxThreads * sizeof(float)), cudaSuccess);
   SmClockWindow window;
   const std::vector<std::pair<std::string, Measured>> forms = {
       {"accumulate, N = 128", time_form<128, Loop::kAccumulate>(sm_count, sink, window)},
@@ -244,6 +261,10 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
        time_form<128, Loop::kOneInFlight>(sm_count, sink, window)},
       {"1 in flight, element factors, N = 128",
        time_form<128, Loop::kOneInFlight, Promotion::kElement>(sm_count, sink, window)},
+      {"1 in flight, element factors, column scales read at issue",
+       time_form<128, Loop::kOneInFlight, Promotion::kElementReadAtIssue>(sm_count, sink, window)},
+      {"1 in flight, row factors, three warpgroups (192 x 128)",
+       time_form<128, Loop::kOneInFlight, Promotion::kRow, 3>(sm_count, sink, window)},
       {"1 in flight, row factors, N = 192",
        time_form<192, Loop::kOneInFlight>(sm_count, sink, window)},
   };
