@@ -19,9 +19,10 @@
 //                  three warpgroups cover each other's promotion where two could not?
 // Each prints TFLOP/s per call and its share of the FP8 peak at the SM clock the launches ran at
 // (8,192 FLOP per cycle per SM; the clock from mok::SmClockWindow's probes). The row-tile GEMMs
-// reach 60-63% of the pipe in the layer, 57-63% even without their loads (docs/design.md, the FP8
-// GEMMs): these forms say how much of that the loop's shape sets. No bits are checked (the
-// operands are fixed codes); the bounds catch a miscounted FLOP or a broken clock.
+// reach 60-63% of the pipe in the layer and the weight gradients ~47%: these forms say how much
+// of that the loop's shape sets (session 47: the row tiles' loop ~99%, the weight gradients'
+// 55-63%; docs/design.md, "What binds the FP8 GEMMs"). No bits are checked (the operands are
+// fixed codes); the bounds catch a miscounted FLOP or a broken clock.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
