@@ -34,8 +34,7 @@ OUT="${OUT:-$root/out}"
 logs="$OUT"
 [ "${MOK_AB_KEEP_LOGS:-0}" = 1 ] || logs="${TMPDIR:-/tmp}/mok-ab"
 mkdir -p "$OUT" "$logs"
-export PATH="$PATH:/usr/local/cuda/bin"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/gpu-env.sh
 if [ -z "${MOK_NCCL_HOME:-}" ]; then
   nccl_home="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi

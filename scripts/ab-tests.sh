@@ -34,8 +34,7 @@ work="${TMPDIR:-/tmp}/mok-abt"
 mkdir -p "$OUT" "$work"
 summary="$OUT/abt.log"
 : >"$summary"
-export PATH="$PATH:/usr/local/cuda/bin"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/gpu-env.sh
 ab_build_trees build-abt "$work/build-" mok_gpu_tests -DMOK_GTEST_SOURCE_DIR="$gtest"
 status=0
 # run_tests TREE FILTER LOG TITLE PATTERN: TREE's GPU tests of FILTER into LOG, then TITLE and

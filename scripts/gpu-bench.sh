@@ -15,8 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
-export PATH="$PATH:/usr/local/cuda/bin"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/gpu-env.sh
 nvidia-smi -L || { echo "no GPU visible"; exit 1; }
 if ! env MOK_PYTHON_SYSTEM=1 scripts/setup-python.sh >"$OUT/setup.log" 2>&1; then
   tail -30 "$OUT/setup.log"

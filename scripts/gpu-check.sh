@@ -43,9 +43,7 @@ OUT="${OUT:-$root/out}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 build_dir="${MOK_GPU_BUILD_DIR:-build-gpu}"
-export PATH="$PATH:/usr/local/cuda/bin"
-# NVLink multicast must never be used on these machines (DESIGN.md section 2.8).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/gpu-env.sh  # CUDA on PATH, NVLink multicast off
 start_seconds=$SECONDS
 
 step_names=()

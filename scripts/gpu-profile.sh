@@ -26,8 +26,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 build_dir="${MOK_GPU_BUILD_DIR:-build-gpu}"
-export PATH="$PATH:/usr/local/cuda/bin"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/gpu-env.sh
 nvidia-smi -L || { echo "no GPU visible"; exit 1; }
 generator=(-G "Unix Makefiles")
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)

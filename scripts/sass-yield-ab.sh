@@ -6,8 +6,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
-export PATH="$PATH:/usr/local/cuda/bin:$PWD/.deps/sass-tools"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. scripts/gpu-env.sh
+export PATH="$PATH:$PWD/.deps/sass-tools"
 build=build-gpu
 gtest=()
 [ -d .deps/googletest ] && gtest=("-DMOK_GTEST_SOURCE_DIR=$PWD/.deps/googletest")
