@@ -216,24 +216,6 @@ __device__ __forceinline__ void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// 16 bytes from global to shared memory without a register (cp.async, cached in L2 only), or 16
-// zero bytes when `valid` is false (the source then is not read). Completes at cp_async_wait.
-__device__ __forceinline__ void cp_async_16_or_zero(void* shared, const void* global, bool valid) {
-  asm volatile(
-      "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
-      " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(smem_addr(shared)),
-      "l"(global), "r"(static_cast<uint32_t>(valid))
-      : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-// Waits until at most kPending of this thread's cp.async groups are in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy (TMA) reads.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

@@ -1,10 +1,8 @@
 // The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers, the
 // quantization of gathered rows, and the transposition of pre-quantized weight blocks.
 //
-// Grid: one 256-thread CTA per 128 x 128 tile of the input (the gathers: per row tile and run of
-// up to four column tiles, the next tile's loads in flight while one is quantized). The CTA
-// stages a tile in shared memory (16-byte loads, bf16, rows 272 bytes apart), then quantizes it
-// (fp8_group_tile.cuh):
+// Grid: one 256-thread CTA per 128 x 128 tile of the input. The CTA stages the tile in shared
+// memory (16-byte loads, bf16, rows 272 bytes apart), then quantizes it (fp8_group_tile.cuh):
 // - row groups: each thread holds half a row (16-byte shared loads, eight rows per phase: no
 //   bank conflict); the amax runs on bf16 pairs (HMNMX2 .abs .NaN), one shuffle joins the
 //   halves, and the row's two threads write whole 32-byte sectors;
@@ -21,8 +19,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
-
-#include <algorithm>
 
 #include "kernels/common/overlapped_launch.h"
 #include "kernels/common/ptx.cuh"
@@ -153,84 +149,52 @@ __global__ void __launch_bounds__(kThreads)
 
 // Gathered rows quantized as they are staged (Fp8GatherQuantize): the tile's rows come from the
 // tokens' rows through the schedule (zeros for padding rows and rows past total_rows); a tile
-// wholly past total_rows writes nothing. A CTA takes one row tile and a run of up to
-// kGatherColumnTiles column tiles: the row tile's 128 token indices are read once for the run,
-// and the tiles are staged by cp.async into two buffers, the next tile's copies in flight while
-// one is quantized (no registers held for them: the quantizers need ~80).
-constexpr int kGatherColumnTiles = 4;
-
-struct GatherShared {
-  StagedTile tiles[2];
-  int64_t row_offsets[kTile];  // the tile's rows: their token's element offset, -1 for zeros
-};
-
-__global__ void __launch_bounds__(kThreads, 3) gather_quantize_fp8_kernel(Fp8GatherQuantize p) {
+// wholly past total_rows writes nothing. The tile's 128 token indices are read first, so that
+// each thread's eight 16-byte loads are independent and in flight together.
+__global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8GatherQuantize p) {
   ptx::begin_after_previous_kernel();
   constexpr int kVectorsPerThread = kTile * (kTile / 8) / kThreads;
-  constexpr int kRowsPerPass = kThreads / (kTile / 8);  // rows one pass of the CTA's vectors fills
-  extern __shared__ __align__(16) uint8_t gather_shared[];
-  GatherShared& shared = *reinterpret_cast<GatherShared*>(gather_shared);
-  const int64_t tile_row = blockIdx.x, first_tile_col = blockIdx.y * int64_t{kGatherColumnTiles};
-  const int64_t row0 = tile_row * kTile;
+  __shared__ __align__(16) StagedTile tile;
+  __shared__ int64_t tile_tokens[kTile];
+  const int64_t tile_row = blockIdx.x, tile_col = blockIdx.y;
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   const int64_t total_rows = p.header->total_rows;
   if (row0 >= total_rows) return;
-  const int64_t tile_cols = std::min<int64_t>(kGatherColumnTiles, p.cols / kTile - first_tile_col);
   if (threadIdx.x < kTile) {
     const int64_t row = row0 + threadIdx.x;
-    int64_t token = -1;
     if (p.row_pair == nullptr) {  // the rows themselves
-      token = row < total_rows ? row : -1;
+      tile_tokens[threadIdx.x] = row < total_rows ? row : -1;
     } else {
       const int32_t pair = row < total_rows ? p.row_pair[row] : -1;
-      token = pair >= 0 ? pair / p.top_k : -1;
+      tile_tokens[threadIdx.x] = pair >= 0 ? pair / p.top_k : -1;
     }
-    shared.row_offsets[threadIdx.x] = token >= 0 ? token * p.cols : -1;
   }
   __syncthreads();
   const auto* tokens = static_cast<const __nv_bfloat16*>(p.tokens);
-  // Thread t stages 8 columns (16 bytes) at column (t % 16) * 8 of rows t / 16 + 16 k.
-  const int first_row = threadIdx.x / (kTile / 8), column = (threadIdx.x % (kTile / 8)) * 8;
-  auto stage = [&](int64_t i) {  // tile i of the run into buffer i % 2, one cp.async group
-    const int64_t col = (first_tile_col + i) * kTile + column;
-    __nv_bfloat16* destination = &shared.tiles[i % 2][first_row][column];
+  uint4 loaded[kVectorsPerThread];
 #pragma unroll
-    for (int k = 0; k < kVectorsPerThread; ++k) {
-      const int64_t offset = shared.row_offsets[first_row + k * kRowsPerPass];
-      ptx::cp_async_16_or_zero(destination + k * kRowsPerPass * kPitch,
-                               tokens + (offset >= 0 ? offset + col : 0), offset >= 0);
-    }
-    ptx::cp_async_commit();
-  };
-  stage(0);
-#pragma unroll 1
-  for (int64_t i = 0; i < tile_cols; ++i) {
-    const int64_t tile_col = first_tile_col + i, col0 = tile_col * kTile;
-    StagedTile& tile = shared.tiles[i % 2];
-    // The other buffer's last reader (tile i - 1's quantization) is done before it is refilled.
-    __syncthreads();
-    if (i + 1 < tile_cols) {
-      stage(i + 1);
-      ptx::cp_async_wait<1>();
-    } else {
-      ptx::cp_async_wait<0>();
-    }
-    __syncthreads();  // every thread's copies of tile i landed
-    if (p.rows_bf16 != nullptr) {
-#pragma unroll
-      for (int k = 0; k < kVectorsPerThread; ++k) {
-        const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
-        if (row0 + r < total_rows)
-          *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.rows_bf16) + (row0 + r) * p.cols +
-                                    col0 + c) = *reinterpret_cast<const uint4*>(&tile[r][c]);
-      }
-    }
-    if (p.row_codes != nullptr)
-      quantize_row_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
-                          static_cast<uint8_t*>(p.row_codes), p.row_scales);
-    if (p.column_codes != nullptr)
-      quantize_column_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
-                             static_cast<uint8_t*>(p.column_codes), p.column_scales);
+  for (int k = 0; k < kVectorsPerThread; ++k) {
+    const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
+    const int64_t token = tile_tokens[r];
+    loaded[k] = token >= 0
+                    ? __ldg(reinterpret_cast<const uint4*>(tokens + token * p.cols + col0 + c))
+                    : make_uint4(0, 0, 0, 0);
   }
+#pragma unroll
+  for (int k = 0; k < kVectorsPerThread; ++k) {
+    const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
+    *reinterpret_cast<uint4*>(&tile[r][c]) = loaded[k];
+    if (p.rows_bf16 != nullptr && row0 + r < total_rows)
+      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.rows_bf16) + (row0 + r) * p.cols +
+                                col0 + c) = loaded[k];
+  }
+  __syncthreads();
+  if (p.row_codes != nullptr)
+    quantize_row_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
+                        static_cast<uint8_t*>(p.row_codes), p.row_scales);
+  if (p.column_codes != nullptr)
+    quantize_column_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
+                           static_cast<uint8_t*>(p.column_codes), p.column_scales);
 }
 
 // One 128 x 128 block of codes transposed through shared memory: 16-byte loads of its rows,
@@ -313,20 +277,13 @@ cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, KernelSt
       (params.column_codes != nullptr) != (params.column_scales != nullptr))
     return cudaErrorInvalidValue;
   if (params.capacity_rows == 0) return cudaSuccess;
-  // Row tiles fastest: the CTAs running together read one run of kGatherColumnTiles 128-column
-  // slices of every token row (T x 1 KB), which L2 keeps while each token's top_k copies are
-  // gathered. Column groups fastest, they read whole token rows, and a token came back only some
-  // 36 row tiles later: at dsv3_local (x 59 MB, beyond L2) the kernel read 414 MB for 59 (ncu,
-  // H100, session 44).
-  const int64_t col_tiles = params.cols / kTile;
+  // Row tiles fastest: the CTAs running together read one 128-column slice of every token row
+  // (T x 256 bytes), which L2 keeps while each token's top_k copies are gathered. Column groups
+  // fastest, they read whole token rows, and a token came back only some 36 row tiles later:
+  // at dsv3_local (x 59 MB, beyond L2) the kernel read 414 MB for 59 (ncu, H100, session 44).
   const dim3 grid(static_cast<unsigned>(params.capacity_rows / kTile),
-                  static_cast<unsigned>((col_tiles + kGatherColumnTiles - 1) / kGatherColumnTiles));
-  constexpr int kSharedBytes = sizeof(GatherShared);
-  const cudaError_t status = cudaFuncSetAttribute(
-      gather_quantize_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (status != cudaSuccess) return status;
-  return launch_maybe_overlapped(gather_quantize_fp8_kernel, grid, kThreads, kSharedBytes, on, 1,
-                                 params);
+                  static_cast<unsigned>(params.cols / kTile));
+  return launch_maybe_overlapped(gather_quantize_fp8_kernel, grid, kThreads, 0, on, 1, params);
 }
 
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
