@@ -42,25 +42,12 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
-const char* const kCompareKnobs[] = {"cta-pairs",
-                                     "persistent-forward",
-                                     "persistent-backward",
-                                     "weight-grad-pingpong",
-                                     "skip-padding-rows",
-                                     "local-dispatch",
-                                     "wide-tiles",
-                                     "tile-group-N",
-                                     "l2-placement",
-                                     "four-stages",
-                                     "lockstep-N",
-                                     "tiles-by-ticket",
-                                     "auto-lockstep",
-                                     "aligned-groups",
-                                     "dgrad-half-tiles",
-                                     "expert-groups-N",
-                                     "swiglu-in-dgrad",
-                                     "overlap-launches",
-                                     nullptr};
+const char* const kCompareKnobs[] = {
+    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
+    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
+    "l2-placement",      "four-stages",        "lockstep-N",          "tiles-by-ticket",
+    "auto-lockstep",     "aligned-groups",     "dgrad-half-tiles",    "expert-groups-N",
+    "swiglu-in-dgrad",   "overlap-launches",   "fp8-rows-192",        nullptr};
 
 namespace {
 
@@ -185,6 +172,10 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
       flipped.gemm_cta_pairs = false;
       flipped.gemm_tiles_by_ticket = false;
     }
+  } else if (name == "fp8-rows-192") {
+    // FP8: the row-tile GEMMs in 192-row tiles (128 when they already are).
+    flipped.fp8_row_tile_rows = config.fp8_row_tile_rows == 192 ? 128 : 192;
+    if (flipped.fp8_row_tile_rows == 192) flipped.gemm_expert_groups = 0;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

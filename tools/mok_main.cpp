@@ -102,7 +102,8 @@ mok run options:
                                within N K-blocks, 0 off, tiles-by-ticket, auto-lockstep,
                                aligned-groups, dgrad-half-tiles, expert-groups-N: FP8's
                                walk in groups of one expert's tiles, swiglu-in-dgrad,
-                               overlap-launches); K1+K2 flips several on one layer. An FP8
+                               overlap-launches, fp8-rows-192: FP8's row-tile GEMMs in
+                               192-row tiles); K1+K2 flips several on one layer. An FP8
                                run (--precision fp8_block) takes it without --quick: the
                                flipped FP8 layers timed beside it
   --quick                      GPU: time only the layer against the baseline, check it against

@@ -122,6 +122,12 @@ struct MoeConfig {
   // groups, whose CTAs read its weight tiles a sweep apart, from HBM twice (docs/design.md, "Groups
   // of one expert"). 0 to 1024. Same bits. Off until measured faster (session 35; docs/perf.md).
   int32_t gemm_expert_groups = 0;
+  // The FP8 row-tile GEMMs' tile height (precision fp8_block): 128, or 192 (three consumer
+  // warpgroups over one expert's rows, src/kernels/gemm/fp8_gemm_192_rows.cu): B, the weights,
+  // read once per 192 rows instead of once per 128, a sixth fewer operand bytes per FLOP. Same
+  // bits. Not with gemm_expert_groups, and the GEMM lockstep does not apply to these tiles.
+  // 128 until measured faster (session 47; docs/perf.md).
+  int32_t fp8_row_tile_rows = 128;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
   // the layer probes which SMs share a partition when it is built (atomic latencies,

@@ -81,6 +81,9 @@ class MoKConfig:
     gemm_expert_groups: walk each expert's row tiles in the FP8 GEMMs as groups of their own,
         at most this many a group (0: groups of 8; same bits; precision "fp8_block" only; off
         until measured faster).
+    fp8_row_tile_rows: the FP8 row-tile GEMMs' tile height, 128 or 192 (three consumer
+        warpgroups; the weights read once per 192 rows; same bits; precision "fp8_block" only,
+        not with gemm_expert_groups; 128 until measured faster).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
@@ -140,6 +143,7 @@ class MoKConfig:
     gemm_tile_group: int = 8
     gemm_expert_aligned_groups: bool = False
     gemm_expert_groups: int = 0
+    fp8_row_tile_rows: int = 128
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0
@@ -170,6 +174,7 @@ class MoKConfig:
         config.gemm_tile_group = self.gemm_tile_group
         config.gemm_expert_aligned_groups = self.gemm_expert_aligned_groups
         config.gemm_expert_groups = self.gemm_expert_groups
+        config.fp8_row_tile_rows = self.fp8_row_tile_rows
         config.gemm_l2_placement = self.gemm_l2_placement
         config.gemm_four_stages = self.gemm_four_stages
         config.gemm_lockstep_k_blocks = self.gemm_lockstep_k_blocks

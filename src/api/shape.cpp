@@ -269,6 +269,17 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_expert_aligned_groups",
                                          "a CTA pair's units are pairs of row tiles",
                                          "the 256 x 192 tiles group their own units"));
+  if (config.fp8_row_tile_rows != 128 && config.fp8_row_tile_rows != 192)
+    return bad("fp8_row_tile_rows = " + std::to_string(config.fp8_row_tile_rows) +
+               "; valid: 128 or 192");
+  if (config.fp8_row_tile_rows == 192 && config.precision != Precision::kFP8Block)
+    return bad(
+        "fp8_row_tile_rows = 192 with precision = bf16; valid: fp8_row_tile_rows = 128 "
+        "(the 192-row tiles are the FP8 row-tile GEMMs')");
+  if (config.fp8_row_tile_rows == 192 && config.gemm_expert_groups != 0)
+    return bad("fp8_row_tile_rows = 192 with gemm_expert_groups = " +
+               std::to_string(config.gemm_expert_groups) +
+               "; valid: gemm_expert_groups = 0 (the expert groups walk 128-row tiles)");
   if (config.gemm_expert_groups != 0 && config.precision != Precision::kFP8Block)
     return bad("gemm_expert_groups = " + std::to_string(config.gemm_expert_groups) +
                " with precision = bf16; valid: gemm_expert_groups = 0 (the expert groups walk "

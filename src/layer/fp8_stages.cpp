@@ -78,9 +78,6 @@ bool holds_weights(const Fp8WeightKey& key, const ExpertWeights& weights) {
   return weights.version != 0 && key == key_of(weights);
 }
 
-constexpr int32_t kTileBox[2] = {128, 128};
-constexpr int32_t kScaleBox[2] = {128, 1};
-
 // The forward's weights in blocks: each given pre-quantized, or quantized into the buffers
 // unless they hold it already.
 struct ForwardWeights {
@@ -151,10 +148,13 @@ void transposed_weights(const ExpertWeights& weights, int64_t experts, int64_t h
   fp8.transposed_key = key_of(weights);
 }
 
-// e4m3 [rows, width], [128 x 128] boxes.
-CUtensorMap codes_2d(const Fp8View& op, int64_t rows, int64_t width, const char* what) {
+// e4m3 [rows, width], [box_rows x 128] boxes (a row tile's height: 128, or 192 for A with
+// MoeConfig::fp8_row_tile_rows).
+CUtensorMap codes_2d(const Fp8View& op, int64_t rows, int64_t width, const char* what,
+                     int32_t box_rows = 128) {
   const int64_t dims[2] = {width, rows}, strides[1] = {width};
-  return make_tensor_map(op.codes, TmaElement::kE4M3, 2, dims, strides, kTileBox, true, what);
+  const int32_t box[2] = {128, box_rows};
+  return make_tensor_map(op.codes, TmaElement::kE4M3, 2, dims, strides, box, true, what);
 }
 // e4m3 [E, n, k], [1, 128 x 128] boxes.
 CUtensorMap codes_3d(const Fp8View& op, int64_t experts, int64_t n, int64_t k, const char* what) {
@@ -162,14 +162,23 @@ CUtensorMap codes_3d(const Fp8View& op, int64_t experts, int64_t n, int64_t k, c
   const int32_t box[3] = {128, 128, 1};
   return make_tensor_map(op.codes, TmaElement::kE4M3, 3, dims, strides, box, true, what);
 }
-// fp32 group-major scales [groups, lines], [1 x 128] boxes.
-CUtensorMap scales_2d(const Fp8View& op, int64_t lines, int64_t groups, const char* what) {
+// fp32 group-major scales [groups, lines], [1 x box_lines] boxes.
+CUtensorMap scales_2d(const Fp8View& op, int64_t lines, int64_t groups, const char* what,
+                      int32_t box_lines = 128) {
   const int64_t dims[2] = {lines, groups}, strides[1] = {lines * 4};
-  return make_tensor_map(op.scales, TmaElement::kF32, 2, dims, strides, kScaleBox, false, what);
+  const int32_t box[2] = {box_lines, 1};
+  return make_tensor_map(op.scales, TmaElement::kF32, 2, dims, strides, box, false, what);
 }
-// The staging-tile epilogue's bf16 output [rows, width] (one batch entry).
-CUtensorMap output_map(void* base, int64_t width, int64_t rows, const char* what) {
-  return make_tensor_map_3d(base, width, rows, 1, 64, 128, what);
+// The staging-tile epilogue's bf16 output [rows, width] (one batch entry), in [box_rows x 64]
+// boxes (the 192-row tiles store 64-row chunks).
+CUtensorMap output_map(void* base, int64_t width, int64_t rows, const char* what,
+                       int32_t box_rows = 128) {
+  return make_tensor_map_3d(base, width, rows, 1, 64, box_rows, what);
+}
+// A row-tile GEMM's boxes: A's rows and the outputs' rows for MoeConfig::fp8_row_tile_rows.
+int32_t a_box_rows(const GpuLayer::State& s) { return s.config.fp8_row_tile_rows; }
+int32_t out_box_rows(const GpuLayer::State& s) {
+  return s.config.fp8_row_tile_rows == 192 ? 64 : 128;
 }
 
 kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet& set) {
@@ -182,7 +191,12 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   params.expert_groups = s.config.gemm_expert_groups;
   params.wait = s.wait_context();
   params.ablation = gemm_ablation_from_env();
-  params.lockstep = s.lockstep;
+  params.tile_rows = s.config.fp8_row_tile_rows;
+  if (params.tile_rows == 192) {
+    params.num_experts = static_cast<int32_t>(set.num_experts);  // the 192-row tiles' numbering
+  } else {
+    params.lockstep = s.lockstep;  // the lockstep counts 128-row tiles
+  }
   return params;
 }
 
@@ -240,10 +254,10 @@ void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View
                    int64_t k, const Fp8View& b, int64_t n, void* out, int64_t out_rows,
                    kernels::KernelStream on, const char* what) {
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(a, rows, k, what);
-  maps.a_scales = scales_2d(a, rows, k / 128, what);
+  maps.a = codes_2d(a, rows, k, what, a_box_rows(s));
+  maps.a_scales = scales_2d(a, rows, k / 128, what, a_box_rows(s));
   maps.b = codes_3d(b, set.num_experts, n, k, what);
-  maps.out = maps.out2 = output_map(out, n, out_rows, what);
+  maps.out = maps.out2 = output_map(out, n, out_rows, what, out_box_rows(s));
   kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = b.scales;
   params.n_extent = static_cast<int32_t>(n);
@@ -258,12 +272,12 @@ void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBu
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.x_rows.view(), rows, H, "x rows (FP8)");
-  maps.a_scales = scales_2d(fp8.x_rows.view(), rows, H / 128, "x rows' scales");
+  maps.a = codes_2d(fp8.x_rows.view(), rows, H, "x rows (FP8)", a_box_rows(s));
+  maps.a_scales = scales_2d(fp8.x_rows.view(), rows, H / 128, "x rows' scales", a_box_rows(s));
   maps.b = codes_3d(weights.gate, E, I, H, "w_gate (FP8)");
   maps.b2 = codes_3d(weights.up, E, I, H, "w_up (FP8)");
-  maps.out = output_map(set.gate.pointer, I, R, "gate");
-  maps.out2 = output_map(set.up.pointer, I, R, "up");
+  maps.out = output_map(set.gate.pointer, I, R, "gate", out_box_rows(s));
+  maps.out2 = output_map(set.up.pointer, I, R, "up", out_box_rows(s));
   kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = weights.gate.scales;
   params.b2_scales = weights.up.scales;
@@ -377,13 +391,13 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
 
   // dx rows = [d_g | d_u] [Wg; Wu]: K split at I.
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)");
-  maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)");
-  maps.a_scales = scales_2d(fp8.d_gate.view(), R, I / 128, "d_gate's scales");
-  maps.a2_scales = scales_2d(fp8.d_up.view(), R, I / 128, "d_up's scales");
+  maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)", a_box_rows(s));
+  maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)", a_box_rows(s));
+  maps.a_scales = scales_2d(fp8.d_gate.view(), R, I / 128, "d_gate's scales", a_box_rows(s));
+  maps.a2_scales = scales_2d(fp8.d_up.view(), R, I / 128, "d_up's scales", a_box_rows(s));
   maps.b = codes_3d(fp8.w_gate_t.view(), E, H, I, "w_gate transposed (FP8)");
   maps.b2 = codes_3d(fp8.w_up_t.view(), E, H, I, "w_up transposed (FP8)");
-  maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows");
+  maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows", out_box_rows(s));
   kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = fp8.w_gate_t.scale_data();
   params.b2_scales = fp8.w_up_t.scale_data();

@@ -3,7 +3,8 @@
 // their column tile (and expert), and only the second tile of an odd count is a phantom. And the
 // 256 x 192 down GEMM's row units (src/kernels/gemm/wide_tile_walk.h): every schedule tile of
 // the window in exactly one unit, a unit's tiles of one expert, paired from the expert's first
-// tile in the window. And the groups of one expert's row tiles (expert_grouped_tile_in).
+// tile in the window. And the groups of one expert's row tiles (expert_grouped_tile_in), and
+// the FP8 GEMMs' 192-row tiles (src/kernels/gemm/fp8_rows192_walk.h).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/gemm/fp8_rows192_walk.h"
 #include "kernels/gemm/l2_placement.h"
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/gemm/wide_tile_walk.h"
@@ -209,6 +211,44 @@ TEST(TileWalk, ExpertGroupsWalkEachExpertInEvenRuns) {
 // The L2 placement's walk (l2_placement.h): the slots of each partition cover their row tiles'
 // units once, partition 0 the first row tiles in proportion to its slots, whatever the split of
 // the slots and the group.
+// The 192-row tiles: on random experts of 0-40 row tiles of 128 (empty experts included), every
+// row of every expert lies in exactly one tile's valid chunks, a tile's rows never leave its
+// expert, each expert's tiles are ceil(rows / 192) in row order, and only its last tile is short
+// (1 or 2 chunks of 64).
+TEST(TileWalk, Rows192TilesCoverEachExpertsRowsOnce) {
+  std::mt19937 rng(47);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int experts = 1 + static_cast<int>(rng() % 300);
+    const int max_tiles = std::vector<int>{2, 9, 40}[trial % 3];
+    std::vector<int32_t> offsets{0}, tile_start{0};
+    for (int e = 0; e < experts; ++e) {
+      const int tiles128 = rng() % 4 == 0 ? 0 : 1 + static_cast<int>(rng() % max_tiles);
+      offsets.push_back(offsets.back() + tiles128 * 128);
+      tile_start.push_back(tile_start.back() + rows192_tiles(tiles128 * 128));
+    }
+    SCOPED_TRACE(testing::Message() << experts << " experts, " << offsets.back() << " rows");
+    std::vector<int> covered(offsets.back(), 0);
+    int previous_expert = -1, previous_end = 0;
+    for (int tile = 0; tile < tile_start.back(); ++tile) {
+      const Rows192Tile t = rows192_tile(tile, tile_start.data(), experts, offsets.data());
+      ASSERT_GE(t.expert, 0);
+      ASSERT_LT(t.expert, experts);
+      ASSERT_GE(t.valid_chunks, 1);
+      ASSERT_LE(t.valid_chunks, 3);
+      const int end = t.row0 + t.valid_chunks * kRows192Chunk;
+      ASSERT_GE(t.row0, offsets[t.expert]);
+      ASSERT_LE(end, offsets[t.expert + 1]) << "tile " << tile << " leaves its expert";
+      if (t.valid_chunks < 3) EXPECT_EQ(end, offsets[t.expert + 1]) << "a short tile not last";
+      if (t.expert == previous_expert) EXPECT_EQ(t.row0, previous_end) << "tile " << tile;
+      EXPECT_GE(t.expert, previous_expert) << "experts in order";
+      for (int row = t.row0; row < end; ++row) ++covered[row];
+      previous_expert = t.expert;
+      previous_end = end;
+    }
+    for (int row = 0; row < offsets.back(); ++row) ASSERT_EQ(covered[row], 1) << "row " << row;
+  }
+}
+
 TEST(TileWalk, L2HalvesCoverEveryTileOnce) {
   for (const int grid : {2, 7, 132})
     for (const int lower : {1, grid / 2, grid - 1})

@@ -314,6 +314,31 @@ TEST(ConfigValidation, ExpertGroupsAreFp8RowTileGroups) {
                {"gemm_expert_groups = 16 with precision = bf16", "valid: gemm_expert_groups = 0"});
 }
 
+// MoeConfig::fp8_row_tile_rows: 128 or 192, the 192-row tiles on the FP8 GEMMs only and not
+// with the expert groups walk, each refusal naming the value and what is valid.
+TEST(ConfigValidation, Fp8RowTileRowsAre128Or192) {
+  MoeConfig config;
+  config.precision = Precision::kFP8Block;
+  for (const int32_t rows : {128, 192}) {
+    config.fp8_row_tile_rows = rows;
+    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << rows;
+  }
+  for (const int32_t rows : {0, 64, 256}) {
+    config.fp8_row_tile_rows = rows;
+    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+                 {"fp8_row_tile_rows = " + std::to_string(rows), "valid: 128 or 192"});
+  }
+  config.fp8_row_tile_rows = 192;
+  config.gemm_expert_groups = 16;
+  expect_error(
+      can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+      {"fp8_row_tile_rows = 192 with gemm_expert_groups = 16", "valid: gemm_expert_groups = 0"});
+  MoeConfig bf16;
+  bf16.fp8_row_tile_rows = 192;
+  expect_error(can_implement_knobs(bf16, 1), ErrorCode::kInvalidArgument,
+               {"fp8_row_tile_rows = 192 with precision = bf16", "valid: fp8_row_tile_rows = 128"});
+}
+
 // The row-tile GEMMs' lockstep (MoeConfig::gemm_lockstep_k_blocks): 0 (off) or 2 to
 // kMaxLockstepKBlocks K-blocks, with the four-stage ring, the L2 placement, the 256 x 192 tiles
 // and FP8, not with CTA pairs (named).

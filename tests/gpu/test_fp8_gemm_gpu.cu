@@ -4,8 +4,8 @@
 // same bits on a second run, and rows of different experts in one launch. Then its TFLOP/s at
 // the dsv3_local gate/up GEMM, free-running and kept in step, and at the layer's other FP8 GEMMs
 // of that shape, on constant and on random operands, per call and sustained, with the default
-// walk and in groups of one expert's tiles, each with the SM clock it ran at (printed; issue 17's
-// bar is 1,100 for the FP8 GEMMs).
+// walk, in groups of one expert's tiles and in 192-row tiles, each with the SM clock it ran at
+// (printed; issue 17's bar is 1,100 for the FP8 GEMMs).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -99,6 +99,42 @@ std::vector<bf16> random_bf16(int64_t count, uint64_t seed, float scale) {
   return values;
 }
 
+// The host quantizers' codes and scales of a row-tile problem's A (bf16 [rows, k], row groups)
+// and B (bf16 [experts, n, k], blocks per expert), uploaded with its tile experts.
+struct QuantizedOperands {
+  std::vector<e4m3> a_q, b_q;
+  std::vector<float> a_scales, b_scales;  // a_scales [rows, K / 128] (the host's layout)
+};
+QuantizedOperands quantize_and_upload(Fp8GemmProblem& problem, const std::vector<bf16>& a,
+                                      const std::vector<bf16>& b,
+                                      const std::vector<int32_t>& tile_expert) {
+  const int64_t rows = problem.rows, n = problem.n, k = problem.k, experts = problem.experts;
+  QuantizedOperands q;
+  q.a_q.resize(rows * k);
+  q.b_q.resize(experts * n * k);
+  q.a_scales.resize(rows * (k / 128));
+  q.b_scales.resize(experts * (n / 128) * (k / 128));
+  quantize_fp8_rows(a.data(), rows, k, q.a_q.data(), q.a_scales.data());
+  for (int64_t e = 0; e < experts; ++e)
+    quantize_fp8_blocks(b.data() + e * n * k, n, k, q.b_q.data() + e * n * k,
+                        q.b_scales.data() + e * (n / 128) * (k / 128));
+  std::vector<float> a_scales_t(q.a_scales.size());  // [K / 128, rows], as the GEMM reads them
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < k / 128; ++g) a_scales_t[g * rows + r] = q.a_scales[r * (k / 128) + g];
+  EXPECT_EQ(cudaMemcpy(problem.a, q.a_q.data(), q.a_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.b, q.b_q.data(), q.b_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.a_scales, a_scales_t.data(), a_scales_t.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.b_scales, q.b_scales.data(), q.b_scales.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  return q;
+}
+
 // The row-tile form over a K of `k` against the product in double; then the same bits from
 // GPU-quantized operands, split columns and a split K.
 void expect_block_scaled_product(int64_t k) {
@@ -110,28 +146,13 @@ void expect_block_scaled_product(int64_t k) {
       a[r * k + c] = float_to_bf16(bf16_to_float(a[r * k + c]) * std::ldexp(1.0f, r % 9 - 4));
   const std::vector<bf16> b = random_bf16(experts * n * k, 6, 0.05f);
   const std::vector<int32_t> tile_expert = {0, 0, 2, 1, 1, 1, 2};
-  std::vector<e4m3> a_q(rows * k), b_q(experts * n * k);
-  std::vector<float> a_scales(rows * (k / 128)), b_scales(experts * (n / 128) * (k / 128));
-  quantize_fp8_rows(a.data(), rows, k, a_q.data(), a_scales.data());
-  for (int64_t e = 0; e < experts; ++e)
-    quantize_fp8_blocks(b.data() + e * n * k, n, k, b_q.data() + e * n * k,
-                        b_scales.data() + e * (n / 128) * (k / 128));
-  std::vector<float> a_scales_t(a_scales.size());  // [K / 128, rows], as the GEMM reads them
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < k / 128; ++g) a_scales_t[g * rows + r] = a_scales[r * (k / 128) + g];
-
   Fp8GemmProblem problem(rows, n, k, experts);
-  ASSERT_EQ(cudaMemcpy(problem.a, a_q.data(), a_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(problem.b, b_q.data(), b_q.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(problem.a_scales, a_scales_t.data(), a_scales_t.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(
-      cudaMemcpy(problem.b_scales, b_scales.data(), b_scales.size() * 4, cudaMemcpyHostToDevice),
-      cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(problem.tile_expert, tile_expert.data(), tile_expert.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  const QuantizedOperands q = quantize_and_upload(problem, a, b, tile_expert);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const std::vector<e4m3>& a_q = q.a_q;
+  const std::vector<e4m3>& b_q = q.b_q;
+  const std::vector<float>& a_scales = q.a_scales;
+  const std::vector<float>& b_scales = q.b_scales;
   ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);  // NaN where unwritten
   ASSERT_EQ(problem.run(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -306,6 +327,101 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
     SCOPED_TRACE("K = " + std::to_string(k));
     expect_block_scaled_product(k);
     if (HasFatalFailure()) return;
+  }
+}
+
+// The 192-row tiles (MoeConfig::fp8_row_tile_rows = 192, fp8_gemm_192_rows.cu) give the
+// 128-row tiles' bits: experts of 256, 0, 384, 128 and 640 rows (so the last tiles of an expert
+// hold 1, 2 or 3 chunks of 64 rows, and one expert none), at K of 5 and 18 K-blocks, on every SM
+// and on 1, 2 and 5 CTAs (each walking tiles of several experts), plain and with the output
+// columns split (the gate/up GEMM's g and u) and with K split (the gate/up dgrad's d_g, d_u).
+TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
+  const std::vector<int32_t> expert_rows = {256, 0, 384, 128, 640};
+  const int64_t experts = static_cast<int64_t>(expert_rows.size()), n = 384;
+  std::vector<int32_t> offsets{0}, tile_expert;
+  for (int64_t e = 0; e < experts; ++e) {
+    offsets.push_back(offsets.back() + expert_rows[e]);
+    tile_expert.insert(tile_expert.end(), expert_rows[e] / 128, static_cast<int32_t>(e));
+  }
+  const int64_t rows = offsets.back();
+  for (const int64_t k : {640, 2304}) {
+    SCOPED_TRACE("K = " + std::to_string(k));
+    const std::vector<bf16> a = random_bf16(rows * k, 47, 1.0f);
+    const std::vector<bf16> b = random_bf16(experts * n * k, 48, 0.05f);
+    Fp8GemmProblem problem(rows, n, k, experts);
+    quantize_and_upload(problem, a, b, tile_expert);
+    ASSERT_FALSE(HasFailure());
+    ASSERT_EQ(cudaMemcpy(problem.expert_offsets, offsets.data(), offsets.size() * 4,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    // The split forms read B (and A) as two tensors: here the same ones, split in two places.
+    problem.maps.a2 = problem.maps.a;
+    problem.maps.a2_scales = problem.maps.a_scales;
+    problem.maps.b2 = problem.maps.b;
+    problem.params.b2_scales = problem.b_scales;
+    const kernels::Fp8GemmMaps maps128 = problem.maps;
+    kernels::Fp8GemmMaps maps192 = problem.maps;
+    const int64_t a_dims[2] = {k, rows}, a_strides[1] = {k};
+    const int32_t a_box[2] = {128, 192};
+    maps192.a = maps192.a2 =
+        make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
+    const int64_t s_dims[2] = {rows, k / 128}, s_strides[1] = {rows * 4};
+    const int32_t s_box[2] = {192, 1};
+    maps192.a_scales = maps192.a2_scales = make_tensor_map(
+        problem.a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box, false, "A scales");
+    maps192.out = maps192.out2 = make_tensor_map_3d(problem.out, n, rows, 1, 64, 64, "out");
+    // With the columns split at 256, columns [256, 384) go to out2 [rows, 128].
+    void* out2 = nullptr;
+    ASSERT_EQ(cudaMalloc(&out2, rows * 128 * 2), cudaSuccess);
+    const CUtensorMap out2_128 = make_tensor_map_3d(out2, 128, rows, 1, 64, 128, "out2");
+    const CUtensorMap out2_192 = make_tensor_map_3d(out2, 128, rows, 1, 64, 64, "out2");
+    struct Split {
+      const char* name;
+      int32_t n_split, k_split;
+    };
+    for (const Split split : {Split{"plain", 0, 0}, Split{"columns split", 256, 0},
+                              Split{"K split", 0, static_cast<int32_t>(k / 2 / 128 * 128)}}) {
+      SCOPED_TRACE(split.name);
+      problem.params.n_split = split.n_split;
+      problem.params.k_split = split.k_split;
+      // Both outputs after a run (out2 only with the columns split).
+      auto outputs = [&] {
+        std::vector<bf16> values(rows * n + rows * 128);
+        EXPECT_EQ(cudaMemcpy(values.data(), problem.out, rows * n * 2, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        EXPECT_EQ(
+            cudaMemcpy(values.data() + rows * n, out2, rows * 128 * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+        return values;
+      };
+      auto clear = [&] {
+        ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
+        ASSERT_EQ(cudaMemset(out2, 0xff, rows * 128 * 2), cudaSuccess);
+      };
+      problem.maps = maps128;
+      if (split.n_split > 0) problem.maps.out2 = out2_128;
+      problem.params.tile_rows = 128;
+      clear();
+      ASSERT_EQ(problem.run(), cudaSuccess);
+      const std::vector<bf16> want = outputs();
+      problem.maps = maps192;
+      if (split.n_split > 0) problem.maps.out2 = out2_192;
+      problem.params.tile_rows = 192;
+      problem.params.num_experts = static_cast<int32_t>(experts);
+      for (const int ctas : {0, 1, 2, 5}) {
+        clear();
+        if (ctas == 0)
+          ASSERT_EQ(problem.run(), cudaSuccess);
+        else
+          ASSERT_EQ(kernels::launch_fp8_grouped_gemm(problem.maps, problem.params, ctas, nullptr),
+                    cudaSuccess);
+        const std::vector<bf16> got = outputs();
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0)
+            << (ctas == 0 ? std::string("every SM") : std::to_string(ctas) + " CTAs");
+      }
+    }
+    cudaFree(out2);
+    if (HasFailure()) return;
   }
 }
 
@@ -671,6 +787,45 @@ void time_expert_groups(Fp8GemmProblem& problem, const std::string& label,
   problem.params.expert_groups = 0;
 }
 
+// The same GEMM in 192-row tiles (MoeConfig::fp8_row_tile_rows = 192; the problem's experts
+// padded to 128 rows, its expert offsets uploaded): timed per call and sustained, and its output
+// the 128-row tiles' to the bit (the problem's output on entry). The maps and parameters are
+// restored after.
+void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
+  const int64_t count = problem.rows * problem.n;
+  const double flop = 2.0 * problem.rows * problem.n * problem.k;
+  std::vector<bf16> tiles_128(count), tiles_192(count);
+  ASSERT_EQ(cudaMemcpy(tiles_128.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  const kernels::Fp8GemmMaps maps = problem.maps;
+  const kernels::Fp8GemmParams params = problem.params;
+  const int64_t a_dims[2] = {problem.k, problem.rows}, a_strides[1] = {problem.k};
+  const int32_t a_box[2] = {128, 192};
+  problem.maps.a =
+      make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
+  const int64_t s_dims[2] = {problem.rows, problem.k / 128}, s_strides[1] = {problem.rows * 4};
+  const int32_t s_box[2] = {192, 1};
+  problem.maps.a_scales = make_tensor_map(problem.a_scales, TmaElement::kF32, 2, s_dims, s_strides,
+                                          s_box, false, "A scales");
+  problem.maps.out = problem.maps.out2 =
+      make_tensor_map_3d(problem.out, problem.n, problem.rows, 1, 64, 64, "out");
+  problem.params.tile_rows = 192;
+  problem.params.num_experts = static_cast<int32_t>(problem.experts);
+  problem.params.lockstep = {};
+  ASSERT_EQ(cudaMemset(problem.out, 0xff, count * 2), cudaSuccess);
+  auto run = [&] { return problem.run(); };
+  for (const bool sustained : {false, true}) {
+    const Timed t = sustained ? sustained_ms(run) : median_ms(run);
+    std::printf("  %s, random codes, 192-row tiles%s: %.3f ms, %.0f TFLOP/s, %.2f GHz\n",
+                label.c_str(), sustained ? ", sustained" : "", t.ms, flop / t.ms / 1e9, t.ghz);
+  }
+  ASSERT_EQ(cudaMemcpy(tiles_192.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_TRUE(test::bitwise_equal(tiles_192, tiles_128)) << label << ", 192-row tiles";
+  problem.maps = maps;
+  problem.params = params;
+}
+
 // The dsv3_local gate/up GEMM in FP8: 36864 rows (32 experts x 9 tiles), N = 2 I = 4096,
 // K = H = 7168; median of 10 launches, TFLOP/s printed, free-running and with the CTAs kept
 // within 8, 16 and 32 K-blocks of the slowest (MoeConfig::gemm_lockstep_k_blocks), whose output
@@ -742,10 +897,11 @@ TEST(Fp8GemmGpu, Throughput) {
         sustained ? ", sustained" : "", t.ms, 2.0 * rows * n * k / t.ms / 1e9, t.ghz);
   }
   expect_row_tile_samples(problem, operands, 9, "gate/up");
-  time_expert_groups(problem,
-                     "fp8 grouped GEMM, dsv3_local gate/up (" + std::to_string(rows) + " x " +
-                         std::to_string(n) + " x " + std::to_string(k) + "), free-running",
-                     {16, 5});
+  const std::string label = "fp8 grouped GEMM, dsv3_local gate/up (" + std::to_string(rows) +
+                            " x " + std::to_string(n) + " x " + std::to_string(k) +
+                            "), free-running";
+  time_expert_groups(problem, label, {16, 5});
+  time_rows_192(problem, label);
 }
 
 // Every element of a bf16 output of `count` values equals `want`: the tiles were all written.
@@ -797,6 +953,7 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
           sustained_ms([&] { return problem.run(); }), flop);
     expect_row_tile_samples(problem, operands, tiles_per_expert, gemm.name);
     time_expert_groups(problem, label, {16});
+    time_rows_192(problem, label);
   }
 
   // The weight gradients: out[e] = A_e^T-rows x B_e over the expert's rows, at dsv3_local's

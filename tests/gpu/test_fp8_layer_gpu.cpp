@@ -165,6 +165,30 @@ TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
   });
 }
 
+// The FP8 row-tile GEMMs in 192-row tiles (MoeConfig::fp8_row_tile_rows): each output is summed
+// as in the 128-row tiles, so the layer's bits are the default's, on skewed routing (experts
+// whose last 192-row tile holds one, two or three chunks of 64 rows) and with empty experts, with
+// and without the forward context, launches plain and overlapped.
+TEST(Fp8LayerGpu, Rows192TilesGiveTheSameBits) {
+  for_each_bits_problem(89, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+                               DeviceProblem& device) {
+    GpuLayer tiles_128(shape, fp8_config());
+    for (const bool overlap : {false, true}) {
+      MoeConfig config = fp8_config();
+      config.fp8_row_tile_rows = 192;
+      config.overlap_kernel_launches = overlap;
+      GpuLayer tiles_192(shape, config);
+      for (const bool with_context : {true, false}) {
+        SCOPED_TRACE(std::string(routing_kind_name(routing)) + (overlap ? ", overlapped" : "") +
+                     (with_context ? "" : ", recomputed"));
+        expect_same_bits(test::gpu_step(tiles_192, device, problem, with_context),
+                         test::gpu_step(tiles_128, device, problem, with_context),
+                         "differs from the 128-row tiles'");
+      }
+    }
+  });
+}
+
 // The FP8 layer's launches overlapped (MoeConfig::overlap_kernel_launches): every kernel waits
 // for the one before, so the bits are the plain launches', with and without the forward context
 // (the recompute's gather, quantization and GEMM), on skewed routing and with empty experts.

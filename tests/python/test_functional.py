@@ -279,6 +279,11 @@ def test_no_tokens(device):
             dict(gemm_expert_groups=16),
             r"gemm_expert_groups = 16 with precision = bf16; valid: gemm_expert_groups = 0",
         ),
+        (dict(fp8_row_tile_rows=64), r"fp8_row_tile_rows = 64; valid: 128 or 192"),
+        (
+            dict(fp8_row_tile_rows=192),
+            r"fp8_row_tile_rows = 192 with precision = bf16; valid: fp8_row_tile_rows = 128",
+        ),
     ],
 )
 def test_bad_config_is_refused_on_every_device(device, fields, message):
@@ -324,4 +329,5 @@ def test_config_switches_reach_the_native_config():
                 assert getattr(native, other) == getattr(default, other), (name, other)
     assert F.MoKConfig(gemm_tile_group=3).to_native().gemm_tile_group == 3
     assert F.MoKConfig(gemm_expert_groups=16).to_native().gemm_expert_groups == 16
+    assert F.MoKConfig(fp8_row_tile_rows=192).to_native().fp8_row_tile_rows == 192
     assert F.MoKConfig(gemm_lockstep_k_blocks=16).to_native().gemm_lockstep_k_blocks == 16

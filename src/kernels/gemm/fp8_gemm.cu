@@ -47,6 +47,7 @@
 #include "kernels/common/wait.cuh"
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/fp8_row_tile_sources.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/persistent/task_order.h"
@@ -57,12 +58,9 @@ namespace mok::kernels {
 
 namespace {
 
-constexpr int kFp8TileN = 128;
-constexpr int kFp8BlockK = 128;  // values (= bytes) per K-block: one swizzled 128-byte row
 constexpr int kFp8Stages = 5;
 constexpr int kFp8TileBytes = BLOCK_M * kFp8BlockK;  // A or B tile of one stage: 16 KB
 constexpr int kFp8ScaleBytes = BLOCK_M * 4;
-constexpr int kMaxTileKBlocks = static_cast<int>(kFp8MaxReduction / kFp8BlockK);
 static_assert(kMaxTileKBlocks <= kConsumerThreads, "one B scale per consumer thread");
 
 struct alignas(1024) Fp8SharedStorage {
@@ -117,53 +115,6 @@ __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params,
     t.num_k_blocks = (end - begin) / kFp8BlockK;
   }
   return t;
-}
-
-// Where a K-block of a kRowTiles tile comes from (the splits of fp8_gemm.h): A's and B's maps,
-// the K offset inside them and B's scale.
-struct Fp8Sources {
-  const CUtensorMap* a;
-  const CUtensorMap* a_scales;
-  const CUtensorMap* b;
-  int k_group;  // K-block inside the chosen part
-  int b_n_tile;
-};
-
-__device__ __forceinline__ Fp8Sources row_tile_sources(const Fp8GemmMaps& maps,
-                                                       const Fp8GemmParams& params,
-                                                       const Fp8Tile& t, int k_block) {
-  Fp8Sources src{&maps.a, &maps.a_scales, &maps.b, k_block, t.n_tile};
-  if (params.n_split > 0 && t.n_tile * kFp8TileN >= params.n_split) {
-    src.b = &maps.b2;
-    src.b_n_tile = t.n_tile - params.n_split / kFp8TileN;
-  } else if (params.k_split > 0 && k_block * kFp8BlockK >= params.k_split) {
-    src.a = &maps.a2;
-    src.a_scales = &maps.a2_scales;
-    src.b = &maps.b2;
-    src.k_group = k_block - params.k_split / kFp8BlockK;
-  }
-  return src;
-}
-
-// B's scale of K-block `k_block` of a kRowTiles tile: [E, N_part / 128, K_part / 128] of its part.
-__device__ __forceinline__ float row_tile_b_scale(const Fp8GemmParams& params, const Fp8Tile& t,
-                                                  int k_block) {
-  const int num_k_blocks = params.k_extent / kFp8BlockK;
-  if (params.n_split > 0) {
-    const int split_tiles = params.n_split / kFp8TileN;
-    const bool second = t.n_tile >= split_tiles;
-    const int part_tiles = second ? params.n_extent / kFp8TileN - split_tiles : split_tiles;
-    const int n = second ? t.n_tile - split_tiles : t.n_tile;
-    return __ldg((second ? params.b2_scales : params.b_scales) +
-                 (static_cast<int64_t>(t.expert) * part_tiles + n) * num_k_blocks + k_block);
-  }
-  const int n_tiles = params.n_extent / kFp8TileN;
-  const int split_blocks = params.k_split > 0 ? params.k_split / kFp8BlockK : num_k_blocks;
-  const bool second = k_block >= split_blocks;
-  const int part_blocks = second ? num_k_blocks - split_blocks : split_blocks;
-  return __ldg((second ? params.b2_scales : params.b_scales) +
-               (static_cast<int64_t>(t.expert) * n_tiles + t.n_tile) * part_blocks +
-               (second ? k_block - split_blocks : k_block));
 }
 
 template <Fp8GemmForm kForm, bool kExpertGroups = false>
@@ -228,7 +179,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             ptx::tma_load_2d(smem.b_scales[s], &maps.b_scales, &smem.full[s], t.n_tile * kFp8TileN,
                              k_group);
           } else {
-            const Fp8Sources src = row_tile_sources(maps, params, t, k_block);
+            const Fp8Sources src = row_tile_sources(maps, params, t.n_tile, k_block);
             ptx::tma_load_2d(smem.a[s], src.a, &smem.full[s], src.k_group * kFp8BlockK,
                              t.m_tile * BLOCK_M);
             ptx::tma_load_3d(smem.b[s], src.b, &smem.full[s], src.k_group * kFp8BlockK,
@@ -278,7 +229,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int consumer_thread = threadIdx.x - BLOCK_M;
     auto load_tile_b_scale = [&](const Fp8Tile& t, bool valid) {
       if (kWeightGrad || !valid) return 0.0f;
-      return consumer_thread < t.num_k_blocks ? row_tile_b_scale(params, t, consumer_thread) : 0.0f;
+      return consumer_thread < t.num_k_blocks
+                 ? row_tile_b_scale(params, t.expert, t.n_tile, consumer_thread)
+                 : 0.0f;
     };
     // kWeightGrad: the expert offsets copied into shared memory. A tile's first wgmma waits on
     // its K-block count, and ptxas moves offsets read from global memory into uniform registers
@@ -480,6 +433,8 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
       params.n_split >= params.n_extent || params.k_split < 0 || params.k_split % kFp8BlockK != 0 ||
       params.k_split >= params.k_extent || (params.n_split > 0 && params.k_split > 0))
     return cudaErrorInvalidValue;
+  if (params.tile_rows == 192) return launch_fp8_gemm_192_rows(maps, params, num_ctas, on);
+  if (params.tile_rows != 128) return cudaErrorInvalidValue;
   if (params.expert_groups > 0)
     return launch_form<Fp8GemmForm::kRowTiles, true>(maps, params, num_ctas, on);
   return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, on);

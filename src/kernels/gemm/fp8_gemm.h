@@ -71,11 +71,17 @@ struct Fp8GemmParams {
   // a kernel of its own, so that the default walk's code stays as it was). Last, so that the
   // other fields keep their offsets.
   int32_t expert_groups = 0;
+  // kRowTiles: 128, or 192 (MoeConfig::fp8_row_tile_rows: fp8_gemm_192_rows.cu, with num_experts
+  // and expert_offsets the schedule's; A's maps in boxes of 192 rows, the outputs' of 64).
+  int32_t tile_rows = 128;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
 // that are not multiples of 128, and for kRowTiles' K over kFp8MaxReduction (mok/fp8.h).
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, KernelStream on);
+// tile_rows = 192 (launch_fp8_grouped_gemm's): one persistent 512-thread CTA per SM at most.
+cudaError_t launch_fp8_gemm_192_rows(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
+                                     int num_ctas, KernelStream on);
 
 }  // namespace mok::kernels

@@ -1,0 +1,295 @@
+// The FP8 row-tile GEMM in 192 x 128 tiles (fp8_gemm.h's kRowTiles with tile_rows = 192;
+// MoeConfig::fp8_row_tile_rows): the same sums as fp8_gemm.cu's 128 x 128 tiles, element by
+// element (each output's K-blocks in the same order, each promoted with the same factor), so the
+// same bits, from a sixth fewer operand bytes per FLOP: B (the weights) is read once per 192 rows
+// instead of once per 128. The 128-row tiles are bound by those bytes (docs/perf.md, session
+// 47: their loads alone take 86% of their time, their math alone 68%).
+//
+// Grid: persistent, one 512-thread CTA per SM. Before the roles split, the CTA numbers the
+// 192-row tiles expert by expert (fp8_rows192_walk.h: a prefix sum over the schedule's expert
+// offsets into shared memory); tile t of the walk is (192-row tile, column tile) by walk_unit's
+// groups of kTileGroupM row tiles, as the 128-row kernel walks.
+// Warp roles:
+//   warpgroup 0     producer: one thread loads each K-block of 128 into a stage with TMA: A's
+//                   192 rows (24 KB), B's 128 x 128 block (16 KB) and A's 192 line scales; it
+//                   gives its registers away (setmaxnreg.dec to 32).
+//   warpgroups 1-3  consumers: warpgroup 1 + c owns the tile's rows [64 c, 64 c + 64), one fp32
+//                   register tile of products and one of the promoted sum (160 registers each:
+//                   three consumer warpgroups fit the register file only with one K-block in
+//                   flight). Per K-block: four wgmma m64n128k32 e4m3, wait, hand the stage back,
+//                   promote (one FFMA an element: scale_a[row] * scale_b). While one warpgroup
+//                   promotes, the other two keep the tensor pipe busy (Fp8WgmmaCeilingGpu: 99.8%
+//                   of the peak for this loop without loads). A warpgroup whose chunk is past its
+//                   expert's rows (an expert's last tile) passes the stages without math.
+// Pipeline: 4 stages of 40.75 KB; the epilogue writes bf16 into a 48 KB staging tile (each
+// warpgroup its own [64 x 128] as two 128B-swizzled [64 x 64] chunks) and the first consumer
+// thread stores the valid chunks with TMA, the store overlapping the next tile's mainloop.
+// B's per-K-block scales: read a tile ahead into the other of two shared-memory rows, as in the
+// 128-row kernel. Not here: CTA pairs, the expert groups walk, the lockstep (the layer turns it
+// off for these tiles).
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "kernels/common/overlapped_launch.h"
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
+#include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/fp8_row_tile_sources.cuh"
+#include "kernels/gemm/fp8_rows192_walk.h"
+#include "kernels/gemm/gemm_mainloop.cuh"
+#include "kernels/gemm/tile_walk.h"
+#include "mok/shape.h"
+
+namespace mok::kernels {
+
+namespace {
+
+constexpr int kConsumerWarpgroups = kRows192Chunks;
+constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+constexpr int kConsumers = 128 * kConsumerWarpgroups;
+constexpr int kProducerRegs = 32;
+constexpr int kConsumerRegs = 160;
+static_assert(128 * (kProducerRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536,
+              "the register split fits the 512-thread CTA's pool");
+constexpr int kStages = 4;
+constexpr int kATileBytes = kRows192 * kFp8BlockK;       // 24 KB
+constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;      // 16 KB
+constexpr int kStagingChunkBytes = kRows192Chunk * 128;  // [64 rows x 64 columns] bf16
+constexpr int kPrefixPerThread = static_cast<int>(kMaxExperts) / kThreads;
+static_assert(kPrefixPerThread * kThreads == kMaxExperts, "the prefix sum's experts per thread");
+static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread (the first ones)");
+
+struct alignas(1024) Rows192Storage {
+  uint8_t a[kStages][kATileBytes];
+  uint8_t b[kStages][kBTileBytes];
+  uint8_t staging[kConsumerWarpgroups][kFp8TileN / 64][kStagingChunkBytes];
+  float a_scales[kStages][kRows192];
+  float tile_b_scales[2][kMaxTileKBlocks];  // by the CTA's tile parity
+  int32_t tile_start[kMaxExperts + 1];      // fp8_rows192_walk.h
+  int32_t warp_totals[kThreads / 32];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+static_assert(sizeof(Rows192Storage) + 1024 <= 227 * 1024, "fits the SM's shared memory");
+
+struct Tile {
+  Rows192Tile rows;
+  int n_tile;
+};
+
+__device__ __forceinline__ Tile tile_at(const Fp8GemmParams& params, const int32_t* tile_start,
+                                        int tile, int num_m_tiles, int num_n_tiles) {
+  const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, true);
+  return {rows192_tile(walk.m_unit, tile_start, params.num_experts, params.expert_offsets),
+          walk.n_tile};
+}
+
+// tile_start [E + 1] into shared memory: each thread counts kPrefixPerThread experts' tiles,
+// then a scan over the warps' totals.
+__device__ __forceinline__ void number_the_tiles(const Fp8GemmParams& params,
+                                                 Rows192Storage& smem) {
+  const int first = threadIdx.x * kPrefixPerThread;
+  int32_t tiles[kPrefixPerThread];
+  int32_t own = 0;
+#pragma unroll
+  for (int i = 0; i < kPrefixPerThread; ++i) {
+    const int e = first + i;
+    tiles[i] = e < params.num_experts
+                   ? rows192_tiles(params.expert_offsets[e + 1] - params.expert_offsets[e])
+                   : 0;
+    own += tiles[i];
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t inclusive = own;
+#pragma unroll
+  for (int step = 1; step < 32; step *= 2) {
+    const int32_t below = __shfl_up_sync(0xffffffffu, inclusive, step);
+    if (lane >= step) inclusive += below;
+  }
+  if (lane == 31) smem.warp_totals[warp] = inclusive;
+  __syncthreads();
+  int32_t before = inclusive - own;
+  for (int w = 0; w < warp; ++w) before += smem.warp_totals[w];
+  if (threadIdx.x == 0) smem.tile_start[0] = 0;
+#pragma unroll
+  for (int i = 0; i < kPrefixPerThread; ++i) {
+    before += tiles[i];
+    if (first + i < params.num_experts) smem.tile_start[first + i + 1] = before;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_gemm_192_rows_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
+  ptx::begin_after_previous_kernel();
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Rows192Storage& smem = ptx::align_shared_1024<Rows192Storage>(smem_raw);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&smem.full[s], 1);
+      ptx::mbarrier_init(&smem.empty[s], kConsumers / 32);
+    }
+    ptx::fence_barrier_init();
+  }
+  number_the_tiles(params, smem);
+  __syncthreads();
+  const int num_m_tiles = smem.tile_start[params.num_experts];
+  const int num_n_tiles = params.n_extent / kFp8TileN;
+  const int num_tiles = num_m_tiles * num_n_tiles;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    ptx::prefetch_tensor_map(&maps.a);
+    ptx::prefetch_tensor_map(&maps.b);
+    PipelineState<kStages> state;
+    constexpr uint32_t kBytes = kATileBytes + kBTileBytes + kRows192 * 4;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const Tile t = tile_at(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
+      const int num_k_blocks = params.k_extent / kFp8BlockK;
+      for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+        const int s = state.stage;
+        if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, kBytes)) {
+          state.advance();
+          continue;
+        }
+        const Fp8Sources src = row_tile_sources(maps, params, t.n_tile, k_block);
+        ptx::tma_load_2d(smem.a[s], src.a, &smem.full[s], src.k_group * kFp8BlockK, t.rows.row0);
+        ptx::tma_load_3d(smem.b[s], src.b, &smem.full[s], src.k_group * kFp8BlockK,
+                         src.b_n_tile * kFp8TileN, t.rows.expert);
+        ptx::tma_load_2d(smem.a_scales[s], src.a_scales, &smem.full[s], t.rows.row0, src.k_group);
+        state.advance();
+      }
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<kConsumerRegs>();
+  // Warp-uniform by a shuffle, so that ptxas keeps the descriptors in uniform registers.
+  const int chunk = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
+  const uint64_t desc_a0 = ptx::smem_desc_k_major_sw128(smem.a[0] + chunk * kRows192Chunk * 128);
+  const uint64_t desc_b0 = ptx::smem_desc_k_major_sw128(smem.b[0]);
+  constexpr uint64_t kADescStep = kATileBytes >> 4, kBDescStep = kBTileBytes >> 4;
+  const int consumer_thread = threadIdx.x - 128;
+  const bool issuer = consumer_thread == 0;
+  const int row0 = chunk * kRows192Chunk + fragment_row(0), row1 = row0 + 8;
+  const int num_k_blocks = params.k_extent / kFp8BlockK;
+  PipelineState<kStages> state;
+  float block[64];  // one K-block's products (the wgmma accumulators)
+  float sum[64];    // the promoted fp32 sum
+  auto tile_b_scale = [&](const Tile& t, bool valid) {
+    return valid && consumer_thread < num_k_blocks
+               ? row_tile_b_scale(params, t.rows.expert, t.n_tile, consumer_thread)
+               : 0.0f;
+  };
+  Tile next{};
+  {
+    const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
+    if (has_first) next = tile_at(params, smem.tile_start, blockIdx.x, num_m_tiles, num_n_tiles);
+    if (consumer_thread < kMaxTileKBlocks)
+      smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, has_first);
+    ptx::named_barrier_sync(1, kConsumers);
+  }
+  int local_tile = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
+    const Tile t = next;
+    const float* tile_b_scales = smem.tile_b_scales[local_tile & 1];
+    // A chunk past the expert's rows, or the no-math ablation: the stages passed, no math.
+    const bool active = chunk < t.rows.valid_chunks && params.ablation != GemmAblation::kNoMath;
+    float next_tile_b_scale = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 64; ++r) sum[r] = -0.0f;  // -0 + x is x: the first block's bare product
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      const int s = state.stage;
+      mbarrier_wait(params.wait, WaitSite::kGemmLoadedStage, &smem.full[s], state.phase);
+      float factor0 = 0.0f, factor1 = 0.0f;
+      if (active) {
+        ptx::fence_registers(block);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kFp8BlockK / 32; ++k)  // 32 bytes = 2 descriptor units per step
+          ptx::wgmma_m64n128k32_e4m3(block, desc_a0 + s * kADescStep + 2 * k,
+                                     desc_b0 + s * kBDescStep + 2 * k, k > 0);
+        ptx::wgmma_commit();
+        const float scale_b = tile_b_scales[k_block];
+        factor0 = smem.a_scales[s][row0] * scale_b;
+        factor1 = smem.a_scales[s][row1] * scale_b;
+        ptx::wgmma_wait<0>();
+        ptx::fence_registers(block);
+      }
+      __syncwarp();  // every lane has read its scales before the stage is handed back
+      if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.empty[s]);
+      state.advance();
+      if (active) {
+        // Fragment register j * 4 + i * 2 + c: row row0 + 8 i, column fragment_col(j) + c.
+#pragma unroll
+        for (int j = 0; j < kFp8TileN / 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int r = j * 4 + i * 2 + c;
+              sum[r] = fmaf(block[r], i == 0 ? factor0 : factor1, sum[r]);
+            }
+      }
+      if (k_block == 0) {  // the next tile's coordinates and B scale, off the first K-block's path
+        const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
+        if (has_next)
+          next = tile_at(params, smem.tile_start, tile + gridDim.x, num_m_tiles, num_n_tiles);
+        next_tile_b_scale = tile_b_scale(next, has_next);
+      }
+    }
+    // The next tile's B scales, published by the staging barrier below (the other row is no
+    // longer read: every consumer passed this tile's first barrier after the last tile's math).
+    if (consumer_thread < kMaxTileKBlocks)
+      smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
+    if (issuer) ptx::bulk_wait_group_read<0>();  // the last tile's store has read the staging
+    ptx::named_barrier_sync(1, kConsumers);
+    if (chunk < t.rows.valid_chunks) {
+      // Two [64 x 64] chunks of this warpgroup's rows, 128B-swizzled as TMA stores them.
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = fragment_row(i);
+#pragma unroll
+        for (int j = 0; j < kFp8TileN / 8; ++j) {
+          char* chunk_base = reinterpret_cast<char*>(smem.staging[chunk][j / 8]);
+          const int offset = row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
+          *reinterpret_cast<__nv_bfloat162*>(chunk_base + offset) =
+              __floats2bfloat162_rn(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
+        }
+      }
+    }
+    ptx::fence_proxy_async_shared();
+    ptx::named_barrier_sync(1, kConsumers);
+    if (issuer) {
+      const int column = t.n_tile * kFp8TileN;
+      const bool second = params.n_split > 0 && column >= params.n_split;
+      const CUtensorMap* out = second ? &maps.out2 : &maps.out;
+      const int out_column = second ? column - params.n_split : column;
+      for (int c = 0; c < t.rows.valid_chunks; ++c)
+        for (int half = 0; half < kFp8TileN / 64; ++half)
+          ptx::tma_store_3d(out, smem.staging[c][half], out_column + 64 * half,
+                            t.rows.row0 + c * kRows192Chunk, 0);
+      ptx::bulk_commit_group();
+    }
+  }
+  if (issuer) ptx::bulk_wait_group<0>();  // the last store reads the staging tile
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_gemm_192_rows(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
+                                     int num_ctas, KernelStream on) {
+  if (params.num_experts <= 0 || params.num_experts > kMaxExperts ||
+      params.expert_offsets == nullptr || params.expert_groups != 0)
+    return cudaErrorInvalidValue;
+  const size_t smem_bytes = sizeof(Rows192Storage) + 1024;
+  cudaError_t status =
+      cudaFuncSetAttribute(fp8_gemm_192_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  return launch_maybe_overlapped(fp8_gemm_192_rows_kernel, num_ctas, kThreads, smem_bytes, on, 1,
+                                 maps, params);
+}
+
+}  // namespace mok::kernels
