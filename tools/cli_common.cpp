@@ -38,6 +38,8 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   config.ep_push_dispatch = options.push_dispatch;
   config.ep_dispatch_in_gemm = options.dispatch_in_gemm;
   config.ep_bulk_copies = options.bulk_copies;
+  // The FP8 row tiles' height made explicit, so that --compare fp8-rows-192 flips what runs.
+  config.fp8_row_tile_rows = mok::fp8_row_tile_rows_for(config, shape);
   mok::can_implement(config, shape).throw_if_error();
   return config;
 }

@@ -34,7 +34,7 @@ std::string tile_group_name(const mok::MoeConfig& config) {
 // ", CTAs in step within N K-blocks" where they are; "(automatic)" where MoeConfig's
 // gemm_auto_lockstep chose it for the shape.
 std::string lockstep_name(const mok::MoeConfig& config, const mok::MoeShape& shape) {
-  const mok::MoeConfig runs = mok::with_auto_lockstep(config, shape);
+  const mok::MoeConfig runs = mok::with_auto_choices(config, shape);
   if (runs.gemm_lockstep_k_blocks == 0) return "";
   return ", CTAs in step within " + std::to_string(runs.gemm_lockstep_k_blocks) + " K-blocks" +
          (mok::auto_lockstep_engages(config, shape) ? " (automatic)" : "");
@@ -43,7 +43,7 @@ std::string lockstep_name(const mok::MoeConfig& config, const mok::MoeShape& sha
 // "local dispatch <mode>, <persistent | two> forward GEMM kernel(s)[, check_finite scan]...",
 // of the config a layer of `shape` runs with.
 std::string variant_name(const mok::MoeConfig& config, const mok::MoeShape& shape) {
-  const bool four_stages = mok::with_auto_lockstep(config, shape).gemm_four_stages;
+  const bool four_stages = mok::with_auto_choices(config, shape).gemm_four_stages;
   return std::string("local dispatch ") + mok::local_dispatch_name(config.local_dispatch) +
          (config.persistent_forward ? ", persistent forward GEMM kernel"
                                     : ", two forward GEMM kernels") +

@@ -126,8 +126,8 @@ struct MoeConfig {
   // warpgroups over one expert's rows, src/kernels/gemm/fp8_gemm_192_rows.cu): B, the weights,
   // read once per 192 rows instead of once per 128, a sixth fewer operand bytes per FLOP. Same
   // bits. Not with gemm_expert_groups, and the GEMM lockstep does not apply to these tiles.
-  // 128 until measured faster (session 47; docs/perf.md).
-  int32_t fp8_row_tile_rows = 128;
+  // kAutoFp8RowTileRows (0, the default): chosen from the shape (fp8_row_tile_rows_for, below).
+  int32_t fp8_row_tile_rows = 0;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
   // the layer probes which SMs share a partition when it is built (atomic latencies,
@@ -267,8 +267,27 @@ inline constexpr int32_t kMinibatchSmWaves = 2;
 // L2 placement, the tiles by ticket or the communication inside the GEMMs, and the rule above
 // (routed rows per expert: T * K * R / E).
 bool auto_lockstep_engages(const MoeConfig& config, const MoeShape& shape);
-// `config` with gemm_auto_lockstep's choice made for `shape` (unchanged where it does not engage).
-MoeConfig with_auto_lockstep(const MoeConfig& config, const MoeShape& shape);
+
+// MoeConfig::fp8_row_tile_rows = kAutoFp8RowTileRows: 192-row tiles where the experts average at
+// least kFp8Rows192MinRowsPerExpert routed rows (an expert's last, part-filled tile a small share
+// of its rows) and the intermediate size, the down GEMM's K, is at least
+// kFp8Rows192MinIntermediate (K loops long enough for the 192-row kernel's one K-block in
+// flight and four stages); 128 elsewhere. Measured on H100 (docs/perf.md, session 48), the 192-row
+// tiles' share of the 128-row tiles' time, forward / forward+backward: `dsv3_local` (1024 rows
+// per expert, I = 2048) 0.92x / 0.96x; `qwen3` (512, 768) 1.04x / 1.03x; `sonic_e128` (2048,
+// 1024) 1.04x / 1.01x; `dsv3_e128` (256, 2048) 1.29x / 1.14x.
+inline constexpr int32_t kAutoFp8RowTileRows = 0;
+inline constexpr int64_t kFp8Rows192MinRowsPerExpert = 768;
+inline constexpr int64_t kFp8Rows192MinIntermediate = 2048;
+
+// The FP8 row tiles' height a layer of `shape` runs with: config.fp8_row_tile_rows, or with
+// kAutoFp8RowTileRows the rule above (128 under bf16 or gemm_expert_groups, which walk 128-row
+// tiles only).
+int32_t fp8_row_tile_rows_for(const MoeConfig& config, const MoeShape& shape);
+
+// `config` with its automatic choices made for `shape`: gemm_auto_lockstep's knobs (unchanged
+// where it does not engage) and fp8_row_tile_rows.
+MoeConfig with_auto_choices(const MoeConfig& config, const MoeShape& shape);
 
 // The minibatch rows a layer runs with: config.minibatch_size, or with kAutoMinibatch the rule
 // above. `num_sms`: the GPU's SM count (positive).

@@ -83,7 +83,8 @@ class MoKConfig:
         until measured faster).
     fp8_row_tile_rows: the FP8 row-tile GEMMs' tile height, 128 or 192 (three consumer
         warpgroups; the weights read once per 192 rows; same bits; precision "fp8_block" only,
-        not with gemm_expert_groups; 128 until measured faster).
+        not with gemm_expert_groups), or 0 (the default): chosen from the shape, 192 where the
+        experts average at least 768 routed rows and the intermediate size is at least 2048.
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
@@ -143,7 +144,7 @@ class MoKConfig:
     gemm_tile_group: int = 8
     gemm_expert_aligned_groups: bool = False
     gemm_expert_groups: int = 0
-    fp8_row_tile_rows: int = 128
+    fp8_row_tile_rows: int = 0
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0

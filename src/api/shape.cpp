@@ -269,9 +269,10 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     MOK_RETURN_IF_ERROR(excluded_variant("gemm_expert_aligned_groups",
                                          "a CTA pair's units are pairs of row tiles",
                                          "the 256 x 192 tiles group their own units"));
-  if (config.fp8_row_tile_rows != 128 && config.fp8_row_tile_rows != 192)
+  if (config.fp8_row_tile_rows != kAutoFp8RowTileRows && config.fp8_row_tile_rows != 128 &&
+      config.fp8_row_tile_rows != 192)
     return bad("fp8_row_tile_rows = " + std::to_string(config.fp8_row_tile_rows) +
-               "; valid: 128 or 192");
+               "; valid: 0 (automatic), 128 or 192");
   if (config.fp8_row_tile_rows == 192 && config.precision != Precision::kFP8Block)
     return bad(
         "fp8_row_tile_rows = 192 with precision = bf16; valid: fp8_row_tile_rows = 128 "
@@ -359,12 +360,23 @@ bool auto_lockstep_engages(const MoeConfig& config, const MoeShape& shape) {
   return can_implement_knobs(resolved, shape.num_ranks).ok();
 }
 
-MoeConfig with_auto_lockstep(const MoeConfig& config, const MoeShape& shape) {
+int32_t fp8_row_tile_rows_for(const MoeConfig& config, const MoeShape& shape) {
+  if (config.fp8_row_tile_rows != kAutoFp8RowTileRows) return config.fp8_row_tile_rows;
+  if (config.precision != Precision::kFP8Block || config.gemm_expert_groups != 0 ||
+      shape.num_experts < 1)
+    return 128;
+  const int64_t routed_rows = shape.num_tokens * shape.top_k * shape.num_ranks;
+  const bool many_rows = routed_rows >= kFp8Rows192MinRowsPerExpert * shape.num_experts;
+  return many_rows && shape.intermediate >= kFp8Rows192MinIntermediate ? 192 : 128;
+}
+
+MoeConfig with_auto_choices(const MoeConfig& config, const MoeShape& shape) {
   MoeConfig resolved = config;
   if (auto_lockstep_engages(config, shape)) {
     resolved.gemm_four_stages = true;
     resolved.gemm_lockstep_k_blocks = kAutoLockstepKBlocks;
   }
+  resolved.fp8_row_tile_rows = fp8_row_tile_rows_for(config, shape);
   return resolved;
 }
 

@@ -69,7 +69,7 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
   auto state = std::make_unique<GpuLayer::State>();
   GpuLayer::State& s = *state;
   s.shape = shape;
-  s.config = with_auto_lockstep(config, shape);  // every later use reads s.config
+  s.config = with_auto_choices(config, shape);  // every later use reads s.config
   s.rank = rank;
   cuda_check(cudaGetDevice(&s.device), "cudaGetDevice");
   cuda_check(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, s.device),

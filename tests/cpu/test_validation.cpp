@@ -314,19 +314,21 @@ TEST(ConfigValidation, ExpertGroupsAreFp8RowTileGroups) {
                {"gemm_expert_groups = 16 with precision = bf16", "valid: gemm_expert_groups = 0"});
 }
 
-// MoeConfig::fp8_row_tile_rows: 128 or 192, the 192-row tiles on the FP8 GEMMs only and not
-// with the expert groups walk, each refusal naming the value and what is valid.
-TEST(ConfigValidation, Fp8RowTileRowsAre128Or192) {
+// MoeConfig::fp8_row_tile_rows: 0 (automatic), 128 or 192, the 192-row tiles on the FP8 GEMMs
+// only and not with the expert groups walk, each refusal naming the value and what is valid.
+TEST(ConfigValidation, Fp8RowTileRowsAreAutomatic128Or192) {
   MoeConfig config;
+  EXPECT_EQ(config.fp8_row_tile_rows, kAutoFp8RowTileRows);
   config.precision = Precision::kFP8Block;
-  for (const int32_t rows : {128, 192}) {
+  for (const int32_t rows : {kAutoFp8RowTileRows, 128, 192}) {
     config.fp8_row_tile_rows = rows;
     EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << rows;
   }
-  for (const int32_t rows : {0, 64, 256}) {
+  for (const int32_t rows : {-1, 64, 256}) {
     config.fp8_row_tile_rows = rows;
-    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-                 {"fp8_row_tile_rows = " + std::to_string(rows), "valid: 128 or 192"});
+    expect_error(
+        can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+        {"fp8_row_tile_rows = " + std::to_string(rows), "valid: 0 (automatic), 128 or 192"});
   }
   config.fp8_row_tile_rows = 192;
   config.gemm_expert_groups = 16;
@@ -337,6 +339,44 @@ TEST(ConfigValidation, Fp8RowTileRowsAre128Or192) {
   bf16.fp8_row_tile_rows = 192;
   expect_error(can_implement_knobs(bf16, 1), ErrorCode::kInvalidArgument,
                {"fp8_row_tile_rows = 192 with precision = bf16", "valid: fp8_row_tile_rows = 128"});
+}
+
+// MoeConfig::fp8_row_tile_rows left automatic: 192-row tiles where the experts average at least
+// 768 routed rows and I is at least 2048 (`dsv3_local`, `kimi_slice` and `dsv3` on eight ranks of
+// the named shapes), 128 elsewhere, under bf16 and under the expert groups walk; a caller's choice
+// stands; what with_auto_choices makes is a config can_implement takes.
+TEST(ConfigValidation, AutoFp8RowTilesFollowTheRowsPerExpertAndI) {
+  MoeConfig fp8;
+  fp8.precision = Precision::kFP8Block;
+  for (const std::string& name : named_shape_names()) {
+    const MoeShape shape = named_shape(name);
+    const bool tall = name == "dsv3_local" || name == "kimi_slice";
+    EXPECT_EQ(fp8_row_tile_rows_for(fp8, shape), tall ? 192 : 128) << name;
+    const MoeConfig runs = with_auto_choices(fp8, shape);
+    EXPECT_EQ(runs.fp8_row_tile_rows, tall ? 192 : 128) << name;
+    EXPECT_TRUE(can_implement(runs, shape).ok()) << name;
+    EXPECT_EQ(with_auto_choices(MoeConfig{}, shape).fp8_row_tile_rows, 128) << name;
+  }
+  const MoeShape dsv3_local = named_shape("dsv3_local");
+  // dsv3 on eight ranks: 1024 rows per expert, as at dsv3_local; on two, 256.
+  EXPECT_EQ(fp8_row_tile_rows_for(fp8, named_shape("dsv3", 8)), 192);
+  EXPECT_EQ(fp8_row_tile_rows_for(fp8, named_shape("dsv3", 2)), 128);
+  // Just under and at the row bound (T * K * R / E = 768), and I just under 2048.
+  MoeShape edge = dsv3_local;
+  edge.num_tokens = 768 * 32 / 8 - 1;
+  EXPECT_EQ(fp8_row_tile_rows_for(fp8, edge), 128);
+  edge.num_tokens = 768 * 32 / 8;
+  EXPECT_EQ(fp8_row_tile_rows_for(fp8, edge), 192);
+  edge.intermediate = 1920;
+  EXPECT_EQ(fp8_row_tile_rows_for(fp8, edge), 128);
+  MoeConfig groups = fp8;
+  groups.gemm_expert_groups = 16;
+  EXPECT_EQ(fp8_row_tile_rows_for(groups, dsv3_local), 128);
+  MoeConfig chosen = fp8;
+  chosen.fp8_row_tile_rows = 128;
+  EXPECT_EQ(with_auto_choices(chosen, dsv3_local).fp8_row_tile_rows, 128);
+  chosen.fp8_row_tile_rows = 192;
+  EXPECT_EQ(with_auto_choices(chosen, named_shape("qwen3")).fp8_row_tile_rows, 192);
 }
 
 // The row-tile GEMMs' lockstep (MoeConfig::gemm_lockstep_k_blocks): 0 (off) or 2 to
@@ -611,7 +651,7 @@ TEST(ConfigValidation, AutoLockstepEngagesWhereTheWeightsStream) {
     const MoeShape shape = named_shape(name);
     const bool engages = auto_lockstep_engages(config, shape);
     EXPECT_EQ(engages, name == "dsv3") << name;
-    const MoeConfig runs = with_auto_lockstep(config, shape);
+    const MoeConfig runs = with_auto_choices(config, shape);
     EXPECT_EQ(runs.gemm_four_stages, engages) << name;
     EXPECT_EQ(runs.gemm_lockstep_k_blocks, engages ? kAutoLockstepKBlocks : 0) << name;
     EXPECT_TRUE(can_implement(runs, shape).ok()) << name;
@@ -642,7 +682,7 @@ TEST(ConfigValidation, AutoLockstepEngagesWhereTheWeightsStream) {
   off[8].ep_dispatch_in_gemm = true;
   for (size_t i = 0; i < off.size(); ++i) {
     EXPECT_FALSE(auto_lockstep_engages(off[i], dsv3)) << i;
-    const MoeConfig runs = with_auto_lockstep(off[i], dsv3);
+    const MoeConfig runs = with_auto_choices(off[i], dsv3);
     EXPECT_EQ(runs.gemm_four_stages, off[i].gemm_four_stages) << i;
     EXPECT_EQ(runs.gemm_lockstep_k_blocks, off[i].gemm_lockstep_k_blocks) << i;
   }

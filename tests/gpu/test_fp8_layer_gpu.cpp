@@ -172,7 +172,9 @@ TEST(Fp8LayerGpu, WalkGroupsGiveTheSameBits) {
 TEST(Fp8LayerGpu, Rows192TilesGiveTheSameBits) {
   for_each_bits_problem(89, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
                                DeviceProblem& device) {
-    GpuLayer tiles_128(shape, fp8_config());
+    MoeConfig config_128 = fp8_config();
+    config_128.fp8_row_tile_rows = 128;
+    GpuLayer tiles_128(shape, config_128);
     for (const bool overlap : {false, true}) {
       MoeConfig config = fp8_config();
       config.fp8_row_tile_rows = 192;

@@ -279,7 +279,7 @@ def test_no_tokens(device):
             dict(gemm_expert_groups=16),
             r"gemm_expert_groups = 16 with precision = bf16; valid: gemm_expert_groups = 0",
         ),
-        (dict(fp8_row_tile_rows=64), r"fp8_row_tile_rows = 64; valid: 128 or 192"),
+        (dict(fp8_row_tile_rows=64), r"fp8_row_tile_rows = 64; valid: 0 \(automatic\), 128 or 192"),
         (
             dict(fp8_row_tile_rows=192),
             r"fp8_row_tile_rows = 192 with precision = bf16; valid: fp8_row_tile_rows = 128",
