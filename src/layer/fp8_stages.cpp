@@ -25,6 +25,7 @@
 #include <string>
 
 #include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/fp8_rows192_walk.h"
 #include "kernels/stages/fp8_quantize.h"
 #include "kernels/stages/launch.h"
 #include "kernels/stages/swiglu_backward_quantize.h"
@@ -175,10 +176,15 @@ CUtensorMap output_map(void* base, int64_t width, int64_t rows, const char* what
                        int32_t box_rows = 128) {
   return make_tensor_map_3d(base, width, rows, 1, 64, box_rows, what);
 }
-// A row-tile GEMM's boxes: A's rows and the outputs' rows for MoeConfig::fp8_row_tile_rows.
-int32_t a_box_rows(const GpuLayer::State& s) { return s.config.fp8_row_tile_rows; }
+// A row-tile GEMM's boxes for MoeConfig::fp8_row_tile_rows: A's codes (the 192-row tiles load
+// 64-row chunks, only those an expert's last tile holds), A's line scales (the tile's rows) and
+// the outputs' rows (the 192-row tiles store 64-row chunks).
+int32_t a_box_rows(const GpuLayer::State& s) {
+  return s.config.fp8_row_tile_rows == 192 ? kernels::kRows192Chunk : 128;
+}
+int32_t a_scales_box_rows(const GpuLayer::State& s) { return s.config.fp8_row_tile_rows; }
 int32_t out_box_rows(const GpuLayer::State& s) {
-  return s.config.fp8_row_tile_rows == 192 ? 64 : 128;
+  return s.config.fp8_row_tile_rows == 192 ? kernels::kRows192Chunk : 128;
 }
 
 kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet& set) {
@@ -255,7 +261,7 @@ void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View
                    kernels::KernelStream on, const char* what) {
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(a, rows, k, what, a_box_rows(s));
-  maps.a_scales = scales_2d(a, rows, k / 128, what, a_box_rows(s));
+  maps.a_scales = scales_2d(a, rows, k / 128, what, a_scales_box_rows(s));
   maps.b = codes_3d(b, set.num_experts, n, k, what);
   maps.out = maps.out2 = output_map(out, n, out_rows, what, out_box_rows(s));
   kernels::Fp8GemmParams params = row_tile_params(s, set);
@@ -273,7 +279,8 @@ void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBu
   const int64_t R = set.capacity_rows;
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(fp8.x_rows.view(), rows, H, "x rows (FP8)", a_box_rows(s));
-  maps.a_scales = scales_2d(fp8.x_rows.view(), rows, H / 128, "x rows' scales", a_box_rows(s));
+  maps.a_scales =
+      scales_2d(fp8.x_rows.view(), rows, H / 128, "x rows' scales", a_scales_box_rows(s));
   maps.b = codes_3d(weights.gate, E, I, H, "w_gate (FP8)");
   maps.b2 = codes_3d(weights.up, E, I, H, "w_up (FP8)");
   maps.out = output_map(set.gate.pointer, I, R, "gate", out_box_rows(s));
@@ -393,8 +400,8 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
   kernels::Fp8GemmMaps maps{};
   maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)", a_box_rows(s));
   maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)", a_box_rows(s));
-  maps.a_scales = scales_2d(fp8.d_gate.view(), R, I / 128, "d_gate's scales", a_box_rows(s));
-  maps.a2_scales = scales_2d(fp8.d_up.view(), R, I / 128, "d_up's scales", a_box_rows(s));
+  maps.a_scales = scales_2d(fp8.d_gate.view(), R, I / 128, "d_gate's scales", a_scales_box_rows(s));
+  maps.a2_scales = scales_2d(fp8.d_up.view(), R, I / 128, "d_up's scales", a_scales_box_rows(s));
   maps.b = codes_3d(fp8.w_gate_t.view(), E, H, I, "w_gate transposed (FP8)");
   maps.b2 = codes_3d(fp8.w_up_t.view(), E, H, I, "w_up transposed (FP8)");
   maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows", out_box_rows(s));

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/fp8_rows192_walk.h"
 #include "kernels/stages/fp8_quantize.h"
 #include "kernels/stages/launch.h"
 #include "layer/tma.h"
@@ -362,7 +363,7 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     const kernels::Fp8GemmMaps maps128 = problem.maps;
     kernels::Fp8GemmMaps maps192 = problem.maps;
     const int64_t a_dims[2] = {k, rows}, a_strides[1] = {k};
-    const int32_t a_box[2] = {128, 192};
+    const int32_t a_box[2] = {128, kernels::kRows192Chunk};  // 64-row chunks
     maps192.a = maps192.a2 =
         make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
     const int64_t s_dims[2] = {rows, k / 128}, s_strides[1] = {rows * 4};
@@ -800,7 +801,7 @@ void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
   const kernels::Fp8GemmMaps maps = problem.maps;
   const kernels::Fp8GemmParams params = problem.params;
   const int64_t a_dims[2] = {problem.k, problem.rows}, a_strides[1] = {problem.k};
-  const int32_t a_box[2] = {128, 192};
+  const int32_t a_box[2] = {128, kernels::kRows192Chunk};  // 64-row chunks
   problem.maps.a =
       make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
   const int64_t s_dims[2] = {problem.rows, problem.k / 128}, s_strides[1] = {problem.rows * 4};

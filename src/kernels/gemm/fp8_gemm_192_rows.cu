@@ -11,8 +11,10 @@
 // groups of kTileGroupM row tiles, as the 128-row kernel walks.
 // Warp roles:
 //   warpgroup 0     producer: one thread loads each K-block of 128 into a stage with TMA: A's
-//                   192 rows (24 KB), B's 128 x 128 block (16 KB) and A's 192 line scales; it
-//                   gives its registers away (setmaxnreg.dec to 32).
+//                   rows as 64-row chunks (8 KB each; an expert's last tile loads only the
+//                   chunks it holds, so a part-filled tile reads what 128-row tiles would), B's
+//                   128 x 128 block (16 KB) and A's 192 line scales; it gives its registers away
+//                   (setmaxnreg.dec to 32).
 //   warpgroups 1-3  consumers: warpgroup 1 + c owns the tile's rows [64 c, 64 c + 64), one fp32
 //                   register tile of products and one of the promoted sum (160 registers each:
 //                   three consumer warpgroups fit the register file only with one K-block in
@@ -52,9 +54,10 @@ constexpr int kConsumerRegs = 160;
 static_assert(128 * (kProducerRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536,
               "the register split fits the 512-thread CTA's pool");
 constexpr int kStages = 4;
-constexpr int kATileBytes = kRows192 * kFp8BlockK;       // 24 KB
-constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;      // 16 KB
-constexpr int kStagingChunkBytes = kRows192Chunk * 128;  // [64 rows x 64 columns] bf16
+constexpr int kATileBytes = kRows192 * kFp8BlockK;        // 24 KB
+constexpr int kAChunkBytes = kRows192Chunk * kFp8BlockK;  // 8 KB: A's TMA box (64 rows)
+constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;       // 16 KB
+constexpr int kStagingChunkBytes = kRows192Chunk * 128;   // [64 rows x 64 columns] bf16
 constexpr int kPrefixPerThread = static_cast<int>(kMaxExperts) / kThreads;
 static_assert(kPrefixPerThread * kThreads == kMaxExperts, "the prefix sum's experts per thread");
 static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread (the first ones)");
@@ -143,18 +146,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::prefetch_tensor_map(&maps.a);
     ptx::prefetch_tensor_map(&maps.b);
     PipelineState<kStages> state;
-    constexpr uint32_t kBytes = kATileBytes + kBTileBytes + kRows192 * 4;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const Tile t = tile_at(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
+      const uint32_t bytes = t.rows.valid_chunks * kAChunkBytes + kBTileBytes + kRows192 * 4;
       const int num_k_blocks = params.k_extent / kFp8BlockK;
       for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
         const int s = state.stage;
-        if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, kBytes)) {
+        if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, bytes)) {
           state.advance();
           continue;
         }
         const Fp8Sources src = row_tile_sources(maps, params, t.n_tile, k_block);
-        ptx::tma_load_2d(smem.a[s], src.a, &smem.full[s], src.k_group * kFp8BlockK, t.rows.row0);
+        for (int c = 0; c < t.rows.valid_chunks; ++c)
+          ptx::tma_load_2d(smem.a[s] + c * kAChunkBytes, src.a, &smem.full[s],
+                           src.k_group * kFp8BlockK, t.rows.row0 + c * kRows192Chunk);
         ptx::tma_load_3d(smem.b[s], src.b, &smem.full[s], src.k_group * kFp8BlockK,
                          src.b_n_tile * kFp8TileN, t.rows.expert);
         ptx::tma_load_2d(smem.a_scales[s], src.a_scales, &smem.full[s], t.rows.row0, src.k_group);
