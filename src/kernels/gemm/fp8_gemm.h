@@ -72,7 +72,8 @@ struct Fp8GemmParams {
   // other fields keep their offsets.
   int32_t expert_groups = 0;
   // kRowTiles: 128, or 192 (MoeConfig::fp8_row_tile_rows: fp8_gemm_192_rows.cu, with num_experts
-  // and expert_offsets the schedule's; A's maps in boxes of 192 rows, the outputs' of 64).
+  // and expert_offsets the schedule's; A's codes and the outputs in boxes of 64 rows, A's line
+  // scales of 192).
   int32_t tile_rows = 128;
 };
 
