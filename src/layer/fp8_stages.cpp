@@ -149,8 +149,7 @@ void transposed_weights(const ExpertWeights& weights, int64_t experts, int64_t h
   fp8.transposed_key = key_of(weights);
 }
 
-// e4m3 [rows, width], [box_rows x 128] boxes (a row tile's height: 128, or 192 for A with
-// MoeConfig::fp8_row_tile_rows).
+// e4m3 [rows, width], [box_rows x 128] boxes (chunk_box_rows for a row-tile GEMM's A).
 CUtensorMap codes_2d(const Fp8View& op, int64_t rows, int64_t width, const char* what,
                      int32_t box_rows = 128) {
   const int64_t dims[2] = {width, rows}, strides[1] = {width};
@@ -176,16 +175,13 @@ CUtensorMap output_map(void* base, int64_t width, int64_t rows, const char* what
                        int32_t box_rows = 128) {
   return make_tensor_map_3d(base, width, rows, 1, 64, box_rows, what);
 }
-// A row-tile GEMM's boxes for MoeConfig::fp8_row_tile_rows: A's codes (the 192-row tiles load
-// 64-row chunks, only those an expert's last tile holds), A's line scales (the tile's rows) and
-// the outputs' rows (the 192-row tiles store 64-row chunks).
-int32_t a_box_rows(const GpuLayer::State& s) {
+// A row-tile GEMM's boxes for MoeConfig::fp8_row_tile_rows: A's codes and the outputs move in
+// 64-row chunks with the 192-row tiles (a part-filled tile loads and stores only its chunks),
+// whole tiles of 128 otherwise; A's line scales in the tile's rows.
+int32_t chunk_box_rows(const GpuLayer::State& s) {
   return s.config.fp8_row_tile_rows == 192 ? kernels::kRows192Chunk : 128;
 }
 int32_t a_scales_box_rows(const GpuLayer::State& s) { return s.config.fp8_row_tile_rows; }
-int32_t out_box_rows(const GpuLayer::State& s) {
-  return s.config.fp8_row_tile_rows == 192 ? kernels::kRows192Chunk : 128;
-}
 
 kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet& set) {
   kernels::Fp8GemmParams params;
@@ -260,10 +256,10 @@ void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View
                    int64_t k, const Fp8View& b, int64_t n, void* out, int64_t out_rows,
                    kernels::KernelStream on, const char* what) {
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(a, rows, k, what, a_box_rows(s));
+  maps.a = codes_2d(a, rows, k, what, chunk_box_rows(s));
   maps.a_scales = scales_2d(a, rows, k / 128, what, a_scales_box_rows(s));
   maps.b = codes_3d(b, set.num_experts, n, k, what);
-  maps.out = maps.out2 = output_map(out, n, out_rows, what, out_box_rows(s));
+  maps.out = maps.out2 = output_map(out, n, out_rows, what, chunk_box_rows(s));
   kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = b.scales;
   params.n_extent = static_cast<int32_t>(n);
@@ -278,13 +274,13 @@ void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBu
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.x_rows.view(), rows, H, "x rows (FP8)", a_box_rows(s));
+  maps.a = codes_2d(fp8.x_rows.view(), rows, H, "x rows (FP8)", chunk_box_rows(s));
   maps.a_scales =
       scales_2d(fp8.x_rows.view(), rows, H / 128, "x rows' scales", a_scales_box_rows(s));
   maps.b = codes_3d(weights.gate, E, I, H, "w_gate (FP8)");
   maps.b2 = codes_3d(weights.up, E, I, H, "w_up (FP8)");
-  maps.out = output_map(set.gate.pointer, I, R, "gate", out_box_rows(s));
-  maps.out2 = output_map(set.up.pointer, I, R, "up", out_box_rows(s));
+  maps.out = output_map(set.gate.pointer, I, R, "gate", chunk_box_rows(s));
+  maps.out2 = output_map(set.up.pointer, I, R, "up", chunk_box_rows(s));
   kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = weights.gate.scales;
   params.b2_scales = weights.up.scales;
@@ -398,13 +394,13 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
 
   // dx rows = [d_g | d_u] [Wg; Wu]: K split at I.
   kernels::Fp8GemmMaps maps{};
-  maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)", a_box_rows(s));
-  maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)", a_box_rows(s));
+  maps.a = codes_2d(fp8.d_gate.view(), R, I, "d_gate (FP8)", chunk_box_rows(s));
+  maps.a2 = codes_2d(fp8.d_up.view(), R, I, "d_up (FP8)", chunk_box_rows(s));
   maps.a_scales = scales_2d(fp8.d_gate.view(), R, I / 128, "d_gate's scales", a_scales_box_rows(s));
   maps.a2_scales = scales_2d(fp8.d_up.view(), R, I / 128, "d_up's scales", a_scales_box_rows(s));
   maps.b = codes_3d(fp8.w_gate_t.view(), E, H, I, "w_gate transposed (FP8)");
   maps.b2 = codes_3d(fp8.w_up_t.view(), E, H, I, "w_up transposed (FP8)");
-  maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows", out_box_rows(s));
+  maps.out = maps.out2 = output_map(b.dx_out, H, b.dx_rows, "dx rows", chunk_box_rows(s));
   kernels::Fp8GemmParams params = row_tile_params(s, set);
   params.b_scales = fp8.w_gate_t.scale_data();
   params.b2_scales = fp8.w_up_t.scale_data();

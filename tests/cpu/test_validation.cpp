@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <utility>
@@ -79,6 +80,23 @@ void expect_error(const Status& status, ErrorCode code, const std::vector<std::s
   for (const auto& fragment : fragments)
     EXPECT_NE(status.message.find(fragment), std::string::npos)
         << "message \"" << status.message << "\" lacks \"" << fragment << "\"";
+}
+
+// An integer knob of MoeConfig (`field`, named `name`) on `config`: each of `valid` taken by the
+// knob checks, each of `invalid` refused, naming "<name> = <value>" and `what_is_valid`.
+void expect_int_knob_range(MoeConfig config, int32_t MoeConfig::*field, const std::string& name,
+                           std::initializer_list<int32_t> valid,
+                           std::initializer_list<int32_t> invalid,
+                           const std::string& what_is_valid) {
+  for (const int32_t value : valid) {
+    config.*field = value;
+    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << name << " = " << value;
+  }
+  for (const int32_t value : invalid) {
+    config.*field = value;
+    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+                 {name + " = " + std::to_string(value), what_is_valid});
+  }
 }
 
 TEST(ShapeValidation, NamedShapesAreValid) {
@@ -299,15 +317,9 @@ TEST(ConfigValidation, GemmVariantsNameWhatExcludesThem) {
 TEST(ConfigValidation, ExpertGroupsAreFp8RowTileGroups) {
   MoeConfig config;
   config.precision = Precision::kFP8Block;
-  for (const int32_t most : {0, 1, 16, kMaxTileGroup}) {
-    config.gemm_expert_groups = most;
-    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << most;
-  }
-  for (const int32_t most : {-1, kMaxTileGroup + 1}) {
-    config.gemm_expert_groups = most;
-    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-                 {"gemm_expert_groups = " + std::to_string(most), "valid: 0 (fixed groups of 8)"});
-  }
+  expect_int_knob_range(config, &MoeConfig::gemm_expert_groups, "gemm_expert_groups",
+                        {0, 1, 16, kMaxTileGroup}, {-1, kMaxTileGroup + 1},
+                        "valid: 0 (fixed groups of 8)");
   MoeConfig bf16;
   bf16.gemm_expert_groups = 16;
   expect_error(can_implement_knobs(bf16, 1), ErrorCode::kInvalidArgument,
@@ -320,16 +332,9 @@ TEST(ConfigValidation, Fp8RowTileRowsAreAutomatic128Or192) {
   MoeConfig config;
   EXPECT_EQ(config.fp8_row_tile_rows, kAutoFp8RowTileRows);
   config.precision = Precision::kFP8Block;
-  for (const int32_t rows : {kAutoFp8RowTileRows, 128, 192}) {
-    config.fp8_row_tile_rows = rows;
-    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << rows;
-  }
-  for (const int32_t rows : {-1, 64, 256}) {
-    config.fp8_row_tile_rows = rows;
-    expect_error(
-        can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-        {"fp8_row_tile_rows = " + std::to_string(rows), "valid: 0 (automatic), 128 or 192"});
-  }
+  expect_int_knob_range(config, &MoeConfig::fp8_row_tile_rows, "fp8_row_tile_rows",
+                        {kAutoFp8RowTileRows, 128, 192}, {-1, 64, 256},
+                        "valid: 0 (automatic), 128 or 192");
   config.fp8_row_tile_rows = 192;
   config.gemm_expert_groups = 16;
   expect_error(
@@ -384,15 +389,9 @@ TEST(ConfigValidation, AutoFp8RowTilesFollowTheRowsPerExpertAndI) {
 // and FP8, not with CTA pairs (named).
 TEST(ConfigValidation, LockstepIsOffOrALeadOfK_blocks) {
   MoeConfig config;
-  for (const int32_t lead : {0, 2, 16, kMaxLockstepKBlocks}) {
-    config.gemm_lockstep_k_blocks = lead;
-    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << lead;
-  }
-  for (const int32_t lead : {1, -4, kMaxLockstepKBlocks + 1}) {
-    config.gemm_lockstep_k_blocks = lead;
-    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-                 {"gemm_lockstep_k_blocks = " + std::to_string(lead), "valid: 0 (off) or 2 to"});
-  }
+  expect_int_knob_range(config, &MoeConfig::gemm_lockstep_k_blocks, "gemm_lockstep_k_blocks",
+                        {0, 2, 16, kMaxLockstepKBlocks}, {1, -4, kMaxLockstepKBlocks + 1},
+                        "valid: 0 (off) or 2 to");
   MoeConfig lockstep;
   lockstep.gemm_lockstep_k_blocks = 16;
   lockstep.gemm_four_stages = true;
@@ -435,15 +434,9 @@ TEST(ConfigValidation, TilesByTicketNameWhatExcludesThem) {
 // The expert GEMMs' walk group (MoeConfig::gemm_tile_group): 1 to kMaxTileGroup row tiles.
 TEST(ConfigValidation, TileGroupIsOneToTheMost) {
   MoeConfig config;
-  for (const int32_t group : {1, 3, 8, kMaxTileGroup}) {
-    config.gemm_tile_group = group;
-    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << group;
-  }
-  for (const int32_t group : {0, -2, kMaxTileGroup + 1}) {
-    config.gemm_tile_group = group;
-    expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
-                 {"gemm_tile_group = " + std::to_string(group), "valid: 1 to 1024 row tiles"});
-  }
+  expect_int_knob_range(config, &MoeConfig::gemm_tile_group, "gemm_tile_group",
+                        {1, 3, 8, kMaxTileGroup}, {0, -2, kMaxTileGroup + 1},
+                        "valid: 1 to 1024 row tiles");
 }
 
 // The knob checks alone (no sizes: what the Python package's CPU path runs) refuse what the

@@ -136,6 +136,22 @@ QuantizedOperands quantize_and_upload(Fp8GemmProblem& problem, const std::vector
   return q;
 }
 
+// `problem`'s maps for the 192-row tiles (MoeConfig::fp8_row_tile_rows = 192, as the layer
+// makes them): A's codes and the output in 64-row chunks, A's line scales in boxes of 192.
+kernels::Fp8GemmMaps rows_192_maps(const Fp8GemmProblem& problem) {
+  kernels::Fp8GemmMaps maps = problem.maps;
+  const int64_t a_dims[2] = {problem.k, problem.rows}, a_strides[1] = {problem.k};
+  const int32_t a_box[2] = {128, kernels::kRows192Chunk};
+  maps.a = make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
+  const int64_t s_dims[2] = {problem.rows, problem.k / 128}, s_strides[1] = {problem.rows * 4};
+  const int32_t s_box[2] = {kernels::kRows192, 1};
+  maps.a_scales = make_tensor_map(problem.a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box,
+                                  false, "A scales");
+  maps.out = maps.out2 = make_tensor_map_3d(problem.out, problem.n, problem.rows, 1, 64,
+                                            kernels::kRows192Chunk, "out");
+  return maps;
+}
+
 // The row-tile form over a K of `k` against the product in double; then the same bits from
 // GPU-quantized operands, split columns and a split K.
 void expect_block_scaled_product(int64_t k) {
@@ -361,16 +377,9 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     problem.maps.b2 = problem.maps.b;
     problem.params.b2_scales = problem.b_scales;
     const kernels::Fp8GemmMaps maps128 = problem.maps;
-    kernels::Fp8GemmMaps maps192 = problem.maps;
-    const int64_t a_dims[2] = {k, rows}, a_strides[1] = {k};
-    const int32_t a_box[2] = {128, kernels::kRows192Chunk};  // 64-row chunks
-    maps192.a = maps192.a2 =
-        make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
-    const int64_t s_dims[2] = {rows, k / 128}, s_strides[1] = {rows * 4};
-    const int32_t s_box[2] = {192, 1};
-    maps192.a_scales = maps192.a2_scales = make_tensor_map(
-        problem.a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box, false, "A scales");
-    maps192.out = maps192.out2 = make_tensor_map_3d(problem.out, n, rows, 1, 64, 64, "out");
+    kernels::Fp8GemmMaps maps192 = rows_192_maps(problem);
+    maps192.a2 = maps192.a;
+    maps192.a2_scales = maps192.a_scales;
     // With the columns split at 256, columns [256, 384) go to out2 [rows, 128].
     void* out2 = nullptr;
     ASSERT_EQ(cudaMalloc(&out2, rows * 128 * 2), cudaSuccess);
@@ -800,16 +809,7 @@ void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
             cudaSuccess);
   const kernels::Fp8GemmMaps maps = problem.maps;
   const kernels::Fp8GemmParams params = problem.params;
-  const int64_t a_dims[2] = {problem.k, problem.rows}, a_strides[1] = {problem.k};
-  const int32_t a_box[2] = {128, kernels::kRows192Chunk};  // 64-row chunks
-  problem.maps.a =
-      make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
-  const int64_t s_dims[2] = {problem.rows, problem.k / 128}, s_strides[1] = {problem.rows * 4};
-  const int32_t s_box[2] = {192, 1};
-  problem.maps.a_scales = make_tensor_map(problem.a_scales, TmaElement::kF32, 2, s_dims, s_strides,
-                                          s_box, false, "A scales");
-  problem.maps.out = problem.maps.out2 =
-      make_tensor_map_3d(problem.out, problem.n, problem.rows, 1, 64, 64, "out");
+  problem.maps = rows_192_maps(problem);
   problem.params.tile_rows = 192;
   problem.params.num_experts = static_cast<int32_t>(problem.experts);
   problem.params.lockstep = {};

@@ -155,6 +155,23 @@ def test_knob_systems_share_the_weights_and_compute_the_layer():
         systems_of(p, peers=False, knobs=["cta_pairs"])
 
 
+def test_fp8_system_shares_the_weights_and_computes_the_layer_in_fp8():
+    """--fp8: "mok fp8" steps on mok's own weight tensors (a copy held the weights twice: at
+    dsv3_e128 FP8 did not fit beside the other systems on an 80 GB card) and computes the layer
+    in FP8: within the format's error of mok's bf16, not its bits."""
+    from mok.bench_peers import make_problem as bench_problem
+    from mok.bench_peers import systems_of
+
+    p = bench_problem("tiny", torch.device("cpu"), seed=3)
+    systems = systems_of(p, peers=False, fp8=True)
+    assert [s.name for s in systems] == ["mok", "mok fp8"]
+    assert all(a is b for a, b in zip(systems[1].parameters, systems[0].parameters))
+    want = systems[0].forward(p.x, p.top_experts, p.router_weights)
+    got = systems[1].forward(p.x, p.top_experts, p.router_weights)
+    assert not torch.equal(got, want)
+    assert relative_error(got, want) < 0.1
+
+
 def test_knobs_set_numbers_and_combine():
     """--knobs FIELD=N sets an integer field and K1+K2 applies several in turn; a name that is
     neither a switch nor an integer field is an error naming what is valid."""
