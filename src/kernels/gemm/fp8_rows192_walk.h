@@ -2,9 +2,13 @@
 // fp8_row_tile_rows), shared by host and device so the CPU tests check them.
 //
 // The schedule pads each expert's rows to a multiple of 128 (the layer's row tiles). A 192-row
-// tile takes three 64-row chunks of one expert: expert e's rows [offsets[e], offsets[e + 1])
-// make ceil(chunks / 3) tiles, the last one with 1, 2 or 3 chunks (128 q rows leave 0, 64 or
-// 128 over a multiple of 192). No tile crosses an expert, so each reads one expert's weights.
+// tile takes up to three 64-row chunks of one expert: expert e's rows [offsets[e],
+// offsets[e + 1]) make ceil(chunks / 3) tiles of three chunks, but where that would leave a last
+// tile of one chunk behind a full one (chunks = 3 q + 1, q >= 1), the last two tiles take two
+// chunks each: a tile with one consumer warpgroup at work leaves the tensor pipe idle while it
+// promotes (docs/perf.md, session 48: `dsv3_e128`'s 256-row experts, 192 + 64, ran 1.27x the
+// 128-row tiles' time). The same tile count either way. No tile crosses an expert, so each reads
+// one expert's weights.
 // The tiles are numbered expert by expert: tile_start[e] is the first of expert e's
 // (an exclusive prefix sum over the experts, tile_start[E] the count), and a tile's expert is the
 // last e with tile_start[e] <= tile (experts without rows hold no tile and are passed over).
@@ -46,10 +50,16 @@ MOK_HOST_DEVICE inline Rows192Tile rows192_tile(int32_t tile, const int32_t* til
   }
   Rows192Tile t;
   t.expert = low;
-  const int32_t begin = expert_offsets[low], end = expert_offsets[low + 1];
-  t.row0 = begin + (tile - tile_start[low]) * kRows192;
-  const int32_t left = (end - t.row0) / kRows192Chunk;
-  t.valid_chunks = left < kRows192Chunks ? left : kRows192Chunks;
+  const int32_t begin = expert_offsets[low];
+  const int32_t chunks = (expert_offsets[low + 1] - begin) / kRows192Chunk;
+  const int32_t local = tile - tile_start[low], last = tile_start[low + 1] - tile_start[low] - 1;
+  int32_t first_chunk = local * kRows192Chunks;
+  t.valid_chunks = chunks - first_chunk < kRows192Chunks ? chunks - first_chunk : kRows192Chunks;
+  if (chunks % kRows192Chunks == 1 && last >= 1 && local >= last - 1) {  // 3 + 1 -> 2 + 2
+    first_chunk = (last - 1) * kRows192Chunks + (local - (last - 1)) * 2;
+    t.valid_chunks = 2;
+  }
+  t.row0 = begin + first_chunk * kRows192Chunk;
   return t;
 }
 
