@@ -7,11 +7,11 @@
 // tile of one chunk behind a full one (chunks = 3 q + 1, q >= 1), the last two tiles take two
 // chunks each: a tile with one consumer warpgroup at work leaves the tensor pipe idle while it
 // promotes (docs/perf.md: `dsv3_e128`'s 256-row experts ran 1.27x the 128-row tiles' time as
-// 192 + 64 in session 48, 1.01x as 128 + 128 in session 49). The same tile count either way. No tile crosses an expert, so each reads
-// one expert's weights.
-// The tiles are numbered expert by expert: tile_start[e] is the first of expert e's
-// (an exclusive prefix sum over the experts, tile_start[E] the count), and a tile's expert is the
-// last e with tile_start[e] <= tile (experts without rows hold no tile and are passed over).
+// 192 + 64 in session 48, 1.01x as 128 + 128 in session 49). The same tile count either way. No
+// tile crosses an expert, so each reads one expert's weights. The tiles are numbered expert by
+// expert: tile_start[e] is the first of expert e's (an exclusive prefix sum over the experts,
+// tile_start[E] the count), and a tile's expert is the last e with tile_start[e] <= tile (experts
+// without rows hold no tile and are passed over).
 #pragma once
 
 #include <stdint.h>
