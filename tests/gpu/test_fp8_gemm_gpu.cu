@@ -352,8 +352,11 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
 // hold 1, 2 or 3 chunks of 64 rows, and one expert none), at K of 5 and 18 K-blocks, on every SM
 // and on 1, 2 and 5 CTAs (each walking tiles of several experts), plain and with the output
 // columns split (the gate/up GEMM's g and u) and with K split (the gate/up dgrad's d_g, d_u).
+// With the routed counts (190, 0, 300, 64 and 577 rows), the chunks of padding alone are left
+// unwritten and every other row keeps its bits.
 TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
   const std::vector<int32_t> expert_rows = {256, 0, 384, 128, 640};
+  const std::vector<int32_t> expert_counts = {190, 0, 300, 64, 577};
   const int64_t experts = static_cast<int64_t>(expert_rows.size()), n = 384;
   std::vector<int32_t> offsets{0}, tile_expert;
   for (int64_t e = 0; e < experts; ++e) {
@@ -371,6 +374,16 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     ASSERT_EQ(cudaMemcpy(problem.expert_offsets, offsets.data(), offsets.size() * 4,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
+    int32_t* device_counts = nullptr;
+    ASSERT_EQ(cudaMalloc(&device_counts, expert_counts.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(device_counts, expert_counts.data(), expert_counts.size() * 4,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    // Whether row r lies in a chunk of padding alone (past its expert's routed rows' chunks).
+    std::vector<bool> skipped(rows, false);
+    for (int64_t e = 0; e < experts; ++e)
+      for (int32_t r = offsets[e] + (expert_counts[e] + 63) / 64 * 64; r < offsets[e + 1]; ++r)
+        skipped[r] = true;
     // The split forms read B (and A) as two tensors: here the same ones, split in two places.
     problem.maps.a2 = problem.maps.a;
     problem.maps.a2_scales = problem.maps.a_scales;
@@ -429,8 +442,26 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
         EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0)
             << (ctas == 0 ? std::string("every SM") : std::to_string(ctas) + " CTAs");
       }
+      // With the routed counts: the skipped chunks' rows keep the 0xff fill, the others the bits.
+      problem.params.expert_counts = device_counts;
+      clear();
+      ASSERT_EQ(problem.run(), cudaSuccess);
+      const std::vector<bf16> got = outputs();
+      problem.params.expert_counts = nullptr;
+      int64_t wrong = 0, first_wrong = -1;
+      for (int64_t r = 0; r < rows; ++r)
+        for (const auto [base, width] :
+             {std::pair{int64_t{0}, n}, std::pair{rows * n, int64_t{128}}})
+          for (int64_t c = 0; c < width; ++c) {
+            const int64_t at = base + r * width + c;
+            const bool same = skipped[r] ? got[at].bits == 0xffff : got[at].bits == want[at].bits;
+            if (!same && wrong++ == 0) first_wrong = r;
+          }
+      EXPECT_EQ(wrong, 0) << "with the routed counts; first at row " << first_wrong
+                          << (first_wrong >= 0 && skipped[first_wrong] ? " (skipped)" : "");
     }
     cudaFree(out2);
+    cudaFree(device_counts);
     if (HasFailure()) return;
   }
 }

@@ -75,6 +75,10 @@ struct Fp8GemmParams {
   // and expert_offsets the schedule's; A's codes and the outputs in boxes of 64 rows, A's line
   // scales of 192).
   int32_t tile_rows = 128;
+  // tile_rows 192: the schedule's routed rows per expert [num_experts], or nullptr. Given, a
+  // 64-row chunk of padding alone is not computed and its output rows are not written
+  // (fp8_rows192_walk.h); the layer's stages read no padding row of these outputs.
+  const int32_t* expert_counts = nullptr;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents

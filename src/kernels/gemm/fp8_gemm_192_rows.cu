@@ -6,9 +6,10 @@
 // 47: their loads alone take 86% of their time, their math alone 68%).
 //
 // Grid: persistent, one 512-thread CTA per SM. Before the roles split, the CTA numbers the
-// 192-row tiles expert by expert (fp8_rows192_walk.h: a prefix sum over the schedule's expert
-// offsets into shared memory); tile t of the walk is (192-row tile, column tile) by walk_unit's
-// groups of kTileGroupM row tiles, as the 128-row kernel walks.
+// 192-row tiles expert by expert (fp8_rows192_walk.h: a prefix sum over the experts' chunks into
+// shared memory; with the routed counts, a chunk of padding alone is in no tile); tile t of the
+// walk is (192-row tile, column tile) by walk_unit's groups of kTileGroupM row tiles, as the
+// 128-row kernel walks.
 // Warp roles:
 //   warpgroup 0     producer: one thread loads each K-block of 128 into a stage with TMA: A's
 //                   rows as 64-row chunks (8 KB each; an expert's last tile loads only the
@@ -83,7 +84,8 @@ struct Tile {
 __device__ __forceinline__ Tile tile_at(const Fp8GemmParams& params, const int32_t* tile_start,
                                         int tile, int num_m_tiles, int num_n_tiles) {
   const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, true);
-  return {rows192_tile(walk.m_unit, tile_start, params.num_experts, params.expert_offsets),
+  return {rows192_tile(walk.m_unit, tile_start, params.num_experts, params.expert_offsets,
+                       params.expert_counts),
           walk.n_tile};
 }
 
@@ -98,7 +100,7 @@ __device__ __forceinline__ void number_the_tiles(const Fp8GemmParams& params,
   for (int i = 0; i < kPrefixPerThread; ++i) {
     const int e = first + i;
     tiles[i] = e < params.num_experts
-                   ? rows192_tiles(params.expert_offsets[e + 1] - params.expert_offsets[e])
+                   ? rows192_tiles(rows192_chunks(e, params.expert_offsets, params.expert_counts))
                    : 0;
     own += tiles[i];
   }
