@@ -103,9 +103,10 @@ mok run options:
                                aligned-groups, dgrad-half-tiles, expert-groups-N: FP8's
                                walk in groups of one expert's tiles, swiglu-in-dgrad,
                                overlap-launches, fp8-rows-192: FP8's row-tile GEMMs in
-                               192-row tiles, or 128 where the shape chose 192); K1+K2 flips several on one layer. An FP8
-                               run (--precision fp8_block) takes it without --quick: the
-                               flipped FP8 layers timed beside it
+                               192-row tiles, or 128 where the shape chose 192); K1+K2
+                               flips several on one layer. An FP8 run (--precision
+                               fp8_block) takes it without --quick: the flipped FP8 layers
+                               timed beside it
   --quick                      GPU: time only the layer against the baseline, check it against
                                the reference, skip the ring, the variants and the stage
                                breakdowns (for A/B runs of two builds; a third of the time)

@@ -272,10 +272,11 @@ bool auto_lockstep_engages(const MoeConfig& config, const MoeShape& shape);
 // least kFp8Rows192MinRowsPerExpert routed rows (an expert's last, part-filled tile a small share
 // of its rows) and the intermediate size, the down GEMM's K, is at least
 // kFp8Rows192MinIntermediate (K loops long enough for the 192-row kernel's one K-block in
-// flight and four stages); 128 elsewhere. Measured on H100 (docs/perf.md, session 48), the 192-row
-// tiles' share of the 128-row tiles' time, forward / forward+backward: `dsv3_local` (1024 rows
-// per expert, I = 2048) 0.92x / 0.96x; `qwen3` (512, 768) 1.04x / 1.03x; `sonic_e128` (2048,
-// 1024) 1.04x / 1.01x; `dsv3_e128` (256, 2048) 1.29x / 1.14x.
+// flight and four stages); 128 elsewhere. Measured on H100 (docs/perf.md, sessions 48-49), the
+// 192-row tiles' share of the 128-row tiles' time, forward / forward+backward: `dsv3_local` (1024
+// rows per expert, I = 2048) 0.92x / 0.96x; `qwen3` (512, 768) 1.04x / 1.03x; `sonic_e128`
+// (2048, 1024) 1.04x / 1.01x; `dsv3_e128` (256, 2048) 1.01x / 0.99-1.01x (1.29x / 1.14x before
+// the walk split an expert's last 3 + 1 chunks as 2 + 2).
 inline constexpr int32_t kAutoFp8RowTileRows = 0;
 inline constexpr int64_t kFp8Rows192MinRowsPerExpert = 768;
 inline constexpr int64_t kFp8Rows192MinIntermediate = 2048;
