@@ -53,6 +53,7 @@ struct RunOptions {
   int64_t macrobatch_size = -1;      // -1: MoeConfig's default
   int32_t tile_group = -1;           // -1: MoeConfig::gemm_tile_group's default
   int32_t expert_groups = -1;        // -1: MoeConfig::gemm_expert_groups's default (off)
+  int32_t fp8_rows = -1;             // -1: MoeConfig::fp8_row_tile_rows's default (by shape)
   int32_t lockstep = -1;             // -1: MoeConfig::gemm_lockstep_k_blocks's default (off)
   bool push_dispatch = false;        // --gpus: MoeConfig::ep_push_dispatch
   bool dispatch_in_gemm = false;     // --gpus: MoeConfig::ep_dispatch_in_gemm

@@ -33,6 +33,7 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   if (options.minibatch_size >= 0) config.minibatch_size = options.minibatch_size;
   if (options.tile_group >= 0) config.gemm_tile_group = options.tile_group;
   if (options.expert_groups >= 0) config.gemm_expert_groups = options.expert_groups;
+  if (options.fp8_rows >= 0) config.fp8_row_tile_rows = options.fp8_rows;
   if (options.lockstep >= 0) config.gemm_lockstep_k_blocks = options.lockstep;
   if (options.macrobatch_size >= 0) config.macrobatch_size = options.macrobatch_size;
   config.ep_push_dispatch = options.push_dispatch;

@@ -115,6 +115,9 @@ mok run options:
   --expert-groups N            GPU, FP8: the row-tile GEMMs walk each expert's row tiles as
                                groups of their own, at most N a group (gemm_expert_groups;
                                default 0: groups of 8; same bits)
+  --fp8-rows N                 GPU, FP8: the row-tile GEMMs' tile height, 128 or 192
+                               (fp8_row_tile_rows; default 0: by shape; same bits), so the
+                               stage table times the height --compare fp8-rows-192 flips to
   --lockstep N                 GPU: no CTA of a row-tile expert GEMM runs more than about N
                                K-blocks ahead of the slowest (2-4096; default 0: off; same bits)
   --minibatch-size N           GPU: rows per overlap step of the persistent kernels (multiple of
@@ -253,7 +256,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
         "--local-dispatch",  "--gpus",         "--minibatch-size",
         "--macrobatch-size", "--trace-tasks",  "--precision",
         "--compare",         "--tile-group",   "--lockstep",
-        "--expert-groups"};
+        "--expert-groups",   "--fp8-rows"};
     if (std::find(std::begin(kValueOptions), std::end(kValueOptions), flag) ==
         std::end(kValueOptions))
       throw Error(ErrorCode::kInvalidArgument, "unknown option '" + flag + "' (see mok --help)");
@@ -301,6 +304,8 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       options.tile_group = static_cast<int32_t>(parse_int(flag, value));
     else if (flag == "--expert-groups")
       options.expert_groups = static_cast<int32_t>(parse_int(flag, value));
+    else if (flag == "--fp8-rows")
+      options.fp8_rows = static_cast<int32_t>(parse_int(flag, value));
     else if (flag == "--lockstep")
       options.lockstep = static_cast<int32_t>(parse_int(flag, value));
     else if (flag == "--compare") {
@@ -360,6 +365,10 @@ int run_command(RunOptions options) {
   RunOptions checked = options;
   const bool fp8_on_gpu = fp8 && !device_name.empty() && shape.num_ranks == 1;
   if (!fp8_on_gpu) checked.precision = "bf16";
+  if (fp8 && !fp8_on_gpu) {  // the FP8 GPU layer's knobs: the CPU reference has no tiles
+    checked.expert_groups = -1;
+    checked.fp8_rows = -1;
+  }
   const mok::MoeConfig checked_config = config_from_options(checked, shape);  // CPU path too
   for (const std::string& knob : options.compare) {
     if (!options.quick && !fp8_on_gpu)
