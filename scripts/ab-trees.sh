@@ -19,8 +19,12 @@ ab_parse_trees() {
   fi
 }
 
-# ab_tree_name TREE: the tree's folder name (`.` is the checkout's), which names its logs.
-ab_tree_name() { basename "$(cd "$1" && pwd)"; }
+# ab_tree_name TREE: the name of its logs: `checkout` for the checkout itself, an exported tree's
+# folder name otherwise (the device's checkout may be a folder named `main`, as `.ab/main` is:
+# session 50's logs named both trees `main`).
+ab_tree_name() {
+  if [ "$(cd "$1" && pwd)" = "$(pwd)" ]; then echo checkout; else basename "$(cd "$1" && pwd)"; fi
+}
 
 # ab_build_trees BUILD_DIR LOG_PREFIX TARGET CMAKE_ARG...: configures and builds TARGET in
 # TREE/BUILD_DIR for every tree at once, the machine's cores shared among them, each build's

@@ -116,8 +116,8 @@ mok run options:
                                groups of their own, at most N a group (gemm_expert_groups;
                                default 0: groups of 8; same bits)
   --fp8-rows N                 GPU, FP8: the row-tile GEMMs' tile height, 128 or 192
-                               (fp8_row_tile_rows; default 0: by shape; same bits), so the
-                               stage table times the height --compare fp8-rows-192 flips to
+                               (fp8_row_tile_rows; default 0: chosen by shape; same bits);
+                               the stage tables are printed for this height
   --lockstep N                 GPU: no CTA of a row-tile expert GEMM runs more than about N
                                K-blocks ahead of the slowest (2-4096; default 0: off; same bits)
   --minibatch-size N           GPU: rows per overlap step of the persistent kernels (multiple of
