@@ -829,10 +829,13 @@ void time_expert_groups(Fp8GemmProblem& problem, const std::string& label,
 }
 
 // The same GEMM in 192-row tiles (MoeConfig::fp8_row_tile_rows = 192; the problem's experts
-// padded to 128 rows, its expert offsets uploaded): timed per call and sustained, and its output
-// the 128-row tiles' to the bit (the problem's output on entry). The maps and parameters are
-// restored after.
-void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
+// padded to 128 rows, all of one size, its expert offsets uploaded): timed per call and
+// sustained, and its output the 128-row tiles' to the bit (the problem's output on entry). With
+// `routed_rows` > 0, timed again with each expert's routed count at that (the walk counting its
+// 64-row chunks from it: a chunk of padding alone skipped), in the same process, so that the
+// counted walk's cost is read apart from the layer's passes; the counted rows' outputs are the
+// 128-row tiles' bits, the skipped ones unwritten. The maps and parameters are restored after.
+void time_rows_192(Fp8GemmProblem& problem, const std::string& label, int32_t routed_rows = 0) {
   const int64_t count = problem.rows * problem.n;
   const double flop = 2.0 * problem.rows * problem.n * problem.k;
   std::vector<bf16> tiles_128(count), tiles_192(count);
@@ -854,6 +857,36 @@ void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
   ASSERT_EQ(cudaMemcpy(tiles_192.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
             cudaSuccess);
   EXPECT_TRUE(test::bitwise_equal(tiles_192, tiles_128)) << label << ", 192-row tiles";
+  if (routed_rows > 0) {
+    const int64_t expert_rows = problem.rows / problem.experts;
+    ASSERT_LE(routed_rows, expert_rows);
+    int32_t* counts = nullptr;
+    ASSERT_EQ(cudaMalloc(&counts, problem.experts * 4), cudaSuccess);
+    upload(counts, std::vector<int32_t>(problem.experts, routed_rows));
+    problem.params.expert_counts = counts;
+    ASSERT_EQ(cudaMemset(problem.out, 0xff, count * 2), cudaSuccess);
+    for (const bool sustained : {false, true}) {
+      const Timed t = sustained ? sustained_ms(run) : median_ms(run);
+      std::printf(
+          "  %s, random codes, 192-row tiles, counted (%d routed rows an expert)%s: %.3f ms, "
+          "%.2f GHz\n",
+          label.c_str(), routed_rows, sustained ? ", sustained" : "", t.ms, t.ghz);
+    }
+    ASSERT_EQ(cudaMemcpy(tiles_192.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    cudaFree(counts);
+    const int64_t kept = (routed_rows + 63) / 64 * 64;  // the rows of the counted chunks
+    int64_t wrong = 0;
+    for (int64_t r = 0; r < problem.rows; ++r) {
+      const bool counted = r % expert_rows < kept;
+      for (int64_t c = 0; c < problem.n; ++c) {
+        const uint16_t got = tiles_192[r * problem.n + c].bits;
+        wrong += counted ? got != tiles_128[r * problem.n + c].bits : got != 0xffff;
+      }
+    }
+    EXPECT_EQ(wrong, 0) << label << ", 192-row tiles, counted: outputs unlike the 128-row tiles' "
+                        << "(counted rows) or written (skipped rows)";
+  }
   problem.maps = maps;
   problem.params = params;
 }
@@ -985,7 +1018,29 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
           sustained_ms([&] { return problem.run(); }), flop);
     expect_row_tile_samples(problem, operands, tiles_per_expert, gemm.name);
     time_expert_groups(problem, label, {16});
-    time_rows_192(problem, label);
+    // 1,052 routed rows an expert: 17 chunks (tiles of 3 x 5 + 2) against the padded 18 (3 x 6).
+    time_rows_192(problem, label, tiles_per_expert * 128 - 100);
+  }
+
+  // dsv3_e128's down GEMM (128 experts, ~256 routed rows each): experts of 300 routed rows padded
+  // to 384, whose 192-row tiles are 3 + 3 chunks padded and 3 + 2 counted, the walk that
+  // measured 1.14x the 128-row tiles' time in the layer (docs/perf.md, session 50).
+  {
+    const int64_t e128_experts = 128, e128_tiles = 3, e128_rows = e128_experts * e128_tiles * 128;
+    const int64_t n = 7168, k = 2048;
+    const double flop = 2.0 * e128_rows * n * k;
+    Fp8GemmProblem problem(e128_rows, n, k, e128_experts);
+    fill_constant_operands(problem, e128_tiles);
+    ASSERT_FALSE(HasFatalFailure());
+    const RandomRowTileOperands operands = upload_random_operands(problem, 91);
+    ASSERT_FALSE(HasFatalFailure());
+    const std::string label = "fp8 grouped GEMM, dsv3_e128 down (" + std::to_string(e128_rows) +
+                              " x " + std::to_string(n) + " x " + std::to_string(k) + ")";
+    print((label + ", random codes").c_str(), median_ms([&] { return problem.run(); }), flop);
+    print((label + ", random codes, sustained").c_str(),
+          sustained_ms([&] { return problem.run(); }), flop);
+    expect_row_tile_samples(problem, operands, e128_tiles, "dsv3_e128 down");
+    time_rows_192(problem, label, 300);
   }
 
   // The weight gradients: out[e] = A_e^T-rows x B_e over the expert's rows, at dsv3_local's
