@@ -200,6 +200,7 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
     // GEMMs' outputs (the SwiGLU backward and the combines read routed rows only, the down
     // GEMM and the dgrads the chunks the same walk covers).
     params.expert_counts = view.expert_counts;
+    params.tile_tickets = s.fp8_tile_tickets.as<unsigned int>();
   } else {
     params.lockstep = s.lockstep;  // the lockstep counts 128-row tiles
   }

@@ -9,15 +9,26 @@
 // 192-row tiles expert by expert (fp8_rows192_walk.h: a prefix sum over the experts' chunks into
 // shared memory; with the routed counts, a chunk of padding alone is in no tile); tile t of the
 // walk is (192-row tile, column tile) by walk_unit's groups of kTileGroupM row tiles, as the
-// 128-row kernel walks.
+// 128-row kernel walks. With params.tile_tickets the CTAs take the walk's tiles by ticket (a
+// launch-wide counter) instead of statically (CTA c: tiles c, c + grid, ...): tiles of two and
+// three chunks cost unlike, and in the static walk a CTA whose tiles are cheaper runs ahead of
+// the CTAs that read the same weight tiles (at dsv3_e128's 3 + 2 experts CTA c always takes the
+// tiles of c's parity), which then read them from HBM again. By ticket the tiles in flight are
+// a window of consecutive ones. Thread 0 takes the CTA's first two tiles before the roles
+// split (first_tiles); then the producer takes each tile as it starts the one before (the
+// atomic's round trip under a tile's loads) and hands the consumers each tile's successor with
+// the tile's first stage (next_tiles, a ring by the CTA's tile count); the last CTA to finish
+// taking zeroes the counters for the next launch. Which CTA computes a tile changes, how it is
+// computed does not: the same bits.
 // Warp roles:
 //   warpgroup 0     producer: one thread loads each K-block of 128 into a stage with TMA: A's
 //                   rows as 64-row chunks (8 KB each; an expert's last tile loads only the
 //                   chunks it holds, so a part-filled tile reads what 128-row tiles would), B's
 //                   128 x 128 block (16 KB) and A's 192 line scales; it gives its registers away
-//                   (setmaxnreg.dec to 32).
+//                   (setmaxnreg.dec to 40: at 32 with the tickets ptxas spilled values that the
+//                   consumers' K-loop then reloaded).
 //   warpgroups 1-3  consumers: warpgroup 1 + c owns the tile's rows [64 c, 64 c + 64), one fp32
-//                   register tile of products and one of the promoted sum (160 registers each:
+//                   register tile of products and one of the promoted sum (152 registers each:
 //                   three consumer warpgroups fit the register file only with one K-block in
 //                   flight). Per K-block: four wgmma m64n128k32 e4m3, wait, hand the stage back,
 //                   promote (one FFMA an element: scale_a[row] * scale_b). While one warpgroup
@@ -50,8 +61,8 @@ namespace {
 constexpr int kConsumerWarpgroups = kRows192Chunks;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumers = 128 * kConsumerWarpgroups;
-constexpr int kProducerRegs = 32;
-constexpr int kConsumerRegs = 160;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 152;
 static_assert(128 * (kProducerRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536,
               "the register split fits the 512-thread CTA's pool");
 constexpr int kStages = 4;
@@ -59,6 +70,10 @@ constexpr int kATileBytes = kRows192 * kFp8BlockK;        // 24 KB
 constexpr int kAChunkBytes = kRows192Chunk * kFp8BlockK;  // 8 KB: A's TMA box (64 rows)
 constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;       // 16 KB
 constexpr int kStagingChunkBytes = kRows192Chunk * 128;   // [64 rows x 64 columns] bf16
+// Entries of the tile ring: the producer runs at most kStages stages (so tiles) ahead of the
+// consumers, who read entry j during tile j's first K-block; a power of two above kStages.
+constexpr int kTileRing = 8;
+static_assert(kTileRing > kStages && (kTileRing & (kTileRing - 1)) == 0, "the tile ring's size");
 constexpr int kPrefixPerThread = static_cast<int>(kMaxExperts) / kThreads;
 static_assert(kPrefixPerThread * kThreads == kMaxExperts, "the prefix sum's experts per thread");
 static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread (the first ones)");
@@ -70,6 +85,10 @@ struct alignas(1024) Rows192Storage {
   float a_scales[kStages][kRows192];
   float tile_b_scales[2][kMaxTileKBlocks];  // by the CTA's tile parity
   int32_t tile_start[kMaxExperts + 1];      // fp8_rows192_walk.h
+  int32_t first_tiles[2];  // the CTA's first two (kNoTile: none), taken before the roles split
+  // The tile after the CTA's j-th at j % kTileRing (kNoTile: none), written with the j-th
+  // tile's first K-block.
+  int32_t next_tiles[kTileRing];
   int32_t warp_totals[kThreads / 32];
   uint64_t full[kStages];
   uint64_t empty[kStages];
@@ -79,6 +98,35 @@ static_assert(sizeof(Rows192Storage) + 1024 <= 227 * 1024, "fits the SM's shared
 struct Tile {
   Rows192Tile rows;
   int n_tile;
+};
+
+constexpr int kNoTile = -1;
+
+// The CTA's tiles in turn, for its producer thread: the static walk's, or by ticket.
+struct TileTaker {
+  unsigned int* tickets;  // [2]: tiles taken, CTAs done taking; null: the static walk
+  int num_tiles;
+
+  // The tile after `last` (the CTA's last taken; -1 before the first), or kNoTile.
+  __device__ __forceinline__ int take(int last) const {
+    if (tickets == nullptr) {
+      const int tile = last < 0 ? static_cast<int>(blockIdx.x) : last + static_cast<int>(gridDim.x);
+      return tile < num_tiles ? tile : kNoTile;
+    }
+    const unsigned int ticket = atomicAdd(tickets, 1u);
+    return ticket < static_cast<unsigned int>(num_tiles) ? static_cast<int>(ticket) : kNoTile;
+  }
+
+  // After the CTA's last take (the one that returned kNoTile): the last CTA to get here has seen
+  // every take of the launch done, and zeroes both counters for the next launch.
+  __device__ __forceinline__ void finish() const {
+    if (tickets == nullptr) return;
+    __threadfence();
+    if (atomicAdd(tickets + 1, 1u) == gridDim.x - 1) {
+      atomicExch(tickets, 0u);
+      atomicExch(tickets + 1, 0u);
+    }
+  }
 };
 
 __device__ __forceinline__ Tile tile_at(const Fp8GemmParams& params, const int32_t* tile_start,
@@ -140,6 +188,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_m_tiles = smem.tile_start[params.num_experts];
   const int num_n_tiles = params.n_extent / kFp8TileN;
   const int num_tiles = num_m_tiles * num_n_tiles;
+  if (threadIdx.x == 0) {
+    const TileTaker taker{params.tile_tickets, num_tiles};
+    smem.first_tiles[0] = taker.take(-1);
+    smem.first_tiles[1] =
+        smem.first_tiles[0] != kNoTile ? taker.take(smem.first_tiles[0]) : kNoTile;
+  }
+  __syncthreads();
+  const int first_tile = smem.first_tiles[0];
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
@@ -148,13 +204,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::prefetch_tensor_map(&maps.a);
     ptx::prefetch_tensor_map(&maps.b);
     PipelineState<kStages> state;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileTaker taker{params.tile_tickets, num_tiles};
+    int tile = first_tile, next = smem.first_tiles[1];
+    for (int local_tile = 0; tile != kNoTile; ++local_tile) {
+      // Taken a tile ahead of `next`: the atomic's round trip passes under this tile's loads.
+      const int after = next != kNoTile ? taker.take(next) : kNoTile;
       const Tile t = tile_at(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
       const uint32_t bytes = t.rows.valid_chunks * kAChunkBytes + kBTileBytes + kRows192 * 4;
       const int num_k_blocks = params.k_extent / kFp8BlockK;
       for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
         const int s = state.stage;
-        if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, bytes)) {
+        mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
+        if (k_block == 0)  // published by the arrival below (mbarrier.arrive releases)
+          smem.next_tiles[local_tile % kTileRing] = next;
+        const bool load = params.ablation != GemmAblation::kNoLoads;
+        ptx::mbarrier_arrive_expect_tx(&smem.full[s], load ? bytes : 0);
+        if (!load) {  // the no-loads ablation: the stage armed with no bytes
           state.advance();
           continue;
         }
@@ -167,7 +232,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         ptx::tma_load_2d(smem.a_scales[s], src.a_scales, &smem.full[s], t.rows.row0, src.k_group);
         state.advance();
       }
+      tile = next;
+      next = after;
     }
+    taker.finish();
     return;
   }
 
@@ -189,16 +257,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                ? row_tile_b_scale(params, t.rows.expert, t.n_tile, consumer_thread)
                : 0.0f;
   };
-  Tile next{};
-  {
-    const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
-    if (has_first) next = tile_at(params, smem.tile_start, blockIdx.x, num_m_tiles, num_n_tiles);
-    if (consumer_thread < kMaxTileKBlocks)
-      smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, has_first);
-    ptx::named_barrier_sync(1, kConsumers);
-  }
-  int local_tile = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
+  if (first_tile == kNoTile) return;
+  Tile next = tile_at(params, smem.tile_start, first_tile, num_m_tiles, num_n_tiles);
+  if (consumer_thread < kMaxTileKBlocks)
+    smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, true);
+  ptx::named_barrier_sync(1, kConsumers);
+  for (int local_tile = 0; next.n_tile != kNoTile; ++local_tile) {
     const Tile t = next;
     const float* tile_b_scales = smem.tile_b_scales[local_tile & 1];
     // A chunk past the expert's rows, or the no-math ablation: the stages passed, no math.
@@ -240,9 +304,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
       }
       if (k_block == 0) {  // the next tile's coordinates and B scale, off the first K-block's path
-        const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
+        const int next_tile = smem.next_tiles[local_tile % kTileRing];
+        const bool has_next = next_tile != kNoTile;
         if (has_next)
-          next = tile_at(params, smem.tile_start, tile + gridDim.x, num_m_tiles, num_n_tiles);
+          next = tile_at(params, smem.tile_start, next_tile, num_m_tiles, num_n_tiles);
+        else
+          next.n_tile = kNoTile;  // ends the loop after this tile
         next_tile_b_scale = tile_b_scale(next, has_next);
       }
     }
