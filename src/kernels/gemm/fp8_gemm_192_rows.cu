@@ -14,21 +14,23 @@
 // three chunks cost unlike, and in the static walk a CTA whose tiles are cheaper runs ahead of
 // the CTAs that read the same weight tiles (at dsv3_e128's 3 + 2 experts CTA c always takes the
 // tiles of c's parity), which then read them from HBM again. By ticket the tiles in flight are
-// a window of consecutive ones. Thread 0 takes the CTA's first two tiles before the roles
-// split (first_tiles); then the producer takes each tile as it starts the one before (the
-// atomic's round trip under a tile's loads) and hands the consumers each tile's successor with
-// the tile's first stage (next_tiles, a ring by the CTA's tile count); the last CTA to finish
-// taking zeroes the counters for the next launch. Which CTA computes a tile changes, how it is
-// computed does not: the same bits.
+// a window of consecutive ones. The last CTA to finish taking zeroes the counters for the next
+// launch. Which CTA computes a tile changes, how it is computed does not: the same bits.
 // Warp roles:
-//   warpgroup 0     producer: one thread loads each K-block of 128 into a stage with TMA: A's
-//                   rows as 64-row chunks (8 KB each; an expert's last tile loads only the
-//                   chunks it holds, so a part-filled tile reads what 128-row tiles would), B's
-//                   128 x 128 block (16 KB) and A's 192 line scales; it gives its registers away
-//                   (setmaxnreg.dec to 40: at 32 with the tickets ptxas spilled values that the
-//                   consumers' K-loop then reloaded).
+//   warpgroup 0     scheduler: warp 1's first thread takes the CTA's tiles (static or by
+//                   ticket) into a ring of two entries (tiles; full / empty barriers), each read
+//                   by the producer and by every consumer warp: it takes tile j + 2 while the
+//                   producer loads tile j (the atomic's round trip under a tile's loads), and
+//                   holds no more, so the CTA keeps few tiles that others could take.
+//                   producer: warp 0's first thread loads each K-block of 128 into a stage with
+//                   TMA: A's rows as 64-row chunks (8 KB each; an expert's last tile loads only
+//                   the chunks it holds, so a part-filled tile reads what 128-row tiles would),
+//                   B's 128 x 128 block (16 KB) and A's 192 line scales.
+//                   The warpgroup gives its registers away (setmaxnreg.dec to 32). With the
+//                   tickets taken by the producer itself ptxas spilled at 32, and at 40 / 152
+//                   registers the row tiles ran ~5% slower (docs/perf.md, session 51).
 //   warpgroups 1-3  consumers: warpgroup 1 + c owns the tile's rows [64 c, 64 c + 64), one fp32
-//                   register tile of products and one of the promoted sum (152 registers each:
+//                   register tile of products and one of the promoted sum (160 registers each:
 //                   three consumer warpgroups fit the register file only with one K-block in
 //                   flight). Per K-block: four wgmma m64n128k32 e4m3, wait, hand the stage back,
 //                   promote (one FFMA an element: scale_a[row] * scale_b). While one warpgroup
@@ -61,8 +63,8 @@ namespace {
 constexpr int kConsumerWarpgroups = kRows192Chunks;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumers = 128 * kConsumerWarpgroups;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 152;
+constexpr int kProducerRegs = 32;
+constexpr int kConsumerRegs = 160;
 static_assert(128 * (kProducerRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536,
               "the register split fits the 512-thread CTA's pool");
 constexpr int kStages = 4;
@@ -70,10 +72,11 @@ constexpr int kATileBytes = kRows192 * kFp8BlockK;        // 24 KB
 constexpr int kAChunkBytes = kRows192Chunk * kFp8BlockK;  // 8 KB: A's TMA box (64 rows)
 constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;       // 16 KB
 constexpr int kStagingChunkBytes = kRows192Chunk * 128;   // [64 rows x 64 columns] bf16
-// Entries of the tile ring: the producer runs at most kStages stages (so tiles) ahead of the
-// consumers, who read entry j during tile j's first K-block; a power of two above kStages.
-constexpr int kTileRing = 8;
-static_assert(kTileRing > kStages && (kTileRing & (kTileRing - 1)) == 0, "the tile ring's size");
+// Entries of the scheduler's ring: it takes tile j + 2 while the producer loads tile j, a tile
+// ahead of what the consumers read (tile j + 1, during tile j's first K-block), and no further,
+// so that a CTA holds few tiles that others could have taken.
+constexpr int kTileRing = 2;
+constexpr int kTileReaders = 1 + kConsumers / 32;  // the producer thread and each consumer warp
 constexpr int kPrefixPerThread = static_cast<int>(kMaxExperts) / kThreads;
 static_assert(kPrefixPerThread * kThreads == kMaxExperts, "the prefix sum's experts per thread");
 static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread (the first ones)");
@@ -85,13 +88,14 @@ struct alignas(1024) Rows192Storage {
   float a_scales[kStages][kRows192];
   float tile_b_scales[2][kMaxTileKBlocks];  // by the CTA's tile parity
   int32_t tile_start[kMaxExperts + 1];      // fp8_rows192_walk.h
-  int32_t first_tiles[2];  // the CTA's first two (kNoTile: none), taken before the roles split
-  // The tile after the CTA's j-th at j % kTileRing (kNoTile: none), written with the j-th
-  // tile's first K-block.
-  int32_t next_tiles[kTileRing];
   int32_t warp_totals[kThreads / 32];
+  // The scheduler's ring: the CTA's j-th tile at j % kTileRing (kNoTile after its last), full
+  // when written, empty when the producer and every consumer warp have read it.
+  int32_t tiles[kTileRing];
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  uint64_t tile_full[kTileRing];
+  uint64_t tile_empty[kTileRing];
 };
 static_assert(sizeof(Rows192Storage) + 1024 <= 227 * 1024, "fits the SM's shared memory");
 
@@ -102,7 +106,7 @@ struct Tile {
 
 constexpr int kNoTile = -1;
 
-// The CTA's tiles in turn, for its producer thread: the static walk's, or by ticket.
+// The CTA's tiles in turn, for its scheduler thread: the static walk's, or by ticket.
 struct TileTaker {
   unsigned int* tickets;  // [2]: tiles taken, CTAs done taking; null: the static walk
   int num_tiles;
@@ -181,6 +185,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::mbarrier_init(&smem.full[s], 1);
       ptx::mbarrier_init(&smem.empty[s], kConsumers / 32);
     }
+    for (int j = 0; j < kTileRing; ++j) {
+      ptx::mbarrier_init(&smem.tile_full[j], 1);
+      ptx::mbarrier_init(&smem.tile_empty[j], kTileReaders);
+    }
     ptx::fence_barrier_init();
   }
   number_the_tiles(params, smem);
@@ -188,35 +196,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_m_tiles = smem.tile_start[params.num_experts];
   const int num_n_tiles = params.n_extent / kFp8TileN;
   const int num_tiles = num_m_tiles * num_n_tiles;
-  if (threadIdx.x == 0) {
-    const TileTaker taker{params.tile_tickets, num_tiles};
-    smem.first_tiles[0] = taker.take(-1);
-    smem.first_tiles[1] =
-        smem.first_tiles[0] != kNoTile ? taker.take(smem.first_tiles[0]) : kNoTile;
-  }
-  __syncthreads();
-  const int first_tile = smem.first_tiles[0];
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 32) {  // the scheduler
+      const TileTaker taker{params.tile_tickets, num_tiles};
+      int tile = -1;
+      for (int j = 0; tile != kNoTile; ++j) {
+        const int slot = j % kTileRing;
+        mbarrier_wait(params.wait, WaitSite::kTileRingSlot, &smem.tile_empty[slot],
+                      ((j / kTileRing) & 1) ^ 1);
+        tile = taker.take(tile);
+        smem.tiles[slot] = tile;
+        ptx::mbarrier_arrive(&smem.tile_full[slot]);  // releases the entry
+      }
+      taker.finish();
+      return;
+    }
     if (threadIdx.x != 0) return;
     ptx::prefetch_tensor_map(&maps.a);
     ptx::prefetch_tensor_map(&maps.b);
     PipelineState<kStages> state;
-    const TileTaker taker{params.tile_tickets, num_tiles};
-    int tile = first_tile, next = smem.first_tiles[1];
-    for (int local_tile = 0; tile != kNoTile; ++local_tile) {
-      // Taken a tile ahead of `next`: the atomic's round trip passes under this tile's loads.
-      const int after = next != kNoTile ? taker.take(next) : kNoTile;
+    for (int j = 0;; ++j) {
+      const int slot = j % kTileRing;
+      mbarrier_wait(params.wait, WaitSite::kScheduledTile, &smem.tile_full[slot],
+                    (j / kTileRing) & 1);
+      const int tile = smem.tiles[slot];
+      ptx::mbarrier_arrive(&smem.tile_empty[slot]);
+      if (tile == kNoTile) break;
       const Tile t = tile_at(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
       const uint32_t bytes = t.rows.valid_chunks * kAChunkBytes + kBTileBytes + kRows192 * 4;
       const int num_k_blocks = params.k_extent / kFp8BlockK;
       for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
         const int s = state.stage;
         mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
-        if (k_block == 0)  // published by the arrival below (mbarrier.arrive releases)
-          smem.next_tiles[local_tile % kTileRing] = next;
         const bool load = params.ablation != GemmAblation::kNoLoads;
         ptx::mbarrier_arrive_expect_tx(&smem.full[s], load ? bytes : 0);
         if (!load) {  // the no-loads ablation: the stage armed with no bytes
@@ -232,10 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ptx::tma_load_2d(smem.a_scales[s], src.a_scales, &smem.full[s], t.rows.row0, src.k_group);
         state.advance();
       }
-      tile = next;
-      next = after;
     }
-    taker.finish();
     return;
   }
 
@@ -257,6 +268,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                ? row_tile_b_scale(params, t.rows.expert, t.n_tile, consumer_thread)
                : 0.0f;
   };
+  // Entry j of the scheduler's ring, read by this warp and handed back.
+  auto scheduled_tile = [&](int j) {
+    const int slot = j % kTileRing;
+    mbarrier_wait(params.wait, WaitSite::kScheduledTile, &smem.tile_full[slot],
+                  (j / kTileRing) & 1);
+    const int tile = smem.tiles[slot];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.tile_empty[slot]);
+    return tile;
+  };
+  const int first_tile = scheduled_tile(0);
   if (first_tile == kNoTile) return;
   Tile next = tile_at(params, smem.tile_start, first_tile, num_m_tiles, num_n_tiles);
   if (consumer_thread < kMaxTileKBlocks)
@@ -304,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
       }
       if (k_block == 0) {  // the next tile's coordinates and B scale, off the first K-block's path
-        const int next_tile = smem.next_tiles[local_tile % kTileRing];
+        const int next_tile = scheduled_tile(local_tile + 1);
         const bool has_next = next_tile != kNoTile;
         if (has_next)
           next = tile_at(params, smem.tile_start, next_tile, num_m_tiles, num_n_tiles);
