@@ -23,7 +23,9 @@ ab_parse_trees() {
 # folder name otherwise (the device's checkout may be a folder named `main`, as `.ab/main` is:
 # session 50's logs named both trees `main`).
 ab_tree_name() {
-  if [ "$(cd "$1" && pwd)" = "$(pwd)" ]; then echo checkout; else basename "$(cd "$1" && pwd)"; fi
+  local dir
+  dir="$(cd "$1" && pwd)"
+  if [ "$dir" = "$(pwd)" ]; then echo checkout; else basename "$dir"; fi
 }
 
 # ab_build_trees BUILD_DIR LOG_PREFIX TARGET CMAKE_ARG...: configures and builds TARGET in

@@ -67,6 +67,10 @@ struct RunOptions {
 // can_implement(config, shape) fails, so a bad value is reported on every path, the CPU one too.
 mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShape& shape);
 
+// `options` in bf16 without the FP8 GPU layer's knobs (--expert-groups, --fp8-rows): the bf16
+// layer an FP8 run times beside it, and the CPU reference's check of an FP8 run.
+RunOptions bf16_options_of(const RunOptions& options);
+
 // The knobs `mok run --quick --compare` flips (kCompareKnobs, null-terminated), and `config` with
 // knob `name` flipped; knobs that exclude the flipped one on are turned off. Throws mok::Error
 // naming the knob and the valid names if `name` is none of them.

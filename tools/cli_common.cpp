@@ -45,6 +45,14 @@ mok::MoeConfig config_from_options(const RunOptions& options, const mok::MoeShap
   return config;
 }
 
+RunOptions bf16_options_of(const RunOptions& options) {
+  RunOptions bf16 = options;
+  bf16.precision = "bf16";
+  bf16.expert_groups = -1;
+  bf16.fp8_rows = -1;
+  return bf16;
+}
+
 const char* const kCompareKnobs[] = {
     "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
     "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",

@@ -361,14 +361,10 @@ int run_command(RunOptions options) {
   const mok::MoeShape shape = shape_from_options(options);
   const bool fp8 = mok::precision_from_name(options.precision) == mok::Precision::kFP8Block;
   // The CPU reference runs FP8 on any shape; the other knobs are checked as the GPU's, FP8's
-  // where the FP8 GPU layer runs.
-  RunOptions checked = options;
+  // where the FP8 GPU layer runs (elsewhere its knobs, which the reference has no use for, are
+  // dropped from the check).
   const bool fp8_on_gpu = fp8 && !device_name.empty() && shape.num_ranks == 1;
-  if (!fp8_on_gpu) checked.precision = "bf16";
-  if (fp8 && !fp8_on_gpu) {  // the FP8 GPU layer's knobs: the CPU reference has no tiles
-    checked.expert_groups = -1;
-    checked.fp8_rows = -1;
-  }
+  const RunOptions checked = fp8 && !fp8_on_gpu ? bf16_options_of(options) : options;
   const mok::MoeConfig checked_config = config_from_options(checked, shape);  // CPU path too
   for (const std::string& knob : options.compare) {
     if (!options.quick && !fp8_on_gpu)

@@ -31,11 +31,7 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
 
   mok::DeviceProblem device(problem, 0);
   const mok::MoeConfig config = config_from_options(options, shape);
-  RunOptions bf16_options = options;
-  bf16_options.precision = "bf16";
-  bf16_options.expert_groups = -1;  // FP8's knobs: the bf16 layer beside it takes neither
-  bf16_options.fp8_rows = -1;
-  const mok::MoeConfig bf16_config = config_from_options(bf16_options, shape);
+  const mok::MoeConfig bf16_config = config_from_options(bf16_options_of(options), shape);
   mok::GpuLayer layer(shape, config), bf16_layer(shape, bf16_config);
   cudaStream_t stream;
   CLI_CUDA_CHECK(cudaStreamCreate(&stream));
