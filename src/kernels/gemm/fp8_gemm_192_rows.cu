@@ -230,10 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int num_k_blocks = params.k_extent / kFp8BlockK;
       for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
         const int s = state.stage;
-        mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
-        const bool load = params.ablation != GemmAblation::kNoLoads;
-        ptx::mbarrier_arrive_expect_tx(&smem.full[s], load ? bytes : 0);
-        if (!load) {  // the no-loads ablation: the stage armed with no bytes
+        if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, bytes)) {
           state.advance();
           continue;
         }
