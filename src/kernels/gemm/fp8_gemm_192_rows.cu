@@ -111,7 +111,8 @@ struct TileTaker {
   unsigned int* tickets;  // [2]: tiles taken, CTAs done taking; null: the static walk
   int num_tiles;
 
-  // The tile after `last` (the CTA's last taken; -1 before the first), or kNoTile.
+  // The tile after `last` (the CTA's last taken; -1 before the first), or kNoTile (never
+  // called again after it).
   __device__ __forceinline__ int take(int last) const {
     if (tickets == nullptr) {
       const int tile = last < 0 ? static_cast<int>(blockIdx.x) : last + static_cast<int>(gridDim.x);
@@ -202,14 +203,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 32) {  // the scheduler
       const TileTaker taker{params.tile_tickets, num_tiles};
-      int tile = -1;
-      for (int j = 0; tile != kNoTile; ++j) {
+      for (int j = 0, last = -1;; ++j) {
         const int slot = j % kTileRing;
         mbarrier_wait(params.wait, WaitSite::kTileRingSlot, &smem.tile_empty[slot],
                       ((j / kTileRing) & 1) ^ 1);
-        tile = taker.take(tile);
+        const int tile = taker.take(last);
         smem.tiles[slot] = tile;
         ptx::mbarrier_arrive(&smem.tile_full[slot]);  // releases the entry
+        if (tile == kNoTile) break;
+        last = tile;
       }
       taker.finish();
       return;
