@@ -16,6 +16,16 @@ fixed groups of 8 (ncu measured ~2.85 GB read), 1.20 and 2.06 GB with expert gro
 16.
 
     python3 scripts/walk_l2_model.py --form gate_up --walks fixed:8,aligned:8,expert:16
+
+The FP8 192-row tiles (fp8_gemm_192_rows.cu): `--chunks 3,2` gives each expert's tiles as
+counts of 64-row chunks (`dsv3_e128`'s experts of 257-320 routed rows in the counted walk; `3,3`
+padded; `2,2/3,3` draws one of the two per expert), A's block of a tile then 8 KB a chunk and
+its K-block's time (8 KB a chunk + 16 KB of B) / 40 KB, as if bound by its bytes. `--by-ticket`
+takes the tiles from one launch-wide counter (Fp8GemmParams::tile_tickets) instead of CTA c's
+c, c + grid, ... (session 51: in the static walk at `3,2` CTA c always takes tiles of c's
+parity; the model: 3.73 GB from HBM against 1.96 by ticket, and 10% longer).
+
+    python3 scripts/walk_l2_model.py --form down --experts 128 --chunks 3,2 --walks fixed:8
 """
 
 import argparse
@@ -25,6 +35,7 @@ import random
 from collections import OrderedDict
 
 BLOCK_BYTES = 16384  # one 128 x 128 e4m3 block, or 128 x 64 bf16
+CHUNK_BYTES = 8192  # a 64-row chunk of a 192-row tile's A block
 # dsv3_local's row-tile GEMMs: (column tiles, K-blocks per tile, 16 KB blocks of B per K-block).
 # FP8: 128 x 128 tiles, K-blocks of 128. bf16: 128 x 256 tiles (gate/up: 128 gate + 128 up
 # columns), K-blocks of 64.
@@ -74,40 +85,57 @@ def group_starts(walk, group, tiles_per_expert):
     return sorted(set(starts)) + [m_tiles], tile_expert
 
 
-def dram_bytes(walk, group, tiles_per_expert, form, l2_mb, ctas, spread, seed):
+def dram_bytes(
+    walk, group, tiles_per_expert, form, l2_mb, ctas, spread, seed, chunks=None, by_ticket=False
+):
+    """GB read from HBM, and the walk's time in K-blocks of a full tile (the last CTA's end).
+
+    chunks: each row tile's 64-row chunks (192-row tiles), or None (128-row tiles)."""
     n_tiles, k_blocks, b_blocks = form
     starts, tile_expert = group_starts(walk, group, tiles_per_expert)
     m_tiles = len(tile_expert)
     num_tiles = m_tiles * n_tiles
-    capacity = int(l2_mb * 2**20 / BLOCK_BYTES)
-    cache, misses = OrderedDict(), 0
+    capacity = l2_mb * 2**20
+    cache, cached, missed = OrderedDict(), 0, 0
     rng = random.Random(seed)
     speed = [1.0 + spread * rng.uniform(-1, 1) for _ in range(ctas)]
-    events = [(0.0, c, c, 0) for c in range(min(ctas, num_tiles))]
+    first_tiles = min(ctas, num_tiles)
+    events = [(0.0, c, c, 0) for c in range(first_tiles)]
     heapq.heapify(events)
+    next_ticket, end = first_tiles, 0.0
     while events:
         time, cta, tile, k = heapq.heappop(events)
+        end = max(end, time)
         row = tile // n_tiles
         g = bisect.bisect_right(starts, row) - 1
         first, group_m = starts[g], starts[g + 1] - starts[g]
         in_group = tile - first * n_tiles
         m, n = first + in_group % group_m, in_group // group_m
-        blocks = [("a", m, k)] + [("b", tile_expert[m], n, k, j) for j in range(b_blocks)]
-        for block in blocks:
+        a_bytes = BLOCK_BYTES if chunks is None else chunks[m] * CHUNK_BYTES
+        blocks = [(("a", m, k), a_bytes)]
+        blocks += [(("b", tile_expert[m], n, k, j), BLOCK_BYTES) for j in range(b_blocks)]
+        for block, size in blocks:
             if block in cache:
                 cache.move_to_end(block)
-            else:
-                misses += 1
-                cache[block] = True
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
+                continue
+            missed += size
+            cache[block] = size
+            cached += size
+            while cached > capacity:
+                cached -= cache.popitem(last=False)[1]
+        step = 1.0 if chunks is None else (a_bytes + BLOCK_BYTES) / (3 * CHUNK_BYTES + BLOCK_BYTES)
         k += 1
         if k == k_blocks:
-            k, tile = 0, tile + ctas
+            k = 0
+            if by_ticket:
+                tile, next_ticket = next_ticket, next_ticket + 1
+            else:
+                tile += ctas
             if tile >= num_tiles:
+                end = max(end, time + step * speed[cta])
                 continue
-        heapq.heappush(events, (time + speed[cta], cta, tile, k))
-    return misses * BLOCK_BYTES / 1e9
+        heapq.heappush(events, (time + step * speed[cta], cta, tile, k))
+    return missed / 1e9, end
 
 
 def main():
@@ -121,17 +149,30 @@ def main():
     parser.add_argument("--ctas", type=int, default=132)
     parser.add_argument("--spread", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument(
+        "--chunks",
+        help="192-row tiles: each expert's tiles' 64-row chunks, e.g. 3,2; several patterns "
+        "separated by / are drawn at random per expert, e.g. 2,2/3,3",
+    )
+    parser.add_argument("--by-ticket", action="store_true")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    if "-" in args.tiles:
+    chunks = None
+    if args.chunks:  # patterns separated by '/' are drawn at random per expert
+        patterns = [[int(v) for v in p.split(",")] for p in args.chunks.split("/")]
+        drawn = [rng.choice(patterns) for _ in range(args.experts)]
+        tiles_per_expert = [len(pattern) for pattern in drawn]
+        chunks = [c for pattern in drawn for c in pattern]
+    elif "-" in args.tiles:
         lo, hi = (int(v) for v in args.tiles.split("-"))
         tiles_per_expert = [rng.randint(lo, hi) for _ in range(args.experts)]
     else:
         tiles_per_expert = [int(args.tiles)] * args.experts
     form = FORMS[args.precision][args.form]
+    order = "by ticket" if args.by_ticket else "static"
     for spec in args.walks.split(","):
         walk, group = spec.split(":")
-        in_step, spread = (
+        (in_step, in_step_end), (spread, spread_end) = (
             dram_bytes(
                 walk,
                 int(group),
@@ -141,12 +182,15 @@ def main():
                 args.ctas,
                 s,
                 args.seed,
+                chunks,
+                args.by_ticket,
             )
             for s in (0.0, args.spread)
         )
         print(
-            f"{args.precision} {args.form} {walk} groups of {group}: {in_step:.2f} GB from HBM in step, "
-            f"{spread:.2f} GB at +-{args.spread:.0%} CTA speeds"
+            f"{args.precision} {args.form} {walk} groups of {group}, {order}: {in_step:.2f} GB from "
+            f"HBM in step (ends at {in_step_end:.0f} K-blocks), {spread:.2f} GB at "
+            f"+-{args.spread:.0%} CTA speeds (ends at {spread_end:.0f})"
         )
 
 
