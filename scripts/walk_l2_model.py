@@ -105,7 +105,6 @@ def dram_bytes(
     next_ticket, end = first_tiles, 0.0
     while events:
         time, cta, tile, k = heapq.heappop(events)
-        end = max(end, time)
         row = tile // n_tiles
         g = bisect.bisect_right(starts, row) - 1
         first, group_m = starts[g], starts[g + 1] - starts[g]
