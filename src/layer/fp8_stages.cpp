@@ -196,6 +196,11 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
   params.tile_rows = s.config.fp8_row_tile_rows;
   if (params.tile_rows == 192) {
     params.num_experts = static_cast<int32_t>(set.num_experts);  // the 192-row tiles' numbering
+    // A 64-row chunk of padding alone is skipped; no stage reads a padding row of the row-tile
+    // GEMMs' outputs (the SwiGLU backward and the combines read routed rows only, the down
+    // GEMM and the dgrads the chunks the same walk covers).
+    params.expert_counts = view.expert_counts;
+    params.tile_tickets = s.fp8_tile_tickets.as<unsigned int>();
   } else {
     params.lockstep = s.lockstep;  // the lockstep counts 128-row tiles
   }

@@ -58,6 +58,12 @@ const char* wait_site_name(int32_t site) {
     case kernels::WaitSite::kEpilogueWritten:
       return "down dgrad + SwiGLU storer waiting for the consumer warps to write a subtile "
              "(expected and seen are the barrier's phase)";
+    case kernels::WaitSite::kTileRingSlot:
+      return "192-row FP8 GEMM scheduler waiting for the producer and the consumer warps to read "
+             "an entry of its tile ring (expected and seen are the barrier's phase)";
+    case kernels::WaitSite::kScheduledTile:
+      return "192-row FP8 GEMM producer or consumer waiting for its scheduler's next tile "
+             "(expected and seen are the barrier's phase)";
     case kernels::WaitSite::kTestNeverReady:
       return "the test's never-ready condition";
   }

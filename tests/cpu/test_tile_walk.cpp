@@ -208,40 +208,48 @@ TEST(TileWalk, ExpertGroupsWalkEachExpertInEvenRuns) {
   }
 }
 
-// The L2 placement's walk (l2_placement.h): the slots of each partition cover their row tiles'
-// units once, partition 0 the first row tiles in proportion to its slots, whatever the split of
-// the slots and the group.
-// The 192-row tiles: on random experts of 0-40 row tiles of 128 (empty experts included), every
-// row of every expert lies in exactly one tile's valid chunks, a tile's rows never leave its
-// expert, each expert's tiles are ceil(rows / 192) in row order, and only its last tiles are
-// short: its last of 1 or 2 chunks of 64, or its last two of 2 where 3 + 1 would leave a lone
-// chunk behind a full tile.
+// The 192-row tiles: on random experts of 0-40 row tiles of 128 (empty experts included), with
+// and without their routed counts (each in the last of its expert's 128-row tiles), the tiles
+// cover exactly the chunks of 64 rows that the walk takes (every padded row without the counts,
+// the chunks holding a routed row with them: each routed row once, a chunk of padding alone
+// never), a tile's rows never leave its expert, each expert's tiles are ceil(chunks / 3) in row
+// order, and only its last tiles are short: its last of 1 or 2 chunks, or its last two of 2
+// where 3 + 1 would leave a lone chunk behind a full tile.
 TEST(TileWalk, Rows192TilesCoverEachExpertsRowsOnce) {
   std::mt19937 rng(47);
-  for (int trial = 0; trial < 300; ++trial) {
+  for (int trial = 0; trial < 600; ++trial) {
+    const bool with_counts = trial % 2 != 0;
     const int experts = 1 + static_cast<int>(rng() % 300);
-    const int max_tiles = std::vector<int>{2, 9, 40}[trial % 3];
-    std::vector<int32_t> offsets{0}, tile_start{0};
+    const int max_tiles = std::vector<int>{2, 9, 40}[trial / 2 % 3];
+    std::vector<int32_t> offsets{0}, counts, tile_start{0};
     for (int e = 0; e < experts; ++e) {
       const int tiles128 = rng() % 4 == 0 ? 0 : 1 + static_cast<int>(rng() % max_tiles);
       offsets.push_back(offsets.back() + tiles128 * 128);
-      tile_start.push_back(tile_start.back() + rows192_tiles(tiles128 * 128));
+      counts.push_back(tiles128 == 0 ? 0
+                                     : (tiles128 - 1) * 128 + 1 + static_cast<int>(rng() % 128));
+      const int32_t* given = with_counts ? counts.data() : nullptr;
+      tile_start.push_back(tile_start.back() +
+                           rows192_tiles(rows192_chunks(e, offsets.data(), given)));
     }
-    SCOPED_TRACE(testing::Message() << experts << " experts, " << offsets.back() << " rows");
+    SCOPED_TRACE(testing::Message() << experts << " experts, " << offsets.back() << " rows"
+                                    << (with_counts ? ", routed counts" : ""));
+    const int32_t* given = with_counts ? counts.data() : nullptr;
     std::vector<int> covered(offsets.back(), 0);
     int previous_expert = -1, previous_end = 0;
     for (int tile = 0; tile < tile_start.back(); ++tile) {
-      const Rows192Tile t = rows192_tile(tile, tile_start.data(), experts, offsets.data());
+      const Rows192Tile t = rows192_tile(tile, tile_start.data(), experts, offsets.data(), given);
       ASSERT_GE(t.expert, 0);
       ASSERT_LT(t.expert, experts);
       ASSERT_GE(t.valid_chunks, 1);
       ASSERT_LE(t.valid_chunks, 3);
       const int end = t.row0 + t.valid_chunks * kRows192Chunk;
+      const int expert_chunks = rows192_chunks(t.expert, offsets.data(), given);
+      const int walked_end = offsets[t.expert] + expert_chunks * kRows192Chunk;
       ASSERT_GE(t.row0, offsets[t.expert]);
-      ASSERT_LE(end, offsets[t.expert + 1]) << "tile " << tile << " leaves its expert";
+      ASSERT_LE(end, walked_end) << "tile " << tile << " leaves its expert's chunks";
+      ASSERT_LE(walked_end, offsets[t.expert + 1]);
       // Short tiles end their expert: one of 1 or 2 chunks, or two of 2 where 3 + 1 would be.
-      const int expert_chunks = (offsets[t.expert + 1] - offsets[t.expert]) / kRows192Chunk;
-      const int left = (offsets[t.expert + 1] - end) / kRows192Chunk;
+      const int left = (walked_end - end) / kRows192Chunk;
       if (t.valid_chunks < 3) EXPECT_TRUE(left == 0 || (left == 2 && t.valid_chunks == 2)) << tile;
       if (expert_chunks >= 4) EXPECT_GE(t.valid_chunks, 2) << "a lone chunk behind a full tile";
       if (t.expert == previous_expert) EXPECT_EQ(t.row0, previous_end) << "tile " << tile;
@@ -250,10 +258,20 @@ TEST(TileWalk, Rows192TilesCoverEachExpertsRowsOnce) {
       previous_expert = t.expert;
       previous_end = end;
     }
-    for (int row = 0; row < offsets.back(); ++row) ASSERT_EQ(covered[row], 1) << "row " << row;
+    for (int e = 0; e < experts; ++e) {
+      const int routed_end = offsets[e] + (with_counts ? counts[e] : offsets[e + 1] - offsets[e]);
+      const int walked_end = offsets[e] + rows192_chunks(e, offsets.data(), given) * kRows192Chunk;
+      ASSERT_GE(walked_end, routed_end);
+      ASSERT_LT(walked_end - routed_end, kRows192Chunk) << "expert " << e << ": a chunk of padding";
+      for (int row = offsets[e]; row < offsets[e + 1]; ++row)
+        ASSERT_EQ(covered[row], row < walked_end ? 1 : 0) << "expert " << e << ", row " << row;
+    }
   }
 }
 
+// The L2 placement's walk (l2_placement.h): the slots of each partition cover their row tiles'
+// units once, partition 0 the first row tiles in proportion to its slots, whatever the split of
+// the slots and the group.
 TEST(TileWalk, L2HalvesCoverEveryTileOnce) {
   for (const int grid : {2, 7, 132})
     for (const int lower : {1, grid / 2, grid - 1})

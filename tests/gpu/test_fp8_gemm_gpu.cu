@@ -352,8 +352,12 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
 // hold 1, 2 or 3 chunks of 64 rows, and one expert none), at K of 5 and 18 K-blocks, on every SM
 // and on 1, 2 and 5 CTAs (each walking tiles of several experts), plain and with the output
 // columns split (the gate/up GEMM's g and u) and with K split (the gate/up dgrad's d_g, d_u).
+// With the routed counts (190, 0, 300, 64 and 577 rows), the chunks of padding alone are left
+// unwritten and every other row keeps its bits. All of it in the static walk and with the tiles
+// taken by ticket (each launch leaving the counters zero).
 TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
   const std::vector<int32_t> expert_rows = {256, 0, 384, 128, 640};
+  const std::vector<int32_t> expert_counts = {190, 0, 300, 64, 577};
   const int64_t experts = static_cast<int64_t>(expert_rows.size()), n = 384;
   std::vector<int32_t> offsets{0}, tile_expert;
   for (int64_t e = 0; e < experts; ++e) {
@@ -371,6 +375,19 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     ASSERT_EQ(cudaMemcpy(problem.expert_offsets, offsets.data(), offsets.size() * 4,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
+    int32_t* device_counts = nullptr;
+    ASSERT_EQ(cudaMalloc(&device_counts, expert_counts.size() * 4), cudaSuccess);
+    unsigned int* tickets = nullptr;  // Fp8GemmParams::tile_tickets
+    ASSERT_EQ(cudaMalloc(&tickets, 2 * sizeof(unsigned int)), cudaSuccess);
+    ASSERT_EQ(cudaMemset(tickets, 0, 2 * sizeof(unsigned int)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(device_counts, expert_counts.data(), expert_counts.size() * 4,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    // Whether row r lies in a chunk of padding alone (past its expert's routed rows' chunks).
+    std::vector<bool> skipped(rows, false);
+    for (int64_t e = 0; e < experts; ++e)
+      for (int32_t r = offsets[e] + (expert_counts[e] + 63) / 64 * 64; r < offsets[e + 1]; ++r)
+        skipped[r] = true;
     // The split forms read B (and A) as two tensors: here the same ones, split in two places.
     problem.maps.a2 = problem.maps.a;
     problem.maps.a2_scales = problem.maps.a_scales;
@@ -418,19 +435,49 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
       if (split.n_split > 0) problem.maps.out2 = out2_192;
       problem.params.tile_rows = 192;
       problem.params.num_experts = static_cast<int32_t>(experts);
-      for (const int ctas : {0, 1, 2, 5}) {
+      for (const bool by_ticket : {false, true}) {
+        SCOPED_TRACE(by_ticket ? "tiles by ticket" : "static walk");
+        problem.params.tile_tickets = by_ticket ? tickets : nullptr;
+        for (const int ctas : {0, 1, 2, 5}) {
+          clear();
+          if (ctas == 0)
+            ASSERT_EQ(problem.run(), cudaSuccess);
+          else
+            ASSERT_EQ(kernels::launch_fp8_grouped_gemm(problem.maps, problem.params, ctas, nullptr),
+                      cudaSuccess);
+          const std::vector<bf16> got = outputs();
+          EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0)
+              << (ctas == 0 ? std::string("every SM") : std::to_string(ctas) + " CTAs");
+        }
+        // With the routed counts: the skipped chunks' rows keep the 0xff fill, the others the
+        // bits.
+        problem.params.expert_counts = device_counts;
         clear();
-        if (ctas == 0)
-          ASSERT_EQ(problem.run(), cudaSuccess);
-        else
-          ASSERT_EQ(kernels::launch_fp8_grouped_gemm(problem.maps, problem.params, ctas, nullptr),
-                    cudaSuccess);
+        ASSERT_EQ(problem.run(), cudaSuccess);
         const std::vector<bf16> got = outputs();
-        EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0)
-            << (ctas == 0 ? std::string("every SM") : std::to_string(ctas) + " CTAs");
+        problem.params.expert_counts = nullptr;
+        int64_t wrong = 0, first_wrong = -1;
+        for (int64_t r = 0; r < rows; ++r)
+          for (const auto [base, width] :
+               {std::pair{int64_t{0}, n}, std::pair{rows * n, int64_t{128}}})
+            for (int64_t c = 0; c < width; ++c) {
+              const int64_t at = base + r * width + c;
+              const bool same = skipped[r] ? got[at].bits == 0xffff : got[at].bits == want[at].bits;
+              if (!same && wrong++ == 0) first_wrong = r;
+            }
+        EXPECT_EQ(wrong, 0) << "with the routed counts; first at row " << first_wrong
+                            << (first_wrong >= 0 && skipped[first_wrong] ? " (skipped)" : "");
+        // Each launch by ticket leaves its counters zero for the next.
+        unsigned int left[2] = {1, 1};
+        ASSERT_EQ(cudaMemcpy(left, tickets, sizeof(left), cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(left[0], 0u) << "the tiles-taken counter";
+        EXPECT_EQ(left[1], 0u) << "the CTAs-done counter";
       }
+      problem.params.tile_tickets = nullptr;
     }
     cudaFree(out2);
+    cudaFree(device_counts);
+    cudaFree(tickets);
     if (HasFailure()) return;
   }
 }
@@ -798,12 +845,17 @@ void time_expert_groups(Fp8GemmProblem& problem, const std::string& label,
 }
 
 // The same GEMM in 192-row tiles (MoeConfig::fp8_row_tile_rows = 192; the problem's experts
-// padded to 128 rows, its expert offsets uploaded): timed per call and sustained, and its output
-// the 128-row tiles' to the bit (the problem's output on entry). The maps and parameters are
-// restored after.
-void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
+// padded to 128 rows, all of one size, its expert offsets uploaded), in the static walk and by
+// ticket (Fp8GemmParams::tile_tickets): each timed per call and sustained, its output the 128-row
+// tiles' to the bit (the problem's output on entry), and the tickets' counters left zero. With
+// `routed_rows` > 0, both walks again with each expert's routed count at that (a 64-row chunk
+// of padding alone skipped), in the same process, so that the counted walk's cost is read apart
+// from the layer's passes; the counted rows' outputs are the 128-row tiles' bits, the skipped
+// ones unwritten. The maps and parameters are restored after.
+void time_rows_192(Fp8GemmProblem& problem, const std::string& label, int32_t routed_rows = 0) {
   const int64_t count = problem.rows * problem.n;
   const double flop = 2.0 * problem.rows * problem.n * problem.k;
+  const int64_t expert_rows = problem.rows / problem.experts;
   std::vector<bf16> tiles_128(count), tiles_192(count);
   ASSERT_EQ(cudaMemcpy(tiles_128.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
             cudaSuccess);
@@ -813,16 +865,54 @@ void time_rows_192(Fp8GemmProblem& problem, const std::string& label) {
   problem.params.tile_rows = 192;
   problem.params.num_experts = static_cast<int32_t>(problem.experts);
   problem.params.lockstep = {};
-  ASSERT_EQ(cudaMemset(problem.out, 0xff, count * 2), cudaSuccess);
-  auto run = [&] { return problem.run(); };
-  for (const bool sustained : {false, true}) {
-    const Timed t = sustained ? sustained_ms(run) : median_ms(run);
-    std::printf("  %s, random codes, 192-row tiles%s: %.3f ms, %.0f TFLOP/s, %.2f GHz\n",
-                label.c_str(), sustained ? ", sustained" : "", t.ms, flop / t.ms / 1e9, t.ghz);
+  unsigned int* tickets = nullptr;
+  int32_t* counts = nullptr;
+  ASSERT_EQ(cudaMalloc(&tickets, 2 * sizeof(unsigned int)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(tickets, 0, 2 * sizeof(unsigned int)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&counts, problem.experts * 4), cudaSuccess);
+  if (routed_rows > 0) {
+    ASSERT_LE(routed_rows, expert_rows);
+    upload(counts, std::vector<int32_t>(problem.experts, routed_rows));
   }
-  ASSERT_EQ(cudaMemcpy(tiles_192.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  EXPECT_TRUE(test::bitwise_equal(tiles_192, tiles_128)) << label << ", 192-row tiles";
+  auto run = [&] { return problem.run(); };
+  for (const bool counted : {false, true}) {
+    if (counted && routed_rows == 0) break;
+    problem.params.expert_counts = counted ? counts : nullptr;
+    for (const bool by_ticket : {false, true}) {
+      problem.params.tile_tickets = by_ticket ? tickets : nullptr;
+      std::string walk = ", 192-row tiles";
+      if (counted) walk += ", counted (" + std::to_string(routed_rows) + " routed rows an expert)";
+      if (by_ticket) walk += ", by ticket";
+      ASSERT_EQ(cudaMemset(problem.out, 0xff, count * 2), cudaSuccess);
+      for (const bool sustained : {false, true}) {
+        const Timed t = sustained ? sustained_ms(run) : median_ms(run);
+        std::printf("  %s, random codes%s%s: %.3f ms, %.0f TFLOP/s of the padded rows, %.2f GHz\n",
+                    label.c_str(), walk.c_str(), sustained ? ", sustained" : "", t.ms,
+                    flop / t.ms / 1e9, t.ghz);
+      }
+      ASSERT_EQ(cudaMemcpy(tiles_192.data(), problem.out, count * 2, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      // Without counts every row is the 128-row tiles'; with them the counted chunks' rows are,
+      // and the skipped ones are unwritten.
+      const int64_t kept = counted ? (routed_rows + 63) / 64 * 64 : expert_rows;
+      int64_t wrong = 0;
+      for (int64_t r = 0; r < problem.rows; ++r) {
+        const bool computed = r % expert_rows < kept;
+        for (int64_t c = 0; c < problem.n; ++c) {
+          const uint16_t got = tiles_192[r * problem.n + c].bits;
+          wrong += computed ? got != tiles_128[r * problem.n + c].bits : got != 0xffff;
+        }
+      }
+      EXPECT_EQ(wrong, 0) << label << walk << ": outputs unlike the 128-row tiles' (computed rows) "
+                          << "or written (skipped rows)";
+      unsigned int left[2] = {1, 1};
+      ASSERT_EQ(cudaMemcpy(left, tickets, sizeof(left), cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(left[0], 0u) << label << walk << ": the tiles-taken counter after the launches";
+      EXPECT_EQ(left[1], 0u) << label << walk << ": the CTAs-done counter after the launches";
+    }
+  }
+  cudaFree(tickets);
+  cudaFree(counts);
   problem.maps = maps;
   problem.params = params;
 }
@@ -954,7 +1044,29 @@ TEST(Fp8GemmGpu, EveryFormsRateAtDsv3Shapes) {
           sustained_ms([&] { return problem.run(); }), flop);
     expect_row_tile_samples(problem, operands, tiles_per_expert, gemm.name);
     time_expert_groups(problem, label, {16});
-    time_rows_192(problem, label);
+    // 1,052 routed rows an expert: 17 chunks (tiles of 3 x 5 + 2) against the padded 18 (3 x 6).
+    time_rows_192(problem, label, tiles_per_expert * 128 - 100);
+  }
+
+  // dsv3_e128's down GEMM (128 experts, ~256 routed rows each): experts of 300 routed rows padded
+  // to 384, whose 192-row tiles are 3 + 3 chunks padded and 3 + 2 counted, the walk that
+  // measured 1.14x the 128-row tiles' time in the layer (docs/perf.md, session 50).
+  {
+    const int64_t e128_experts = 128, e128_tiles = 3, e128_rows = e128_experts * e128_tiles * 128;
+    const int64_t n = 7168, k = 2048;
+    const double flop = 2.0 * e128_rows * n * k;
+    Fp8GemmProblem problem(e128_rows, n, k, e128_experts);
+    fill_constant_operands(problem, e128_tiles);
+    ASSERT_FALSE(HasFatalFailure());
+    const RandomRowTileOperands operands = upload_random_operands(problem, 91);
+    ASSERT_FALSE(HasFatalFailure());
+    const std::string label = "fp8 grouped GEMM, dsv3_e128 down (" + std::to_string(e128_rows) +
+                              " x " + std::to_string(n) + " x " + std::to_string(k) + ")";
+    print((label + ", random codes").c_str(), median_ms([&] { return problem.run(); }), flop);
+    print((label + ", random codes, sustained").c_str(),
+          sustained_ms([&] { return problem.run(); }), flop);
+    expect_row_tile_samples(problem, operands, e128_tiles, "dsv3_e128 down");
+    time_rows_192(problem, label, 300);
   }
 
   // The weight gradients: out[e] = A_e^T-rows x B_e over the expert's rows, at dsv3_local's

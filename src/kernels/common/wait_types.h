@@ -29,6 +29,8 @@ enum class WaitSite : int32_t {
   kEpilogueLoaded = 18,    // down dgrad + SwiGLU consumer waiting for a subtile's g and u (TMA)
   kEpilogueFree = 19,      // down dgrad + SwiGLU loader waiting for a subtile's stores to read it
   kEpilogueWritten = 20,   // down dgrad + SwiGLU storer waiting for the consumers' subtile
+  kTileRingSlot = 21,   // 192-row FP8 GEMM scheduler waiting for its tile ring's entry to be read
+  kScheduledTile = 22,  // 192-row FP8 GEMM producer or consumer waiting for its next tile
 };
 
 // Where a timed-out wait leaves its diagnosis: host memory mapped into the device, so the host

@@ -162,13 +162,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_tile, k_block);
           const int s = state.stage;
           const int k_group = t.k_block0 + k_block;
-          mbarrier_wait(params.wait, WaitSite::kGemmFreeStage, &smem.empty[s], state.phase ^ 1);
-          if (params.ablation == GemmAblation::kNoLoads) {  // the stage armed with no bytes
-            ptx::mbarrier_arrive_expect_tx(&smem.full[s], 0);
-            state.advance();
+          if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, kBytes)) {
+            state.advance();  // the no-loads ablation: the stage armed with no bytes
             continue;
           }
-          ptx::mbarrier_arrive_expect_tx(&smem.full[s], kBytes);
           if constexpr (kWeightGrad) {
             ptx::tma_load_2d(smem.a[s], &maps.a, &smem.full[s], k_group * kFp8BlockK,
                              t.m_tile * BLOCK_M);

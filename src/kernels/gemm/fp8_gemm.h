@@ -75,6 +75,14 @@ struct Fp8GemmParams {
   // and expert_offsets the schedule's; A's codes and the outputs in boxes of 64 rows, A's line
   // scales of 192).
   int32_t tile_rows = 128;
+  // tile_rows 192: the schedule's routed rows per expert [num_experts], or nullptr. Given, a
+  // 64-row chunk of padding alone is not computed and its output rows are not written
+  // (fp8_rows192_walk.h); the layer's stages read no padding row of these outputs.
+  const int32_t* expert_counts = nullptr;
+  // tile_rows 192: two counters, zero before the launch (the kernel leaves them zero), or
+  // nullptr. Given, the CTAs take their tiles by ticket (fp8_gemm_192_rows.cu); launches that
+  // share the counters must not run at once.
+  unsigned int* tile_tickets = nullptr;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents

@@ -6,15 +6,29 @@
 // 47: their loads alone take 86% of their time, their math alone 68%).
 //
 // Grid: persistent, one 512-thread CTA per SM. Before the roles split, the CTA numbers the
-// 192-row tiles expert by expert (fp8_rows192_walk.h: a prefix sum over the schedule's expert
-// offsets into shared memory); tile t of the walk is (192-row tile, column tile) by walk_unit's
-// groups of kTileGroupM row tiles, as the 128-row kernel walks.
+// 192-row tiles expert by expert (fp8_rows192_walk.h: a prefix sum over the experts' chunks into
+// shared memory; with the routed counts, a chunk of padding alone is in no tile); tile t of the
+// walk is (192-row tile, column tile) by walk_unit's groups of kTileGroupM row tiles, as the
+// 128-row kernel walks. With params.tile_tickets the CTAs take the walk's tiles by ticket (a
+// launch-wide counter) instead of statically (CTA c: tiles c, c + grid, ...): tiles of two and
+// three chunks cost unlike, and in the static walk a CTA whose tiles are cheaper runs ahead of
+// the CTAs that read the same weight tiles (at dsv3_e128's 3 + 2 experts CTA c always takes the
+// tiles of c's parity), which then read them from HBM again. By ticket the tiles in flight are
+// a window of consecutive ones. The last CTA to finish taking zeroes the counters for the next
+// launch. Which CTA computes a tile changes, how it is computed does not: the same bits.
 // Warp roles:
-//   warpgroup 0     producer: one thread loads each K-block of 128 into a stage with TMA: A's
-//                   rows as 64-row chunks (8 KB each; an expert's last tile loads only the
-//                   chunks it holds, so a part-filled tile reads what 128-row tiles would), B's
-//                   128 x 128 block (16 KB) and A's 192 line scales; it gives its registers away
-//                   (setmaxnreg.dec to 32).
+//   warpgroup 0     scheduler: warp 1's first thread takes the CTA's tiles (static or by
+//                   ticket) into a ring of two entries (tiles; full / empty barriers), each read
+//                   by the producer and by every consumer warp: it takes tile j + 2 while the
+//                   producer loads tile j (the atomic's round trip under a tile's loads), and
+//                   holds no more, so the CTA keeps few tiles that others could take.
+//                   producer: warp 0's first thread loads each K-block of 128 into a stage with
+//                   TMA: A's rows as 64-row chunks (8 KB each; an expert's last tile loads only
+//                   the chunks it holds, so a part-filled tile reads what 128-row tiles would),
+//                   B's 128 x 128 block (16 KB) and A's 192 line scales.
+//                   The warpgroup gives its registers away (setmaxnreg.dec to 32). With the
+//                   tickets taken by the producer itself ptxas spilled at 32, and at 40 / 152
+//                   registers the row tiles ran ~5% slower (docs/perf.md, session 51).
 //   warpgroups 1-3  consumers: warpgroup 1 + c owns the tile's rows [64 c, 64 c + 64), one fp32
 //                   register tile of products and one of the promoted sum (160 registers each:
 //                   three consumer warpgroups fit the register file only with one K-block in
@@ -58,6 +72,11 @@ constexpr int kATileBytes = kRows192 * kFp8BlockK;        // 24 KB
 constexpr int kAChunkBytes = kRows192Chunk * kFp8BlockK;  // 8 KB: A's TMA box (64 rows)
 constexpr int kBTileBytes = kFp8TileN * kFp8BlockK;       // 16 KB
 constexpr int kStagingChunkBytes = kRows192Chunk * 128;   // [64 rows x 64 columns] bf16
+// Entries of the scheduler's ring: it takes tile j + 2 while the producer loads tile j, a tile
+// ahead of what the consumers read (tile j + 1, during tile j's first K-block), and no further,
+// so that a CTA holds few tiles that others could have taken.
+constexpr int kTileRing = 2;
+constexpr int kTileReaders = 1 + kConsumers / 32;  // the producer thread and each consumer warp
 constexpr int kPrefixPerThread = static_cast<int>(kMaxExperts) / kThreads;
 static_assert(kPrefixPerThread * kThreads == kMaxExperts, "the prefix sum's experts per thread");
 static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread (the first ones)");
@@ -70,8 +89,13 @@ struct alignas(1024) Rows192Storage {
   float tile_b_scales[2][kMaxTileKBlocks];  // by the CTA's tile parity
   int32_t tile_start[kMaxExperts + 1];      // fp8_rows192_walk.h
   int32_t warp_totals[kThreads / 32];
+  // The scheduler's ring: the CTA's j-th tile at j % kTileRing (kNoTile after its last), full
+  // when written, empty when the producer and every consumer warp have read it.
+  int32_t tiles[kTileRing];
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  uint64_t tile_full[kTileRing];
+  uint64_t tile_empty[kTileRing];
 };
 static_assert(sizeof(Rows192Storage) + 1024 <= 227 * 1024, "fits the SM's shared memory");
 
@@ -80,10 +104,41 @@ struct Tile {
   int n_tile;
 };
 
+constexpr int kNoTile = -1;
+
+// The CTA's tiles in turn, for its scheduler thread: the static walk's, or by ticket.
+struct TileTaker {
+  unsigned int* tickets;  // [2]: tiles taken, CTAs done taking; null: the static walk
+  int num_tiles;
+
+  // The tile after `last` (the CTA's last taken; -1 before the first), or kNoTile (never
+  // called again after it).
+  __device__ __forceinline__ int take(int last) const {
+    if (tickets == nullptr) {
+      const int tile = last < 0 ? static_cast<int>(blockIdx.x) : last + static_cast<int>(gridDim.x);
+      return tile < num_tiles ? tile : kNoTile;
+    }
+    const unsigned int ticket = atomicAdd(tickets, 1u);
+    return ticket < static_cast<unsigned int>(num_tiles) ? static_cast<int>(ticket) : kNoTile;
+  }
+
+  // After the CTA's last take (the one that returned kNoTile): the last CTA to get here has seen
+  // every take of the launch done, and zeroes both counters for the next launch.
+  __device__ __forceinline__ void finish() const {
+    if (tickets == nullptr) return;
+    __threadfence();
+    if (atomicAdd(tickets + 1, 1u) == gridDim.x - 1) {
+      atomicExch(tickets, 0u);
+      atomicExch(tickets + 1, 0u);
+    }
+  }
+};
+
 __device__ __forceinline__ Tile tile_at(const Fp8GemmParams& params, const int32_t* tile_start,
                                         int tile, int num_m_tiles, int num_n_tiles) {
   const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, true);
-  return {rows192_tile(walk.m_unit, tile_start, params.num_experts, params.expert_offsets),
+  return {rows192_tile(walk.m_unit, tile_start, params.num_experts, params.expert_offsets,
+                       params.expert_counts),
           walk.n_tile};
 }
 
@@ -98,7 +153,7 @@ __device__ __forceinline__ void number_the_tiles(const Fp8GemmParams& params,
   for (int i = 0; i < kPrefixPerThread; ++i) {
     const int e = first + i;
     tiles[i] = e < params.num_experts
-                   ? rows192_tiles(params.expert_offsets[e + 1] - params.expert_offsets[e])
+                   ? rows192_tiles(rows192_chunks(e, params.expert_offsets, params.expert_counts))
                    : 0;
     own += tiles[i];
   }
@@ -131,6 +186,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::mbarrier_init(&smem.full[s], 1);
       ptx::mbarrier_init(&smem.empty[s], kConsumers / 32);
     }
+    for (int j = 0; j < kTileRing; ++j) {
+      ptx::mbarrier_init(&smem.tile_full[j], 1);
+      ptx::mbarrier_init(&smem.tile_empty[j], kTileReaders);
+    }
     ptx::fence_barrier_init();
   }
   number_the_tiles(params, smem);
@@ -142,11 +201,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 32) {  // the scheduler
+      const TileTaker taker{params.tile_tickets, num_tiles};
+      for (int j = 0, last = -1;; ++j) {
+        const int slot = j % kTileRing;
+        mbarrier_wait(params.wait, WaitSite::kTileRingSlot, &smem.tile_empty[slot],
+                      ((j / kTileRing) & 1) ^ 1);
+        const int tile = taker.take(last);
+        smem.tiles[slot] = tile;
+        ptx::mbarrier_arrive(&smem.tile_full[slot]);  // releases the entry
+        if (tile == kNoTile) break;
+        last = tile;
+      }
+      taker.finish();
+      return;
+    }
     if (threadIdx.x != 0) return;
     ptx::prefetch_tensor_map(&maps.a);
     ptx::prefetch_tensor_map(&maps.b);
     PipelineState<kStages> state;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    for (int j = 0;; ++j) {
+      const int slot = j % kTileRing;
+      mbarrier_wait(params.wait, WaitSite::kScheduledTile, &smem.tile_full[slot],
+                    (j / kTileRing) & 1);
+      const int tile = smem.tiles[slot];
+      ptx::mbarrier_arrive(&smem.tile_empty[slot]);
+      if (tile == kNoTile) break;
       const Tile t = tile_at(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
       const uint32_t bytes = t.rows.valid_chunks * kAChunkBytes + kBTileBytes + kRows192 * 4;
       const int num_k_blocks = params.k_extent / kFp8BlockK;
@@ -187,16 +267,23 @@ __global__ void __launch_bounds__(kThreads, 1)
                ? row_tile_b_scale(params, t.rows.expert, t.n_tile, consumer_thread)
                : 0.0f;
   };
-  Tile next{};
-  {
-    const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
-    if (has_first) next = tile_at(params, smem.tile_start, blockIdx.x, num_m_tiles, num_n_tiles);
-    if (consumer_thread < kMaxTileKBlocks)
-      smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, has_first);
-    ptx::named_barrier_sync(1, kConsumers);
-  }
-  int local_tile = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
+  // Entry j of the scheduler's ring, read by this warp and handed back.
+  auto scheduled_tile = [&](int j) {
+    const int slot = j % kTileRing;
+    mbarrier_wait(params.wait, WaitSite::kScheduledTile, &smem.tile_full[slot],
+                  (j / kTileRing) & 1);
+    const int tile = smem.tiles[slot];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.tile_empty[slot]);
+    return tile;
+  };
+  const int first_tile = scheduled_tile(0);
+  if (first_tile == kNoTile) return;
+  Tile next = tile_at(params, smem.tile_start, first_tile, num_m_tiles, num_n_tiles);
+  if (consumer_thread < kMaxTileKBlocks)
+    smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, true);
+  ptx::named_barrier_sync(1, kConsumers);
+  for (int local_tile = 0; next.n_tile != kNoTile; ++local_tile) {
     const Tile t = next;
     const float* tile_b_scales = smem.tile_b_scales[local_tile & 1];
     // A chunk past the expert's rows, or the no-math ablation: the stages passed, no math.
@@ -238,9 +325,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
       }
       if (k_block == 0) {  // the next tile's coordinates and B scale, off the first K-block's path
-        const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
+        const int next_tile = scheduled_tile(local_tile + 1);
+        const bool has_next = next_tile != kNoTile;
         if (has_next)
-          next = tile_at(params, smem.tile_start, tile + gridDim.x, num_m_tiles, num_n_tiles);
+          next = tile_at(params, smem.tile_start, next_tile, num_m_tiles, num_n_tiles);
+        else
+          next.n_tile = kNoTile;  // ends the loop after this tile
         next_tile_b_scale = tile_b_scale(next, has_next);
       }
     }
