@@ -6,9 +6,10 @@
 //   2 in flight    fp8_gemm.cu's loop: K-block k + 1 issued while K-block k is promoted into the
 //                  fp32 sum, one factor per row (the row tiles) or per element (the weight
 //                  gradients: FMUL + FFMA, the column scales read from shared memory per
-//                  K-block). Two more forms take the element form apart: its column scales held
+//                  K-block). Three more forms take the element form apart: its column scales held
 //                  in registers (no shared-memory reads), and row factors with two FFMA per
-//                  element (its FP32 instruction count, no FMUL feeding an FFMA);
+//                  element (its FP32 instruction count, no FMUL feeding an FFMA), and the
+//                  column scales stored in the fragment's order (half the shared-memory reads);
 //   1 in flight N  each K-block waited for, then promoted (DeepGEMM's loop), at N = 128 and 192,
 //                  and with element factors at N = 128 (their column scales read from shared
 //                  memory in the promotion, or into registers while the K-block's wgmma run);
@@ -53,6 +54,10 @@ enum class Promotion {
   kRowTwice,            // sum += block * f0; sum += block * f1: kElement's FP32 count, no FMUL
   kElementReadAtIssue,  // kElement with the K-block's column scales read into registers while
                         // its wgmma run (one in flight: the registers of a second block free)
+  kElementFragmentOrder,  // kElement with each 16 columns' scales stored in the fragment's
+                          // order: a thread's four of them one 16-byte read (8 LDS.128 per
+                          // K-block where kElement has 16 LDS.64), the four lanes' reads of one
+                          // instruction 64 consecutive bytes (no bank conflict)
 };
 
 template <int N>
@@ -89,6 +94,13 @@ __device__ __forceinline__ void promote(float (&block)[N / 2], float (&sum)[N / 
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
     float2 column = make_float2(1.0f, 1.0f);
+    if constexpr (kPromotion == Promotion::kElementFragmentOrder) {
+      // Columns 16 g + 2 q + c (j = 2 g) and 16 g + 8 + 2 q + c (j = 2 g + 1) at 16 g + 4 q + c
+      // and 16 g + 4 q + 2 + c: ptxas keeps one LDS.128 per pair of j.
+      const float4 four =
+          *reinterpret_cast<const float4*>(&stage[N + 16 * (j / 2) + 4 * (threadIdx.x % 4)]);
+      column = j % 2 == 0 ? make_float2(four.x, four.y) : make_float2(four.z, four.w);
+    }
     if constexpr (kPromotion == Promotion::kElement)
       column = *reinterpret_cast<const float2*>(&stage[N + 8 * j + 2 * (threadIdx.x % 4)]);
     if constexpr (kPromotion == Promotion::kElementHeldColumns ||
@@ -257,6 +269,9 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
        time_form<128, Loop::kTwoInFlight, Promotion::kElement>(sm_count, sink, window)},
       {"2 in flight, element factors, column scales held",
        time_form<128, Loop::kTwoInFlight, Promotion::kElementHeldColumns>(sm_count, sink, window)},
+      {"2 in flight, element factors, scales in fragment order",
+       time_form<128, Loop::kTwoInFlight, Promotion::kElementFragmentOrder>(sm_count, sink,
+                                                                            window)},
       {"2 in flight, row factors, two FFMA per element",
        time_form<128, Loop::kTwoInFlight, Promotion::kRowTwice>(sm_count, sink, window)},
       {"1 in flight, row factors, N = 128",
