@@ -9,7 +9,8 @@
 # on the development machine with `scripts/ab-bench.sh --export REV` (into .ab/REV, with any
 # character but letters, digits, '.', '_' and '-' made '-'; git-ignored:
 # carry it to the device with the run tool's `carry`). Rounds: MOK_AB_ROUNDS (default 2). A table
-# of the lines matching MOK_AB_GREP (default: the forward / backward / weight-gradient lines)
+# of the lines matching MOK_AB_GREP (default: the forward / backward / weight-gradient lines,
+# and the bf16 layer's `--compare KNOB` lines, which start with the knob's name)
 # goes to $OUT/ab-<shape>.log; the builds' and runs' whole logs (ab-build-<tree>.log,
 # ab-<shape>-<tree>-<round>.log) to ${TMPDIR:-/tmp}/mok-ab, or to $OUT with MOK_AB_KEEP_LOGS=1:
 # the device tool returns at most eight files, and three trees' logs crowded the table out
@@ -40,7 +41,7 @@ if [ -z "${MOK_NCCL_HOME:-}" ]; then
   if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi
 fi
 ab_build_trees build-ab "$logs/ab-build-" mok_cli -DMOK_BUILD_TESTS=OFF
-pattern="${MOK_AB_GREP:-^  (forward|backward|forward\+backward) |weight gradients  |training step}"
+pattern="${MOK_AB_GREP:-^  (forward|backward|forward\+backward) |^    [a-z0-9_-]+ +forward |weight gradients  |training step}"
 # Logs carry the shape (`--shape NAME` among the run's arguments), so that several calls in one
 # device command keep each other's: ab-<shape>.log and ab-<shape>-<tree>-<round>.log.
 label=default
