@@ -48,12 +48,12 @@ enum class Loop { kAccumulate, kTwoInFlight, kOneInFlight };
 
 // How a K-block's products are added into the sum.
 enum class Promotion {
-  kRow,                 // sum += block * row factor (the row tiles)
-  kElement,             // sum += block * (row factor * column scale), scales read per K-block
-  kElementHeldColumns,  // the same, the column scales read once into registers
-  kRowTwice,            // sum += block * f0; sum += block * f1: kElement's FP32 count, no FMUL
-  kElementReadAtIssue,  // kElement with the K-block's column scales read into registers while
-                        // its wgmma run (one in flight: the registers of a second block free)
+  kRow,                   // sum += block * row factor (the row tiles)
+  kElement,               // sum += block * (row factor * column scale), scales read per K-block
+  kElementHeldColumns,    // the same, the column scales read once into registers
+  kRowTwice,              // sum += block * f0; sum += block * f1: kElement's FP32 count, no FMUL
+  kElementReadAtIssue,    // kElement with the K-block's column scales read into registers while
+                          // its wgmma run (one in flight: the registers of a second block free)
   kElementFragmentOrder,  // kElement with each 16 columns' scales stored in the fragment's
                           // order: a thread's four of them one 16-byte read (8 LDS.128 per
                           // K-block where kElement has 16 LDS.64), the four lanes' reads of one
