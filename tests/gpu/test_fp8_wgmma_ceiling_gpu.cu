@@ -16,8 +16,9 @@
 //                  192 columns fit the registers only with one block in flight. And with three
 //                  consumer warpgroups (a 192 x 128 tile: one in flight is what fits 384
 //                  consumer threads' registers), the row tiles' loop for fewer operand bytes
-//                  per FLOP than 128 x 128, and the weight gradients' (element factors): can
-//                  three warpgroups cover each other's promotion where two could not?
+//                  per FLOP than 128 x 128, and the weight gradients' (element factors, their
+//                  scales also in fragment order): can three warpgroups cover each other's
+//                  promotion where two could not?
 // Each prints TFLOP/s per call and its share of the FP8 peak at the SM clock the launches ran at
 // (8,192 FLOP per cycle per SM; the clock from mok::SmClockWindow's probes). The row-tile GEMMs
 // reach 60-63% of the pipe in the layer and the weight gradients ~47%: these forms say how much
@@ -284,6 +285,9 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
        time_form<128, Loop::kOneInFlight, Promotion::kRow, 3>(sm_count, sink, window)},
       {"1 in flight, element factors, three warpgroups",
        time_form<128, Loop::kOneInFlight, Promotion::kElement, 3>(sm_count, sink, window)},
+      {"1 in flight, element factors in fragment order, three warpgroups",
+       time_form<128, Loop::kOneInFlight, Promotion::kElementFragmentOrder, 3>(sm_count, sink,
+                                                                               window)},
       {"1 in flight, element factors read at issue, three warpgroups",
        time_form<128, Loop::kOneInFlight, Promotion::kElementReadAtIssue, 3>(sm_count, sink,
                                                                              window)},
