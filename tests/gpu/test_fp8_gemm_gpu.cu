@@ -559,6 +559,11 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   for (int64_t r = 0; r < rows; ++r)  // rows of different magnitudes: each group its own scale
     for (int64_t c = 0; c < m; ++c)
       a[r * m + c] = float_to_bf16(bf16_to_float(a[r * m + c]) * std::ldexp(1.0f, r % 7 - 3));
+  // Columns of different magnitudes: each B column its own scale, so that a column scale read
+  // from the wrong column (the consumers' fragment-order copy) shows in the error.
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c)
+      b[r * n + c] = float_to_bf16(bf16_to_float(b[r * n + c]) * std::ldexp(1.0f, c % 5 - 2));
   std::vector<e4m3> a_q, b_q;
   std::vector<float> a_scales, b_scales;
   quantize_columns(a, rows, m, a_q, a_scales);
