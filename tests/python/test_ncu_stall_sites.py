@@ -4,10 +4,8 @@ each kernel's instructions, sums the stall reasons, and says so when the page ha
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
+from repo_scripts import load_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "ncu_stall_sites.py"
 
 PAGE = """\
 "Kernel Name","gemm_kernel<0>"
@@ -21,18 +19,11 @@ PAGE = """\
 """
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("ncu_stall_sites", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run(tmp_path, monkeypatch, capsys, text):
     page = tmp_path / "source.csv"
     page.write_text(text)
     monkeypatch.setattr("sys.argv", ["ncu_stall_sites.py", str(page), "--top", "5"])
-    status = load_script().main()
+    status = load_script("ncu_stall_sites").main()
     return status, capsys.readouterr().out
 
 

@@ -4,21 +4,11 @@ unlike cost (3 + 2 chunks an expert) reads the weights again and by ticket it do
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "walk_l2_model.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("walk_l2_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from repo_scripts import load_script
 
 
 def test_128_row_tiles_read_what_the_model_counted_before_the_192_row_options():
-    model = load_script()
+    model = load_script("walk_l2_model")
     gate_up = model.FORMS["fp8"]["gate_up"]
     gb, end = model.dram_bytes("fixed", 8, [9] * 8, gate_up, 40, 132, 0.02, 5)
     assert round(gb * 1e9) == 537198592  # the model's count at b9d9db3, one block per miss
@@ -26,7 +16,7 @@ def test_128_row_tiles_read_what_the_model_counted_before_the_192_row_options():
 
 
 def test_tiles_of_one_cost_read_the_same_bytes_static_or_by_ticket():
-    model = load_script()
+    model = load_script("walk_l2_model")
     down = model.FORMS["fp8"]["down"]
     static = model.dram_bytes("fixed", 8, [2] * 16, down, 50, 132, 0.0, 5, [3, 3] * 16, False)
     ticket = model.dram_bytes("fixed", 8, [2] * 16, down, 50, 132, 0.0, 5, [3, 3] * 16, True)
@@ -34,7 +24,7 @@ def test_tiles_of_one_cost_read_the_same_bytes_static_or_by_ticket():
 
 
 def test_a_static_walk_over_unlike_tiles_reads_the_weights_again_and_tickets_do_not():
-    model = load_script()
+    model = load_script("walk_l2_model")
     down = model.FORMS["fp8"]["down"]
     padded, padded_end = model.dram_bytes("fixed", 8, [2] * 16, down, 50, 132, 0.0, 5, [3, 3] * 16)
     static, static_end = model.dram_bytes("fixed", 8, [2] * 16, down, 50, 132, 0.0, 5, [3, 2] * 16)
