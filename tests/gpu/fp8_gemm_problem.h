@@ -1,0 +1,146 @@
+// The FP8 GEMM tests' problems (test_fp8_gemm_gpu.cu checks them, test_fp8_gemm_rate_gpu.cu
+// times them): device buffers, TMA maps and kernel parameters of a row-tile problem and of a
+// weight-gradient problem, and a row-tile problem's maps for the 192-row tiles.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/fp8_rows192_walk.h"
+#include "layer/tma.h"
+#include "mok/schedule.h"
+#include "wait_record.h"
+
+namespace mok::test {
+
+// Device copies of one problem and the kernel's maps.
+struct Fp8GemmProblem {
+  int64_t rows = 0, n = 0, k = 0, experts = 0;
+  void *a = nullptr, *b = nullptr, *out = nullptr;
+  float *a_scales = nullptr, *b_scales = nullptr;
+  int32_t* tile_expert = nullptr;
+  int32_t* expert_offsets = nullptr;  // rows, for the expert groups' walk
+  ScheduleHeader* header = nullptr;
+  kernels::Fp8GemmMaps maps{};
+  kernels::Fp8GemmParams params{};
+
+  Fp8GemmProblem(int64_t rows_, int64_t n_, int64_t k_, int64_t experts_)
+      : rows(rows_), n(n_), k(k_), experts(experts_) {
+    EXPECT_EQ(cudaMalloc(&a, rows * k), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&b, experts * n * k), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&out, rows * n * 2), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&a_scales, rows * (k / 128) * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&b_scales, experts * (n / 128) * (k / 128) * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&tile_expert, rows / 128 * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&expert_offsets, (experts + 1) * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&header, sizeof(ScheduleHeader)), cudaSuccess);
+    ScheduleHeader host_header{};
+    host_header.total_rows = static_cast<int32_t>(rows);
+    host_header.num_tiles = static_cast<int32_t>(rows / 128);
+    EXPECT_EQ(cudaMemcpy(header, &host_header, sizeof(host_header), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    const int64_t a_dims[2] = {k, rows}, a_strides[1] = {k};
+    const int32_t tile_box[2] = {128, 128};
+    maps.a = make_tensor_map(a, TmaElement::kE4M3, 2, a_dims, a_strides, tile_box, true, "A");
+    const int64_t b_dims[3] = {k, n, experts}, b_strides[2] = {k, n * k};
+    const int32_t b_box[3] = {128, 128, 1};
+    maps.b = make_tensor_map(b, TmaElement::kE4M3, 3, b_dims, b_strides, b_box, true, "B");
+    const int64_t s_dims[2] = {rows, k / 128}, s_strides[1] = {rows * 4};
+    const int32_t s_box[2] = {128, 1};
+    maps.a_scales =
+        make_tensor_map(a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box, false, "A scales");
+    maps.out = make_tensor_map_3d(out, n, rows, 1, 64, 128, "out");
+    maps.out2 = maps.out;
+    params.header = header;
+    params.tile_expert = tile_expert;
+    params.expert_offsets = expert_offsets;
+    params.b_scales = b_scales;
+    params.n_extent = static_cast<int32_t>(n);
+    params.k_extent = static_cast<int32_t>(k);
+    params.wait = test_wait_context();
+  }
+  ~Fp8GemmProblem() {
+    for (void* p : {a, b, out, static_cast<void*>(a_scales), static_cast<void*>(b_scales),
+                    static_cast<void*>(tile_expert), static_cast<void*>(expert_offsets),
+                    static_cast<void*>(header)})
+      cudaFree(p);
+  }
+  cudaError_t run(cudaStream_t stream = nullptr) {
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return kernels::launch_fp8_grouped_gemm(maps, params, sms, stream);
+  }
+};
+
+// `problem`'s maps for the 192-row tiles (MoeConfig::fp8_row_tile_rows = 192, as the layer
+// makes them): A's codes and the output in 64-row chunks, A's line scales in boxes of 192.
+inline kernels::Fp8GemmMaps rows_192_maps(const Fp8GemmProblem& problem) {
+  kernels::Fp8GemmMaps maps = problem.maps;
+  const int64_t a_dims[2] = {problem.k, problem.rows}, a_strides[1] = {problem.k};
+  const int32_t a_box[2] = {128, kernels::kRows192Chunk};
+  maps.a = make_tensor_map(problem.a, TmaElement::kE4M3, 2, a_dims, a_strides, a_box, true, "A");
+  const int64_t s_dims[2] = {problem.rows, problem.k / 128}, s_strides[1] = {problem.rows * 4};
+  const int32_t s_box[2] = {kernels::kRows192, 1};
+  maps.a_scales = make_tensor_map(problem.a_scales, TmaElement::kF32, 2, s_dims, s_strides, s_box,
+                                  false, "A scales");
+  maps.out = maps.out2 = make_tensor_map_3d(problem.out, problem.n, problem.rows, 1, 64,
+                                            kernels::kRows192Chunk, "out");
+  return maps;
+}
+
+// Device buffers, maps and parameters of one weight-gradient problem: per expert e,
+// out[e] [m, n] over the expert's rows [offsets[e], offsets[e + 1]) of A [m, rows] and B
+// [n, rows] (both column-group codes, scales [rows / 128, m or n]).
+struct Fp8WeightGradProblem {
+  int64_t rows = 0, m = 0, n = 0, experts = 0;
+  void *a_codes = nullptr, *b_codes = nullptr, *out = nullptr;
+  float *a_scales = nullptr, *b_scales = nullptr;
+  int32_t* offsets = nullptr;
+  kernels::Fp8GemmMaps maps{};
+  kernels::Fp8GemmParams params{};
+
+  Fp8WeightGradProblem(int64_t rows_, int64_t m_, int64_t n_, int64_t experts_)
+      : rows(rows_), m(m_), n(n_), experts(experts_) {
+    EXPECT_EQ(cudaMalloc(&a_codes, m * rows), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&b_codes, n * rows), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&out, experts * m * n * 2), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&a_scales, m * (rows / 128) * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&b_scales, n * (rows / 128) * 4), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&offsets, (experts + 1) * 4), cudaSuccess);
+    const int32_t tile_box[2] = {128, 128}, scale_box[2] = {128, 1};
+    const int64_t a_dims[2] = {rows, m}, b_dims[2] = {rows, n}, row_strides[1] = {rows};
+    maps.a =
+        make_tensor_map(a_codes, TmaElement::kE4M3, 2, a_dims, row_strides, tile_box, true, "A");
+    maps.b =
+        make_tensor_map(b_codes, TmaElement::kE4M3, 2, b_dims, row_strides, tile_box, true, "B");
+    const int64_t sa_dims[2] = {m, rows / 128}, sa_strides[1] = {m * 4};
+    const int64_t sb_dims[2] = {n, rows / 128}, sb_strides[1] = {n * 4};
+    maps.a_scales = make_tensor_map(a_scales, TmaElement::kF32, 2, sa_dims, sa_strides, scale_box,
+                                    false, "A scales");
+    maps.b_scales = make_tensor_map(b_scales, TmaElement::kF32, 2, sb_dims, sb_strides, scale_box,
+                                    false, "B scales");
+    maps.out = make_tensor_map_3d(out, n, m, experts, 64, 128, "weight gradients");
+    params.form = kernels::Fp8GemmForm::kWeightGrad;
+    params.expert_offsets = offsets;
+    params.num_experts = static_cast<int32_t>(experts);
+    params.m_extent = static_cast<int32_t>(m);
+    params.n_extent = static_cast<int32_t>(n);
+    params.wait = test_wait_context();
+  }
+  ~Fp8WeightGradProblem() {
+    for (void* p : {a_codes, b_codes, out, static_cast<void*>(a_scales),
+                    static_cast<void*>(b_scales), static_cast<void*>(offsets)})
+      cudaFree(p);
+  }
+  // On `ctas` CTAs, or one per SM (0).
+  cudaError_t run(int ctas = 0) {
+    if (ctas == 0) cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, 0);
+    return kernels::launch_fp8_grouped_gemm(maps, params, ctas, nullptr);
+  }
+};
+
+}  // namespace mok::test
