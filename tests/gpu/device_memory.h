@@ -1,10 +1,11 @@
 // What the GPU tests of raw kernels share: a CUDA error check that throws with the call's text,
-// and one owned device allocation.
+// one owned device allocation, and a set of them freed together.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <deque>
 #include <stdexcept>
 #include <string>
 
@@ -33,6 +34,18 @@ class DeviceMemory {
  private:
   void* data_ = nullptr;
   size_t bytes_ = 0;
+};
+
+// Owns a problem's device allocations, freed together with it.
+class DeviceAllocations {
+ public:
+  template <typename T = void>
+  T* allocate(size_t bytes) {
+    return static_cast<T*>(owned_.emplace_back(bytes).get());
+  }
+
+ private:
+  std::deque<DeviceMemory> owned_;  // a deque: DeviceMemory does not move
 };
 
 }  // namespace mok::test

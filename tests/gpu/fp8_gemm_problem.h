@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "device_memory.h"
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/fp8_rows192_walk.h"
 #include "layer/tma.h"
@@ -18,6 +19,7 @@ namespace mok::test {
 
 // Device copies of one problem and the kernel's maps.
 struct Fp8GemmProblem {
+  DeviceAllocations device;  // owns the buffers below
   int64_t rows = 0, n = 0, k = 0, experts = 0;
   void *a = nullptr, *b = nullptr, *out = nullptr;
   float *a_scales = nullptr, *b_scales = nullptr;
@@ -29,14 +31,14 @@ struct Fp8GemmProblem {
 
   Fp8GemmProblem(int64_t rows_, int64_t n_, int64_t k_, int64_t experts_)
       : rows(rows_), n(n_), k(k_), experts(experts_) {
-    EXPECT_EQ(cudaMalloc(&a, rows * k), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&b, experts * n * k), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&out, rows * n * 2), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&a_scales, rows * (k / 128) * 4), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&b_scales, experts * (n / 128) * (k / 128) * 4), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&tile_expert, rows / 128 * 4), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&expert_offsets, (experts + 1) * 4), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&header, sizeof(ScheduleHeader)), cudaSuccess);
+    a = device.allocate(rows * k);
+    b = device.allocate(experts * n * k);
+    out = device.allocate(rows * n * 2);
+    a_scales = device.allocate<float>(rows * (k / 128) * 4);
+    b_scales = device.allocate<float>(experts * (n / 128) * (k / 128) * 4);
+    tile_expert = device.allocate<int32_t>(rows / 128 * 4);
+    expert_offsets = device.allocate<int32_t>((experts + 1) * 4);
+    header = device.allocate<ScheduleHeader>(sizeof(ScheduleHeader));
     ScheduleHeader host_header{};
     host_header.total_rows = static_cast<int32_t>(rows);
     host_header.num_tiles = static_cast<int32_t>(rows / 128);
@@ -61,12 +63,6 @@ struct Fp8GemmProblem {
     params.n_extent = static_cast<int32_t>(n);
     params.k_extent = static_cast<int32_t>(k);
     params.wait = test_wait_context();
-  }
-  ~Fp8GemmProblem() {
-    for (void* p : {a, b, out, static_cast<void*>(a_scales), static_cast<void*>(b_scales),
-                    static_cast<void*>(tile_expert), static_cast<void*>(expert_offsets),
-                    static_cast<void*>(header)})
-      cudaFree(p);
   }
   cudaError_t run(cudaStream_t stream = nullptr) {
     int device = 0, sms = 0;
@@ -96,6 +92,7 @@ inline kernels::Fp8GemmMaps rows_192_maps(const Fp8GemmProblem& problem) {
 // out[e] [m, n] over the expert's rows [offsets[e], offsets[e + 1]) of A [m, rows] and B
 // [n, rows] (both column-group codes, scales [rows / 128, m or n]).
 struct Fp8WeightGradProblem {
+  DeviceAllocations device;  // owns the buffers below
   int64_t rows = 0, m = 0, n = 0, experts = 0;
   void *a_codes = nullptr, *b_codes = nullptr, *out = nullptr;
   float *a_scales = nullptr, *b_scales = nullptr;
@@ -105,12 +102,12 @@ struct Fp8WeightGradProblem {
 
   Fp8WeightGradProblem(int64_t rows_, int64_t m_, int64_t n_, int64_t experts_)
       : rows(rows_), m(m_), n(n_), experts(experts_) {
-    EXPECT_EQ(cudaMalloc(&a_codes, m * rows), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&b_codes, n * rows), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&out, experts * m * n * 2), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&a_scales, m * (rows / 128) * 4), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&b_scales, n * (rows / 128) * 4), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&offsets, (experts + 1) * 4), cudaSuccess);
+    a_codes = device.allocate(m * rows);
+    b_codes = device.allocate(n * rows);
+    out = device.allocate(experts * m * n * 2);
+    a_scales = device.allocate<float>(m * (rows / 128) * 4);
+    b_scales = device.allocate<float>(n * (rows / 128) * 4);
+    offsets = device.allocate<int32_t>((experts + 1) * 4);
     const int32_t tile_box[2] = {128, 128}, scale_box[2] = {128, 1};
     const int64_t a_dims[2] = {rows, m}, b_dims[2] = {rows, n}, row_strides[1] = {rows};
     maps.a =
@@ -130,11 +127,6 @@ struct Fp8WeightGradProblem {
     params.m_extent = static_cast<int32_t>(m);
     params.n_extent = static_cast<int32_t>(n);
     params.wait = test_wait_context();
-  }
-  ~Fp8WeightGradProblem() {
-    for (void* p : {a_codes, b_codes, out, static_cast<void*>(a_scales),
-                    static_cast<void*>(b_scales), static_cast<void*>(offsets)})
-      cudaFree(p);
   }
   // On `ctas` CTAs, or one per SM (0).
   cudaError_t run(int ctas = 0) {
