@@ -200,7 +200,7 @@ kernels::Fp8GemmParams row_tile_params(const GpuLayer::State& s, const ExpertSet
     // GEMMs' outputs (the SwiGLU backward and the combines read routed rows only, the down
     // GEMM and the dgrads the chunks the same walk covers).
     params.expert_counts = view.expert_counts;
-    params.tile_tickets = s.fp8_tile_tickets.as<unsigned int>();
+    params.tile_tickets = s.fp8_tile_tickets;
   } else {
     params.lockstep = s.lockstep;  // the lockstep counts 128-row tiles
   }
@@ -250,10 +250,15 @@ void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, c
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
             const kernels::Fp8GemmParams& params, kernels::KernelStream on, const char* what) {
   cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, on), what);
-  // The lockstep's counters name a row-tile launch by its epoch: the next one gets a new one.
-  if (params.lockstep.ticks != nullptr && params.form == kernels::Fp8GemmForm::kRowTiles)
+  // The lockstep's counters and the tiles' tickets name a row-tile launch by its epoch: the
+  // next one gets a new one.
+  if (params.form != kernels::Fp8GemmForm::kRowTiles) return;
+  if (params.lockstep.ticks != nullptr)
     cuda_check(kernels::launch_advance_epoch(params.lockstep.epoch, on),
                "advance the GEMM lockstep's epoch");
+  if (params.tile_rows == 192 && params.tile_tickets.counter != nullptr)
+    cuda_check(kernels::launch_advance_epoch(params.tile_tickets.epoch, on),
+               "advance the FP8 tiles' ticket epoch");
 }
 
 // out [out_rows, n] = a [rows, k] times each row tile's expert's b [n, k]^T (one part each).

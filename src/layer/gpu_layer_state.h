@@ -125,9 +125,10 @@ struct GpuLayer::State {
   // launch epoch (zeroed once), and the tickets the expert GEMMs get (counter null: off).
   DeviceBuffer ticket_counters;
   kernels::GemmTickets tickets;
-  // The 192-row FP8 tiles' ticket counters (Fp8GemmParams::tile_tickets; zeroed once, each
-  // launch leaves them zero). The layer's row-tile GEMMs run one after another on its stream.
-  DeviceBuffer fp8_tile_tickets;
+  // The 192-row FP8 tiles' ticket counter and launch epoch (Fp8GemmParams::tile_tickets;
+  // zeroed once). The layer's row-tile GEMMs run one after another on its stream.
+  DeviceBuffer fp8_ticket_counters;
+  kernels::GemmTickets fp8_tile_tickets;
   kernels::L2Placement l2_placement;
   std::string l2_placement_report;
   kernels::WaitDiagnosis* diagnosis = nullptr;  // mapped pinned host memory

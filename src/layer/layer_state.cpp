@@ -91,7 +91,9 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
     s.lockstep.epoch = words + kernels::kLockstepTicks + 1;
     s.lockstep.lead_k_blocks = s.config.gemm_lockstep_k_blocks;
   }
-  zeroed(s.fp8_tile_tickets, 1, "FP8 192-row tile tickets");
+  zeroed(s.fp8_ticket_counters, 2, "FP8 192-row tile tickets");
+  s.fp8_tile_tickets.counter = s.fp8_ticket_counters.as<unsigned long long>();
+  s.fp8_tile_tickets.epoch = s.fp8_tile_tickets.counter + 1;
   if (config.gemm_tiles_by_ticket) {
     zeroed(s.ticket_counters, 2, "GEMM tile tickets");
     s.tickets.counter = s.ticket_counters.as<unsigned long long>();

@@ -11,6 +11,7 @@
 #include "device_memory.h"
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/fp8_rows192_walk.h"
+#include "kernels/stages/launch.h"
 #include "layer/tma.h"
 #include "mok/schedule.h"
 #include "wait_record.h"
@@ -28,6 +29,11 @@ struct Fp8GemmProblem {
   ScheduleHeader* header = nullptr;
   kernels::Fp8GemmMaps maps{};
   kernels::Fp8GemmParams params{};
+  // The 192-row tiles' ticket counter and epoch (params.tile_tickets takes them to run by
+  // ticket), and the launches run by ticket so far: run() advances the epoch after each, as the
+  // layer does.
+  kernels::GemmTickets tickets;
+  int64_t launches_by_ticket = 0;
 
   Fp8GemmProblem(int64_t rows_, int64_t n_, int64_t k_, int64_t experts_)
       : rows(rows_), n(n_), k(k_), experts(experts_) {
@@ -39,6 +45,9 @@ struct Fp8GemmProblem {
     tile_expert = device.allocate<int32_t>(rows / 128 * 4);
     expert_offsets = device.allocate<int32_t>((experts + 1) * 4);
     header = device.allocate<ScheduleHeader>(sizeof(ScheduleHeader));
+    tickets.counter = device.allocate<unsigned long long>(2 * sizeof(unsigned long long));
+    tickets.epoch = tickets.counter + 1;
+    EXPECT_EQ(cudaMemset(tickets.counter, 0, 2 * sizeof(unsigned long long)), cudaSuccess);
     ScheduleHeader host_header{};
     host_header.total_rows = static_cast<int32_t>(rows);
     host_header.num_tiles = static_cast<int32_t>(rows / 128);
@@ -64,11 +73,27 @@ struct Fp8GemmProblem {
     params.k_extent = static_cast<int32_t>(k);
     params.wait = test_wait_context();
   }
-  cudaError_t run(cudaStream_t stream = nullptr) {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return kernels::launch_fp8_grouped_gemm(maps, params, sms, stream);
+  // On `ctas` CTAs, or one per SM (0).
+  cudaError_t run(cudaStream_t stream = nullptr, int ctas = 0) {
+    if (ctas == 0) {
+      int device = 0;
+      cudaGetDevice(&device);
+      cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, device);
+    }
+    const cudaError_t status = kernels::launch_fp8_grouped_gemm(maps, params, ctas, stream);
+    if (status != cudaSuccess || params.tile_rows != 192 || params.tile_tickets.counter == nullptr)
+      return status;
+    ++launches_by_ticket;
+    return kernels::launch_advance_epoch(params.tile_tickets.epoch, stream);
+  }
+  // Each launch by ticket took its tickets from its own epoch's base: the counter's epoch is
+  // the last launch's and the epoch counts the launches.
+  void expect_ticket_epochs() const {
+    unsigned long long words[2] = {0, 0};  // the counter, the epoch
+    ASSERT_EQ(cudaMemcpy(words, tickets.counter, sizeof(words), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(words[1], static_cast<unsigned long long>(launches_by_ticket)) << "the epoch";
+    EXPECT_EQ(words[0] >> 32, words[1]) << "the counter's epoch";
   }
 };
 

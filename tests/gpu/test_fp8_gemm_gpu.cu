@@ -276,7 +276,7 @@ TEST(Fp8GemmGpu, MatchesTheBlockScaledProduct) {
 // columns split (the gate/up GEMM's g and u) and with K split (the gate/up dgrad's d_g, d_u).
 // With the routed counts (190, 0, 300, 64 and 577 rows), the chunks of padding alone are left
 // unwritten and every other row keeps its bits. All of it in the static walk and with the tiles
-// taken by ticket (each launch leaving the counters zero).
+// taken by ticket (each launch from its own epoch's tickets).
 TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
   const std::vector<int32_t> expert_rows = {256, 0, 384, 128, 640};
   const std::vector<int32_t> expert_counts = {190, 0, 300, 64, 577};
@@ -299,9 +299,6 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
               cudaSuccess);
     int32_t* device_counts = nullptr;
     ASSERT_EQ(cudaMalloc(&device_counts, expert_counts.size() * 4), cudaSuccess);
-    unsigned int* tickets = nullptr;  // Fp8GemmParams::tile_tickets
-    ASSERT_EQ(cudaMalloc(&tickets, 2 * sizeof(unsigned int)), cudaSuccess);
-    ASSERT_EQ(cudaMemset(tickets, 0, 2 * sizeof(unsigned int)), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(device_counts, expert_counts.data(), expert_counts.size() * 4,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
@@ -359,14 +356,10 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
       problem.params.num_experts = static_cast<int32_t>(experts);
       for (const bool by_ticket : {false, true}) {
         SCOPED_TRACE(by_ticket ? "tiles by ticket" : "static walk");
-        problem.params.tile_tickets = by_ticket ? tickets : nullptr;
+        problem.params.tile_tickets = by_ticket ? problem.tickets : kernels::GemmTickets{};
         for (const int ctas : {0, 1, 2, 5}) {
           clear();
-          if (ctas == 0)
-            ASSERT_EQ(problem.run(), cudaSuccess);
-          else
-            ASSERT_EQ(kernels::launch_fp8_grouped_gemm(problem.maps, problem.params, ctas, nullptr),
-                      cudaSuccess);
+          ASSERT_EQ(problem.run(nullptr, ctas), cudaSuccess);
           const std::vector<bf16> got = outputs();
           EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size() * 2), 0)
               << (ctas == 0 ? std::string("every SM") : std::to_string(ctas) + " CTAs");
@@ -389,17 +382,12 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
             }
         EXPECT_EQ(wrong, 0) << "with the routed counts; first at row " << first_wrong
                             << (first_wrong >= 0 && skipped[first_wrong] ? " (skipped)" : "");
-        // Each launch by ticket leaves its counters zero for the next.
-        unsigned int left[2] = {1, 1};
-        ASSERT_EQ(cudaMemcpy(left, tickets, sizeof(left), cudaMemcpyDeviceToHost), cudaSuccess);
-        EXPECT_EQ(left[0], 0u) << "the tiles-taken counter";
-        EXPECT_EQ(left[1], 0u) << "the CTAs-done counter";
+        problem.expect_ticket_epochs();
       }
-      problem.params.tile_tickets = nullptr;
+      problem.params.tile_tickets = {};
     }
     cudaFree(out2);
     cudaFree(device_counts);
-    cudaFree(tickets);
     if (HasFailure()) return;
   }
 }

@@ -23,6 +23,7 @@
 #include "kernels/common/wait_types.h"
 #include "kernels/gemm/gemm_ablation.h"
 #include "kernels/gemm/lockstep.h"
+#include "kernels/gemm/tile_tickets.h"
 #include "mok/schedule.h"
 
 namespace mok::kernels {
@@ -79,10 +80,11 @@ struct Fp8GemmParams {
   // 64-row chunk of padding alone is not computed and its output rows are not written
   // (fp8_rows192_walk.h); the layer's stages read no padding row of these outputs.
   const int32_t* expert_counts = nullptr;
-  // tile_rows 192: two counters, zero before the launch (the kernel leaves them zero), or
-  // nullptr. Given, the CTAs take their tiles by ticket (fp8_gemm_192_rows.cu); launches that
-  // share the counters must not run at once.
-  unsigned int* tile_tickets = nullptr;
+  // tile_rows 192: the ticket counter and its launch epoch (tile_tickets.h, as the bf16 row
+  // tiles take theirs; the caller advances the epoch after each launch), or a null counter.
+  // Given, the CTAs take their tiles by ticket (fp8_gemm_192_rows.cu); launches that share the
+  // counter must not run at once.
+  GemmTickets tile_tickets;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents

@@ -14,8 +14,9 @@
 // three chunks cost unlike, and in the static walk a CTA whose tiles are cheaper runs ahead of
 // the CTAs that read the same weight tiles (at dsv3_e128's 3 + 2 experts CTA c always takes the
 // tiles of c's parity), which then read them from HBM again. By ticket the tiles in flight are
-// a window of consecutive ones. The last CTA to finish taking zeroes the counters for the next
-// launch. Which CTA computes a tile changes, how it is computed does not: the same bits.
+// a window of consecutive ones. The counter carries the launch's epoch (tile_tickets.h, as the
+// bf16 row tiles' does), so nothing is reset. Which CTA computes a tile changes, how it is
+// computed does not: the same bits.
 // Warp roles:
 //   warpgroup 0     scheduler: warp 1's first thread takes the CTA's tiles (static or by
 //                   ticket) into a ring of two entries (tiles; full / empty barriers), each read
@@ -108,29 +109,24 @@ constexpr int kNoTile = -1;
 
 // The CTA's tiles in turn, for its scheduler thread: the static walk's, or by ticket.
 struct TileTaker {
-  unsigned int* tickets;  // [2]: tiles taken, CTAs done taking; null: the static walk
+  GemmTickets tickets;      // counter null: the static walk
+  unsigned long long base;  // this launch's first ticket (by ticket)
   int num_tiles;
+
+  __device__ __forceinline__ TileTaker(const GemmTickets& tickets_, int num_tiles_)
+      : tickets(tickets_),
+        base(tickets_.counter != nullptr ? ticket_base(tickets_) : 0ull),
+        num_tiles(num_tiles_) {}
 
   // The tile after `last` (the CTA's last taken; -1 before the first), or kNoTile (never
   // called again after it).
   __device__ __forceinline__ int take(int last) const {
-    if (tickets == nullptr) {
+    if (tickets.counter == nullptr) {
       const int tile = last < 0 ? static_cast<int>(blockIdx.x) : last + static_cast<int>(gridDim.x);
       return tile < num_tiles ? tile : kNoTile;
     }
-    const unsigned int ticket = atomicAdd(tickets, 1u);
-    return ticket < static_cast<unsigned int>(num_tiles) ? static_cast<int>(ticket) : kNoTile;
-  }
-
-  // After the CTA's last take (the one that returned kNoTile): the last CTA to get here has seen
-  // every take of the launch done, and zeroes both counters for the next launch.
-  __device__ __forceinline__ void finish() const {
-    if (tickets == nullptr) return;
-    __threadfence();
-    if (atomicAdd(tickets + 1, 1u) == gridDim.x - 1) {
-      atomicExch(tickets, 0u);
-      atomicExch(tickets + 1, 0u);
-    }
+    const int32_t unit = take_unit(tickets, base, num_tiles);
+    return unit == kStopUnit ? kNoTile : unit;
   }
 };
 
@@ -213,7 +209,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tile == kNoTile) break;
         last = tile;
       }
-      taker.finish();
       return;
     }
     if (threadIdx.x != 0) return;

@@ -1,6 +1,7 @@
 // MoeConfig::gemm_tiles_by_ticket (issue 16): the standalone expert GEMM's row-tile forms take
 // their walk units from a launch-wide ticket counter instead of the static walk (CTA c: units
-// c, c + grid, ...).
+// c, c + grid, ...). The FP8 192-row tiles (fp8_gemm_192_rows.cu) always take theirs so, from
+// the same counter and epoch form (their scheduler thread, not the producer, takes them).
 //
 // Why: in the static walk a CTA's lead or lag accumulates over its waves (after w waves, a CTA
 // 1% faster is w% of a tile ahead), so CTAs that should read a weight tile together drift apart
