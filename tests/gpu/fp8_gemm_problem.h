@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "device_memory.h"
+#include "kernels/common/kernel_stream.h"
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/fp8_rows192_walk.h"
 #include "kernels/stages/launch.h"
@@ -34,6 +35,7 @@ struct Fp8GemmProblem {
   // layer does.
   kernels::GemmTickets tickets;
   int64_t launches_by_ticket = 0;
+  int sm_count = kernels::current_sm_count();  // run()'s grid by default
 
   Fp8GemmProblem(int64_t rows_, int64_t n_, int64_t k_, int64_t experts_)
       : rows(rows_), n(n_), k(k_), experts(experts_) {
@@ -75,12 +77,8 @@ struct Fp8GemmProblem {
   }
   // On `ctas` CTAs, or one per SM (0).
   cudaError_t run(cudaStream_t stream = nullptr, int ctas = 0) {
-    if (ctas == 0) {
-      int device = 0;
-      cudaGetDevice(&device);
-      cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, device);
-    }
-    const cudaError_t status = kernels::launch_fp8_grouped_gemm(maps, params, ctas, stream);
+    const cudaError_t status =
+        kernels::launch_fp8_grouped_gemm(maps, params, ctas == 0 ? sm_count : ctas, stream);
     if (status != cudaSuccess || params.tile_rows != 192 || params.tile_tickets.counter == nullptr)
       return status;
     ++launches_by_ticket;
@@ -124,6 +122,7 @@ struct Fp8WeightGradProblem {
   int32_t* offsets = nullptr;
   kernels::Fp8GemmMaps maps{};
   kernels::Fp8GemmParams params{};
+  int sm_count = kernels::current_sm_count();  // run()'s grid by default
 
   Fp8WeightGradProblem(int64_t rows_, int64_t m_, int64_t n_, int64_t experts_)
       : rows(rows_), m(m_), n(n_), experts(experts_) {
@@ -155,8 +154,7 @@ struct Fp8WeightGradProblem {
   }
   // On `ctas` CTAs, or one per SM (0).
   cudaError_t run(int ctas = 0) {
-    if (ctas == 0) cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, 0);
-    return kernels::launch_fp8_grouped_gemm(maps, params, ctas, nullptr);
+    return kernels::launch_fp8_grouped_gemm(maps, params, ctas == 0 ? sm_count : ctas, nullptr);
   }
 };
 

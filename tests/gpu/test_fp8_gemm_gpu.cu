@@ -297,8 +297,7 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     ASSERT_EQ(cudaMemcpy(problem.expert_offsets, offsets.data(), offsets.size() * 4,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
-    int32_t* device_counts = nullptr;
-    ASSERT_EQ(cudaMalloc(&device_counts, expert_counts.size() * 4), cudaSuccess);
+    int32_t* device_counts = problem.device.allocate<int32_t>(expert_counts.size() * 4);
     ASSERT_EQ(cudaMemcpy(device_counts, expert_counts.data(), expert_counts.size() * 4,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
@@ -317,8 +316,7 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     maps192.a2 = maps192.a;
     maps192.a2_scales = maps192.a_scales;
     // With the columns split at 256, columns [256, 384) go to out2 [rows, 128].
-    void* out2 = nullptr;
-    ASSERT_EQ(cudaMalloc(&out2, rows * 128 * 2), cudaSuccess);
+    void* out2 = problem.device.allocate(rows * 128 * 2);
     const CUtensorMap out2_128 = make_tensor_map_3d(out2, 128, rows, 1, 64, 128, "out2");
     const CUtensorMap out2_192 = make_tensor_map_3d(out2, 128, rows, 1, 64, 64, "out2");
     struct Split {
@@ -386,8 +384,6 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
       }
       problem.params.tile_tickets = {};
     }
-    cudaFree(out2);
-    cudaFree(device_counts);
     if (HasFailure()) return;
   }
 }

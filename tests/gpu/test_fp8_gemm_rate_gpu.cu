@@ -260,8 +260,7 @@ void time_rows_192(Fp8GemmProblem& problem, const std::string& label, int32_t ro
   problem.params.tile_rows = 192;
   problem.params.num_experts = static_cast<int32_t>(problem.experts);
   problem.params.lockstep = {};
-  int32_t* counts = nullptr;
-  ASSERT_EQ(cudaMalloc(&counts, problem.experts * 4), cudaSuccess);
+  int32_t* counts = problem.device.allocate<int32_t>(problem.experts * 4);
   if (routed_rows > 0) {
     ASSERT_LE(routed_rows, expert_rows);
     upload(counts, std::vector<int32_t>(problem.experts, routed_rows));
@@ -303,7 +302,6 @@ void time_rows_192(Fp8GemmProblem& problem, const std::string& label, int32_t ro
       }
     }
   }
-  cudaFree(counts);
   problem.maps = maps;
   problem.params = params;
 }
