@@ -17,6 +17,12 @@ else
     python3 -m venv "$venv"
   fi
   python="$venv/bin/python"
+  # pip unpacks wheels under TMPDIR; keep that on the venv's disk, which may be larger than /tmp,
+  # and say how much room there is, so that a full disk is diagnosed in the log.
+  export TMPDIR="$(cd "$venv" && pwd)/tmp"
+  mkdir -p "$TMPDIR"
+  free_mib="$(df -Pm "$venv" | awk 'NR == 2 { print $4 }')"
+  echo "setup-python: $free_mib MiB free on the disk of $venv (torch's install needs about 2500)"
   # The versions the GPU machine has (torch's CPU and CUDA builds share these pins). No pip
   # cache: the wheels are installed once per environment, and disk is what CI runs short of.
   pip_install=("$python" -m pip install -q --no-cache-dir)
@@ -31,7 +37,10 @@ else
     torch_python_deps=(filelock==4.3.1 typing-extensions==4.16.0 sympy==1.14.0 mpmath==1.3.0
                        networkx==3.6.1 jinja2==3.1.6 markupsafe==3.0.4 fsspec==2026.9.0)
     echo "setup-python: installing ${torch_lean[*]} (without torch's CUDA dependencies) into $venv"
-    "${pip_install[@]}" --no-deps "${torch_lean[@]}"
+    if ! "${pip_install[@]}" --no-deps "${torch_lean[@]}"; then
+      echo "setup-python: installing torch failed with $(df -Pm "$venv" | awk 'NR == 2 { print $4 }') MiB free on the disk of $venv" >&2
+      exit 1
+    fi
     "${pip_install[@]}" "${torch_python_deps[@]}"
     if ! "$python" -c "import torch" 2>/dev/null; then
       echo "setup-python: torch does not import without its CUDA dependencies here; installing them"
