@@ -138,10 +138,8 @@ void expect_block_scaled_product(int64_t k) {
 
   // The chain the layer will run: the operands quantized on the GPU (row groups with their
   // scales group-major, blocks per expert) give the same output bits.
-  void* a_bf16 = nullptr;
-  void* b_bf16 = nullptr;
-  ASSERT_EQ(cudaMalloc(&a_bf16, a.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&b_bf16, b.size() * 2), cudaSuccess);
+  void* a_bf16 = problem.device.allocate(a.size() * 2);
+  void* b_bf16 = problem.device.allocate(b.size() * 2);
   ASSERT_EQ(cudaMemcpy(a_bf16, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(b_bf16, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(kernels::launch_quantize_fp8(a_bf16, rows, k, kernels::Fp8QuantizeForm::kRowGroups,
@@ -159,16 +157,12 @@ void expect_block_scaled_product(int64_t k) {
             cudaSuccess);
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0)
       << "GPU-quantized operands give other bits than the host-quantized ones";
-  cudaFree(a_bf16);
-  cudaFree(b_bf16);
 
   // Split columns (the gate/up GEMM: Wg and Wu, g and u): columns [0, 128) from B's first 128
   // rows of each expert to out [rows, 128], columns [128, 384) from B2 = the other 256 rows to
   // out2 [rows, 256], each part with its own dense block scales: the same bits as before.
-  void *first = nullptr, *second = nullptr;
-  float *first_scales = nullptr, *second_scales = nullptr;
-  ASSERT_EQ(cudaMalloc(&first, rows * 128 * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&second, rows * 256 * 2), cudaSuccess);
+  void* first = problem.device.allocate(rows * 128 * 2);
+  void* second = problem.device.allocate(rows * 256 * 2);
   const int64_t k_groups = k / 128;
   std::vector<float> scales_first, scales_second;
   for (int64_t e = 0; e < experts; ++e)
@@ -176,8 +170,8 @@ void expect_block_scaled_product(int64_t k) {
       for (int64_t g = 0; g < k_groups; ++g)
         (nb == 0 ? scales_first : scales_second)
             .push_back(b_scales[(e * (n / 128) + nb) * k_groups + g]);
-  ASSERT_EQ(cudaMalloc(&first_scales, scales_first.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&second_scales, scales_second.size() * 4), cudaSuccess);
+  float* first_scales = problem.device.allocate<float>(scales_first.size() * 4);
+  float* second_scales = problem.device.allocate<float>(scales_second.size() * 4);
   ASSERT_EQ(cudaMemcpy(first_scales, scales_first.data(), scales_first.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
@@ -234,13 +228,12 @@ void expect_block_scaled_product(int64_t k) {
       for (int64_t g = 0; g < k_groups; ++g)
         (g < k_first / 128 ? k_scales_first : k_scales_second)
             .push_back(b_scales[(e * (n / 128) + nb) * k_groups + g]);
-  float* k_first_scales = nullptr;  // more than the n split's first scales: every N-block
-  ASSERT_EQ(cudaMalloc(&k_first_scales, k_scales_first.size() * 4), cudaSuccess);
+  // More than the n split's first scales: every N-block.
+  float* k_first_scales = problem.device.allocate<float>(k_scales_first.size() * 4);
   ASSERT_EQ(cudaMemcpy(k_first_scales, k_scales_first.data(), k_scales_first.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
-  float* k_second_scales = nullptr;
-  ASSERT_EQ(cudaMalloc(&k_second_scales, k_scales_second.size() * 4), cudaSuccess);
+  float* k_second_scales = problem.device.allocate<float>(k_scales_second.size() * 4);
   ASSERT_EQ(cudaMemcpy(k_second_scales, k_scales_second.data(), k_scales_second.size() * 4,
                        cudaMemcpyHostToDevice),
             cudaSuccess);
@@ -253,10 +246,6 @@ void expect_block_scaled_product(int64_t k) {
             cudaSuccess);
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0)
       << "a split K gives other bits than one K";
-  for (void* p :
-       {first, second, static_cast<void*>(first_scales), static_cast<void*>(second_scales),
-        static_cast<void*>(k_first_scales), static_cast<void*>(k_second_scales)})
-    cudaFree(p);
 }
 
 // K of 5 K-blocks (a tile's blocks within one turn of the stage ring) and of 18 (the ring wrapped
@@ -476,9 +465,8 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   }
 
   // The column-group quantizer's operands: the same bits.
-  void *a_bf16 = nullptr, *b_bf16 = nullptr;
-  ASSERT_EQ(cudaMalloc(&a_bf16, a.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&b_bf16, b.size() * 2), cudaSuccess);
+  void* a_bf16 = problem.device.allocate(a.size() * 2);
+  void* b_bf16 = problem.device.allocate(b.size() * 2);
   ASSERT_EQ(cudaMemcpy(a_bf16, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(b_bf16, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(kernels::launch_quantize_fp8(a_bf16, rows, m, kernels::Fp8QuantizeForm::kColumnGroups,
@@ -492,7 +480,6 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   ASSERT_EQ(cudaMemcpy(again.data(), problem.out, again.size() * 2, cudaMemcpyDeviceToHost),
             cudaSuccess);
   EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 2), 0);
-  for (void* p : {a_bf16, b_bf16}) cudaFree(p);
 }
 
 }  // namespace

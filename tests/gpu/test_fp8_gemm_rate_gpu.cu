@@ -316,9 +316,8 @@ TEST(Fp8GemmGpu, Throughput) {
   fill_constant_operands(problem, 9);
   ASSERT_FALSE(HasFatalFailure());
   // The lockstep's counters, zeroed once; the epoch advanced after each launch, as the layer does.
-  unsigned long long* counters = nullptr;
-  ASSERT_EQ(cudaMalloc(&counters, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
-            cudaSuccess);
+  unsigned long long* counters = problem.device.allocate<unsigned long long>(
+      (kernels::kLockstepTicks + 2) * sizeof(unsigned long long));
   ASSERT_EQ(cudaMemset(counters, 0, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
             cudaSuccess);
   cudaEvent_t start, stop;
@@ -360,7 +359,6 @@ TEST(Fp8GemmGpu, Throughput) {
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  cudaFree(counters);
 
   // Free-running on random operands (the codes a quantized layer feeds it), per call and
   // sustained.
