@@ -22,7 +22,7 @@ else
   export TMPDIR="$(cd "$venv" && pwd)/tmp"
   mkdir -p "$TMPDIR"
   free_mib="$(df -Pm "$venv" | awk 'NR == 2 { print $4 }')"
-  echo "setup-python: $free_mib MiB free on the disk of $venv (torch's install needs about 2500)"
+  echo "setup-python: $free_mib MiB free on the disk of $venv (the packages take about 2000)" >&2
   # The versions the GPU machine has (torch's CPU and CUDA builds share these pins). No pip
   # cache: the wheels are installed once per environment, and disk is what CI runs short of.
   pip_install=("$python" -m pip install -q --no-cache-dir)
