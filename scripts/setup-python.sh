@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin"
-scripts/setup.sh
+scripts/setup.sh >&2
 if [ "${MOK_PYTHON_SYSTEM:-0}" = 1 ]; then
   python=python3
 else
@@ -36,21 +36,22 @@ else
                 nvidia-nvshmem-cu13==3.4.5)
     torch_python_deps=(filelock==4.3.1 typing-extensions==4.16.0 sympy==1.14.0 mpmath==1.3.0
                        networkx==3.6.1 jinja2==3.1.6 markupsafe==3.0.4 fsspec==2026.9.0)
-    echo "setup-python: installing ${torch_lean[*]} (without torch's CUDA dependencies) into $venv"
+    echo "setup-python: installing ${torch_lean[*]} (without torch's CUDA dependencies) into $venv" >&2
     if ! "${pip_install[@]}" --no-deps "${torch_lean[@]}"; then
-      echo "setup-python: installing torch failed with $(df -Pm "$venv" | awk 'NR == 2 { print $4 }') MiB free on the disk of $venv" >&2
+      free_mib="$(df -Pm "$venv" | awk 'NR == 2 { print $4 }')"
+      echo "setup-python: installing torch failed with $free_mib MiB free on the disk of $venv" >&2
       exit 1
     fi
     "${pip_install[@]}" "${torch_python_deps[@]}"
     if ! "$python" -c "import torch" 2>/dev/null; then
-      echo "setup-python: torch does not import without its CUDA dependencies here; installing them"
+      echo "setup-python: torch does not import without its CUDA dependencies here; installing them" >&2
       "${pip_install[@]}" torch==2.11.0
     fi
   fi
   requirements=(nanobind==3.1.0 scikit-build-core==1.1.0 pytest==9.1.1 numpy==2.4.6
                 transformers==5.17.0 ruff==0.14.0 matplotlib==3.11.2)
   if ! "$python" -c "import nanobind, scikit_build_core, pytest, numpy, transformers, ruff, matplotlib" 2>/dev/null; then
-    echo "setup-python: installing ${requirements[*]} into $venv"
+    echo "setup-python: installing ${requirements[*]} into $venv" >&2
     "${pip_install[@]}" "${requirements[@]}"
   fi
 fi
@@ -59,8 +60,9 @@ if [ -z "${MOK_NCCL_HOME:-}" ]; then
   nccl_home="$("$python" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ]; then export MOK_NCCL_HOME="$nccl_home"; fi
 fi
-echo "setup-python: building and installing mok into $("$python" -c 'import sys; print(sys.prefix)')"
+echo "setup-python: building and installing mok into $("$python" -c 'import sys; print(sys.prefix)')" >&2
 "$python" -m pip install -q --no-build-isolation --no-deps .
-# The interpreter, as an absolute path (the last line: scripts/test.sh reads it).
+# The interpreter, as an absolute path, the only line on stdout (scripts/test.sh reads it); the
+# messages above go to stderr so that they stay in the log.
 resolved="$(command -v "$python")"
 echo "$(cd "$(dirname "$resolved")" && pwd)/$(basename "$resolved")"
