@@ -21,8 +21,8 @@ else
   # and say how much room there is, so that a full disk is diagnosed in the log.
   export TMPDIR="$(cd "$venv" && pwd)/tmp"
   mkdir -p "$TMPDIR"
-  free_mib="$(df -Pm "$venv" | awk 'NR == 2 { print $4 }')"
-  echo "setup-python: $free_mib MiB free on the disk of $venv (the packages take about 2000)" >&2
+  free_mib() { df -Pm "$venv" | awk 'NR == 2 { print $4 }'; }
+  echo "setup-python: $(free_mib) MiB free on the disk of $venv (the packages take about 2000)" >&2
   # The versions the GPU machine has (torch's CPU and CUDA builds share these pins). No pip
   # cache: the wheels are installed once per environment, and disk is what CI runs short of.
   pip_install=("$python" -m pip install -q --no-cache-dir)
@@ -38,8 +38,7 @@ else
                        networkx==3.6.1 jinja2==3.1.6 markupsafe==3.0.4 fsspec==2026.9.0)
     echo "setup-python: installing ${torch_lean[*]} (without torch's CUDA dependencies) into $venv" >&2
     if ! "${pip_install[@]}" --no-deps "${torch_lean[@]}"; then
-      free_mib="$(df -Pm "$venv" | awk 'NR == 2 { print $4 }')"
-      echo "setup-python: installing torch failed with $free_mib MiB free on the disk of $venv" >&2
+      echo "setup-python: installing torch failed with $(free_mib) MiB free on the disk of $venv" >&2
       exit 1
     fi
     "${pip_install[@]}" "${torch_python_deps[@]}"

@@ -38,6 +38,15 @@ void zeroed(DeviceBuffer& buffer, int64_t words, const char* what) {
   cuda_check(cudaMemset(buffer.pointer, 0, buffer.bytes), std::string("zero ") + what);
 }
 
+// A ticket counter and its launch epoch (kernels/gemm/tile_tickets.h) in `buffer`, zeroed.
+kernels::GemmTickets zeroed_tickets(DeviceBuffer& buffer, const char* what) {
+  zeroed(buffer, 2, what);
+  kernels::GemmTickets tickets;
+  tickets.counter = buffer.as<unsigned long long>();
+  tickets.epoch = tickets.counter + 1;
+  return tickets;
+}
+
 // MoeConfig::gemm_l2_placement: which SMs share an L2 partition (a probe of this GPU), their
 // slots, and the claims the GEMMs mark (kernels/gemm/l2_placement.h).
 void plan_l2_placement(GpuLayer::State& s) {
@@ -91,14 +100,9 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
     s.lockstep.epoch = words + kernels::kLockstepTicks + 1;
     s.lockstep.lead_k_blocks = s.config.gemm_lockstep_k_blocks;
   }
-  zeroed(s.fp8_ticket_counters, 2, "FP8 192-row tile tickets");
-  s.fp8_tile_tickets.counter = s.fp8_ticket_counters.as<unsigned long long>();
-  s.fp8_tile_tickets.epoch = s.fp8_tile_tickets.counter + 1;
-  if (config.gemm_tiles_by_ticket) {
-    zeroed(s.ticket_counters, 2, "GEMM tile tickets");
-    s.tickets.counter = s.ticket_counters.as<unsigned long long>();
-    s.tickets.epoch = s.tickets.counter + 1;
-  }
+  s.fp8_tile_tickets = zeroed_tickets(s.fp8_ticket_counters, "FP8 192-row tile tickets");
+  if (config.gemm_tiles_by_ticket)
+    s.tickets = zeroed_tickets(s.ticket_counters, "GEMM tile tickets");
 
   // The minibatch this layer runs with (an automatic one from the shape and this GPU's SMs):
   // every later use reads s.config.
