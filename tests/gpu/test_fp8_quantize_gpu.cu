@@ -555,10 +555,12 @@ TEST(Fp8QuantizeGpu, Bandwidth) {
 
 // The forward's gather-and-quantize pass at dsv3_local's extents (4096 tokens of 7168, top-8, an
 // expert-ordered schedule of 32768 rows in 36864): random values, the tokens' rows visited in a
-// shuffled order as routing scatters them. Both group forms (a training forward: row groups for
-// the gate/up GEMM, column groups for the weight gradients) and row groups alone (a forward
-// that keeps no context); ms and GB/s, counting the gathered bf16 read once and each code
-// written (printed; the layer's "FP8 quantization of ... x rows" stage is this pass).
+// shuffled order as routing scatters them. Both group forms in one pass (a training forward:
+// row groups for the gate/up GEMM, column groups for the weight gradients), row groups alone (a
+// forward that keeps no context) and column groups alone (what a backward gathering x's column
+// groups itself would add: session 56 measured that split and kept the one pass); ms and GB/s,
+// counting the gathered bf16 read once and each code written (printed; the layer's "FP8
+// quantization of ... x rows" stage is this pass).
 TEST(Fp8QuantizeGpu, GatherBandwidth) {
   const int64_t tokens = 4096, cols = 7168, top_k = 8, capacity = 36864, total = 32768;
   std::vector<bf16> x(tokens * cols);
@@ -586,14 +588,15 @@ TEST(Fp8QuantizeGpu, GatherBandwidth) {
             cudaSuccess);
   ASSERT_EQ(cudaMemcpy(d_header, &header, sizeof(header), cudaMemcpyHostToDevice), cudaSuccess);
   kernels::Fp8GatherQuantize params = gather_of(d_header, d_pairs, top_k, d_x, cols, capacity);
-  params.row_codes = rows;
-  params.row_scales = row_scales;
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  for (const bool both_ways : {true, false}) {
-    params.column_codes = both_ways ? columns : nullptr;
-    params.column_scales = both_ways ? column_scales : nullptr;
+  for (const int forms : {3, 1, 2}) {  // bit 0: row groups, bit 1: column groups
+    const bool with_rows = forms & 1, with_columns = forms & 2;
+    params.row_codes = with_rows ? rows : nullptr;
+    params.row_scales = with_rows ? row_scales : nullptr;
+    params.column_codes = with_columns ? columns : nullptr;
+    params.column_scales = with_columns ? column_scales : nullptr;
     ASSERT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaSuccess);
     cudaEventRecord(start);
     for (int i = 0; i < 10; ++i) kernels::launch_gather_quantize_fp8(params, nullptr);
@@ -603,10 +606,10 @@ TEST(Fp8QuantizeGpu, GatherBandwidth) {
     cudaEventElapsedTime(&ms, start, stop);
     // The compulsory bytes: x read once (the grid's row-tile order keeps each column slice of
     // the token rows in L2 while its copies are gathered), the codes written.
-    const double bytes = tokens * cols * 2.0 + total * cols * (both_ways ? 2.0 : 1.0);
+    const double bytes = tokens * cols * 2.0 + total * cols * (forms == 3 ? 2.0 : 1.0);
     std::printf("  fp8 gather-quantize at dsv3_local, %s: %.3f ms, %.0f GB/s\n",
-                both_ways ? "row and column groups" : "row groups", ms / 10,
-                bytes / (ms / 10 * 1e-3) / 1e9);
+                forms == 3 ? "row and column groups" : (with_rows ? "row groups" : "column groups"),
+                ms / 10, bytes / (ms / 10 * 1e-3) / 1e9);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
