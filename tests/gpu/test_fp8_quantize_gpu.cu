@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "device_memory.h"
 #include "kernels/stages/fp8_quantize.h"
 #include "kernels/stages/swiglu.cuh"
 #include "kernels/stages/swiglu_quantize.h"
@@ -25,6 +26,31 @@ namespace mok {
 namespace {
 
 using kernels::Fp8QuantizeForm;
+
+// `values` copied into a device allocation that `memory` owns.
+template <typename T>
+T* upload(test::DeviceAllocations& memory, const std::vector<T>& values) {
+  T* device = memory.allocate<T>(values.size() * sizeof(T));
+  CUDA_CHECK(cudaMemcpy(device, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return device;
+}
+
+// The rate tests' start and stop events, destroyed even when an ASSERT returns early.
+struct TimingEvents {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TimingEvents() {
+    CUDA_CHECK(cudaEventCreate(&start));
+    const cudaError_t created = cudaEventCreate(&stop);
+    if (created != cudaSuccess) cudaEventDestroy(start);  // the destructor won't run on a throw
+    CUDA_CHECK(created);
+  }
+  ~TimingEvents() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  TimingEvents(const TimingEvents&) = delete;
+  TimingEvents& operator=(const TimingEvents&) = delete;
+};
 
 std::vector<bf16> special_matrix(int64_t rows, int64_t cols, uint64_t seed) {
   SplitMix64 rng(seed);
@@ -68,14 +94,10 @@ TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
   const int64_t rows = 384, cols = 256;
   const std::vector<bf16> input = special_matrix(rows, cols, 9);
   const std::vector<bf16> input_t = transposed(input, rows, cols);
-  void *device_in = nullptr, *device_out = nullptr;
-  float* device_scales = nullptr;
-  ASSERT_EQ(cudaMalloc(&device_in, input.size() * sizeof(bf16)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_out, input.size()), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_scales, rows * cols / 128 * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(
-      cudaMemcpy(device_in, input.data(), input.size() * sizeof(bf16), cudaMemcpyHostToDevice),
-      cudaSuccess);
+  test::DeviceAllocations memory;
+  void* device_in = upload(memory, input);
+  void* device_out = memory.allocate(input.size());
+  float* device_scales = memory.allocate<float>(rows * cols / 128 * sizeof(float));
   for (const Fp8QuantizeForm form :
        {Fp8QuantizeForm::kRowGroups, Fp8QuantizeForm::kColumnGroups, Fp8QuantizeForm::kBlocks,
         Fp8QuantizeForm::kBlocksTransposed}) {
@@ -102,16 +124,15 @@ TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
         quantize_fp8_blocks(input_t.data(), cols, rows, want.data(), want_scales.data());
         break;
     }
-    ASSERT_EQ(cudaMemset(device_out, 0xab, input.size()), cudaSuccess);
+    CUDA_CHECK(cudaMemset(device_out, 0xab, input.size()));
     ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, form, device_out, device_scales,
                                            nullptr),
               cudaSuccess);
     std::vector<e4m3> got(input.size());
     std::vector<float> got_scales(want_scales.size());
-    ASSERT_EQ(cudaMemcpy(got.data(), device_out, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got_scales.data(), device_scales, got_scales.size() * sizeof(float),
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    CUDA_CHECK(cudaMemcpy(got.data(), device_out, got.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(got_scales.data(), device_scales, got_scales.size() * sizeof(float),
+                          cudaMemcpyDeviceToHost));
     int64_t wrong = 0;
     for (size_t i = 0; i < got.size(); ++i)
       if (got[i].bits != want[i].bits && ++wrong <= 5)
@@ -130,9 +151,6 @@ TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
   EXPECT_EQ(kernels::launch_quantize_fp8(device_in, 100, cols, Fp8QuantizeForm::kRowGroups,
                                          device_out, device_scales, nullptr),
             cudaErrorInvalidValue);
-  cudaFree(device_in);
-  cudaFree(device_out);
-  cudaFree(device_scales);
 }
 
 // A batch (the experts' weights in one launch): every entry as its own launch would quantize it,
@@ -140,15 +158,12 @@ TEST(Fp8QuantizeGpu, BitExactWithTheHostQuantizers) {
 TEST(Fp8QuantizeGpu, BatchesQuantizeEachEntry) {
   const int64_t rows = 256, cols = 384, count = 3, in_stride = rows * cols + 128 * cols;
   const std::vector<bf16> input = special_matrix(in_stride * count / cols, cols, 31);
-  void *device_in = nullptr, *batched = nullptr, *single = nullptr;
-  float *batched_scales = nullptr, *single_scales = nullptr;
-  ASSERT_EQ(cudaMalloc(&device_in, input.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&batched, count * rows * cols), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&single, count * rows * cols), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&batched_scales, count * rows * cols / 128 * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&single_scales, count * rows * cols / 128 * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(device_in, input.data(), input.size() * 2, cudaMemcpyHostToDevice),
-            cudaSuccess);
+  test::DeviceAllocations memory;
+  void* device_in = upload(memory, input);
+  void* batched = memory.allocate(count * rows * cols);
+  void* single = memory.allocate(count * rows * cols);
+  float* batched_scales = memory.allocate<float>(count * rows * cols / 128 * 4);
+  float* single_scales = memory.allocate<float>(count * rows * cols / 128 * 4);
   for (const Fp8QuantizeForm form :
        {Fp8QuantizeForm::kRowGroups, Fp8QuantizeForm::kColumnGroups, Fp8QuantizeForm::kBlocks,
         Fp8QuantizeForm::kBlocksTransposed}) {
@@ -170,18 +185,13 @@ TEST(Fp8QuantizeGpu, BatchesQuantizeEachEntry) {
           cudaSuccess);
     std::vector<char> a(count * rows * cols), b(count * rows * cols);
     std::vector<float> sa(count * scale_count), sb(count * scale_count);
-    ASSERT_EQ(cudaMemcpy(a.data(), batched, a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(b.data(), single, b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(sa.data(), batched_scales, sa.size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(sb.data(), single_scales, sb.size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    CUDA_CHECK(cudaMemcpy(a.data(), batched, a.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(b.data(), single, b.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(sa.data(), batched_scales, sa.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(sb.data(), single_scales, sb.size() * 4, cudaMemcpyDeviceToHost));
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
     EXPECT_EQ(std::memcmp(sa.data(), sb.data(), sa.size() * 4), 0);
   }
-  for (void* p : {device_in, batched, single, static_cast<void*>(batched_scales),
-                  static_cast<void*>(single_scales)})
-    cudaFree(p);
 }
 
 // Pre-quantized weights transposed for the dgrads (launch_transpose_fp8_blocks): the codes
@@ -191,14 +201,14 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
   const int64_t rows = 256, cols = 384, count = 3, values = rows * cols;
   const int64_t blocks = values / (128 * 128);
   const std::vector<bf16> input = special_matrix(count * rows, cols, 41);
-  void *device_in = nullptr, *codes = nullptr, *want = nullptr, *got = nullptr;
-  float *scales = nullptr, *want_scales = nullptr, *got_scales = nullptr;
-  ASSERT_EQ(cudaMalloc(&device_in, input.size() * 2), cudaSuccess);
-  for (void** p : {&codes, &want, &got}) ASSERT_EQ(cudaMalloc(p, count * values), cudaSuccess);
-  for (float** p : {&scales, &want_scales, &got_scales})
-    ASSERT_EQ(cudaMalloc(p, count * blocks * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(device_in, input.data(), input.size() * 2, cudaMemcpyHostToDevice),
-            cudaSuccess);
+  test::DeviceAllocations memory;
+  void* device_in = upload(memory, input);
+  void* codes = memory.allocate(count * values);
+  void* want = memory.allocate(count * values);
+  void* got = memory.allocate(count * values);
+  float* scales = memory.allocate<float>(count * blocks * 4);
+  float* want_scales = memory.allocate<float>(count * blocks * 4);
+  float* got_scales = memory.allocate<float>(count * blocks * 4);
   kernels::Fp8QuantizeBatch batch;
   batch.count = count;
   ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, Fp8QuantizeForm::kBlocks, codes,
@@ -207,16 +217,16 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
   ASSERT_EQ(kernels::launch_quantize_fp8(device_in, rows, cols, Fp8QuantizeForm::kBlocksTransposed,
                                          want, want_scales, nullptr, batch),
             cudaSuccess);
-  ASSERT_EQ(cudaMemset(got, 0xab, count * values), cudaSuccess);
+  CUDA_CHECK(cudaMemset(got, 0xab, count * values));
   ASSERT_EQ(kernels::launch_transpose_fp8_blocks(codes, scales, rows, cols, got, got_scales,
                                                  nullptr, batch),
             cudaSuccess);
   std::vector<uint8_t> a(count * values), b(count * values);
   std::vector<float> sa(count * blocks), sb(count * blocks);
-  ASSERT_EQ(cudaMemcpy(a.data(), got, a.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(b.data(), want, b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(sa.data(), got_scales, sa.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(sb.data(), want_scales, sb.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  CUDA_CHECK(cudaMemcpy(a.data(), got, a.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(b.data(), want, b.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(sa.data(), got_scales, sa.size() * 4, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(sb.data(), want_scales, sb.size() * 4, cudaMemcpyDeviceToHost));
   int64_t wrong = 0;
   for (size_t i = 0; i < a.size(); ++i)
     if (a[i] != b[i] && ++wrong <= 5)
@@ -233,9 +243,6 @@ TEST(Fp8QuantizeGpu, TransposedBlocksAreTheTransposedQuantization) {
   EXPECT_EQ(
       kernels::launch_transpose_fp8_blocks(codes, scales, 100, cols, got, got_scales, nullptr),
       cudaErrorInvalidValue);
-  for (void* p : {device_in, codes, want, got, static_cast<void*>(scales),
-                  static_cast<void*>(want_scales), static_cast<void*>(got_scales)})
-    cudaFree(p);
 }
 
 // Both layouts of the weights' blocks in one pass (launch_quantize_fp8_blocks_both): the bits
@@ -246,17 +253,16 @@ TEST(Fp8QuantizeGpu, BothBlockLayoutsInOnePassAreTheTwoForms) {
   const int64_t rows = 256, cols = 384, count = 3, in_stride = rows * cols + 128 * cols;
   const int64_t values = rows * cols, blocks = values / (128 * 128);
   const std::vector<bf16> input = special_matrix(in_stride * count / cols, cols, 43);
-  void *device_in = nullptr, *plain = nullptr, *transposed = nullptr, *both = nullptr,
-       *both_t = nullptr;
-  float *plain_scales = nullptr, *transposed_scales = nullptr, *both_scales = nullptr,
-        *both_scales_t = nullptr;
-  ASSERT_EQ(cudaMalloc(&device_in, input.size() * 2), cudaSuccess);
-  for (void** p : {&plain, &transposed, &both, &both_t})
-    ASSERT_EQ(cudaMalloc(p, count * values), cudaSuccess);
-  for (float** p : {&plain_scales, &transposed_scales, &both_scales, &both_scales_t})
-    ASSERT_EQ(cudaMalloc(p, count * blocks * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(device_in, input.data(), input.size() * 2, cudaMemcpyHostToDevice),
-            cudaSuccess);
+  test::DeviceAllocations memory;
+  void* device_in = upload(memory, input);
+  void* plain = memory.allocate(count * values);
+  void* transposed = memory.allocate(count * values);
+  void* both = memory.allocate(count * values);
+  void* both_t = memory.allocate(count * values);
+  float* plain_scales = memory.allocate<float>(count * blocks * 4);
+  float* transposed_scales = memory.allocate<float>(count * blocks * 4);
+  float* both_scales = memory.allocate<float>(count * blocks * 4);
+  float* both_scales_t = memory.allocate<float>(count * blocks * 4);
   kernels::Fp8QuantizeBatch batch;
   batch.count = count;
   batch.in_stride = in_stride;
@@ -268,17 +274,17 @@ TEST(Fp8QuantizeGpu, BothBlockLayoutsInOnePassAreTheTwoForms) {
             cudaSuccess);
   auto expect_bytes = [&](const void* got, const void* want, int64_t bytes, const char* what) {
     std::vector<uint8_t> a(bytes), b(bytes);
-    ASSERT_EQ(cudaMemcpy(a.data(), got, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(b.data(), want, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    CUDA_CHECK(cudaMemcpy(a.data(), got, bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(b.data(), want, bytes, cudaMemcpyDeviceToHost));
     int64_t wrong = 0;
     for (int64_t i = 0; i < bytes; ++i) wrong += a[i] != b[i];
     EXPECT_EQ(wrong, 0) << what;
   };
   for (const int layouts : {3, 1, 2}) {  // both, as they are alone, transposed alone
     SCOPED_TRACE(layouts);
-    for (void* p : {both, both_t}) ASSERT_EQ(cudaMemset(p, 0xab, count * values), cudaSuccess);
+    for (void* p : {both, both_t}) CUDA_CHECK(cudaMemset(p, 0xab, count * values));
     for (float* p : {both_scales, both_scales_t})
-      ASSERT_EQ(cudaMemset(p, 0xab, count * blocks * 4), cudaSuccess);
+      CUDA_CHECK(cudaMemset(p, 0xab, count * blocks * 4));
     const bool as_is = layouts & 1, transposed_too = layouts & 2;
     ASSERT_EQ(kernels::launch_quantize_fp8_blocks_both(
                   device_in, rows, cols, as_is ? both : nullptr, as_is ? both_scales : nullptr,
@@ -299,9 +305,8 @@ TEST(Fp8QuantizeGpu, BothBlockLayoutsInOnePassAreTheTwoForms) {
   std::vector<float> want_scales(blocks);
   std::vector<uint8_t> got(values);
   quantize_fp8_blocks(input.data() + in_stride, rows, cols, want.data(), want_scales.data());
-  ASSERT_EQ(
-      cudaMemcpy(got.data(), static_cast<char*>(plain) + values, values, cudaMemcpyDeviceToHost),
-      cudaSuccess);
+  CUDA_CHECK(
+      cudaMemcpy(got.data(), static_cast<char*>(plain) + values, values, cudaMemcpyDeviceToHost));
   int64_t wrong = 0;
   for (int64_t i = 0; i < values; ++i) wrong += got[i] != want[i].bits;
   EXPECT_EQ(wrong, 0) << "entry 1 against the host quantizer";
@@ -311,10 +316,6 @@ TEST(Fp8QuantizeGpu, BothBlockLayoutsInOnePassAreTheTwoForms) {
   EXPECT_EQ(kernels::launch_quantize_fp8_blocks_both(device_in, rows, cols, both, nullptr, nullptr,
                                                      nullptr, nullptr),
             cudaErrorInvalidValue);
-  for (void* p : {device_in, plain, transposed, both, both_t, static_cast<void*>(plain_scales),
-                  static_cast<void*>(transposed_scales), static_cast<void*>(both_scales),
-                  static_cast<void*>(both_scales_t)})
-    cudaFree(p);
 }
 
 // A gather of `tokens` [T, cols] through the schedule (device pointers), with no outputs yet.
@@ -347,32 +348,28 @@ TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
       std::memcpy(&gathered[r * cols], &x[(row_pair[r] / top_k) * cols], cols * sizeof(bf16));
   ScheduleHeader header{};
   header.total_rows = static_cast<int32_t>(total);
-  void *d_x = nullptr, *d_gathered = nullptr, *d_pairs = nullptr, *d_header = nullptr;
-  void *want_rows = nullptr, *want_cols = nullptr, *got_rows = nullptr, *got_cols = nullptr;
-  float *want_rs = nullptr, *want_cs = nullptr, *got_rs = nullptr, *got_cs = nullptr;
   const int64_t values = capacity * cols, scale_count = values / 128;
-  ASSERT_EQ(cudaMalloc(&d_x, x.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_gathered, values * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_pairs, capacity * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_header, sizeof(header)), cudaSuccess);
-  for (void** p : {&want_rows, &want_cols, &got_rows, &got_cols})
-    ASSERT_EQ(cudaMalloc(p, values), cudaSuccess);
-  for (float** p : {&want_rs, &want_cs, &got_rs, &got_cs})
-    ASSERT_EQ(cudaMalloc(p, scale_count * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_x, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_gathered, gathered.data(), values * 2, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_pairs, row_pair.data(), capacity * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_header, &header, sizeof(header), cudaMemcpyHostToDevice), cudaSuccess);
+  test::DeviceAllocations memory;
+  void* d_x = upload(memory, x);
+  void* d_gathered = upload(memory, gathered);
+  void* d_pairs = upload(memory, row_pair);
+  void* d_header = upload(memory, std::vector<ScheduleHeader>{header});
+  void* want_rows = memory.allocate(values);
+  void* want_cols = memory.allocate(values);
+  void* got_rows = memory.allocate(values);
+  void* got_cols = memory.allocate(values);
+  float* want_rs = memory.allocate<float>(scale_count * 4);
+  float* want_cs = memory.allocate<float>(scale_count * 4);
+  float* got_rs = memory.allocate<float>(scale_count * 4);
+  float* got_cs = memory.allocate<float>(scale_count * 4);
   ASSERT_EQ(kernels::launch_quantize_fp8(d_gathered, capacity, cols, Fp8QuantizeForm::kRowGroups,
                                          want_rows, want_rs, nullptr),
             cudaSuccess);
   ASSERT_EQ(kernels::launch_quantize_fp8(d_gathered, capacity, cols, Fp8QuantizeForm::kColumnGroups,
                                          want_cols, want_cs, nullptr),
             cudaSuccess);
-  for (void* p : {got_rows, got_cols}) ASSERT_EQ(cudaMemset(p, 0xab, values), cudaSuccess);
-  for (float* p : {got_rs, got_cs}) ASSERT_EQ(cudaMemset(p, 0xab, scale_count * 4), cudaSuccess);
+  for (void* p : {got_rows, got_cols}) CUDA_CHECK(cudaMemset(p, 0xab, values));
+  for (float* p : {got_rs, got_cs}) CUDA_CHECK(cudaMemset(p, 0xab, scale_count * 4));
   kernels::Fp8GatherQuantize params = gather_of(d_header, d_pairs, top_k, d_x, cols, capacity);
   params.row_codes = got_rows;
   params.row_scales = got_rs;
@@ -381,7 +378,7 @@ TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
   ASSERT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaSuccess);
   auto host = [](const void* device, int64_t bytes) {
     std::vector<uint8_t> out(bytes);
-    EXPECT_EQ(cudaMemcpy(out.data(), device, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    CUDA_CHECK(cudaMemcpy(out.data(), device, bytes, cudaMemcpyDeviceToHost));
     return out;
   };
   const std::vector<uint8_t> wr = host(want_rows, values), gr = host(got_rows, values);
@@ -409,7 +406,7 @@ TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
     EXPECT_EQ(std::memcmp(&grs[g * capacity * 4], &wrs[g * capacity * 4], total * 4), 0) << g;
   EXPECT_EQ(std::memcmp(gcs.data(), wcs.data(), total / 128 * cols * 4), 0);
   // Without a row_pair: the rows of the gathered copy itself, both forms in one pass.
-  for (void* p : {got_rows, got_cols}) ASSERT_EQ(cudaMemset(p, 0xab, values), cudaSuccess);
+  for (void* p : {got_rows, got_cols}) CUDA_CHECK(cudaMemset(p, 0xab, values));
   params.row_pair = nullptr;
   params.tokens = d_gathered;
   ASSERT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaSuccess);
@@ -422,10 +419,6 @@ TEST(Fp8QuantizeGpu, GatheredRowsQuantizeAsTheGatheredCopy) {
   EXPECT_EQ(identity_wrong, 0);
   params.capacity_rows = 100;
   EXPECT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaErrorInvalidValue);
-  for (void* p : {d_x, d_gathered, d_pairs, d_header, want_rows, want_cols, got_rows, got_cols,
-                  static_cast<void*>(want_rs), static_cast<void*>(want_cs),
-                  static_cast<void*>(got_rs), static_cast<void*>(got_cs)})
-    cudaFree(p);
 }
 
 // h of every element with the epilogue's SwiGLU (swiglu.cuh), one thread each: the ground truth
@@ -447,33 +440,29 @@ TEST(Fp8QuantizeGpu, SwigluQuantizeMatchesTheHost) {
   for (int64_t c = 0; c < 128; ++c) gate[8 * inter + 128 + c] = float_to_bf16(-200.0f);
   gate[9 * inter + 5] = float_to_bf16(NAN);
   for (int64_t c = 0; c < 128; ++c) up[10 * inter + c] = float_to_bf16(0.0f);
-  void *device_gate = nullptr, *device_up = nullptr, *device_h = nullptr, *device_codes = nullptr;
-  float* device_scales = nullptr;
-  ASSERT_EQ(cudaMalloc(&device_gate, count * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_up, count * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_h, count * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_codes, count), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&device_scales, count / 128 * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(device_gate, gate.data(), count * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(device_up, up.data(), count * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  test::DeviceAllocations memory;
+  void* device_gate = upload(memory, gate);
+  void* device_up = upload(memory, up);
+  void* device_h = memory.allocate(count * 2);
+  void* device_codes = memory.allocate(count);
+  float* device_scales = memory.allocate<float>(count / 128 * sizeof(float));
   for (const float limit : {INFINITY, 0.5f}) {
     SCOPED_TRACE(limit);
     swiglu_reference_kernel<<<static_cast<unsigned>((count + 255) / 256), 256>>>(
         static_cast<const __nv_bfloat16*>(device_gate),
         static_cast<const __nv_bfloat16*>(device_up), count, limit,
         static_cast<__nv_bfloat16*>(device_h));
-    ASSERT_EQ(cudaMemset(device_codes, 0xab, count), cudaSuccess);
+    CUDA_CHECK(cudaMemset(device_codes, 0xab, count));
     ASSERT_EQ(kernels::launch_swiglu_quantize_fp8(device_gate, device_up, rows, inter, limit,
                                                   device_codes, device_scales, nullptr),
               cudaSuccess);
     std::vector<bf16> h(count);
     std::vector<e4m3> got(count), want(count);
     std::vector<float> got_scales(count / 128), want_scales(count / 128);
-    ASSERT_EQ(cudaMemcpy(h.data(), device_h, count * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got.data(), device_codes, count, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got_scales.data(), device_scales, got_scales.size() * sizeof(float),
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    CUDA_CHECK(cudaMemcpy(h.data(), device_h, count * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(got.data(), device_codes, count, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(got_scales.data(), device_scales, got_scales.size() * sizeof(float),
+                          cudaMemcpyDeviceToHost));
     quantize_fp8_rows(h.data(), rows, inter, want.data(), want_scales.data());
     want_scales = group_major(want_scales, rows, inter / 128);
     int64_t wrong = 0;
@@ -492,65 +481,50 @@ TEST(Fp8QuantizeGpu, SwigluQuantizeMatchesTheHost) {
   EXPECT_EQ(kernels::launch_swiglu_quantize_fp8(device_gate, device_up, rows, 100, INFINITY,
                                                 device_codes, device_scales, nullptr),
             cudaErrorInvalidValue);
-  for (void* p :
-       {device_gate, device_up, device_h, device_codes, static_cast<void*>(device_scales)})
-    cudaFree(p);
 }
 
 // One dsv3 expert weight's worth of matrices at once (32 experts x [2048, 7168]): bytes read and
 // written per second, each form (printed; the quantization must hide under the GEMMs).
 TEST(Fp8QuantizeGpu, Bandwidth) {
   const int64_t rows = 32 * 2048, cols = 7168;
-  void *in = nullptr, *out = nullptr;
-  float* scales = nullptr;
-  ASSERT_EQ(cudaMalloc(&in, rows * cols * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&out, rows * cols), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&scales, rows * cols / 128 * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(cudaMemset(in, 0x3c, rows * cols * 2), cudaSuccess);
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  test::DeviceAllocations memory;
+  void* in = memory.allocate(rows * cols * 2);
+  void* out = memory.allocate(rows * cols);
+  float* scales = memory.allocate<float>(rows * cols / 128 * sizeof(float));
+  CUDA_CHECK(cudaMemset(in, 0x3c, rows * cols * 2));
+  const TimingEvents events;
   for (const Fp8QuantizeForm form :
        {Fp8QuantizeForm::kRowGroups, Fp8QuantizeForm::kColumnGroups, Fp8QuantizeForm::kBlocks,
         Fp8QuantizeForm::kBlocksTransposed}) {
     ASSERT_EQ(kernels::launch_quantize_fp8(in, rows, cols, form, out, scales, nullptr),
               cudaSuccess);
-    cudaEventRecord(start);
+    cudaEventRecord(events.start);
     for (int i = 0; i < 10; ++i)
       kernels::launch_quantize_fp8(in, rows, cols, form, out, scales, nullptr);
-    cudaEventRecord(stop);
-    ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+    cudaEventRecord(events.stop);
+    ASSERT_EQ(cudaEventSynchronize(events.stop), cudaSuccess);
     float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
+    cudaEventElapsedTime(&ms, events.start, events.stop);
     std::printf("  fp8 quantize form %d: %.3f ms, %.0f GB/s\n", static_cast<int>(form), ms / 10,
                 rows * cols * 3.0 / (ms / 10 * 1e-3) / 1e9);
   }
   // Both block layouts in one pass (a training forward's weights): bf16 read once, two codes
   // written per value.
-  void* out_t = nullptr;
-  float* scales_t = nullptr;
-  ASSERT_EQ(cudaMalloc(&out_t, rows * cols), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&scales_t, rows * cols / (128 * 128) * sizeof(float)), cudaSuccess);
+  void* out_t = memory.allocate(rows * cols);
+  float* scales_t = memory.allocate<float>(rows * cols / (128 * 128) * sizeof(float));
   auto both = [&] {
     return kernels::launch_quantize_fp8_blocks_both(in, rows, cols, out, scales, out_t, scales_t,
                                                     nullptr);
   };
   ASSERT_EQ(both(), cudaSuccess);
-  cudaEventRecord(start);
+  cudaEventRecord(events.start);
   for (int i = 0; i < 10; ++i) both();
-  cudaEventRecord(stop);
-  ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+  cudaEventRecord(events.stop);
+  ASSERT_EQ(cudaEventSynchronize(events.stop), cudaSuccess);
   float both_ms = 0;
-  cudaEventElapsedTime(&both_ms, start, stop);
+  cudaEventElapsedTime(&both_ms, events.start, events.stop);
   std::printf("  fp8 quantize blocks both layouts in one pass: %.3f ms, %.0f GB/s\n", both_ms / 10,
               rows * cols * 4.0 / (both_ms / 10 * 1e-3) / 1e9);
-  cudaFree(out_t);
-  cudaFree(scales_t);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaFree(in);
-  cudaFree(out);
-  cudaFree(scales);
 }
 
 // The forward's gather-and-quantize pass at dsv3_local's extents (4096 tokens of 7168, top-8, an
@@ -573,24 +547,17 @@ TEST(Fp8QuantizeGpu, GatherBandwidth) {
     std::swap(row_pair[r], row_pair[static_cast<int64_t>(rng.next() % (r + 1))]);
   ScheduleHeader header{};
   header.total_rows = static_cast<int32_t>(total);
-  void *d_x = nullptr, *d_pairs = nullptr, *d_header = nullptr, *rows = nullptr, *columns = nullptr;
-  float *row_scales = nullptr, *column_scales = nullptr;
   const int64_t values = capacity * cols;
-  ASSERT_EQ(cudaMalloc(&d_x, x.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_pairs, capacity * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_header, sizeof(header)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&rows, values), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&columns, values), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&row_scales, values / 128 * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&column_scales, values / 128 * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_x, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_pairs, row_pair.data(), capacity * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_header, &header, sizeof(header), cudaMemcpyHostToDevice), cudaSuccess);
+  test::DeviceAllocations memory;
+  void* d_x = upload(memory, x);
+  void* d_pairs = upload(memory, row_pair);
+  void* d_header = upload(memory, std::vector<ScheduleHeader>{header});
+  void* rows = memory.allocate(values);
+  void* columns = memory.allocate(values);
+  float* row_scales = memory.allocate<float>(values / 128 * 4);
+  float* column_scales = memory.allocate<float>(values / 128 * 4);
   kernels::Fp8GatherQuantize params = gather_of(d_header, d_pairs, top_k, d_x, cols, capacity);
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  const TimingEvents events;
   for (const int forms : {3, 1, 2}) {  // bit 0: row groups, bit 1: column groups
     const bool with_rows = forms & 1, with_columns = forms & 2;
     params.row_codes = with_rows ? rows : nullptr;
@@ -598,12 +565,12 @@ TEST(Fp8QuantizeGpu, GatherBandwidth) {
     params.column_codes = with_columns ? columns : nullptr;
     params.column_scales = with_columns ? column_scales : nullptr;
     ASSERT_EQ(kernels::launch_gather_quantize_fp8(params, nullptr), cudaSuccess);
-    cudaEventRecord(start);
+    cudaEventRecord(events.start);
     for (int i = 0; i < 10; ++i) kernels::launch_gather_quantize_fp8(params, nullptr);
-    cudaEventRecord(stop);
-    ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+    cudaEventRecord(events.stop);
+    ASSERT_EQ(cudaEventSynchronize(events.stop), cudaSuccess);
     float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
+    cudaEventElapsedTime(&ms, events.start, events.stop);
     // The compulsory bytes: x read once (the grid's row-tile order keeps each column slice of
     // the token rows in L2 while its copies are gathered), the codes written.
     const double bytes = tokens * cols * 2.0 + total * cols * (forms == 3 ? 2.0 : 1.0);
@@ -611,11 +578,6 @@ TEST(Fp8QuantizeGpu, GatherBandwidth) {
                 forms == 3 ? "row and column groups" : (with_rows ? "row groups" : "column groups"),
                 ms / 10, bytes / (ms / 10 * 1e-3) / 1e9);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  for (void* p : {d_x, d_pairs, d_header, rows, columns, static_cast<void*>(row_scales),
-                  static_cast<void*>(column_scales)})
-    cudaFree(p);
 }
 
 }  // namespace
