@@ -1,5 +1,6 @@
 // What the GPU tests of raw kernels share: a CUDA error check that throws with the call's text,
-// one owned device allocation, and a set of them freed together.
+// one owned device allocation, a set of them freed together (DeviceAllocations), a host vector
+// copied into one of the set (upload), and a timing's start and stop events (TimingEvents).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,6 +9,7 @@
 #include <deque>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace mok::test {
 
@@ -46,6 +48,31 @@ class DeviceAllocations {
 
  private:
   std::deque<DeviceMemory> owned_;  // a deque: DeviceMemory does not move
+};
+
+// `values` copied into a device allocation that `memory` owns.
+template <typename T>
+T* upload(DeviceAllocations& memory, const std::vector<T>& values) {
+  T* device = memory.allocate<T>(values.size() * sizeof(T));
+  CUDA_CHECK(cudaMemcpy(device, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return device;
+}
+
+// A timing's start and stop events, destroyed even when an ASSERT returns early.
+struct TimingEvents {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TimingEvents() {
+    CUDA_CHECK(cudaEventCreate(&start));
+    const cudaError_t created = cudaEventCreate(&stop);
+    if (created != cudaSuccess) cudaEventDestroy(start);  // the destructor won't run on a throw
+    CUDA_CHECK(created);
+  }
+  ~TimingEvents() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  TimingEvents(const TimingEvents&) = delete;
+  TimingEvents& operator=(const TimingEvents&) = delete;
 };
 
 }  // namespace mok::test

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "device_memory.h"
 #include "gpu_step.h"
 #include "mok/gpu_layer.h"
 #include "mok/reference.h"
@@ -613,9 +614,9 @@ TEST(BackwardGpu, FusedGateUpViewsGiveTheSameBits) {
   DeviceProblem device(problem, 0);
   const int64_t E = shape.num_local_experts(), I = shape.intermediate, H = shape.hidden;
   const size_t matrix_bytes = static_cast<size_t>(I * H) * sizeof(bf16);
-  void *gate_up = nullptr, *d_gate_up = nullptr;
-  ASSERT_EQ(cudaMalloc(&gate_up, 2 * E * matrix_bytes), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_gate_up, 2 * E * matrix_bytes), cudaSuccess);
+  test::DeviceAllocations memory;
+  void* gate_up = memory.allocate(2 * E * matrix_bytes);
+  void* d_gate_up = memory.allocate(2 * E * matrix_bytes);
   const ForwardArgs dense = device.forward_args();
   // Expert e: gate rows at 2e * I * H, up rows right after them.
   ASSERT_EQ(cudaMemcpy2D(gate_up, 2 * matrix_bytes, dense.w_gate.data, matrix_bytes, matrix_bytes,
@@ -667,8 +668,6 @@ TEST(BackwardGpu, FusedGateUpViewsGiveTheSameBits) {
       EXPECT_TRUE(test::bitwise_equal(a, b)) << output;
     });
   }
-  cudaFree(gate_up);
-  cudaFree(d_gate_up);
 }
 
 }  // namespace

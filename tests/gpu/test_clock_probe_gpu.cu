@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "device_memory.h"
 #include "kernels/common/ptx.cuh"
 #include "kernels/stages/clock_probe.h"
 #include "mok/gpu_layer.h"
@@ -38,10 +39,9 @@ TEST(ClockProbeGpu, AgreesWithASpinOfKnownCycles) {
   int device = 0, sm_count = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
-  ClockSample* samples = nullptr;
-  double* spin_ghz = nullptr;
-  ASSERT_EQ(cudaMalloc(&samples, 2 * sm_count * sizeof(ClockSample)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&spin_ghz, sm_count * sizeof(double)), cudaSuccess);
+  test::DeviceAllocations memory;
+  ClockSample* samples = memory.allocate<ClockSample>(2 * sm_count * sizeof(ClockSample));
+  double* spin_ghz = memory.allocate<double>(sm_count * sizeof(double));
   ASSERT_EQ(cudaMemset(samples, 0, 2 * sm_count * sizeof(ClockSample)), cudaSuccess);
   ASSERT_EQ(kernels::launch_clock_probe(samples, sm_count, nullptr), cudaSuccess);
   spin_kernel<<<sm_count, 32>>>(int64_t{20'000'000}, spin_ghz);  // ~10-20 ms at 1-2 GHz
@@ -54,8 +54,6 @@ TEST(ClockProbeGpu, AgreesWithASpinOfKnownCycles) {
             cudaSuccess);
   ASSERT_EQ(cudaMemcpy(spun.data(), spin_ghz, spun.size() * sizeof(double), cudaMemcpyDeviceToHost),
             cudaSuccess);
-  cudaFree(samples);
-  cudaFree(spin_ghz);
   int written = 0;
   for (const ClockSample& s : probed) written += s.written;
   EXPECT_EQ(written, 2 * sm_count) << "every probe CTA writes its sample";

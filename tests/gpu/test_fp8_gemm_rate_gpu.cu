@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "device_memory.h"
 #include "fp8_gemm_problem.h"
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/lockstep.h"
@@ -67,28 +68,24 @@ struct Timed {
 // Median milliseconds of 10 launches after 2 warm-ups, and their median clock.
 template <typename Launch>
 Timed median_ms(Launch launch) {
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  const test::TimingEvents events;
   SmClockWindow window;
   std::vector<float> times;
   std::vector<double> clocks;
   for (int i = 0; i < 12; ++i) {
     window.open(nullptr);
-    cudaEventRecord(start);
+    cudaEventRecord(events.start);
     EXPECT_EQ(launch(), cudaSuccess);
-    cudaEventRecord(stop);
+    cudaEventRecord(events.stop);
     window.close(nullptr);
-    EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+    EXPECT_EQ(cudaEventSynchronize(events.stop), cudaSuccess);
     float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
+    cudaEventElapsedTime(&ms, events.start, events.stop);
     if (i >= 2) {
       times.push_back(ms);
       clocks.push_back(window.ghz());
     }
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   std::sort(times.begin(), times.end());
   std::sort(clocks.begin(), clocks.end());
   return {times[times.size() / 2], clocks[clocks.size() / 2]};
@@ -98,22 +95,18 @@ Timed median_ms(Launch launch) {
 // mean milliseconds of 20 after 2 warm-ups, and the clock over the 20.
 template <typename Launch>
 Timed sustained_ms(Launch launch) {
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  const test::TimingEvents events;
   SmClockWindow window;
   for (int i = 0; i < 2; ++i) EXPECT_EQ(launch(), cudaSuccess);
   constexpr int kCalls = 20;
   window.open(nullptr);
-  cudaEventRecord(start);
+  cudaEventRecord(events.start);
   for (int i = 0; i < kCalls; ++i) EXPECT_EQ(launch(), cudaSuccess);
-  cudaEventRecord(stop);
+  cudaEventRecord(events.stop);
   window.close(nullptr);
-  EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+  EXPECT_EQ(cudaEventSynchronize(events.stop), cudaSuccess);
   float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  cudaEventElapsedTime(&ms, events.start, events.stop);
   return {ms / kCalls, window.ghz()};
 }
 
@@ -320,9 +313,7 @@ TEST(Fp8GemmGpu, Throughput) {
       (kernels::kLockstepTicks + 2) * sizeof(unsigned long long));
   ASSERT_EQ(cudaMemset(counters, 0, (kernels::kLockstepTicks + 2) * sizeof(unsigned long long)),
             cudaSuccess);
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  const test::TimingEvents events;
   std::vector<bf16> free_running(rows * n), in_step(rows * n);
   for (const int32_t lead : {0, 8, 16, 32}) {
     problem.params.lockstep = {};
@@ -333,15 +324,15 @@ TEST(Fp8GemmGpu, Throughput) {
     ASSERT_EQ(cudaMemset(problem.out, 0xff, rows * n * 2), cudaSuccess);
     std::vector<float> times;
     for (int i = 0; i < 12; ++i) {
-      cudaEventRecord(start);
+      cudaEventRecord(events.start);
       ASSERT_EQ(problem.run(), cudaSuccess);
-      cudaEventRecord(stop);
+      cudaEventRecord(events.stop);
       if (lead > 0)
         ASSERT_EQ(kernels::launch_advance_epoch(problem.params.lockstep.epoch, nullptr),
                   cudaSuccess);
-      ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+      ASSERT_EQ(cudaEventSynchronize(events.stop), cudaSuccess);
       float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
+      cudaEventElapsedTime(&ms, events.start, events.stop);
       if (i >= 2) times.push_back(ms);
     }
     std::sort(times.begin(), times.end());
@@ -357,8 +348,6 @@ TEST(Fp8GemmGpu, Throughput) {
               cudaSuccess);
     if (lead > 0) EXPECT_TRUE(test::bitwise_equal(in_step, free_running)) << "lead " << lead;
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
 
   // Free-running on random operands (the codes a quantized layer feeds it), per call and
   // sustained.

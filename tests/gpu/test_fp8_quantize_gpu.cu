@@ -26,31 +26,8 @@ namespace mok {
 namespace {
 
 using kernels::Fp8QuantizeForm;
-
-// `values` copied into a device allocation that `memory` owns.
-template <typename T>
-T* upload(test::DeviceAllocations& memory, const std::vector<T>& values) {
-  T* device = memory.allocate<T>(values.size() * sizeof(T));
-  CUDA_CHECK(cudaMemcpy(device, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return device;
-}
-
-// The rate tests' start and stop events, destroyed even when an ASSERT returns early.
-struct TimingEvents {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  TimingEvents() {
-    CUDA_CHECK(cudaEventCreate(&start));
-    const cudaError_t created = cudaEventCreate(&stop);
-    if (created != cudaSuccess) cudaEventDestroy(start);  // the destructor won't run on a throw
-    CUDA_CHECK(created);
-  }
-  ~TimingEvents() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-  }
-  TimingEvents(const TimingEvents&) = delete;
-  TimingEvents& operator=(const TimingEvents&) = delete;
-};
+using test::TimingEvents;
+using test::upload;
 
 std::vector<bf16> special_matrix(int64_t rows, int64_t cols, uint64_t seed) {
   SplitMix64 rng(seed);

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "device_memory.h"
 #include "kernels/common/ptx.cuh"
 #include "mok/sm_clock.h"
 
@@ -230,20 +231,16 @@ Measured time_form(int sm_count, float* sink, SmClockWindow& window) {
             cudaSuccess);
   for (int warm = 0; warm < 2; ++warm) kernel<<<sm_count, kThreads, shared_bytes>>>(kKBlocks, sink);
   constexpr int kLaunches = 10;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  const test::TimingEvents events;
   window.open(nullptr);
-  cudaEventRecord(start);
+  cudaEventRecord(events.start);
   for (int launch = 0; launch < kLaunches; ++launch)
     kernel<<<sm_count, kThreads, shared_bytes>>>(kKBlocks, sink);
-  cudaEventRecord(stop);
+  cudaEventRecord(events.stop);
   window.close(nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  cudaEventElapsedTime(&ms, events.start, events.stop);
   Measured m;
   m.ms = ms / kLaunches;
   const double flop = 2.0 * 64 * kWarpgroups * N * kBlockKBytes * kKBlocks * sm_count;
@@ -258,8 +255,8 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
   int device = 0, sm_count = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
-  float* sink = nullptr;
-  ASSERT_EQ(cudaMalloc(&sink, sm_count * kMaxThreads * sizeof(float)), cudaSuccess);
+  test::DeviceAllocations memory;
+  float* sink = memory.allocate<float>(sm_count * kMaxThreads * sizeof(float));
   SmClockWindow window;
   const std::vector<std::pair<std::string, Measured>> forms = {
       {"accumulate, N = 128", time_form<128, Loop::kAccumulate>(sm_count, sink, window)},
@@ -294,7 +291,6 @@ TEST(Fp8WgmmaCeilingGpu, TensorPipeByTileWidthAndPromotion) {
       {"1 in flight, row factors, N = 192",
        time_form<192, Loop::kOneInFlight>(sm_count, sink, window)},
   };
-  cudaFree(sink);
   for (const auto& [name, m] : forms) {
     std::printf("  fp8 wgmma loop, %-48s %8.3f ms %7.0f TFLOP/s  %.2f GHz  %5.1f%% of peak\n",
                 name.c_str(), m.ms, m.tflops, m.clock_ghz, 100 * m.peak_share);

@@ -205,21 +205,19 @@ TEST(GatherGpu, WalksTimedAtTheLayersShapes) {
     DeviceMemory by_row(bytes), by_token(bytes);
     CUDA_CHECK(cudaMemset(by_row.get(), kPoisonByte, bytes));
     CUDA_CHECK(cudaMemset(by_token.get(), kPoisonByte, bytes));
-    cudaEvent_t start, stop;
-    CUDA_CHECK(cudaEventCreate(&start));
-    CUDA_CHECK(cudaEventCreate(&stop));
+    const test::TimingEvents events;
     const int32_t total_rows = problem.host_view().header->total_rows;
     for (Walk walk : {Walk::kByRow, Walk::kByToken}) {
       void* rows = walk == Walk::kByRow ? by_row.get() : by_token.get();
       CUDA_CHECK(gather(problem, walk, rows, max_rows, 0));
       std::vector<float> times;
       for (int launch = 0; launch < 9; ++launch) {
-        CUDA_CHECK(cudaEventRecord(start));
+        CUDA_CHECK(cudaEventRecord(events.start));
         CUDA_CHECK(gather(problem, walk, rows, max_rows, 0));
-        CUDA_CHECK(cudaEventRecord(stop));
-        CUDA_CHECK(cudaEventSynchronize(stop));
+        CUDA_CHECK(cudaEventRecord(events.stop));
+        CUDA_CHECK(cudaEventSynchronize(events.stop));
         float ms = 0;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        CUDA_CHECK(cudaEventElapsedTime(&ms, events.start, events.stop));
         times.push_back(ms);
       }
       std::sort(times.begin(), times.end());
@@ -228,8 +226,6 @@ TEST(GatherGpu, WalksTimedAtTheLayersShapes) {
                   walk == Walk::kByRow ? "by row  " : "by token", times[4] * 1e3,
                   written / (times[4] * 1e-3) / 1e9);
     }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     std::vector<uint8_t> a(bytes), b(bytes);
     CUDA_CHECK(cudaMemcpy(a.data(), by_row.get(), bytes, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(b.data(), by_token.get(), bytes, cudaMemcpyDeviceToHost));

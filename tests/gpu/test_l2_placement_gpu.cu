@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "device_memory.h"
 #include "gpu_step.h"
 #include "kernels/gemm/l2_placement.h"
 #include "mok/gpu_layer.h"
@@ -45,14 +46,11 @@ TEST(L2PlacementGpu, ClaimsGiveEverySlotOnce) {
   // A made-up slot table over SM ids 0..1023: a permutation of the slots, the rest -1.
   std::vector<int32_t> slot_of_sm(1024, -1);
   for (int32_t id = 0; id < sms; ++id) slot_of_sm[id] = (id * 37 + 5) % sms;
-  int32_t *table = nullptr, *slots = nullptr;
-  unsigned long long* claims = nullptr;
-  ASSERT_EQ(cudaMalloc(&table, slot_of_sm.size() * sizeof(int32_t)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&slots, sms * sizeof(int32_t)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&claims, (sms + 1) * sizeof(unsigned long long)), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(table, slot_of_sm.data(), slot_of_sm.size() * sizeof(int32_t),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  test::DeviceAllocations memory;
+  int32_t* table = test::upload(memory, slot_of_sm);
+  int32_t* slots = memory.allocate<int32_t>(sms * sizeof(int32_t));
+  unsigned long long* claims =
+      memory.allocate<unsigned long long>((sms + 1) * sizeof(unsigned long long));
   ASSERT_EQ(cudaMemset(claims, 0, (sms + 1) * sizeof(unsigned long long)), cudaSuccess);
   kernels::L2Placement placement;
   placement.slot_of_sm = table;
@@ -84,9 +82,6 @@ TEST(L2PlacementGpu, ClaimsGiveEverySlotOnce) {
     for (int launch = 0; launch < 3; ++launch) check_launch("8 SMs free");
   }
   cudaStreamDestroy(stream);
-  cudaFree(table);
-  cudaFree(slots);
-  cudaFree(claims);
 }
 
 MoeConfig placed(int64_t minibatch = 0, int64_t macrobatch = 0) {

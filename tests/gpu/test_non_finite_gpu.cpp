@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "device_memory.h"
 #include "gpu_step.h"
 #include "kernels/stages/non_finite_scan.h"
 #include "mok/gpu_layer.h"
@@ -254,12 +255,10 @@ TEST(NonFiniteGpu, ScanReadsAtMemoryBandwidth) {
   const MoeShape shape = named_shape("dsv3_local");
   const int64_t weights = shape.num_experts * shape.intermediate * shape.hidden;
   const int64_t tokens = shape.num_tokens * shape.hidden, slots = shape.num_tokens * shape.top_k;
-  std::vector<void*> buffers;
+  test::DeviceAllocations memory;
   auto buffer = [&](int64_t bytes, int fill) {
-    void* pointer = nullptr;
-    EXPECT_EQ(cudaMalloc(&pointer, static_cast<size_t>(bytes)), cudaSuccess);
+    void* pointer = memory.allocate(static_cast<size_t>(bytes));
     EXPECT_EQ(cudaMemset(pointer, fill, static_cast<size_t>(bytes)), cudaSuccess);  // 0x3e3e: 0.186
-    buffers.push_back(pointer);
     return pointer;
   };
   kernels::NonFiniteScan scan;
@@ -283,17 +282,15 @@ TEST(NonFiniteGpu, ScanReadsAtMemoryBandwidth) {
   unsigned long long* record = static_cast<unsigned long long*>(buffer(8, 0xff));
   int sm_count = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  cudaEvent_t start, stop;
-  ASSERT_EQ(cudaEventCreate(&start), cudaSuccess);
-  ASSERT_EQ(cudaEventCreate(&stop), cudaSuccess);
+  const test::TimingEvents events;
   std::vector<float> times;
   for (int i = 0; i < 23; ++i) {
-    ASSERT_EQ(cudaEventRecord(start, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(events.start, nullptr), cudaSuccess);
     ASSERT_EQ(kernels::launch_non_finite_scan(scan, record, sm_count, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaEventRecord(stop, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaEventSynchronize(stop), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(events.stop, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaEventSynchronize(events.stop), cudaSuccess);
     float ms = 0;
-    ASSERT_EQ(cudaEventElapsedTime(&ms, start, stop), cudaSuccess);
+    ASSERT_EQ(cudaEventElapsedTime(&ms, events.start, events.stop), cudaSuccess);
     if (i >= 3) times.push_back(ms);
   }
   std::sort(times.begin(), times.end());
@@ -313,9 +310,6 @@ TEST(NonFiniteGpu, ScanReadsAtMemoryBandwidth) {
   ASSERT_EQ(cudaMemcpy(&found, record, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(found, kernels::non_finite_key(kernels::ScannedTensor::kWDown, weights - 1,
                                            kernels::NonFiniteKind::kNaN));
-  for (void* pointer : buffers) cudaFree(pointer);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
 }
 
 }  // namespace

@@ -358,9 +358,7 @@ TEST(ScheduleGpu, Timing) {
   std::string json = "{\n  \"schedule_build\": [";
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
+  const test::TimingEvents events;
   for (size_t s = 0; s < std::size(shapes); ++s) {
     const ScheduleParams params = to_params(shapes[s]);
     DeviceSchedule device(params);
@@ -374,12 +372,12 @@ TEST(ScheduleGpu, Timing) {
     for (int i = 0; i < kWarmup; ++i) launch();
     std::vector<float> stream_ms, graph_ms;
     for (int i = 0; i < kRuns; ++i) {
-      CUDA_CHECK(cudaEventRecord(start, stream));
+      CUDA_CHECK(cudaEventRecord(events.start, stream));
       launch();
-      CUDA_CHECK(cudaEventRecord(stop, stream));
-      CUDA_CHECK(cudaEventSynchronize(stop));
+      CUDA_CHECK(cudaEventRecord(events.stop, stream));
+      CUDA_CHECK(cudaEventSynchronize(events.stop));
       float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, events.start, events.stop));
       stream_ms.push_back(ms);
     }
     cudaGraph_t graph;
@@ -390,12 +388,12 @@ TEST(ScheduleGpu, Timing) {
     CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int i = 0; i < kWarmup; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
     for (int i = 0; i < kRuns; ++i) {
-      CUDA_CHECK(cudaEventRecord(start, stream));
+      CUDA_CHECK(cudaEventRecord(events.start, stream));
       CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      CUDA_CHECK(cudaEventRecord(stop, stream));
-      CUDA_CHECK(cudaEventSynchronize(stop));
+      CUDA_CHECK(cudaEventRecord(events.stop, stream));
+      CUDA_CHECK(cudaEventSynchronize(events.stop));
       float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, events.start, events.stop));
       graph_ms.push_back(ms);
     }
     CUDA_CHECK(cudaGraphExecDestroy(exec));
@@ -418,8 +416,6 @@ TEST(ScheduleGpu, Timing) {
     json += entry;
   }
   json += "\n  ]\n}\n";
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(stop));
   CUDA_CHECK(cudaStreamDestroy(stream));
   if (const char* dir = std::getenv("MOK_RESULTS_DIR"); dir != nullptr && *dir != '\0') {
     const std::string path = std::string(dir) + "/schedule_timing.json";
