@@ -138,10 +138,8 @@ void expect_block_scaled_product(int64_t k) {
 
   // The chain the layer will run: the operands quantized on the GPU (row groups with their
   // scales group-major, blocks per expert) give the same output bits.
-  void* a_bf16 = problem.device.allocate(a.size() * 2);
-  void* b_bf16 = problem.device.allocate(b.size() * 2);
-  ASSERT_EQ(cudaMemcpy(a_bf16, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(b_bf16, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  void* a_bf16 = test::upload(problem.device, a);
+  void* b_bf16 = test::upload(problem.device, b);
   ASSERT_EQ(kernels::launch_quantize_fp8(a_bf16, rows, k, kernels::Fp8QuantizeForm::kRowGroups,
                                          problem.a, problem.a_scales, nullptr),
             cudaSuccess);
@@ -170,14 +168,8 @@ void expect_block_scaled_product(int64_t k) {
       for (int64_t g = 0; g < k_groups; ++g)
         (nb == 0 ? scales_first : scales_second)
             .push_back(b_scales[(e * (n / 128) + nb) * k_groups + g]);
-  float* first_scales = problem.device.allocate<float>(scales_first.size() * 4);
-  float* second_scales = problem.device.allocate<float>(scales_second.size() * 4);
-  ASSERT_EQ(cudaMemcpy(first_scales, scales_first.data(), scales_first.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(second_scales, scales_second.data(), scales_second.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  float* first_scales = test::upload(problem.device, scales_first);
+  float* second_scales = test::upload(problem.device, scales_second);
   const int64_t b2_dims[3] = {k, 256, experts}, b2_strides[2] = {k, n * k};
   const int32_t b2_box[3] = {128, 128, 1};
   problem.maps.b2 = make_tensor_map(static_cast<char*>(problem.b) + 128 * k, TmaElement::kE4M3, 3,
@@ -229,14 +221,8 @@ void expect_block_scaled_product(int64_t k) {
         (g < k_first / 128 ? k_scales_first : k_scales_second)
             .push_back(b_scales[(e * (n / 128) + nb) * k_groups + g]);
   // More than the n split's first scales: every N-block.
-  float* k_first_scales = problem.device.allocate<float>(k_scales_first.size() * 4);
-  ASSERT_EQ(cudaMemcpy(k_first_scales, k_scales_first.data(), k_scales_first.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  float* k_second_scales = problem.device.allocate<float>(k_scales_second.size() * 4);
-  ASSERT_EQ(cudaMemcpy(k_second_scales, k_scales_second.data(), k_scales_second.size() * 4,
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
+  float* k_first_scales = test::upload(problem.device, k_scales_first);
+  float* k_second_scales = test::upload(problem.device, k_scales_second);
   problem.params.b_scales = k_first_scales;
   problem.params.b2_scales = k_second_scales;
   problem.params.k_split = static_cast<int32_t>(k_first);
@@ -286,10 +272,7 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     ASSERT_EQ(cudaMemcpy(problem.expert_offsets, offsets.data(), offsets.size() * 4,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
-    int32_t* device_counts = problem.device.allocate<int32_t>(expert_counts.size() * 4);
-    ASSERT_EQ(cudaMemcpy(device_counts, expert_counts.data(), expert_counts.size() * 4,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    int32_t* device_counts = test::upload(problem.device, expert_counts);
     // Whether row r lies in a chunk of padding alone (past its expert's routed rows' chunks).
     std::vector<bool> skipped(rows, false);
     for (int64_t e = 0; e < experts; ++e)
@@ -465,10 +448,8 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   }
 
   // The column-group quantizer's operands: the same bits.
-  void* a_bf16 = problem.device.allocate(a.size() * 2);
-  void* b_bf16 = problem.device.allocate(b.size() * 2);
-  ASSERT_EQ(cudaMemcpy(a_bf16, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(b_bf16, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  void* a_bf16 = test::upload(problem.device, a);
+  void* b_bf16 = test::upload(problem.device, b);
   ASSERT_EQ(kernels::launch_quantize_fp8(a_bf16, rows, m, kernels::Fp8QuantizeForm::kColumnGroups,
                                          problem.a_codes, problem.a_scales, nullptr),
             cudaSuccess);
