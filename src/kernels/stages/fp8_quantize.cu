@@ -1,5 +1,6 @@
-// The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers, the
-// quantization of gathered rows, and the transposition of pre-quantized weight blocks.
+// The FP8 quantizers (fp8_quantize.h), bit-exact with mok/fp8.h's host quantizers, and the
+// transposition of pre-quantized weight blocks. The gathered rows' pass has its own file
+// (fp8_gather_quantize.cu).
 //
 // Grid: one 256-thread CTA per 128 x 128 tile of the input. The CTA stages the tile in shared
 // memory (16-byte loads, bf16, rows 272 bytes apart), then quantizes it (fp8_group_tile.cuh):
@@ -147,56 +148,6 @@ __global__ void __launch_bounds__(kThreads)
         factors.scale;
 }
 
-// Gathered rows quantized as they are staged (Fp8GatherQuantize): the tile's rows come from the
-// tokens' rows through the schedule (zeros for padding rows and rows past total_rows); a tile
-// wholly past total_rows writes nothing. The tile's 128 token indices are read first, so that
-// each thread's eight 16-byte loads are independent and in flight together.
-__global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8GatherQuantize p) {
-  ptx::begin_after_previous_kernel();
-  constexpr int kVectorsPerThread = kTile * (kTile / 8) / kThreads;
-  __shared__ __align__(16) StagedTile tile;
-  __shared__ int64_t tile_tokens[kTile];
-  const int64_t tile_row = blockIdx.x, tile_col = blockIdx.y;
-  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  const int64_t total_rows = p.header->total_rows;
-  if (row0 >= total_rows) return;
-  if (threadIdx.x < kTile) {
-    const int64_t row = row0 + threadIdx.x;
-    if (p.row_pair == nullptr) {  // the rows themselves
-      tile_tokens[threadIdx.x] = row < total_rows ? row : -1;
-    } else {
-      const int32_t pair = row < total_rows ? p.row_pair[row] : -1;
-      tile_tokens[threadIdx.x] = pair >= 0 ? pair / p.top_k : -1;
-    }
-  }
-  __syncthreads();
-  const auto* tokens = static_cast<const __nv_bfloat16*>(p.tokens);
-  uint4 loaded[kVectorsPerThread];
-#pragma unroll
-  for (int k = 0; k < kVectorsPerThread; ++k) {
-    const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
-    const int64_t token = tile_tokens[r];
-    loaded[k] = token >= 0
-                    ? __ldg(reinterpret_cast<const uint4*>(tokens + token * p.cols + col0 + c))
-                    : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int k = 0; k < kVectorsPerThread; ++k) {
-    const int v = threadIdx.x + k * kThreads, r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
-    *reinterpret_cast<uint4*>(&tile[r][c]) = loaded[k];
-    if (p.rows_bf16 != nullptr && row0 + r < total_rows)
-      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.rows_bf16) + (row0 + r) * p.cols +
-                                col0 + c) = loaded[k];
-  }
-  __syncthreads();
-  if (p.row_codes != nullptr)
-    quantize_row_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
-                        static_cast<uint8_t*>(p.row_codes), p.row_scales);
-  if (p.column_codes != nullptr)
-    quantize_column_groups(tile, tile_row, tile_col, p.capacity_rows, p.cols,
-                           static_cast<uint8_t*>(p.column_codes), p.column_scales);
-}
-
 // One 128 x 128 block of codes transposed through shared memory: 16-byte loads of its rows,
 // then each thread gathers 64 bytes of one column (half a line of the output) and writes them
 // as four 16-byte stores.
@@ -267,23 +218,6 @@ cudaError_t launch_transpose_fp8_blocks(const void* codes, const float* scales, 
   return launch_maybe_overlapped(transpose_fp8_blocks_kernel, tile_grid(rows, cols, batch),
                                  kThreads, 0, on, 1, static_cast<const uint8_t*>(codes), scales,
                                  rows, cols, static_cast<uint8_t*>(out), out_scales, batch);
-}
-
-cudaError_t launch_gather_quantize_fp8(const Fp8GatherQuantize& params, KernelStream on) {
-  if (params.cols <= 0 || params.cols % kTile != 0 || params.capacity_rows < 0 ||
-      params.capacity_rows % kTile != 0 || params.header == nullptr ||
-      (params.row_pair != nullptr && params.top_k <= 0) ||
-      (params.row_codes != nullptr) != (params.row_scales != nullptr) ||
-      (params.column_codes != nullptr) != (params.column_scales != nullptr))
-    return cudaErrorInvalidValue;
-  if (params.capacity_rows == 0) return cudaSuccess;
-  // Row tiles fastest: the CTAs running together read one 128-column slice of every token row
-  // (T x 256 bytes), which L2 keeps while each token's top_k copies are gathered. Column groups
-  // fastest, they read whole token rows, and a token came back only some 36 row tiles later:
-  // at dsv3_local (x 59 MB, beyond L2) the kernel read 414 MB for 59 (ncu, H100, session 44).
-  const dim3 grid(static_cast<unsigned>(params.capacity_rows / kTile),
-                  static_cast<unsigned>(params.cols / kTile));
-  return launch_maybe_overlapped(gather_quantize_fp8_kernel, grid, kThreads, 0, on, 1, params);
 }
 
 cudaError_t launch_quantize_fp8(const void* in, int64_t rows, int64_t cols, Fp8QuantizeForm form,
