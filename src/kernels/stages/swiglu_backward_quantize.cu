@@ -7,11 +7,15 @@
 // I's 256-column groups (one run, the whole of I, unless the launcher splits I where the tiles
 // alone would leave a wave nearly empty: swiglu_backward_quantize_splits). The CTA walks its
 // run's I columns in chunks of 128:
-//   1. each thread computes one 8-element vector (swiglu_backward.cuh) of 8 of the tile's rows:
-//      slot threadIdx % 16 of the chunk, rows threadIdx / 16 + 16 k, the loads of four rows in
-//      flight together; d_g, d_u and h_w go into three staged bf16 tiles (fp8_group_tile.cuh);
+//   0. each thread copies (cp.async, no registers) its vectors of g, u and dh_raw into three
+//      staged bf16 tiles (fp8_group_tile.cuh): slot threadIdx % 16 of the chunk, rows
+//      threadIdx / 16 + 16 k, g where d_g will go, u where d_u, dh_raw where h_w;
+//   1. each thread waits for its own copies and computes its 8-element vectors
+//      (swiglu_backward.cuh) in place: d_g, d_u and h_w over the operands they came from;
 //   2. the tiles are quantized as the quantization passes do it, with the same code: d_g and d_u
-//      in row groups, then all three in column groups (transposed through the tiles' memory).
+//      in row groups, then all three in column groups (transposed through the tiles' memory);
+//      as each tile's codes have left, the next chunk's operand is copied into it (step 0), so
+//      those copies run under the rest of the quantization.
 // The router weight's gradient, in the order of swiglu_backward.cuh: a 256-column group is chunks
 // 2t and 2t + 1, its vector 16 c + s (slot s of chunk c) in the standalone pass's lane
 // 16 (c % 2) + s. The 16 slots of a row are one half-warp, so each chunk's half of the group's
@@ -20,6 +24,7 @@
 // (kGroupPartials), each group's sum goes to the router partials instead, and
 // launch_router_weight_grad_sum adds them in the same order after the kernel.
 #include <cuda_bf16.h>
+#include <cuda_pipeline_primitives.h>
 
 #include "kernels/common/kernel_stream.h"
 #include "kernels/common/overlapped_launch.h"
@@ -38,7 +43,6 @@ using namespace fp8_tile;  // the staged tile and its group quantizers (fp8_grou
 constexpr int kSlots = kTile / 8;                          // 8-element vectors per row of a chunk
 constexpr int kRowsPerThread = kTile * kSlots / kThreads;  // 8
 constexpr int kRowStride = kThreads / kSlots;              // 16: a thread's rows are this far apart
-constexpr int kLoadBatch = 4;                              // rows whose vectors are loaded together
 constexpr int32_t kPastTheRows = -2;                       // a tile row at or past total_rows
 
 struct SwigluBackwardTiles {
@@ -61,38 +65,49 @@ __device__ __forceinline__ void store_group_partial(float* partials, int64_t cap
     partials[group * capacity_rows + row0 + row] = value;
 }
 
-// The thread's vectors of chunk `chunk` for its rows k in [batch, batch + kLoadBatch): computed
-// (zeros for padding rows and rows past total_rows) and staged in the three tiles. dots[k][0]:
-// row k's sum over the groups done; dots[k][1]: the open group's even half. With `partials`
+// The copies of one operand's vectors of chunk `chunk` (the thread's rows; none for padding
+// rows and rows past total_rows) into `tile`, at the places its output takes: one commit group.
+__device__ __forceinline__ void copy_operand(const uint4* operand, const Fp8SwigluBackward& p,
+                                             int64_t row0, int64_t chunk, const int32_t* pairs,
+                                             StagedTile& tile) {
+  const int slot = threadIdx.x % kSlots, first = threadIdx.x / kSlots;
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    const int row = first + kRowStride * k;
+    if (pairs[row] < 0) continue;
+    __pipeline_memcpy_async(
+        &tile[row][slot * 8],
+        operand + (row0 + row) * p.swiglu.vectors_per_row + chunk * kSlots + slot, sizeof(uint4));
+  }
+  __pipeline_commit();
+}
+
+// The thread's vectors of chunk `chunk`, their g, u and dh_raw already copied into the three
+// tiles (copy_operand, by this thread: no barrier needed), computed in place (each element read
+// before it is written; zeros for padding rows and rows past total_rows). dots[k][0]: row k's
+// sum over the groups done; dots[k][1]: the open group's even half. With `partials`
 // (kGroupPartials: the CTA takes a run of the groups), each closed group's sum goes there instead.
 template <bool kGroupPartials>
-__device__ __forceinline__ void stage_vectors(const Fp8SwigluBackward& p, int64_t row0,
-                                              int64_t chunk, int batch, const int32_t* pairs,
-                                              const float* weights,
-                                              float (&dots)[kRowsPerThread][2],
-                                              SwigluBackwardTiles& tiles) {
+__device__ __forceinline__ void compute_vectors(const Fp8SwigluBackward& p, int64_t row0,
+                                                int64_t chunk, const int32_t* pairs,
+                                                const float* weights,
+                                                float (&dots)[kRowsPerThread][2],
+                                                SwigluBackwardTiles& tiles) {
   const SwigluBackwardArgs& args = p.swiglu;
   const int slot = threadIdx.x % kSlots, first = threadIdx.x / kSlots;
   const bool odd = chunk % 2 != 0;
-  auto at_of = [&](int k) {
-    return (row0 + first + kRowStride * k) * args.vectors_per_row + chunk * kSlots + slot;
-  };
-  uint4 g[kLoadBatch], u[kLoadBatch], dh[kLoadBatch];
+  __pipeline_wait_prior(0);
 #pragma unroll
-  for (int j = 0; j < kLoadBatch; ++j) {
-    const int k = batch + j;
-    if (pairs[first + kRowStride * k] < 0) continue;
-    g[j] = args.gate[at_of(k)];
-    u[j] = args.up[at_of(k)];
-    dh[j] = args.dh_raw[at_of(k)];
-  }
-#pragma unroll
-  for (int j = 0; j < kLoadBatch; ++j) {
-    const int k = batch + j, row = first + kRowStride * k;
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    const int row = first + kRowStride * k;
+    uint4* dg_at = reinterpret_cast<uint4*>(&tiles.d_gate[row][slot * 8]);
+    uint4* du_at = reinterpret_cast<uint4*>(&tiles.d_up[row][slot * 8]);
+    uint4* hw_at = reinterpret_cast<uint4*>(&tiles.h_w[row][slot * 8]);
     uint4 dg = make_uint4(0, 0, 0, 0), du = dg, hw = dg;
     float vector_dot = 0.0f;
     if (pairs[row] >= 0)
-      swiglu_backward_vector(g[j], u[j], dh[j], weights[row], args.limit, vector_dot, dg, du, hw);
+      swiglu_backward_vector(*dg_at, *du_at, *hw_at, weights[row], args.limit, vector_dot, dg, du,
+                             hw);
     const float half = router_dot_group<kSlots>(vector_dot);  // every lane: the shuffles
     if (!odd) {
       dots[k][1] = half;
@@ -102,24 +117,29 @@ __device__ __forceinline__ void stage_vectors(const Fp8SwigluBackward& p, int64_
     } else {
       dots[k][0] += dots[k][1] + half;
     }
-    *reinterpret_cast<uint4*>(&tiles.d_gate[row][slot * 8]) = dg;
-    *reinterpret_cast<uint4*>(&tiles.d_up[row][slot * 8]) = du;
-    *reinterpret_cast<uint4*>(&tiles.h_w[row][slot * 8]) = hw;
+    *dg_at = dg;
+    *du_at = du;
+    *hw_at = hw;
   }
 }
 
-// Chunk `chunk` of the CTA's rows: staged, then quantized into every output given.
+// Chunk `chunk` of the CTA's rows, its operands' copies in flight: computed, then quantized
+// into every output given. As each tile's last reader is done, the next chunk's operand that
+// lands there (`next` < chunk_end) is copied in, so the copies run under the quantization.
 template <bool kGroupPartials>
 __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p, int64_t row0,
-                                                      int64_t chunk, const int32_t* pairs,
-                                                      const float* weights,
+                                                      int64_t chunk, int64_t chunk_end,
+                                                      const int32_t* pairs, const float* weights,
                                                       float (&dots)[kRowsPerThread][2],
                                                       SwigluBackwardTiles& tiles) {
-#pragma unroll
-  for (int batch = 0; batch < kRowsPerThread; batch += kLoadBatch)
-    stage_vectors<kGroupPartials>(p, row0, chunk, batch, pairs, weights, dots, tiles);
+  compute_vectors<kGroupPartials>(p, row0, chunk, pairs, weights, dots, tiles);
   __syncthreads();
-  const int64_t tile_row = row0 / kTile, inter = p.swiglu.vectors_per_row * 8;
+  const SwigluBackwardArgs& args = p.swiglu;
+  const int64_t tile_row = row0 / kTile, inter = args.vectors_per_row * 8, next = chunk + 1;
+  auto copy_next = [&](const uint4* operand, StagedTile& tile) {
+    __syncthreads();  // the tile's last reads (its codes' stores) are done
+    if (next < chunk_end) copy_operand(operand, p, row0, next, pairs, tile);
+  };
   quantize_row_groups(tiles.d_gate, tile_row, chunk, p.capacity_rows, inter,
                       static_cast<uint8_t*>(p.d_gate_rows), p.d_gate_row_scales);
   quantize_row_groups(tiles.d_up, tile_row, chunk, p.capacity_rows, inter,
@@ -127,12 +147,20 @@ __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p
   if (p.d_gate_columns != nullptr) {  // each call's first barrier: the row groups are read
     quantize_column_groups(tiles.d_gate, tile_row, chunk, p.capacity_rows, inter,
                            static_cast<uint8_t*>(p.d_gate_columns), p.d_gate_column_scales);
+    copy_next(args.gate, tiles.d_gate);
     quantize_column_groups(tiles.d_up, tile_row, chunk, p.capacity_rows, inter,
                            static_cast<uint8_t*>(p.d_up_columns), p.d_up_column_scales);
+    copy_next(args.up, tiles.d_up);
     quantize_column_groups(tiles.h_w, tile_row, chunk, p.capacity_rows, inter,
                            static_cast<uint8_t*>(p.h_w_columns), p.h_w_column_scales);
+    copy_next(args.dh_raw, tiles.h_w);
+  } else {
+    copy_next(args.gate, tiles.d_gate);
+    if (next < chunk_end) {
+      copy_operand(args.up, p, row0, next, pairs, tiles.d_up);
+      copy_operand(args.dh_raw, p, row0, next, pairs, tiles.h_w);
+    }
   }
-  __syncthreads();  // the tiles are read: the next chunk may stage
 }
 
 // kGroupPartials: the CTA takes a run of the groups and leaves their router sums in
@@ -167,8 +195,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int64_t per_run = (groups + gridDim.y - 1) / gridDim.y;
   const int64_t chunk_begin = 2 * per_run * blockIdx.y;
   const int64_t chunk_end = min(chunks, chunk_begin + 2 * per_run);
+  if (chunk_begin < chunk_end) {
+    copy_operand(args.gate, p, row0, chunk_begin, tile_pairs, tiles.d_gate);
+    copy_operand(args.up, p, row0, chunk_begin, tile_pairs, tiles.d_up);
+    copy_operand(args.dh_raw, p, row0, chunk_begin, tile_pairs, tiles.h_w);
+  }
   for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk)
-    swiglu_backward_chunk<kGroupPartials>(p, row0, chunk, tile_pairs, tile_weights, dots, tiles);
+    swiglu_backward_chunk<kGroupPartials>(p, row0, chunk, chunk_end, tile_pairs, tile_weights, dots,
+                                          tiles);
   if (args.d_router_weights == nullptr && args.d_router_weights_peers == nullptr) return;
   // An odd number of chunks leaves the last group's odd half past the row's end: +0.
   if constexpr (kGroupPartials) {
