@@ -12,8 +12,9 @@
 //      threadIdx / 16 + 16 k, g where d_g will go, u where d_u, dh_raw where h_w;
 //   1. each thread waits for its own copies and computes its 8-element vectors
 //      (swiglu_backward.cuh) in place: d_g, d_u and h_w over the operands they came from;
-//   2. the tiles are quantized as the quantization passes do it, with the same code: d_g and d_u
-//      in row groups, then all three in column groups (transposed through the tiles' memory);
+//   2. the tiles are quantized from 8 x 8 register blocks (fp8_register_block.cuh), tile by
+//      tile: d_g and d_u in row groups and column groups, h_w in column groups (the column codes
+//      transposed through the tile's own memory);
 //      as each tile's codes have left, the next chunk's operand is copied into it (step 0), so
 //      those copies run under the rest of the quantization.
 // The router weight's gradient, in the order of swiglu_backward.cuh: a 256-column group is chunks
@@ -30,6 +31,7 @@
 #include "kernels/common/overlapped_launch.h"
 #include "kernels/common/ptx.cuh"
 #include "kernels/stages/fp8_group_tile.cuh"
+#include "kernels/stages/fp8_register_block.cuh"
 #include "kernels/stages/launch.h"
 #include "kernels/stages/swiglu_backward.cuh"
 #include "kernels/stages/swiglu_backward_quantize.h"
@@ -47,6 +49,7 @@ constexpr int32_t kPastTheRows = -2;                       // a tile row at or p
 
 struct SwigluBackwardTiles {
   StagedTile d_gate, d_up, h_w;
+  fp8_register_block::ColumnScratch column_scratch;  // the column groups' maxima and inverses
 };
 // CTAs an SM holds: the staged tiles bind (the launch bounds promise the registers for it), so
 // the launcher sizes its waves from this, not from an occupancy query per launch.
@@ -140,26 +143,32 @@ __device__ __forceinline__ void swiglu_backward_chunk(const Fp8SwigluBackward& p
     __syncthreads();  // the tile's last reads (its codes' stores) are done
     if (next < chunk_end) copy_operand(operand, p, row0, next, pairs, tile);
   };
-  quantize_row_groups(tiles.d_gate, tile_row, chunk, p.capacity_rows, inter,
-                      static_cast<uint8_t*>(p.d_gate_rows), p.d_gate_row_scales);
-  quantize_row_groups(tiles.d_up, tile_row, chunk, p.capacity_rows, inter,
-                      static_cast<uint8_t*>(p.d_up_rows), p.d_up_row_scales);
-  if (p.d_gate_columns != nullptr) {  // each call's first barrier: the row groups are read
-    quantize_column_groups(tiles.d_gate, tile_row, chunk, p.capacity_rows, inter,
-                           static_cast<uint8_t*>(p.d_gate_columns), p.d_gate_column_scales);
-    copy_next(args.gate, tiles.d_gate);
-    quantize_column_groups(tiles.d_up, tile_row, chunk, p.capacity_rows, inter,
-                           static_cast<uint8_t*>(p.d_up_columns), p.d_up_column_scales);
-    copy_next(args.up, tiles.d_up);
-    quantize_column_groups(tiles.h_w, tile_row, chunk, p.capacity_rows, inter,
-                           static_cast<uint8_t*>(p.h_w_columns), p.h_w_column_scales);
-    copy_next(args.dh_raw, tiles.h_w);
-  } else {
-    copy_next(args.gate, tiles.d_gate);
-    if (next < chunk_end) {
-      copy_operand(args.up, p, row0, next, pairs, tiles.d_up);
-      copy_operand(args.dh_raw, p, row0, next, pairs, tiles.h_w);
-    }
+  const bool columns = p.d_gate_columns != nullptr;
+  fp8_register_block::Block block;
+  // Each tile's block, its forms (the column codes through the tile's own memory:
+  // write_column_groups' first barrier follows every thread's read of its block), then the
+  // next chunk's operand into it.
+  auto quantize = [&](StagedTile& tile, void* rows_out, float* row_scales, void* columns_out,
+                      float* column_scales, const uint4* operand) {
+    fp8_register_block::load_staged_block(tile, block);
+    if (rows_out != nullptr)
+      fp8_register_block::write_row_groups(block, tile_row, chunk, p.capacity_rows, inter,
+                                           static_cast<uint8_t*>(rows_out), row_scales);
+    if (columns)
+      fp8_register_block::write_column_groups(
+          block, tile_row, chunk, p.capacity_rows, inter, static_cast<uint8_t*>(columns_out),
+          column_scales, tiles.column_scratch,
+          *reinterpret_cast<fp8_register_block::CodeTile*>(&tile));
+    copy_next(operand, tile);
+  };
+  quantize(tiles.d_gate, p.d_gate_rows, p.d_gate_row_scales, p.d_gate_columns,
+           p.d_gate_column_scales, args.gate);
+  quantize(tiles.d_up, p.d_up_rows, p.d_up_row_scales, p.d_up_columns, p.d_up_column_scales,
+           args.up);
+  if (columns) {
+    quantize(tiles.h_w, nullptr, nullptr, p.h_w_columns, p.h_w_column_scales, args.dh_raw);
+  } else if (next < chunk_end) {
+    copy_operand(args.dh_raw, p, row0, next, pairs, tiles.h_w);
   }
 }
 
