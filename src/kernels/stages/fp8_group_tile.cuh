@@ -1,9 +1,10 @@
-// The FP8 group quantizers' tile stage, shared by the quantization passes (fp8_quantize.cu) and
-// the FP8 backward's SwiGLU pass (swiglu_backward_quantize.cu), so that every kernel that writes
-// a row or column group computes its codes and scale with the same instructions: one 128 x 128
-// bf16 tile staged in shared memory by a 256-thread CTA, then quantized in row groups (each
+// The FP8 group quantizers' tile stage of the quantization passes (fp8_quantize.cu): one 128 x
+// 128 bf16 tile staged in shared memory by a 256-thread CTA, then quantized in row groups (each
 // thread half a row) or column groups (each thread half a column, the codes written transposed
-// through the tile's own memory). Bit-exact with mok/fp8.h's host quantizers.
+// through the tile's own memory). Bit-exact with mok/fp8.h's host quantizers. Its tile type and
+// the code helpers (to_e4m3x2, codes4, the bf16 halves) serve the register-block quantizers
+// (fp8_register_block.cuh) and the FP8 backward's SwiGLU pass, which stages its tiles in this
+// layout, too.
 #pragma once
 
 #include <cuda_bf16.h>

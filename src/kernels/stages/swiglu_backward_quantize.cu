@@ -40,7 +40,7 @@ namespace mok::kernels {
 
 namespace {
 
-using namespace fp8_tile;  // the staged tile and its group quantizers (fp8_group_tile.cuh)
+using namespace fp8_tile;  // the staged tile (fp8_group_tile.cuh)
 
 constexpr int kSlots = kTile / 8;                          // 8-element vectors per row of a chunk
 constexpr int kRowsPerThread = kTile * kSlots / kThreads;  // 8
