@@ -3,10 +3,10 @@
 // SwiGLU backward's g, u, dh_raw in and d_g, d_u, h_w out in bf16, then d_g, d_u and h_w read
 // back for their codes); this one reads g, u and dh_raw once and writes only codes and scales.
 //
-// Grid: 256-thread CTAs (2 an SM: three staged tiles, 102 KB), x: the 128-row tiles, y: runs of
-// I's 256-column groups (one run, the whole of I, unless the launcher splits I where the tiles
-// alone would leave a wave nearly empty: swiglu_backward_quantize_splits). The CTA walks its
-// run's I columns in chunks of 128:
+// Grid: 256-thread CTAs (2 an SM: three staged tiles and the column scratch, 105 KB), x: the
+// 128-row tiles, y: runs of I's 256-column groups (one run, the whole of I, unless the launcher
+// splits I where the tiles alone would leave a wave nearly empty:
+// swiglu_backward_quantize_splits). The CTA walks its run's I columns in chunks of 128:
 //   0. each thread copies (cp.async, no registers) its vectors of g, u and dh_raw into three
 //      staged bf16 tiles (fp8_group_tile.cuh): slot threadIdx % 16 of the chunk, rows
 //      threadIdx / 16 + 16 k, g where d_g will go, u where d_u, dh_raw where h_w;
