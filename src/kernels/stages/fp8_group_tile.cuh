@@ -75,6 +75,12 @@ __device__ __forceinline__ float high_bf16(uint32_t pair) {
   return __uint_as_float(pair & 0xffff0000u);
 }
 
+// Eight bf16 values (one uint4) times `inverse` as eight e4m3 codes, the first in the low byte.
+__device__ __forceinline__ uint2 codes8(const uint4& v, float inverse) {
+  return make_uint2(codes4(low_bf16(v.x), high_bf16(v.x), low_bf16(v.y), high_bf16(v.y), inverse),
+                    codes4(low_bf16(v.z), high_bf16(v.z), low_bf16(v.w), high_bf16(v.w), inverse));
+}
+
 // The larger magnitude of a max_abs_bf16x2_nan result's two halves, as a float (NaN if either
 // is: canonical, as the float maxima's).
 __device__ __forceinline__ float halves_amax(uint32_t pair) {

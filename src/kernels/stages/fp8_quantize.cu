@@ -98,12 +98,7 @@ __global__ void __launch_bounds__(kThreads)
   const float inverse = factors.inverse_scale;
   uint2 row_codes[8];  // row row_of(i)'s eight codes at `column`
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint4& v = loaded[i];
-    row_codes[i] =
-        make_uint2(codes4(low_bf16(v.x), high_bf16(v.x), low_bf16(v.y), high_bf16(v.y), inverse),
-                   codes4(low_bf16(v.z), high_bf16(v.z), low_bf16(v.w), high_bf16(v.w), inverse));
-  }
+  for (int i = 0; i < 8; ++i) row_codes[i] = codes8(loaded[i], inverse);
   if (out != nullptr) {
     out += blockIdx.z * batch.out_stride;
 #pragma unroll

@@ -80,15 +80,6 @@ __device__ __forceinline__ float amax_of_half(uint32_t word, bool high) {
   return ptx::max_nan(fabsf(value), 0.0f);
 }
 
-// Eight bf16 values (one uint4) times `inverse` as eight e4m3 codes, the first in the low byte.
-__device__ __forceinline__ uint2 codes8(const uint4& v, float inverse) {
-  using fp8_tile::codes4;
-  using fp8_tile::high_bf16;
-  using fp8_tile::low_bf16;
-  return make_uint2(codes4(low_bf16(v.x), high_bf16(v.x), low_bf16(v.y), high_bf16(v.y), inverse),
-                    codes4(low_bf16(v.z), high_bf16(v.z), low_bf16(v.w), high_bf16(v.w), inverse));
-}
-
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
@@ -130,7 +121,7 @@ __device__ __forceinline__ void write_row_groups(const Block& block, int64_t til
 #pragma unroll
   for (int k = 0; k < kBlock; ++k) {
     const float inverse = __shfl_sync(0xffffffffu, factors.inverse_scale, half_warp | k);
-    *reinterpret_cast<uint2*>(codes + k * cols) = codes8(block[k], inverse);
+    *reinterpret_cast<uint2*>(codes + k * cols) = fp8_tile::codes8(block[k], inverse);
   }
 }
 
