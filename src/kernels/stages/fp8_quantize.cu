@@ -2,18 +2,16 @@
 // transposition of pre-quantized weight blocks. The gathered rows' pass has its own file
 // (fp8_gather_quantize.cu).
 //
-// Grid: one 256-thread CTA per 128 x 128 tile of the input. The CTA stages the tile in shared
-// memory (16-byte loads, bf16, rows 272 bytes apart), then quantizes it (fp8_group_tile.cuh):
-// - row groups: each thread holds half a row (16-byte shared loads, eight rows per phase: no
-//   bank conflict); the amax runs on bf16 pairs (HMNMX2 .abs .NaN), one shuffle joins the
-//   halves, and the row's two threads write whole 32-byte sectors;
-// - column groups: each thread holds half a column of the tile; a group's amax is its two
-//   halves' (one shuffle).
-// The weights' blocks have a kernel of their own (quantize_weight_blocks_kernel): one block per
-// CTA, loaded straight into registers (no bf16 staging), its amax the CTA's (bf16 pairs, shuffles,
-// the 8 warps through shared memory), and both layouts written in one pass when asked: the codes
-// as they are, whole 128-byte lines per warp store, and transposed through a shared-memory tile
-// of codes, whole lines again.
+// Grid: one 256-thread CTA per 128 x 128 tile of the input.
+// - Row and column groups (quantize_fp8_kernel): thread t loads its 8 x 8 block of the tile
+//   (fp8_register_block.cuh: rows 8 (t / 16) + k, columns 8 (t % 16) + j) straight into
+//   registers, eight 16-byte loads in flight (a warp's load reads two whole 256-byte row
+//   slices), and the groups are written from the blocks: the row groups with no shared memory,
+//   the column groups through a 16 KB code tile, as the gathered rows' pass does.
+// - The weights' blocks (quantize_weight_blocks_kernel): one block per CTA, loaded straight into
+//   registers, its amax the CTA's (bf16 pairs, shuffles, the 8 warps through shared memory), and
+//   both layouts written in one pass when asked: the codes as they are, whole 128-byte lines per
+//   warp store, and transposed through a shared-memory tile of codes, whole lines again.
 // Every maximum propagates NaN, as the host's does. The factors come from fp8_group_scale
 // (mok/fp8.h: two IEEE divisions), each value is multiplied by the inverse scale in fp32 (a power
 // of two: exact), and the conversion is the hardware's cvt.rn.satfinite.e4m3x2.f32.
@@ -25,39 +23,46 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/stages/fp8_group_tile.cuh"
 #include "kernels/stages/fp8_quantize.h"
+#include "kernels/stages/fp8_register_block.cuh"
 #include "mok/fp8.h"
 
 namespace mok::kernels {
 
 namespace {
 
-using namespace fp8_tile;  // the staged tile and its group quantizers (fp8_group_tile.cuh)
+using namespace fp8_tile;  // the code tile, codes8 and the amax helpers (fp8_group_tile.cuh)
+
+// What the column groups' CTA shares: the transposed codes and the column maxima.
+struct ColumnGroupsShared {
+  fp8_register_block::CodeTile codes;
+  fp8_register_block::ColumnScratch scratch;
+};
 
 template <Fp8QuantizeForm kForm>
 __global__ void __launch_bounds__(kThreads)
     quantize_fp8_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
                         float* scales, Fp8QuantizeBatch batch) {
+  static_assert(kForm == Fp8QuantizeForm::kRowGroups || kForm == Fp8QuantizeForm::kColumnGroups,
+                "the blocks: quantize_weight_blocks_kernel");
+  namespace blocks = fp8_register_block;
   ptx::begin_after_previous_kernel();
   in += blockIdx.z * batch.in_stride;
   out += blockIdx.z * batch.out_stride;
   scales += blockIdx.z * batch.scales_stride;
-  __shared__ __align__(16) StagedTile tile;
   const int64_t tile_col = blockIdx.x, tile_row = blockIdx.y;
-  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  // Stage the tile: 128 rows x 16 vectors of 8 bf16.
-  for (int v = threadIdx.x; v < kTile * (kTile / 8); v += kThreads) {
-    const int r = v / (kTile / 8), c = (v % (kTile / 8)) * 8;
-    *reinterpret_cast<uint4*>(&tile[r][c]) =
-        *reinterpret_cast<const uint4*>(in + (row0 + r) * cols + col0 + c);
+  const int64_t row0 = tile_row * kTile + blocks::block_row() * blocks::kBlock;
+  const int64_t col0 = tile_col * kTile + blocks::block_column() * blocks::kBlock;
+  blocks::Block block;
+#pragma unroll
+  for (int k = 0; k < blocks::kBlock; ++k)
+    block[k] = __ldg(reinterpret_cast<const uint4*>(in + (row0 + k) * cols + col0));
+  if constexpr (kForm == Fp8QuantizeForm::kRowGroups) {
+    blocks::write_row_groups(block, tile_row, tile_col, rows, cols, out, scales);
+  } else {
+    __shared__ __align__(16) ColumnGroupsShared shared;
+    blocks::write_column_groups(block, tile_row, tile_col, rows, cols, out, scales, shared.scratch,
+                                shared.codes);
   }
-  __syncthreads();
-
-  static_assert(kForm == Fp8QuantizeForm::kRowGroups || kForm == Fp8QuantizeForm::kColumnGroups,
-                "the blocks: quantize_weight_blocks_kernel");
-  if constexpr (kForm == Fp8QuantizeForm::kRowGroups)
-    quantize_row_groups(tile, tile_row, tile_col, rows, cols, out, scales);
-  else
-    quantize_column_groups(tile, tile_row, tile_col, rows, cols, out, scales);
 }
 
 // kBlocks and kBlocksTransposed of a batch of [rows, cols] matrices (blockIdx.z the entry), one

@@ -1,5 +1,6 @@
-// The FP8 group quantizers from register blocks, shared by the gathered rows' pass
-// (fp8_gather_quantize.cu) and the FP8 backward's SwiGLU pass (swiglu_backward_quantize.cu):
+// The FP8 group quantizers from register blocks, shared by the quantization passes
+// (fp8_quantize.cu's row and column groups, the gathered rows' pass fp8_gather_quantize.cu) and
+// the FP8 backward's SwiGLU pass (swiglu_backward_quantize.cu):
 // a 256-thread CTA holds a 128 x 128 bf16 tile as one 8 x 8 block a thread, rows
 // 8 (t / 16) + k and columns 8 (t % 16) + j (k, j = 0..7; block[k] is row k's eight values), so
 // a half-warp holds eight whole rows. From there:
@@ -14,9 +15,9 @@
 //     16 column blocks fall on distinct banks), then out as whole 128-byte lines.
 // Each value is widened to fp32 once per form it is written in. The maxima are exact (max and
 // abs of bf16 values), so the factors and each code (the value times a power of two, then the
-// hardware's cvt.rn.satfinite.e4m3x2.f32) are those of the staged quantizers
-// (fp8_group_tile.cuh) and of mok/fp8.h's host quantizers; NaN maxima come out canonical, as the
-// float maxima's. The layouts written are fp8_quantize.h's kRowGroups and kColumnGroups.
+// hardware's cvt.rn.satfinite.e4m3x2.f32) are those of mok/fp8.h's host quantizers; NaN maxima
+// come out canonical, as the float maxima's. The layouts written are fp8_quantize.h's kRowGroups
+// and kColumnGroups.
 #pragma once
 
 #include <cuda_bf16.h>
