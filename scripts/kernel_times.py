@@ -1,0 +1,118 @@
+"""Per-kernel GPU times of mok's layer under sustained load, from torch.profiler.
+
+    python3 scripts/kernel_times.py --shape dsv3_local --precision fp8_block [--calls 20]
+
+Runs `--calls` calls back to back (one synchronization at the end, as a training loop and
+`python -m mok.bench`'s sustained timing do) of each direction: the forward under no_grad (the
+benchmark's forward: no context kept), the forward with autograd recording (the training
+forward: the context kept), and forward + backward. Prints each kernel's mean time per call, its
+launches per call and its share of the direction's kernel time, largest first; then the GPU's
+span per call and where it sat idle (the gaps before each kernel's launches, no kernel of the
+run on the GPU). The clocks are the card's own (no ncu replay, no locked clocks), so the times
+are those a training loop sees. Needs the package installed (scripts/setup-python.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mok.bench_peers import _mok_config_system, make_problem
+
+
+def kernel_table(run, calls: int):
+    """Over `calls` calls of `run`: [(kernel name, microseconds per call, launches per call)],
+    the GPU's span per call (first kernel's start to last kernel's end, over the calls), and
+    [(kernel name, idle microseconds before its launches, per call)]: the gaps in which no
+    kernel of the run was on the GPU."""
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    total_us: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    spans = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total_us[event.name] += event.time_range.elapsed_us()
+            launches[event.name] += 1
+            spans.append((event.time_range.start, event.time_range.end, event.name))
+    rows = [(name, us / calls, launches[name] / calls) for name, us in total_us.items()]
+    spans.sort()
+    gap_us: dict[str, float] = defaultdict(float)
+    busy_until = spans[0][1] if spans else 0
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gap_us[name] += start - busy_until
+        busy_until = max(busy_until, end)
+    span = (busy_until - spans[0][0]) / calls if spans else 0.0
+    gaps = sorted(((name, us / calls) for name, us in gap_us.items()), key=lambda g: -g[1])
+    return sorted(rows, key=lambda row: -row[1]), span, gaps
+
+
+def short_name(name: str, width: int = 90) -> str:
+    name = name.replace("mok::kernels::", "").replace("(anonymous namespace)::", "")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="dsv3_local")
+    parser.add_argument("--precision", default="bf16", help="bf16 or fp8_block")
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+
+    device = torch.device("cuda")
+    p = make_problem(args.shape, device)
+    config = replace(p.module.config, precision=args.precision)
+    system = _mok_config_system(p, f"mok {args.precision}", config)
+    x = p.x.detach().clone().requires_grad_(True)
+    weights = p.router_weights.detach().clone().requires_grad_(True)
+    leaves = [x, weights, *system.parameters]
+
+    def forward_no_grad():
+        with torch.no_grad():
+            system.forward(x, p.top_experts, weights)
+
+    def forward_recorded():
+        system.forward(x, p.top_experts, weights)
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        system.forward(x, p.top_experts, weights).backward(p.d_out)
+
+    step()  # workspaces, quantized weights, autotuning
+    print(f"{args.shape}, {args.precision}, {torch.cuda.get_device_name()}, {args.calls} calls")
+    for title, run in (
+        ("forward, no_grad", forward_no_grad),
+        ("forward, recorded", forward_recorded),
+        ("forward + backward", step),
+    ):
+        rows, span, gaps = kernel_table(run, args.calls)
+        total = sum(us for _, us, _ in rows)
+        print(
+            f"\n{title}: {total / 1000:.3f} ms of kernels a call, the GPU's span "
+            f"{span / 1000:.3f} ms a call (idle {100 * (1 - total / span) if span else 0:.1f}%)"
+        )
+        for name, us, count in rows:
+            if us < 0.005 * total:
+                continue
+            print(
+                f"  {us / 1000:8.3f} ms  {count:4.1f}x  {100 * us / total:5.1f}%  {short_name(name)}"
+            )
+        print("  idle before (per call):")
+        for name, us in gaps[:8]:
+            print(f"  {us / 1000:8.3f} ms  {short_name(name)}")
+        for leaf in leaves:
+            leaf.grad = None
+
+
+if __name__ == "__main__":
+    main()
