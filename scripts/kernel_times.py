@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mok.bench_peers import _mok_config_system, make_problem
+from mok.bench_peers import _mok_config_system, _mok_systems, make_problem
 
 
 def kernel_table(run, calls: int):
@@ -66,6 +66,11 @@ def main() -> None:
     parser.add_argument("--shape", default="dsv3_local")
     parser.add_argument("--precision", default="bf16", help="bf16 or fp8_block")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="also the C++ layer called directly (the benchmark's `mok C++`: bf16, no autograd)",
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda")
@@ -90,11 +95,18 @@ def main() -> None:
 
     step()  # workspaces, quantized weights, autotuning
     print(f"{args.shape}, {args.precision}, {torch.cuda.get_device_name()}, {args.calls} calls")
-    for title, run in (
+    directions = [
         ("forward, no_grad", forward_no_grad),
         ("forward, recorded", forward_recorded),
         ("forward + backward", step),
-    ):
+    ]
+    if args.native:
+        native = next(c for c in _mok_systems(p) if c.native_step is not None)
+        directions += [
+            ("C++ layer: forward", native.native_forward),
+            ("C++ layer: forward + backward", native.native_step),
+        ]
+    for title, run in directions:
         rows, span, gaps = kernel_table(run, args.calls)
         total = sum(us for _, us, _ in rows)
         print(
