@@ -7,9 +7,10 @@ Runs `--calls` calls back to back (one synchronization at the end, as a training
 benchmark's forward: no context kept), the forward with autograd recording (the training
 forward: the context kept), and forward + backward. Prints each kernel's mean time per call, its
 launches per call and its share of the direction's kernel time, largest first; then the GPU's
-span per call and where it sat idle (the gaps before each kernel's launches, no kernel of the
-run on the GPU). The clocks are the card's own (no ncu replay, no locked clocks), so the times
-are those a training loop sees. Needs the package installed (scripts/setup-python.sh).
+span per call, the SM clock the calls ran at, and where it sat idle (the gaps before each
+kernel's launches, no kernel of the run on the GPU). The clocks are the card's own (no ncu
+replay, no locked clocks), so the times are those a training loop sees. `--native` adds the C++
+layer called directly, first. Needs the package installed (scripts/setup-python.sh).
 """
 
 from __future__ import annotations
@@ -21,19 +22,24 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mok import _C
 from mok.bench_peers import _mok_config_system, _mok_systems, make_problem
 
 
 def kernel_table(run, calls: int):
     """Over `calls` calls of `run`: [(kernel name, microseconds per call, launches per call)],
-    the GPU's span per call (first kernel's start to last kernel's end, over the calls), and
-    [(kernel name, idle microseconds before its launches, per call)]: the gaps in which no
-    kernel of the run was on the GPU."""
+    the GPU's span per call (first kernel's start to last kernel's end, over the calls),
+    [(kernel name, idle microseconds before its launches, per call)] (the gaps in which no
+    kernel of the run was on the GPU), and the SM clock in GHz the calls ran at."""
     run()
     torch.cuda.synchronize()
+    clock = _C.SmClockWindow()
+    stream = torch.cuda.current_stream().cuda_stream
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        clock.open(stream)
         for _ in range(calls):
             run()
+        clock.close(stream)
         torch.cuda.synchronize()
     total_us: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
@@ -53,7 +59,7 @@ def kernel_table(run, calls: int):
         busy_until = max(busy_until, end)
     span = (busy_until - spans[0][0]) / calls if spans else 0.0
     gaps = sorted(((name, us / calls) for name, us in gap_us.items()), key=lambda g: -g[1])
-    return sorted(rows, key=lambda row: -row[1]), span, gaps
+    return sorted(rows, key=lambda row: -row[1]), span, gaps, clock.ghz()
 
 
 def short_name(name: str, width: int = 90) -> str:
@@ -69,7 +75,7 @@ def main() -> None:
     parser.add_argument(
         "--native",
         action="store_true",
-        help="also the C++ layer called directly (the benchmark's `mok C++`: bf16, no autograd)",
+        help="also the C++ layer called directly, first (the benchmark's `mok C++`: no autograd)",
     )
     args = parser.parse_args()
 
@@ -100,18 +106,20 @@ def main() -> None:
         ("forward, recorded", forward_recorded),
         ("forward + backward", step),
     ]
-    if args.native:
+    if args.native:  # first, so that a card warmed by the others does not slow it alone
         native = next(c for c in _mok_systems(p) if c.native_step is not None)
-        directions += [
+        directions = [
             ("C++ layer: forward", native.native_forward),
             ("C++ layer: forward + backward", native.native_step),
+            *directions,
         ]
     for title, run in directions:
-        rows, span, gaps = kernel_table(run, args.calls)
+        rows, span, gaps, ghz = kernel_table(run, args.calls)
         total = sum(us for _, us, _ in rows)
         print(
             f"\n{title}: {total / 1000:.3f} ms of kernels a call, the GPU's span "
-            f"{span / 1000:.3f} ms a call (idle {100 * (1 - total / span) if span else 0:.1f}%)"
+            f"{span / 1000:.3f} ms a call (idle {100 * (1 - total / span) if span else 0:.1f}%), "
+            f"SM clock {ghz:.2f} GHz"
         )
         for name, us, count in rows:
             if us < 0.005 * total:
