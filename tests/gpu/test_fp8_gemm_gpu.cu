@@ -437,15 +437,22 @@ TEST(Fp8GemmGpu, WeightGradientMatchesTheBlockScaledProduct) {
   std::printf("  fp8 weight gradients vs the block-scaled product: relative error %.2e\n",
               relative);
   EXPECT_LT(relative, 4e-3);
-  // On a few CTAs each walks the experts' tiles in turn, the one without rows among them.
-  for (const int ctas : {1, 3}) {
-    std::vector<bf16> walked(got.size());
-    ASSERT_EQ(cudaMemset(problem.out, 0xff, experts * m * n * 2), cudaSuccess);
-    ASSERT_EQ(problem.run(ctas), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(walked.data(), problem.out, walked.size() * 2, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    EXPECT_EQ(std::memcmp(got.data(), walked.data(), got.size() * 2), 0) << ctas << " CTAs";
-  }
+  // On a few CTAs each walks the experts' tiles in turn, the one without rows among them; with
+  // two staging tiles (weight_grad_staging_tiles) a CTA's tiles alternate between them.
+  for (const int staging_tiles : {1, 2})
+    for (const int ctas : {1, 3, 0}) {
+      std::vector<bf16> walked(got.size());
+      problem.params.weight_grad_staging_tiles = staging_tiles;
+      ASSERT_EQ(cudaMemset(problem.out, 0xff, experts * m * n * 2), cudaSuccess);
+      ASSERT_EQ(problem.run(ctas), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(walked.data(), problem.out, walked.size() * 2, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(std::memcmp(got.data(), walked.data(), got.size() * 2), 0)
+          << ctas << " CTAs (0: one per SM), " << staging_tiles << " staging tiles";
+    }
+  problem.params.weight_grad_staging_tiles = 3;
+  EXPECT_EQ(problem.run(), cudaErrorInvalidValue);
+  problem.params.weight_grad_staging_tiles = 1;
 
   // The column-group quantizer's operands: the same bits.
   void* a_bf16 = test::upload(problem.device, a);

@@ -33,7 +33,9 @@
 // consumers never wait for each other or issue a store. (Each consumer warpgroup storing its
 // own 64 rows behind its own barrier, with the next tile's coordinates read a tile ahead: 7%
 // slower in the weight gradients at dsv3_e128's 256 rows per expert, level elsewhere; the
-// read-ahead alone lost 8% there; docs/perf.md sessions 26-27.)
+// read-ahead alone lost 8% there; docs/perf.md sessions 26-27.) With
+// Fp8GemmParams::weight_grad_staging_tiles = 2 the weight gradients alternate two staging tiles
+// in four stages, so that a tile's staging waits for the store of the tile two back, not one.
 // B's scales (kRowTiles): one per 128-long K-block of the tile's weight block row. The consumers
 // read the next tile's from global memory while this one runs (one per thread) and write them into
 // the other of two shared-memory rows before the epilogue's barrier, so no K-block waits on a
@@ -63,22 +65,30 @@ constexpr int kFp8TileBytes = BLOCK_M * kFp8BlockK;  // A or B tile of one stage
 constexpr int kFp8ScaleBytes = BLOCK_M * 4;
 static_assert(kMaxTileKBlocks <= kConsumerThreads, "one B scale per consumer thread");
 
+// kStagingTiles 2 (kWeightGrad's Fp8GemmParams::weight_grad_staging_tiles): the second staging
+// tile takes a stage's shared memory.
+template <int kStagingTiles>
+constexpr int kFp8StagesWith = kStagingTiles == 1 ? kFp8Stages : kFp8Stages - 1;
+
+template <int kStagingTiles>
 struct alignas(1024) Fp8SharedStorage {
-  static constexpr int kNumStagesHere = kFp8Stages;
-  uint8_t a[kFp8Stages][kFp8TileBytes];
-  uint8_t b[kFp8Stages][kFp8TileBytes];
-  __nv_bfloat16 store_tile[BLOCK_M * kFp8TileN];  // two [128 x 64] chunks (epilogue.cuh)
-  float a_scales[kFp8Stages][BLOCK_M];
-  float b_scales[kFp8Stages][kFp8TileN];    // kWeightGrad
+  static constexpr int kNumStagesHere = kFp8StagesWith<kStagingTiles>;
+  uint8_t a[kNumStagesHere][kFp8TileBytes];
+  uint8_t b[kNumStagesHere][kFp8TileBytes];
+  // Each two [128 x 64] chunks (epilogue.cuh); kWeightGrad's tile t is staged in t % kStagingTiles.
+  __nv_bfloat16 store_tile[kStagingTiles][BLOCK_M * kFp8TileN];
+  float a_scales[kNumStagesHere][BLOCK_M];
+  float b_scales[kNumStagesHere][kFp8TileN];  // kWeightGrad
   float tile_b_scales[2][kMaxTileKBlocks];  // kRowTiles: B's per K-block, by the CTA's tile parity
   int32_t expert_offsets[kMaxExperts + 1];  // kWeightGrad: the consumers' copy
-  uint64_t full[kFp8Stages];
-  uint64_t empty[kFp8Stages];
-  // kWeightGrad: the staging tile handed between the consumers and the storer thread.
-  uint64_t staging_full;  // a tile staged: one arrival per consumer warp
-  uint64_t staging_free;  // its store has read it: the storer's one arrival
+  uint64_t full[kNumStagesHere];
+  uint64_t empty[kNumStagesHere];
+  // kWeightGrad: each staging tile handed between the consumers and the storer thread.
+  uint64_t staging_full[kStagingTiles];  // a tile staged: one arrival per consumer warp
+  uint64_t staging_free[kStagingTiles];  // its store has read it: the storer's one arrival
 };
-static_assert(sizeof(Fp8SharedStorage) + 1024 <= 227 * 1024, "fits the SM's shared memory");
+static_assert(sizeof(Fp8SharedStorage<1>) + 1024 <= 227 * 1024, "fits the SM's shared memory");
+static_assert(sizeof(Fp8SharedStorage<2>) + 1024 <= 227 * 1024, "fits the SM's shared memory");
 
 struct Fp8Tile {
   int m_tile, n_tile, expert;
@@ -117,7 +127,7 @@ __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params,
   return t;
 }
 
-template <Fp8GemmForm kForm, bool kExpertGroups = false>
+template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1>
 __global__ void __launch_bounds__(kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   // Launched overlapped (MoeConfig::overlap_kernel_launches): nothing below touches memory
@@ -125,11 +135,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   ptx::begin_after_previous_kernel();
   constexpr bool kWeightGrad = kForm == Fp8GemmForm::kWeightGrad;
   static_assert(!kExpertGroups || !kWeightGrad, "the expert groups walk row tiles");
+  static_assert(kStagingTiles == 1 || (kWeightGrad && kStagingTiles == 2),
+                "two staging tiles: the weight gradients' storer alternates them");
+  using Storage = Fp8SharedStorage<kStagingTiles>;
+  constexpr int kStages = Storage::kNumStagesHere;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Fp8SharedStorage& smem = ptx::align_shared_1024<Fp8SharedStorage>(smem_raw);
+  Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
   if (kWeightGrad && threadIdx.x == 0) {  // init_pipeline fences and publishes them
-    ptx::mbarrier_init(&smem.staging_full, kConsumerThreads / 32);
-    ptx::mbarrier_init(&smem.staging_free, 1);
+    for (int b = 0; b < kStagingTiles; ++b) {
+      ptx::mbarrier_init(&smem.staging_full[b], kConsumerThreads / 32);
+      ptx::mbarrier_init(&smem.staging_free[b], 1);
+    }
   }
   init_pipeline(smem);
   const int num_m_tiles = kWeightGrad ? params.m_extent / BLOCK_M : params.header->num_tiles;
@@ -142,7 +158,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&maps.a);
       ptx::prefetch_tensor_map(&maps.b);
-      PipelineState<kFp8Stages> state;
+      PipelineState<kStages> state;
       constexpr uint32_t kBytes = 2 * kFp8TileBytes + (kWeightGrad ? 2 : 1) * kFp8ScaleBytes;
       // MoeConfig::gemm_lockstep_k_blocks (lockstep.h): the row tiles' producers kept in step;
       // every tile has K / 128 K-blocks.
@@ -191,19 +207,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     } else if (kWeightGrad && threadIdx.x == 32) {
       // kWeightGrad's storer: stores each tile the consumers staged, and hands the staging
       // tile back once its store has read it, so that the consumers' epilogue is the staging
-      // alone (no barrier between them, no store issued on their path).
+      // alone (no barrier between them, no store issued on their path). With two staging
+      // tiles one store stays in flight: tile t's is issued before tile t - 1's tile is handed
+      // back, which the consumers next stage into at tile t + 1.
       ptx::prefetch_tensor_map(&maps.out);
-      const char* staging = reinterpret_cast<const char*>(smem.store_tile);
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
         const Fp8Tile t =
             fp8_tile<kForm, false>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
-        mbarrier_wait(params.wait, WaitSite::kStagingFull, &smem.staging_full, local_tile & 1);
-        store_chunks(&maps.out, staging, 0, kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent,
-                     t.m_tile * BLOCK_M, t.expert);
+        const int buffer = local_tile % kStagingTiles;
+        const int use = local_tile / kStagingTiles;  // of this staging tile
+        mbarrier_wait(params.wait, WaitSite::kStagingFull, &smem.staging_full[buffer], use & 1);
+        store_chunks(&maps.out, reinterpret_cast<const char*>(smem.store_tile[buffer]), 0,
+                     kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent, t.m_tile * BLOCK_M,
+                     t.expert);
         ptx::bulk_commit_group();
-        ptx::bulk_wait_group_read<0>();
-        ptx::mbarrier_arrive(&smem.staging_free);
+        if constexpr (kStagingTiles == 1) {
+          ptx::bulk_wait_group_read<0>();
+          ptx::mbarrier_arrive(&smem.staging_free[0]);
+        } else if (local_tile > 0) {
+          ptx::bulk_wait_group_read<1>();  // the previous tile's store has read its tile
+          ptx::mbarrier_arrive(&smem.staging_free[buffer ^ 1]);
+        }
       }
       ptx::bulk_wait_group<0>();
     }
@@ -219,7 +244,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const bool issuer = threadIdx.x == BLOCK_M;
     const int row0 = consumer_idx * 64 + fragment_row(0), row1 = row0 + 8;
     const int column0 = fragment_col(0);  // + 8 j: this thread's column pair of group j
-    PipelineState<kFp8Stages> load_state, release_state;
+    PipelineState<kStages> load_state, release_state;
     float block0[64], block1[64];  // two K-blocks' products in flight (wgmma accumulators)
     float sum[64];                 // the promoted fp32 sum
     // kRowTiles: this thread's B scale (K-block consumer_thread) of tile t.
@@ -367,7 +392,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // longer read (every consumer passed this tile's first barrier after the last tile's math).
       if constexpr (!kWeightGrad)
         smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
-      char* staging = reinterpret_cast<char*>(smem.store_tile);
+      // kWeightGrad: tile local_tile's staging tile, and its use of it.
+      const int buffer = kWeightGrad ? local_tile % kStagingTiles : 0;
+      const int use = kWeightGrad ? local_tile / kStagingTiles : 0;
+      char* staging = reinterpret_cast<char*>(smem.store_tile[buffer]);
       auto stage = [&] {
         stage_fragments<0, kFp8TileN / 8>(staging, consumer_idx * 64, [&](int i, int j) {
           return empty ? make_float2(0.0f, 0.0f)
@@ -375,14 +403,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         });
       };
       if constexpr (kWeightGrad) {
-        // The storer (producer warp 1) stores it: wait until the last tile's store has read
-        // the staging tile, stage, and hand it over, one arrival per warp.
-        mbarrier_wait(params.wait, WaitSite::kStagingFree, &smem.staging_free,
-                      (local_tile & 1) ^ 1);
+        // The storer (producer warp 1) stores it: wait until the store of the tile staged
+        // there last has read the staging tile, stage, and hand it over, one arrival per warp.
+        mbarrier_wait(params.wait, WaitSite::kStagingFree, &smem.staging_free[buffer],
+                      (use & 1) ^ 1);
         stage();
         ptx::fence_proxy_async_shared();
         __syncwarp();
-        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.staging_full);
+        if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.staging_full[buffer]);
         continue;
       }
       acquire_staging_tile(issuer);
@@ -403,11 +431,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 }
 
-template <Fp8GemmForm kForm, bool kExpertGroups = false>
+template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1>
 cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, int num_ctas,
                         KernelStream on) {
-  const size_t smem_bytes = sizeof(Fp8SharedStorage) + 1024;
-  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups>;
+  const size_t smem_bytes = sizeof(Fp8SharedStorage<kStagingTiles>) + 1024;
+  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups, kStagingTiles>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -423,6 +451,9 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
     if (params.m_extent <= 0 || params.m_extent % BLOCK_M != 0 || params.num_experts < 0 ||
         params.num_experts > kMaxExperts)
       return cudaErrorInvalidValue;
+    if (params.weight_grad_staging_tiles == 2)
+      return launch_form<Fp8GemmForm::kWeightGrad, false, 2>(maps, params, num_ctas, on);
+    if (params.weight_grad_staging_tiles != 1) return cudaErrorInvalidValue;
     return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, on);
   }
   if (params.k_extent <= 0 || params.k_extent % kFp8BlockK != 0 ||

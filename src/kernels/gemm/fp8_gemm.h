@@ -85,10 +85,16 @@ struct Fp8GemmParams {
   // Given, the CTAs take their tiles by ticket (fp8_gemm_192_rows.cu); launches that share the
   // counter must not run at once.
   GemmTickets tile_tickets;
+  // kWeightGrad: the staging tiles its epilogue alternates between, 1 or 2. With 2 a tile's
+  // staging does not wait for the previous tile's store to have read the staging tile (a store
+  // that HBM's write rate paces: dsv3_e128's two K-blocks a tile write 3.8 GB of bf16 a
+  // launch), for one pipeline stage fewer (4): the second tile takes its shared memory.
+  int32_t weight_grad_staging_tiles = 1;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
-// that are not multiples of 128, and for kRowTiles' K over kFp8MaxReduction (mok/fp8.h).
+// that are not multiples of 128, for kRowTiles' K over kFp8MaxReduction (mok/fp8.h), and for
+// kWeightGrad's weight_grad_staging_tiles other than 1 or 2.
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, KernelStream on);
 // tile_rows = 192 (launch_fp8_grouped_gemm's): one persistent 512-thread CTA per SM at most.
