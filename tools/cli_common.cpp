@@ -53,12 +53,27 @@ RunOptions bf16_options_of(const RunOptions& options) {
   return bf16;
 }
 
-const char* const kCompareKnobs[] = {
-    "cta-pairs",         "persistent-forward", "persistent-backward", "weight-grad-pingpong",
-    "skip-padding-rows", "local-dispatch",     "wide-tiles",          "tile-group-N",
-    "l2-placement",      "four-stages",        "lockstep-N",          "tiles-by-ticket",
-    "auto-lockstep",     "aligned-groups",     "dgrad-half-tiles",    "expert-groups-N",
-    "swiglu-in-dgrad",   "overlap-launches",   "fp8-rows-192",        nullptr};
+const char* const kCompareKnobs[] = {"cta-pairs",
+                                     "persistent-forward",
+                                     "persistent-backward",
+                                     "weight-grad-pingpong",
+                                     "skip-padding-rows",
+                                     "local-dispatch",
+                                     "wide-tiles",
+                                     "tile-group-N",
+                                     "l2-placement",
+                                     "four-stages",
+                                     "lockstep-N",
+                                     "tiles-by-ticket",
+                                     "auto-lockstep",
+                                     "aligned-groups",
+                                     "dgrad-half-tiles",
+                                     "expert-groups-N",
+                                     "swiglu-in-dgrad",
+                                     "overlap-launches",
+                                     "fp8-rows-192",
+                                     "fp8-wgrad-staging-2",
+                                     nullptr};
 
 namespace {
 
@@ -187,6 +202,9 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // FP8: the row-tile GEMMs in 192-row tiles (128 when they already are).
     flipped.fp8_row_tile_rows = config.fp8_row_tile_rows == 192 ? 128 : 192;
     if (flipped.fp8_row_tile_rows == 192) flipped.gemm_expert_groups = 0;
+  } else if (name == "fp8-wgrad-staging-2") {
+    // FP8: the weight gradients with two staging tiles (one when they already have two).
+    flipped.fp8_weight_grad_staging_tiles = config.fp8_weight_grad_staging_tiles == 2 ? 1 : 2;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

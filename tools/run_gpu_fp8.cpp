@@ -135,6 +135,8 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
               static_cast<unsigned long long>(options.seed));
   std::printf("  row-tile GEMMs in %d-row tiles (fp8_row_tile_rows_for)\n",
               config.fp8_row_tile_rows);
+  if (config.fp8_weight_grad_staging_tiles == 2)
+    std::printf("  weight gradients with two staging tiles (fp8_weight_grad_staging_tiles)\n");
   std::printf(
       "  times: median of 32 calls, FP8 and bf16 interleaved in 8 rounds of shuffled order\n");
   std::printf("  %-22s %10s %10s %10s %10s %9s\n", "", "fp8 ms", "TFLOP/s", "bf16 ms", "TFLOP/s",

@@ -128,6 +128,12 @@ struct MoeConfig {
   // bits. Not with gemm_expert_groups, and the GEMM lockstep does not apply to these tiles.
   // kAutoFp8RowTileRows (0, the default): chosen from the shape (fp8_row_tile_rows_for, below).
   int32_t fp8_row_tile_rows = 0;
+  // The FP8 weight gradients' staging tiles (precision fp8_block): 1, or 2 (their epilogue
+  // alternates two, the second in a pipeline stage's memory: src/kernels/gemm/fp8_gemm.cu), so
+  // that a tile's staging waits for the store of the tile two back, not one. For the shapes
+  // whose weight-gradient tiles have few K-blocks (`dsv3_e128`: two), where the bf16 stores
+  // pace them. Same bits. 1 until measured faster (docs/perf.md, session 59).
+  int32_t fp8_weight_grad_staging_tiles = 1;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
   // the layer probes which SMs share a partition when it is built (atomic latencies,

@@ -85,6 +85,10 @@ class MoKConfig:
         warpgroups; the weights read once per 192 rows; same bits; precision "fp8_block" only,
         not with gemm_expert_groups), or 0 (the default): chosen from the shape, 192 where the
         experts average at least 768 routed rows and the intermediate size is at least 2048.
+    fp8_weight_grad_staging_tiles: the FP8 weight gradients' staging tiles, 1 or 2 (their
+        epilogue alternates two, so that a tile waits for the store two tiles back; for
+        weight-gradient tiles of few K-blocks; same bits; precision "fp8_block" only; 1 until
+        measured faster).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
@@ -145,6 +149,7 @@ class MoKConfig:
     gemm_expert_aligned_groups: bool = False
     gemm_expert_groups: int = 0
     fp8_row_tile_rows: int = 0
+    fp8_weight_grad_staging_tiles: int = 1
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0
@@ -176,6 +181,7 @@ class MoKConfig:
         config.gemm_expert_aligned_groups = self.gemm_expert_aligned_groups
         config.gemm_expert_groups = self.gemm_expert_groups
         config.fp8_row_tile_rows = self.fp8_row_tile_rows
+        config.fp8_weight_grad_staging_tiles = self.fp8_weight_grad_staging_tiles
         config.gemm_l2_placement = self.gemm_l2_placement
         config.gemm_four_stages = self.gemm_four_stages
         config.gemm_lockstep_k_blocks = self.gemm_lockstep_k_blocks

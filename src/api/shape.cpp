@@ -277,6 +277,13 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad(
         "fp8_row_tile_rows = 192 with precision = bf16; valid: fp8_row_tile_rows = 128 "
         "(the 192-row tiles are the FP8 row-tile GEMMs')");
+  if (config.fp8_weight_grad_staging_tiles != 1 && config.fp8_weight_grad_staging_tiles != 2)
+    return bad("fp8_weight_grad_staging_tiles = " +
+               std::to_string(config.fp8_weight_grad_staging_tiles) + "; valid: 1 or 2");
+  if (config.fp8_weight_grad_staging_tiles == 2 && config.precision != Precision::kFP8Block)
+    return bad(
+        "fp8_weight_grad_staging_tiles = 2 with precision = bf16; valid: "
+        "fp8_weight_grad_staging_tiles = 1 (the FP8 weight gradients' staging)");
   if (config.fp8_row_tile_rows == 192 && config.gemm_expert_groups != 0)
     return bad("fp8_row_tile_rows = 192 with gemm_expert_groups = " +
                std::to_string(config.gemm_expert_groups) +

@@ -442,6 +442,7 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     wgrad.num_experts = static_cast<int32_t>(E);
     wgrad.m_extent = static_cast<int32_t>(m);
     wgrad.n_extent = static_cast<int32_t>(n);
+    wgrad.weight_grad_staging_tiles = s.config.fp8_weight_grad_staging_tiles;
     wgrad.wait = s.wait_context();
     wgrad.ablation = gemm_ablation_from_env();
     launch(s, wgrad_maps, wgrad, on, what);

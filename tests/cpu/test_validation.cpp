@@ -346,6 +346,21 @@ TEST(ConfigValidation, Fp8RowTileRowsAreAutomatic128Or192) {
                {"fp8_row_tile_rows = 192 with precision = bf16", "valid: fp8_row_tile_rows = 128"});
 }
 
+// MoeConfig::fp8_weight_grad_staging_tiles: 1 or 2, two on the FP8 weight gradients only, each
+// refusal naming the value and what is valid.
+TEST(ConfigValidation, Fp8WeightGradStagingTilesAreOneOrTwo) {
+  MoeConfig config;
+  EXPECT_EQ(config.fp8_weight_grad_staging_tiles, 1);
+  config.precision = Precision::kFP8Block;
+  expect_int_knob_range(config, &MoeConfig::fp8_weight_grad_staging_tiles,
+                        "fp8_weight_grad_staging_tiles", {1, 2}, {0, 3, -1}, "valid: 1 or 2");
+  MoeConfig bf16;
+  bf16.fp8_weight_grad_staging_tiles = 2;
+  expect_error(can_implement_knobs(bf16, 1), ErrorCode::kInvalidArgument,
+               {"fp8_weight_grad_staging_tiles = 2 with precision = bf16",
+                "valid: fp8_weight_grad_staging_tiles = 1"});
+}
+
 // MoeConfig::fp8_row_tile_rows left automatic: 192-row tiles where the experts average at least
 // 768 routed rows and I is at least 2048 (`dsv3_local`, `kimi_slice` and `dsv3` on eight ranks of
 // the named shapes), 128 elsewhere, under bf16 and under the expert groups walk; a caller's choice

@@ -284,6 +284,15 @@ def test_no_tokens(device):
             dict(fp8_row_tile_rows=192),
             r"fp8_row_tile_rows = 192 with precision = bf16; valid: fp8_row_tile_rows = 128",
         ),
+        (
+            dict(fp8_weight_grad_staging_tiles=3),
+            r"fp8_weight_grad_staging_tiles = 3; valid: 1 or 2",
+        ),
+        (
+            dict(fp8_weight_grad_staging_tiles=2),
+            r"fp8_weight_grad_staging_tiles = 2 with precision = bf16; valid: "
+            r"fp8_weight_grad_staging_tiles = 1",
+        ),
     ],
 )
 def test_bad_config_is_refused_on_every_device(device, fields, message):
@@ -330,4 +339,6 @@ def test_config_switches_reach_the_native_config():
     assert F.MoKConfig(gemm_tile_group=3).to_native().gemm_tile_group == 3
     assert F.MoKConfig(gemm_expert_groups=16).to_native().gemm_expert_groups == 16
     assert F.MoKConfig(fp8_row_tile_rows=192).to_native().fp8_row_tile_rows == 192
+    staging = F.MoKConfig(fp8_weight_grad_staging_tiles=2).to_native()
+    assert staging.fp8_weight_grad_staging_tiles == 2
     assert F.MoKConfig(gemm_lockstep_k_blocks=16).to_native().gemm_lockstep_k_blocks == 16
