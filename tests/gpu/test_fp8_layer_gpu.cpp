@@ -191,6 +191,29 @@ TEST(Fp8LayerGpu, Rows192TilesGiveTheSameBits) {
   });
 }
 
+// The FP8 weight gradients with two staging tiles (MoeConfig::fp8_weight_grad_staging_tiles):
+// only where each tile waits for its store changes, so the bits are one staging tile's, on
+// skewed routing (experts of 1 to ~20 row tiles: weight-gradient tiles of 1 to ~20 K-blocks) and
+// with empty experts, launches plain and overlapped: the knob's path through the layer. (Here
+// 128 weight-gradient tiles a launch leave most CTAs one tile; the alternation itself is
+// checked on 1 and 3 CTAs by Fp8GemmGpu.WeightGradientMatchesTheBlockScaledProduct.)
+TEST(Fp8LayerGpu, TwoWeightGradStagingTilesGiveTheSameBits) {
+  for_each_bits_problem(97, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+                               DeviceProblem& device) {
+    GpuLayer one_tile(shape, fp8_config());
+    const HostRank want = test::gpu_step(one_tile, device, problem, /*with_context=*/true);
+    for (const bool overlap : {false, true}) {
+      SCOPED_TRACE(std::string(routing_kind_name(routing)) + (overlap ? ", overlapped" : ""));
+      MoeConfig config = fp8_config();
+      config.fp8_weight_grad_staging_tiles = 2;
+      config.overlap_kernel_launches = overlap;
+      GpuLayer two_tiles(shape, config);
+      expect_same_bits(test::gpu_step(two_tiles, device, problem, /*with_context=*/true), want,
+                       "differs from one staging tile's");
+    }
+  });
+}
+
 // The FP8 layer's launches overlapped (MoeConfig::overlap_kernel_launches): every kernel waits
 // for the one before, so the bits are the plain launches', with and without the forward context
 // (the recompute's gather, quantization and GEMM), on skewed routing and with empty experts.
