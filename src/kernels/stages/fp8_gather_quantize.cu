@@ -23,8 +23,7 @@ namespace {
 using namespace fp8_register_block;  // the blocks and their group quantizers
 
 struct GatherTileShared {
-  CodeTile column_codes;
-  ColumnScratch column_scratch;
+  ColumnGroupsShared column_groups;
   int64_t tile_tokens[kTile];
 };
 
@@ -73,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) gather_quantize_fp8_kernel(Fp8Gather
   if (p.column_codes != nullptr)
     write_column_groups(block, tile_row, tile_col, p.capacity_rows, p.cols,
                         static_cast<uint8_t*>(p.column_codes), p.column_scales,
-                        shared.column_scratch, shared.column_codes);
+                        shared.column_groups.scratch, shared.column_groups.codes);
 }
 
 }  // namespace

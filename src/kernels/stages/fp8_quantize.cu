@@ -32,12 +32,6 @@ namespace {
 
 using namespace fp8_tile;  // the code tile, codes8 and the amax helpers (fp8_group_tile.cuh)
 
-// What the column groups' CTA shares: the transposed codes and the column maxima.
-struct ColumnGroupsShared {
-  fp8_register_block::CodeTile codes;
-  fp8_register_block::ColumnScratch scratch;
-};
-
 template <Fp8QuantizeForm kForm>
 __global__ void __launch_bounds__(kThreads)
     quantize_fp8_kernel(const __nv_bfloat16* in, int64_t rows, int64_t cols, uint8_t* out,
@@ -59,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kForm == Fp8QuantizeForm::kRowGroups) {
     blocks::write_row_groups(block, tile_row, tile_col, rows, cols, out, scales);
   } else {
-    __shared__ __align__(16) ColumnGroupsShared shared;
+    __shared__ __align__(16) blocks::ColumnGroupsShared shared;
     blocks::write_column_groups(block, tile_row, tile_col, rows, cols, out, scales, shared.scratch,
                                 shared.codes);
   }

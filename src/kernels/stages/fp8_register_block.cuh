@@ -49,6 +49,12 @@ struct ColumnScratch {
   float column_inverse[kTile];
 };
 
+// A CTA's shared memory for write_column_groups, where nothing else lends it a code tile.
+struct ColumnGroupsShared {
+  CodeTile codes;
+  ColumnScratch scratch;
+};
+
 __device__ __forceinline__ int block_row() { return threadIdx.x / kBlocksPerLine; }
 __device__ __forceinline__ int block_column() { return threadIdx.x % kBlocksPerLine; }
 
