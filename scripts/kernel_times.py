@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mok import _C
+from mok.bench import _callables
 from mok.bench_peers import _mok_config_system, _mok_systems, make_problem
 
 
@@ -83,23 +84,14 @@ def main() -> None:
     p = make_problem(args.shape, device)
     config = replace(p.module.config, precision=args.precision)
     system = _mok_config_system(p, f"mok {args.precision}", config)
-    x = p.x.detach().clone().requires_grad_(True)
-    weights = p.router_weights.detach().clone().requires_grad_(True)
-    leaves = [x, weights, *system.parameters]
+    # The benchmark's own calls (warmed up by one step): the forward under no_grad, the step.
+    forward_no_grad, step, release = _callables(p, system)
+    x = p.x.detach().requires_grad_(True)
+    weights = p.router_weights.detach().requires_grad_(True)
 
-    def forward_no_grad():
-        with torch.no_grad():
-            system.forward(x, p.top_experts, weights)
-
-    def forward_recorded():
+    def forward_recorded():  # the training forward: the context kept, the graph dropped
         system.forward(x, p.top_experts, weights)
 
-    def step():
-        for leaf in leaves:
-            leaf.grad = None
-        system.forward(x, p.top_experts, weights).backward(p.d_out)
-
-    step()  # workspaces, quantized weights, autotuning
     print(f"{args.shape}, {args.precision}, {torch.cuda.get_device_name()}, {args.calls} calls")
     directions = [
         ("forward, no_grad", forward_no_grad),
@@ -108,9 +100,10 @@ def main() -> None:
     ]
     if args.native:  # first, so that a card warmed by the others does not slow it alone
         native = next(c for c in _mok_systems(p) if c.native_step is not None)
+        native_forward, native_step, _ = _callables(p, native)
         directions = [
-            ("C++ layer: forward", native.native_forward),
-            ("C++ layer: forward + backward", native.native_step),
+            ("C++ layer: forward", native_forward),
+            ("C++ layer: forward + backward", native_step),
             *directions,
         ]
     for title, run in directions:
@@ -130,8 +123,7 @@ def main() -> None:
         print("  idle before (per call):")
         for name, us in gaps[:8]:
             print(f"  {us / 1000:8.3f} ms  {short_name(name)}")
-        for leaf in leaves:
-            leaf.grad = None
+        release()
 
 
 if __name__ == "__main__":
