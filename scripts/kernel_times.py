@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from mok import _C
 from mok.bench import _callables
 from mok.bench_peers import _mok_config_system, _mok_systems, make_problem
+from mok.functional import MoKConfig
 
 
 def kernel_table(run, calls: int):
@@ -63,6 +64,19 @@ def kernel_table(run, calls: int):
     return sorted(rows, key=lambda row: -row[1]), span, gaps, clock.ghz()
 
 
+def config_fields(settings: list[str]) -> dict:
+    """`FIELD=VALUE` strings as MoKConfig fields, each VALUE read as its field's type."""
+    defaults = MoKConfig()
+    fields = {}
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if not hasattr(defaults, name):
+            raise SystemExit(f"--set {setting}: MoKConfig has no field {name!r}")
+        kind = type(getattr(defaults, name))
+        fields[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return fields
+
+
 def short_name(name: str, width: int = 90) -> str:
     name = name.replace("mok::kernels::", "").replace("(anonymous namespace)::", "")
     return name if len(name) <= width else name[: width - 3] + "..."
@@ -78,11 +92,18 @@ def main() -> None:
         action="store_true",
         help="also the C++ layer called directly, first (the benchmark's `mok C++`: no autograd)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a MoKConfig field for mok's layer (repeatable), e.g. fp8_swiglu_in_gate_up=1",
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda")
     p = make_problem(args.shape, device)
-    config = replace(p.module.config, precision=args.precision)
+    config = replace(p.module.config, precision=args.precision, **config_fields(args.set))
     system = _mok_config_system(p, f"mok {args.precision}", config)
     # The benchmark's own calls (warmed up by one step): the forward under no_grad, the step.
     forward_no_grad, step, release = _callables(p, system)

@@ -73,6 +73,7 @@ const char* const kCompareKnobs[] = {"cta-pairs",
                                      "overlap-launches",
                                      "fp8-rows-192",
                                      "fp8-wgrad-staging-2",
+                                     "fp8-swiglu-in-gate-up",
                                      nullptr};
 
 namespace {
@@ -205,6 +206,9 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
   } else if (name == "fp8-wgrad-staging-2") {
     // FP8: the weight gradients with two staging tiles (one when they already have two).
     flipped.fp8_weight_grad_staging_tiles = config.fp8_weight_grad_staging_tiles == 2 ? 1 : 2;
+  } else if (name == "fp8-swiglu-in-gate-up") {
+    // FP8: SwiGLU in the gate/up GEMM's epilogue (the 192-row tiles; a pass of its own when on).
+    flipped.fp8_swiglu_in_gate_up = !config.fp8_swiglu_in_gate_up;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

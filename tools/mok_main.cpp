@@ -105,7 +105,8 @@ mok run options:
                                overlap-launches, fp8-rows-192: FP8's row-tile GEMMs in
                                192-row tiles, or 128 where the shape chose 192,
                                fp8-wgrad-staging-2: FP8's weight gradients with two
-                               staging tiles); K1+K2
+                               staging tiles, fp8-swiglu-in-gate-up: FP8's SwiGLU in the
+                               gate/up GEMM's epilogue); K1+K2
                                flips several on one layer. An FP8 run (--precision
                                fp8_block) takes it without --quick: the flipped FP8 layers
                                timed beside it

@@ -185,6 +185,7 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("gemm_expert_groups", &MoeConfig::gemm_expert_groups)
       .def_rw("fp8_row_tile_rows", &MoeConfig::fp8_row_tile_rows)
       .def_rw("fp8_weight_grad_staging_tiles", &MoeConfig::fp8_weight_grad_staging_tiles)
+      .def_rw("fp8_swiglu_in_gate_up", &MoeConfig::fp8_swiglu_in_gate_up)
       .def_rw("gemm_l2_placement", &MoeConfig::gemm_l2_placement)
       .def_rw("gemm_four_stages", &MoeConfig::gemm_four_stages)
       .def_rw("gemm_lockstep_k_blocks", &MoeConfig::gemm_lockstep_k_blocks)

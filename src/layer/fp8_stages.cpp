@@ -247,6 +247,11 @@ void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, c
   gather_quantize(set, gather, fp8.x_rows, column_groups ? fp8.x_t : none, on, "x rows");
 }
 
+// MoeConfig::fp8_swiglu_in_gate_up where it applies: the 192-row tiles' epilogue.
+bool swiglu_in_gate_up(const MoeConfig& config) {
+  return config.fp8_swiglu_in_gate_up && config.fp8_row_tile_rows == 192;
+}
+
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
             const kernels::Fp8GemmParams& params, kernels::KernelStream on, const char* what) {
   cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, on), what);
@@ -278,9 +283,11 @@ void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View
 }
 
 // g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, quantized
-// before).
+// before). With `swiglu`, the epilogue also quantizes h = SwiGLU(g, u) into `fp8.h` (the 192-row
+// tiles: swiglu_in_gate_up), and writes g and u only if `keep_gate_up`.
 void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBuffers& fp8,
-                  const ForwardWeights& weights, int64_t rows, kernels::KernelStream on) {
+                  const ForwardWeights& weights, int64_t rows, kernels::KernelStream on,
+                  bool swiglu = false, bool keep_gate_up = true) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::Fp8GemmMaps maps{};
@@ -297,7 +304,14 @@ void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBu
   params.n_extent = static_cast<int32_t>(2 * I);
   params.n_split = static_cast<int32_t>(I);
   params.k_extent = static_cast<int32_t>(H);
-  launch(s, maps, params, on, "FP8 gate/up GEMM");
+  if (swiglu) {
+    params.swiglu_h_codes = fp8.h.codes.pointer;
+    params.swiglu_h_scales = fp8.h.scale_data();
+    params.swiglu_h_rows = R;
+    params.swiglu_limit = s.shape.swiglu_limit;
+    params.swiglu_stores_gate_up = keep_gate_up ? 1 : 0;
+  }
+  launch(s, maps, params, on, swiglu ? "FP8 gate/up GEMM + SwiGLU" : "FP8 gate/up GEMM");
 }
 
 // Pre-quantized matrices are dense (check_forward_args); their bf16 strides are 0.
@@ -328,11 +342,17 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, on, f.keep_context);
   quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
   mark("FP8 quantization of the weights and x rows");
-  gate_up_gemm(s, set, fp8, weights, rows, on);
-  cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
-                                                 s.shape.swiglu_limit, fp8.h.codes.pointer,
-                                                 fp8.h.scale_data(), on),
-             "FP8 SwiGLU + quantization of h");
+  // The 192-row tiles quantize h in the gate/up GEMM's epilogue (the pass's bits), and write g
+  // and u only for a context: the SwiGLU backward reads them.
+  if (swiglu_in_gate_up(s.config)) {
+    gate_up_gemm(s, set, fp8, weights, rows, on, true, f.keep_context);
+  } else {
+    gate_up_gemm(s, set, fp8, weights, rows, on);
+    cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
+                                                   s.shape.swiglu_limit, fp8.h.codes.pointer,
+                                                   fp8.h.scale_data(), on),
+               "FP8 SwiGLU + quantization of h");
+  }
   mark("FP8 gate/up GEMM + SwiGLU");
 
   row_tile_gemm(s, set, fp8.h.view(), R, I, weights.down, H, f.out, f.out_rows, on,

@@ -18,6 +18,7 @@
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/stages/fp8_quantize.h"
 #include "kernels/stages/launch.h"
+#include "kernels/stages/swiglu_quantize.h"
 #include "layer/tma.h"
 #include "mok/fp8.h"
 #include "mok/schedule.h"
@@ -358,6 +359,129 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
     }
     if (HasFailure()) return;
   }
+}
+
+// SwiGLU and h's quantization in the 192-row gate/up GEMM's epilogue
+// (Fp8GemmParams::swiglu_h_codes, MoeConfig::fp8_swiglu_in_gate_up) give the pass's bits
+// (launch_swiglu_quantize_fp8 over the GEMM's own g and u): h's codes and scales, and g and u when
+// stored; with swiglu_stores_gate_up 0 neither is written. Experts as in
+// Rows192TilesGiveTheSameBits, I = 256 (two groups of h a row), a clamp that cuts, and a row of x
+// with a NaN (its g, u and h NaN: the scale's NaN bits are the pass's). On every SM and on 1, 2 and
+// 5 CTAs, static and by ticket; with the routed counts the rows of a chunk of padding alone keep
+// their fill, the others the bits.
+TEST(Fp8GemmGpu, SwigluInTheGateUpEpilogueMatchesThePass) {
+  const std::vector<int32_t> expert_rows = {256, 0, 384, 128, 640};
+  const std::vector<int32_t> expert_counts = {190, 0, 300, 64, 577};
+  const int64_t experts = static_cast<int64_t>(expert_rows.size()), inter = 256, k = 640;
+  const float limit = 1.25f;
+  std::vector<int32_t> offsets{0}, tile_expert;
+  for (int64_t e = 0; e < experts; ++e) {
+    offsets.push_back(offsets.back() + expert_rows[e]);
+    tile_expert.insert(tile_expert.end(), expert_rows[e] / 128, static_cast<int32_t>(e));
+  }
+  const int64_t rows = offsets.back();
+  std::vector<bf16> x = random_bf16(rows * k, 53, 1.0f);
+  x[5 * k + 3] = float_to_bf16(std::nanf(""));
+  // g's GEMM carries the launch; u's problem holds Wu, its scales and the u output.
+  Fp8GemmProblem gate(rows, inter, k, experts), up(rows, inter, k, experts);
+  quantize_and_upload(gate, x, random_bf16(experts * inter * k, 54, 0.05f), tile_expert);
+  quantize_and_upload(up, x, random_bf16(experts * inter * k, 55, 0.05f), tile_expert);
+  ASSERT_FALSE(HasFailure());
+  ASSERT_EQ(
+      cudaMemcpy(gate.expert_offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  int32_t* device_counts = test::upload(gate.device, expert_counts);
+  std::vector<bool> skipped(rows, false);  // row r in a chunk of padding alone
+  for (int64_t e = 0; e < experts; ++e)
+    for (int32_t r = offsets[e] + (expert_counts[e] + 63) / 64 * 64; r < offsets[e + 1]; ++r)
+      skipped[r] = true;
+  gate.maps = rows_192_maps(gate);
+  gate.maps.b2 = up.maps.b;
+  gate.maps.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, kernels::kRows192Chunk, "up");
+  gate.params.b2_scales = up.b_scales;
+  gate.params.n_extent = static_cast<int32_t>(2 * inter);
+  gate.params.n_split = static_cast<int32_t>(inter);
+  gate.params.tile_rows = 192;
+  gate.params.num_experts = static_cast<int32_t>(experts);
+  uint8_t* codes = gate.device.allocate<uint8_t>(rows * inter);
+  float* scales = gate.device.allocate<float>(rows * (inter / 128) * 4);
+  const int64_t bf16_bytes = rows * inter * 2, code_bytes = rows * inter,
+                scale_bytes = rows * (inter / 128) * 4;
+  // g, u, h's codes and h's scales, as bytes.
+  auto outputs = [&] {
+    std::vector<uint8_t> bytes(2 * bf16_bytes + code_bytes + scale_bytes);
+    uint8_t* at = bytes.data();
+    for (const auto [from, count] : {std::pair<const void*, int64_t>{gate.out, bf16_bytes},
+                                     {up.out, bf16_bytes},
+                                     {codes, code_bytes},
+                                     {scales, scale_bytes}}) {
+      EXPECT_EQ(cudaMemcpy(at, from, count, cudaMemcpyDeviceToHost), cudaSuccess);
+      at += count;
+    }
+    return bytes;
+  };
+  auto clear = [&] {
+    for (const auto [to, count] : {std::pair<void*, int64_t>{gate.out, bf16_bytes},
+                                   {up.out, bf16_bytes},
+                                   {codes, code_bytes},
+                                   {scales, scale_bytes}})
+      ASSERT_EQ(cudaMemset(to, 0xff, count), cudaSuccess);
+  };
+  clear();
+  ASSERT_EQ(gate.run(), cudaSuccess);
+  ASSERT_EQ(kernels::launch_swiglu_quantize_fp8(gate.out, up.out, rows, inter, limit, codes, scales,
+                                                nullptr),
+            cudaSuccess);
+  const std::vector<uint8_t> want = outputs();
+  {  // the test's reach: some h clamped by the limit, and the NaN row's scale NaN
+    std::vector<bf16> g(rows * inter);
+    std::memcpy(g.data(), want.data(), bf16_bytes);
+    EXPECT_TRUE(std::any_of(g.begin(), g.end(), [&](bf16 v) { return bf16_to_float(v) > limit; }));
+    float nan_scale;
+    std::memcpy(&nan_scale, want.data() + 2 * bf16_bytes + code_bytes + 5 * 4, 4);
+    EXPECT_TRUE(std::isnan(nan_scale));
+  }
+  gate.params.swiglu_h_codes = codes;
+  gate.params.swiglu_h_scales = scales;
+  gate.params.swiglu_h_rows = rows;
+  gate.params.swiglu_limit = limit;
+  // The row of byte `at` of outputs(), and whether the byte is g's or u's.
+  auto row_of = [&](int64_t at, int64_t* row) {
+    if (at < 2 * bf16_bytes) {
+      *row = (at % bf16_bytes) / (inter * 2);
+      return true;  // g or u
+    }
+    at -= 2 * bf16_bytes;
+    *row = at < code_bytes ? at / inter : ((at - code_bytes) / 4) % rows;
+    return false;
+  };
+  for (const bool stores : {true, false}) {
+    SCOPED_TRACE(stores ? "g and u stored" : "g and u not stored");
+    gate.params.swiglu_stores_gate_up = stores ? 1 : 0;
+    for (const bool by_ticket : {false, true}) {
+      SCOPED_TRACE(by_ticket ? "tiles by ticket" : "static walk");
+      gate.params.tile_tickets = by_ticket ? gate.tickets : kernels::GemmTickets{};
+      for (const bool counted : {false, true}) {
+        gate.params.expert_counts = counted ? device_counts : nullptr;
+        for (const int ctas : {0, 1, 2, 5}) {
+          clear();
+          ASSERT_EQ(gate.run(nullptr, ctas), cudaSuccess);
+          const std::vector<uint8_t> got = outputs();
+          int64_t wrong = 0, first_wrong = -1;
+          for (int64_t at = 0; at < static_cast<int64_t>(got.size()); ++at) {
+            int64_t row = 0;
+            const bool gate_up = row_of(at, &row);
+            const bool filled = (gate_up && !stores) || (counted && skipped[row]);
+            if (got[at] != (filled ? 0xff : want[at]) && wrong++ == 0) first_wrong = at;
+          }
+          EXPECT_EQ(wrong, 0) << (counted ? "with the routed counts, " : "")
+                              << (ctas == 0 ? std::string("every SM") : std::to_string(ctas))
+                              << " CTAs; first wrong byte " << first_wrong;
+        }
+      }
+    }
+  }
+  gate.expect_ticket_epochs();
 }
 
 // Quantizes [rows, cols] bf16 along its rows' direction transposed, as the weight gradients'

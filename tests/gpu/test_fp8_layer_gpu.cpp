@@ -214,6 +214,33 @@ TEST(Fp8LayerGpu, TwoWeightGradStagingTilesGiveTheSameBits) {
   });
 }
 
+// FP8's SwiGLU in the 192-row gate/up GEMM's epilogue (MoeConfig::fp8_swiglu_in_gate_up): h's
+// codes and scales are the pass's, so the layer's bits are the same, with the forward context
+// (g and u written for the backward) and without (neither written: the backward recomputes them),
+// on skewed routing and with empty experts, launches plain and overlapped. (The epilogue itself
+// against the pass, on 1 to all CTAs: Fp8GemmGpu.SwigluInTheGateUpEpilogueMatchesThePass.)
+TEST(Fp8LayerGpu, SwigluInTheGateUpEpilogueGivesTheSameBits) {
+  for_each_bits_problem(101, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+                                DeviceProblem& device) {
+    MoeConfig config_pass = fp8_config();
+    config_pass.fp8_row_tile_rows = 192;
+    GpuLayer pass(shape, config_pass);
+    for (const bool overlap : {false, true}) {
+      MoeConfig config = config_pass;
+      config.fp8_swiglu_in_gate_up = true;
+      config.overlap_kernel_launches = overlap;
+      GpuLayer fused(shape, config);
+      for (const bool with_context : {true, false}) {
+        SCOPED_TRACE(std::string(routing_kind_name(routing)) + (overlap ? ", overlapped" : "") +
+                     (with_context ? "" : ", recomputed"));
+        expect_same_bits(test::gpu_step(fused, device, problem, with_context),
+                         test::gpu_step(pass, device, problem, with_context),
+                         "differs from the SwiGLU pass's");
+      }
+    }
+  });
+}
+
 // The FP8 layer's launches overlapped (MoeConfig::overlap_kernel_launches): every kernel waits
 // for the one before, so the bits are the plain launches', with and without the forward context
 // (the recompute's gather, quantization and GEMM), on skewed routing and with empty experts.

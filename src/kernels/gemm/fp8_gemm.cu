@@ -462,7 +462,7 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
       params.k_split >= params.k_extent || (params.n_split > 0 && params.k_split > 0))
     return cudaErrorInvalidValue;
   if (params.tile_rows == 192) return launch_fp8_gemm_192_rows(maps, params, num_ctas, on);
-  if (params.tile_rows != 128) return cudaErrorInvalidValue;
+  if (params.tile_rows != 128 || params.swiglu_h_codes != nullptr) return cudaErrorInvalidValue;
   if (params.expert_groups > 0)
     return launch_form<Fp8GemmForm::kRowTiles, true>(maps, params, num_ctas, on);
   return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, on);

@@ -90,11 +90,23 @@ struct Fp8GemmParams {
   // that HBM's write rate paces: dsv3_e128's two K-blocks a tile write 3.8 GB of bf16 a
   // launch), for one pipeline stage fewer (4): the second tile takes its shared memory.
   int32_t weight_grad_staging_tiles = 1;
+  // tile_rows 192 with n_split = N / 2 (the gate/up GEMM): non-null, SwiGLU and h's quantization
+  // run in the epilogue (fp8_swiglu_epilogue.cuh; the bits of launch_swiglu_quantize_fp8): h's
+  // codes [swiglu_h_rows, n_split] e4m3 and 1 x 128 row-group scales [n_split / 128,
+  // swiglu_h_rows], for the rows of the walk's chunks. A CTA takes each column tile of g with the
+  // one of u of the same columns. swiglu_stores_gate_up 0: g and u are not written (a forward that
+  // keeps no context).
+  void* swiglu_h_codes = nullptr;
+  float* swiglu_h_scales = nullptr;
+  int64_t swiglu_h_rows = 0;
+  float swiglu_limit = 0.0f;
+  int32_t swiglu_stores_gate_up = 1;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
 // that are not multiples of 128, for kRowTiles' K over kFp8MaxReduction (mok/fp8.h), and for
-// kWeightGrad's weight_grad_staging_tiles other than 1 or 2.
+// kWeightGrad's weight_grad_staging_tiles other than 1 or 2, and for swiglu_h_codes but with
+// tile_rows 192 and n_extent = 2 n_split.
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, KernelStream on);
 // tile_rows = 192 (launch_fp8_grouped_gemm's): one persistent 512-thread CTA per SM at most.

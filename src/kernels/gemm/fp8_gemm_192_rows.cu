@@ -41,6 +41,12 @@
 // Pipeline: 4 stages of 40.75 KB; the epilogue writes bf16 into a 48 KB staging tile (each
 // warpgroup its own [64 x 128] as two 128B-swizzled [64 x 64] chunks) and the first consumer
 // thread stores the valid chunks with TMA, the store overlapping the next tile's mainloop.
+// With Fp8GemmParams::swiglu_h_codes (the gate/up GEMM; MoeConfig::fp8_swiglu_in_gate_up) the
+// walk's units are pairs of tiles, a column tile of g and the one of u of the same columns, which
+// the scheduler writes as two ring entries: g's epilogue stages its bf16 tile as always (stored
+// only with swiglu_stores_gate_up) and leaves it there; u's epilogue reads each thread's g pairs
+// back from the places it wrote them and quantizes h from them and its own accumulators
+// (fp8_swiglu_epilogue.cuh: h's 1 x 128 groups are one quad's row), with the pass's bits.
 // B's per-K-block scales: read a tile ahead into the other of two shared-memory rows, as in the
 // 128-row kernel. Not here: CTA pairs, the expert groups walk, the lockstep (the layer turns it
 // off for these tiles).
@@ -53,6 +59,7 @@
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/fp8_row_tile_sources.cuh"
 #include "kernels/gemm/fp8_rows192_walk.h"
+#include "kernels/gemm/fp8_swiglu_epilogue.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/tile_walk.h"
 #include "mok/shape.h"
@@ -130,12 +137,16 @@ struct TileTaker {
   }
 };
 
+// kSwiglu: tiles 2 u and 2 u + 1 are walk unit u's column tile of g and the one of u (the same
+// columns of the other half), taken by one CTA in that order.
+template <bool kSwiglu>
 __device__ __forceinline__ Tile tile_at(const Fp8GemmParams& params, const int32_t* tile_start,
                                         int tile, int num_m_tiles, int num_n_tiles) {
-  const WalkUnit walk = walk_unit(tile, num_m_tiles, num_n_tiles, true);
+  const int half_n_tiles = kSwiglu ? num_n_tiles / 2 : num_n_tiles;
+  const WalkUnit walk = walk_unit(kSwiglu ? tile / 2 : tile, num_m_tiles, half_n_tiles, true);
   return {rows192_tile(walk.m_unit, tile_start, params.num_experts, params.expert_offsets,
                        params.expert_counts),
-          walk.n_tile};
+          walk.n_tile + (kSwiglu && (tile & 1) ? half_n_tiles : 0)};
 }
 
 // tile_start [E + 1] into shared memory: each thread counts kPrefixPerThread experts' tiles,
@@ -172,6 +183,7 @@ __device__ __forceinline__ void number_the_tiles(const Fp8GemmParams& params,
   }
 }
 
+template <bool kSwiglu>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_192_rows_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   ptx::begin_after_previous_kernel();
@@ -198,16 +210,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 32) {  // the scheduler
-      const TileTaker taker{params.tile_tickets, num_tiles};
+      // kSwiglu: the taker hands out units of two tiles, each written as its two entries.
+      const TileTaker taker{params.tile_tickets, kSwiglu ? num_tiles / 2 : num_tiles};
       for (int j = 0, last = -1;; ++j) {
         const int slot = j % kTileRing;
         mbarrier_wait(params.wait, WaitSite::kTileRingSlot, &smem.tile_empty[slot],
                       ((j / kTileRing) & 1) ^ 1);
-        const int tile = taker.take(last);
+        int tile;
+        if (kSwiglu && (j & 1)) {
+          tile = 2 * last + 1;  // the unit's u tile
+        } else {
+          const int unit = taker.take(last);
+          if (unit != kNoTile) last = unit;
+          tile = unit == kNoTile ? kNoTile : (kSwiglu ? 2 * unit : unit);
+        }
         smem.tiles[slot] = tile;
         ptx::mbarrier_arrive(&smem.tile_full[slot]);  // releases the entry
         if (tile == kNoTile) break;
-        last = tile;
       }
       return;
     }
@@ -222,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int tile = smem.tiles[slot];
       ptx::mbarrier_arrive(&smem.tile_empty[slot]);
       if (tile == kNoTile) break;
-      const Tile t = tile_at(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
+      const Tile t = tile_at<kSwiglu>(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
       const uint32_t bytes = t.rows.valid_chunks * kAChunkBytes + kBTileBytes + kRows192 * 4;
       const int num_k_blocks = params.k_extent / kFp8BlockK;
       for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
@@ -274,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   const int first_tile = scheduled_tile(0);
   if (first_tile == kNoTile) return;
-  Tile next = tile_at(params, smem.tile_start, first_tile, num_m_tiles, num_n_tiles);
+  Tile next = tile_at<kSwiglu>(params, smem.tile_start, first_tile, num_m_tiles, num_n_tiles);
   if (consumer_thread < kMaxTileKBlocks)
     smem.tile_b_scales[0][consumer_thread] = tile_b_scale(next, true);
   ptx::named_barrier_sync(1, kConsumers);
@@ -323,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int next_tile = scheduled_tile(local_tile + 1);
         const bool has_next = next_tile != kNoTile;
         if (has_next)
-          next = tile_at(params, smem.tile_start, next_tile, num_m_tiles, num_n_tiles);
+          next = tile_at<kSwiglu>(params, smem.tile_start, next_tile, num_m_tiles, num_n_tiles);
         else
           next.n_tile = kNoTile;  // ends the loop after this tile
         next_tile_b_scale = tile_b_scale(next, has_next);
@@ -333,9 +352,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     // longer read: every consumer passed this tile's first barrier after the last tile's math).
     if (consumer_thread < kMaxTileKBlocks)
       smem.tile_b_scales[(local_tile + 1) & 1][consumer_thread] = next_tile_b_scale;
+    // kSwiglu: a unit's g tile stays staged for its u tile, whose epilogue reads it back (each
+    // thread the places it wrote) and quantizes h; g and u are stored unless the forward keeps
+    // no context.
+    const bool u_tile = kSwiglu && t.n_tile >= num_n_tiles / 2;
+    const bool stores = !kSwiglu || params.swiglu_stores_gate_up != 0;
+    const bool rows_valid = chunk < t.rows.valid_chunks;
     if (issuer) ptx::bulk_wait_group_read<0>();  // the last tile's store has read the staging
     ptx::named_barrier_sync(1, kConsumers);
-    if (chunk < t.rows.valid_chunks) {
+    // kSwiglu: the unit's g and this tile's u as bf16 pairs, pair j of fragment row i at
+    // block[16 i + j] and block[32 + 16 i + j]. The wgmma accumulators are live from tile to tile
+    // (fence_registers' operands), so the SwiGLU below takes no registers beyond the default
+    // epilogue's; in registers of their own they spilled 200 bytes.
+    if (rows_valid) {
       // Two [64 x 64] chunks of this warpgroup's rows, 128B-swizzled as TMA stores them.
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -344,14 +373,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < kFp8TileN / 8; ++j) {
           char* chunk_base = reinterpret_cast<char*>(smem.staging[chunk][j / 8]);
           const int offset = row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
-          *reinterpret_cast<__nv_bfloat162*>(chunk_base + offset) =
+          const __nv_bfloat162 pair =
               __floats2bfloat162_rn(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
+          if constexpr (kSwiglu) {
+            block[32 + 16 * i + j] = __uint_as_float(bf16x2_bits(pair));
+            block[16 * i + j] = *reinterpret_cast<const float*>(chunk_base + offset);
+          }
+          if (!u_tile || stores) *reinterpret_cast<__nv_bfloat162*>(chunk_base + offset) = pair;
         }
       }
     }
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(1, kConsumers);
-    if (issuer) {
+    if (issuer && stores) {
       const int column = t.n_tile * kFp8TileN;
       const bool second = params.n_split > 0 && column >= params.n_split;
       const CUtensorMap* out = second ? &maps.out2 : &maps.out;
@@ -361,6 +395,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           ptx::tma_store_3d(out, smem.staging[c][half], out_column + 64 * half,
                             t.rows.row0 + c * kRows192Chunk, 0);
       ptx::bulk_commit_group();
+    }
+    if (u_tile && rows_valid) {  // h's group (t.n_tile - num_n_tiles / 2) of each row
+      const int group = t.n_tile - num_n_tiles / 2;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int64_t row = t.rows.row0 + chunk * kRows192Chunk + fragment_row(i);
+        swiglu_quantize_fragment_row(
+            [&](int j) { return __float_as_uint(block[16 * i + j]); },
+            [&](int j) { return __float_as_uint(block[32 + 16 * i + j]); }, params.swiglu_limit,
+            static_cast<uint8_t*>(params.swiglu_h_codes) + row * params.n_split + group * 128,
+            params.swiglu_h_scales + group * params.swiglu_h_rows + row);
+      }
     }
   }
   if (issuer) ptx::bulk_wait_group<0>();  // the last store reads the staging tile
@@ -373,13 +419,16 @@ cudaError_t launch_fp8_gemm_192_rows(const Fp8GemmMaps& maps, const Fp8GemmParam
   if (params.num_experts <= 0 || params.num_experts > kMaxExperts ||
       params.expert_offsets == nullptr || params.expert_groups != 0)
     return cudaErrorInvalidValue;
+  const bool swiglu = params.swiglu_h_codes != nullptr;
+  if (swiglu && (params.n_split <= 0 || params.n_extent != 2 * params.n_split ||
+                 params.swiglu_h_scales == nullptr || params.swiglu_h_rows <= 0))
+    return cudaErrorInvalidValue;
+  const auto kernel = swiglu ? fp8_gemm_192_rows_kernel<true> : fp8_gemm_192_rows_kernel<false>;
   const size_t smem_bytes = sizeof(Rows192Storage) + 1024;
-  cudaError_t status =
-      cudaFuncSetAttribute(fp8_gemm_192_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem_bytes));
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
-  return launch_maybe_overlapped(fp8_gemm_192_rows_kernel, num_ctas, kThreads, smem_bytes, on, 1,
-                                 maps, params);
+  return launch_maybe_overlapped(kernel, num_ctas, kThreads, smem_bytes, on, 1, maps, params);
 }
 
 }  // namespace mok::kernels
