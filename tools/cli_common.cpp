@@ -207,7 +207,7 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // FP8: the weight gradients with two staging tiles (one when they already have two).
     flipped.fp8_weight_grad_staging_tiles = config.fp8_weight_grad_staging_tiles == 2 ? 1 : 2;
   } else if (name == "fp8-swiglu-in-gate-up") {
-    // FP8: SwiGLU in the gate/up GEMM's epilogue (the 192-row tiles; a pass of its own when on).
+    // FP8: SwiGLU in the gate/up GEMM's epilogue (a pass of its own when it already is).
     flipped.fp8_swiglu_in_gate_up = !config.fp8_swiglu_in_gate_up;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel

@@ -135,7 +135,8 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
               static_cast<unsigned long long>(options.seed));
   std::printf("  row-tile GEMMs in %d-row tiles (fp8_row_tile_rows_for)\n",
               config.fp8_row_tile_rows);
-  if (config.fp8_swiglu_in_gate_up && config.fp8_row_tile_rows == 192)
+  if (config.fp8_swiglu_in_gate_up &&
+      (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0))
     std::printf("  SwiGLU in the gate/up GEMM's epilogue (fp8_swiglu_in_gate_up)\n");
   if (config.fp8_weight_grad_staging_tiles == 2)
     std::printf("  weight gradients with two staging tiles (fp8_weight_grad_staging_tiles)\n");

@@ -134,11 +134,12 @@ struct MoeConfig {
   // whose weight-gradient tiles have few K-blocks (`dsv3_e128`: two), where the bf16 stores
   // pace them. Same bits. 1 until measured faster (docs/perf.md, session 59).
   int32_t fp8_weight_grad_staging_tiles = 1;
-  // FP8's SwiGLU and h's quantization in the gate/up GEMM's epilogue (precision fp8_block with
-  // 192-row tiles; elsewhere a pass of its own, as with false): a CTA takes a column tile of g
+  // FP8's SwiGLU and h's quantization in the gate/up GEMM's epilogue (precision fp8_block; with
+  // gemm_expert_groups' walk a pass of its own, as with false): a CTA takes a column tile of g
   // with the one of u of the same columns, keeps g's tile staged, and quantizes h from u's
   // accumulators (src/kernels/gemm/fp8_swiglu_epilogue.cuh); a forward that keeps no context
-  // writes neither g nor u. The pass's read of g and u is gone. Same bits.
+  // writes neither g nor u. The pass's read of g and u is gone. Same bits. Off until measured
+  // faster (docs/perf.md, session 60).
   bool fp8_swiglu_in_gate_up = false;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):

@@ -90,7 +90,7 @@ class MoKConfig:
         weight-gradient tiles of few K-blocks; same bits; precision "fp8_block" only; 1 until
         measured faster).
     fp8_swiglu_in_gate_up: FP8's SwiGLU and h's quantization in the gate/up GEMM's epilogue
-        (the 192-row tiles; elsewhere a pass of its own): the pass's read of g and u is gone,
+        (with gemm_expert_groups a pass of its own): the pass's read of g and u is gone,
         and a forward without a context writes neither (same bits; precision "fp8_block" only;
         off until measured faster).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found

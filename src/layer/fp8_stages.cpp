@@ -247,9 +247,11 @@ void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, c
   gather_quantize(set, gather, fp8.x_rows, column_groups ? fp8.x_t : none, on, "x rows");
 }
 
-// MoeConfig::fp8_swiglu_in_gate_up where it applies: the 192-row tiles' epilogue.
+// MoeConfig::fp8_swiglu_in_gate_up where it applies: the row-tile GEMMs but the expert groups'
+// walk (a kernel of its own).
 bool swiglu_in_gate_up(const MoeConfig& config) {
-  return config.fp8_swiglu_in_gate_up && config.fp8_row_tile_rows == 192;
+  return config.fp8_swiglu_in_gate_up &&
+         (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0);
 }
 
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
@@ -283,8 +285,8 @@ void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View
 }
 
 // g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, quantized
-// before). With `swiglu`, the epilogue also quantizes h = SwiGLU(g, u) into `fp8.h` (the 192-row
-// tiles: swiglu_in_gate_up), and writes g and u only if `keep_gate_up`.
+// before). With `swiglu` (swiglu_in_gate_up), the epilogue also quantizes h = SwiGLU(g, u) into
+// `fp8.h`, and writes g and u only if `keep_gate_up`.
 void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBuffers& fp8,
                   const ForwardWeights& weights, int64_t rows, kernels::KernelStream on,
                   bool swiglu = false, bool keep_gate_up = true) {
@@ -342,8 +344,8 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, on, f.keep_context);
   quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
   mark("FP8 quantization of the weights and x rows");
-  // The 192-row tiles quantize h in the gate/up GEMM's epilogue (the pass's bits), and write g
-  // and u only for a context: the SwiGLU backward reads them.
+  // MoeConfig::fp8_swiglu_in_gate_up: h quantized in the gate/up GEMM's epilogue (the pass's
+  // bits), g and u written only for a context (the SwiGLU backward reads them).
   if (swiglu_in_gate_up(s.config)) {
     gate_up_gemm(s, set, fp8, weights, rows, on, true, f.keep_context);
   } else {

@@ -361,14 +361,14 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
   }
 }
 
-// SwiGLU and h's quantization in the 192-row gate/up GEMM's epilogue
-// (Fp8GemmParams::swiglu_h_codes, MoeConfig::fp8_swiglu_in_gate_up) give the pass's bits
-// (launch_swiglu_quantize_fp8 over the GEMM's own g and u): h's codes and scales, and g and u when
-// stored; with swiglu_stores_gate_up 0 neither is written. Experts as in
-// Rows192TilesGiveTheSameBits, I = 256 (two groups of h a row), a clamp that cuts, and a row of x
-// with a NaN (its g, u and h NaN: the scale's NaN bits are the pass's). On every SM and on 1, 2 and
-// 5 CTAs, static and by ticket; with the routed counts the rows of a chunk of padding alone keep
-// their fill, the others the bits.
+// SwiGLU and h's quantization in the gate/up GEMM's epilogue (Fp8GemmParams::swiglu_h_codes,
+// MoeConfig::fp8_swiglu_in_gate_up) give the pass's bits (launch_swiglu_quantize_fp8 over the
+// GEMM's own g and u): h's codes and scales, and g and u when stored; with swiglu_stores_gate_up
+// 0 neither is written. Experts as in Rows192TilesGiveTheSameBits, I = 256 (two groups of h a
+// row), a clamp that cuts, and a row of x with a NaN (its g, u and h NaN: the scale's NaN bits
+// are the pass's). 128- and 192-row tiles, on every SM and on 1, 2 and 5 CTAs; the 192-row ones
+// static and by ticket, and with the routed counts (the rows of a chunk of padding alone keep
+// their fill, the others the bits).
 TEST(Fp8GemmGpu, SwigluInTheGateUpEpilogueMatchesThePass) {
   const std::vector<int32_t> expert_rows = {256, 0, 384, 128, 640};
   const std::vector<int32_t> expert_counts = {190, 0, 300, 64, 577};
@@ -395,14 +395,15 @@ TEST(Fp8GemmGpu, SwigluInTheGateUpEpilogueMatchesThePass) {
   for (int64_t e = 0; e < experts; ++e)
     for (int32_t r = offsets[e] + (expert_counts[e] + 63) / 64 * 64; r < offsets[e + 1]; ++r)
       skipped[r] = true;
-  gate.maps = rows_192_maps(gate);
   gate.maps.b2 = up.maps.b;
-  gate.maps.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, kernels::kRows192Chunk, "up");
   gate.params.b2_scales = up.b_scales;
   gate.params.n_extent = static_cast<int32_t>(2 * inter);
   gate.params.n_split = static_cast<int32_t>(inter);
-  gate.params.tile_rows = 192;
   gate.params.num_experts = static_cast<int32_t>(experts);
+  kernels::Fp8GemmMaps maps128 = gate.maps, maps192 = rows_192_maps(gate);
+  maps128.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, 128, "up");
+  maps192.b2 = up.maps.b;
+  maps192.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, kernels::kRows192Chunk, "up");
   uint8_t* codes = gate.device.allocate<uint8_t>(rows * inter);
   float* scales = gate.device.allocate<float>(rows * (inter / 128) * 4);
   const int64_t bf16_bytes = rows * inter * 2, code_bytes = rows * inter,
@@ -427,6 +428,7 @@ TEST(Fp8GemmGpu, SwigluInTheGateUpEpilogueMatchesThePass) {
                                    {scales, scale_bytes}})
       ASSERT_EQ(cudaMemset(to, 0xff, count), cudaSuccess);
   };
+  gate.maps = maps128;
   clear();
   ASSERT_EQ(gate.run(), cudaSuccess);
   ASSERT_EQ(kernels::launch_swiglu_quantize_fp8(gate.out, up.out, rows, inter, limit, codes, scales,
@@ -449,34 +451,41 @@ TEST(Fp8GemmGpu, SwigluInTheGateUpEpilogueMatchesThePass) {
   auto row_of = [&](int64_t at, int64_t* row) {
     if (at < 2 * bf16_bytes) {
       *row = (at % bf16_bytes) / (inter * 2);
-      return true;  // g or u
+      return true;
     }
     at -= 2 * bf16_bytes;
     *row = at < code_bytes ? at / inter : ((at - code_bytes) / 4) % rows;
     return false;
   };
-  for (const bool stores : {true, false}) {
-    SCOPED_TRACE(stores ? "g and u stored" : "g and u not stored");
-    gate.params.swiglu_stores_gate_up = stores ? 1 : 0;
-    for (const bool by_ticket : {false, true}) {
-      SCOPED_TRACE(by_ticket ? "tiles by ticket" : "static walk");
-      gate.params.tile_tickets = by_ticket ? gate.tickets : kernels::GemmTickets{};
-      for (const bool counted : {false, true}) {
-        gate.params.expert_counts = counted ? device_counts : nullptr;
-        for (const int ctas : {0, 1, 2, 5}) {
-          clear();
-          ASSERT_EQ(gate.run(nullptr, ctas), cudaSuccess);
-          const std::vector<uint8_t> got = outputs();
-          int64_t wrong = 0, first_wrong = -1;
-          for (int64_t at = 0; at < static_cast<int64_t>(got.size()); ++at) {
-            int64_t row = 0;
-            const bool gate_up = row_of(at, &row);
-            const bool filled = (gate_up && !stores) || (counted && skipped[row]);
-            if (got[at] != (filled ? 0xff : want[at]) && wrong++ == 0) first_wrong = at;
+  for (const int tile_rows : {128, 192}) {
+    gate.maps = tile_rows == 128 ? maps128 : maps192;
+    gate.params.tile_rows = tile_rows;
+    for (const bool stores : {true, false}) {
+      gate.params.swiglu_stores_gate_up = stores ? 1 : 0;
+      for (const bool by_ticket : {false, true}) {
+        if (by_ticket && tile_rows == 128) continue;  // the 192-row tiles' tickets
+        gate.params.tile_tickets = by_ticket ? gate.tickets : kernels::GemmTickets{};
+        for (const bool counted : {false, true}) {
+          if (counted && tile_rows == 128) continue;  // the 192-row tiles' skipped chunks
+          gate.params.expert_counts = counted ? device_counts : nullptr;
+          for (const int ctas : {0, 1, 2, 5}) {
+            SCOPED_TRACE(std::to_string(tile_rows) + "-row tiles, " +
+                         (stores ? "g and u stored, " : "g and u not stored, ") +
+                         (by_ticket ? "by ticket, " : "static walk, ") +
+                         (counted ? "routed counts, " : "") +
+                         (ctas == 0 ? std::string("every SM") : std::to_string(ctas) + " CTAs"));
+            clear();
+            ASSERT_EQ(gate.run(nullptr, ctas), cudaSuccess);
+            const std::vector<uint8_t> got = outputs();
+            int64_t wrong = 0, first_wrong = -1;
+            for (int64_t at = 0; at < static_cast<int64_t>(got.size()); ++at) {
+              int64_t row = 0;
+              const bool gate_up = row_of(at, &row);
+              const bool filled = (gate_up && !stores) || (counted && skipped[row]);
+              if (got[at] != (filled ? 0xff : want[at]) && wrong++ == 0) first_wrong = at;
+            }
+            EXPECT_EQ(wrong, 0) << "first wrong byte " << first_wrong;
           }
-          EXPECT_EQ(wrong, 0) << (counted ? "with the routed counts, " : "")
-                              << (ctas == 0 ? std::string("every SM") : std::to_string(ctas))
-                              << " CTAs; first wrong byte " << first_wrong;
         }
       }
     }

@@ -36,6 +36,10 @@
 // read-ahead alone lost 8% there; docs/perf.md sessions 26-27.) With
 // Fp8GemmParams::weight_grad_staging_tiles = 2 the weight gradients alternate two staging tiles
 // in four stages, so that a tile's staging waits for the store of the tile two back, not one.
+// With Fp8GemmParams::swiglu_h_codes (kRowTiles, the gate/up GEMM; kSwiglu) a CTA's tiles come in
+// pairs, a column tile of g and the one of u of the same columns (walk units of two tiles): g's
+// epilogue stages its tile (stored only with swiglu_stores_gate_up) and leaves it; u's reads each
+// thread's g pairs back and quantizes h from them and its own sums (fp8_swiglu_epilogue.cuh).
 // B's scales (kRowTiles): one per 128-long K-block of the tile's weight block row. The consumers
 // read the next tile's from global memory while this one runs (one per thread) and write them into
 // the other of two shared-memory rows before the epilogue's barrier, so no K-block waits on a
@@ -50,6 +54,7 @@
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/fp8_row_tile_sources.cuh"
+#include "kernels/gemm/fp8_swiglu_epilogue.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/persistent/task_order.h"
@@ -99,13 +104,20 @@ struct Fp8Tile {
 // `expert_offsets`: kWeightGrad's [E + 1] row offsets (params' in global memory, or the consumers'
 // copy in shared memory). kExpertGroups (kRowTiles): MoeConfig::gemm_expert_groups' walk, from
 // the schedule's expert offsets in params; otherwise groups of kTileGroupM.
-template <Fp8GemmForm kForm, bool kExpertGroups>
+// kSwiglu (kRowTiles): tiles 2 u and 2 u + 1 are walk unit u's column tile of g and the one of u
+// (the same columns of the other half), which a CTA takes in that order (fp8_next_tile).
+template <Fp8GemmForm kForm, bool kExpertGroups, bool kSwiglu = false>
 __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params,
                                             const int32_t* expert_offsets, int tile,
                                             int num_m_tiles, int num_n_tiles) {
   constexpr bool kRowTiles = kForm == Fp8GemmForm::kRowTiles;
   Fp8Tile t;
-  if constexpr (kExpertGroups) {
+  if constexpr (kSwiglu) {
+    const int half_n_tiles = num_n_tiles / 2;
+    const WalkUnit walk = walk_unit(tile / 2, num_m_tiles, half_n_tiles, true);
+    t.m_tile = walk.m_unit;
+    t.n_tile = walk.n_tile + (tile & 1) * half_n_tiles;
+  } else if constexpr (kExpertGroups) {
     expert_grouped_tile_in(tile, 0, num_m_tiles, num_n_tiles, params.expert_groups,
                            params.tile_expert, params.expert_offsets, BLOCK_M, &t.m_tile,
                            &t.n_tile);
@@ -127,7 +139,20 @@ __device__ __forceinline__ Fp8Tile fp8_tile(const Fp8GemmParams& params,
   return t;
 }
 
-template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1>
+// A CTA's first tile and the one after `tile`: c, c + grid, ...; kSwiglu: the units' pairs
+// 2 c, 2 c + 1, 2 (c + grid), ... (a tile past num_tiles: none left).
+template <bool kSwiglu>
+__device__ __forceinline__ int fp8_first_tile() {
+  return kSwiglu ? 2 * static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+}
+template <bool kSwiglu>
+__device__ __forceinline__ int fp8_next_tile(int tile) {
+  if constexpr (kSwiglu) return (tile & 1) ? tile - 1 + 2 * static_cast<int>(gridDim.x) : tile + 1;
+  return tile + static_cast<int>(gridDim.x);
+}
+
+template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1,
+          bool kSwiglu = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   // Launched overlapped (MoeConfig::overlap_kernel_launches): nothing below touches memory
@@ -137,6 +162,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   static_assert(!kExpertGroups || !kWeightGrad, "the expert groups walk row tiles");
   static_assert(kStagingTiles == 1 || (kWeightGrad && kStagingTiles == 2),
                 "two staging tiles: the weight gradients' storer alternates them");
+  static_assert(!kSwiglu || (!kWeightGrad && !kExpertGroups), "SwiGLU: the gate/up row tiles");
   using Storage = Fp8SharedStorage<kStagingTiles>;
   constexpr int kStages = Storage::kNumStagesHere;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -162,18 +188,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       constexpr uint32_t kBytes = 2 * kFp8TileBytes + (kWeightGrad ? 2 : 1) * kFp8ScaleBytes;
       // MoeConfig::gemm_lockstep_k_blocks (lockstep.h): the row tiles' producers kept in step;
       // every tile has K / 128 K-blocks.
-      const bool lockstep =
-          !kWeightGrad && params.lockstep.ticks != nullptr && blockIdx.x < num_tiles;
+      const bool lockstep = !kWeightGrad && params.lockstep.ticks != nullptr &&
+                            (kSwiglu ? 2 * blockIdx.x : blockIdx.x) < num_tiles;
       LockstepCta step;
-      if (lockstep)
-        step =
-            lockstep_begin(params.lockstep, lockstep_plan(params.lockstep.lead_k_blocks,
-                                                          params.k_extent / kFp8BlockK,
-                                                          (num_tiles + gridDim.x - 1) / gridDim.x));
+      if (lockstep)  // the most tiles a CTA takes (kSwiglu: two a unit)
+        step = lockstep_begin(
+            params.lockstep,
+            lockstep_plan(params.lockstep.lead_k_blocks, params.k_extent / kFp8BlockK,
+                          kSwiglu ? 2 * ((num_tiles / 2 + gridDim.x - 1) / gridDim.x)
+                                  : (num_tiles + gridDim.x - 1) / gridDim.x));
       int local_tile = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
-        const Fp8Tile t = fp8_tile<kForm, kExpertGroups>(params, params.expert_offsets, tile,
-                                                         num_m_tiles, num_n_tiles);
+      for (int tile = fp8_first_tile<kSwiglu>(); tile < num_tiles;
+           tile = fp8_next_tile<kSwiglu>(tile), ++local_tile) {
+        const Fp8Tile t = fp8_tile<kForm, kExpertGroups, kSwiglu>(params, params.expert_offsets,
+                                                                  tile, num_m_tiles, num_n_tiles);
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
           if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_tile, k_block);
           const int s = state.stage;
@@ -266,15 +294,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // kRowTiles: each tile's coordinates are read once, a tile ahead (see read_next_tile).
     Fp8Tile next{};
     if constexpr (!kWeightGrad) {
-      const bool has_first = static_cast<int>(blockIdx.x) < num_tiles;
+      const bool has_first = fp8_first_tile<kSwiglu>() < num_tiles;
       if (has_first)
-        next = fp8_tile<kForm, kExpertGroups>(params, smem.expert_offsets, blockIdx.x, num_m_tiles,
-                                              num_n_tiles);
+        next = fp8_tile<kForm, kExpertGroups, kSwiglu>(
+            params, smem.expert_offsets, fp8_first_tile<kSwiglu>(), num_m_tiles, num_n_tiles);
       smem.tile_b_scales[0][consumer_thread] = load_tile_b_scale(next, has_first);
       ptx::named_barrier_sync(1, kConsumerThreads);
     }
     int local_tile = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
+    for (int tile = fp8_first_tile<kSwiglu>(); tile < num_tiles;
+         tile = fp8_next_tile<kSwiglu>(tile), ++local_tile) {
       const Fp8Tile t = kWeightGrad ? fp8_tile<kForm, false>(params, smem.expert_offsets, tile,
                                                              num_m_tiles, num_n_tiles)
                                     : next;
@@ -287,10 +316,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       float next_tile_b_scale = 0.0f;
       auto read_next_tile = [&] {
         if constexpr (!kWeightGrad) {
-          const bool has_next = tile + static_cast<int>(gridDim.x) < num_tiles;
+          const bool has_next = fp8_next_tile<kSwiglu>(tile) < num_tiles;
           if (has_next)
-            next = fp8_tile<kForm, kExpertGroups>(params, smem.expert_offsets, tile + gridDim.x,
-                                                  num_m_tiles, num_n_tiles);
+            next = fp8_tile<kForm, kExpertGroups, kSwiglu>(params, smem.expert_offsets,
+                                                           fp8_next_tile<kSwiglu>(tile),
+                                                           num_m_tiles, num_n_tiles);
           next_tile_b_scale = load_tile_b_scale(next, has_next);
         }
       };
@@ -413,10 +443,33 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.staging_full[buffer]);
         continue;
       }
+      // kSwiglu: a unit's g tile stays staged for its u tile, whose epilogue reads each thread's
+      // g pairs back from the places it wrote them (into block0, the wgmma accumulators, which
+      // stay live from tile to tile: no registers beyond the default epilogue's) and its u pairs
+      // into block1, then quantizes h (fp8_swiglu_epilogue.cuh). g and u are stored unless the
+      // forward keeps no context.
+      const bool u_tile = kSwiglu && t.n_tile >= num_n_tiles / 2;
+      const bool stores = !kSwiglu || params.swiglu_stores_gate_up != 0;
       acquire_staging_tile(issuer);
-      stage();
+      if constexpr (kSwiglu) {
+        const int row_base = consumer_idx * 64;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < kFp8TileN / 8; ++j) {
+            const __nv_bfloat162 pair =
+                __floats2bfloat162_rn(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
+            const int offset =
+                staged_pair_offset((j / 8) * kStageChunkBytes, row_base + fragment_row(i), j);
+            block1[16 * i + j] = __uint_as_float(bf16x2_bits(pair));
+            block0[16 * i + j] = *reinterpret_cast<const float*>(staging + offset);
+            if (!u_tile || stores) *reinterpret_cast<__nv_bfloat162*>(staging + offset) = pair;
+          }
+      } else {
+        stage();
+      }
       publish_staging_tile();
-      if (issuer) {
+      if (issuer && stores) {
         const int column = t.n_tile * kFp8TileN;
         const bool second = params.n_split > 0 && column >= params.n_split;
         store_chunks(second ? &maps.out2 : &maps.out, staging, 0, kFp8TileN / 64,
@@ -426,16 +479,29 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                      t.m_tile * BLOCK_M, 0);
         ptx::bulk_commit_group();
       }
+      if (u_tile) {  // h's group (t.n_tile - num_n_tiles / 2) of this warpgroup's rows
+        const int group = t.n_tile - num_n_tiles / 2;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int64_t row = t.m_tile * BLOCK_M + consumer_idx * 64 + fragment_row(i);
+          swiglu_quantize_fragment_row(
+              [&](int j) { return __float_as_uint(block0[16 * i + j]); },
+              [&](int j) { return __float_as_uint(block1[16 * i + j]); }, params.swiglu_limit,
+              static_cast<uint8_t*>(params.swiglu_h_codes) + row * params.n_split + group * 128,
+              params.swiglu_h_scales + group * params.swiglu_h_rows + row);
+        }
+      }
     }
     if (issuer) ptx::bulk_wait_group<0>();  // kRowTiles: the last store reads the staging tile
   }
 }
 
-template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1>
+template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1,
+          bool kSwiglu = false>
 cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, int num_ctas,
                         KernelStream on) {
   const size_t smem_bytes = sizeof(Fp8SharedStorage<kStagingTiles>) + 1024;
-  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups, kStagingTiles>;
+  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups, kStagingTiles, kSwiglu>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -461,8 +527,15 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
       params.n_split >= params.n_extent || params.k_split < 0 || params.k_split % kFp8BlockK != 0 ||
       params.k_split >= params.k_extent || (params.n_split > 0 && params.k_split > 0))
     return cudaErrorInvalidValue;
+  if (params.swiglu_h_codes != nullptr &&
+      (params.n_split <= 0 || params.n_extent != 2 * params.n_split ||
+       params.swiglu_h_scales == nullptr || params.swiglu_h_rows <= 0 ||
+       (params.tile_rows == 128 && params.expert_groups > 0)))
+    return cudaErrorInvalidValue;
   if (params.tile_rows == 192) return launch_fp8_gemm_192_rows(maps, params, num_ctas, on);
-  if (params.tile_rows != 128 || params.swiglu_h_codes != nullptr) return cudaErrorInvalidValue;
+  if (params.tile_rows != 128) return cudaErrorInvalidValue;
+  if (params.swiglu_h_codes != nullptr)
+    return launch_form<Fp8GemmForm::kRowTiles, false, 1, true>(maps, params, num_ctas, on);
   if (params.expert_groups > 0)
     return launch_form<Fp8GemmForm::kRowTiles, true>(maps, params, num_ctas, on);
   return launch_form<Fp8GemmForm::kRowTiles>(maps, params, num_ctas, on);

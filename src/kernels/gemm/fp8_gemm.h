@@ -90,7 +90,8 @@ struct Fp8GemmParams {
   // that HBM's write rate paces: dsv3_e128's two K-blocks a tile write 3.8 GB of bf16 a
   // launch), for one pipeline stage fewer (4): the second tile takes its shared memory.
   int32_t weight_grad_staging_tiles = 1;
-  // tile_rows 192 with n_split = N / 2 (the gate/up GEMM): non-null, SwiGLU and h's quantization
+  // kRowTiles with n_split = N / 2 (the gate/up GEMM; not with expert_groups in 128-row tiles):
+  // non-null, SwiGLU and h's quantization
   // run in the epilogue (fp8_swiglu_epilogue.cuh; the bits of launch_swiglu_quantize_fp8): h's
   // codes [swiglu_h_rows, n_split] e4m3 and 1 x 128 row-group scales [n_split / 128,
   // swiglu_h_rows], for the rows of the walk's chunks. A CTA takes each column tile of g with the
@@ -105,8 +106,8 @@ struct Fp8GemmParams {
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
 // that are not multiples of 128, for kRowTiles' K over kFp8MaxReduction (mok/fp8.h), and for
-// kWeightGrad's weight_grad_staging_tiles other than 1 or 2, and for swiglu_h_codes but with
-// tile_rows 192 and n_extent = 2 n_split.
+// kWeightGrad's weight_grad_staging_tiles other than 1 or 2, and for swiglu_h_codes without
+// n_extent = 2 n_split and its buffers, or with the 128-row tiles' expert groups.
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, KernelStream on);
 // tile_rows = 192 (launch_fp8_grouped_gemm's): one persistent 512-thread CTA per SM at most.

@@ -56,6 +56,7 @@
 #include "kernels/common/overlapped_launch.h"
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/wait.cuh"
+#include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/fp8_gemm.h"
 #include "kernels/gemm/fp8_row_tile_sources.cuh"
 #include "kernels/gemm/fp8_rows192_walk.h"
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int j = 0; j < kFp8TileN / 8; ++j) {
           char* chunk_base = reinterpret_cast<char*>(smem.staging[chunk][j / 8]);
-          const int offset = row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
+          const int offset = staged_pair_offset(0, row, j);
           const __nv_bfloat162 pair =
               __floats2bfloat162_rn(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
           if constexpr (kSwiglu) {
