@@ -26,7 +26,8 @@
 # MOK_BENCH_SHAPES="" it is the whole call).
 # MOK_COMPARE_SHAPES (e.g. "dsv3_e128 dsv3") runs `mok run --quick --compare MOK_COMPARE_KNOBS`
 # on each: the knobs that are off by default, flipped and timed beside the layer.
-# MOK_FP8_SHAPES (default "dsv3_local qwen3") runs `mok run --precision fp8_block` on each, and
+# MOK_FP8_SHAPES (default "dsv3_local qwen3") runs `mok run --precision fp8_block` on each (with
+# MOK_FP8_COMPARE_KNOBS: `--compare` those knobs, e.g. "fp8-swiglu-in-gate-up"), and
 # the expert-parallel runs add kimi_slice in FP8 (MOK_EP_FP8=0 leaves it out);
 # MOK_PYTHON_BENCH_FP8=1 adds mok in FP8 to the Python benchmark.
 # MOK_NCU=1 adds an ncu profile of the GEMMs and of the persistent backward. MOK_TRACE_TASKS=1
@@ -240,10 +241,13 @@ if [ "$built" = 1 ] && [ -x "$build_dir/mok" ]; then
     add_bench_json "compare_$shape" "$OUT/tmp_compare.json"
   done
   # The FP8 layer against its CPU reference, timed beside bf16 (MOK_FP8_SHAPES, default
-  # "dsv3_local qwen3"; empty: none).
+  # "dsv3_local qwen3"; empty: none), with MOK_FP8_COMPARE_KNOBS (e.g. "fp8-swiglu-in-gate-up")
+  # flipped on FP8 layers of their own beside it, bitwise checked.
+  fp8_compare=()
+  [ -n "${MOK_FP8_COMPARE_KNOBS:-}" ] && fp8_compare=(--compare "$MOK_FP8_COMPARE_KNOBS")
   for shape in ${MOK_FP8_SHAPES-dsv3_local qwen3}; do
     run_step "fp8_$shape" "$OUT/run.log" timeout 300 "./$build_dir/mok" run --shape "$shape" \
-      --precision fp8_block --check-tokens 32 --json "$OUT/tmp_fp8.json"
+      --precision fp8_block --check-tokens 32 "${fp8_compare[@]}" --json "$OUT/tmp_fp8.json"
     add_bench_json "fp8_$shape" "$OUT/tmp_fp8.json"
   done
   # The main job as a newcomer runs it: no arguments (dsv3_local on a GPU).
