@@ -58,9 +58,6 @@ struct OutputMaps {
 
 constexpr int kStageChunkBytes = BLOCK_M * 128;  // one [128 rows x 64 columns] bf16 chunk
 
-// Writes value(i, j) (two floats, rounded to a bf16 pair) for fragment row i and column groups
-// j in [kFirst, kLast) of this consumer warpgroup into the staging tile, at tile row row_base +
-// the fragment's row, column group j landing in chunk j / 8 of `tile`.
 // Where this thread's column pair j (columns 8 j + 2 q, + 1) of tile row `row` lies in a staging
 // tile whose 64-column chunk of it starts at `chunk_offset`, 128B-swizzled as TMA stores it
 // (stage_fragments_at's offsets, which keep their own expression: the bf16 GEMMs' SASS).
@@ -68,6 +65,9 @@ __device__ __forceinline__ int staged_pair_offset(int chunk_offset, int row, int
   return chunk_offset + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (threadIdx.x % 4) * 4;
 }
 
+// Writes value(i, j) (two floats, rounded to a bf16 pair) for fragment row i and column groups
+// j in [kFirst, kLast) of this consumer warpgroup into the staging tile, at tile row row_base +
+// the fragment's row, column group j landing in chunk j / 8 of `tile`.
 // stage_fragments_at puts group kFirst in chunk first_chunk instead (the next ones after it).
 template <int kFirst, int kLast, typename Value>
 __device__ __forceinline__ void stage_fragments_at(char* tile, int first_chunk, int row_base,

@@ -479,18 +479,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                      t.m_tile * BLOCK_M, 0);
         ptx::bulk_commit_group();
       }
-      if (u_tile) {  // h's group (t.n_tile - num_n_tiles / 2) of this warpgroup's rows
-        const int group = t.n_tile - num_n_tiles / 2;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int64_t row = t.m_tile * BLOCK_M + consumer_idx * 64 + fragment_row(i);
-          swiglu_quantize_fragment_row(
-              [&](int j) { return __float_as_uint(block0[16 * i + j]); },
-              [&](int j) { return __float_as_uint(block1[16 * i + j]); }, params.swiglu_limit,
-              static_cast<uint8_t*>(params.swiglu_h_codes) + row * params.n_split + group * 128,
-              params.swiglu_h_scales + group * params.swiglu_h_rows + row);
-        }
-      }
+      if (u_tile)  // h's group (t.n_tile - num_n_tiles / 2) of this warpgroup's rows
+        swiglu_quantize_fragment_rows(
+            params, static_cast<int64_t>(t.m_tile) * BLOCK_M + consumer_idx * 64,
+            t.n_tile - num_n_tiles / 2,
+            [&](int i, int j) { return __float_as_uint(block0[16 * i + j]); },
+            [&](int i, int j) { return __float_as_uint(block1[16 * i + j]); });
     }
     if (issuer) ptx::bulk_wait_group<0>();  // kRowTiles: the last store reads the staging tile
   }

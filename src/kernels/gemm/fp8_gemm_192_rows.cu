@@ -397,18 +397,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                             t.rows.row0 + c * kRows192Chunk, 0);
       ptx::bulk_commit_group();
     }
-    if (u_tile && rows_valid) {  // h's group (t.n_tile - num_n_tiles / 2) of each row
-      const int group = t.n_tile - num_n_tiles / 2;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int64_t row = t.rows.row0 + chunk * kRows192Chunk + fragment_row(i);
-        swiglu_quantize_fragment_row(
-            [&](int j) { return __float_as_uint(block[16 * i + j]); },
-            [&](int j) { return __float_as_uint(block[32 + 16 * i + j]); }, params.swiglu_limit,
-            static_cast<uint8_t*>(params.swiglu_h_codes) + row * params.n_split + group * 128,
-            params.swiglu_h_scales + group * params.swiglu_h_rows + row);
-      }
-    }
+    if (u_tile && rows_valid)  // h's group (t.n_tile - num_n_tiles / 2) of each row
+      swiglu_quantize_fragment_rows(
+          params, static_cast<int64_t>(t.rows.row0) + chunk * kRows192Chunk,
+          t.n_tile - num_n_tiles / 2,
+          [&](int i, int j) { return __float_as_uint(block[16 * i + j]); },
+          [&](int i, int j) { return __float_as_uint(block[32 + 16 * i + j]); });
   }
   if (issuer) ptx::bulk_wait_group<0>();  // the last store reads the staging tile
 }
@@ -420,11 +414,9 @@ cudaError_t launch_fp8_gemm_192_rows(const Fp8GemmMaps& maps, const Fp8GemmParam
   if (params.num_experts <= 0 || params.num_experts > kMaxExperts ||
       params.expert_offsets == nullptr || params.expert_groups != 0)
     return cudaErrorInvalidValue;
-  const bool swiglu = params.swiglu_h_codes != nullptr;
-  if (swiglu && (params.n_split <= 0 || params.n_extent != 2 * params.n_split ||
-                 params.swiglu_h_scales == nullptr || params.swiglu_h_rows <= 0))
-    return cudaErrorInvalidValue;
-  const auto kernel = swiglu ? fp8_gemm_192_rows_kernel<true> : fp8_gemm_192_rows_kernel<false>;
+  // swiglu_h_codes' extents: checked by launch_fp8_grouped_gemm, the caller.
+  const auto kernel = params.swiglu_h_codes != nullptr ? fp8_gemm_192_rows_kernel<true>
+                                                       : fp8_gemm_192_rows_kernel<false>;
   const size_t smem_bytes = sizeof(Rows192Storage) + 1024;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));

@@ -1,6 +1,6 @@
-// SwiGLU and h's FP8 quantization in the gate/up GEMM's epilogue (Fp8GemmParams::swiglu_h_codes,
-// the 192-row tiles of fp8_gemm_192_rows.cu): the bits of swiglu_quantize.cu's pass, from the
-// consumers' fragments instead of the stored g and u rows.
+// SwiGLU and h's FP8 quantization in the gate/up GEMM's epilogue (Fp8GemmParams::swiglu_h_codes;
+// fp8_gemm.cu's 128-row tiles and fp8_gemm_192_rows.cu's): the bits of swiglu_quantize.cu's pass,
+// from the consumers' fragments instead of the stored g and u rows.
 //
 // A consumer thread holds two rows of its warpgroup's 64 x 128 tile (fragment_row(0) and (1)),
 // and in each the columns 8 j + 2 q + c (j < 16, c < 2, q = lane % 4): the four threads of a
@@ -18,6 +18,8 @@
 #include <stdint.h>
 
 #include "kernels/common/ptx.cuh"
+#include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/stages/swiglu.cuh"
 #include "mok/fp8.h"
 
@@ -101,6 +103,23 @@ __device__ __forceinline__ void swiglu_quantize_fragment_row(const GatePair& gat
     *reinterpret_cast<uint2*>(codes_row + 8 * (4 * (a + 1) + q)) = run_high;
   }
   if (q == 0) *scale = factors.scale;
+}
+
+// Both fragment rows of a consumer warpgroup's 64 rows from `row_base` (a row of the [R, I]
+// outputs) into h's group `group`: g's pair j of fragment row i as `gate(i, j)`, u's as `up(i, j)`.
+template <typename GatePair, typename UpPair>
+__device__ __forceinline__ void swiglu_quantize_fragment_rows(const Fp8GemmParams& params,
+                                                              int64_t row_base, int group,
+                                                              const GatePair& gate,
+                                                              const UpPair& up) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t row = row_base + fragment_row(i);
+    swiglu_quantize_fragment_row(
+        [&](int j) { return gate(i, j); }, [&](int j) { return up(i, j); }, params.swiglu_limit,
+        static_cast<uint8_t*>(params.swiglu_h_codes) + row * params.n_split + group * 128,
+        params.swiglu_h_scales + group * params.swiglu_h_rows + row);
+  }
 }
 
 }  // namespace mok::kernels
