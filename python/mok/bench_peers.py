@@ -180,18 +180,30 @@ def config_numbers() -> list[str]:
     return [f.name for f in fields(MoKConfig) if f.type in (int, "int")]
 
 
+def config_texts() -> list[str]:
+    """MoKConfig's text fields: what ``--knobs`` can set as ``FIELD=VALUE``."""
+    from .functional import MoKConfig
+
+    return [f.name for f in fields(MoKConfig) if f.type in (str, "str")]
+
+
 def flipped_config(config, knob: str):
     """`config` with `knob` applied: a MoKConfig switch flipped, ``FIELD=N`` setting an integer
-    field, or several of those joined by ``+``, in turn (e.g.
-    ``gemm_four_stages+gemm_lockstep_k_blocks=16``)."""
+    field, ``FIELD=VALUE`` a text one, or several of those joined by ``+``, in turn (e.g.
+    ``gemm_four_stages+gemm_lockstep_k_blocks=16``, or
+    ``precision=fp8_block+fp8_swiglu_in_gate_up``: mok in FP8 with a switch flipped)."""
     for part in knob.split("+"):
         name, _, value = part.partition("=")
+        if value and name in config_texts():
+            config = replace(config, **{name: value})
+            continue
         if value:
             numbers = config_numbers()
             if name not in numbers or not value.lstrip("-").isdigit():
                 raise ValueError(
                     f"argument `knob` has {part!r}; valid: FIELD=N with FIELD one of "
-                    f"{', '.join(numbers)}"
+                    f"{', '.join(numbers)}, or FIELD=VALUE with FIELD one of "
+                    f"{', '.join(config_texts())}"
                 )
             config = replace(config, **{name: int(value)})
             continue
