@@ -97,7 +97,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="a MoKConfig field for mok's layer (repeatable), e.g. fp8_swiglu_in_gate_up=1",
+        help="a MoKConfig field for mok's layer (repeatable), e.g. fp8_swiglu=pass",
     )
     args = parser.parse_args()
 

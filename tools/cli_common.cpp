@@ -74,6 +74,7 @@ const char* const kCompareKnobs[] = {"cta-pairs",
                                      "fp8-rows-192",
                                      "fp8-wgrad-staging-2",
                                      "fp8-swiglu-in-gate-up",
+                                     "fp8-swiglu-pass",
                                      nullptr};
 
 namespace {
@@ -207,8 +208,15 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     // FP8: the weight gradients with two staging tiles (one when they already have two).
     flipped.fp8_weight_grad_staging_tiles = config.fp8_weight_grad_staging_tiles == 2 ? 1 : 2;
   } else if (name == "fp8-swiglu-in-gate-up") {
-    // FP8: SwiGLU in the gate/up GEMM's epilogue (a pass of its own when it already is).
-    flipped.fp8_swiglu_in_gate_up = !config.fp8_swiglu_in_gate_up;
+    // FP8: SwiGLU in the gate/up GEMM's epilogue in every forward (the pass when it already is).
+    flipped.fp8_swiglu = config.fp8_swiglu == mok::Fp8SwigluPlace::kGateUp
+                             ? mok::Fp8SwigluPlace::kPass
+                             : mok::Fp8SwigluPlace::kGateUp;
+  } else if (name == "fp8-swiglu-pass") {
+    // FP8: SwiGLU as a pass of its own in every forward (the default place when it already is).
+    flipped.fp8_swiglu = config.fp8_swiglu == mok::Fp8SwigluPlace::kPass
+                             ? mok::Fp8SwigluPlace::kGateUpWithoutContext
+                             : mok::Fp8SwigluPlace::kPass;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

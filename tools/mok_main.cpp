@@ -106,7 +106,8 @@ mok run options:
                                192-row tiles, or 128 where the shape chose 192,
                                fp8-wgrad-staging-2: FP8's weight gradients with two
                                staging tiles, fp8-swiglu-in-gate-up: FP8's SwiGLU in the
-                               gate/up GEMM's epilogue); K1+K2
+                               gate/up GEMM's epilogue in every forward, fp8-swiglu-pass:
+                               FP8's SwiGLU as a pass of its own in every forward); K1+K2
                                flips several on one layer. An FP8 run (--precision
                                fp8_block) takes it without --quick: the flipped FP8 layers
                                timed beside it

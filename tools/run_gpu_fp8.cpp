@@ -90,6 +90,12 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
   // them (a nonzero ForwardArgs::weights_version: micro-batches between optimizer steps).
   mok::ForwardArgs kept_args = args;
   kept_args.weights_version = 1;
+  // The forward with no backward to follow (inference, a no_grad forward: what the Python
+  // benchmark times as the forward), where MoeConfig::fp8_swiglu's default place differs.
+  mok::ForwardArgs no_context_args = kept_args;
+  no_context_args.keep_context = false;
+  mok::ForwardArgs bf16_no_context_args = args;
+  bf16_no_context_args.keep_context = false;
   mok::BackwardArgs kept_backward = backward_args;
   kept_backward.forward.weights_version = 1;
   std::vector<std::function<void()>> timed = {
@@ -107,10 +113,13 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
       [&] {
         const mok::ForwardContext step = layer.forward(kept_args, stream);
         layer.backward(kept_backward, stream, &step);
-      }};
+      },
+      [&] { layer.forward(no_context_args, stream); },
+      [&] { bf16_layer.forward(bf16_no_context_args, stream); }};
   for (ComparedKnob& knob : compared) {
     mok::GpuLayer& flipped = *knob.layer;
     timed.push_back([&] { flipped.forward(kept_args, stream); });
+    timed.push_back([&] { flipped.forward(no_context_args, stream); });
     timed.push_back([&] {
       const mok::ForwardContext step = flipped.forward(kept_args, stream);
       flipped.backward(kept_backward, stream, &step);
@@ -135,9 +144,9 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
               static_cast<unsigned long long>(options.seed));
   std::printf("  row-tile GEMMs in %d-row tiles (fp8_row_tile_rows_for)\n",
               config.fp8_row_tile_rows);
-  if (config.fp8_swiglu_in_gate_up &&
-      (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0))
-    std::printf("  SwiGLU in the gate/up GEMM's epilogue (fp8_swiglu_in_gate_up)\n");
+  if (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0)
+    std::printf("  SwiGLU: %s (fp8_swiglu; the timed forwards keep a context)\n",
+                mok::fp8_swiglu_place_name(config.fp8_swiglu));
   if (config.fp8_weight_grad_staging_tiles == 2)
     std::printf("  weight gradients with two staging tiles (fp8_weight_grad_staging_tiles)\n");
   std::printf(
@@ -150,18 +159,26 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
     std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[2 * d],
                 flops[d] / medians[2 * d] / 1e9, medians[2 * d + 1],
                 flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[2 * d]);
+  // With the weights kept: the forward, the forward keeping no context, the step (rows 0-2);
+  // each row's FP8 and bf16 medians.
+  const char* kept_names[3] = {"forward", "forward, no context", "forward+backward"};
+  const double kept_flops[3] = {forward_flop, forward_flop, 3 * forward_flop};
+  const double kept_fp8[3] = {medians[4], medians[6], medians[5]};
+  const double kept_bf16[3] = {medians[1], medians[7], medians[3]};
   std::printf("  with the quantized weights kept between calls (weights_version):\n");
-  for (int d = 0; d < 2; ++d)
-    std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", names[d], medians[4 + d],
-                flops[d] / medians[4 + d] / 1e9, medians[2 * d + 1],
-                flops[d] / medians[2 * d + 1] / 1e9, medians[2 * d + 1] / medians[4 + d]);
+  for (int d = 0; d < 3; ++d)
+    std::printf("  %-22s %10.3f %10.1f %10.3f %10.1f %8.2fx\n", kept_names[d], kept_fp8[d],
+                kept_flops[d] / kept_fp8[d] / 1e9, kept_bf16[d], kept_flops[d] / kept_bf16[d] / 1e9,
+                kept_bf16[d] / kept_fp8[d]);
+  // Compared knob i's medians: 8 + 3 i + row (the rows above).
+  auto compared_ms = [&](size_t i, int row) { return medians[8 + 3 * i + row]; };
   for (size_t i = 0; i < compared.size(); ++i) {
     std::printf("  --compare %s (weights kept; same bits as the layer: %s):\n",
                 compared[i].knob.c_str(), compared[i].bitwise ? "yes" : "NO");
-    for (int d = 0; d < 2; ++d) {
-      const double ms = medians[6 + 2 * i + d];
-      std::printf("  %-22s %10.3f %10.1f %10.3f %10s %8.3fx the layer's time\n", names[d], ms,
-                  flops[d] / ms / 1e9, medians[4 + d], "", ms / medians[4 + d]);
+    for (int d = 0; d < 3; ++d) {
+      const double ms = compared_ms(i, d);
+      std::printf("  %-22s %10.3f %10.1f %10.3f %10s %8.3fx the layer's time\n", kept_names[d], ms,
+                  kept_flops[d] / ms / 1e9, kept_fp8[d], "", ms / kept_fp8[d]);
     }
   }
   const std::pair<const char*, const std::vector<mok::StageTime>*> stage_lists[] = {
@@ -188,14 +205,16 @@ int run_gpu_fp8(const RunOptions& options, const mok::MoeShape& shape,
          << "\", \"routing\": \"" << options.routing << "\",\n"
          << "  \"forward_gflop\": " << forward_flop / 1e9 << ",\n"
          << "  \"fp8_ms\": {\"forward\": " << medians[0] << ", \"forward_backward\": " << medians[2]
-         << "},\n  \"fp8_kept_weights_ms\": {\"forward\": " << medians[4]
-         << ", \"forward_backward\": " << medians[5]
+         << "},\n  \"fp8_kept_weights_ms\": {\"forward\": " << kept_fp8[0]
+         << ", \"forward_no_context\": " << kept_fp8[1] << ", \"forward_backward\": " << kept_fp8[2]
          << "},\n  \"bf16_ms\": {\"forward\": " << medians[1]
-         << ", \"forward_backward\": " << medians[3] << "},\n  \"compare\": {";
+         << ", \"forward_no_context\": " << kept_bf16[1] << ", \"forward_backward\": " << medians[3]
+         << "},\n  \"compare\": {";
     for (size_t i = 0; i < compared.size(); ++i)
       json << (i ? ", " : "") << "\"" << compared[i].knob
-           << "\": {\"forward\": " << medians[6 + 2 * i]
-           << ", \"forward_backward\": " << medians[7 + 2 * i]
+           << "\": {\"forward\": " << compared_ms(i, 0)
+           << ", \"forward_no_context\": " << compared_ms(i, 1)
+           << ", \"forward_backward\": " << compared_ms(i, 2)
            << ", \"bitwise\": " << (compared[i].bitwise ? "true" : "false") << "}";
     json << "},\n  \"errors\": {";
     for (size_t i = 0; i < errors.size(); ++i)

@@ -39,6 +39,26 @@ const char* local_dispatch_name(LocalDispatch dispatch);
 // names otherwise.
 LocalDispatch local_dispatch_from_name(const std::string& name);
 
+// Where the FP8 forward (precision fp8_block) computes SwiGLU and h's quantization for the down
+// GEMM. Same bits in every place.
+enum class Fp8SwigluPlace : int32_t {
+  // A pass of its own after the gate/up GEMM, reading the g and u it wrote.
+  kPass = 0,
+  // The gate/up GEMM's epilogue (src/kernels/gemm/fp8_swiglu_epilogue.cuh) in a forward that
+  // keeps no context (ForwardArgs::keep_context false: inference, evaluation, a no_grad forward),
+  // which then writes neither g nor u; the pass in a forward that keeps one. Measured on an H100
+  // (docs/perf.md, session 61): without a context the epilogue was level to 3% faster; with one
+  // (g and u stored as well) the training step ran up to 2% slower at dsv3_local.
+  kGateUpWithoutContext = 1,
+  // The gate/up GEMM's epilogue in every forward (g and u stored there for a context).
+  kGateUp = 2,
+};
+
+const char* fp8_swiglu_place_name(Fp8SwigluPlace place);
+// The place named `name` (as fp8_swiglu_place_name spells it); throws mok::Error naming the
+// valid names otherwise.
+Fp8SwigluPlace fp8_swiglu_place_from_name(const std::string& name);
+
 struct MoeConfig {
   int32_t fwd_num_comm_sms = 24;  // SMs that run dispatch/combine in the forward kernel
   int32_t bwd_num_comm_sms = 24;  // likewise in the backward kernel
@@ -134,13 +154,11 @@ struct MoeConfig {
   // whose weight-gradient tiles have few K-blocks (`dsv3_e128`: two), where the bf16 stores
   // pace them. Same bits. 1 until measured faster (docs/perf.md, session 59).
   int32_t fp8_weight_grad_staging_tiles = 1;
-  // FP8's SwiGLU and h's quantization in the gate/up GEMM's epilogue (precision fp8_block; with
-  // gemm_expert_groups' walk a pass of its own, as with false): a CTA takes a column tile of g
-  // with the one of u of the same columns, keeps g's tile staged, and quantizes h from u's
-  // accumulators (src/kernels/gemm/fp8_swiglu_epilogue.cuh); a forward that keeps no context
-  // writes neither g nor u. The pass's read of g and u is gone. Same bits. Off until measured
-  // faster (docs/perf.md, session 60).
-  bool fp8_swiglu_in_gate_up = false;
+  // Where FP8's SwiGLU and h's quantization run (precision fp8_block; Fp8SwigluPlace above). In
+  // the gate/up GEMM's epilogue a CTA takes a column tile of g with the one of u of the same
+  // columns, keeps g's tile staged, and quantizes h from u's accumulators; the pass's read of g
+  // and u is gone. With gemm_expert_groups' walk (128-row tiles) always the pass.
+  Fp8SwigluPlace fp8_swiglu = Fp8SwigluPlace::kGateUpWithoutContext;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
   // the layer probes which SMs share a partition when it is built (atomic latencies,

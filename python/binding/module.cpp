@@ -185,7 +185,14 @@ void bind_shape_and_config(nb::module_& m) {
       .def_rw("gemm_expert_groups", &MoeConfig::gemm_expert_groups)
       .def_rw("fp8_row_tile_rows", &MoeConfig::fp8_row_tile_rows)
       .def_rw("fp8_weight_grad_staging_tiles", &MoeConfig::fp8_weight_grad_staging_tiles)
-      .def_rw("fp8_swiglu_in_gate_up", &MoeConfig::fp8_swiglu_in_gate_up)
+      .def_prop_rw(
+          "fp8_swiglu",
+          [](const MoeConfig& config) {
+            return std::string(fp8_swiglu_place_name(config.fp8_swiglu));
+          },
+          [](MoeConfig& config, const std::string& name) {
+            config.fp8_swiglu = fp8_swiglu_place_from_name(name);
+          })
       .def_rw("gemm_l2_placement", &MoeConfig::gemm_l2_placement)
       .def_rw("gemm_four_stages", &MoeConfig::gemm_four_stages)
       .def_rw("gemm_lockstep_k_blocks", &MoeConfig::gemm_lockstep_k_blocks)

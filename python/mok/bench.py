@@ -327,7 +327,7 @@ def main() -> None:
         help="comma-separated MoKConfig switches, each timed flipped beside mok on the same "
         "weights (e.g. gemm_cta_pairs,weight_grad_pingpong); FIELD=N sets an integer field, "
         "FIELD=VALUE a text one, and K1+K2 applies several on one layer (e.g. "
-        "gemm_four_stages+gemm_lockstep_k_blocks=16, precision=fp8_block+fp8_swiglu_in_gate_up)",
+        "gemm_four_stages+gemm_lockstep_k_blocks=16, precision=fp8_block+fp8_swiglu=pass)",
     )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)

@@ -191,7 +191,7 @@ def flipped_config(config, knob: str):
     """`config` with `knob` applied: a MoKConfig switch flipped, ``FIELD=N`` setting an integer
     field, ``FIELD=VALUE`` a text one, or several of those joined by ``+``, in turn (e.g.
     ``gemm_four_stages+gemm_lockstep_k_blocks=16``, or
-    ``precision=fp8_block+fp8_swiglu_in_gate_up``: mok in FP8 with a switch flipped)."""
+    ``precision=fp8_block+fp8_swiglu=pass``: mok in FP8 with another SwiGLU place)."""
     for part in knob.split("+"):
         name, _, value = part.partition("=")
         if value and name in config_texts():

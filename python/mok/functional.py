@@ -89,10 +89,11 @@ class MoKConfig:
         epilogue alternates two, so that a tile waits for the store two tiles back; for
         weight-gradient tiles of few K-blocks; same bits; precision "fp8_block" only; 1 until
         measured faster).
-    fp8_swiglu_in_gate_up: FP8's SwiGLU and h's quantization in the gate/up GEMM's epilogue
-        (with gemm_expert_groups a pass of its own): the pass's read of g and u is gone,
-        and a forward without a context writes neither (same bits; precision "fp8_block" only;
-        off until measured faster).
+    fp8_swiglu: where FP8's SwiGLU and h's quantization run: "gate-up-without-context" (the
+        default: in the gate/up GEMM's epilogue when no backward follows, e.g. under
+        torch.no_grad, which then writes neither g nor u; a pass of its own otherwise), "pass"
+        (always a pass of its own) or "gate-up" (always the epilogue); with gemm_expert_groups
+        always the pass (same bits in every place; precision "fp8_block" only).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
@@ -154,7 +155,7 @@ class MoKConfig:
     gemm_expert_groups: int = 0
     fp8_row_tile_rows: int = 0
     fp8_weight_grad_staging_tiles: int = 1
-    fp8_swiglu_in_gate_up: bool = False
+    fp8_swiglu: str = "gate-up-without-context"
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0
@@ -187,7 +188,7 @@ class MoKConfig:
         config.gemm_expert_groups = self.gemm_expert_groups
         config.fp8_row_tile_rows = self.fp8_row_tile_rows
         config.fp8_weight_grad_staging_tiles = self.fp8_weight_grad_staging_tiles
-        config.fp8_swiglu_in_gate_up = self.fp8_swiglu_in_gate_up
+        config.fp8_swiglu = self.fp8_swiglu
         config.gemm_l2_placement = self.gemm_l2_placement
         config.gemm_four_stages = self.gemm_four_stages
         config.gemm_lockstep_k_blocks = self.gemm_lockstep_k_blocks

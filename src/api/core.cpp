@@ -78,6 +78,18 @@ const char* local_dispatch_name(LocalDispatch dispatch) {
   return "unknown";
 }
 
+const char* fp8_swiglu_place_name(Fp8SwigluPlace place) {
+  switch (place) {
+    case Fp8SwigluPlace::kPass:
+      return "pass";
+    case Fp8SwigluPlace::kGateUpWithoutContext:
+      return "gate-up-without-context";
+    case Fp8SwigluPlace::kGateUp:
+      return "gate-up";
+  }
+  return "unknown";
+}
+
 Precision precision_from_name(const std::string& name) {
   for (const Precision precision : {Precision::kBF16, Precision::kFP8Block})
     if (name == precision_name(precision)) return precision;
@@ -90,6 +102,15 @@ LocalDispatch local_dispatch_from_name(const std::string& name) {
     if (name == local_dispatch_name(mode)) return mode;
   throw Error(ErrorCode::kInvalidArgument,
               "local dispatch '" + name + "' is unknown; valid: gather-kernel, producer-warps");
+}
+
+Fp8SwigluPlace fp8_swiglu_place_from_name(const std::string& name) {
+  for (Fp8SwigluPlace place :
+       {Fp8SwigluPlace::kPass, Fp8SwigluPlace::kGateUpWithoutContext, Fp8SwigluPlace::kGateUp})
+    if (name == fp8_swiglu_place_name(place)) return place;
+  throw Error(ErrorCode::kInvalidArgument, "fp8_swiglu '" + name +
+                                               "' is unknown; valid: pass, "
+                                               "gate-up-without-context, gate-up");
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,

@@ -284,6 +284,11 @@ Status can_implement_knobs(const MoeConfig& config, int32_t num_ranks) {
     return bad(
         "fp8_weight_grad_staging_tiles = 2 with precision = bf16; valid: "
         "fp8_weight_grad_staging_tiles = 1 (the FP8 weight gradients' staging)");
+  if (config.fp8_swiglu != Fp8SwigluPlace::kPass &&
+      config.fp8_swiglu != Fp8SwigluPlace::kGateUpWithoutContext &&
+      config.fp8_swiglu != Fp8SwigluPlace::kGateUp)
+    return bad("fp8_swiglu = " + std::to_string(static_cast<int32_t>(config.fp8_swiglu)) +
+               "; valid: 0 (pass), 1 (gate-up-without-context), 2 (gate-up)");
   if (config.fp8_row_tile_rows == 192 && config.gemm_expert_groups != 0)
     return bad("fp8_row_tile_rows = 192 with gemm_expert_groups = " +
                std::to_string(config.gemm_expert_groups) +

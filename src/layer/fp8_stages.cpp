@@ -247,11 +247,12 @@ void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, c
   gather_quantize(set, gather, fp8.x_rows, column_groups ? fp8.x_t : none, on, "x rows");
 }
 
-// MoeConfig::fp8_swiglu_in_gate_up where it applies: the row-tile GEMMs but the expert groups'
-// walk (a kernel of its own).
-bool swiglu_in_gate_up(const MoeConfig& config) {
-  return config.fp8_swiglu_in_gate_up &&
-         (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0);
+// MoeConfig::fp8_swiglu: the gate/up GEMM's epilogue for a forward that keeps a context or not,
+// where it applies: the row-tile GEMMs but the expert groups' walk (a kernel of its own).
+bool swiglu_in_gate_up(const MoeConfig& config, bool keep_context) {
+  const bool wanted = config.fp8_swiglu == Fp8SwigluPlace::kGateUp ||
+                      (config.fp8_swiglu == Fp8SwigluPlace::kGateUpWithoutContext && !keep_context);
+  return wanted && (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0);
 }
 
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
@@ -344,9 +345,9 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, on, f.keep_context);
   quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
   mark("FP8 quantization of the weights and x rows");
-  // MoeConfig::fp8_swiglu_in_gate_up: h quantized in the gate/up GEMM's epilogue (the pass's
-  // bits), g and u written only for a context (the SwiGLU backward reads them).
-  if (swiglu_in_gate_up(s.config)) {
+  // MoeConfig::fp8_swiglu: h quantized in the gate/up GEMM's epilogue (the pass's bits), g and u
+  // written only for a context (the SwiGLU backward reads them).
+  if (swiglu_in_gate_up(s.config, f.keep_context)) {
     gate_up_gemm(s, set, fp8, weights, rows, on, true, f.keep_context);
   } else {
     gate_up_gemm(s, set, fp8, weights, rows, on);

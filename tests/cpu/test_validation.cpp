@@ -596,6 +596,31 @@ TEST(ConfigValidation, Fp8RunsWhatItSupportsAndNamesTheRest) {
   EXPECT_TRUE(can_implement(fp8, shared).ok());
 }
 
+// MoeConfig::fp8_swiglu: in the gate/up GEMM's epilogue without a context by default; each
+// place's name round-trips, and an unknown name or value is refused naming the valid ones.
+TEST(ConfigValidation, Fp8SwigluPlaces) {
+  EXPECT_EQ(MoeConfig{}.fp8_swiglu, Fp8SwigluPlace::kGateUpWithoutContext);
+  MoeConfig config;
+  config.precision = Precision::kFP8Block;
+  for (Fp8SwigluPlace place :
+       {Fp8SwigluPlace::kPass, Fp8SwigluPlace::kGateUpWithoutContext, Fp8SwigluPlace::kGateUp}) {
+    EXPECT_EQ(fp8_swiglu_place_from_name(fp8_swiglu_place_name(place)), place);
+    config.fp8_swiglu = place;
+    EXPECT_TRUE(can_implement_knobs(config, 1).ok()) << fp8_swiglu_place_name(place);
+  }
+  config.fp8_swiglu = static_cast<Fp8SwigluPlace>(3);
+  expect_error(can_implement_knobs(config, 1), ErrorCode::kInvalidArgument,
+               {"fp8_swiglu = 3", "0 (pass)", "2 (gate-up)"});
+  try {
+    fp8_swiglu_place_from_name("epilogue");
+    FAIL() << "an unknown name was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("'epilogue' is unknown; valid: pass, "),
+              std::string::npos)
+        << error.what();
+  }
+}
+
 TEST(ConfigValidation, LocalDispatchNamesRoundTrip) {
   for (LocalDispatch mode : {LocalDispatch::kGatherKernel, LocalDispatch::kProducerWarps})
     EXPECT_EQ(local_dispatch_from_name(local_dispatch_name(mode)), mode);

@@ -362,7 +362,7 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
 }
 
 // SwiGLU and h's quantization in the gate/up GEMM's epilogue (Fp8GemmParams::swiglu_h_codes,
-// MoeConfig::fp8_swiglu_in_gate_up) give the pass's bits (launch_swiglu_quantize_fp8 over the
+// MoeConfig::fp8_swiglu) give the pass's bits (launch_swiglu_quantize_fp8 over the
 // GEMM's own g and u): h's codes and scales, and g and u when stored; with swiglu_stores_gate_up
 // 0 neither is written. Experts as in Rows192TilesGiveTheSameBits, I = 256 (two groups of h a
 // row), a clamp that cuts, and a row of x with a NaN (its g, u and h NaN: the scale's NaN bits

@@ -214,28 +214,51 @@ TEST(Fp8LayerGpu, TwoWeightGradStagingTilesGiveTheSameBits) {
   });
 }
 
-// FP8's SwiGLU in the 192-row gate/up GEMM's epilogue (MoeConfig::fp8_swiglu_in_gate_up): h's
-// codes and scales are the pass's, so the layer's bits are the same, with the forward context
-// (g and u written for the backward) and without (neither written: the backward recomputes them),
-// on skewed routing and with empty experts, launches plain and overlapped. (The epilogue itself
-// against the pass, on 1 to all CTAs: Fp8GemmGpu.SwigluInTheGateUpEpilogueMatchesThePass.)
+// FP8's SwiGLU in the gate/up GEMM's epilogue (MoeConfig::fp8_swiglu): h's codes and scales are
+// the pass's, so the layer's bits are the same in every place, on 128- and 192-row tiles, for a
+// step from the forward's context and one that recomputes it, and for a forward that keeps no
+// context (the default place's epilogue, which writes neither g nor u), on skewed routing and
+// with empty experts, launches plain and overlapped. (The epilogue itself against the pass, on 1
+// to all CTAs: Fp8GemmGpu.SwigluInTheGateUpEpilogueMatchesThePass.)
 TEST(Fp8LayerGpu, SwigluInTheGateUpEpilogueGivesTheSameBits) {
   for_each_bits_problem(101, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
                                 DeviceProblem& device) {
-    MoeConfig config_pass = fp8_config();
-    config_pass.fp8_row_tile_rows = 192;
-    GpuLayer pass(shape, config_pass);
-    for (const bool overlap : {false, true}) {
-      MoeConfig config = config_pass;
-      config.fp8_swiglu_in_gate_up = true;
-      config.overlap_kernel_launches = overlap;
-      GpuLayer fused(shape, config);
-      for (const bool with_context : {true, false}) {
-        SCOPED_TRACE(std::string(routing_kind_name(routing)) + (overlap ? ", overlapped" : "") +
-                     (with_context ? "" : ", recomputed"));
-        expect_same_bits(test::gpu_step(fused, device, problem, with_context),
-                         test::gpu_step(pass, device, problem, with_context),
-                         "differs from the SwiGLU pass's");
+    // The output of a forward that keeps no context.
+    auto forward_only = [&](GpuLayer& layer) {
+      device.poison_outputs();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ForwardArgs args = device.forward_args();
+      args.keep_context = false;
+      layer.forward(args, nullptr);
+      EXPECT_TRUE(layer.synchronize(nullptr).ok());
+      return test::downloaded_outputs(device, problem).out;
+    };
+    for (const int32_t tile_rows : {128, 192}) {
+      MoeConfig config_pass = fp8_config();
+      config_pass.fp8_row_tile_rows = tile_rows;
+      config_pass.fp8_swiglu = Fp8SwigluPlace::kPass;
+      GpuLayer pass(shape, config_pass);
+      const HostRank want_step = test::gpu_step(pass, device, problem, /*with_context=*/true);
+      const HostRank want_recomputed = test::gpu_step(pass, device, problem, false);
+      const auto want_out = forward_only(pass);
+      EXPECT_TRUE(test::bitwise_equal(want_out, want_step.out)) << "the pass, no context";
+      for (const Fp8SwigluPlace place :
+           {Fp8SwigluPlace::kGateUp, Fp8SwigluPlace::kGateUpWithoutContext}) {
+        for (const bool overlap : {false, true}) {
+          MoeConfig config = config_pass;
+          config.fp8_swiglu = place;
+          config.overlap_kernel_launches = overlap;
+          GpuLayer fused(shape, config);
+          SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + std::to_string(tile_rows) +
+                       "-row tiles, " + fp8_swiglu_place_name(place) +
+                       (overlap ? ", overlapped" : ""));
+          expect_same_bits(test::gpu_step(fused, device, problem, true), want_step,
+                           "differs from the SwiGLU pass's");
+          expect_same_bits(test::gpu_step(fused, device, problem, false), want_recomputed,
+                           "differs from the SwiGLU pass's (recomputed)");
+          EXPECT_TRUE(test::bitwise_equal(forward_only(fused), want_out))
+              << "out of a forward without a context differs from the SwiGLU pass's";
+        }
       }
     }
   });

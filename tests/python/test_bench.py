@@ -183,8 +183,8 @@ def test_knobs_set_numbers_and_combine():
     assert both.gemm_four_stages and both.gemm_lockstep_k_blocks == 16
     assert both.gemm_cta_pairs == base.gemm_cta_pairs
     assert flipped_config(base, "gemm_tile_group=3").gemm_tile_group == 3
-    fp8 = flipped_config(base, "precision=fp8_block+fp8_swiglu_in_gate_up")
-    assert fp8.precision == "fp8_block" and fp8.fp8_swiglu_in_gate_up
+    fp8 = flipped_config(base, "precision=fp8_block+fp8_swiglu=pass")
+    assert fp8.precision == "fp8_block" and fp8.fp8_swiglu == "pass"
     with pytest.raises(ValueError, match="FIELD=N with FIELD one of .*gemm_lockstep_k_blocks"):
         flipped_config(base, "gemm_four_stages=2")
     with pytest.raises(ValueError, match="valid: .*gemm_four_stages"):

@@ -341,6 +341,9 @@ def test_config_switches_reach_the_native_config():
     assert F.MoKConfig(fp8_row_tile_rows=192).to_native().fp8_row_tile_rows == 192
     staging = F.MoKConfig(fp8_weight_grad_staging_tiles=2).to_native()
     assert staging.fp8_weight_grad_staging_tiles == 2
-    assert F.MoKConfig().to_native().fp8_swiglu_in_gate_up is False
-    assert F.MoKConfig(fp8_swiglu_in_gate_up=True).to_native().fp8_swiglu_in_gate_up is True
+    assert F.MoKConfig().to_native().fp8_swiglu == "gate-up-without-context"
+    for place in ("pass", "gate-up"):
+        assert F.MoKConfig(fp8_swiglu=place).to_native().fp8_swiglu == place
+    with pytest.raises(ValueError, match="fp8_swiglu 'epilogue' is unknown; valid: pass, "):
+        F.MoKConfig(fp8_swiglu="epilogue").to_native()
     assert F.MoKConfig(gemm_lockstep_k_blocks=16).to_native().gemm_lockstep_k_blocks == 16

@@ -41,7 +41,7 @@
 // Pipeline: 4 stages of 40.75 KB; the epilogue writes bf16 into a 48 KB staging tile (each
 // warpgroup its own [64 x 128] as two 128B-swizzled [64 x 64] chunks) and the first consumer
 // thread stores the valid chunks with TMA, the store overlapping the next tile's mainloop.
-// With Fp8GemmParams::swiglu_h_codes (the gate/up GEMM; MoeConfig::fp8_swiglu_in_gate_up) the
+// With Fp8GemmParams::swiglu_h_codes (the gate/up GEMM; MoeConfig::fp8_swiglu) the
 // walk's units are pairs of tiles, a column tile of g and the one of u of the same columns, which
 // the scheduler writes as two ring entries: g's epilogue stages its bf16 tile as always (stored
 // only with swiglu_stores_gate_up) and leaves it there; u's epilogue reads each thread's g pairs
