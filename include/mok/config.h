@@ -152,7 +152,7 @@ struct MoeConfig {
   // alternates two, the second in a pipeline stage's memory: src/kernels/gemm/fp8_gemm.cu), so
   // that a tile's staging waits for the store of the tile two back, not one. For the shapes
   // whose weight-gradient tiles have few K-blocks (`dsv3_e128`: two), where the bf16 stores
-  // pace them. Same bits. 1 until measured faster (docs/perf.md, session 59).
+  // pace them. Same bits. 1: in the layer it measured level (docs/perf.md, session 61).
   int32_t fp8_weight_grad_staging_tiles = 1;
   // Where FP8's SwiGLU and h's quantization run (precision fp8_block; Fp8SwigluPlace above). In
   // the gate/up GEMM's epilogue a CTA takes a column tile of g with the one of u of the same

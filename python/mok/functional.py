@@ -87,8 +87,8 @@ class MoKConfig:
         experts average at least 768 routed rows and the intermediate size is at least 2048.
     fp8_weight_grad_staging_tiles: the FP8 weight gradients' staging tiles, 1 or 2 (their
         epilogue alternates two, so that a tile waits for the store two tiles back; for
-        weight-gradient tiles of few K-blocks; same bits; precision "fp8_block" only; 1 until
-        measured faster).
+        weight-gradient tiles of few K-blocks; same bits; precision "fp8_block" only; 1: in the
+        layer it measured level).
     fp8_swiglu: where FP8's SwiGLU and h's quantization run: "gate-up-without-context" (the
         default: in the gate/up GEMM's epilogue when no backward follows, e.g. under
         torch.no_grad, which then writes neither g nor u; a pass of its own otherwise), "pass"
