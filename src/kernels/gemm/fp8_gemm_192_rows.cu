@@ -282,15 +282,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                ? row_tile_b_scale(params, t.rows.expert, t.n_tile, consumer_thread)
                : 0.0f;
   };
-  // Entry j of the scheduler's ring, read by this warp and handed back.
+  // Entry j of the scheduler's ring, read by this warp and handed back: lane 0 reads it and
+  // arrives, the other lanes take it by shuffle, so that every read of the entry is ordered
+  // before the arrival that frees it in one thread's program order. (The other lanes reading it
+  // before lane 0's arrival after __syncwarp is ordered too, but racecheck reports it as a
+  // hazard against the scheduler's next write: session 61.)
   auto scheduled_tile = [&](int j) {
     const int slot = j % kTileRing;
     mbarrier_wait(params.wait, WaitSite::kScheduledTile, &smem.tile_full[slot],
                   (j / kTileRing) & 1);
-    const int tile = smem.tiles[slot];
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.tile_empty[slot]);
-    return tile;
+    int tile = 0;
+    if (threadIdx.x % 32 == 0) {
+      tile = smem.tiles[slot];
+      ptx::mbarrier_arrive(&smem.tile_empty[slot]);
+    }
+    return __shfl_sync(0xffffffffu, tile, 0);
   };
   const int first_tile = scheduled_tile(0);
   if (first_tile == kNoTile) return;
