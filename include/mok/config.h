@@ -47,8 +47,9 @@ enum class Fp8SwigluPlace : int32_t {
   // The gate/up GEMM's epilogue (src/kernels/gemm/fp8_swiglu_epilogue.cuh) in a forward that
   // keeps no context (ForwardArgs::keep_context false: inference, evaluation, a no_grad forward),
   // which then writes neither g nor u; the pass in a forward that keeps one. Measured on an H100
-  // (docs/perf.md, session 61): without a context the epilogue was level to 3% faster; with one
-  // (g and u stored as well) the training step ran up to 2% slower at dsv3_local.
+  // (docs/perf.md, session 61): without a context the epilogue was level at dsv3_local and 4-6.5%
+  // faster at qwen3; with one (g and u stored as well) the training step ran up to 2% slower at
+  // dsv3_local.
   kGateUpWithoutContext = 1,
   // The gate/up GEMM's epilogue in every forward (g and u stored there for a context).
   kGateUp = 2,
