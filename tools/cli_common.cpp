@@ -75,6 +75,7 @@ const char* const kCompareKnobs[] = {"cta-pairs",
                                      "fp8-wgrad-staging-2",
                                      "fp8-swiglu-in-gate-up",
                                      "fp8-swiglu-pass",
+                                     "fp8-gather-in-gate-up",
                                      nullptr};
 
 namespace {
@@ -217,6 +218,9 @@ mok::MoeConfig flip_knob(const mok::MoeConfig& config, const std::string& name) 
     flipped.fp8_swiglu = config.fp8_swiglu == mok::Fp8SwigluPlace::kPass
                              ? mok::Fp8SwigluPlace::kGateUpWithoutContext
                              : mok::Fp8SwigluPlace::kPass;
+  } else if (name == "fp8-gather-in-gate-up") {
+    // FP8: x's rows gathered and quantized by the gate/up GEMM in a forward without a context.
+    flipped.fp8_gather_in_gate_up = !config.fp8_gather_in_gate_up;
   } else if (name == "local-dispatch") {
     flipped.local_dispatch = config.local_dispatch == mok::LocalDispatch::kGatherKernel
                                  ? mok::LocalDispatch::kProducerWarps

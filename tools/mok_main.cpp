@@ -107,7 +107,9 @@ mok run options:
                                fp8-wgrad-staging-2: FP8's weight gradients with two
                                staging tiles, fp8-swiglu-in-gate-up: FP8's SwiGLU in the
                                gate/up GEMM's epilogue in every forward, fp8-swiglu-pass:
-                               FP8's SwiGLU as a pass of its own in every forward); K1+K2
+                               FP8's SwiGLU as a pass of its own in every forward,
+                               fp8-gather-in-gate-up: FP8's x rows gathered and quantized by
+                               the gate/up GEMM in a forward without a context); K1+K2
                                flips several on one layer. An FP8 run (--precision
                                fp8_block) takes it without --quick: the flipped FP8 layers
                                timed beside it

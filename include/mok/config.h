@@ -160,6 +160,12 @@ struct MoeConfig {
   // columns, keeps g's tile staged, and quantizes h from u's accumulators; the pass's read of g
   // and u is gone. With gemm_expert_groups' walk (128-row tiles) always the pass.
   Fp8SwigluPlace fp8_swiglu = Fp8SwigluPlace::kGateUpWithoutContext;
+  // FP8's x rows in a forward that keeps no context, on one GPU (the local exchange): gathered
+  // from x and quantized into their row groups by the gate/up GEMM's spare producer warps while
+  // its TMA thread waits for each 64-row chunk (src/kernels/gemm/fp8_row_gather.cuh), instead of
+  // a pass of their own before it (a forward with a context keeps the pass, which also writes the
+  // column groups the backward reads). Same bits. Off until measured faster.
+  bool fp8_gather_in_gate_up = false;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):
   // the layer probes which SMs share a partition when it is built (atomic latencies,

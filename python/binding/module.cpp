@@ -193,6 +193,7 @@ void bind_shape_and_config(nb::module_& m) {
           [](MoeConfig& config, const std::string& name) {
             config.fp8_swiglu = fp8_swiglu_place_from_name(name);
           })
+      .def_rw("fp8_gather_in_gate_up", &MoeConfig::fp8_gather_in_gate_up)
       .def_rw("gemm_l2_placement", &MoeConfig::gemm_l2_placement)
       .def_rw("gemm_four_stages", &MoeConfig::gemm_four_stages)
       .def_rw("gemm_lockstep_k_blocks", &MoeConfig::gemm_lockstep_k_blocks)

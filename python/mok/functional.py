@@ -94,6 +94,9 @@ class MoKConfig:
         torch.no_grad, which then writes neither g nor u; a pass of its own otherwise), "pass"
         (always a pass of its own) or "gate-up" (always the epilogue); with gemm_expert_groups
         always the pass (same bits in every place; precision "fp8_block" only).
+    fp8_gather_in_gate_up: in a forward without a context on one GPU, FP8's x rows gathered and
+        quantized by the gate/up GEMM's spare producer warps instead of a pass before it (same
+        bits; precision "fp8_block" only; off until measured faster).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
@@ -156,6 +159,7 @@ class MoKConfig:
     fp8_row_tile_rows: int = 0
     fp8_weight_grad_staging_tiles: int = 1
     fp8_swiglu: str = "gate-up-without-context"
+    fp8_gather_in_gate_up: bool = False
     gemm_l2_placement: bool = False
     gemm_four_stages: bool = False
     gemm_lockstep_k_blocks: int = 0
@@ -189,6 +193,7 @@ class MoKConfig:
         config.fp8_row_tile_rows = self.fp8_row_tile_rows
         config.fp8_weight_grad_staging_tiles = self.fp8_weight_grad_staging_tiles
         config.fp8_swiglu = self.fp8_swiglu
+        config.fp8_gather_in_gate_up = self.fp8_gather_in_gate_up
         config.gemm_l2_placement = self.gemm_l2_placement
         config.gemm_four_stages = self.gemm_four_stages
         config.gemm_lockstep_k_blocks = self.gemm_lockstep_k_blocks

@@ -255,9 +255,23 @@ bool swiglu_in_gate_up(const MoeConfig& config, bool keep_context) {
   return wanted && (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0);
 }
 
+// MoeConfig::fp8_gather_in_gate_up where it applies: a forward without a context whose rows the
+// local exchange gathers (not an expert-parallel rank's received rows), with its counters, on the
+// row-tile GEMMs but the expert groups' walk.
+bool gather_in_gate_up(const MoeConfig& config, const kernels::FusedGather& gather,
+                       bool keep_context) {
+  return config.fp8_gather_in_gate_up && !keep_context && gather.x != nullptr &&
+         gather.peer_x == nullptr && gather.ticket != nullptr &&
+         (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0);
+}
+
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
             const kernels::Fp8GemmParams& params, kernels::KernelStream on, const char* what) {
   cuda_check(kernels::launch_fp8_grouped_gemm(maps, params, s.sm_count, on), what);
+  // The fused gather's ticket and counts name a launch by its epoch too.
+  if (params.row_gather.tokens != nullptr)
+    cuda_check(kernels::launch_advance_epoch(params.row_gather.epoch, on),
+               "advance the FP8 gather's epoch");
   // The lockstep's counters and the tiles' tickets name a row-tile launch by its epoch: the
   // next one gets a new one.
   if (params.form != kernels::Fp8GemmForm::kRowTiles) return;
@@ -286,11 +300,13 @@ void row_tile_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8View
 }
 
 // g | u = rows (Wg | Wu)^T into the set's gate and up buffers (from `fp8.x_rows`, quantized
-// before). With `swiglu` (swiglu_in_gate_up), the epilogue also quantizes h = SwiGLU(g, u) into
-// `fp8.h`, and writes g and u only if `keep_gate_up`.
+// before, or with `gather` (gather_in_gate_up) gathered and quantized there by the GEMM itself).
+// With `swiglu` (swiglu_in_gate_up), the epilogue also quantizes h = SwiGLU(g, u) into `fp8.h`,
+// and writes g and u only if `keep_gate_up`.
 void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBuffers& fp8,
                   const ForwardWeights& weights, int64_t rows, kernels::KernelStream on,
-                  bool swiglu = false, bool keep_gate_up = true) {
+                  bool swiglu = false, bool keep_gate_up = true,
+                  const kernels::FusedGather* gather = nullptr) {
   const int64_t H = s.shape.hidden, I = set.intermediate, E = set.num_experts;
   const int64_t R = set.capacity_rows;
   kernels::Fp8GemmMaps maps{};
@@ -313,6 +329,23 @@ void gate_up_gemm(const GpuLayer::State& s, const ExpertSet& set, const Fp8SetBu
     params.swiglu_h_rows = R;
     params.swiglu_limit = s.shape.swiglu_limit;
     params.swiglu_stores_gate_up = keep_gate_up ? 1 : 0;
+  }
+  if (gather != nullptr) {
+    if (R % kernels::kFp8GatherChunkRows != 0 ||
+        R / kernels::kFp8GatherChunkRows > s.gather_counters.max_tiles)
+      throw Error(ErrorCode::kInternal,
+                  "FP8 gather in the gate/up GEMM: " + std::to_string(R) + " rows, counters for " +
+                      std::to_string(s.gather_counters.max_tiles) + " chunks of 64");
+    kernels::Fp8RowGather& row_gather = params.row_gather;
+    row_gather.tokens = gather->x;
+    row_gather.row_pair = set.view().row_pair;
+    row_gather.top_k = gather->top_k;
+    row_gather.codes = static_cast<uint8_t*>(fp8.x_rows.codes.pointer);
+    row_gather.scales = fp8.x_rows.scale_data();
+    row_gather.capacity_rows = R;
+    row_gather.ticket = gather->ticket;
+    row_gather.chunk_rows_done = gather->tile_rows_done;
+    row_gather.epoch = gather->epoch;
   }
   launch(s, maps, params, on, swiglu ? "FP8 gate/up GEMM + SwiGLU" : "FP8 gate/up GEMM");
 }
@@ -343,14 +376,20 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const int64_t R = set.capacity_rows, rows = f.rows_in_map;
   check_dense(f.weights, I * H, H * I);
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, on, f.keep_context);
-  quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
+  // MoeConfig::fp8_gather_in_gate_up: x's rows gathered and quantized by the gate/up GEMM.
+  const bool gather = gather_in_gate_up(s.config, x_gather, f.keep_context);
+  if (gather && rows != R)
+    throw Error(ErrorCode::kInternal, "FP8: a gather over " + std::to_string(rows) + " rows, " +
+                                          std::to_string(R) + " in the buffers");
+  if (!gather) quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
   mark("FP8 quantization of the weights and x rows");
   // MoeConfig::fp8_swiglu: h quantized in the gate/up GEMM's epilogue (the pass's bits), g and u
   // written only for a context (the SwiGLU backward reads them).
+  const kernels::FusedGather* fused = gather ? &x_gather : nullptr;
   if (swiglu_in_gate_up(s.config, f.keep_context)) {
-    gate_up_gemm(s, set, fp8, weights, rows, on, true, f.keep_context);
+    gate_up_gemm(s, set, fp8, weights, rows, on, true, f.keep_context, fused);
   } else {
-    gate_up_gemm(s, set, fp8, weights, rows, on);
+    gate_up_gemm(s, set, fp8, weights, rows, on, false, true, fused);
     cuda_check(kernels::launch_swiglu_quantize_fp8(set.gate.pointer, set.up.pointer, R, I,
                                                    s.shape.swiglu_limit, fp8.h.codes.pointer,
                                                    fp8.h.scale_data(), on),

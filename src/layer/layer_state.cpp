@@ -132,7 +132,8 @@ std::unique_ptr<GpuLayer::State> make_layer_state(const MoeShape& shape, const M
   // The shared expert's row tiles (its counters follow the routed ones'; its tiles run in the
   // persistent forward's last launch).
   const int64_t shared_tiles = shape.has_shared_expert() ? (T + 127) / 128 : 0;
-  s.gather_counters = {params.max_tiles()};
+  // FP8 counts its fused gather's rows per 64-row chunk (MoeConfig::fp8_gather_in_gate_up).
+  s.gather_counters = {params.max_tiles() * (config.precision == Precision::kFP8Block ? 2 : 1)};
   s.forward_counters = {params.max_tiles(), shared_tiles};
   s.backward_counters = {params.max_tiles(), shape.num_local_experts(), shared_tiles};
   zeroed(s.gather_state, s.gather_counters.words(), "gather counters");

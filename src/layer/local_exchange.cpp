@@ -68,8 +68,9 @@ class LocalExchange final : public TokenExchange {
   kernels::FusedGather forward_rows(GpuLayer::State& s, const ForwardArgs& args, int32_t m,
                                     cudaStream_t stream, const StageMarker& mark) override {
     const int64_t row_begin = m * s.ring_rows;
-    if (stage_gathers_ && s.shape.num_tokens > 0)
-      return stage_gather(s, args.x, s.rows, row_begin, s.ring_rows);
+    if (stage_gathers_ && s.shape.num_tokens > 0)  // with the counters: fp8_gather_in_gate_up
+      return fused_gather(s, args.x, s.rows, s.gather_state.as<unsigned long long>(), row_begin,
+                          s.ring_rows);
     if (dispatch_ == LocalDispatch::kProducerWarps && s.shape.num_tokens > 0)
       return fused_gather(s, args.x, s.rows, s.gather_state.as<unsigned long long>(), row_begin,
                           s.ring_rows);

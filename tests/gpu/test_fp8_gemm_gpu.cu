@@ -493,6 +493,155 @@ TEST(Fp8GemmGpu, SwigluInTheGateUpEpilogueMatchesThePass) {
   gate.expect_ticket_epochs();
 }
 
+// x's rows gathered and quantized inside the row-tile GEMM (Fp8GemmParams::row_gather,
+// MoeConfig::fp8_gather_in_gate_up) give the gather pass's bits (launch_gather_quantize_fp8's
+// row groups) and the GEMM's outputs over them: routed rows from random tokens (one with a NaN,
+// one all zeros), padding rows between the experts' routed rows, an expert without rows; 128-
+// and 192-row tiles (static and by ticket), SwiGLU in the epilogue or not, on every SM and on 1,
+// 2 and 5 CTAs (the gatherers of the CTAs that run feed every tile), the launches one after
+// another on one set of counters (each launch its own epoch).
+TEST(Fp8GemmGpu, GatherInTheGemmMatchesTheGatherPass) {
+  const std::vector<int32_t> expert_rows = {256, 0, 384, 128, 640};
+  const std::vector<int32_t> expert_counts = {190, 0, 300, 64, 577};
+  const int64_t experts = static_cast<int64_t>(expert_rows.size()), inter = 256, k = 640;
+  const int64_t tokens = 300;
+  const int32_t top_k = 4;
+  std::vector<int32_t> offsets{0}, tile_expert, row_pair;
+  for (int64_t e = 0; e < experts; ++e) {
+    offsets.push_back(offsets.back() + expert_rows[e]);
+    tile_expert.insert(tile_expert.end(), expert_rows[e] / 128, static_cast<int32_t>(e));
+    for (int32_t r = 0; r < expert_rows[e]; ++r)  // token (r * 37 + e) % T, slot e % K
+      row_pair.push_back(r < expert_counts[e]
+                             ? static_cast<int32_t>(((r * 37 + e) % tokens) * top_k + e % top_k)
+                             : -1);
+  }
+  const int64_t rows = offsets.back();
+  std::vector<bf16> x = random_bf16(tokens * k, 61, 1.0f);
+  x[7 * k + 200] = float_to_bf16(std::nanf(""));
+  std::fill(x.begin() + 11 * k, x.begin() + 12 * k, float_to_bf16(0.0f));
+  Fp8GemmProblem gate(rows, inter, k, experts), up(rows, inter, k, experts);
+  // A is written below (by the pass, then by the GEMM); the weights are quantized here.
+  quantize_and_upload(gate, std::vector<bf16>(rows * k),
+                      random_bf16(experts * inter * k, 62, 0.05f), tile_expert);
+  quantize_and_upload(up, std::vector<bf16>(rows * k), random_bf16(experts * inter * k, 63, 0.05f),
+                      tile_expert);
+  ASSERT_FALSE(HasFailure());
+  ASSERT_EQ(
+      cudaMemcpy(gate.expert_offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
+  const bf16* device_x = test::upload(gate.device, x);
+  const int32_t* device_row_pair = test::upload(gate.device, row_pair);
+  gate.maps.b2 = up.maps.b;
+  gate.params.b2_scales = up.b_scales;
+  gate.params.n_extent = static_cast<int32_t>(2 * inter);
+  gate.params.n_split = static_cast<int32_t>(inter);
+  gate.params.num_experts = static_cast<int32_t>(experts);
+  kernels::Fp8GemmMaps maps128 = gate.maps, maps192 = rows_192_maps(gate);
+  maps128.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, 128, "up");
+  maps192.b2 = up.maps.b;
+  maps192.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, kernels::kRows192Chunk, "up");
+  uint8_t* h_codes = gate.device.allocate<uint8_t>(rows * inter);
+  float* h_scales = gate.device.allocate<float>(rows * (inter / 128) * 4);
+  // The gather's counters: ticket, epoch, one count per 64-row chunk.
+  auto* counters = gate.device.allocate<unsigned long long>((2 + rows / 64) * 8);
+  ASSERT_EQ(cudaMemset(counters, 0, (2 + rows / 64) * 8), cudaSuccess);
+  const int64_t code_bytes = rows * k, scale_bytes = rows * (k / 128) * 4,
+                out_bytes = rows * inter * 2, h_bytes = rows * inter + rows * (inter / 128) * 4;
+  // A's codes and scales, g, u, and h's codes and scales, as bytes.
+  auto outputs = [&] {
+    std::vector<uint8_t> bytes(code_bytes + scale_bytes + 2 * out_bytes + h_bytes);
+    uint8_t* at = bytes.data();
+    for (const auto [from, count] : {std::pair<const void*, int64_t>{gate.a, code_bytes},
+                                     {gate.a_scales, scale_bytes},
+                                     {gate.out, out_bytes},
+                                     {up.out, out_bytes},
+                                     {h_codes, rows * inter},
+                                     {h_scales, rows * (inter / 128) * 4}}) {
+      EXPECT_EQ(cudaMemcpy(at, from, count, cudaMemcpyDeviceToHost), cudaSuccess);
+      at += count;
+    }
+    return bytes;
+  };
+  auto clear = [&] {
+    for (const auto [to, count] : {std::pair<void*, int64_t>{gate.a, code_bytes},
+                                   {gate.a_scales, scale_bytes},
+                                   {gate.out, out_bytes},
+                                   {up.out, out_bytes},
+                                   {h_codes, rows * inter},
+                                   {h_scales, rows * (inter / 128) * 4}})
+      ASSERT_EQ(cudaMemset(to, 0xff, count), cudaSuccess);
+  };
+  // The pass, then the GEMM over its rows (with SwiGLU in the epilogue: h too).
+  kernels::Fp8GatherQuantize pass;
+  pass.header = gate.header;
+  pass.row_pair = device_row_pair;
+  pass.top_k = top_k;
+  pass.tokens = device_x;
+  pass.cols = k;
+  pass.capacity_rows = rows;
+  pass.row_codes = gate.a;
+  pass.row_scales = gate.a_scales;
+  gate.params.swiglu_h_codes = h_codes;
+  gate.params.swiglu_h_scales = h_scales;
+  gate.params.swiglu_h_rows = rows;
+  gate.params.swiglu_limit = 1.25f;
+  clear();
+  ASSERT_EQ(kernels::launch_gather_quantize_fp8(pass, nullptr), cudaSuccess);
+  gate.maps = maps128;
+  ASSERT_EQ(gate.run(), cudaSuccess);
+  const std::vector<uint8_t> want = outputs();
+  {  // the test's reach: the NaN token's scale is NaN in some routed row
+    std::vector<float> scales(scale_bytes / 4);
+    std::memcpy(scales.data(), want.data() + code_bytes, scale_bytes);
+    EXPECT_TRUE(std::any_of(scales.begin(), scales.end(), [](float v) { return std::isnan(v); }));
+  }
+  kernels::Fp8RowGather& gather = gate.params.row_gather;
+  gather.tokens = device_x;
+  gather.row_pair = device_row_pair;
+  gather.top_k = top_k;
+  gather.codes = static_cast<uint8_t*>(gate.a);
+  gather.scales = gate.a_scales;
+  gather.capacity_rows = rows;
+  gather.ticket = counters;
+  gather.epoch = counters + 1;
+  gather.chunk_rows_done = counters + 2;
+  int64_t launches = 0;
+  for (const int tile_rows : {128, 192}) {
+    gate.maps = tile_rows == 128 ? maps128 : maps192;
+    gate.params.tile_rows = tile_rows;
+    for (const bool swiglu : {true, false}) {
+      gate.params.swiglu_h_codes = swiglu ? h_codes : nullptr;
+      for (const bool by_ticket : {false, true}) {
+        if (by_ticket && tile_rows == 128) continue;  // the 192-row tiles' tickets
+        gate.params.tile_tickets = by_ticket ? gate.tickets : kernels::GemmTickets{};
+        for (const int ctas : {0, 1, 2, 5}) {
+          SCOPED_TRACE(std::to_string(tile_rows) + "-row tiles, " +
+                       (swiglu ? "SwiGLU in the epilogue, " : "") +
+                       (by_ticket ? "by ticket, " : "static walk, ") +
+                       (ctas == 0 ? std::string("every SM") : std::to_string(ctas) + " CTAs"));
+          clear();
+          ASSERT_EQ(gate.run(nullptr, ctas), cudaSuccess);
+          ASSERT_EQ(kernels::launch_advance_epoch(gather.epoch, nullptr), cudaSuccess);
+          ++launches;
+          const std::vector<uint8_t> got = outputs();
+          const int64_t checked = swiglu ? static_cast<int64_t>(got.size()) : got.size() - h_bytes;
+          int64_t wrong = 0, first_wrong = -1;
+          for (int64_t at = 0; at < checked; ++at)
+            if (got[at] != want[at] && wrong++ == 0) first_wrong = at;
+          EXPECT_EQ(wrong, 0) << "first wrong byte " << first_wrong;
+        }
+      }
+    }
+  }
+  unsigned long long words[2] = {0, 0};  // the ticket, the epoch
+  ASSERT_EQ(cudaMemcpy(words, counters, sizeof(words), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(words[1], static_cast<unsigned long long>(launches)) << "the epoch";
+  // The last launch's tickets: every row once, and one past the end for each gatherer warp.
+  EXPECT_EQ(words[0] >> 32, static_cast<unsigned long long>(launches)) << "the ticket's epoch";
+  EXPECT_GE(words[0] & 0xffffffffull, static_cast<unsigned long long>(rows)) << "the rows claimed";
+  gate.expect_ticket_epochs();
+}
+
 // Quantizes [rows, cols] bf16 along its rows' direction transposed, as the weight gradients'
 // operands are: codes [cols, rows] in groups of 128 rows, scales group-major [rows / 128, cols].
 void quantize_columns(const std::vector<bf16>& values, int64_t rows, int64_t cols,

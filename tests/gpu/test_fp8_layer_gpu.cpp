@@ -264,6 +264,53 @@ TEST(Fp8LayerGpu, SwigluInTheGateUpEpilogueGivesTheSameBits) {
   });
 }
 
+// FP8's x rows gathered and quantized in the gate/up GEMM (MoeConfig::fp8_gather_in_gate_up, a
+// forward without a context): the output bits of the pass's layer, on 128- and 192-row tiles,
+// with SwiGLU in a pass or in the epilogue, launches plain and overlapped, twice in a row (each
+// launch its own epoch of the counters) and after a training step (which keeps the pass); the
+// steps' bits unchanged. (The GEMM against the pass on 1 to all CTAs:
+// Fp8GemmGpu.GatherInTheGemmMatchesTheGatherPass.)
+TEST(Fp8LayerGpu, GatherInTheGateUpGivesTheSameBits) {
+  for_each_bits_problem(103, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+                                DeviceProblem& device) {
+    auto forward_only = [&](GpuLayer& layer) {
+      device.poison_outputs();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ForwardArgs args = device.forward_args();
+      args.keep_context = false;
+      layer.forward(args, nullptr);
+      EXPECT_TRUE(layer.synchronize(nullptr).ok());
+      return test::downloaded_outputs(device, problem).out;
+    };
+    for (const int32_t tile_rows : {128, 192}) {
+      MoeConfig config_pass = fp8_config();
+      config_pass.fp8_row_tile_rows = tile_rows;
+      GpuLayer pass(shape, config_pass);
+      const HostRank want = test::gpu_step(pass, device, problem, /*with_context=*/true);
+      for (const Fp8SwigluPlace place :
+           {Fp8SwigluPlace::kPass, Fp8SwigluPlace::kGateUpWithoutContext}) {
+        for (const bool overlap : {false, true}) {
+          MoeConfig config = config_pass;
+          config.fp8_swiglu = place;
+          config.fp8_gather_in_gate_up = true;
+          config.overlap_kernel_launches = overlap;
+          GpuLayer gathered(shape, config);
+          SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + std::to_string(tile_rows) +
+                       "-row tiles, SwiGLU " + fp8_swiglu_place_name(place) +
+                       (overlap ? ", overlapped" : ""));
+          for (int call = 0; call < 2; ++call)
+            EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
+                << "out of a forward without a context, call " << call;
+          expect_same_bits(test::gpu_step(gathered, device, problem, true), want,
+                           "differs from the pass's step");
+          EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
+              << "out of a forward without a context after a step";
+        }
+      }
+    }
+  });
+}
+
 // The FP8 layer's launches overlapped (MoeConfig::overlap_kernel_launches): every kernel waits
 // for the one before, so the bits are the plain launches', with and without the forward context
 // (the recompute's gather, quantization and GEMM), on skewed routing and with empty experts.

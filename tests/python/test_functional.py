@@ -342,6 +342,7 @@ def test_config_switches_reach_the_native_config():
     staging = F.MoKConfig(fp8_weight_grad_staging_tiles=2).to_native()
     assert staging.fp8_weight_grad_staging_tiles == 2
     assert F.MoKConfig().to_native().fp8_swiglu == "gate-up-without-context"
+    assert F.MoKConfig(fp8_gather_in_gate_up=True).to_native().fp8_gather_in_gate_up is True
     for place in ("pass", "gate-up"):
         assert F.MoKConfig(fp8_swiglu=place).to_native().fp8_swiglu == place
     with pytest.raises(ValueError, match="fp8_swiglu 'epilogue' is unknown; valid: pass, "):

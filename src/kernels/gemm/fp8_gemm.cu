@@ -53,6 +53,7 @@
 #include "kernels/common/wait.cuh"
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/fp8_row_gather.cuh"
 #include "kernels/gemm/fp8_row_tile_sources.cuh"
 #include "kernels/gemm/fp8_swiglu_epilogue.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
@@ -152,7 +153,7 @@ __device__ __forceinline__ int fp8_next_tile(int tile) {
 }
 
 template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1,
-          bool kSwiglu = false>
+          bool kSwiglu = false, bool kGather = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   // Launched overlapped (MoeConfig::overlap_kernel_launches): nothing below touches memory
@@ -163,6 +164,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   static_assert(kStagingTiles == 1 || (kWeightGrad && kStagingTiles == 2),
                 "two staging tiles: the weight gradients' storer alternates them");
   static_assert(!kSwiglu || (!kWeightGrad && !kExpertGroups), "SwiGLU: the gate/up row tiles");
+  static_assert(!kGather || (!kWeightGrad && !kExpertGroups), "the gather: the gate/up row tiles");
   using Storage = Fp8SharedStorage<kStagingTiles>;
   constexpr int kStages = Storage::kNumStagesHere;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -181,7 +183,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegisters>();
-    if (threadIdx.x == 0) {
+    // kGather: the launch's epoch of the gather's ticket and counts (fp8_row_gather.cuh).
+    const unsigned long long gather_epoch = kGather ? fp8_gather_epoch(params.row_gather) : 0ull;
+    if (kGather && threadIdx.x >= 32) {  // warps 1-3: the gatherers
+      fp8_gather_rows<2>(params.row_gather, params.header, params.k_extent);
+    } else if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&maps.a);
       ptx::prefetch_tensor_map(&maps.b);
       PipelineState<kStages> state;
@@ -202,6 +208,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
            tile = fp8_next_tile<kSwiglu>(tile), ++local_tile) {
         const Fp8Tile t = fp8_tile<kForm, kExpertGroups, kSwiglu>(params, params.expert_offsets,
                                                                   tile, num_m_tiles, num_n_tiles);
+        if constexpr (kGather)  // the tile's A rows gathered (fp8_row_gather.cuh)
+          fp8_wait_for_gathered_rows(params.wait, params.row_gather,
+                                     static_cast<int64_t>(t.m_tile) * BLOCK_M,
+                                     BLOCK_M / kFp8GatherChunkRows, gather_epoch);
         for (int k_block = 0; k_block < t.num_k_blocks; ++k_block) {
           if (lockstep) lockstep_k_block(params.lockstep, step, params.wait, local_tile, k_block);
           const int s = state.stage;
@@ -491,11 +501,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1,
-          bool kSwiglu = false>
+          bool kSwiglu = false, bool kGather = false>
 cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, int num_ctas,
                         KernelStream on) {
   const size_t smem_bytes = sizeof(Fp8SharedStorage<kStagingTiles>) + 1024;
-  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups, kStagingTiles, kSwiglu>;
+  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups, kStagingTiles, kSwiglu, kGather>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -526,8 +536,22 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
        params.swiglu_h_scales == nullptr || params.swiglu_h_rows <= 0 ||
        (params.tile_rows == 128 && params.expert_groups > 0)))
     return cudaErrorInvalidValue;
+  const Fp8RowGather& gather = params.row_gather;
+  if (gather.tokens != nullptr &&
+      (gather.row_pair == nullptr || gather.top_k <= 0 || gather.codes == nullptr ||
+       gather.scales == nullptr || gather.capacity_rows <= 0 ||
+       gather.capacity_rows % kFp8GatherChunkRows != 0 || gather.ticket == nullptr ||
+       gather.chunk_rows_done == nullptr || gather.epoch == nullptr ||
+       (params.tile_rows == 128 && params.expert_groups > 0)))
+    return cudaErrorInvalidValue;
   if (params.tile_rows == 192) return launch_fp8_gemm_192_rows(maps, params, num_ctas, on);
   if (params.tile_rows != 128) return cudaErrorInvalidValue;
+  if (gather.tokens != nullptr)
+    return params.swiglu_h_codes != nullptr
+               ? launch_form<Fp8GemmForm::kRowTiles, false, 1, true, true>(maps, params, num_ctas,
+                                                                           on)
+               : launch_form<Fp8GemmForm::kRowTiles, false, 1, false, true>(maps, params, num_ctas,
+                                                                            on);
   if (params.swiglu_h_codes != nullptr)
     return launch_form<Fp8GemmForm::kRowTiles, false, 1, true>(maps, params, num_ctas, on);
   if (params.expert_groups > 0)

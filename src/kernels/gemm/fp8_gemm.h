@@ -46,6 +46,22 @@ struct Fp8GemmMaps {
   CUtensorMap out2;       // n_split: the columns from n_split on
 };
 
+// kRowTiles' A rows gathered from the tokens and quantized inside the GEMM (fp8_row_gather.cuh):
+// the bits of launch_gather_quantize_fp8's row groups for the schedule's rows [0, total_rows),
+// counted per chunk of kFp8GatherChunkRows rows (the 192-row tiles' A boxes).
+constexpr int kFp8GatherChunkRows = 64;
+struct Fp8RowGather {
+  const void* tokens = nullptr;       // bf16 [T, K]; null: A's rows are there already
+  const int32_t* row_pair = nullptr;  // the schedule's: row r is token row_pair[r] / top_k
+  int32_t top_k = 0;
+  uint8_t* codes = nullptr;              // A's e4m3 rows [capacity_rows, K] (maps.a's memory)
+  float* scales = nullptr;               // A's group-major scales [K / 128, capacity_rows]
+  int64_t capacity_rows = 0;             // a multiple of 64
+  unsigned long long* ticket = nullptr;  // one word
+  unsigned long long* chunk_rows_done = nullptr;  // [capacity_rows / 64]
+  unsigned long long* epoch = nullptr;  // this launch's epoch - 1 (the caller advances it after)
+};
+
 struct Fp8GemmParams {
   Fp8GemmForm form = Fp8GemmForm::kRowTiles;
   const ScheduleHeader* header = nullptr;  // kRowTiles: num_tiles, the 128-row tiles of A
@@ -102,12 +118,19 @@ struct Fp8GemmParams {
   int64_t swiglu_h_rows = 0;
   float swiglu_limit = 0.0f;
   int32_t swiglu_stores_gate_up = 1;
+  // kRowTiles, not with expert_groups in 128-row tiles (the gate/up GEMM of a forward whose rows
+  // come from the local exchange; MoeConfig::fp8_gather_in_gate_up): row_gather.tokens non-null,
+  // the producer warpgroup's spare warps gather and quantize A's rows while the TMA thread waits
+  // for each tile's 64-row chunks (fp8_row_gather.cuh). Launches that share its counters must not
+  // run at once.
+  Fp8RowGather row_gather;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
 // that are not multiples of 128, for kRowTiles' K over kFp8MaxReduction (mok/fp8.h), and for
 // kWeightGrad's weight_grad_staging_tiles other than 1 or 2, and for swiglu_h_codes without
-// n_extent = 2 n_split and its buffers, or with the 128-row tiles' expert groups.
+// n_extent = 2 n_split and its buffers, or with the 128-row tiles' expert groups, and for a
+// row_gather without its buffers or with the 128-row tiles' expert groups.
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,
                                     int num_ctas, KernelStream on);
 // tile_rows = 192 (launch_fp8_grouped_gemm's): one persistent 512-thread CTA per SM at most.

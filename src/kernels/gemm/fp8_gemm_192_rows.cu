@@ -58,6 +58,7 @@
 #include "kernels/common/wait.cuh"
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/fp8_gemm.h"
+#include "kernels/gemm/fp8_row_gather.cuh"
 #include "kernels/gemm/fp8_row_tile_sources.cuh"
 #include "kernels/gemm/fp8_rows192_walk.h"
 #include "kernels/gemm/fp8_swiglu_epilogue.cuh"
@@ -73,6 +74,9 @@ constexpr int kConsumerWarpgroups = kRows192Chunks;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kConsumers = 128 * kConsumerWarpgroups;
 constexpr int kProducerRegs = 32;
+// MoeConfig::fp8_gather_in_gate_up: the pairs of groups each gatherer warp (warps 2-3 of the
+// producer warpgroup, at kProducerRegs) loads before it quantizes any.
+constexpr int kGatherInFlight = 2;
 constexpr int kConsumerRegs = 160;
 static_assert(128 * (kProducerRegs + kConsumerWarpgroups * kConsumerRegs) <= 65536,
               "the register split fits the 512-thread CTA's pool");
@@ -184,7 +188,7 @@ __device__ __forceinline__ void number_the_tiles(const Fp8GemmParams& params,
   }
 }
 
-template <bool kSwiglu>
+template <bool kSwiglu, bool kGather>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_192_rows_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   ptx::begin_after_previous_kernel();
@@ -210,6 +214,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<kProducerRegs>();
+    // kGather: the launch's epoch of the gather's ticket and counts (fp8_row_gather.cuh).
+    const unsigned long long gather_epoch = kGather ? fp8_gather_epoch(params.row_gather) : 0ull;
+    if (kGather && threadIdx.x >= 64) {  // warps 2-3: the gatherers
+      fp8_gather_rows<kGatherInFlight>(params.row_gather, params.header, params.k_extent);
+      return;
+    }
     if (threadIdx.x == 32) {  // the scheduler
       // kSwiglu: the taker hands out units of two tiles, each written as its two entries.
       const TileTaker taker{params.tile_tickets, kSwiglu ? num_tiles / 2 : num_tiles};
@@ -245,6 +255,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Tile t = tile_at<kSwiglu>(params, smem.tile_start, tile, num_m_tiles, num_n_tiles);
       const uint32_t bytes = t.rows.valid_chunks * kAChunkBytes + kBTileBytes + kRows192 * 4;
       const int num_k_blocks = params.k_extent / kFp8BlockK;
+      if constexpr (kGather)  // the tile's A chunks gathered (fp8_row_gather.cuh)
+        fp8_wait_for_gathered_rows(params.wait, params.row_gather, t.rows.row0, t.rows.valid_chunks,
+                                   gather_epoch);
       for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
         const int s = state.stage;
         if (!arm_free_stage(params, &smem.empty[s], &smem.full[s], state.phase, bytes)) {
@@ -420,9 +433,14 @@ cudaError_t launch_fp8_gemm_192_rows(const Fp8GemmMaps& maps, const Fp8GemmParam
   if (params.num_experts <= 0 || params.num_experts > kMaxExperts ||
       params.expert_offsets == nullptr || params.expert_groups != 0)
     return cudaErrorInvalidValue;
-  // swiglu_h_codes' extents: checked by launch_fp8_grouped_gemm, the caller.
-  const auto kernel = params.swiglu_h_codes != nullptr ? fp8_gemm_192_rows_kernel<true>
-                                                       : fp8_gemm_192_rows_kernel<false>;
+  // swiglu_h_codes' extents and row_gather's buffers: checked by launch_fp8_grouped_gemm, the
+  // caller.
+  const bool swiglu = params.swiglu_h_codes != nullptr;
+  const auto kernel =
+      params.row_gather.tokens != nullptr
+          ? (swiglu ? fp8_gemm_192_rows_kernel<true, true> : fp8_gemm_192_rows_kernel<false, true>)
+          : (swiglu ? fp8_gemm_192_rows_kernel<true, false>
+                    : fp8_gemm_192_rows_kernel<false, false>);
   const size_t smem_bytes = sizeof(Rows192Storage) + 1024;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
