@@ -185,8 +185,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_dec<kProducerRegisters>();
     // kGather: the launch's epoch of the gather's ticket and counts (fp8_row_gather.cuh).
     const unsigned long long gather_epoch = kGather ? fp8_gather_epoch(params.row_gather) : 0ull;
-    if (kGather && threadIdx.x >= 32) {  // warps 1-3: the gatherers
-      fp8_gather_rows<2>(params.row_gather, params.header, params.k_extent);
+    if (kGather && threadIdx.x >= 32) {  // warps 1-3: the gatherers (3 pairs of groups in
+      // flight: the most that fit kProducerRegisters without a spill)
+      fp8_gather_rows<3>(params.row_gather, params.header, params.k_extent);
     } else if (threadIdx.x == 0) {
       ptx::prefetch_tensor_map(&maps.a);
       ptx::prefetch_tensor_map(&maps.b);
