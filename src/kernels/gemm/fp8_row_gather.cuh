@@ -42,9 +42,9 @@ __device__ __forceinline__ unsigned long long fp8_gather_epoch(const Fp8RowGathe
 
 // Run by each gatherer warp until the ticket passes the schedule's last row. `hidden`: H, the
 // GEMM's K (a multiple of 128). Lean on registers (the 192-row kernel's producer warpgroup has
-// 32 a thread): rows as 32-bit values, the fields read from the kernel's parameters where used,
-// and the epoch read from memory where used (it changes only between launches), so that nothing
-// but the row's pointers stays live across its groups.
+// 32 a thread): rows and tokens as 32-bit values, the addresses and the kernel's parameters made
+// and read where used, and the epoch read from memory where used (it changes only between
+// launches), so that little stays live across a row's groups.
 template <int kInFlight>
 __device__ __forceinline__ void fp8_gather_rows(const Fp8RowGather& gather,
                                                 const ScheduleHeader* header, int hidden) {
@@ -61,11 +61,7 @@ __device__ __forceinline__ void fp8_gather_rows(const Fp8RowGather& gather,
     const int row = static_cast<int>(min(__shfl_sync(0xffffffffu, claimed, 0), 0x7fffffffull));
     if (row >= header->total_rows) return;
     const int32_t pair = gather.row_pair[row];
-    const __nv_bfloat16* source =
-        pair >= 0 ? static_cast<const __nv_bfloat16*>(gather.tokens) +
-                        static_cast<int64_t>(pair / gather.top_k) * hidden + column
-                  : nullptr;
-    uint8_t* codes = gather.codes + static_cast<int64_t>(row) * hidden + column;
+    const int token = pair >= 0 ? pair / gather.top_k : -1;  // -1: a padding row, zeros
     const int groups = hidden / 128;
 #pragma unroll 1
     for (int group0 = 0; group0 < groups; group0 += 2 * kInFlight) {  // warp-uniform: shuffles
@@ -74,8 +70,10 @@ __device__ __forceinline__ void fp8_gather_rows(const Fp8RowGather& gather,
       for (int u = 0; u < kInFlight; ++u) {
         const int group = group0 + 2 * u + half;
         values[u] = make_uint4(0, 0, 0, 0);
-        if (source != nullptr && group < groups)
-          values[u] = __ldg(reinterpret_cast<const uint4*>(source + group * 128));
+        if (token >= 0 && group < groups)  // the addresses made where used: fewer registers live
+          values[u] = __ldg(reinterpret_cast<const uint4*>(
+              static_cast<const __nv_bfloat16*>(gather.tokens) +
+              static_cast<int64_t>(token) * hidden + group * 128 + column));
       }
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u) {
@@ -88,7 +86,8 @@ __device__ __forceinline__ void fp8_gather_rows(const Fp8RowGather& gather,
           maximum = ptx::max_abs_bf16x2_nan(maximum, __shfl_xor_sync(0xffffffffu, maximum, offset));
         const Fp8GroupScale factors = fp8_group_scale(fp8_tile::halves_amax(maximum));
         if (group < groups) {
-          *reinterpret_cast<uint2*>(codes + group * 128) =
+          *reinterpret_cast<uint2*>(gather.codes + static_cast<int64_t>(row) * hidden +
+                                    group * 128 + column) =
               fp8_tile::codes8(v, factors.inverse_scale);
           if (column == 0) gather.scales[group * gather.capacity_rows + row] = factors.scale;
         }
