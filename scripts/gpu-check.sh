@@ -16,7 +16,9 @@
 # GPUs, `mok comm-bench`; the multi-GPU tests run on all of them.
 # To save device time: MOK_SKIP_DEFAULT_RUN=1, MOK_SKIP_SANITIZERS=1, MOK_BENCH_SHAPES="" (no
 # extra shapes; default qwen3, while `mok run` with no arguments covers dsv3_local),
-# MOK_SKIP_TESTS=1 (no ctest), MOK_SKIP_CPU_TESTS=1 (no CPU suite: CI runs it), MOK_SKIP_EP=1
+# MOK_SKIP_TESTS=1 (no ctest), MOK_SKIP_CPU_TESTS=1 (no CPU suite: CI runs it),
+# MOK_GPU_TEST_FILTER (a gtest filter: those GPU tests instead of the whole suite),
+# MOK_SKIP_EP_SANITIZERS=1 (no memcheck of the expert-parallel tests), MOK_SKIP_EP=1
 # (no `mok run --gpus`), MOK_SKIP_COMM_BENCH=1. A call of the device tool may run 10 minutes: on 2 GPUs run the tests and benchmarks with
 # MOK_SKIP_SANITIZERS=1 in one call and the sanitizers alone (MOK_SKIP_TESTS=1
 # MOK_SKIP_DEFAULT_RUN=1 MOK_BENCH_SHAPES="" MOK_SKIP_EP=1 MOK_SKIP_COMM_BENCH=1) in another.
@@ -152,7 +154,12 @@ elif [ "$built" = 1 ]; then
     cpu_counts="$(ctest_counts "$tmp_log")"
     : >"$tmp_log"
   fi
-  run_step ctest_gpu "$tmp_log" bash -c "cd '$build_dir' && MOK_RESULTS_DIR='$OUT' ctest --verbose -L gpu --timeout 420"
+  if [ -n "${MOK_GPU_TEST_FILTER:-}" ]; then  # those GPU tests alone, not the suite
+    run_step ctest_gpu "$tmp_log" bash -c "cd '$build_dir' && MOK_RESULTS_DIR='$OUT' timeout 420 \
+      ./mok_gpu_tests '--gtest_filter=$MOK_GPU_TEST_FILTER'"
+  else
+    run_step ctest_gpu "$tmp_log" bash -c "cd '$build_dir' && MOK_RESULTS_DIR='$OUT' ctest --verbose -L gpu --timeout 420"
+  fi
   cat "$tmp_log" >>"$OUT/ctest.log"
   gpu_counts="$(ctest_counts "$tmp_log")"
   # On a device machine a skipped GPU suite means the GPU was not usable: a failure here.
@@ -368,16 +375,20 @@ elif [ "$built" = 1 ] && [ -n "$sanitizer" ] && [ -x "$build_dir/mok_gpu_tests" 
   # other architectures) and handles the failures itself: --report-api-errors no keeps those
   # out of the error count; memcheck still checks every access.
   ep_filter="${MOK_EP_SANITIZER_FILTER:-CommGpu.RoutingAllGatherThenScheduleOnEveryRank:CommGpu.PullDispatchAndPushCombineAcrossRanks:CommGpu.PushDispatchLandsWhereThePullWould}"
-  run_step sanitizer_memcheck_ep "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
-    --report-api-errors no --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$ep_filter"
-  # The whole expert-parallel layer under memcheck, one process per GPU, each under its own
-  # sanitizer (rank_process.h): under memcheck a launch can wait for the work already running in
-  # the process, so with one process driving every GPU rank 1's launch waited behind rank 0's
-  # spin for rank 1 until the spin timed out (seen on 2 x H200).
-  run_step sanitizer_memcheck_ep_layer "$OUT/sanitizer.log" env \
-    MOK_TEST_RANK_WRAPPER="$sanitizer --tool memcheck --report-api-errors no --error-exitcode 1" \
-    timeout 330 "./$build_dir/mok_gpu_tests" \
-    "--gtest_filter=${MOK_EP_LAYER_SANITIZER_FILTER:-CommGpu.OneProcessPerGpu:EpLayerGpu.OneProcessPerGpu}"
+  if [ "${MOK_SKIP_EP_SANITIZERS:-0}" = 1 ]; then
+    record sanitizer_memcheck_ep skipped
+  else
+    run_step sanitizer_memcheck_ep "$OUT/sanitizer.log" timeout 240 "$sanitizer" --tool memcheck \
+      --report-api-errors no --error-exitcode 1 "./$build_dir/mok_gpu_tests" "--gtest_filter=$ep_filter"
+    # The whole expert-parallel layer under memcheck, one process per GPU, each under its own
+    # sanitizer (rank_process.h): under memcheck a launch can wait for the work already running in
+    # the process, so with one process driving every GPU rank 1's launch waited behind rank 0's
+    # spin for rank 1 until the spin timed out (seen on 2 x H200).
+    run_step sanitizer_memcheck_ep_layer "$OUT/sanitizer.log" env \
+      MOK_TEST_RANK_WRAPPER="$sanitizer --tool memcheck --report-api-errors no --error-exitcode 1" \
+      timeout 330 "./$build_dir/mok_gpu_tests" \
+      "--gtest_filter=${MOK_EP_LAYER_SANITIZER_FILTER:-CommGpu.OneProcessPerGpu:EpLayerGpu.OneProcessPerGpu}"
+  fi
   # Opt-in (MOK_EP_RACECHECK=1): racecheck of the expert-parallel layer (the in-GEMM push reads
   # the staging tile), with NCCL's init probes kept out of the count as above. Not yet seen to
   # pass: in sessions 17 and 18 its process ended before the test reported anything
