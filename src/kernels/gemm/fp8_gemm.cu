@@ -13,7 +13,10 @@
 //                 (512 B) and, kWeightGrad, the B tile's (512 B), all completing on full[s]; it
 //                 gives its registers away (setmaxnreg.dec). kWeightGrad: thread 32 is the
 //                 storer, which stores each tile the consumers staged (staging_full) and hands
-//                 the staging tile back once the store has read it (staging_free).
+//                 the staging tile back once the store has read it (staging_free). kGather
+//                 (Fp8GemmParams::row_gather): warps 1-3 gather and quantize A's rows from the
+//                 tokens (fp8_row_gather.cuh), and the TMA thread waits for a tile's rows
+//                 before its first K-block.
 //   warpgroups 1, 2  consumers: each owns 64 rows and three 64 x 128 fp32 register tiles: two
 //                 K-blocks' products in flight and the running sum. Per K-block: four wgmma
 //                 m64n128k32 e4m3 into a fresh tile (scale-d 0 first); while the next block's

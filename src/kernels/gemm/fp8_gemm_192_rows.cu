@@ -27,6 +27,9 @@
 //                   TMA: A's rows as 64-row chunks (8 KB each; an expert's last tile loads only
 //                   the chunks it holds, so a part-filled tile reads what 128-row tiles would),
 //                   B's 128 x 128 block (16 KB) and A's 192 line scales.
+//                   gatherers (kGather: Fp8GemmParams::row_gather): warps 2-3 gather and
+//                   quantize A's rows from the tokens (fp8_row_gather.cuh); the producer waits
+//                   for a tile's valid chunks before its first K-block.
 //                   The warpgroup gives its registers away (setmaxnreg.dec to 32). With the
 //                   tickets taken by the producer itself ptxas spilled at 32, and at 40 / 152
 //                   registers the row tiles ran ~5% slower (docs/perf.md, session 51).
