@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "mok/gpu_layer.h"
 #include "mok/testing/device_problem.h"
@@ -43,6 +44,19 @@ inline HostRank gpu_step(GpuLayer& layer, DeviceProblem& device, const HostProbl
   const Status status = launch_step(layer, device, with_context, stream, weight_gradients);
   EXPECT_TRUE(status.ok()) << status.message;
   return downloaded_outputs(device, problem);
+}
+
+// The output of one forward that keeps no context (ForwardArgs::keep_context false: no backward
+// follows), the outputs poisoned first.
+inline std::vector<bf16> forward_without_context(GpuLayer& layer, DeviceProblem& device,
+                                                 const HostProblem& problem) {
+  device.poison_outputs();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison's memsets: the legacy stream
+  ForwardArgs args = device.forward_args();
+  args.keep_context = false;
+  layer.forward(args, nullptr);
+  EXPECT_TRUE(layer.synchronize(nullptr).ok());
+  return downloaded_outputs(device, problem).out;
 }
 
 // Every output the reference computed: finite, and within `tolerance` relative error.

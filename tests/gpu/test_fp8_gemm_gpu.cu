@@ -361,6 +361,44 @@ TEST(Fp8GemmGpu, Rows192TilesGiveTheSameBits) {
   }
 }
 
+// Device buffers read or filled as one run of bytes, in order.
+struct DeviceBytes {
+  void* pointer;
+  int64_t count;
+};
+std::vector<uint8_t> download_bytes(std::initializer_list<DeviceBytes> regions) {
+  int64_t total = 0;
+  for (const DeviceBytes& region : regions) total += region.count;
+  std::vector<uint8_t> bytes(total);
+  uint8_t* at = bytes.data();
+  for (const DeviceBytes& region : regions) {
+    EXPECT_EQ(cudaMemcpy(at, region.pointer, region.count, cudaMemcpyDeviceToHost), cudaSuccess);
+    at += region.count;
+  }
+  return bytes;
+}
+void fill_bytes(std::initializer_list<DeviceBytes> regions) {  // with 0xff
+  for (const DeviceBytes& region : regions)
+    ASSERT_EQ(cudaMemset(region.pointer, 0xff, region.count), cudaSuccess);
+}
+
+// The gate/up GEMM over two problems of `inter` columns: `gate` carries the launch, with `up`'s
+// weights and scales as B2 and `up`'s output as out2 (n_split at inter); its maps for the 128-
+// and the 192-row tiles.
+void join_gate_up(Fp8GemmProblem& gate, const Fp8GemmProblem& up, int64_t inter,
+                  kernels::Fp8GemmMaps* maps128, kernels::Fp8GemmMaps* maps192) {
+  gate.maps.b2 = up.maps.b;
+  gate.params.b2_scales = up.b_scales;
+  gate.params.n_extent = static_cast<int32_t>(2 * inter);
+  gate.params.n_split = static_cast<int32_t>(inter);
+  gate.params.num_experts = static_cast<int32_t>(gate.experts);
+  *maps128 = gate.maps;
+  *maps192 = rows_192_maps(gate);
+  maps128->out2 = make_tensor_map_3d(up.out, inter, gate.rows, 1, 64, 128, "up");
+  maps192->b2 = up.maps.b;
+  maps192->out2 = make_tensor_map_3d(up.out, inter, gate.rows, 1, 64, kernels::kRows192Chunk, "up");
+}
+
 // SwiGLU and h's quantization in the gate/up GEMM's epilogue (Fp8GemmParams::swiglu_h_codes,
 // MoeConfig::fp8_swiglu) give the pass's bits (launch_swiglu_quantize_fp8 over the
 // GEMM's own g and u): h's codes and scales, and g and u when stored; with swiglu_stores_gate_up
@@ -395,39 +433,17 @@ TEST(Fp8GemmGpu, SwigluInTheGateUpEpilogueMatchesThePass) {
   for (int64_t e = 0; e < experts; ++e)
     for (int32_t r = offsets[e] + (expert_counts[e] + 63) / 64 * 64; r < offsets[e + 1]; ++r)
       skipped[r] = true;
-  gate.maps.b2 = up.maps.b;
-  gate.params.b2_scales = up.b_scales;
-  gate.params.n_extent = static_cast<int32_t>(2 * inter);
-  gate.params.n_split = static_cast<int32_t>(inter);
-  gate.params.num_experts = static_cast<int32_t>(experts);
-  kernels::Fp8GemmMaps maps128 = gate.maps, maps192 = rows_192_maps(gate);
-  maps128.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, 128, "up");
-  maps192.b2 = up.maps.b;
-  maps192.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, kernels::kRows192Chunk, "up");
+  kernels::Fp8GemmMaps maps128, maps192;
+  join_gate_up(gate, up, inter, &maps128, &maps192);
   uint8_t* codes = gate.device.allocate<uint8_t>(rows * inter);
   float* scales = gate.device.allocate<float>(rows * (inter / 128) * 4);
   const int64_t bf16_bytes = rows * inter * 2, code_bytes = rows * inter,
                 scale_bytes = rows * (inter / 128) * 4;
   // g, u, h's codes and h's scales, as bytes.
-  auto outputs = [&] {
-    std::vector<uint8_t> bytes(2 * bf16_bytes + code_bytes + scale_bytes);
-    uint8_t* at = bytes.data();
-    for (const auto [from, count] : {std::pair<const void*, int64_t>{gate.out, bf16_bytes},
-                                     {up.out, bf16_bytes},
-                                     {codes, code_bytes},
-                                     {scales, scale_bytes}}) {
-      EXPECT_EQ(cudaMemcpy(at, from, count, cudaMemcpyDeviceToHost), cudaSuccess);
-      at += count;
-    }
-    return bytes;
-  };
-  auto clear = [&] {
-    for (const auto [to, count] : {std::pair<void*, int64_t>{gate.out, bf16_bytes},
-                                   {up.out, bf16_bytes},
-                                   {codes, code_bytes},
-                                   {scales, scale_bytes}})
-      ASSERT_EQ(cudaMemset(to, 0xff, count), cudaSuccess);
-  };
+  const std::initializer_list<DeviceBytes> regions = {
+      {gate.out, bf16_bytes}, {up.out, bf16_bytes}, {codes, code_bytes}, {scales, scale_bytes}};
+  auto outputs = [&] { return download_bytes(regions); };
+  auto clear = [&] { fill_bytes(regions); };
   gate.maps = maps128;
   clear();
   ASSERT_EQ(gate.run(), cudaSuccess);
@@ -531,15 +547,8 @@ TEST(Fp8GemmGpu, GatherInTheGemmMatchesTheGatherPass) {
       cudaSuccess);
   const bf16* device_x = test::upload(gate.device, x);
   const int32_t* device_row_pair = test::upload(gate.device, row_pair);
-  gate.maps.b2 = up.maps.b;
-  gate.params.b2_scales = up.b_scales;
-  gate.params.n_extent = static_cast<int32_t>(2 * inter);
-  gate.params.n_split = static_cast<int32_t>(inter);
-  gate.params.num_experts = static_cast<int32_t>(experts);
-  kernels::Fp8GemmMaps maps128 = gate.maps, maps192 = rows_192_maps(gate);
-  maps128.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, 128, "up");
-  maps192.b2 = up.maps.b;
-  maps192.out2 = make_tensor_map_3d(up.out, inter, rows, 1, 64, kernels::kRows192Chunk, "up");
+  kernels::Fp8GemmMaps maps128, maps192;
+  join_gate_up(gate, up, inter, &maps128, &maps192);
   uint8_t* h_codes = gate.device.allocate<uint8_t>(rows * inter);
   float* h_scales = gate.device.allocate<float>(rows * (inter / 128) * 4);
   // The gather's counters: ticket, epoch, one count per 64-row chunk.
@@ -548,29 +557,11 @@ TEST(Fp8GemmGpu, GatherInTheGemmMatchesTheGatherPass) {
   const int64_t code_bytes = rows * k, scale_bytes = rows * (k / 128) * 4,
                 out_bytes = rows * inter * 2, h_bytes = rows * inter + rows * (inter / 128) * 4;
   // A's codes and scales, g, u, and h's codes and scales, as bytes.
-  auto outputs = [&] {
-    std::vector<uint8_t> bytes(code_bytes + scale_bytes + 2 * out_bytes + h_bytes);
-    uint8_t* at = bytes.data();
-    for (const auto [from, count] : {std::pair<const void*, int64_t>{gate.a, code_bytes},
-                                     {gate.a_scales, scale_bytes},
-                                     {gate.out, out_bytes},
-                                     {up.out, out_bytes},
-                                     {h_codes, rows * inter},
-                                     {h_scales, rows * (inter / 128) * 4}}) {
-      EXPECT_EQ(cudaMemcpy(at, from, count, cudaMemcpyDeviceToHost), cudaSuccess);
-      at += count;
-    }
-    return bytes;
-  };
-  auto clear = [&] {
-    for (const auto [to, count] : {std::pair<void*, int64_t>{gate.a, code_bytes},
-                                   {gate.a_scales, scale_bytes},
-                                   {gate.out, out_bytes},
-                                   {up.out, out_bytes},
-                                   {h_codes, rows * inter},
-                                   {h_scales, rows * (inter / 128) * 4}})
-      ASSERT_EQ(cudaMemset(to, 0xff, count), cudaSuccess);
-  };
+  const std::initializer_list<DeviceBytes> regions = {
+      {gate.a, code_bytes}, {gate.a_scales, scale_bytes}, {gate.out, out_bytes},
+      {up.out, out_bytes},  {h_codes, rows * inter},      {h_scales, rows * (inter / 128) * 4}};
+  auto outputs = [&] { return download_bytes(regions); };
+  auto clear = [&] { fill_bytes(regions); };
   // The pass, then the GEMM over its rows (with SwiGLU in the epilogue: h too).
   kernels::Fp8GatherQuantize pass;
   pass.header = gate.header;

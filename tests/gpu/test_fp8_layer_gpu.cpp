@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <initializer_list>
 #include <string>
 
 #include "gpu_step.h"
@@ -214,6 +215,21 @@ TEST(Fp8LayerGpu, TwoWeightGradStagingTilesGiveTheSameBits) {
   });
 }
 
+// `check(config, trace)` for `base` with each of `places` as MoeConfig::fp8_swiglu, its launches
+// plain and overlapped.
+template <typename Check>
+void for_each_swiglu_variant(const MoeConfig& base, std::initializer_list<Fp8SwigluPlace> places,
+                             Check check) {
+  for (const Fp8SwigluPlace place : places)
+    for (const bool overlap : {false, true}) {
+      MoeConfig config = base;
+      config.fp8_swiglu = place;
+      config.overlap_kernel_launches = overlap;
+      check(config, std::to_string(base.fp8_row_tile_rows) + "-row tiles, SwiGLU " +
+                        fp8_swiglu_place_name(place) + (overlap ? ", overlapped" : ""));
+    }
+}
+
 // FP8's SwiGLU in the gate/up GEMM's epilogue (MoeConfig::fp8_swiglu): h's codes and scales are
 // the pass's, so the layer's bits are the same in every place, on 128- and 192-row tiles, for a
 // step from the forward's context and one that recomputes it, and for a forward that keeps no
@@ -223,15 +239,8 @@ TEST(Fp8LayerGpu, TwoWeightGradStagingTilesGiveTheSameBits) {
 TEST(Fp8LayerGpu, SwigluInTheGateUpEpilogueGivesTheSameBits) {
   for_each_bits_problem(101, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
                                 DeviceProblem& device) {
-    // The output of a forward that keeps no context.
     auto forward_only = [&](GpuLayer& layer) {
-      device.poison_outputs();
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      ForwardArgs args = device.forward_args();
-      args.keep_context = false;
-      layer.forward(args, nullptr);
-      EXPECT_TRUE(layer.synchronize(nullptr).ok());
-      return test::downloaded_outputs(device, problem).out;
+      return test::forward_without_context(layer, device, problem);
     };
     for (const int32_t tile_rows : {128, 192}) {
       MoeConfig config_pass = fp8_config();
@@ -242,24 +251,18 @@ TEST(Fp8LayerGpu, SwigluInTheGateUpEpilogueGivesTheSameBits) {
       const HostRank want_recomputed = test::gpu_step(pass, device, problem, false);
       const auto want_out = forward_only(pass);
       EXPECT_TRUE(test::bitwise_equal(want_out, want_step.out)) << "the pass, no context";
-      for (const Fp8SwigluPlace place :
-           {Fp8SwigluPlace::kGateUp, Fp8SwigluPlace::kGateUpWithoutContext}) {
-        for (const bool overlap : {false, true}) {
-          MoeConfig config = config_pass;
-          config.fp8_swiglu = place;
-          config.overlap_kernel_launches = overlap;
-          GpuLayer fused(shape, config);
-          SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + std::to_string(tile_rows) +
-                       "-row tiles, " + fp8_swiglu_place_name(place) +
-                       (overlap ? ", overlapped" : ""));
-          expect_same_bits(test::gpu_step(fused, device, problem, true), want_step,
-                           "differs from the SwiGLU pass's");
-          expect_same_bits(test::gpu_step(fused, device, problem, false), want_recomputed,
-                           "differs from the SwiGLU pass's (recomputed)");
-          EXPECT_TRUE(test::bitwise_equal(forward_only(fused), want_out))
-              << "out of a forward without a context differs from the SwiGLU pass's";
-        }
-      }
+      for_each_swiglu_variant(
+          config_pass, {Fp8SwigluPlace::kGateUp, Fp8SwigluPlace::kGateUpWithoutContext},
+          [&](const MoeConfig& config, const std::string& variant) {
+            SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + variant);
+            GpuLayer fused(shape, config);
+            expect_same_bits(test::gpu_step(fused, device, problem, true), want_step,
+                             "differs from the SwiGLU pass's");
+            expect_same_bits(test::gpu_step(fused, device, problem, false), want_recomputed,
+                             "differs from the SwiGLU pass's (recomputed)");
+            EXPECT_TRUE(test::bitwise_equal(forward_only(fused), want_out))
+                << "out of a forward without a context differs from the SwiGLU pass's";
+          });
     }
   });
 }
@@ -274,39 +277,28 @@ TEST(Fp8LayerGpu, GatherInTheGateUpGivesTheSameBits) {
   for_each_bits_problem(103, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
                                 DeviceProblem& device) {
     auto forward_only = [&](GpuLayer& layer) {
-      device.poison_outputs();
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      ForwardArgs args = device.forward_args();
-      args.keep_context = false;
-      layer.forward(args, nullptr);
-      EXPECT_TRUE(layer.synchronize(nullptr).ok());
-      return test::downloaded_outputs(device, problem).out;
+      return test::forward_without_context(layer, device, problem);
     };
     for (const int32_t tile_rows : {128, 192}) {
       MoeConfig config_pass = fp8_config();
       config_pass.fp8_row_tile_rows = tile_rows;
       GpuLayer pass(shape, config_pass);
       const HostRank want = test::gpu_step(pass, device, problem, /*with_context=*/true);
-      for (const Fp8SwigluPlace place :
-           {Fp8SwigluPlace::kPass, Fp8SwigluPlace::kGateUpWithoutContext}) {
-        for (const bool overlap : {false, true}) {
-          MoeConfig config = config_pass;
-          config.fp8_swiglu = place;
-          config.fp8_gather_in_gate_up = true;
-          config.overlap_kernel_launches = overlap;
-          GpuLayer gathered(shape, config);
-          SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + std::to_string(tile_rows) +
-                       "-row tiles, SwiGLU " + fp8_swiglu_place_name(place) +
-                       (overlap ? ", overlapped" : ""));
-          for (int call = 0; call < 2; ++call)
+      MoeConfig config_gather = config_pass;
+      config_gather.fp8_gather_in_gate_up = true;
+      for_each_swiglu_variant(
+          config_gather, {Fp8SwigluPlace::kPass, Fp8SwigluPlace::kGateUpWithoutContext},
+          [&](const MoeConfig& config, const std::string& variant) {
+            SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + variant);
+            GpuLayer gathered(shape, config);
+            for (int call = 0; call < 2; ++call)
+              EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
+                  << "out of a forward without a context, call " << call;
+            expect_same_bits(test::gpu_step(gathered, device, problem, true), want,
+                             "differs from the pass's step");
             EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
-                << "out of a forward without a context, call " << call;
-          expect_same_bits(test::gpu_step(gathered, device, problem, true), want,
-                           "differs from the pass's step");
-          EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
-              << "out of a forward without a context after a step";
-        }
-      }
+                << "out of a forward without a context after a step";
+          });
     }
   });
 }
