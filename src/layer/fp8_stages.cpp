@@ -230,6 +230,13 @@ void gather_quantize(const ExpertSet& set, const kernels::FusedGather& gather,
              std::string("FP8 quantization of ") + what);
 }
 
+// A gather over `count` rows: the set's whole capacity (one macrobatch, as FP8 runs).
+void check_gather_rows(const ExpertSet& set, int64_t count) {
+  if (count != set.capacity_rows)
+    throw Error(ErrorCode::kInternal, "FP8: a gather over " + std::to_string(count) + " rows, " +
+                                          std::to_string(set.capacity_rows) + " in the buffers");
+}
+
 // x's rows for the gate/up GEMM: gathered here both ways (`gather` from the local exchange; the
 // column groups are the backward's, skipped without `column_groups`), or the exchange's `rows`
 // [count, H] in row groups.
@@ -240,29 +247,30 @@ void quantize_x_rows(const ExpertSet& set, const kernels::FusedGather& gather, c
     quantize(rows, count, hidden, Fp8QuantizeForm::kRowGroups, fp8.x_rows, on, "x rows");
     return;
   }
-  if (count != set.capacity_rows)
-    throw Error(ErrorCode::kInternal, "FP8: a gather over " + std::to_string(count) + " rows, " +
-                                          std::to_string(set.capacity_rows) + " in the buffers");
+  check_gather_rows(set, count);
   const Fp8Operand none;  // no column groups: the kernel writes row groups alone
   gather_quantize(set, gather, fp8.x_rows, column_groups ? fp8.x_t : none, on, "x rows");
 }
 
-// MoeConfig::fp8_swiglu: the gate/up GEMM's epilogue for a forward that keeps a context or not,
-// where it applies: the row-tile GEMMs but the expert groups' walk (a kernel of its own).
+// Whether the gate/up GEMM's kernel takes the fusions below: the row-tile GEMMs but the expert
+// groups' walk (a kernel of its own).
+bool gate_up_takes_fusions(const MoeConfig& config) {
+  return config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0;
+}
+
+// MoeConfig::fp8_swiglu: the gate/up GEMM's epilogue for a forward that keeps a context or not.
 bool swiglu_in_gate_up(const MoeConfig& config, bool keep_context) {
   const bool wanted = config.fp8_swiglu == Fp8SwigluPlace::kGateUp ||
                       (config.fp8_swiglu == Fp8SwigluPlace::kGateUpWithoutContext && !keep_context);
-  return wanted && (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0);
+  return wanted && gate_up_takes_fusions(config);
 }
 
 // MoeConfig::fp8_gather_in_gate_up where it applies: a forward without a context whose rows the
-// local exchange gathers (not an expert-parallel rank's received rows), with its counters, on the
-// row-tile GEMMs but the expert groups' walk.
+// local exchange gathers (not an expert-parallel rank's received rows), with its counters.
 bool gather_in_gate_up(const MoeConfig& config, const kernels::FusedGather& gather,
                        bool keep_context) {
   return config.fp8_gather_in_gate_up && !keep_context && gather.x != nullptr &&
-         gather.peer_x == nullptr && gather.ticket != nullptr &&
-         (config.fp8_row_tile_rows == 192 || config.gemm_expert_groups == 0);
+         gather.peer_x == nullptr && gather.ticket != nullptr && gate_up_takes_fusions(config);
 }
 
 void launch(const GpuLayer::State& s, const kernels::Fp8GemmMaps& maps,
@@ -378,10 +386,10 @@ void forward_experts_fp8(const GpuLayer::State& s, const ExpertSetForward& f,
   const ForwardWeights weights = forward_weights(f.weights, E, H, I, fp8, on, f.keep_context);
   // MoeConfig::fp8_gather_in_gate_up: x's rows gathered and quantized by the gate/up GEMM.
   const bool gather = gather_in_gate_up(s.config, x_gather, f.keep_context);
-  if (gather && rows != R)
-    throw Error(ErrorCode::kInternal, "FP8: a gather over " + std::to_string(rows) + " rows, " +
-                                          std::to_string(R) + " in the buffers");
-  if (!gather) quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
+  if (gather)
+    check_gather_rows(set, rows);
+  else
+    quantize_x_rows(set, x_gather, f.rows, rows, H, fp8, on, f.keep_context);
   mark("FP8 quantization of the weights and x rows");
   // MoeConfig::fp8_swiglu: h quantized in the gate/up GEMM's epilogue (the pass's bits), g and u
   // written only for a context (the SwiGLU backward reads them).

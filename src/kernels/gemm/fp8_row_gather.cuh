@@ -37,7 +37,7 @@ namespace mok::kernels {
 static_assert(kTileCountStride > kFp8GatherChunkRows, "a chunk's count stays in its epoch's range");
 
 __device__ __forceinline__ unsigned long long fp8_gather_epoch(const Fp8RowGather& gather) {
-  return *reinterpret_cast<const volatile unsigned long long*>(gather.epoch) + 1;
+  return gather_epoch(gather.epoch);
 }
 
 // Run by each gatherer warp until the ticket passes the schedule's last row. `hidden`: H, the
@@ -53,11 +53,7 @@ __device__ __forceinline__ void fp8_gather_rows(const Fp8RowGather& gather,
 #pragma unroll 1
   for (;;) {
     unsigned long long claimed = 0;
-    if (lane == 0) {
-      const unsigned long long ticket_base = fp8_gather_epoch(gather) << 32;
-      atomicMax(gather.ticket, ticket_base);
-      claimed = atomicAdd(gather.ticket, 1ull) - ticket_base;
-    }
+    if (lane == 0) claimed = claim_gathered_row(gather.ticket, fp8_gather_epoch(gather));
     const int row = static_cast<int>(min(__shfl_sync(0xffffffffu, claimed, 0), 0x7fffffffull));
     if (row >= header->total_rows) return;
     const int32_t pair = gather.row_pair[row];
@@ -94,11 +90,9 @@ __device__ __forceinline__ void fp8_gather_rows(const Fp8RowGather& gather,
       }
     }
     __syncwarp();
-    if (lane == 0) {
-      unsigned long long* count = gather.chunk_rows_done + row / kFp8GatherChunkRows;
-      atomicMax(count, fp8_gather_epoch(gather) * kTileCountStride);
-      release_add_u64(count, 1ull);
-    }
+    if (lane == 0)
+      count_gathered_row(gather.chunk_rows_done + row / kFp8GatherChunkRows,
+                         fp8_gather_epoch(gather));
   }
 }
 
@@ -107,16 +101,9 @@ __device__ __forceinline__ void fp8_gather_rows(const Fp8RowGather& gather,
 __device__ __forceinline__ void fp8_wait_for_gathered_rows(const WaitContext& wait,
                                                            const Fp8RowGather& gather, int64_t row0,
                                                            int chunks, unsigned long long epoch) {
-  const unsigned long long target = epoch * kTileCountStride + kFp8GatherChunkRows;
-  for (int c = 0; c < chunks; ++c) {
-    const unsigned long long* count = gather.chunk_rows_done + row0 / kFp8GatherChunkRows + c;
-    wait_until(
-        wait, WaitSite::kGatheredRows, [&] { return ptx::acquire_load_u64(count) >= target; },
-        [&] {
-          return static_cast<long long>(ptx::acquire_load_u64(count) - epoch * kTileCountStride);
-        },
-        kFp8GatherChunkRows);
-  }
+  for (int c = 0; c < chunks; ++c)
+    wait_for_gathered_count(wait, gather.chunk_rows_done + row0 / kFp8GatherChunkRows + c, epoch,
+                            kFp8GatherChunkRows);
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 

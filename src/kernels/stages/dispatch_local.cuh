@@ -31,8 +31,12 @@ namespace mok::kernels {
 constexpr unsigned long long kTileCountStride = 256;  // > 128 rows per tile
 constexpr int kGatherTileRows = 128;
 
+// This launch's epoch, from the word the caller advances after each launch.
+__device__ __forceinline__ unsigned long long gather_epoch(const unsigned long long* epoch_word) {
+  return *reinterpret_cast<const volatile unsigned long long*>(epoch_word) + 1;
+}
 __device__ __forceinline__ unsigned long long gather_epoch(const FusedGather& gather) {
-  return *reinterpret_cast<const volatile unsigned long long*>(gather.epoch) + 1;
+  return gather_epoch(gather.epoch);
 }
 
 // The source row of schedule row `row` (routed, not padding): this rank's x, or with peer_x
@@ -51,6 +55,36 @@ __device__ __forceinline__ const uint4* gather_source_row(const FusedGather& gat
 __device__ __forceinline__ void release_add_u64(unsigned long long* address,
                                                 unsigned long long value) {
   asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
+// The next row of epoch `epoch` from the launch-wide `ticket` (run by one lane): its index from 0.
+__device__ __forceinline__ unsigned long long claim_gathered_row(unsigned long long* ticket,
+                                                                 unsigned long long epoch) {
+  const unsigned long long ticket_base = epoch << 32;
+  atomicMax(ticket, ticket_base);
+  return atomicAdd(ticket, 1ull) - ticket_base;
+}
+
+// One gathered row counted into its tile's (or chunk's) `count` (run by one lane, after the
+// warp's stores and a __syncwarp): lifted into epoch `epoch`'s range first, then released.
+__device__ __forceinline__ void count_gathered_row(unsigned long long* count,
+                                                   unsigned long long epoch) {
+  atomicMax(count, epoch * kTileCountStride);
+  release_add_u64(count, 1ull);
+}
+
+// Waits until `count` reaches `rows` gathered rows in epoch `epoch` (the caller fences the
+// async proxy before its TMA loads).
+__device__ __forceinline__ void wait_for_gathered_count(const WaitContext& wait,
+                                                        const unsigned long long* count,
+                                                        unsigned long long epoch, int rows) {
+  const unsigned long long target = epoch * kTileCountStride + rows;
+  wait_until(
+      wait, WaitSite::kGatheredRows, [&] { return ptx::acquire_load_u64(count) >= target; },
+      [&] {
+        return static_cast<long long>(ptx::acquire_load_u64(count) - epoch * kTileCountStride);
+      },
+      rows);
 }
 
 // One row copied by the calling warp: lane l moves the 16-byte vectors l, l + 32, ..., kInFlight
@@ -80,7 +114,6 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
                                                        const int32_t* row_pair,
                                                        unsigned long long epoch) {
   const int lane = threadIdx.x % 32;
-  const unsigned long long ticket_base = epoch << 32;
   const int64_t end = gather.row_end < header->total_rows
                           ? gather.row_end
                           : static_cast<int64_t>(header->total_rows);
@@ -90,10 +123,7 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
   uint4* rows = reinterpret_cast<uint4*>(gather.rows);
   for (;;) {
     unsigned long long claimed = 0;
-    if (lane == 0) {
-      atomicMax(gather.ticket, ticket_base);
-      claimed = atomicAdd(gather.ticket, 1ull) - ticket_base;
-    }
+    if (lane == 0) claimed = claim_gathered_row(gather.ticket, epoch);
     claimed = __shfl_sync(0xffffffffu, claimed, 0);
     if (claimed >= window_rows) return;
     const int64_t row = gather.row_begin + static_cast<int64_t>(claimed);
@@ -104,11 +134,7 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
     copy_row<4>(pair < 0 ? nullptr : gather_source_row(gather, row, pair, vectors_per_row), dst,
                 vectors_per_row, lane, gather.peer_x == nullptr);
     __syncwarp();
-    if (lane == 0) {
-      unsigned long long* count = gather.tile_rows_done + row / kGatherTileRows;
-      atomicMax(count, epoch * kTileCountStride);
-      release_add_u64(count, 1ull);
-    }
+    if (lane == 0) count_gathered_row(gather.tile_rows_done + row / kGatherTileRows, epoch);
   }
 }
 
@@ -116,14 +142,7 @@ __device__ __forceinline__ void gather_rows_into_tiles(const FusedGather& gather
 __device__ __forceinline__ void wait_for_gathered_tile(const WaitContext& wait,
                                                        const FusedGather& gather, int m_tile,
                                                        unsigned long long epoch) {
-  const unsigned long long target = epoch * kTileCountStride + kGatherTileRows;
-  const unsigned long long* count = gather.tile_rows_done + m_tile;
-  wait_until(
-      wait, WaitSite::kGatheredRows, [&] { return ptx::acquire_load_u64(count) >= target; },
-      [&] {
-        return static_cast<long long>(ptx::acquire_load_u64(count) - epoch * kTileCountStride);
-      },
-      kGatherTileRows);
+  wait_for_gathered_count(wait, gather.tile_rows_done + m_tile, epoch, kGatherTileRows);
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
