@@ -94,7 +94,7 @@ constexpr int kStagingChunkBytes = kRows192Chunk * 128;   // [64 rows x 64 colum
 // ahead of what the consumers read (tile j + 1, during tile j's first K-block), and no further,
 // so that a CTA holds few tiles that others could have taken.
 constexpr int kTileRing = 2;
-constexpr int kTileReaders = 1 + kConsumers / 32;  // the producer thread and each consumer warp
+constexpr int kTileReaders = 1 + kConsumers;  // the producer thread and every consumer thread
 constexpr int kPrefixPerThread = static_cast<int>(kMaxExperts) / kThreads;
 static_assert(kPrefixPerThread * kThreads == kMaxExperts, "the prefix sum's experts per thread");
 static_assert(kMaxTileKBlocks <= kConsumers, "one B scale per consumer thread (the first ones)");
@@ -108,7 +108,7 @@ struct alignas(1024) Rows192Storage {
   int32_t tile_start[kMaxExperts + 1];      // fp8_rows192_walk.h
   int32_t warp_totals[kThreads / 32];
   // The scheduler's ring: the CTA's j-th tile at j % kTileRing (kNoTile after its last), full
-  // when written, empty when the producer and every consumer warp have read it.
+  // when written, empty when the producer and every consumer thread have read it.
   int32_t tiles[kTileRing];
   uint64_t full[kStages];
   uint64_t empty[kStages];
@@ -300,21 +300,19 @@ __global__ void __launch_bounds__(kThreads, 1)
                ? row_tile_b_scale(params, t.rows.expert, t.n_tile, consumer_thread)
                : 0.0f;
   };
-  // Entry j of the scheduler's ring, read by this warp and handed back: lane 0 reads it and
-  // arrives, the other lanes take it by shuffle, so that every read of the entry is ordered
-  // before the arrival that frees it in one thread's program order. (The other lanes reading it
-  // before lane 0's arrival after __syncwarp is ordered too, but racecheck reports it as a
-  // hazard against the scheduler's next write: session 61.)
+  // Entry j of the scheduler's ring, read and handed back by every consumer thread: each read is
+  // then ordered before an arrival that frees the entry in its own thread's program order, which
+  // racecheck sees (the other lanes' reads before lane 0's arrival after __syncwarp it reported as
+  // hazards). Every lane reads the entry, so the tile's coordinates stay in uniform registers: lane
+  // 0 reading it and the others taking it by shuffle moved the walk's arithmetic onto the vector
+  // path and made the kernel ~15% slower (session 62).
   auto scheduled_tile = [&](int j) {
     const int slot = j % kTileRing;
     mbarrier_wait(params.wait, WaitSite::kScheduledTile, &smem.tile_full[slot],
                   (j / kTileRing) & 1);
-    int tile = 0;
-    if (threadIdx.x % 32 == 0) {
-      tile = smem.tiles[slot];
-      ptx::mbarrier_arrive(&smem.tile_empty[slot]);
-    }
-    return __shfl_sync(0xffffffffu, tile, 0);
+    const int tile = smem.tiles[slot];
+    ptx::mbarrier_arrive(&smem.tile_empty[slot]);
+    return tile;
   };
   const int first_tile = scheduled_tile(0);
   if (first_tile == kNoTile) return;
