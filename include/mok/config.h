@@ -164,7 +164,8 @@ struct MoeConfig {
   // from x and quantized into their row groups by the gate/up GEMM's spare producer warps while
   // its TMA thread waits for each 64-row chunk (src/kernels/gemm/fp8_row_gather.cuh), instead of
   // a pass of their own before it (a forward with a context keeps the pass, which also writes the
-  // column groups the backward reads). Same bits. Off until measured faster.
+  // column groups the backward reads). Same bits. Off: measured 0.5 ms slower at dsv3_local and
+  // qwen3 (H100; the GEMM waits on its gatherers' rate: docs/perf.md, session 62).
   bool fp8_gather_in_gate_up = false;
   // The standalone expert GEMM kernels' row-tile forms (not the persistent kernels) with each of
   // the L2's two partitions on its own share of the row tiles (src/kernels/gemm/l2_placement.h):

@@ -96,7 +96,8 @@ class MoKConfig:
         always the pass (same bits in every place; precision "fp8_block" only).
     fp8_gather_in_gate_up: in a forward without a context on one GPU, FP8's x rows gathered and
         quantized by the gate/up GEMM's spare producer warps instead of a pass before it (same
-        bits; precision "fp8_block" only; off until measured faster).
+        bits; precision "fp8_block" only; off: measured slower, the GEMM then waits on the warps'
+        gather).
     gemm_l2_placement: split the expert GEMMs' row tiles between the L2's two partitions, found
         by a probe when the workspace is made (same bits; bf16, without CTA pairs or the
         256 x 192 tiles; off until measured faster).
