@@ -96,7 +96,23 @@ def uniform(op):
     return op.startswith("U") or op.startswith("R2UR") or op.startswith("S2UR")
 
 
+def pair_by_added_flags(old, new):
+    """A kernel given a new trailing bool template parameter (off by default) is compared with
+    the old kernel without it: `k<a, false>` against `k<a>`."""
+    renamed = {}
+    for name in new:
+        if name in old:
+            continue
+        shorter = name
+        while shorter.endswith(", false>") and shorter not in old:
+            shorter = shorter[: -len(", false>")] + ">"
+        if shorter in old and shorter not in new:
+            renamed[shorter] = name
+    return {renamed.get(name, name): body for name, body in old.items()}
+
+
 def compare(old, new):
+    old = pair_by_added_flags(old, new)
     flagged = False
     for name in sorted(set(old) | set(new)):
         if name not in old or name not in new:
