@@ -230,6 +230,24 @@ void for_each_swiglu_variant(const MoeConfig& base, std::initializer_list<Fp8Swi
     }
 }
 
+// for_each_bits_problem on 128- and 192-row tiles: `check(routing, shape, problem, device, base,
+// forward_only)`, with `base` the FP8 config at that height and `forward_only(layer)` the out of
+// a forward that keeps no context.
+template <typename Check>
+void for_each_tile_height_problem(uint64_t seed, Check check) {
+  for_each_bits_problem(seed, [&](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+                                  DeviceProblem& device) {
+    auto forward_only = [&](GpuLayer& layer) {
+      return test::forward_without_context(layer, device, problem);
+    };
+    for (const int32_t tile_rows : {128, 192}) {
+      MoeConfig base = fp8_config();
+      base.fp8_row_tile_rows = tile_rows;
+      check(routing, shape, problem, device, base, forward_only);
+    }
+  });
+}
+
 // FP8's SwiGLU in the gate/up GEMM's epilogue (MoeConfig::fp8_swiglu): h's codes and scales are
 // the pass's, so the layer's bits are the same in every place, on 128- and 192-row tiles, for a
 // step from the forward's context and one that recomputes it, and for a forward that keeps no
@@ -237,34 +255,29 @@ void for_each_swiglu_variant(const MoeConfig& base, std::initializer_list<Fp8Swi
 // with empty experts, launches plain and overlapped. (The epilogue itself against the pass, on 1
 // to all CTAs: Fp8GemmGpu.SwigluInTheGateUpEpilogueMatchesThePass.)
 TEST(Fp8LayerGpu, SwigluInTheGateUpEpilogueGivesTheSameBits) {
-  for_each_bits_problem(101, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
-                                DeviceProblem& device) {
-    auto forward_only = [&](GpuLayer& layer) {
-      return test::forward_without_context(layer, device, problem);
-    };
-    for (const int32_t tile_rows : {128, 192}) {
-      MoeConfig config_pass = fp8_config();
-      config_pass.fp8_row_tile_rows = tile_rows;
-      config_pass.fp8_swiglu = Fp8SwigluPlace::kPass;
-      GpuLayer pass(shape, config_pass);
-      const HostRank want_step = test::gpu_step(pass, device, problem, /*with_context=*/true);
-      const HostRank want_recomputed = test::gpu_step(pass, device, problem, false);
-      const auto want_out = forward_only(pass);
-      EXPECT_TRUE(test::bitwise_equal(want_out, want_step.out)) << "the pass, no context";
-      for_each_swiglu_variant(
-          config_pass, {Fp8SwigluPlace::kGateUp, Fp8SwigluPlace::kGateUpWithoutContext},
-          [&](const MoeConfig& config, const std::string& variant) {
-            SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + variant);
-            GpuLayer fused(shape, config);
-            expect_same_bits(test::gpu_step(fused, device, problem, true), want_step,
-                             "differs from the SwiGLU pass's");
-            expect_same_bits(test::gpu_step(fused, device, problem, false), want_recomputed,
-                             "differs from the SwiGLU pass's (recomputed)");
-            EXPECT_TRUE(test::bitwise_equal(forward_only(fused), want_out))
-                << "out of a forward without a context differs from the SwiGLU pass's";
-          });
-    }
-  });
+  for_each_tile_height_problem(
+      101, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+              DeviceProblem& device, const MoeConfig& base, auto forward_only) {
+        MoeConfig config_pass = base;
+        config_pass.fp8_swiglu = Fp8SwigluPlace::kPass;
+        GpuLayer pass(shape, config_pass);
+        const HostRank want_step = test::gpu_step(pass, device, problem, /*with_context=*/true);
+        const HostRank want_recomputed = test::gpu_step(pass, device, problem, false);
+        const auto want_out = forward_only(pass);
+        EXPECT_TRUE(test::bitwise_equal(want_out, want_step.out)) << "the pass, no context";
+        for_each_swiglu_variant(
+            config_pass, {Fp8SwigluPlace::kGateUp, Fp8SwigluPlace::kGateUpWithoutContext},
+            [&](const MoeConfig& config, const std::string& variant) {
+              SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + variant);
+              GpuLayer fused(shape, config);
+              expect_same_bits(test::gpu_step(fused, device, problem, true), want_step,
+                               "differs from the SwiGLU pass's");
+              expect_same_bits(test::gpu_step(fused, device, problem, false), want_recomputed,
+                               "differs from the SwiGLU pass's (recomputed)");
+              EXPECT_TRUE(test::bitwise_equal(forward_only(fused), want_out))
+                  << "out of a forward without a context differs from the SwiGLU pass's";
+            });
+      });
 }
 
 // FP8's x rows gathered and quantized in the gate/up GEMM (MoeConfig::fp8_gather_in_gate_up, a
@@ -274,33 +287,27 @@ TEST(Fp8LayerGpu, SwigluInTheGateUpEpilogueGivesTheSameBits) {
 // steps' bits unchanged. (The GEMM against the pass on 1 to all CTAs:
 // Fp8GemmGpu.GatherInTheGemmMatchesTheGatherPass.)
 TEST(Fp8LayerGpu, GatherInTheGateUpGivesTheSameBits) {
-  for_each_bits_problem(103, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
-                                DeviceProblem& device) {
-    auto forward_only = [&](GpuLayer& layer) {
-      return test::forward_without_context(layer, device, problem);
-    };
-    for (const int32_t tile_rows : {128, 192}) {
-      MoeConfig config_pass = fp8_config();
-      config_pass.fp8_row_tile_rows = tile_rows;
-      GpuLayer pass(shape, config_pass);
-      const HostRank want = test::gpu_step(pass, device, problem, /*with_context=*/true);
-      MoeConfig config_gather = config_pass;
-      config_gather.fp8_gather_in_gate_up = true;
-      for_each_swiglu_variant(
-          config_gather, {Fp8SwigluPlace::kPass, Fp8SwigluPlace::kGateUpWithoutContext},
-          [&](const MoeConfig& config, const std::string& variant) {
-            SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + variant);
-            GpuLayer gathered(shape, config);
-            for (int call = 0; call < 2; ++call)
+  for_each_tile_height_problem(
+      103, [](RoutingKind routing, const MoeShape& shape, HostProblem& problem,
+              DeviceProblem& device, const MoeConfig& config_pass, auto forward_only) {
+        GpuLayer pass(shape, config_pass);
+        const HostRank want = test::gpu_step(pass, device, problem, /*with_context=*/true);
+        MoeConfig config_gather = config_pass;
+        config_gather.fp8_gather_in_gate_up = true;
+        for_each_swiglu_variant(
+            config_gather, {Fp8SwigluPlace::kPass, Fp8SwigluPlace::kGateUpWithoutContext},
+            [&](const MoeConfig& config, const std::string& variant) {
+              SCOPED_TRACE(std::string(routing_kind_name(routing)) + ", " + variant);
+              GpuLayer gathered(shape, config);
+              for (int call = 0; call < 2; ++call)
+                EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
+                    << "out of a forward without a context, call " << call;
+              expect_same_bits(test::gpu_step(gathered, device, problem, true), want,
+                               "differs from the pass's step");
               EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
-                  << "out of a forward without a context, call " << call;
-            expect_same_bits(test::gpu_step(gathered, device, problem, true), want,
-                             "differs from the pass's step");
-            EXPECT_TRUE(test::bitwise_equal(forward_only(gathered), want.out))
-                << "out of a forward without a context after a step";
-          });
-    }
-  });
+                  << "out of a forward without a context after a step";
+            });
+      });
 }
 
 // The FP8 layer's launches overlapped (MoeConfig::overlap_kernel_launches): every kernel waits
