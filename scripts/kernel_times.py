@@ -10,7 +10,10 @@ launches per call and its share of the direction's kernel time, largest first; t
 span per call, the SM clock the calls ran at, and where it sat idle (the gaps before each
 kernel's launches, no kernel of the run on the GPU). The clocks are the card's own (no ncu
 replay, no locked clocks), so the times are those a training loop sees. `--native` adds the C++
-layer called directly, first. Needs the package installed (scripts/setup-python.sh).
+layer called directly, first. `--weight-grad-forms` (fp8_block) adds MoK's forward and backward
+(``mok.functional``) with the weight gradients into given bf16 tensors, into fp32 ones, and
+accumulated into fp32 main gradients: what each form costs. Needs the package installed
+(scripts/setup-python.sh).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from mok import _C
 from mok.bench import _callables
 from mok.bench_peers import _mok_config_system, _mok_systems, make_problem
+from mok import functional as F
 from mok.functional import MoKConfig
 
 
@@ -82,6 +86,36 @@ def short_name(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+def functional_step(p, config: MoKConfig, form: str):
+    """MoK's forward then backward on `p` (its schedule built each call, as a training step
+    does), the weight gradients into tensors of `form`: "bf16", "fp32", or "fp32 accumulated"
+    (added to fp32 main gradients)."""
+    module = p.module
+    T, H = p.x.shape
+    workspace = F.get_workspace(
+        config, None, device=p.x.device, num_local_tokens=T, hidden_size=H, topk=p.K
+    )
+    shared = [getattr(module, f"w_shared_{n}", None) for n in ("gate", "up", "down")]
+    routed = [module.w_gate, module.w_up, module.w_down]
+    weights = [w.detach() if w is not None else None for w in shared + routed]
+    dtype = torch.bfloat16 if form == "bf16" else torch.float32
+    grads = tuple(
+        torch.zeros(w.shape, dtype=dtype, device=w.device)
+        for w in weights[3:] + weights[:3]
+        if w is not None
+    )
+
+    def run():
+        schedule = F.build_schedule(workspace, config, p.top_experts, num_local_experts=p.E)
+        out, context = F.forward(config, workspace, schedule, p.x, p.router_weights, *weights)
+        F.backward(
+            config, workspace, schedule, context, p.d_out, p.x, p.router_weights, *weights,
+            weight_grads=grads, accumulate_weight_grads=form == "fp32 accumulated",
+        )  # fmt: skip
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="dsv3_local")
@@ -98,6 +132,12 @@ def main() -> None:
         default=[],
         metavar="FIELD=VALUE",
         help="a MoKConfig field for mok's layer (repeatable), e.g. fp8_swiglu=pass",
+    )
+    parser.add_argument(
+        "--weight-grad-forms",
+        action="store_true",
+        help="fp8_block: also steps through mok.functional with the weight gradients into bf16, "
+        "fp32 and accumulated fp32 tensors",
     )
     args = parser.parse_args()
 
@@ -126,6 +166,11 @@ def main() -> None:
             ("C++ layer: forward", native_forward),
             ("C++ layer: forward + backward", native_step),
             *directions,
+        ]
+    if args.weight_grad_forms:
+        directions += [
+            (f"mok.functional step, weight gradients {form}", functional_step(p, config, form))
+            for form in ("bf16", "fp32", "fp32 accumulated")
         ]
     for title, run in directions:
         rows, span, gaps, ghz = kernel_table(run, args.calls)

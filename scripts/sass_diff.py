@@ -96,16 +96,20 @@ def uniform(op):
     return op.startswith("U") or op.startswith("R2UR") or op.startswith("S2UR")
 
 
+# A trailing template argument at its default: false, or an enum's first value (`(Form)0`).
+DEFAULT_ARGUMENT = re.compile(r", (?:false|\(\w+\)0)>$")
+
+
 def pair_by_added_flags(old, new):
-    """A kernel given a new trailing bool template parameter (off by default) is compared with
-    the old kernel without it: `k<a, false>` against `k<a>`."""
+    """A kernel given a new trailing template parameter (false or an enum's 0 by default) is
+    compared with the old kernel without it: `k<a, false>` and `k<a, (Out)0>` against `k<a>`."""
     renamed = {}
     for name in new:
         if name in old:
             continue
         shorter = name
-        while shorter.endswith(", false>") and shorter not in old:
-            shorter = shorter[: -len(", false>")] + ">"
+        while DEFAULT_ARGUMENT.search(shorter) and shorter not in old:
+            shorter = DEFAULT_ARGUMENT.sub(">", shorter)
         if shorter in old and shorter not in new:
             renamed[shorter] = name
     return {renamed.get(name, name): body for name, body in old.items()}

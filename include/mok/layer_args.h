@@ -73,17 +73,22 @@ Status check_weight_precision(const char* call, const ForwardArgs& args, Precisi
 // The weight gradients are all given or all absent. Absent (frozen experts: a fine-tune that
 // trains the router, the attention or adapters only), the backward computes d_x and
 // d_router_weights alone and skips the weight-gradient GEMMs, the largest stage of a backward.
+// Precision fp8_block also takes them in fp32 (each on its own: fp32 main gradients) and
+// `accumulate_weight_grads`: the gradients are added to what the d_w_* tensors hold, d_w =
+// round(d_w + this call's gradient) per element with one fp32 add (a micro-batch's gradient into
+// the main gradient, in call order: the same bits every run). The bf16 layer writes bf16.
 struct BackwardArgs {
   ForwardArgs forward;          // the forward's inputs (forward.out is not used)
   TensorView d_out;             // [T, H] bf16
   TensorView d_x;               // [T, H] bf16, written
   TensorView d_router_weights;  // [T, K] fp32, written (0 for slots with expert -1)
-  TensorView d_w_gate;          // [E_loc, I, H] bf16, written
-  TensorView d_w_up;            // [E_loc, I, H] bf16, written
-  TensorView d_w_down;          // [E_loc, H, I] bf16, written
-  TensorView d_w_shared_gate;   // [Is, H] bf16, written; absent when Is = 0
-  TensorView d_w_shared_up;     // [Is, H] bf16, written; absent when Is = 0
-  TensorView d_w_shared_down;   // [H, Is] bf16, written; absent when Is = 0
+  TensorView d_w_gate;          // [E_loc, I, H] bf16 (fp8_block: or fp32), written or added to
+  TensorView d_w_up;            // [E_loc, I, H] likewise
+  TensorView d_w_down;          // [E_loc, H, I] likewise
+  TensorView d_w_shared_gate;   // [Is, H] likewise; absent when Is = 0
+  TensorView d_w_shared_up;     // [Is, H] likewise; absent when Is = 0
+  TensorView d_w_shared_down;   // [H, Is] likewise; absent when Is = 0
+  bool accumulate_weight_grads = false;  // fp8_block: add to d_w_* instead of writing them
 };
 
 // Whether a backward call asks for the weight gradients (check_backward_args checks that they
@@ -97,6 +102,10 @@ inline BackwardArgs without_weight_gradients(BackwardArgs args) {
     *grad = TensorView{};
   return args;
 }
+
+// check_weight_precision of the forward's weights, and Ok unless a weight gradient is fp32 or
+// accumulate_weight_grads is set for a layer whose precision is not fp8_block.
+Status check_backward_precision(const char* call, const BackwardArgs& args, Precision precision);
 
 // Where one rank's tensors live, each row-major and contiguous with the shapes above (top_experts
 // int32). The shared-expert pointers are ignored when the shape has no shared expert.

@@ -114,8 +114,10 @@ struct GradientArrays {
   OptionalArray d_w_gate, d_w_up, d_w_down, d_w_shared_gate, d_w_shared_up, d_w_shared_down;
 };
 
-BackwardArgs backward_args(ForwardArgs forward, const Array& d_out, const GradientArrays& grads) {
+BackwardArgs backward_args(ForwardArgs forward, const Array& d_out, const GradientArrays& grads,
+                           bool accumulate_weight_grads) {
   BackwardArgs args;
+  args.accumulate_weight_grads = accumulate_weight_grads;
   args.forward = forward;
   args.d_out = view_of(d_out, "d_out");
   args.d_x = view_of(grads.d_x, "d_x");
@@ -257,13 +259,15 @@ void bind_reference(nb::module_& m) {
          const Array& d_router_weights, const OptionalArray& d_w_gate, const OptionalArray& d_w_up,
          const OptionalArray& d_w_down, const OptionalArray& d_w_shared_gate,
          const OptionalArray& d_w_shared_up, const OptionalArray& d_w_shared_down,
-         const std::string& precision, const ScaleArrays& weight_scales) {
+         const std::string& precision, const ScaleArrays& weight_scales,
+         bool accumulate_weight_grads) {
         const BackwardArgs args =
             backward_args(forward_args(x, top_experts, router_weights, w_gate, w_up, w_down,
                                        w_shared_gate, w_shared_up, w_shared_down, weight_scales),
                           d_out,
                           {d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
-                           d_w_shared_up, d_w_shared_down});
+                           d_w_shared_up, d_w_shared_down},
+                          accumulate_weight_grads);
         reference::Options options;
         options.precision = precision_from_name(precision);
         nb::gil_scoped_release release;
@@ -273,7 +277,8 @@ void bind_reference(nb::module_& m) {
       "w_shared_gate"_a.none(), "w_shared_up"_a.none(), "w_shared_down"_a.none(), "d_out"_a,
       "d_x"_a, "d_router_weights"_a, "d_w_gate"_a.none(), "d_w_up"_a.none(), "d_w_down"_a.none(),
       "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(), "d_w_shared_down"_a.none(),
-      "precision"_a = "bf16", "weight_scales"_a = ScaleArrays{});
+      "precision"_a = "bf16", "weight_scales"_a = ScaleArrays{},
+      "accumulate_weight_grads"_a = false);
 }
 
 void bind_fp8_weights(nb::module_& m) {
@@ -327,7 +332,8 @@ void bind_gpu_layer(nb::module_& m) {
              const OptionalArray& d_w_up, const OptionalArray& d_w_down,
              const OptionalArray& d_w_shared_gate, const OptionalArray& d_w_shared_up,
              const OptionalArray& d_w_shared_down, uintptr_t stream, uint64_t context,
-             uint64_t weights_version, const ScaleArrays& weight_scales) {
+             uint64_t weights_version, const ScaleArrays& weight_scales,
+             bool accumulate_weight_grads) {
             ForwardArgs forward =
                 forward_args(x, top_experts, router_weights, w_gate, w_up, w_down, w_shared_gate,
                              w_shared_up, w_shared_down, weight_scales);
@@ -335,7 +341,8 @@ void bind_gpu_layer(nb::module_& m) {
             const BackwardArgs args =
                 backward_args(forward, d_out,
                               {d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_w_shared_gate,
-                               d_w_shared_up, d_w_shared_down});
+                               d_w_shared_up, d_w_shared_down},
+                              accumulate_weight_grads);
             const ForwardContext forward_context{context};
             layer.backward(args, stream_of(stream), context != 0 ? &forward_context : nullptr);
           },
@@ -344,10 +351,11 @@ void bind_gpu_layer(nb::module_& m) {
           "d_x"_a, "d_router_weights"_a, "d_w_gate"_a.none(), "d_w_up"_a.none(),
           "d_w_down"_a.none(), "d_w_shared_gate"_a.none(), "d_w_shared_up"_a.none(),
           "d_w_shared_down"_a.none(), "stream"_a, "context"_a = 0, "weights_version"_a = 0,
-          "weight_scales"_a = ScaleArrays{},
+          "weight_scales"_a = ScaleArrays{}, "accumulate_weight_grads"_a = false,
           "Launches the backward on `stream`: from `context` (a forward's) if nonzero, else "
           "recomputing the forward's intermediates. Pre-quantized weights as in forward; their "
-          "gradients are bf16.")
+          "gradients are bf16. fp8_block: weight gradients may be fp32, and with "
+          "`accumulate_weight_grads` are added to what they hold (BackwardArgs).")
       .def(
           "holds_context",
           [](const GpuLayer& layer, uint64_t context) {

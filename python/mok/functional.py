@@ -502,11 +502,22 @@ def backward(
     routed_up_weights: Tensor,
     routed_down_weights: Tensor,
     swiglu_limit: float | None = None,
+    *,
+    weight_grads: tuple[Tensor | None, ...] | None = None,
+    accumulate_weight_grads: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """The layer's backward, in MoK's order: ``(d_x, d_router_weights, d_routed_gate,
     d_routed_up, d_routed_down, d_shared_gate, d_shared_up, d_shared_down)`` (the shared ones None
     without a shared expert). ``d_router_weights`` is exact for any router weight, zero or
-    negative included, and 0 for slots routed nowhere."""
+    negative included, and 0 for slots routed nowhere.
+
+    mok's own: ``weight_grads`` gives the tensors the weight gradients go into, returned in their
+    places: ``(d_routed_gate, d_routed_up, d_routed_down)`` and, with a shared expert, its three
+    (bf16; with ``precision="fp8_block"`` also fp32, each its own, e.g. fp32 main gradients).
+    ``accumulate_weight_grads`` (fp8_block) adds the gradients to what those tensors hold,
+    ``d_w = round(d_w + gradient)`` with one fp32 add per element, instead of writing them: a
+    micro-batch's gradients into main gradients kept across micro-batches (Megatron's
+    ``main_grad``), in call order, so the same bits every run. Eager calls only."""
     if not isinstance(forward_context, MoKForwardContext):
         raise ValueError(
             f"argument `forward_context` is a {type(forward_context).__name__}; expected a MoKForwardContext"
@@ -516,7 +527,7 @@ def backward(
         (routed_gate_weights, routed_up_weights, routed_down_weights)
         + (shared_gate_weights, shared_up_weights, shared_down_weights)
     )
-    grads = ops.backward_eager(
+    args = (
         grad_output.contiguous(),
         x,
         schedule.top_experts,
@@ -527,10 +538,52 @@ def backward(
         forward_context.use_context,
         weight_scales,
     )
+    if weight_grads is None:
+        if accumulate_weight_grads:
+            raise ValueError(
+                "argument `accumulate_weight_grads` is True but `weight_grads` is None; pass "
+                "the tensors to accumulate into"
+            )
+        grads = ops.backward_eager(*args)
+    else:
+        grads = _backward_into_weight_grads(args, weight_grads, accumulate_weight_grads)
     return (
         *grads[:5],
         *_shared_gradients(grads, (shared_gate_weights, shared_up_weights, shared_down_weights)),
     )
+
+
+def _backward_into_weight_grads(args: tuple, weight_grads: tuple, accumulate: bool) -> list[Tensor]:
+    """``backward``'s eight outputs with the weight gradients in the caller's tensors."""
+    inputs = args[1:10]
+    shared = inputs[6] is not None
+    expected = 6 if shared else 3
+    given = tuple(weight_grads)
+    if len(given) not in (3, 6) or (len(given) == 6 and not shared and any(given[3:])):
+        raise ValueError(
+            f"argument `weight_grads` has {len(given)} tensors; expected {expected} (the routed "
+            "gate, up, down" + (" and the shared expert's three)" if shared else ")")
+        )
+    if len(given) < expected or any(t is None for t in given[:expected]):
+        raise ValueError(
+            f"argument `weight_grads` lacks a tensor; expected {expected}, none of them None"
+        )
+    tensors = list(inputs) + [args[0], *given[:expected]]
+    if not ops._plain_eager(tensors):
+        raise ValueError(
+            "argument `weight_grads`: mok writes into the given tensors in eager calls on plain "
+            "tensors only (not under torch.compile tracing, a dispatch mode or tensor subclasses)"
+        )
+    grads = ops._gradients_like(inputs, weight_grads=False)
+    empty = grads[2]
+    grads[2 : 2 + expected] = given[:expected]
+    grads[2 + expected :] = [empty] * (6 - expected)
+    rest = args[10:]
+    if args[1].is_cuda:
+        return ops._backward_cuda_into(
+            grads, args[0], inputs, *rest, accumulate_weight_grads=accumulate
+        )
+    return ops._backward_cpu_into(grads, *args, accumulate_weight_grads=accumulate)
 
 
 def _shared_gradients(grads: list[Tensor], shared_weights: tuple) -> list[Tensor | None]:

@@ -261,8 +261,10 @@ def _backward_cuda_into(
     workspace: int,
     use_context: bool,
     weight_scales: list[Tensor | None],
+    accumulate_weight_grads: bool = False,
 ) -> list[Tensor]:
-    """The CUDA backward into the eight outputs `grads`."""
+    """The CUDA backward into the eight outputs `grads` (the weight gradients added to what they
+    hold with `accumulate_weight_grads`: fp8_block, BackwardArgs)."""
     x = inputs[0]
     space = workspace_of(workspace)
     key = _layer_key(inputs, swiglu_limit, space.num_ranks)
@@ -279,6 +281,7 @@ def _backward_cuda_into(
             *_gradient_capsules(grads, inputs[6:]),
             stream,
             context,
+            accumulate_weight_grads=accumulate_weight_grads,
             **extra,
         )
     return grads
@@ -299,8 +302,11 @@ def _wants(args: tuple) -> bool:
     return bool(args[14]) if len(args) > 14 else True
 
 
-def _backward_cpu_into(grads: list[Tensor], *args) -> list[Tensor]:
-    """The CPU reference's backward into the eight outputs `grads`."""
+def _backward_cpu_into(
+    grads: list[Tensor], *args, accumulate_weight_grads: bool = False
+) -> list[Tensor]:
+    """The CPU reference's backward into the eight outputs `grads` (accumulate_weight_grads as
+    ``_backward_cuda_into``'s)."""
     d_out, inputs = args[0], args[1:10]
     swiglu_limit, workspace, _, weight_scales = args[10:14]
     _C.reference_backward(
@@ -310,6 +316,7 @@ def _backward_cpu_into(grads: list[Tensor], *args) -> list[Tensor]:
         *_gradient_capsules(grads, inputs[6:]),
         _cpu_precision(workspace),
         weight_scales=_capsules(*weight_scales),
+        accumulate_weight_grads=accumulate_weight_grads,
     )
     return grads
 

@@ -3,6 +3,7 @@
 // would be valid.
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -195,6 +196,10 @@ Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
   MOK_RETURN_IF_ERROR(
       checker.check("d_router_weights", args.d_router_weights, {DType::kFloat32}, {T, K}));
   if (!wants_weight_gradients(args)) {
+    if (args.accumulate_weight_grads)
+      return checker.fail("accumulate_weight_grads",
+                          "is set but the weight gradients are absent (frozen weights); pass "
+                          "d_w_* to accumulate into, or leave it false");
     // Frozen weights: every weight gradient absent (one given alone names the mix).
     for (const auto& [name, view] :
          {std::pair<const char*, const TensorView*>{"d_w_up", &args.d_w_up},
@@ -207,18 +212,17 @@ Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
                             "was given without d_w_gate; the weight gradients are all "
                             "given, or all absent (frozen weights)");
   } else {
-    MOK_RETURN_IF_ERROR(
-        checker.check("d_w_gate", args.d_w_gate, {DType::kBFloat16}, {E, I, H}, true));
-    MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, {DType::kBFloat16}, {E, I, H}, true));
-    MOK_RETURN_IF_ERROR(
-        checker.check("d_w_down", args.d_w_down, {DType::kBFloat16}, {E, H, I}, true));
+    // bf16, or fp32 (precision fp8_block: check_backward_precision).
+    const std::vector<DType> grad_dtypes{DType::kBFloat16, DType::kFloat32};
+    MOK_RETURN_IF_ERROR(checker.check("d_w_gate", args.d_w_gate, grad_dtypes, {E, I, H}, true));
+    MOK_RETURN_IF_ERROR(checker.check("d_w_up", args.d_w_up, grad_dtypes, {E, I, H}, true));
+    MOK_RETURN_IF_ERROR(checker.check("d_w_down", args.d_w_down, grad_dtypes, {E, H, I}, true));
     if (shape.has_shared_expert()) {
       MOK_RETURN_IF_ERROR(
-          checker.check("d_w_shared_gate", args.d_w_shared_gate, {DType::kBFloat16}, {Is, H}));
+          checker.check("d_w_shared_gate", args.d_w_shared_gate, grad_dtypes, {Is, H}));
+      MOK_RETURN_IF_ERROR(checker.check("d_w_shared_up", args.d_w_shared_up, grad_dtypes, {Is, H}));
       MOK_RETURN_IF_ERROR(
-          checker.check("d_w_shared_up", args.d_w_shared_up, {DType::kBFloat16}, {Is, H}));
-      MOK_RETURN_IF_ERROR(
-          checker.check("d_w_shared_down", args.d_w_shared_down, {DType::kBFloat16}, {H, Is}));
+          checker.check("d_w_shared_down", args.d_w_shared_down, grad_dtypes, {H, Is}));
     } else {
       MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_gate", args.d_w_shared_gate));
       MOK_RETURN_IF_ERROR(checker.check_absent("d_w_shared_up", args.d_w_shared_up));
@@ -306,6 +310,23 @@ Status check_weight_precision(const char* call, const ForwardArgs& args, Precisi
   return Status::invalid(std::string(call) + ": pre-quantized FP8 weights (w_*_fp8) were given " +
                          "but the precision is " + precision_name(precision) +
                          "; pass bf16 weights, or use precision fp8_block");
+}
+
+Status check_backward_precision(const char* call, const BackwardArgs& args, Precision precision) {
+  MOK_RETURN_IF_ERROR(check_weight_precision(call, args.forward, precision));
+  if (precision == Precision::kFP8Block) return Status::Ok();
+  const std::string layer = std::string("; the ") + precision_name(precision) + " layer ";
+  if (args.accumulate_weight_grads)
+    return Status::invalid(std::string(call) + ": accumulate_weight_grads is set" + layer +
+                           "writes its weight gradients; leave it false, or use precision "
+                           "fp8_block");
+  for (const NamedTensor& grad : named_outputs(args))
+    if (grad.view->present() && grad.view->dtype == DType::kFloat32 &&
+        std::string_view(grad.name).rfind("d_w_", 0) == 0)
+      return Status::invalid(std::string(call) + ": " + grad.name + " is fp32" + layer +
+                             "writes bf16 weight gradients; pass bf16, or use precision "
+                             "fp8_block");
+  return Status::Ok();
 }
 
 bool has_fp8_weights(const ForwardArgs& args) {

@@ -498,31 +498,48 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
     quantize(b.d_out_rows, rows, H, Fp8QuantizeForm::kColumnGroups, fp8.d_out_t, on,
              "d_out rows (transposed)");
   }
+  // out: bf16 or fp32 [E, m, n] (expert stride out_stride elements; 0: dense), written or, with
+  // BackwardArgs::accumulate_weight_grads, added to (Fp8WeightGradOut).
   auto weight_grad = [&](const Fp8Operand& a, int64_t m, const Fp8Operand& b_op, int64_t n,
-                         void* out, int64_t out_stride, const char* what) {
+                         void* out, int64_t out_stride, bool out_f32, const char* what) {
+    using kernels::Fp8WeightGradOut;
     kernels::Fp8GemmMaps wgrad_maps{};
     wgrad_maps.a = codes_2d(a.view(), m, rows, what);
     wgrad_maps.b = codes_2d(b_op.view(), n, rows, what);
     wgrad_maps.a_scales = scales_2d(a.view(), m, rows / 128, what);
     wgrad_maps.b_scales = scales_2d(b_op.view(), n, rows / 128, what);
-    wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what, out_stride);
+    if (out_f32) {  // boxes of [128 rows x 32] fp32: 128-byte rows, as the bf16 boxes' 64
+      const int64_t dims[3] = {n, m, E};
+      const int64_t strides[2] = {n * 4, (out_stride > 0 ? out_stride : m * n) * 4};
+      const int32_t box[3] = {32, 128, 1};
+      wgrad_maps.out = make_tensor_map(out, TmaElement::kF32, 3, dims, strides, box, true, what);
+    } else {
+      wgrad_maps.out = make_tensor_map_3d(out, n, m, E, 64, 128, what, out_stride);
+    }
     kernels::Fp8GemmParams wgrad;
     wgrad.form = kernels::Fp8GemmForm::kWeightGrad;
     wgrad.expert_offsets = view.expert_offsets;
     wgrad.num_experts = static_cast<int32_t>(E);
     wgrad.m_extent = static_cast<int32_t>(m);
     wgrad.n_extent = static_cast<int32_t>(n);
-    wgrad.weight_grad_staging_tiles = s.config.fp8_weight_grad_staging_tiles;
+    wgrad.weight_grad_out =
+        out_f32
+            ? (b.grads.accumulate ? Fp8WeightGradOut::kF32Accumulate : Fp8WeightGradOut::kF32)
+            : (b.grads.accumulate ? Fp8WeightGradOut::kBF16Accumulate : Fp8WeightGradOut::kBF16);
+    // The second staging tile serves the plain bf16 form only (fp8_gemm.h).
+    wgrad.weight_grad_staging_tiles = wgrad.weight_grad_out == Fp8WeightGradOut::kBF16
+                                          ? s.config.fp8_weight_grad_staging_tiles
+                                          : 1;
     wgrad.wait = s.wait_context();
     wgrad.ablation = gemm_ablation_from_env();
     launch(s, wgrad_maps, wgrad, on, what);
   };
   weight_grad(fp8.d_gate_t, I, fp8.x_t, H, b.grads.d_w_gate, b.grads.d_w_gate_stride,
-              "FP8 weight gradient of gate");
-  weight_grad(fp8.d_up_t, I, fp8.x_t, H, b.grads.d_w_up, b.grads.d_w_up_stride,
+              b.grads.d_w_gate_f32, "FP8 weight gradient of gate");
+  weight_grad(fp8.d_up_t, I, fp8.x_t, H, b.grads.d_w_up, b.grads.d_w_up_stride, b.grads.d_w_up_f32,
               "FP8 weight gradient of up");
   weight_grad(fp8.d_out_t, H, fp8.h_w_t, I, b.grads.d_w_down, b.grads.d_w_down_stride,
-              "FP8 weight gradient of down");
+              b.grads.d_w_down_f32, "FP8 weight gradient of down");
   mark("FP8 weight gradients");
 }
 

@@ -153,6 +153,27 @@ void run_forward(GpuLayer::State& s, const ForwardArgs& args, cudaStream_t strea
   mark("combine");
 }
 
+// Where an expert set's backward writes its weight gradients; `expert_strided`: [E, rows, cols]
+// views with their expert strides (the routed set), else one dense matrix each (the shared
+// expert).
+WeightGrads weight_grads(const TensorView& gate, const TensorView& up, const TensorView& down,
+                         bool accumulate, bool expert_strided) {
+  WeightGrads grads;
+  grads.d_w_gate = gate.data;
+  grads.d_w_up = up.data;
+  grads.d_w_down = down.data;
+  if (expert_strided && gate.present()) {
+    grads.d_w_gate_stride = gate.outer_stride();
+    grads.d_w_up_stride = up.outer_stride();
+    grads.d_w_down_stride = down.outer_stride();
+  }
+  grads.d_w_gate_f32 = gate.present() && gate.dtype == DType::kFloat32;
+  grads.d_w_up_f32 = up.present() && up.dtype == DType::kFloat32;
+  grads.d_w_down_f32 = down.present() && down.dtype == DType::kFloat32;
+  grads.accumulate = accumulate;
+  return grads;
+}
+
 // The pipeline's backward. With `use_context`, the forward that ran last on this layer left the
 // schedule, the gathered x rows and g, u of every row (routed and shared) in the workspace: the
 // backward starts from them instead of rebuilding and recomputing.
@@ -170,8 +191,7 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
       router,
       s.expert_out.pointer,
       s.routed.layout.params.max_rows(),
-      {args.d_w_gate.data, args.d_w_up.data, args.d_w_down.data, args.d_w_gate.outer_stride(),
-       args.d_w_up.outer_stride(), args.d_w_down.outer_stride()},
+      weight_grads(args.d_w_gate, args.d_w_up, args.d_w_down, args.accumulate_weight_grads, true),
       s.exchange->gemm_push(s)};
   const ExpertSetBackward shared_set{
       &s.shared,
@@ -182,7 +202,8 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
       RouterWeightRoute{},
       s.shared_out.pointer,
       T,
-      {args.d_w_shared_gate.data, args.d_w_shared_up.data, args.d_w_shared_down.data}};
+      weight_grads(args.d_w_shared_gate, args.d_w_shared_up, args.d_w_shared_down,
+                   args.accumulate_weight_grads, false)};
   const ExpertSetBackward* shared = s.shape.has_shared_expert() && T > 0 ? &shared_set : nullptr;
   // Macrobatches from 0 to the last (the weight gradients' row order); the ring holds macrobatch
   // 0's x rows, g and u from the forward when the context is used, every other macrobatch is
@@ -197,7 +218,9 @@ void run_backward(GpuLayer::State& s, const BackwardArgs& args, bool use_context
   }
   s.exchange->return_rows(s, stream, mark, "push dx");
   s.backward_engine->shared_expert(s, shared, !use_context, stream, mark);
-  if (s.shape.has_shared_expert() && T == 0 && wants_weight_gradients(args)) {
+  // No tokens: the shared expert's gradients are zeros (nothing to add when they accumulate).
+  if (s.shape.has_shared_expert() && T == 0 && wants_weight_gradients(args) &&
+      !args.accumulate_weight_grads) {
     for (const TensorView* grad :
          {&args.d_w_shared_gate, &args.d_w_shared_up, &args.d_w_shared_down})
       cuda_check(cudaMemsetAsync(grad->data, 0, grad->nbytes(), stream),
@@ -272,7 +295,7 @@ void GpuLayer::backward(const BackwardArgs& args, cudaStream_t stream,
                         const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
-  check_weight_precision("backward", args.forward, s.config.precision).throw_if_error();
+  check_backward_precision("backward", args, s.config.precision).throw_if_error();
   check_frozen_weights(s, args, "backward");
   if (args.d_out.device_id != s.device)
     throw Error(ErrorCode::kInvalidArgument,
@@ -378,7 +401,7 @@ std::vector<StageTime> GpuLayer::profile_backward(const BackwardArgs& args, cuda
                                                   int iterations, const ForwardContext* context) {
   State& s = *state_;
   check_backward_args(s.shape, args, DeviceType::kCUDA).throw_if_error();
-  check_weight_precision("backward", args.forward, s.config.precision).throw_if_error();
+  check_backward_precision("backward", args, s.config.precision).throw_if_error();
   check_frozen_weights(s, args, "profile_backward");
   const bool use_context = context_is_current(s, context);
   if (!use_context) ++s.generation;

@@ -199,6 +199,9 @@ struct WeightGrads {
   void* d_w_up = nullptr;
   void* d_w_down = nullptr;
   int64_t d_w_gate_stride = 0, d_w_up_stride = 0, d_w_down_stride = 0;
+  // FP8 only (check_backward_precision): fp32 matrices, and BackwardArgs::accumulate_weight_grads.
+  bool d_w_gate_f32 = false, d_w_up_f32 = false, d_w_down_f32 = false;
+  bool accumulate = false;
 };
 
 // What one expert set's forward reads and writes besides its own buffers: `rows` holds

@@ -70,11 +70,10 @@ void run_owner_experts(ThreadPool& pool, const MoeShape& shape, bool fp8,
     grads.d_router_weights = d_router_weights.data();
     grads.dx = dx.data();
     if (wants_weight_gradients(owner_args)) {
-      grads.d_w_gate =
-          owner_args.d_w_gate.data_as<bf16>() + expert * owner_args.d_w_gate.outer_stride();
-      grads.d_w_up = owner_args.d_w_up.data_as<bf16>() + expert * owner_args.d_w_up.outer_stride();
-      grads.d_w_down =
-          owner_args.d_w_down.data_as<bf16>() + expert * owner_args.d_w_down.outer_stride();
+      const bool accumulate = owner_args.accumulate_weight_grads;
+      grads.d_w_gate = detail::weight_grad_out(owner_args.d_w_gate, expert, accumulate);
+      grads.d_w_up = detail::weight_grad_out(owner_args.d_w_up, expert, accumulate);
+      grads.d_w_down = detail::weight_grad_out(owner_args.d_w_down, expert, accumulate);
     }
     detail::expert_backward(pool, weights, x_rows.data(), d_out_rows.data(), row_weights.data(),
                             rows, shape.swiglu_limit, grads);
@@ -113,9 +112,10 @@ std::vector<float> shared_expert_backward(ThreadPool& pool, const MoeShape& shap
   detail::ExpertGradients grads;
   grads.dx = dx.data();
   if (wants_weight_gradients(args)) {
-    grads.d_w_gate = args.d_w_shared_gate.data_as<bf16>();
-    grads.d_w_up = args.d_w_shared_up.data_as<bf16>();
-    grads.d_w_down = args.d_w_shared_down.data_as<bf16>();
+    const bool accumulate = args.accumulate_weight_grads;
+    grads.d_w_gate = detail::weight_grad_out(args.d_w_shared_gate, 0, accumulate);
+    grads.d_w_up = detail::weight_grad_out(args.d_w_shared_up, 0, accumulate);
+    grads.d_w_down = detail::weight_grad_out(args.d_w_shared_down, 0, accumulate);
   }
   detail::expert_backward(pool, weights, x_rows.data(), d_out_rows.data(), nullptr, tokens,
                           shape.swiglu_limit, grads);

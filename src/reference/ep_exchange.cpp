@@ -73,8 +73,7 @@ void validate_backward_ranks(const char* call, const MoeShape& shape,
     const BackwardArgs& args = rank_args[rank];
     throw_for_rank(check_backward_args(shape, args, DeviceType::kCPU), call, rank,
                    rank_args.size());
-    throw_for_rank(check_weight_precision(call, args.forward, precision), call, rank,
-                   rank_args.size());
+    throw_for_rank(check_backward_precision(call, args, precision), call, rank, rank_args.size());
     check_top_experts(shape, args.forward.top_experts, static_cast<int32_t>(rank)).throw_if_error();
     inputs.push_back(named_inputs(args.forward));
     inputs.back().push_back({"d_out", &args.d_out});

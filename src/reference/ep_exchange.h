@@ -14,8 +14,9 @@
 namespace mok::reference::detail {
 
 // Checks rank_args.size() == shape.num_ranks, check_forward_args / check_backward_args,
-// check_weight_precision and check_top_experts on every rank, and that no output of one rank
-// overlaps a tensor of another rank. Throws mok::Error naming the call, the rank and the argument.
+// check_weight_precision (the backward: check_backward_precision) and check_top_experts on every
+// rank, and that no output of one rank overlaps a tensor of another rank. Throws mok::Error
+// naming the call, the rank and the argument.
 void validate_forward_ranks(const char* call, const MoeShape& shape,
                             const std::vector<ForwardArgs>& rank_args, Precision precision);
 void validate_backward_ranks(const char* call, const MoeShape& shape,

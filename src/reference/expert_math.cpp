@@ -142,17 +142,60 @@ void expert_down(ThreadPool& pool, const ExpertWeights& weights, const float* hi
   round_in_place(pool, y, rows, hidden_size);
 }
 
+WeightGradOut weight_grad_out(const TensorView& view, int64_t expert, bool accumulate) {
+  WeightGradOut out;
+  out.dtype = view.dtype;
+  out.accumulate = accumulate;
+  out.data = static_cast<char*>(view.data) + expert * view.outer_stride() * dtype_size(view.dtype);
+  return out;
+}
+
+namespace {
+
+// out = sums (null: zeros) rounded to out's dtype, or round(old + sum) when it accumulates.
+void store_weight_grad(ThreadPool& pool, const float* sums, int64_t count,
+                       const WeightGradOut& out) {
+  constexpr int64_t kChunk = 4096;
+  pool.parallel_for((count + kChunk - 1) / kChunk, [&](int64_t chunk) {
+    const int64_t end = std::min(count, (chunk + 1) * kChunk);
+    for (int64_t i = chunk * kChunk; i < end; ++i) {
+      float value = sums != nullptr ? sums[i] : 0.0f;
+      if (out.dtype == DType::kFloat32) {
+        float* at = static_cast<float*>(out.data) + i;
+        *at = out.accumulate ? *at + value : value;
+      } else {
+        bf16* at = static_cast<bf16*>(out.data) + i;
+        *at = float_to_bf16(out.accumulate ? bf16_to_float(*at) + value : value);
+      }
+    }
+  });
+}
+
+// out [rows, cols] = a [rows, depth] . b [cols, depth]^T, stored as store_weight_grad does (bf16
+// written: gemm_nt's own rounding, without an fp32 copy).
+void weight_grad_gemm(ThreadPool& pool, int64_t rows, int64_t cols, int64_t depth, const float* a,
+                      const float* b, const WeightGradOut& out) {
+  if (out.dtype == DType::kBFloat16 && !out.accumulate) {
+    gemm_nt(pool, rows, cols, depth, a, depth, b, depth, static_cast<bf16*>(out.data), cols);
+    return;
+  }
+  std::vector<float> sums(static_cast<size_t>(rows * cols));
+  gemm_nt(pool, rows, cols, depth, a, depth, b, depth, sums.data(), cols);
+  store_weight_grad(pool, sums.data(), rows * cols, out);
+}
+
+}  // namespace
+
 void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float* x_rows,
                      const float* d_out_rows, const float* row_weights, int64_t rows,
                      float swiglu_limit, const ExpertGradients& grads) {
   const int64_t hidden = weights.hidden, inter = weights.intermediate;
-  const bool weight_gradients = grads.d_w_gate != nullptr;  // null: frozen weights
+  const bool weight_gradients = grads.d_w_gate.data != nullptr;  // null: frozen weights
   if (rows == 0) {
     // An expert nobody routed to: its gradients are zero (the outputs are still written).
     if (!weight_gradients) return;
-    std::fill(grads.d_w_gate, grads.d_w_gate + inter * hidden, bf16{});
-    std::fill(grads.d_w_up, grads.d_w_up + inter * hidden, bf16{});
-    std::fill(grads.d_w_down, grads.d_w_down + inter * hidden, bf16{});
+    for (const WeightGradOut* out : {&grads.d_w_gate, &grads.d_w_up, &grads.d_w_down})
+      store_weight_grad(pool, nullptr, inter * hidden, *out);
     return;
   }
   const SwigluRows act = expert_swiglu(pool, weights, x_rows, rows, swiglu_limit);
@@ -214,8 +257,7 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
     fp8_rows_in_place(pool, d_out_t.data(), hidden, rows, rows);
     fp8_rows_in_place(pool, hidden_t.data(), inter, rows, rows);
   }
-  gemm_nt(pool, hidden, inter, rows, d_out_t.data(), rows, hidden_t.data(), rows, grads.d_w_down,
-          inter);
+  weight_grad_gemm(pool, hidden, inter, rows, d_out_t.data(), hidden_t.data(), grads.d_w_down);
   d_out_t = {};
   hidden_t = {};
 
@@ -227,10 +269,9 @@ void expert_backward(ThreadPool& pool, const ExpertWeights& weights, const float
     fp8_rows_in_place(pool, d_gate_up_t.data(), 2 * inter, rows, rows);
     fp8_rows_in_place(pool, x_t.data(), hidden, rows, rows);
   }
-  gemm_nt(pool, inter, hidden, rows, d_gate_up_t.data(), rows, x_t.data(), rows, grads.d_w_gate,
-          hidden);
-  gemm_nt(pool, inter, hidden, rows, d_gate_up_t.data() + inter * rows, rows, x_t.data(), rows,
-          grads.d_w_up, hidden);
+  weight_grad_gemm(pool, inter, hidden, rows, d_gate_up_t.data(), x_t.data(), grads.d_w_gate);
+  weight_grad_gemm(pool, inter, hidden, rows, d_gate_up_t.data() + inter * rows, x_t.data(),
+                   grads.d_w_up);
 }
 
 }  // namespace mok::reference::detail

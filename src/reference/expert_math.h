@@ -67,14 +67,24 @@ SwigluRows expert_swiglu(ThreadPool& pool, const ExpertWeights& weights, const f
 void expert_down(ThreadPool& pool, const ExpertWeights& weights, const float* hidden, int64_t rows,
                  float* y);
 
+// Where a weight gradient goes (BackwardArgs): a dense bf16 or fp32 matrix, written with the fp32
+// sums rounded once, or with `accumulate` set to round(old + sum).
+struct WeightGradOut {
+  void* data = nullptr;
+  DType dtype = DType::kBFloat16;
+  bool accumulate = false;
+};
+// `view`'s matrix of `expert` (a dense 2-D view: expert 0), with the call's accumulate flag.
+WeightGradOut weight_grad_out(const TensorView& view, int64_t expert, bool accumulate);
+
 // Where expert_backward writes. d_router_weights may be null (the shared expert has none), and
 // so may the three weight gradients together (frozen weights: not computed).
 struct ExpertGradients {
   float* d_router_weights = nullptr;  // [rows]: <dh_raw, h>, fp32
   float* dx = nullptr;                // [rows, H]: bf16 values as fp32
-  bf16* d_w_gate = nullptr;           // [I, H]
-  bf16* d_w_up = nullptr;             // [I, H]
-  bf16* d_w_down = nullptr;           // [H, I]
+  WeightGradOut d_w_gate;             // [I, H]
+  WeightGradOut d_w_up;               // [I, H]
+  WeightGradOut d_w_down;             // [H, I]
 };
 
 // Backward of one expert over `rows` rows: recomputes g, u, h from x_rows, then dh_raw, the

@@ -59,6 +59,7 @@
 #include "kernels/gemm/fp8_row_gather.cuh"
 #include "kernels/gemm/fp8_row_tile_sources.cuh"
 #include "kernels/gemm/fp8_swiglu_epilogue.cuh"
+#include "kernels/gemm/fp8_weight_grad_epilogue.cuh"
 #include "kernels/gemm/gemm_mainloop.cuh"
 #include "kernels/gemm/tile_walk.h"
 #include "kernels/persistent/task_order.h"
@@ -155,8 +156,13 @@ __device__ __forceinline__ int fp8_next_tile(int tile) {
   return tile + static_cast<int>(gridDim.x);
 }
 
+// kWeightGrad's storage: kF32 forms take both staging tiles' memory as one tile (4 stages).
+template <int kStagingTiles, Fp8WeightGradOut kWgradOut>
+constexpr int kFp8StorageStagingTiles = fp8_weight_grad_is_f32(kWgradOut) ? 2 : kStagingTiles;
+
 template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1,
-          bool kSwiglu = false, bool kGather = false>
+          bool kSwiglu = false, bool kGather = false,
+          Fp8WeightGradOut kWgradOut = Fp8WeightGradOut::kBF16>
 __global__ void __launch_bounds__(kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ Fp8GemmMaps maps, const Fp8GemmParams params) {
   // Launched overlapped (MoeConfig::overlap_kernel_launches): nothing below touches memory
@@ -168,7 +174,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 "two staging tiles: the weight gradients' storer alternates them");
   static_assert(!kSwiglu || (!kWeightGrad && !kExpertGroups), "SwiGLU: the gate/up row tiles");
   static_assert(!kGather || (!kWeightGrad && !kExpertGroups), "the gather: the gate/up row tiles");
-  using Storage = Fp8SharedStorage<kStagingTiles>;
+  // kWeightGrad's output forms but the default: one staging tile (kF32: 64 KB), which the storer
+  // fills with the old values first when they accumulate.
+  constexpr bool kPlainOut = kWgradOut == Fp8WeightGradOut::kBF16;
+  constexpr bool kAccumulate = fp8_weight_grad_accumulates(kWgradOut);
+  static_assert(kPlainOut || (kWeightGrad && kStagingTiles == 1),
+                "the weight gradients' other output forms: one staging tile");
+  using Storage = Fp8SharedStorage<kFp8StorageStagingTiles<kStagingTiles, kWgradOut>>;
   constexpr int kStages = Storage::kNumStagesHere;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = ptx::align_shared_1024<Storage>(smem_raw);
@@ -252,7 +264,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // alone (no barrier between them, no store issued on their path). With two staging
       // tiles one store stays in flight: tile t's is issued before tile t - 1's tile is handed
       // back, which the consumers next stage into at tile t + 1.
+      // kAccumulate: the staging tile's completions on staging_free are the loads of each
+      // tile's old values instead (the first one here, tile t + 1's once tile t's store has
+      // read it), so that the consumers find them staged.
       ptx::prefetch_tensor_map(&maps.out);
+      char* staging0 = reinterpret_cast<char*>(smem.store_tile[0]);
+      auto load_old_values = [&](int tile) {
+        const Fp8Tile t =
+            fp8_tile<kForm, false>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
+        load_weight_grad_tile<kWgradOut>(&maps.out, staging0, &smem.staging_free[0], t.m_tile,
+                                         t.n_tile, t.expert);
+      };
+      if (kAccumulate && static_cast<int>(blockIdx.x) < num_tiles) load_old_values(blockIdx.x);
       int local_tile = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++local_tile) {
         const Fp8Tile t =
@@ -260,11 +283,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int buffer = local_tile % kStagingTiles;
         const int use = local_tile / kStagingTiles;  // of this staging tile
         mbarrier_wait(params.wait, WaitSite::kStagingFull, &smem.staging_full[buffer], use & 1);
-        store_chunks(&maps.out, reinterpret_cast<const char*>(smem.store_tile[buffer]), 0,
-                     kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent, t.m_tile * BLOCK_M,
-                     t.expert);
+        if constexpr (kPlainOut)
+          store_chunks(&maps.out, reinterpret_cast<const char*>(smem.store_tile[buffer]), 0,
+                       kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent, t.m_tile * BLOCK_M,
+                       t.expert);
+        else
+          store_weight_grad_tile<kWgradOut>(&maps.out, staging0, t.m_tile, t.n_tile, t.expert);
         ptx::bulk_commit_group();
-        if constexpr (kStagingTiles == 1) {
+        if constexpr (kAccumulate) {
+          ptx::bulk_wait_group_read<0>();
+          if (tile + static_cast<int>(gridDim.x) < num_tiles)
+            load_old_values(tile + static_cast<int>(gridDim.x));
+        } else if constexpr (kStagingTiles == 1) {
           ptx::bulk_wait_group_read<0>();
           ptx::mbarrier_arrive(&smem.staging_free[0]);
         } else if (local_tile > 0) {
@@ -449,9 +479,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if constexpr (kWeightGrad) {
         // The storer (producer warp 1) stores it: wait until the store of the tile staged
         // there last has read the staging tile, stage, and hand it over, one arrival per warp.
+        // kAccumulate: until this tile's old values are loaded there (completion `use`).
         mbarrier_wait(params.wait, WaitSite::kStagingFree, &smem.staging_free[buffer],
-                      (use & 1) ^ 1);
-        stage();
+                      kAccumulate ? (use & 1) : (use & 1) ^ 1);
+        if constexpr (kPlainOut)
+          stage();
+        else
+          stage_weight_grad_tile<kWgradOut>(staging, consumer_idx * 64, [&](int i, int j) {
+            return empty ? make_float2(0.0f, 0.0f)
+                         : make_float2(sum[j * 4 + i * 2], sum[j * 4 + i * 2 + 1]);
+          });
         ptx::fence_proxy_async_shared();
         __syncwarp();
         if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&smem.staging_full[buffer]);
@@ -505,11 +542,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 template <Fp8GemmForm kForm, bool kExpertGroups = false, int kStagingTiles = 1,
-          bool kSwiglu = false, bool kGather = false>
+          bool kSwiglu = false, bool kGather = false,
+          Fp8WeightGradOut kWgradOut = Fp8WeightGradOut::kBF16>
 cudaError_t launch_form(const Fp8GemmMaps& maps, const Fp8GemmParams& params, int num_ctas,
                         KernelStream on) {
-  const size_t smem_bytes = sizeof(Fp8SharedStorage<kStagingTiles>) + 1024;
-  auto* kernel = &fp8_grouped_gemm_kernel<kForm, kExpertGroups, kStagingTiles, kSwiglu, kGather>;
+  const size_t smem_bytes =
+      sizeof(Fp8SharedStorage<kFp8StorageStagingTiles<kStagingTiles, kWgradOut>>) + 1024;
+  auto* kernel =
+      &fp8_grouped_gemm_kernel<kForm, kExpertGroups, kStagingTiles, kSwiglu, kGather, kWgradOut>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_bytes));
   if (status != cudaSuccess) return status;
@@ -525,10 +565,29 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
     if (params.m_extent <= 0 || params.m_extent % BLOCK_M != 0 || params.num_experts < 0 ||
         params.num_experts > kMaxExperts)
       return cudaErrorInvalidValue;
+    constexpr auto kWgrad = Fp8GemmForm::kWeightGrad;
+    switch (params.weight_grad_out) {
+      case Fp8WeightGradOut::kBF16:
+        break;
+      case Fp8WeightGradOut::kBF16Accumulate:
+      case Fp8WeightGradOut::kF32:
+      case Fp8WeightGradOut::kF32Accumulate:
+        if (params.weight_grad_staging_tiles != 1) return cudaErrorInvalidValue;
+        if (params.weight_grad_out == Fp8WeightGradOut::kBF16Accumulate)
+          return launch_form<kWgrad, false, 1, false, false, Fp8WeightGradOut::kBF16Accumulate>(
+              maps, params, num_ctas, on);
+        if (params.weight_grad_out == Fp8WeightGradOut::kF32)
+          return launch_form<kWgrad, false, 1, false, false, Fp8WeightGradOut::kF32>(maps, params,
+                                                                                     num_ctas, on);
+        return launch_form<kWgrad, false, 1, false, false, Fp8WeightGradOut::kF32Accumulate>(
+            maps, params, num_ctas, on);
+      default:
+        return cudaErrorInvalidValue;
+    }
     if (params.weight_grad_staging_tiles == 2)
-      return launch_form<Fp8GemmForm::kWeightGrad, false, 2>(maps, params, num_ctas, on);
+      return launch_form<kWgrad, false, 2>(maps, params, num_ctas, on);
     if (params.weight_grad_staging_tiles != 1) return cudaErrorInvalidValue;
-    return launch_form<Fp8GemmForm::kWeightGrad>(maps, params, num_ctas, on);
+    return launch_form<kWgrad>(maps, params, num_ctas, on);
   }
   if (params.k_extent <= 0 || params.k_extent % kFp8BlockK != 0 ||
       params.k_extent > kFp8MaxReduction || params.n_split < 0 || params.n_split % kFp8TileN != 0 ||

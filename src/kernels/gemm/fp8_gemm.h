@@ -12,7 +12,9 @@
 //   kWeightGrad  per expert e over its rows [offsets[e], offsets[e + 1]) (multiples of 128):
 //                out[e][m, n] = sum_kb (A_q[m, kb] . B_q[n, kb]) * scale_a[kb][m] * scale_b[kb][n]
 //                Both are activations transposed, in groups of 128 rows (the column-group
-//                quantizer's output); an expert without rows gets zeros.
+//                quantizer's output); an expert without rows gets zeros. out is bf16 or fp32,
+//                written or accumulated (Fp8WeightGradOut: out = round(out + sum), a main
+//                gradient summed over micro-batches).
 #pragma once
 
 #include <cuda.h>
@@ -30,6 +32,12 @@ namespace mok::kernels {
 
 enum class Fp8GemmForm : int32_t { kRowTiles = 0, kWeightGrad = 1 };
 
+// kWeightGrad's output (BackwardArgs' d_w_* dtype and accumulate_weight_grads): bf16 or fp32,
+// the sum written, or added to what out holds and rounded once (one add per element a launch,
+// so the result does not depend on timing). Each form but kBF16 is a kernel of its own with one
+// staging tile: kF32's 64 KB take the second staging tile's and a stage's memory.
+enum class Fp8WeightGradOut : int32_t { kBF16 = 0, kBF16Accumulate, kF32, kF32Accumulate };
+
 // kRowTiles reads two operands as two tensors each where the layer keeps them apart: with
 // n_split, the output columns [n_split, N) come from B2 (at n - n_split) and go to out2 (the
 // gate/up GEMM: Wg and Wu, g and u); with k_split, the K-blocks [k_split, K) come from A2 and B2
@@ -43,6 +51,7 @@ struct Fp8GemmMaps {
   CUtensorMap a2_scales;  // k_split: A2's
   CUtensorMap b_scales;   // kWeightGrad: fp32 [rows / 128, N], boxes [1 x 128]
   CUtensorMap out;        // bf16 [1, rows, N] (kWeightGrad: [E, M, N]): boxes [128 rows x 64]
+                          // (kWeightGrad's fp32 out: [128 rows x 32])
   CUtensorMap out2;       // n_split: the columns from n_split on
 };
 
@@ -124,11 +133,16 @@ struct Fp8GemmParams {
   // for each tile's 64-row chunks (fp8_row_gather.cuh). Launches that share its counters must not
   // run at once.
   Fp8RowGather row_gather;
+  // kWeightGrad: out's dtype and whether the sums are added to it (maps.out then fp32 for kF32*:
+  // boxes [128 rows x 32]); every form but kBF16 with weight_grad_staging_tiles 1. Last, so that
+  // the other fields keep their offsets (the default kernels' SASS).
+  Fp8WeightGradOut weight_grad_out = Fp8WeightGradOut::kBF16;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents
 // that are not multiples of 128, for kRowTiles' K over kFp8MaxReduction (mok/fp8.h), and for
-// kWeightGrad's weight_grad_staging_tiles other than 1 or 2, and for swiglu_h_codes without
+// kWeightGrad's weight_grad_staging_tiles other than 1 or 2 (1 for a weight_grad_out other
+// than kBF16), and for swiglu_h_codes without
 // n_extent = 2 n_split and its buffers, or with the 128-row tiles' expert groups, and for a
 // row_gather without its buffers or with the 128-row tiles' expert groups.
 cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams& params,

@@ -1,0 +1,163 @@
+// FP8's weight gradients in their other forms on the GPU layer (BackwardArgs: d_w_* in fp32,
+// accumulate_weight_grads; the weight-gradient kernels of fp8_weight_grad_epilogue.cuh): written
+// in fp32 they are the sums the bf16 step rounds, and accumulated they are round(old + sum) in
+// each matrix's own dtype (the six alternating fp32 and bf16), bit for bit; every other output
+// keeps the bf16 step's bits. On skewed routing and with experts without rows, with a shared
+// expert, a step from the forward's context and one that recomputes, launches plain and
+// overlapped, with the knob of two staging tiles set (these forms take one). The gate and up
+// gradients in fp32 come as the two halves of one [E, 2I, H] tensor, as the gradient of a fused
+// gate/up weight does.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "device_memory.h"
+#include "gpu_step.h"
+#include "mok/gpu_layer.h"
+#include "mok/testing/device_problem.h"
+#include "mok/testing/host_problem.h"
+#include "test_util.h"
+#include "weight_grad_forms.h"
+
+namespace mok {
+namespace {
+
+using test::GradValues;
+using test::kNumWeightGrads;
+
+// The six weight gradients in device memory in the given dtypes; with `fused_gate_up` (both
+// fp32) gate and up are the halves of one [E, 2I, H] allocation, each view strided by 2IH.
+class DeviceWeightGrads {
+ public:
+  DeviceWeightGrads(const MoeShape& shape, const std::array<DType, kNumWeightGrads>& dtypes,
+                    bool fused_gate_up)
+      : fused_(fused_gate_up) {
+    for (int g = 0; g < kNumWeightGrads; ++g) {
+      const std::vector<int64_t> dims = test::weight_grad_dims(shape, g);
+      TensorView& view = views_[g];
+      if (dims.empty()) continue;
+      view.dtype = dtypes[g];
+      view.device_type = DeviceType::kCUDA;
+      view.ndim = static_cast<int32_t>(dims.size());
+      int64_t stride = 1;
+      for (int d = view.ndim - 1; d >= 0; --d) {
+        view.shape[d] = dims[d];
+        view.strides[d] = stride;
+        stride *= dims[d];
+      }
+      if (fused_ && g <= 1) {
+        view.strides[0] = 2 * shape.intermediate * shape.hidden;
+        if (g == 0) view.data = memory_.allocate(2 * view.nbytes());
+        if (g == 1) view.data = static_cast<char*>(views_[0].data) + matrix_bytes(0);
+        continue;
+      }
+      view.data = memory_.allocate(view.nbytes());
+    }
+  }
+
+  // Every byte 0xFF (NaN in either dtype), so that an element left unwritten shows.
+  void poison() const {
+    for (int g = 0; g < kNumWeightGrads; ++g)
+      if (views_[g].present())
+        CUDA_CHECK(
+            cudaMemset2D(views_[g].data, pitch(g), 0xFF, matrix_bytes(g), views_[g].shape[0]));
+  }
+  void set(BackwardArgs& args) const {
+    for (int g = 0; g < kNumWeightGrads; ++g) *test::weight_grad_view(args, g) = views_[g];
+  }
+  void upload(const std::vector<GradValues>& values) const {
+    for (int g = 0; g < kNumWeightGrads; ++g)
+      if (views_[g].present())
+        CUDA_CHECK(cudaMemcpy2D(views_[g].data, pitch(g), values[g].data(), matrix_bytes(g),
+                                matrix_bytes(g), views_[g].shape[0], cudaMemcpyHostToDevice));
+  }
+  std::vector<GradValues> download() const {
+    std::vector<GradValues> values;
+    for (int g = 0; g < kNumWeightGrads; ++g) {
+      values.emplace_back(views_[g].dtype, views_[g].present() ? views_[g].numel() : 0);
+      if (views_[g].present())
+        CUDA_CHECK(cudaMemcpy2D(values[g].data(), matrix_bytes(g), views_[g].data, pitch(g),
+                                matrix_bytes(g), views_[g].shape[0], cudaMemcpyDeviceToHost));
+    }
+    return values;
+  }
+
+ private:
+  // One index of the first dimension: its dense bytes, and the distance to the next.
+  size_t matrix_bytes(int g) const {
+    const TensorView& view = views_[g];
+    return static_cast<size_t>(view.numel() / view.shape[0] * dtype_size(view.dtype));
+  }
+  size_t pitch(int g) const {
+    return static_cast<size_t>(views_[g].strides[0] * dtype_size(views_[g].dtype));
+  }
+
+  bool fused_;
+  test::DeviceAllocations memory_;
+  std::array<TensorView, kNumWeightGrads> views_{};
+};
+
+TEST(Fp8WeightGradFormsGpu, Fp32AndAccumulatedGiveTheSumsBits) {
+  for (const RoutingKind routing : {RoutingKind::kSkewed, RoutingKind::kHoles}) {
+    const MoeShape shape = test::make_shape(1280, 512, 256, 16, 4, 1, 128);
+    HostProblem problem = HostProblem::make(shape, routing, 103);
+    DeviceProblem device(problem, 0);
+    MoeConfig config;
+    config.precision = Precision::kFP8Block;
+    GpuLayer plain(shape, config);
+    const HostRank want = test::gpu_step(plain, device, problem, /*with_context=*/true);
+    for (const bool overlap : {false, true}) {
+      config.overlap_kernel_launches = overlap;
+      config.fp8_weight_grad_staging_tiles = 2;
+      GpuLayer layer(shape, config);
+      for (const bool with_context : {true, false}) {
+        SCOPED_TRACE(std::string(routing_kind_name(routing)) + (overlap ? ", overlapped" : "") +
+                     (with_context ? "" : ", recomputed"));
+        // One step with the weight gradients in `grads`; every other output downloaded.
+        auto step = [&](const DeviceWeightGrads& grads, bool accumulate) {
+          device.poison_outputs();
+          EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const ForwardContext context = layer.forward(device.forward_args(), nullptr);
+          BackwardArgs args = device.backward_args();
+          grads.set(args);
+          args.accumulate_weight_grads = accumulate;
+          layer.backward(args, nullptr, with_context ? &context : nullptr);
+          const Status status = layer.synchronize(nullptr);
+          EXPECT_TRUE(status.ok()) << status.message;
+          const HostRank got = test::downloaded_outputs(device, problem);
+          EXPECT_TRUE(test::bitwise_equal(got.out, want.out));
+          EXPECT_TRUE(test::bitwise_equal(got.d_x, want.d_x));
+          EXPECT_TRUE(test::bitwise_equal(got.d_router_weights, want.d_router_weights));
+        };
+        std::array<DType, kNumWeightGrads> all_fp32;
+        all_fp32.fill(DType::kFloat32);
+        const DeviceWeightGrads fp32(shape, all_fp32, /*fused_gate_up=*/true);
+        fp32.poison();
+        step(fp32, false);
+        const std::vector<GradValues> sums = fp32.download();
+        for (int g = 0; g < kNumWeightGrads; ++g)
+          test::expect_rounds_to(sums[g], test::weight_grad_of(want, g), test::kWeightGradNames[g]);
+
+        std::array<DType, kNumWeightGrads> mixed;
+        std::vector<GradValues> old;
+        for (int g = 0; g < kNumWeightGrads; ++g) {
+          mixed[g] = g % 2 == 0 ? DType::kFloat32 : DType::kBFloat16;
+          old.push_back(test::random_old_values(mixed[g], sums[g].size(), 50 + g));
+        }
+        const DeviceWeightGrads accumulated(shape, mixed, /*fused_gate_up=*/false);
+        accumulated.upload(old);
+        step(accumulated, true);
+        const std::vector<GradValues> got = accumulated.download();
+        for (int g = 0; g < kNumWeightGrads; ++g)
+          test::expect_accumulated(got[g], old[g], sums[g],
+                                   std::string(test::kWeightGradNames[g]) + " accumulated");
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mok
