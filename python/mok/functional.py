@@ -598,12 +598,14 @@ class _MoeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *args):
         # args: the nine inputs of torch.ops.mok.forward, then swiglu_limit, the workspace, the
-        # weight scales and keep_context (False when no backward will follow).
-        inputs, (swiglu_limit, handle, weight_scales, keep) = args[:9], args[9:]
+        # weight scales, keep_context (False when no backward will follow) and the weights' main
+        # gradients (moe's accumulate_main_grads; None: the gradients are returned).
+        inputs, (swiglu_limit, handle, weight_scales, keep, main_grads) = args[:9], args[9:]
         out = ops.forward_eager(*inputs, swiglu_limit, handle, weight_scales, keep)
         ctx.save_for_backward(*inputs, *weight_scales)
         ctx.swiglu_limit = swiglu_limit
         ctx.handle = handle
+        ctx.main_grads = main_grads
         return out
 
     @staticmethod
@@ -613,6 +615,8 @@ class _MoeFunction(torch.autograd.Function):
         # Frozen weights (none of the six needs a gradient: a fine-tune of the router, the
         # attention or adapters): the backward skips the weight-gradient GEMMs.
         wanted = any(ctx.needs_input_grad[3:9])
+        if wanted and ctx.main_grads is not None:
+            return _MoeFunction.backward_into_main_grads(ctx, d_out, inputs, weight_scales)
         grads = ops.backward_eager(
             d_out.contiguous(),
             *inputs,
@@ -628,7 +632,26 @@ class _MoeFunction(torch.autograd.Function):
             g if wanted and w is not None and w.dtype != torch.float8_e4m3fn else None
             for g, w in zip(grads[2:], inputs[3:])
         ]
-        return (d_x, None, d_router_weights, *weight_grads, None, None, None, None)
+        return (d_x, None, d_router_weights, *weight_grads, None, None, None, None, None)
+
+    @staticmethod
+    def backward_into_main_grads(ctx, d_out, inputs, weight_scales):
+        """The backward with each weight's gradient added to its main gradient (moe's
+        accumulate_main_grads); weights without one (frozen) get a scratch tensor."""
+        args = (d_out.contiguous(), *inputs, ctx.swiglu_limit, ctx.handle, True, weight_scales)
+        shared = inputs[6] is not None
+        targets = []
+        for pair, w in zip(ctx.main_grads, inputs[3:]):
+            target = pair[1] if pair is not None else None
+            if target is None and w is not None:
+                dtype = torch.bfloat16 if w.dtype == torch.float8_e4m3fn else w.dtype
+                target = torch.zeros(w.shape, dtype=dtype, device=w.device)
+            targets.append(target)
+        grads = _backward_into_weight_grads(args, tuple(targets[: 6 if shared else 3]), True)
+        for pair in ctx.main_grads:
+            if pair is not None and hasattr(pair[0], "grad_added_to_main_grad"):
+                pair[0].grad_added_to_main_grad = True
+        return (grads[0], None, grads[1], *([None] * 6), None, None, None, None, None)
 
 
 def _records_graph(*tensors: Tensor | None) -> bool:
@@ -668,6 +691,7 @@ def moe(
     swiglu_limit: float | None = None,
     workspace: Workspace | None = None,
     config: MoKConfig | None = None,
+    accumulate_main_grads: bool = False,
 ) -> Tensor:
     """The whole layer as one differentiable call: ``out[t] = sum_k w[t,k] expert_{e[t,k]}(x[t])
     + shared(x[t])`` with SwiGLU experts. Gradients flow to x, router_weights and every weight.
@@ -680,7 +704,14 @@ def moe(
     ``torch.autocast(dtype=torch.bfloat16)`` fp32 x and weights (fp32 master weights) are cast
     to bf16 per call, as autocast does for a matmul, and router weights to fp32. bf16 or fp16
     router weights (FSDP2's mixed precision casts forward inputs to bf16) are taken as their
-    exact fp32 values."""
+    exact fp32 values.
+
+    ``accumulate_main_grads`` (precision fp8_block, eager calls): Megatron-LM's gradient
+    accumulation fusion. Every weight that takes a gradient has a ``main_grad`` attribute, an fp32
+    (or bf16) tensor of its shape, and the backward adds the weight's gradient there
+    (``backward``'s ``accumulate_weight_grads``) instead of returning it: its ``.grad`` is left
+    alone, and its ``grad_added_to_main_grad`` is set True where it has one (Megatron's DDP reads
+    it)."""
     leading = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     top2 = top_experts.reshape(-1, top_experts.shape[-1])
@@ -691,6 +722,7 @@ def moe(
     weights, weight_scales = _split_weights(
         (w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down)
     )
+    main_grads = _main_grads(weights) if accumulate_main_grads else None
     autocast = _autocast_to_bf16(x.device.type)
     if autocast:
         x2 = _bf16(x2)
@@ -703,6 +735,31 @@ def moe(
     # backward reads (ForwardArgs::keep_context).
     keep = _records_graph(x2, rw2, *weights)
     out = _MoeFunction.apply(
-        x2, top2, rw2, *weights, _limit(swiglu_limit), handle, weight_scales, keep
+        x2, top2, rw2, *weights, _limit(swiglu_limit), handle, weight_scales, keep, main_grads
     )
     return out.reshape(*leading, out.shape[-1])
+
+
+_WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "w_shared_gate", "w_shared_up", "w_shared_down")
+
+
+def _main_grads(weights: list) -> list[tuple[Tensor, Tensor] | None] | None:
+    """``moe``'s accumulate_main_grads: each weight with its ``main_grad`` (None where it takes
+    no gradient), or None when no weight takes one. A weight that takes a gradient without one
+    is refused by name."""
+    main_grads = []
+    for name, w in zip(_WEIGHT_NAMES, weights):
+        if w is None or not w.requires_grad or w.dtype == torch.float8_e4m3fn:
+            main_grads.append(None)
+            continue
+        main_grad = getattr(w, "main_grad", None)
+        if not isinstance(main_grad, Tensor) or main_grad.shape != w.shape:
+            found = (
+                "none" if main_grad is None else f"shape {list(getattr(main_grad, 'shape', []))}"
+            )
+            raise ValueError(
+                f"argument `{name}` takes a gradient but its `main_grad` is {found}; with "
+                f"accumulate_main_grads every such weight needs one of its shape {list(w.shape)}"
+            )
+        main_grads.append((w, main_grad))
+    return main_grads if any(g is not None for g in main_grads) else None

@@ -26,6 +26,9 @@ class MoE(nn.Module):
     traces it without a graph break, and a whole training step can be captured in a CUDA graph
     after one eager step. ``group``: a ``torch.distributed`` process group for expert
     parallelism (each rank holds num_experts / group size experts); None is one GPU.
+    ``accumulate_main_grads`` (precision fp8_block; eager): each weight's gradient is added to
+    its ``main_grad`` (fp32 main gradients kept across micro-batches, as Megatron-LM's DDP
+    allocates them) instead of its ``.grad`` (``functional.moe``).
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class MoE(nn.Module):
         group=None,
         device=None,
         dtype: torch.dtype = torch.bfloat16,
+        accumulate_main_grads: bool = False,
     ) -> None:
         super().__init__()
         if dtype != torch.bfloat16:
@@ -57,6 +61,7 @@ class MoE(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.config = config or functional.MoKConfig()
         self.group = group
+        self.accumulate_main_grads = accumulate_main_grads
         factory = {"device": device, "dtype": dtype}
         E, H, I, Is = (
             self.num_local_experts,
@@ -110,6 +115,7 @@ class MoE(nn.Module):
             swiglu_limit=self.swiglu_limit,
             workspace=self._workspace,
             config=self.config,
+            accumulate_main_grads=self.accumulate_main_grads,
         )
 
     @torch.no_grad()

@@ -1,13 +1,15 @@
 """The weight gradients into the caller's tensors (``mok.functional.backward``'s ``weight_grads``
 and ``accumulate_weight_grads``, precision fp8_block): written in fp32 they round to the bf16
 gradients' bits; accumulated they are ``round(old + gradient)`` in each tensor's own dtype,
-bit for bit, on CPU (the reference) and CUDA, with a shared expert; misuse is refused by name."""
+bit for bit, on CPU (the reference) and CUDA, with a shared expert; ``mok.nn.MoE``'s
+``accumulate_main_grads`` (Megatron's main gradients); misuse is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import mok
 import mok.functional as F
 from conftest import DEVICES, make_problem
 
@@ -84,3 +86,53 @@ def test_weight_grad_forms_are_refused_where_they_do_not_apply():
         run(p, "cpu", weight_grads=fp32[:3])
     with pytest.raises(ValueError, match="`d_w_down` has dtype"):
         run(p, "cpu", weight_grads=fp32[:2] + (fp32[2].to(torch.float16),) + fp32[3:])
+
+
+def fp8_module(device, **kwargs):
+    torch.manual_seed(3)
+    return mok.nn.MoE(
+        4, 256, 128, shared_intermediate_size=128, config=FP8, device=device, **kwargs
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_accumulates_into_main_grads(device):
+    """``mok.nn.MoE(accumulate_main_grads=True)`` (Megatron's gradient accumulation fusion):
+    each step adds its weight gradients to the parameters' fp32 ``main_grad`` and leaves
+    ``.grad`` alone; one step's main gradient rounds to the bf16 ``.grad`` of a plain module,
+    two equal steps give exactly twice it; d_x and d_router_weights are the plain module's."""
+    p = make_problem(device, T=128, H=256, I=128, Is=128, seed=12)
+    plain, fused = fp8_module(device), fp8_module(device, accumulate_main_grads=True)
+    for w in fused.parameters():
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+        w.grad_added_to_main_grad = False
+
+    def step(module):
+        x = p["x"].detach().requires_grad_(True)
+        router = p["router_weights"].detach().requires_grad_(True)
+        module(x, p["top_experts"], router).float().square().sum().backward()
+        return x.grad, router.grad
+
+    want = step(plain)
+    got = step(fused)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    first = {}
+    for (name, w), (_, w_plain) in zip(fused.named_parameters(), plain.named_parameters()):
+        assert w.grad is None, name
+        assert w.grad_added_to_main_grad, name
+        assert torch.equal(bits(w.main_grad.to(torch.bfloat16)), bits(w_plain.grad)), name
+        first[name] = w.main_grad.clone()
+    step(fused)
+    for name, w in fused.named_parameters():
+        assert torch.equal(w.main_grad, 2 * first[name]), name
+
+
+def test_moe_without_a_main_grad_is_refused_by_name():
+    p = make_problem("cpu", T=128, H=256, I=128, Is=128, seed=12)
+    module = fp8_module("cpu", accumulate_main_grads=True)
+    for name, w in module.named_parameters():
+        if name != "w_up":
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    with pytest.raises(ValueError, match="argument `w_up` takes a gradient but its `main_grad`"):
+        module(p["x"], p["top_experts"], p["router_weights"])
