@@ -45,7 +45,8 @@ const char* wait_site_name(int32_t site) {
              "tick)";
     case kernels::WaitSite::kStagingFree:
       return "FP8 weight-gradient consumer waiting for the store of the staging tile's last tile "
-             "to have read it";
+             "to have read it (accumulated gradients: for the tile's old values to be loaded "
+             "there)";
     case kernels::WaitSite::kStagingFull:
       return "FP8 weight-gradient storer waiting for the consumer warps to stage their tile "
              "(expected and seen are the barrier's phase)";

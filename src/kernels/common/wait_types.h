@@ -25,6 +25,7 @@ enum class WaitSite : int32_t {
   kSharedGateUpDone = 14,  // persistent forward: a shared-expert down tile waiting for its gate/up
   kLockstep = 15,          // GEMM producer waiting for the slowest CTA (gemm_lockstep_k_blocks)
   kStagingFree = 16,       // FP8 weight-gradient consumer waiting for the staging tile's last store
+                           // (accumulating: for its old values' load)
   kStagingFull = 17,       // FP8 weight-gradient storer waiting for the consumers' staged tile
   kEpilogueLoaded = 18,    // down dgrad + SwiGLU consumer waiting for a subtile's g and u (TMA)
   kEpilogueFree = 19,      // down dgrad + SwiGLU loader waiting for a subtile's stores to read it

@@ -13,7 +13,9 @@
 //                 (512 B) and, kWeightGrad, the B tile's (512 B), all completing on full[s]; it
 //                 gives its registers away (setmaxnreg.dec). kWeightGrad: thread 32 is the
 //                 storer, which stores each tile the consumers staged (staging_full) and hands
-//                 the staging tile back once the store has read it (staging_free). kGather
+//                 the staging tile back once the store has read it (staging_free); for
+//                 accumulated gradients (Fp8WeightGradOut) it hands it back by loading the next
+//                 tile's old values into it with TMA, completing on staging_free. kGather
 //                 (Fp8GemmParams::row_gather): warps 1-3 gather and quantize A's rows from the
 //                 tokens (fp8_row_gather.cuh), and the TMA thread waits for a tile's rows
 //                 before its first K-block.
@@ -30,10 +32,11 @@
 //                 scale_a[m] * scale_b[n] per element (the B scales read from the stage, so
 //                 the stage is released after it).
 // Pipeline: kFp8Stages stages of 33 KB (the 128-byte swizzle TMA writes and wgmma reads); the
-// epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers),
-// overlapping the next tile's mainloop: kRowTiles through the consumers' named barrier and their
-// first thread, kWeightGrad through the storer and two mbarriers, so that its short tiles'
-// consumers never wait for each other or issue a store. (Each consumer warpgroup storing its
+// epilogue writes bf16 into a 32 KB staging tile and stores it with TMA (epilogue.cuh's helpers;
+// kWeightGrad's fp32 and accumulated forms: fp8_weight_grad_epilogue.cuh, fp32 in a 64 KB tile
+// that takes a stage's memory), overlapping the next tile's mainloop: kRowTiles through the
+// consumers' named barrier and their first thread, kWeightGrad through the storer and two
+// mbarriers, so that its short tiles' consumers never wait for each other or issue a store. (Each consumer warpgroup storing its
 // own 64 rows behind its own barrier, with the next tile's coordinates read a tile ahead: 7%
 // slower in the weight gradients at dsv3_e128's 256 rows per expert, level elsewhere; the
 // read-ahead alone lost 8% there; docs/perf.md sessions 26-27.) With
@@ -566,24 +569,18 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GemmMaps& maps, const Fp8GemmParams
         params.num_experts > kMaxExperts)
       return cudaErrorInvalidValue;
     constexpr auto kWgrad = Fp8GemmForm::kWeightGrad;
-    switch (params.weight_grad_out) {
-      case Fp8WeightGradOut::kBF16:
-        break;
-      case Fp8WeightGradOut::kBF16Accumulate:
-      case Fp8WeightGradOut::kF32:
-      case Fp8WeightGradOut::kF32Accumulate:
-        if (params.weight_grad_staging_tiles != 1) return cudaErrorInvalidValue;
-        if (params.weight_grad_out == Fp8WeightGradOut::kBF16Accumulate)
-          return launch_form<kWgrad, false, 1, false, false, Fp8WeightGradOut::kBF16Accumulate>(
-              maps, params, num_ctas, on);
-        if (params.weight_grad_out == Fp8WeightGradOut::kF32)
-          return launch_form<kWgrad, false, 1, false, false, Fp8WeightGradOut::kF32>(maps, params,
-                                                                                     num_ctas, on);
-        return launch_form<kWgrad, false, 1, false, false, Fp8WeightGradOut::kF32Accumulate>(
-            maps, params, num_ctas, on);
-      default:
-        return cudaErrorInvalidValue;
-    }
+    using Out = Fp8WeightGradOut;
+    const Out out = params.weight_grad_out;
+    if (out != Out::kBF16 && params.weight_grad_staging_tiles != 1) return cudaErrorInvalidValue;
+    if (out == Out::kBF16Accumulate)
+      return launch_form<kWgrad, false, 1, false, false, Out::kBF16Accumulate>(maps, params,
+                                                                               num_ctas, on);
+    if (out == Out::kF32)
+      return launch_form<kWgrad, false, 1, false, false, Out::kF32>(maps, params, num_ctas, on);
+    if (out == Out::kF32Accumulate)
+      return launch_form<kWgrad, false, 1, false, false, Out::kF32Accumulate>(maps, params,
+                                                                              num_ctas, on);
+    if (out != Out::kBF16) return cudaErrorInvalidValue;
     if (params.weight_grad_staging_tiles == 2)
       return launch_form<kWgrad, false, 2>(maps, params, num_ctas, on);
     if (params.weight_grad_staging_tiles != 1) return cudaErrorInvalidValue;
