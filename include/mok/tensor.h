@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "mok/dtype.h"
 
@@ -32,6 +33,8 @@ struct TensorView {
 
   // A row-major contiguous view.
   static TensorView contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                               DeviceType device_type = DeviceType::kCPU, int32_t device_id = 0);
+  static TensorView contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
                                DeviceType device_type = DeviceType::kCPU, int32_t device_id = 0);
 
   bool present() const { return ndim > 0; }

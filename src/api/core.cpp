@@ -115,6 +115,11 @@ Fp8SwigluPlace fp8_swiglu_place_from_name(const std::string& name) {
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
                                   DeviceType device_type, int32_t device_id) {
+  return contiguous(data, dtype, std::vector<int64_t>(shape), device_type, device_id);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
+                                  DeviceType device_type, int32_t device_id) {
   if (shape.size() < 1 || shape.size() > static_cast<size_t>(kMaxDims))
     throw Error(ErrorCode::kInvalidArgument,
                 "TensorView::contiguous: " + std::to_string(shape.size()) +

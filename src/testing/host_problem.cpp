@@ -286,19 +286,8 @@ void give_fp8_weights(const MoeShape& shape, ForwardArgs& args,
     block_dims[block_dims.size() - 1] /= B;
     block_dims[block_dims.size() - 2] /= B;
     auto view = [&](const void* data, DType dtype, const std::vector<int64_t>& dims) {
-      TensorView v;
-      v.data = const_cast<void*>(data);
-      v.dtype = dtype;
-      v.ndim = static_cast<int32_t>(dims.size());
-      int64_t stride = 1;
-      for (int d = v.ndim - 1; d >= 0; --d) {
-        v.shape[d] = dims[d];
-        v.strides[d] = stride;
-        stride *= dims[d];
-      }
-      v.device_type = args.x.device_type;
-      v.device_id = args.x.device_id;
-      return v;
+      return TensorView::contiguous(const_cast<void*>(data), dtype, dims, args.x.device_type,
+                                    args.x.device_id);
     };
     t.fp8->codes = view(codes[i], DType::kFloat8E4M3, t.dims);
     t.fp8->scales = view(scales[i], DType::kFloat32, block_dims);

@@ -45,6 +45,12 @@ inline std::vector<int64_t> weight_grad_dims(const MoeShape& shape, int index) {
   }
 }
 
+// A row-major view of `dims` (none: absent) over `data`.
+inline TensorView dense_view(void* data, DType dtype, const std::vector<int64_t>& dims,
+                             DeviceType device_type) {
+  return dims.empty() ? TensorView{} : TensorView::contiguous(data, dtype, dims, device_type);
+}
+
 inline TensorView* weight_grad_view(BackwardArgs& args, int index) {
   const std::array<TensorView*, kNumWeightGrads> views = {
       &args.d_w_gate,        &args.d_w_up,        &args.d_w_down,

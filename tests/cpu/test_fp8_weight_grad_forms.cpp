@@ -33,19 +33,8 @@ HostRank backward_into(const MoeShape& shape, RoutingKind routing, uint64_t seed
   problem.poison_outputs();
   BackwardArgs args = problem.backward_args(0);
   for (int g = 0; g < kNumWeightGrads; ++g) {
-    const std::vector<int64_t> dims = test::weight_grad_dims(shape, g);
-    TensorView view;
-    if (!dims.empty()) {
-      view = TensorView::contiguous(grads[g].data(), grads[g].dtype, {1}, DeviceType::kCPU);
-      view.ndim = static_cast<int32_t>(dims.size());
-      int64_t stride = 1;
-      for (int d = view.ndim - 1; d >= 0; --d) {
-        view.shape[d] = dims[d];
-        view.strides[d] = stride;
-        stride *= dims[d];
-      }
-    }
-    *test::weight_grad_view(args, g) = view;
+    *test::weight_grad_view(args, g) = test::dense_view(
+        grads[g].data(), grads[g].dtype, test::weight_grad_dims(shape, g), DeviceType::kCPU);
   }
   args.accumulate_weight_grads = accumulate;
   reference::backward(shape, args, fp8_options());

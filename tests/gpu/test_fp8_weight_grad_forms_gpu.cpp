@@ -36,18 +36,10 @@ class DeviceWeightGrads {
                     bool fused_gate_up)
       : fused_(fused_gate_up) {
     for (int g = 0; g < kNumWeightGrads; ++g) {
-      const std::vector<int64_t> dims = test::weight_grad_dims(shape, g);
       TensorView& view = views_[g];
-      if (dims.empty()) continue;
-      view.dtype = dtypes[g];
-      view.device_type = DeviceType::kCUDA;
-      view.ndim = static_cast<int32_t>(dims.size());
-      int64_t stride = 1;
-      for (int d = view.ndim - 1; d >= 0; --d) {
-        view.shape[d] = dims[d];
-        view.strides[d] = stride;
-        stride *= dims[d];
-      }
+      view =
+          test::dense_view(nullptr, dtypes[g], test::weight_grad_dims(shape, g), DeviceType::kCUDA);
+      if (!view.present()) continue;
       if (fused_ && g <= 1) {
         view.strides[0] = 2 * shape.intermediate * shape.hidden;
         if (g == 0) view.data = memory_.allocate(2 * view.nbytes());
