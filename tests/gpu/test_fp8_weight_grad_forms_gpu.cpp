@@ -6,19 +6,24 @@
 // expert, a step from the forward's context and one that recomputes, launches plain and
 // overlapped, with the knob of two staging tiles set (these forms take one). The gate and up
 // gradients in fp32 come as the two halves of one [E, 2I, H] tensor, as the gradient of a fused
-// gate/up weight does.
+// gate/up weight does. The kernel alone does the same on 1, 3 and all CTAs (a CTA's next tiles'
+// old values loaded while it works), an expert without rows among the tiles.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "device_memory.h"
+#include "fp8_gemm_problem.h"
 #include "gpu_step.h"
 #include "mok/gpu_layer.h"
 #include "mok/testing/device_problem.h"
 #include "mok/testing/host_problem.h"
+#include "mok/testing/routing.h"
 #include "test_util.h"
 #include "weight_grad_forms.h"
 
@@ -149,6 +154,83 @@ TEST(Fp8WeightGradFormsGpu, Fp32AndAccumulatedGiveTheSumsBits) {
       }
     }
   }
+}
+
+// The weight-gradient kernel's forms alone (Fp8GemmParams::weight_grad_out), on random codes
+// and power-of-two scales: 18 tiles of 3 experts (one without rows) on 1, 3 and all CTAs.
+TEST(Fp8WeightGradFormsGpu, KernelFormsOnFewAndAllCtas) {
+  using kernels::Fp8WeightGradOut;
+  const int64_t rows = 640, m = 256, n = 384, experts = 3;
+  test::Fp8WeightGradProblem problem(rows, m, n, experts);
+  SplitMix64 rng(7);
+  auto random_codes = [&](int64_t count) {
+    std::vector<uint8_t> codes(static_cast<size_t>(count));
+    for (uint8_t& code : codes) {
+      code = static_cast<uint8_t>(rng.next());
+      if ((code & 0x7f) == 0x7f) code ^= 1;  // no NaN
+    }
+    return codes;
+  };
+  auto random_scales = [&](int64_t count) {
+    std::vector<float> scales(static_cast<size_t>(count));
+    for (float& scale : scales) scale = std::ldexp(1.0f, static_cast<int>(rng.below(9)) - 12);
+    return scales;
+  };
+  const std::vector<int32_t> offsets = {0, 256, 256, 640};
+  CUDA_CHECK(
+      cudaMemcpy(problem.a_codes, random_codes(m * rows).data(), m * rows, cudaMemcpyHostToDevice));
+  CUDA_CHECK(
+      cudaMemcpy(problem.b_codes, random_codes(n * rows).data(), n * rows, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(problem.a_scales, random_scales(m * rows / 128).data(), m * rows / 128 * 4,
+                        cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(problem.b_scales, random_scales(n * rows / 128).data(), n * rows / 128 * 4,
+                        cudaMemcpyHostToDevice));
+  CUDA_CHECK(
+      cudaMemcpy(problem.offsets, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
+  const int64_t count = experts * m * n;
+  std::vector<bf16> plain(static_cast<size_t>(count));
+  CUDA_CHECK(cudaMemset(problem.out, 0xff, count * 2));
+  ASSERT_EQ(problem.run(), cudaSuccess);
+  CUDA_CHECK(cudaMemcpy(plain.data(), problem.out, count * 2, cudaMemcpyDeviceToHost));
+
+  // fp32 out [E, m, n] in boxes of [128 rows x 32].
+  float* out32 = problem.device.allocate<float>(count * 4);
+  const int64_t dims[3] = {n, m, experts}, strides[2] = {n * 4, m * n * 4};
+  const int32_t box[3] = {32, 128, 1};
+  const CUtensorMap map32 =
+      make_tensor_map(out32, TmaElement::kF32, 3, dims, strides, box, true, "fp32 gradients");
+  const CUtensorMap map16 = problem.maps.out;
+  // Runs `form` on `ctas` CTAs over `start` (copied to the output first); the output after.
+  auto run = [&](Fp8WeightGradOut form, int ctas, const GradValues& start) {
+    const bool f32 = start.dtype == DType::kFloat32;
+    void* out = f32 ? static_cast<void*>(out32) : problem.out;
+    problem.maps.out = f32 ? map32 : map16;
+    problem.params.weight_grad_out = form;
+    CUDA_CHECK(cudaMemcpy(out, start.data(), start.bytes(), cudaMemcpyHostToDevice));
+    EXPECT_EQ(problem.run(ctas), cudaSuccess);
+    GradValues got(start.dtype, count);
+    CUDA_CHECK(cudaMemcpy(got.data(), out, got.bytes(), cudaMemcpyDeviceToHost));
+    return got;
+  };
+  GradValues nan32(DType::kFloat32, count);
+  for (float& value : nan32.f32) value = std::nanf("");
+  const GradValues sums = run(Fp8WeightGradOut::kF32, 0, nan32);
+  test::expect_rounds_to(sums, plain, "fp32 on one CTA per SM");
+  const GradValues old32 = test::random_old_values(DType::kFloat32, count, 8);
+  const GradValues old16 = test::random_old_values(DType::kBFloat16, count, 9);
+  for (const int ctas : {1, 3, 0}) {
+    SCOPED_TRACE(std::to_string(ctas) + " CTAs (0: one per SM)");
+    const GradValues again = run(Fp8WeightGradOut::kF32, ctas, nan32);
+    EXPECT_EQ(std::memcmp(again.data(), sums.data(), sums.bytes()), 0);
+    test::expect_accumulated(run(Fp8WeightGradOut::kF32Accumulate, ctas, old32), old32, sums,
+                             "fp32 accumulated");
+    test::expect_accumulated(run(Fp8WeightGradOut::kBF16Accumulate, ctas, old16), old16, sums,
+                             "bf16 accumulated");
+  }
+  problem.params.weight_grad_staging_tiles = 2;  // the second staging tile: plain bf16 only
+  problem.params.weight_grad_out = Fp8WeightGradOut::kF32;
+  problem.maps.out = map32;
+  EXPECT_EQ(problem.run(), cudaErrorInvalidValue);
 }
 
 }  // namespace
