@@ -192,6 +192,8 @@ void BaselineLayer::backward(const BackwardArgs& args, cudaStream_t stream,
   State& s = *state_;
   const MoeShape& shape = s.shape;
   check_backward_args(shape, args, DeviceType::kCUDA).throw_if_error();
+  // The baseline writes bf16 weight gradients, as the bf16 layer does.
+  check_backward_precision("baseline backward", args, Precision::kBF16).throw_if_error();
   const ForwardArgs& fwd = args.forward;
   const int64_t H = shape.hidden, I = shape.intermediate, T = shape.num_tokens,
                 E = shape.num_experts;
