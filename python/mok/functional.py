@@ -559,7 +559,9 @@ def _backward_into_weight_grads(args: tuple, weight_grads: tuple, accumulate: bo
     shared = inputs[6] is not None
     expected = 6 if shared else 3
     given = tuple(weight_grads)
-    if len(given) not in (3, 6) or (len(given) == 6 and not shared and any(given[3:])):
+    if len(given) not in (3, 6) or (
+        len(given) == 6 and not shared and any(t is not None for t in given[3:])
+    ):
         raise ValueError(
             f"argument `weight_grads` has {len(given)} tensors; expected {expected} (the routed "
             "gate, up, down" + (" and the shared expert's three)" if shared else ")")

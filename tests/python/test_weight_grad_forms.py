@@ -86,6 +86,13 @@ def test_weight_grad_forms_are_refused_where_they_do_not_apply():
         run(p, "cpu", weight_grads=fp32[:3])
     with pytest.raises(ValueError, match="`d_w_down` has dtype"):
         run(p, "cpu", weight_grads=fp32[:2] + (fp32[2].to(torch.float16),) + fp32[3:])
+    # Without a shared expert: the routed three (a shared three of None accepted alongside).
+    q = make_problem("cpu", T=128, H=256, I=128, seed=9)
+    routed = tuple(torch.zeros_like(g, dtype=torch.float32) for g in run(q, "cpu")[2:5])
+    with pytest.raises(ValueError, match="`weight_grads` has 6 tensors; expected 3"):
+        run(q, "cpu", weight_grads=routed + fp32[3:])
+    got = run(q, "cpu", weight_grads=routed + (None, None, None))
+    assert got[2] is routed[0] and got[5] is None
 
 
 def fp8_module(device, **kwargs):
