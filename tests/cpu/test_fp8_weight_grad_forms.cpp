@@ -1,7 +1,8 @@
 // FP8's weight gradients in their other forms on the CPU reference (BackwardArgs: d_w_* in fp32,
 // accumulate_weight_grads): written in fp32 they are the sums the bf16 run rounds, and
 // accumulated they are round(old + sum) in each matrix's own dtype, bit for bit, with a shared
-// expert and experts without rows; every other output keeps the bf16 run's bits. The calls
+// expert and experts without rows, on one rank and on each rank of a two-rank group; every other
+// output keeps the bf16 run's bits. The calls
 // refuse them, by name, where they do not apply: a bf16 layer, frozen weights, other dtypes.
 #include <gtest/gtest.h>
 
@@ -77,6 +78,43 @@ TEST(Fp8WeightGradForms, Fp32AndAccumulatedOnTheReference) {
                                std::string(test::kWeightGradNames[g]) + " accumulated");
     EXPECT_TRUE(test::bitwise_equal(accumulated.d_x, want.ranks[0].d_x));
   }
+}
+
+// Expert parallel (the reference's two-rank emulation): every rank's fp32 gradients round to the
+// plain run's, and accumulated they are round(old + sum), bit for bit.
+TEST(Fp8WeightGradForms, Fp32AndAccumulatedOnEveryRankOfAGroup) {
+  const MoeShape shape = test::make_shape(128, 256, 128, 8, 3, 2, 128);
+  HostProblem want = HostProblem::make(shape, RoutingKind::kSkewed, 13);
+  reference::backward_ep(shape, want.all_backward_args(), fp8_options());
+  // One group's backward with rank r's gradients in grads[r].
+  auto run = [&](std::vector<std::vector<GradValues>>& grads, bool accumulate) {
+    HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 13);
+    std::vector<BackwardArgs> args = problem.all_backward_args();
+    for (int32_t rank = 0; rank < shape.num_ranks; ++rank) {
+      for (int g = 0; g < kNumWeightGrads; ++g)
+        *test::weight_grad_view(args[rank], g) =
+            test::dense_view(grads[rank][g].data(), grads[rank][g].dtype,
+                             test::weight_grad_dims(shape, g), DeviceType::kCPU);
+      args[rank].accumulate_weight_grads = accumulate;
+    }
+    reference::backward_ep(shape, args, fp8_options());
+  };
+  std::vector<std::vector<GradValues>> sums(shape.num_ranks), old(shape.num_ranks);
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+    for (int g = 0; g < kNumWeightGrads; ++g) {
+      sums[rank].emplace_back(DType::kFloat32, count_of(shape, g));
+      old[rank].push_back(
+          test::random_old_values(DType::kFloat32, count_of(shape, g), 60 + 8 * rank + g));
+    }
+  run(sums, false);
+  std::vector<std::vector<GradValues>> got = old;
+  run(got, true);
+  for (int32_t rank = 0; rank < shape.num_ranks; ++rank)
+    for (int g = 0; g < kNumWeightGrads; ++g) {
+      const std::string what = "rank " + std::to_string(rank) + " " + test::kWeightGradNames[g];
+      test::expect_rounds_to(sums[rank][g], test::weight_grad_of(want.ranks[rank], g), what);
+      test::expect_accumulated(got[rank][g], old[rank][g], sums[rank][g], what + " accumulated");
+    }
 }
 
 TEST(Fp8WeightGradForms, RefusedWhereTheyDoNotApply) {
