@@ -147,6 +147,8 @@ struct NamedTensor {
 std::vector<NamedTensor> named_inputs(const ForwardArgs& args);
 // The eight outputs of a backward call (d_x, d_router_weights, the six weight gradients).
 std::vector<NamedTensor> named_outputs(const BackwardArgs& args);
+// The six weight gradients of a backward call, d_w_gate to d_w_shared_down.
+std::vector<NamedTensor> named_weight_gradients(const BackwardArgs& args);
 // True when both views are present, non-empty, and their byte ranges intersect.
 bool tensors_overlap(const TensorView& a, const TensorView& b);
 

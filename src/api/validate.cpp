@@ -3,7 +3,6 @@
 // would be valid.
 #include <cstdint>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -201,14 +200,9 @@ Status check_backward_args(const MoeShape& shape, const BackwardArgs& args,
                           "is set but the weight gradients are absent (frozen weights); pass "
                           "d_w_* to accumulate into, or leave it false");
     // Frozen weights: every weight gradient absent (one given alone names the mix).
-    for (const auto& [name, view] :
-         {std::pair<const char*, const TensorView*>{"d_w_up", &args.d_w_up},
-          {"d_w_down", &args.d_w_down},
-          {"d_w_shared_gate", &args.d_w_shared_gate},
-          {"d_w_shared_up", &args.d_w_shared_up},
-          {"d_w_shared_down", &args.d_w_shared_down}})
-      if (view->present())
-        return checker.fail(name,
+    for (const NamedTensor& grad : named_weight_gradients(args))
+      if (grad.view->present())
+        return checker.fail(grad.name,
                             "was given without d_w_gate; the weight gradients are all "
                             "given, or all absent (frozen weights)");
   } else {
@@ -320,9 +314,8 @@ Status check_backward_precision(const char* call, const BackwardArgs& args, Prec
     return Status::invalid(std::string(call) + ": accumulate_weight_grads is set" + layer +
                            "writes its weight gradients; leave it false, or use precision "
                            "fp8_block");
-  for (const NamedTensor& grad : named_outputs(args))
-    if (grad.view->present() && grad.view->dtype == DType::kFloat32 &&
-        std::string_view(grad.name).rfind("d_w_", 0) == 0)
+  for (const NamedTensor& grad : named_weight_gradients(args))
+    if (grad.view->present() && grad.view->dtype == DType::kFloat32)
       return Status::invalid(std::string(call) + ": " + grad.name + " is fp32" + layer +
                              "writes bf16 weight gradients; pass bf16, or use precision "
                              "fp8_block");
@@ -337,15 +330,17 @@ bool has_fp8_weights(const ForwardArgs& args) {
   return false;
 }
 
+std::vector<NamedTensor> named_weight_gradients(const BackwardArgs& args) {
+  return {{"d_w_gate", &args.d_w_gate},           {"d_w_up", &args.d_w_up},
+          {"d_w_down", &args.d_w_down},           {"d_w_shared_gate", &args.d_w_shared_gate},
+          {"d_w_shared_up", &args.d_w_shared_up}, {"d_w_shared_down", &args.d_w_shared_down}};
+}
+
 std::vector<NamedTensor> named_outputs(const BackwardArgs& args) {
-  return {{"d_x", &args.d_x},
-          {"d_router_weights", &args.d_router_weights},
-          {"d_w_gate", &args.d_w_gate},
-          {"d_w_up", &args.d_w_up},
-          {"d_w_down", &args.d_w_down},
-          {"d_w_shared_gate", &args.d_w_shared_gate},
-          {"d_w_shared_up", &args.d_w_shared_up},
-          {"d_w_shared_down", &args.d_w_shared_down}};
+  std::vector<NamedTensor> outputs = {{"d_x", &args.d_x},
+                                      {"d_router_weights", &args.d_router_weights}};
+  for (const NamedTensor& grad : named_weight_gradients(args)) outputs.push_back(grad);
+  return outputs;
 }
 
 namespace {

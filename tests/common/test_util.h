@@ -2,6 +2,8 @@
 // fp64, finiteness, bitwise comparison, slicing, shapes, and running the reference.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "mok/dtype.h"
+#include "mok/error.h"
 #include "mok/reference.h"
 #include "mok/shape.h"
 #include "mok/testing/host_problem.h"
@@ -107,6 +110,19 @@ inline void run_reference(HostProblem& problem, int num_threads = 0) {
 template <typename Fn>
 void for_each_output(const HostRank& a, const HostRank& b, Fn&& fn) {
   for_each_output_field([&](const char* name, auto member) { fn(name, a.*member, b.*member); });
+}
+
+// `call()` throws a mok::Error of kInvalidArgument whose message contains `fragment` (a refusal
+// that names the argument).
+template <typename Call>
+void expect_invalid_argument(Call call, const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted; expected an error containing: " << fragment;
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << error.what();
+    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
+  }
 }
 
 }  // namespace mok::test
