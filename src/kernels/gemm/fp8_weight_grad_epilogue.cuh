@@ -110,4 +110,50 @@ __device__ __forceinline__ void load_weight_grad_tile(const CUtensorMap* out, ch
   }
 }
 
+// EXPERIMENT (MOK_WGRAD_L2_HINTS bit 8): the accumulated forms' store of a tile chunk by chunk,
+// each chunk's load of the next tile's old values issued as soon as that chunk's store has
+// read it (not after the whole tile's).
+template <int kPending>
+__device__ __forceinline__ void wait_store_read_pending(int pending) {
+  if constexpr (kPending >= 0) {
+    if (pending == kPending)
+      ptx::bulk_wait_group_read<kPending>();
+    else
+      wait_store_read_pending<kPending - 1>(pending);
+  }
+}
+template <Fp8WeightGradOut kOut>
+__device__ __forceinline__ void store_and_reload_by_chunk(const CUtensorMap* out, char* staging,
+                                                          uint64_t* loaded, int m_tile,
+                                                          int n_tile, int expert, bool has_next,
+                                                          int next_m_tile, int next_n_tile,
+                                                          int next_expert, bool hint_stores,
+                                                          bool hint_loads, uint64_t policy) {
+  constexpr int kChunks = fp8_weight_grad_chunks(kOut);
+  constexpr int kColumns = fp8_weight_grad_chunk_columns(kOut);
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (hint_stores)
+      ptx::tma_store_3d_hinted(out, staging + c * kStageChunkBytes, n_tile * 128 + c * kColumns,
+                               m_tile * BLOCK_M, expert, policy);
+    else
+      ptx::tma_store_3d(out, staging + c * kStageChunkBytes, n_tile * 128 + c * kColumns,
+                        m_tile * BLOCK_M, expert);
+    ptx::bulk_commit_group();
+  }
+  if (!has_next) return;
+  ptx::mbarrier_arrive_expect_tx(loaded, fp8_weight_grad_staging_bytes(kOut));
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    wait_store_read_pending<kChunks - 1>(kChunks - 1 - c);
+    if (hint_loads)
+      ptx::tma_load_3d_hinted(staging + c * kStageChunkBytes, out, loaded,
+                              next_n_tile * 128 + c * kColumns, next_m_tile * BLOCK_M,
+                              next_expert, policy);
+    else
+      ptx::tma_load_3d(staging + c * kStageChunkBytes, out, loaded,
+                       next_n_tile * 128 + c * kColumns, next_m_tile * BLOCK_M, next_expert);
+  }
+}
+
 }  // namespace mok::kernels
