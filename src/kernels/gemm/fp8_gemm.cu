@@ -276,7 +276,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const bool hint_stores = params.weight_grad_l2_hints & 1;
       const bool hint_loads = params.weight_grad_l2_hints & 2;
       const bool prefetch_ahead = params.weight_grad_l2_hints & 4;
-      const bool by_chunk = params.weight_grad_l2_hints & 8;
       auto load_old_values = [&](int tile) {
         const Fp8Tile t =
             fp8_tile<kForm, false>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
@@ -311,25 +310,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           store_chunks(&maps.out, reinterpret_cast<const char*>(smem.store_tile[buffer]), 0,
                        kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent, t.m_tile * BLOCK_M,
                        t.expert);
-        } else if (kAccumulate && by_chunk) {
-          const int next = tile + static_cast<int>(gridDim.x);
-          const Fp8Tile u = fp8_tile<kForm, false>(params, params.expert_offsets,
-                                                   next < num_tiles ? next : tile, num_m_tiles,
-                                                   num_n_tiles);
-          store_and_reload_by_chunk<kWgradOut>(&maps.out, staging0, &smem.staging_free[0],
-                                               t.m_tile, t.n_tile, t.expert, next < num_tiles,
-                                               u.m_tile, u.n_tile, u.expert, hint_stores,
-                                               hint_loads, l2_policy);
-          if (prefetch_ahead && next + static_cast<int>(gridDim.x) < num_tiles) {
-            const Fp8Tile v = fp8_tile<kForm, false>(params, params.expert_offsets,
-                                                     next + static_cast<int>(gridDim.x),
-                                                     num_m_tiles, num_n_tiles);
-            constexpr int kColumns = fp8_weight_grad_chunk_columns(kWgradOut);
-            for (int c = 0; c < fp8_weight_grad_chunks(kWgradOut); ++c)
-              ptx::tma_prefetch_l2_3d(&maps.out, v.n_tile * 128 + c * kColumns,
-                                      v.m_tile * BLOCK_M, v.expert);
-          }
-          continue;
         } else {
           store_weight_grad_tile<kWgradOut>(&maps.out, staging0, t.m_tile, t.n_tile, t.expert,
                                             hint_stores, l2_policy);

@@ -139,8 +139,7 @@ struct Fp8GemmParams {
   Fp8WeightGradOut weight_grad_out = Fp8WeightGradOut::kBF16;
   // EXPERIMENT (session 65): kWeightGrad's L2 policies, bit 1 the output stores evict_first,
   // bit 2 the accumulated forms' old-value loads evict_first, bit 4 their next tile's old values
-  // prefetched into L2 as this tile's load is issued, bit 8 the accumulated forms' store and
-  // reload chunk by chunk (MOK_WGRAD_L2_HINTS).
+  // prefetched into L2 as this tile's load is issued (MOK_WGRAD_L2_HINTS).
   int32_t weight_grad_l2_hints = 0;
 };
 
