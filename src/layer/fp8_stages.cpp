@@ -22,7 +22,6 @@
 #include <cuda.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "kernels/gemm/fp8_gemm.h"
@@ -533,8 +532,6 @@ void backward_experts_fp8(const GpuLayer::State& s, const ExpertSetBackward& b, 
                                           : 1;
     wgrad.wait = s.wait_context();
     wgrad.ablation = gemm_ablation_from_env();
-    if (const char* hints = std::getenv("MOK_WGRAD_L2_HINTS"))
-      wgrad.weight_grad_l2_hints = std::atoi(hints);
     launch(s, wgrad_maps, wgrad, on, what);
   };
   weight_grad(fp8.d_gate_t, I, fp8.x_t, H, b.grads.d_w_gate, b.grads.d_w_gate_stride,

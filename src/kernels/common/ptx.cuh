@@ -181,38 +181,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
       : "memory");
 }
 
-// An L2 eviction policy for the accesses that carry one (.L2::cache_hint): evict_first makes
-// their lines the first L2 gives up, so that data read or written once (a weight gradient's
-// output tile) does not push out the operands other tiles still read.
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// tma_store_3d and tma_load_3d with an L2 policy (l2_policy_evict_first).
-__device__ __forceinline__ void tma_store_3d_hinted(const CUtensorMap* map, const void* smem_src,
-                                                    int32_t coord_inner, int32_t coord_middle,
-                                                    int32_t coord_outer, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint"
-      " [%0, {%2, %3, %4}], [%1], %5;" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(smem_addr(smem_src)), "r"(coord_inner), "r"(coord_middle), "r"(coord_outer),
-      "l"(policy)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d_hinted(void* smem_dst, const CUtensorMap* map,
-                                                   uint64_t* barrier, int32_t coord_inner,
-                                                   int32_t coord_middle, int32_t coord_outer,
-                                                   uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(barrier)), "r"(coord_inner),
-      "r"(coord_middle), "r"(coord_outer), "l"(policy)
-      : "memory");
-}
-
 // 1-D bulk copies (no tensor map): global (local or a peer's, 16-byte aligned) -> shared,
 // completing on an mbarrier; shared -> global in the thread's bulk group. Sizes: multiples of 16.
 __device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* global_src, uint32_t bytes,

@@ -272,24 +272,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // read it), so that the consumers find them staged.
       ptx::prefetch_tensor_map(&maps.out);
       char* staging0 = reinterpret_cast<char*>(smem.store_tile[0]);
-      const uint64_t l2_policy = ptx::l2_policy_evict_first();
-      const bool hint_stores = params.weight_grad_l2_hints & 1;
-      const bool hint_loads = params.weight_grad_l2_hints & 2;
-      const bool prefetch_ahead = params.weight_grad_l2_hints & 4;
       auto load_old_values = [&](int tile) {
         const Fp8Tile t =
             fp8_tile<kForm, false>(params, params.expert_offsets, tile, num_m_tiles, num_n_tiles);
         load_weight_grad_tile<kWgradOut>(&maps.out, staging0, &smem.staging_free[0], t.m_tile,
-                                         t.n_tile, t.expert, hint_loads, l2_policy);
-        const int next = tile + static_cast<int>(gridDim.x);
-        if (prefetch_ahead && next < num_tiles) {
-          const Fp8Tile u =
-              fp8_tile<kForm, false>(params, params.expert_offsets, next, num_m_tiles, num_n_tiles);
-          constexpr int kColumns = fp8_weight_grad_chunk_columns(kWgradOut);
-          for (int c = 0; c < fp8_weight_grad_chunks(kWgradOut); ++c)
-            ptx::tma_prefetch_l2_3d(&maps.out, u.n_tile * 128 + c * kColumns, u.m_tile * BLOCK_M,
-                                    u.expert);
-        }
+                                         t.n_tile, t.expert);
       };
       if (kAccumulate && static_cast<int>(blockIdx.x) < num_tiles) load_old_values(blockIdx.x);
       int local_tile = 0;
@@ -299,21 +286,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int buffer = local_tile % kStagingTiles;
         const int use = local_tile / kStagingTiles;  // of this staging tile
         mbarrier_wait(params.wait, WaitSite::kStagingFull, &smem.staging_full[buffer], use & 1);
-        if (kPlainOut && hint_stores) {
-          const char* tile_smem = reinterpret_cast<const char*>(smem.store_tile[buffer]);
-          for (int c = 0; c < kFp8TileN / 64; ++c)
-            if (t.n_tile * kFp8TileN + c * 64 < params.n_extent)
-              ptx::tma_store_3d_hinted(&maps.out, tile_smem + c * kStageChunkBytes,
-                                       t.n_tile * kFp8TileN + c * 64, t.m_tile * BLOCK_M,
-                                       t.expert, l2_policy);
-        } else if constexpr (kPlainOut) {
+        if constexpr (kPlainOut)
           store_chunks(&maps.out, reinterpret_cast<const char*>(smem.store_tile[buffer]), 0,
                        kFp8TileN / 64, t.n_tile * kFp8TileN, params.n_extent, t.m_tile * BLOCK_M,
                        t.expert);
-        } else {
-          store_weight_grad_tile<kWgradOut>(&maps.out, staging0, t.m_tile, t.n_tile, t.expert,
-                                            hint_stores, l2_policy);
-        }
+        else
+          store_weight_grad_tile<kWgradOut>(&maps.out, staging0, t.m_tile, t.n_tile, t.expert);
         ptx::bulk_commit_group();
         if constexpr (kAccumulate) {
           ptx::bulk_wait_group_read<0>();

@@ -137,10 +137,6 @@ struct Fp8GemmParams {
   // boxes [128 rows x 32]); every form but kBF16 with weight_grad_staging_tiles 1. Last, so that
   // the other fields keep their offsets (the default kernels' SASS).
   Fp8WeightGradOut weight_grad_out = Fp8WeightGradOut::kBF16;
-  // EXPERIMENT (session 65): kWeightGrad's L2 policies, bit 1 the output stores evict_first,
-  // bit 2 the accumulated forms' old-value loads evict_first, bit 4 their next tile's old values
-  // prefetched into L2 as this tile's load is issued (MOK_WGRAD_L2_HINTS).
-  int32_t weight_grad_l2_hints = 0;
 };
 
 // One persistent 384-thread CTA per SM at most (num_ctas). cudaErrorInvalidValue for extents

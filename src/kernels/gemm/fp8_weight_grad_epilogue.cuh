@@ -80,34 +80,23 @@ __device__ __forceinline__ void stage_weight_grad_tile(char* staging, int row_ba
 // The storer: the staging tile's chunks to (or, load, from) out[expert] at tile (m_tile, n_tile).
 template <Fp8WeightGradOut kOut>
 __device__ __forceinline__ void store_weight_grad_tile(const CUtensorMap* out, const char* staging,
-                                                       int m_tile, int n_tile, int expert,
-                                                       bool hinted, uint64_t policy) {
+                                                       int m_tile, int n_tile, int expert) {
   constexpr int kColumns = fp8_weight_grad_chunk_columns(kOut);
 #pragma unroll
-  for (int c = 0; c < fp8_weight_grad_chunks(kOut); ++c) {
-    if (hinted)
-      ptx::tma_store_3d_hinted(out, staging + c * kStageChunkBytes, n_tile * 128 + c * kColumns,
-                               m_tile * BLOCK_M, expert, policy);
-    else
-      ptx::tma_store_3d(out, staging + c * kStageChunkBytes, n_tile * 128 + c * kColumns,
-                        m_tile * BLOCK_M, expert);
-  }
+  for (int c = 0; c < fp8_weight_grad_chunks(kOut); ++c)
+    ptx::tma_store_3d(out, staging + c * kStageChunkBytes, n_tile * 128 + c * kColumns,
+                      m_tile * BLOCK_M, expert);
 }
 template <Fp8WeightGradOut kOut>
 __device__ __forceinline__ void load_weight_grad_tile(const CUtensorMap* out, char* staging,
                                                       uint64_t* loaded, int m_tile, int n_tile,
-                                                      int expert, bool hinted, uint64_t policy) {
+                                                      int expert) {
   constexpr int kColumns = fp8_weight_grad_chunk_columns(kOut);
   ptx::mbarrier_arrive_expect_tx(loaded, fp8_weight_grad_staging_bytes(kOut));
 #pragma unroll
-  for (int c = 0; c < fp8_weight_grad_chunks(kOut); ++c) {
-    if (hinted)
-      ptx::tma_load_3d_hinted(staging + c * kStageChunkBytes, out, loaded,
-                              n_tile * 128 + c * kColumns, m_tile * BLOCK_M, expert, policy);
-    else
-      ptx::tma_load_3d(staging + c * kStageChunkBytes, out, loaded, n_tile * 128 + c * kColumns,
-                       m_tile * BLOCK_M, expert);
-  }
+  for (int c = 0; c < fp8_weight_grad_chunks(kOut); ++c)
+    ptx::tma_load_3d(staging + c * kStageChunkBytes, out, loaded, n_tile * 128 + c * kColumns,
+                     m_tile * BLOCK_M, expert);
 }
 
 }  // namespace mok::kernels
