@@ -36,10 +36,10 @@
 // kWeightGrad's fp32 and accumulated forms: fp8_weight_grad_epilogue.cuh, fp32 in a 64 KB tile
 // that takes a stage's memory), overlapping the next tile's mainloop: kRowTiles through the
 // consumers' named barrier and their first thread, kWeightGrad through the storer and two
-// mbarriers, so that its short tiles' consumers never wait for each other or issue a store. (Each consumer warpgroup storing its
-// own 64 rows behind its own barrier, with the next tile's coordinates read a tile ahead: 7%
-// slower in the weight gradients at dsv3_e128's 256 rows per expert, level elsewhere; the
-// read-ahead alone lost 8% there; docs/perf.md sessions 26-27.) With
+// mbarriers, so that its short tiles' consumers never wait for each other or issue a store. (Each
+// consumer warpgroup storing its own 64 rows behind its own barrier, with the next tile's
+// coordinates read a tile ahead: 7% slower in the weight gradients at dsv3_e128's 256 rows per
+// expert, level elsewhere; the read-ahead alone lost 8% there; docs/perf.md sessions 26-27.) With
 // Fp8GemmParams::weight_grad_staging_tiles = 2 the weight gradients alternate two staging tiles
 // in four stages, so that a tile's staging waits for the store of the tile two back, not one.
 // With Fp8GemmParams::swiglu_h_codes (kRowTiles, the gate/up GEMM; kSwiglu) a CTA's tiles come in
