@@ -86,30 +86,46 @@ def group_starts(walk, group, tiles_per_expert):
 
 
 def dram_bytes(
-    walk, group, tiles_per_expert, form, l2_mb, ctas, spread, seed, chunks=None, by_ticket=False
+    walk,
+    group,
+    tiles_per_expert,
+    form,
+    l2_mb,
+    ctas,
+    spread,
+    seed,
+    chunks=None,
+    by_ticket=False,
+    pairs=False,
 ):
     """GB read from HBM, and the walk's time in K-blocks of a full tile (the last CTA's end).
 
-    chunks: each row tile's 64-row chunks (192-row tiles), or None (128-row tiles)."""
+    chunks: each row tile's 64-row chunks (192-row tiles), or None (128-row tiles).
+    pairs: the gate/up GEMM with SwiGLU in its epilogue (Fp8GemmParams::swiglu_h_codes): the
+    walk's units are (g, u) column pairs over half the column tiles; a CTA takes a unit (static
+    or by ticket) and computes its g tile, then its u tile (the same columns of the other half)."""
     n_tiles, k_blocks, b_blocks = form
     starts, tile_expert = group_starts(walk, group, tiles_per_expert)
     m_tiles = len(tile_expert)
+    walk_n = n_tiles // 2 if pairs else n_tiles
+    per_unit = 2 if pairs else 1
     num_tiles = m_tiles * n_tiles
     capacity = l2_mb * 2**20
     cache, cached, missed = OrderedDict(), 0, 0
     rng = random.Random(seed)
     speed = [1.0 + spread * rng.uniform(-1, 1) for _ in range(ctas)]
-    first_tiles = min(ctas, num_tiles)
-    events = [(0.0, c, c, 0) for c in range(first_tiles)]
+    first_tiles = min(ctas, num_tiles // per_unit)
+    events = [(0.0, c, c * per_unit, 0) for c in range(first_tiles)]
     heapq.heapify(events)
     next_ticket, end = first_tiles, 0.0
     while events:
         time, cta, tile, k = heapq.heappop(events)
-        row = tile // n_tiles
+        unit, half = divmod(tile, per_unit)
+        row = unit // walk_n
         g = bisect.bisect_right(starts, row) - 1
         first, group_m = starts[g], starts[g + 1] - starts[g]
-        in_group = tile - first * n_tiles
-        m, n = first + in_group % group_m, in_group // group_m
+        in_group = unit - first * walk_n
+        m, n = first + in_group % group_m, in_group // group_m + half * walk_n
         a_bytes = BLOCK_BYTES if chunks is None else chunks[m] * CHUNK_BYTES
         blocks = [(("a", m, k), a_bytes)]
         blocks += [(("b", tile_expert[m], n, k, j), BLOCK_BYTES) for j in range(b_blocks)]
@@ -126,10 +142,12 @@ def dram_bytes(
         k += 1
         if k == k_blocks:
             k = 0
-            if by_ticket:
-                tile, next_ticket = next_ticket, next_ticket + 1
+            if pairs and half == 0:
+                tile += 1  # the unit's u tile
+            elif by_ticket:
+                tile, next_ticket = next_ticket * per_unit, next_ticket + 1
             else:
-                tile += ctas
+                tile = (tile // per_unit + ctas) * per_unit
             if tile >= num_tiles:
                 end = max(end, time + step * speed[cta])
                 continue
@@ -154,6 +172,9 @@ def main():
         "separated by / are drawn at random per expert, e.g. 2,2/3,3",
     )
     parser.add_argument("--by-ticket", action="store_true")
+    parser.add_argument(
+        "--pairs", action="store_true", help="gate/up: (g, u) units (SwiGLU epilogue)"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     chunks = None
@@ -169,6 +190,8 @@ def main():
         tiles_per_expert = [int(args.tiles)] * args.experts
     form = FORMS[args.precision][args.form]
     order = "by ticket" if args.by_ticket else "static"
+    if args.pairs:
+        order += ", (g, u) units"
     for spec in args.walks.split(","):
         walk, group = spec.split(":")
         (in_step, in_step_end), (spread, spread_end) = (
@@ -183,6 +206,7 @@ def main():
                 args.seed,
                 chunks,
                 args.by_ticket,
+                args.pairs,
             )
             for s in (0.0, args.spread)
         )
