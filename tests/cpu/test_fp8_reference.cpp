@@ -91,13 +91,8 @@ TEST(Fp8Reference, RefusesExtentsThatAreNotWholeGroups) {
   HostProblem problem = HostProblem::make(shape, RoutingKind::kUniform, 1);
   reference::Options options;
   options.precision = Precision::kFP8Block;
-  try {
-    reference::forward(shape, problem.forward_args(0), options);
-    FAIL() << "an H of 192 was accepted";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(error.what()).find("hidden = 192"), std::string::npos) << error.what();
-  }
+  test::expect_invalid_argument(
+      [&] { reference::forward(shape, problem.forward_args(0), options); }, "hidden = 192");
 }
 
 // Weights given pre-quantized (ForwardArgs::w_*_fp8) in mok's own block layout: the same bits

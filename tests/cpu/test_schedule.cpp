@@ -13,6 +13,7 @@
 
 #include "mok/schedule.h"
 #include "mok/testing/routing.h"
+#include "test_util.h"
 
 namespace mok {
 namespace {
@@ -626,13 +627,9 @@ TEST(ScheduleBuildHost, RejectsNonIntegerIds) {
   const ScheduleLayout layout = ScheduleLayout::make(params);
   std::vector<uint8_t> buffer(static_cast<size_t>(layout.output_bytes));
   const std::vector<float> routing(4, 0.0f);
-  try {
-    build_schedule_host(layout, routing.data(), DType::kFloat32, buffer.data());
-    FAIL() << "float32 expert ids were accepted";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(error.what()).find("int32, int64"), std::string::npos) << error.what();
-  }
+  test::expect_invalid_argument(
+      [&] { build_schedule_host(layout, routing.data(), DType::kFloat32, buffer.data()); },
+      "int32, int64");
 }
 
 }  // namespace
