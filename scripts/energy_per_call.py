@@ -21,6 +21,7 @@ import ctypes
 import threading
 import time
 from dataclasses import replace
+from statistics import median
 
 import torch
 
@@ -181,9 +182,7 @@ def main() -> None:
         medians = {}
         for precision in ("bf16", "fp8_block"):
             rows = results[(direction, precision)]
-            medians[precision] = {
-                key: sorted(r[key] for r in rows)[len(rows) // 2] for key in ("ms", "joules")
-            }
+            medians[precision] = {key: median(r[key] for r in rows) for key in ("ms", "joules")}
         bf16, fp8 = medians["bf16"], medians["fp8_block"]
         print(
             f"  {direction:19s} time {bf16['ms']:.3f} / {fp8['ms']:.3f} ms = "
