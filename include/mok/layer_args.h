@@ -18,8 +18,10 @@ namespace mok {
 // quantizes bf16 weights into (mok/fp8.h's quantize_fp8_blocks, expert by expert): `codes`
 // e4m3 (DType::kFloat8E4M3) with the bf16 weight's shape, [E_loc, n, k] or [n, k] for the
 // shared expert, and `scales` fp32 with one value per 128 x 128 block, [E_loc, n/128, k/128] or
-// [n/128, k/128]; value ~ e4m3_to_float(codes[.., r, c]) * scales[.., r/128, c/128]. Both
-// contiguous, n and k multiples of 128.
+// [n/128, k/128]; value ~ e4m3_to_float(codes[.., r, c]) * scales[.., r/128, c/128]. n and k
+// multiples of 128; the scales contiguous, and the codes too, except that a routed expert
+// weight's codes may be an expert-strided view (TensorView::is_outer_strided: the gate or up
+// half of a fused [E_loc, 2I, H] checkpoint tensor, as Hugging Face's FP8 models store them).
 struct Fp8BlockWeight {
   TensorView codes;
   TensorView scales;

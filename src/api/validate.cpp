@@ -114,7 +114,9 @@ Status check_no_overlap(const char* call, const std::vector<NamedTensor>& inputs
 }
 
 // A weight given in one of its two forms: bf16 (`name`) or pre-quantized (`name`_fp8, codes
-// with the weight's dims and one scale per 128 x 128 block of its last two).
+// with the weight's dims and one scale per 128 x 128 block of its last two). `outer_strided`
+// (the routed experts): the bf16 weight or the codes may be expert-strided views (the halves of
+// a fused [E, 2I, H] gate/up weight); the scales are contiguous.
 Status check_weight(CallChecker& checker, const std::string& name, const TensorView& weight,
                     const Fp8BlockWeight& fp8, const std::vector<Dim>& dims, bool outer_strided) {
   if (!fp8.present()) return checker.check(name, weight, {DType::kBFloat16}, dims, outer_strided);
@@ -131,7 +133,8 @@ Status check_weight(CallChecker& checker, const std::string& name, const TensorV
                                         " to be a multiple of 128 (the FP8 weight blocks)");
     scale_dims[d] = {kBlockLabels[d + 2 - dims.size()], dims[d].extent / 128};
   }
-  MOK_RETURN_IF_ERROR(checker.check(fp8_name + ".codes", fp8.codes, {DType::kFloat8E4M3}, dims));
+  MOK_RETURN_IF_ERROR(
+      checker.check(fp8_name + ".codes", fp8.codes, {DType::kFloat8E4M3}, dims, outer_strided));
   return checker.check(fp8_name + ".scales", fp8.scales, {DType::kFloat32}, scale_dims);
 }
 

@@ -22,10 +22,13 @@
 namespace mok {
 
 // An FP8 operand where it lives: e4m3 codes and their fp32 scales (a buffer below, or a
-// caller's pre-quantized weight, ForwardArgs::w_*_fp8).
+// caller's pre-quantized weight, ForwardArgs::w_*_fp8). `codes_stride`: codes from one expert's
+// matrix to the next, 0 for dense (a caller's expert-strided view: the gate or up half of a
+// fused weight); the scales are dense.
 struct Fp8View {
   const void* codes = nullptr;
   const float* scales = nullptr;
+  int64_t codes_stride = 0;
   bool present() const { return codes != nullptr; }
 };
 

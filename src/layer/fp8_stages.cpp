@@ -136,6 +136,7 @@ void transposed_weights(const ExpertWeights& weights, int64_t experts, int64_t h
     }
     kernels::Fp8QuantizeBatch batch;
     batch.count = experts;
+    batch.in_stride = given.codes_stride;  // 0: dense
     cuda_check(kernels::launch_transpose_fp8_blocks(given.codes, given.scales, n, k,
                                                     out.codes.pointer, out.scale_data(), on, batch),
                std::string("FP8 transposition of ") + what);
@@ -156,9 +157,10 @@ CUtensorMap codes_2d(const Fp8View& op, int64_t rows, int64_t width, const char*
   const int32_t box[2] = {128, box_rows};
   return make_tensor_map(op.codes, TmaElement::kE4M3, 2, dims, strides, box, true, what);
 }
-// e4m3 [E, n, k], [1, 128 x 128] boxes.
+// e4m3 [E, n, k] (experts op.codes_stride apart, or dense), [1, 128 x 128] boxes.
 CUtensorMap codes_3d(const Fp8View& op, int64_t experts, int64_t n, int64_t k, const char* what) {
-  const int64_t dims[3] = {k, n, experts}, strides[2] = {k, n * k};
+  const int64_t expert_stride = op.codes_stride != 0 ? op.codes_stride : n * k;
+  const int64_t dims[3] = {k, n, experts}, strides[2] = {k, expert_stride};
   const int32_t box[3] = {128, 128, 1};
   return make_tensor_map(op.codes, TmaElement::kE4M3, 3, dims, strides, box, true, what);
 }

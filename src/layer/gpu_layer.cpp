@@ -99,15 +99,22 @@ std::vector<TaskTrace> GpuLayer::task_traces(cudaStream_t stream) {
 
 namespace {
 
-Fp8View fp8_view(const Fp8BlockWeight& weight) {
-  return {weight.codes.data, weight.scales.data_as<const float>()};
+// `expert_strided`: a routed weight, [E, n, k] with its expert stride (else one dense matrix).
+Fp8View fp8_view(const Fp8BlockWeight& weight, bool expert_strided) {
+  return {weight.codes.data, weight.scales.data_as<const float>(),
+          expert_strided && weight.present() ? weight.codes.outer_stride() : 0};
 }
 ExpertWeights routed_weights(const ForwardArgs& args) {
-  return {args.w_gate.data,         args.w_up.data,
-          args.w_down.data,         args.w_gate.outer_stride(),
-          args.w_up.outer_stride(), args.w_down.outer_stride(),
-          args.weights_version,     fp8_view(args.w_gate_fp8),
-          fp8_view(args.w_up_fp8),  fp8_view(args.w_down_fp8)};
+  return {args.w_gate.data,
+          args.w_up.data,
+          args.w_down.data,
+          args.w_gate.outer_stride(),
+          args.w_up.outer_stride(),
+          args.w_down.outer_stride(),
+          args.weights_version,
+          fp8_view(args.w_gate_fp8, true),
+          fp8_view(args.w_up_fp8, true),
+          fp8_view(args.w_down_fp8, true)};
 }
 ExpertWeights shared_weights(const ForwardArgs& args) {
   return {args.w_shared_gate.data,
@@ -117,9 +124,9 @@ ExpertWeights shared_weights(const ForwardArgs& args) {
           0,
           0,
           args.weights_version,
-          fp8_view(args.w_shared_gate_fp8),
-          fp8_view(args.w_shared_up_fp8),
-          fp8_view(args.w_shared_down_fp8)};
+          fp8_view(args.w_shared_gate_fp8, false),
+          fp8_view(args.w_shared_up_fp8, false),
+          fp8_view(args.w_shared_down_fp8, false)};
 }
 
 // The pipeline's forward (the diagram at the top); `mark(name)` after each stage (profiles).

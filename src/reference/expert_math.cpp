@@ -51,7 +51,8 @@ ExpertMatrices routed_matrices(const MoeShape& shape, const ForwardArgs& args, i
   const int64_t matrix = shape.intermediate * shape.hidden, blocks = matrix / (128 * 128);
   auto pick = [&](const TensorView& values, const Fp8BlockWeight& fp8) {
     if (fp8.present())
-      return WeightMatrix{nullptr, fp8.codes.data_as<const e4m3>() + expert * matrix,
+      return WeightMatrix{nullptr,
+                          fp8.codes.data_as<const e4m3>() + expert * fp8.codes.outer_stride(),
                           fp8.scales.data_as<const float>() + expert * blocks};
     return WeightMatrix{values.data_as<const bf16>() + expert * values.outer_stride()};
   };

@@ -306,6 +306,28 @@ void give_fp8_weights(const MoeShape& shape, ForwardArgs& args, const HostFp8Wei
   give_fp8_weights(shape, args, codes, scales, which);
 }
 
+std::vector<e4m3> fused_gate_up_codes(const MoeShape& shape, const HostFp8Weights& weights) {
+  const int64_t E = shape.num_local_experts(), matrix = shape.intermediate * shape.hidden;
+  std::vector<e4m3> fused(static_cast<size_t>(2 * E * matrix));
+  for (int64_t e = 0; e < E; ++e)
+    for (int half = 0; half < 2; ++half)
+      std::copy_n(weights.codes[half].begin() + e * matrix, matrix,
+                  fused.begin() + (2 * e + half) * matrix);
+  return fused;
+}
+
+void give_fused_gate_up_codes(const MoeShape& shape, ForwardArgs& args, const void* fused) {
+  const int64_t E = shape.num_local_experts(), I = shape.intermediate, H = shape.hidden;
+  TensorView* halves[2] = {&args.w_gate_fp8.codes, &args.w_up_fp8.codes};
+  for (int half = 0; half < 2; ++half) {
+    TensorView view = TensorView::contiguous(
+        const_cast<uint8_t*>(static_cast<const uint8_t*>(fused)) + half * I * H, DType::kFloat8E4M3,
+        {E, I, H}, args.x.device_type, args.x.device_id);
+    view.strides[0] = 2 * I * H;
+    *halves[half] = view;
+  }
+}
+
 std::vector<ForwardArgs> HostProblem::all_forward_args() {
   std::vector<ForwardArgs> args;
   for (int32_t rank = 0; rank < shape.num_ranks; ++rank) args.push_back(forward_args(rank));

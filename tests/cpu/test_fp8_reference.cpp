@@ -165,5 +165,54 @@ TEST(Fp8Reference, PreQuantizedWeightsAreChecked) {
   }
 }
 
+// Pre-quantized gate and up codes as the halves of one fused [E, 2I, H] tensor (as Hugging
+// Face's FP8 checkpoints store gate_up_proj): expert-strided views with the bits of dense codes,
+// forward and backward. A shared expert's codes, and any scales, must stay dense.
+TEST(Fp8Reference, PreQuantizedFusedGateUpHalvesGiveTheSameBits) {
+  const MoeShape shape = test::make_shape(150, 256, 128, 6, 2, 1, 128);
+  HostProblem want = HostProblem::make(shape, RoutingKind::kSkewed, 7);
+  const HostFp8Weights quantized = HostFp8Weights::quantize(shape, want.ranks[0]);
+  reference::Options options;
+  options.precision = Precision::kFP8Block;
+  ForwardArgs dense_forward = want.forward_args(0);
+  give_fp8_weights(shape, dense_forward, quantized);
+  BackwardArgs dense_backward = want.backward_args(0);
+  give_fp8_weights(shape, dense_backward.forward, quantized);
+  reference::forward(shape, dense_forward, options);
+  reference::backward(shape, dense_backward, options);
+
+  const std::vector<e4m3> fused = fused_gate_up_codes(shape, quantized);
+  HostProblem got = HostProblem::make(shape, RoutingKind::kSkewed, 7);
+  got.poison_outputs();
+  ForwardArgs forward = got.forward_args(0);
+  give_fp8_weights(shape, forward, quantized);
+  give_fused_gate_up_codes(shape, forward, fused.data());
+  ASSERT_TRUE(forward.w_gate_fp8.codes.is_outer_strided() &&
+              !forward.w_gate_fp8.codes.is_contiguous());
+  BackwardArgs backward = got.backward_args(0);
+  give_fp8_weights(shape, backward.forward, quantized);
+  give_fused_gate_up_codes(shape, backward.forward, fused.data());
+  reference::forward(shape, forward, options);
+  reference::backward(shape, backward, options);
+  test::for_each_output(got.ranks[0], want.ranks[0],
+                        [&](const char* name, const auto& a, const auto& b) {
+                          EXPECT_TRUE(test::bitwise_equal(a, b)) << name;
+                        });
+
+  ForwardArgs strided_shared = forward;
+  strided_shared.w_shared_gate_fp8.codes = forward.w_gate_fp8.codes;
+  strided_shared.w_shared_gate_fp8.codes.ndim = 2;  // [Is, H] with a row stride of 2H
+  strided_shared.w_shared_gate_fp8.codes.shape[0] = shape.shared_intermediate;
+  strided_shared.w_shared_gate_fp8.codes.shape[1] = shape.hidden;
+  strided_shared.w_shared_gate_fp8.codes.strides[0] = 2 * shape.hidden;
+  strided_shared.w_shared_gate_fp8.codes.strides[1] = 1;
+  test::expect_invalid_argument([&] { reference::forward(shape, strided_shared, options); },
+                                "`w_shared_gate_fp8.codes` is not contiguous");
+  ForwardArgs strided_scales = forward;
+  strided_scales.w_up_fp8.scales.strides[0] *= 2;
+  test::expect_invalid_argument([&] { reference::forward(shape, strided_scales, options); },
+                                "`w_up_fp8.scales` is not contiguous");
+}
+
 }  // namespace
 }  // namespace mok

@@ -376,6 +376,51 @@ TEST(Fp8LayerGpu, PreQuantizedWeightsGiveTheSameBits) {
   }
 }
 
+// Pre-quantized gate and up codes as the halves of one fused [E, 2I, H] tensor (Hugging Face's
+// FP8 checkpoints store gate_up_proj so): read in place through expert-strided views (the
+// forward's TMA maps and the dgrads' transposition take the stride), with the bits of dense
+// codes, with and without the forward context, quantized every call (version 0) and kept
+// across calls of one version.
+TEST(Fp8LayerGpu, PreQuantizedFusedGateUpHalvesGiveTheSameBits) {
+  const MoeShape shape = make_shape(256, 512, 256, 8, 2, 1, 128);
+  HostProblem problem = HostProblem::make(shape, RoutingKind::kSkewed, 79);
+  const HostFp8Weights quantized = HostFp8Weights::quantize(shape, problem.ranks[0]);
+  DeviceProblem device(problem, 0);
+  device.upload_fp8_weights(quantized);
+  GpuLayer dense(shape, fp8_config());
+  const HostRank want = test::gpu_step(dense, device, problem, /*with_context=*/true);
+
+  const std::vector<e4m3> fused = fused_gate_up_codes(shape, quantized);
+  void* fused_device = nullptr;
+  ASSERT_EQ(cudaMalloc(&fused_device, fused.size()), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(fused_device, fused.data(), fused.size(), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  GpuLayer given(shape, fp8_config());
+  int call = 0;
+  for (const uint64_t version : {0, 5, 5}) {
+    for (const bool with_context : {true, false}) {
+      device.poison_outputs();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ForwardArgs args = device.forward_args();
+      give_fused_gate_up_codes(shape, args, fused_device);
+      args.weights_version = version;
+      BackwardArgs backward = device.backward_args();
+      give_fused_gate_up_codes(shape, backward.forward, fused_device);
+      backward.forward.weights_version = version;
+      const ForwardContext context = given.forward(args, nullptr);
+      given.backward(backward, nullptr, with_context ? &context : nullptr);
+      ASSERT_TRUE(given.synchronize(nullptr).ok());
+      HostRank got = output_buffers(shape);
+      device.download_outputs(got);
+      expect_same_bits(got, want,
+                       "(version " + std::to_string(version) +
+                           (with_context ? "" : ", recomputed") + ", call " +
+                           std::to_string(call++) + ")");
+    }
+  }
+  EXPECT_EQ(cudaFree(fused_device), cudaSuccess);
+}
+
 TEST(Fp8LayerGpu, RefusesWhatItDoesNotRun) {
   MoeConfig config = fp8_config();
   auto refused = [&](const MoeShape& shape, const MoeConfig& c, const char* text) {

@@ -121,6 +121,15 @@ void give_fp8_weights(const MoeShape& shape, ForwardArgs& args,
 void give_fp8_weights(const MoeShape& shape, ForwardArgs& args, const HostFp8Weights& weights,
                       unsigned which = 0x3f);
 
+// The gate and up codes of `weights` side by side per expert, [E, 2I, H] (expert e: its gate
+// rows, then its up rows), as a fused checkpoint tensor holds them (Hugging Face's FP8
+// gate_up_proj).
+std::vector<e4m3> fused_gate_up_codes(const MoeShape& shape, const HostFp8Weights& weights);
+// Points `args`'s pre-quantized gate and up codes at the halves of `fused` ([E, 2I, H] in
+// fused_gate_up_codes's layout, on args.x's device): expert-strided views, 2IH codes apart. The
+// scales stay as they were given.
+void give_fused_gate_up_codes(const MoeShape& shape, ForwardArgs& args, const void* fused);
+
 // Sizes (zero-filled) every output buffer of `rank` for one rank of `shape`.
 void allocate_outputs(const MoeShape& shape, HostRank& rank);
 // A rank holding only output buffers, sized for one rank of `shape`: what a run downloads into
