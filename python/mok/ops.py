@@ -71,22 +71,33 @@ def _cpu_precision(workspace: int) -> str:
 _weight_ids = itertools.count(1)
 
 
+def weight_id(w: Tensor):
+    """The id `_weights_version` names a weight tensor by: one it carries (given on its first
+    call). A view made anew each call (the halves of a fused gate/up weight) can be given a
+    stable one with `name_view`."""
+    found = getattr(w, "_mok_weight_id", None)
+    if found is None:
+        found = next(_weight_ids)
+        w._mok_weight_id = found
+    return found
+
+
+def name_view(view: Tensor, base: Tensor, part: str) -> Tensor:
+    """Names `view` (a view of `base`, which shares its version counter) by `base`'s id and
+    `part`, so that views of an unchanged `base` made in different calls name the same weight:
+    FP8 then keeps their quantization between calls instead of quantizing them every call."""
+    view._mok_weight_id = (weight_id(base), part)
+    return view
+
+
 def _weights_version(space, weights) -> int:
     """ForwardArgs::weights_version for an FP8 layer: nonzero, and the same while the same weight
-    tensors (each named by an id it carries) are unchanged (their version counters), so the
-    layer keeps their quantization between calls; 0 (quantize every call) in bf16 and while a
-    CUDA graph is captured, since a replay must quantize the weights its step updated."""
+    tensors (each named by `weight_id`) are unchanged (their version counters), so the layer
+    keeps their quantization between calls; 0 (quantize every call) in bf16 and while a CUDA
+    graph is captured, since a replay must quantize the weights its step updated."""
     if space.config.precision != "fp8_block" or torch.cuda.is_current_stream_capturing():
         return 0
-    parts = []
-    for w in weights:
-        if w is None:
-            continue
-        weight_id = getattr(w, "_mok_weight_id", None)
-        if weight_id is None:
-            weight_id = next(_weight_ids)
-            w._mok_weight_id = weight_id
-        parts.append((weight_id, w._version))
+    parts = [(weight_id(w), w._version) for w in weights if w is not None]
     return (hash(tuple(parts)) & 0x7FFFFFFFFFFFFFFF) | 1
 
 

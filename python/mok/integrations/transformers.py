@@ -20,19 +20,29 @@ context. The gate and up halves of ``gate_up_proj`` reach mok's kernels as views
 stride of 2I*H: no copy in the forward), and the backward's kernels write their gradients into
 the two halves of one [E, 2I, H] tensor, the parameter's gradient (no concatenation: at 128
 experts of DeepSeek-V3's size that copy took ~5 ms of a 20 ms step).
+
+FP8 training (block-scaled e4m3, DeepSeek-V3's recipe) is a config away::
+
+    mok.integrations.transformers.prepare(model, mok.MoKConfig(precision="fp8_block"))
+
+The weights stay bf16 parameters; mok quantizes them and keeps the quantization while
+``gate_up_proj`` and ``down_proj`` are unchanged (their version counters), so the micro-batches
+of one optimizer step quantize them once. Hidden and intermediate sizes must then be multiples
+of 128.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 from torch import Tensor
-
-import math
 
 from .. import functional, ops
 from .._workspace import Workspace
 
-__all__ = ["mok_experts_forward", "prepare", "register"]
+__all__ = ["mok_experts_forward", "mok_fp8_experts_forward", "prepare", "register"]
 
 _SILU = ("silu", "swish")
 
@@ -65,21 +75,89 @@ def _check_layout(module) -> None:
         _reject(module, f"its activation is {act!r}; mok's experts are SwiGLU (silu)")
 
 
+def _is_fp8_checkpoint(module) -> bool:
+    """An experts module of a model loaded in FP8 (transformers' fine-grained FP8 quantization,
+    ``FP8Experts``): e4m3 codes with a ``*_scale_inv`` beside each weight."""
+    return hasattr(module, "gate_up_proj_scale_inv")
+
+
+def _check_fp8_layout(module) -> None:
+    if getattr(module, "has_bias", False):
+        _reject(module, "its experts have biases (mok's experts have none)")
+    if not getattr(module, "has_gate", True):
+        _reject(module, "its experts have no gate (mok's are SwiGLU)")
+    if module.gate_up_proj.dtype != torch.float8_e4m3fn:
+        _reject(
+            module,
+            f"its expert weights are {module.gate_up_proj.dtype}; mok takes float8_e4m3fn codes",
+        )
+    block = tuple(getattr(module, "block_size", None) or ())
+    if block != (128, 128):
+        _reject(
+            module,
+            f"its weights are quantized in blocks of {list(block) or 'one tensor'}; mok's FP8 "
+            "weights have one scale per 128 x 128 block",
+        )
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        _reject(
+            module,
+            "its activations have static scales; mok quantizes them per 1 x 128 group as they come",
+        )
+    if getattr(module, "swiglu_alpha", None) is not None:
+        _reject(module, "its activation is gpt-oss's (gate * sigmoid(alpha gate) * (up + 1))")
+    config = getattr(module, "config", None)
+    act = next(
+        (getattr(config, n) for n in ("hidden_activation", "hidden_act") if hasattr(config, n)),
+        "silu",
+    )
+    if act not in _SILU:
+        _reject(module, f"its activation is {act!r}; mok's experts are SwiGLU (silu)")
+
+
+def _config_for(module, config: functional.MoKConfig | None) -> functional.MoKConfig:
+    """`config` (or the default) for `module`; precision fp8_block for an FP8 checkpoint's."""
+    config = config or functional.MoKConfig()
+    return replace(config, precision="fp8_block") if _is_fp8_checkpoint(module) else config
+
+
 def _workspace_of(module) -> Workspace | None:
     workspace = getattr(module, "_mok_workspace", None)
     if workspace is None and not torch.compiler.is_compiling():
-        workspace = Workspace(functional.MoKConfig().to_native())
+        workspace = Workspace(_config_for(module, None).to_native())
         module._mok_workspace = workspace
-    return workspace  # None while tracing an unprepared module: the shared default workspace
+    return workspace  # None while tracing an unprepared module: a shared default workspace
 
 
-def prepare(model: torch.nn.Module) -> torch.nn.Module:
-    """Gives every experts module of `model` its own mok workspace now (no device memory yet)."""
+def prepare(model: torch.nn.Module, config: functional.MoKConfig | None = None) -> torch.nn.Module:
+    """Gives every experts module of `model` its own mok workspace now (no device memory yet).
+    With `config`, the workspaces run under it, replacing any a module had: e.g.
+    ``MoKConfig(precision="fp8_block")`` trains the experts in FP8 (block-scaled e4m3; mok
+    quantizes the bf16 weights and keeps their quantization while they are unchanged, so the
+    micro-batches of one optimizer step quantize them once). The experts of a model loaded in
+    FP8 always run with precision fp8_block. Call it before training, not between a forward and
+    its backward."""
     for module in model.modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
-            _check_layout(module)
-            _workspace_of(module)
+            (_check_fp8_layout if _is_fp8_checkpoint(module) else _check_layout)(module)
+            if config is None:
+                _workspace_of(module)
+            else:
+                module._mok_workspace = Workspace(_config_for(module, config).to_native())
     return model
+
+
+def _halves(
+    gate_up: Tensor, intermediate: int, named_after: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The gate and up halves of gate_up_proj as expert-strided views, named after it (or
+    `named_after`, the parameter `gate_up` was detached from) in eager calls, so that an
+    unchanged gate_up_proj names the same FP8 weights in every call; a traced graph's views are
+    not named, and FP8 then quantizes them every call."""
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    if torch.compiler.is_compiling():
+        return gate, up
+    base = gate_up if named_after is None else named_after
+    return ops.name_view(gate, base, "gate"), ops.name_view(up, base, "up")
 
 
 class _FusedGateUpExperts(torch.autograd.Function):
@@ -87,8 +165,7 @@ class _FusedGateUpExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, top_experts, router_weights, gate_up, down, handle, keep_context):
-        intermediate = down.shape[-1]
-        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        gate, up = _halves(gate_up, down.shape[-1])
         out = ops.forward_eager(
             x,
             top_experts,
@@ -111,8 +188,7 @@ class _FusedGateUpExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, top_experts, router_weights, gate_up, down = ctx.saved_tensors
-        intermediate = down.shape[-1]
-        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        gate, up = _halves(gate_up, down.shape[-1])
         args = (d_out.contiguous(), x, top_experts, router_weights, gate, up, down)
         args += (None, None, None, math.inf, ctx.handle, True, [])
         if not (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
@@ -154,11 +230,75 @@ def mok_experts_forward(
     )
 
 
+def _fp8_scales(module) -> tuple[Tensor, Tensor, Tensor]:
+    """The gate, up and down scales as mok takes them: fp32 and dense, [E, n/128, k/128] each.
+    Copies of the module's ``*_scale_inv`` (fp32 or UE8M0; tiny), kept on the module and made
+    again only when those change, so that the same tensors name the same weights in every call
+    (ops.weight_id: the dgrads' transposed weights are then kept between calls)."""
+    sources = (module.gate_up_proj_scale_inv, module.down_proj_scale_inv)
+    blocks = module.down_proj.shape[-1] // 128  # I / 128: the gate's block rows
+
+    def converted() -> tuple[Tensor, Tensor, Tensor]:
+        gate_up, down = (t.detach().float() for t in sources)
+        return gate_up[:, :blocks].contiguous(), gate_up[:, blocks:].contiguous(), down.contiguous()
+
+    if torch.compiler.is_compiling():
+        return converted()
+    key = tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in sources)
+    cached = getattr(module, "_mok_fp8_scales", None)
+    if cached is None or cached[0] != key:
+        cached = module._mok_fp8_scales = (key, converted())
+    return cached[1]
+
+
+def mok_fp8_experts_forward(
+    self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """An FP8 checkpoint's experts (``FP8Experts``) through mok's FP8 layer: the e4m3 codes read
+    in place (the gate and up halves of ``gate_up_proj`` as expert-strided views), the scales
+    as fp32 copies. The codes and scales get no gradient (frozen, as a fine-tune around FP8
+    experts leaves them); hidden_states and top_k_weights do."""
+    _check_fp8_layout(self)
+    if functional._autocast_to_bf16(hidden_states.device.type):
+        hidden_states = functional._bf16(hidden_states)
+    if hidden_states.dtype != torch.bfloat16:
+        raise ValueError(
+            f"argument `hidden_states` has dtype {hidden_states.dtype}; mok's layer is bf16 "
+            "(load the model with dtype=torch.bfloat16, or run it under "
+            "torch.autocast(dtype=torch.bfloat16))"
+        )
+    num_experts = self.gate_up_proj.shape[0]
+    top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
+    workspace = _workspace_of(self) or functional._default_workspace(_config_for(self, None))
+    gate_scales, up_scales, down_scales = _fp8_scales(self)
+    gate_up, down = self.gate_up_proj, self.down_proj
+    gate, up = _halves(gate_up.detach(), down.shape[-1], named_after=gate_up)
+    down_codes = down.detach().contiguous()
+    if not torch.compiler.is_compiling():
+        ops.name_view(down_codes, down, "codes")
+    return functional.moe(
+        hidden_states,
+        top_k_index,
+        top_k_weights.float(),
+        (gate, gate_scales),
+        (up, up_scales),
+        (down_codes, down_scales),
+        swiglu_limit=getattr(self, "limit", None),
+        workspace=workspace,
+    )
+
+
 def register() -> None:
-    """Registers ``"mok"`` in transformers' experts interface (done on import)."""
+    """Registers ``"mok"`` in transformers' experts interfaces (done on import): the bf16
+    experts', and the fine-grained FP8 experts' where the installed transformers has one."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register("mok", mok_experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        return
+    FP8ExpertsInterface.register("mok", mok_fp8_experts_forward)
 
 
 register()
