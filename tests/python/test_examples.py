@@ -49,6 +49,8 @@ def test_hf_qwen3_moe_example():
     pytest.importorskip("transformers")
     out = run_example("hf_qwen3_moe.py", "--device", "cpu")
     assert "loss: mok" in out and "logits relative difference" in out
+    out = run_example("hf_qwen3_moe.py", "--device", "cpu", "--fp8")
+    assert "loss: mok FP8" in out and "logits relative difference" in out
 
 
 def test_train_moe_block_in_fp8_follows_bf16():
