@@ -29,6 +29,12 @@ The weights stay bf16 parameters; mok quantizes them and keeps the quantization 
 ``gate_up_proj`` and ``down_proj`` are unchanged (their version counters), so the micro-batches
 of one optimizer step quantize them once. Hidden and intermediate sizes must then be multiples
 of 128.
+
+A model loaded in FP8 (``quantization_config=FineGrainedFP8Config(...)``, or an FP8 checkpoint
+such as Qwen3's or DeepSeek-V3's: e4m3 experts with one scale per 128 x 128 block) takes the
+same ``experts_implementation="mok"``: its ``FP8Experts`` run mok's FP8 layer on the
+checkpoint's own codes, read in place, as frozen weights (no gradient for the codes and scales;
+x and the router weights get theirs, for fine-tuning around FP8 experts).
 """
 
 from __future__ import annotations
