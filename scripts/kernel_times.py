@@ -95,6 +95,7 @@ def functional_step(p, config: MoKConfig, form: str):
     workspace = F.get_workspace(
         config, None, device=p.x.device, num_local_tokens=T, hidden_size=H, topk=p.K
     )
+    workspace.weights_version = "auto"  # FP8: weights kept between calls, as in mok.bench
     shared = [getattr(module, f"w_shared_{n}", None) for n in ("gate", "up", "down")]
     routed = [module.w_gate, module.w_up, module.w_down]
     weights = [w.detach() if w is not None else None for w in shared + routed]

@@ -152,9 +152,37 @@ class Workspace:
         self._layers: dict[tuple, object] = {}
         self._ep_layers: list[object] = []  # keep the ranks' layers alive
         self._contexts: dict[tuple, tuple] = {}  # layer -> (context, inputs' fingerprint)
+        self._weights_version: int | str = 0
         with _LOCK:
             self.handle = next(_NEXT_HANDLE)
             _REGISTRY[self.handle] = self
+
+    @property
+    def weights_version(self) -> int | str:
+        """Precision fp8_block: when the layers may keep the weights they quantized between calls
+        (ForwardArgs::weights_version). 0 (the default): never, every call quantizes them, which
+        is right whatever writes the weights. A positive int: the caller names the weights' values
+        and changes the number whenever they change (e.g. the optimizer step); calls with the
+        same number and the same weight tensors (pointers) reuse the quantization, as the
+        micro-batches of gradient accumulation can. ``"auto"``: the number is derived from the
+        weight tensors' identity and version counters, which torch.optim's in-place updates
+        advance; not under FSDP2 or DeepSpeed ZeRO-3, whose unsharding writes new values into
+        the same tensor and storage without advancing the counter, nor where weights are written
+        through ``.data``: there it would reuse stale weights. Inside a captured CUDA graph
+        every call quantizes (a replay must quantize the weights its step updated)."""
+        return self._weights_version
+
+    @weights_version.setter
+    def weights_version(self, value: int | str) -> None:
+        valid = value == "auto" or (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+        )
+        if not valid:
+            raise ValueError(
+                f"argument `weights_version` is {value!r}; expected 0 (quantize every call), a "
+                'positive int naming the weights\' values, or "auto"'
+            )
+        self._weights_version = value
 
     def layer(self, key: LayerKey, device: torch.device) -> _C.GpuLayer:
         """The C++ layer of `key` on `device`, built (its memory allocated) on first use."""

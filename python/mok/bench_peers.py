@@ -218,12 +218,15 @@ def flipped_config(config, knob: str):
 
 def _mok_config_system(p: Problem, name: str, config) -> System:
     """mok under `config` over the problem module's own weight tensors (no copy: each system's
-    gradients are dropped before the next one runs), through a workspace of its own."""
+    gradients are dropped before the next one runs), through a workspace of its own. In FP8 its
+    quantized weights are kept between calls (weights_version "auto": the benchmark never
+    updates the weights), the micro-batches' case of gradient accumulation."""
     from ._workspace import Workspace
     from .functional import moe
 
     module = p.module
     workspace = Workspace(config.to_native())
+    workspace.weights_version = "auto"
 
     def forward(x: Tensor, top_experts: Tensor, router_weights: Tensor) -> Tensor:
         return moe(

@@ -140,8 +140,9 @@ class MoKConfig:
         scales; mok/fp8.h): the CPU reference, or mok's FP8 kernels on CUDA (one GPU, one
         macrobatch, hidden and intermediate sizes multiples of 128, and with a shared expert a
         token count that is a multiple of 128; other calls raise NotImplementedError saying
-        which). The quantized weights are kept between calls while the weight tensors are
-        unchanged (their version counters), except inside a captured CUDA graph.
+        which). Each call quantizes the weights, unless the workspace's ``weights_version``
+        lets it keep them (``Workspace.weights_version``: a number the caller changes whenever
+        the weights change, or "auto" where only in-place updates write them).
     """
 
     fwd_num_comm_sms: int = 40

@@ -28,7 +28,10 @@ class MoE(nn.Module):
     parallelism (each rank holds num_experts / group size experts); None is one GPU.
     ``accumulate_main_grads`` (precision fp8_block; eager): each weight's gradient is added to
     its ``main_grad`` (fp32 main gradients kept across micro-batches, as Megatron-LM's DDP
-    allocates them) instead of its ``.grad`` (``functional.moe``).
+    allocates them) instead of its ``.grad`` (``functional.moe``). In precision fp8_block every
+    call quantizes the weights unless ``module.workspace.weights_version`` says they are
+    unchanged: set it to the optimizer step (or "auto" when torch.optim alone writes them, not
+    FSDP2 or ZeRO-3) so that the micro-batches of gradient accumulation quantize them once.
     """
 
     def __init__(

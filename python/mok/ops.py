@@ -91,12 +91,17 @@ def name_view(view: Tensor, base: Tensor, part: str) -> Tensor:
 
 
 def _weights_version(space, weights) -> int:
-    """ForwardArgs::weights_version for an FP8 layer: nonzero, and the same while the same weight
-    tensors (each named by `weight_id`) are unchanged (their version counters), so the layer
-    keeps their quantization between calls; 0 (quantize every call) in bf16 and while a CUDA
-    graph is captured, since a replay must quantize the weights its step updated."""
-    if space.config.precision != "fp8_block" or torch.cuda.is_current_stream_capturing():
+    """ForwardArgs::weights_version of a call, by the workspace's ``weights_version``: 0
+    (quantize every call) by default, in bf16 and while a CUDA graph is captured; the caller's
+    number; or with "auto" a number that stays the same while the same weight tensors (each
+    named by `weight_id`) keep their version counters."""
+    mode = space.weights_version
+    if space.config.precision != "fp8_block" or mode == 0:
         return 0
+    if torch.cuda.is_current_stream_capturing():
+        return 0
+    if mode != "auto":
+        return mode
     parts = [(weight_id(w), w._version) for w in weights if w is not None]
     return (hash(tuple(parts)) & 0x7FFFFFFFFFFFFFFF) | 1
 

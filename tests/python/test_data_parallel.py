@@ -80,3 +80,43 @@ def test_fsdp2_mixed_precision_from_fp32_master_weights(group_of_one):
     for a, b in zip(got, expected):
         assert a.dtype == torch.float32
         assert torch.equal(a, b.float())
+
+
+def test_fsdp2_fp8_quantizes_the_weights_every_call(group_of_one, monkeypatch):
+    """Why FP8 keeps no quantized weights by default (Workspace.weights_version 0): FSDP2's
+    unsharding writes each step's new values into the same unsharded tensor without advancing
+    its version counter, so "auto" names the weights of two optimizer steps alike (a canary: if
+    a torch upgrade makes this assert fail, "auto" may have become safe under FSDP2). The
+    default gives version 0 at every call: quantize every time."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mok import ops
+
+    # The version is computed for CUDA calls; on a machine without a GPU, no stream captures.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    torch.manual_seed(0)
+    module = mok.nn.MoE(8, 128, 128, config=mok.MoKConfig(precision="fp8_block"))
+    fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+    space = module.workspace
+    seen = []
+
+    def record(mod, args):  # after FSDP2's own pre-forward hook: the weights are unsharded
+        weights = (mod.w_gate, mod.w_up, mod.w_down)
+        default = ops._weights_version(space, weights)
+        space.weights_version = "auto"
+        auto = ops._weights_version(space, weights)
+        space.weights_version = 0
+        seen.append((default, auto, mod.w_gate.detach().clone()))
+
+    module.register_forward_pre_hook(record)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    x, top, weights = inputs()
+    for _ in range(2):
+        module(x, top, weights).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    (default0, auto0, w0), (default1, auto1, w1) = seen
+    assert default0 == default1 == 0
+    assert not torch.equal(w0, w1), "the optimizer step changed no weight"
+    assert auto0 == auto1, "FSDP2 now advances the unsharded weights' version counters"

@@ -154,3 +154,52 @@ def test_misuse_is_refused_by_name():
               p["w_up"], p["w_down"], workspace=workspace_for(p, "cpu"))  # fmt: skip
     with pytest.raises(ValueError, match="multiples of 128"):
         F.quantize_weight(torch.zeros(64, 128, dtype=torch.bfloat16))
+
+
+def test_workspace_weights_version_is_checked():
+    from mok._workspace import Workspace
+
+    space = Workspace(FP8.to_native())
+    assert space.weights_version == 0
+    for good in (0, 5, "auto"):
+        space.weights_version = good
+        assert space.weights_version == good
+    for bad in (-1, 1.5, True, "always", None):
+        with pytest.raises(ValueError, match="argument `weights_version`"):
+            space.weights_version = bad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_written_behind_their_version_counter_are_quantized_again(device):
+    """FP8 weights rewritten in place without their version counter advancing (as FSDP2's
+    unsharding and ``.data`` copies write them): with the default weights_version 0 every call
+    quantizes, so the next call sees the new values. A caller's number keeps the quantization
+    until the number changes (on CUDA; the CPU reference keeps none)."""
+    import mok
+
+    def module_of(state=None):
+        torch.manual_seed(0)
+        module = mok.nn.MoE(8, 128, 128, config=FP8, device=device)
+        if state is not None:
+            module.load_state_dict(state)
+        return module
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 128, generator=gen).to(torch.bfloat16).to(device)
+    top = torch.randint(0, 8, (64, 2), generator=gen).to(device)
+    weights = torch.rand(64, 2, generator=gen).to(device)
+    module = module_of()
+    with torch.no_grad():
+        first = module(x, top, weights)
+        module.w_gate.data.mul_(0.5)  # through .data: the version counter does not move
+        assert torch.equal(module(x, top, weights), module_of(module.state_dict())(x, top, weights))
+
+        module.workspace.weights_version = 1
+        halved = module(x, top, weights)
+        module.w_gate.data.mul_(2.0)  # the first values again, under the same number
+        same_number = module(x, top, weights)
+        module.workspace.weights_version = 2
+        assert torch.equal(module(x, top, weights), first)
+    assert not torch.equal(halved, first)
+    if torch.device(device).type == "cuda":
+        assert torch.equal(same_number, halved), "a kept number should keep the quantization"

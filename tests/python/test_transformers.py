@@ -299,9 +299,10 @@ def test_models_trained_in_fp8_track_eager_bf16(device, make_config):
 
 
 def test_fp8_weights_keep_their_name_while_unchanged(monkeypatch):
-    """The halves of gate_up_proj are new views every call; they carry gate_up_proj's name, so
-    the FP8 weights_version is the same while gate_up_proj is unchanged (its quantization kept
-    between micro-batches) and changes once an optimizer updates it in place."""
+    """By default every FP8 call quantizes the weights (version 0). With weights_version "auto"
+    the halves of gate_up_proj, new views every call, carry gate_up_proj's name, so the version
+    is the same while gate_up_proj is unchanged (its quantization kept between micro-batches)
+    and changes once an optimizer updates it in place."""
     from mok import ops
     from mok.integrations.transformers import _halves
 
@@ -316,6 +317,9 @@ def test_fp8_weights_keep_their_name_while_unchanged(monkeypatch):
     def version():
         return ops._weights_version(space, (*_halves(experts.gate_up_proj, 128), experts.down_proj))
 
+    assert space.weights_version == 0 and version() == 0
+    mok.integrations.transformers.prepare(experts, weights_version="auto")
+    assert experts._mok_workspace is space and space.weights_version == "auto"
     first = version()
     assert first != 0 and version() == first
     with torch.no_grad():

@@ -25,10 +25,11 @@ FP8 training (block-scaled e4m3, DeepSeek-V3's recipe) is a config away::
 
     mok.integrations.transformers.prepare(model, mok.MoKConfig(precision="fp8_block"))
 
-The weights stay bf16 parameters; mok quantizes them and keeps the quantization while
-``gate_up_proj`` and ``down_proj`` are unchanged (their version counters), so the micro-batches
-of one optimizer step quantize them once. Hidden and intermediate sizes must then be multiples
-of 128.
+The weights stay bf16 parameters, quantized by every call; with ``weights_version="auto"``
+(plain torch.optim training: not under FSDP2 or DeepSpeed ZeRO-3, whose unsharding rewrites a
+weight without advancing its version counter) the quantization is kept while ``gate_up_proj``
+and ``down_proj`` are unchanged, so the micro-batches of one optimizer step quantize them once.
+Hidden and intermediate sizes must then be multiples of 128.
 
 A model loaded in FP8 (``quantization_config=FineGrainedFP8Config(...)``, or an FP8 checkpoint
 such as Qwen3's or DeepSeek-V3's: e4m3 experts with one scale per 128 x 128 block) takes the
@@ -134,14 +135,19 @@ def _workspace_of(module) -> Workspace | None:
     return workspace  # None while tracing an unprepared module: a shared default workspace
 
 
-def prepare(model: torch.nn.Module, config: functional.MoKConfig | None = None) -> torch.nn.Module:
+def prepare(
+    model: torch.nn.Module,
+    config: functional.MoKConfig | None = None,
+    weights_version: int | str | None = None,
+) -> torch.nn.Module:
     """Gives every experts module of `model` its own mok workspace now (no device memory yet).
     With `config`, the workspaces run under it, replacing any a module had: e.g.
-    ``MoKConfig(precision="fp8_block")`` trains the experts in FP8 (block-scaled e4m3; mok
-    quantizes the bf16 weights and keeps their quantization while they are unchanged, so the
-    micro-batches of one optimizer step quantize them once). The experts of a model loaded in
-    FP8 always run with precision fp8_block. Call it before training, not between a forward and
-    its backward."""
+    ``MoKConfig(precision="fp8_block")`` trains the experts in FP8 (block-scaled e4m3). The
+    experts of a model loaded in FP8 always run with precision fp8_block. `weights_version`
+    (``Workspace.weights_version``; None leaves it as it is, 0 for a new workspace): "auto"
+    keeps the FP8 weights' quantization while the parameters are unchanged, where only in-place
+    optimizer updates write them. Call it before training, not between a forward and its
+    backward."""
     for module in model.modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
             (_check_fp8_layout if _is_fp8_checkpoint(module) else _check_layout)(module)
@@ -149,6 +155,8 @@ def prepare(model: torch.nn.Module, config: functional.MoKConfig | None = None) 
                 _workspace_of(module)
             else:
                 module._mok_workspace = Workspace(_config_for(module, config).to_native())
+            if weights_version is not None:
+                module._mok_workspace.weights_version = weights_version
     return model
 
 
