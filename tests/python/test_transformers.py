@@ -429,3 +429,24 @@ def test_fp8_checkpoint_layouts_mok_cannot_serve_are_refused(kwargs, why):
     x, top, weights, _ = fp8_inputs("cpu", 19)
     with pytest.raises(NotImplementedError, match=f"FP8Experts: its .*{why}"):
         experts(x, top, weights)
+
+
+def test_fp8_checkpoint_scales_are_read_again_unless_the_version_says_otherwise():
+    """The scales' fp32 copies: made every call by default, so a write through ``.data`` (which
+    no version counter sees) is picked up by the next call; with weights_version "auto" they
+    are kept until the scale tensor's version counter moves (the mode's contract)."""
+    experts, _ = fp8_checkpoint_experts("cpu")
+    x, top, weights, _ = fp8_inputs("cpu", 23)
+    scales = experts.gate_up_proj_scale_inv
+    with torch.no_grad():
+        first = experts(x, top, weights)
+        scales.data.mul_(2.0)
+        doubled = experts(x, top, weights)
+        assert not torch.equal(doubled, first)
+
+        mok.integrations.transformers.prepare(experts, weights_version="auto")
+        assert torch.equal(experts(x, top, weights), doubled)
+        scales.data.mul_(0.5)  # unseen by the version counter: the kept copies stay
+        assert torch.equal(experts(x, top, weights), doubled)
+        scales.mul_(1.0)  # in place on the parameter: its version counter moves
+        assert torch.equal(experts(x, top, weights), first)

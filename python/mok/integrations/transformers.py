@@ -244,11 +244,13 @@ def mok_experts_forward(
     )
 
 
-def _fp8_scales(module) -> tuple[Tensor, Tensor, Tensor]:
-    """The gate, up and down scales as mok takes them: fp32 and dense, [E, n/128, k/128] each.
-    Copies of the module's ``*_scale_inv`` (fp32 or UE8M0; tiny), kept on the module and made
-    again only when those change, so that the same tensors name the same weights in every call
-    (ops.weight_id: the dgrads' transposed weights are then kept between calls)."""
+def _fp8_scales(module, version: int | str) -> tuple[Tensor, Tensor, Tensor]:
+    """The gate, up and down scales as mok takes them: fp32 and dense, [E, n/128, k/128] each:
+    copies of the module's ``*_scale_inv`` (fp32 or UE8M0; kilobytes). Made every call with the
+    workspace's weights_version 0 (the default: nothing assumed about what writes the
+    checkpoint's tensors); otherwise kept on the module while the same number (or, for "auto",
+    the same tensors and version counters) names them, so that the same scale tensors name the
+    same weights in every call (ops.weight_id: the dgrads' transposed codes are then kept)."""
     sources = (module.gate_up_proj_scale_inv, module.down_proj_scale_inv)
     blocks = module.down_proj.shape[-1] // 128  # I / 128: the gate's block rows
 
@@ -256,9 +258,9 @@ def _fp8_scales(module) -> tuple[Tensor, Tensor, Tensor]:
         gate_up, down = (t.detach().float() for t in sources)
         return gate_up[:, :blocks].contiguous(), gate_up[:, blocks:].contiguous(), down.contiguous()
 
-    if torch.compiler.is_compiling():
+    if version == 0 or torch.compiler.is_compiling():
         return converted()
-    key = tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in sources)
+    key = (version, *((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in sources))
     cached = getattr(module, "_mok_fp8_scales", None)
     if cached is None or cached[0] != key:
         cached = module._mok_fp8_scales = (key, converted())
@@ -284,7 +286,7 @@ def mok_fp8_experts_forward(
     num_experts = self.gate_up_proj.shape[0]
     top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
     workspace = _workspace_of(self) or functional._default_workspace(_config_for(self, None))
-    gate_scales, up_scales, down_scales = _fp8_scales(self)
+    gate_scales, up_scales, down_scales = _fp8_scales(self, workspace.weights_version)
     gate_up, down = self.gate_up_proj, self.down_proj
     gate, up = _halves(gate_up.detach(), down.shape[-1], named_after=gate_up)
     down_codes = down.detach().contiguous()
