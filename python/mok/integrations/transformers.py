@@ -35,7 +35,10 @@ A model loaded in FP8 (``quantization_config=FineGrainedFP8Config(...)``, or an 
 such as Qwen3's or DeepSeek-V3's: e4m3 experts with one scale per 128 x 128 block) takes the
 same ``experts_implementation="mok"``: its ``FP8Experts`` run mok's FP8 layer on the
 checkpoint's own codes, read in place, as frozen weights (no gradient for the codes and scales;
-x and the router weights get theirs, for fine-tuning around FP8 experts).
+x and the router weights get theirs, for fine-tuning around FP8 experts). Each backward then
+transposes the codes for the input gradient; ``prepare(model, weights_version="auto")`` keeps
+the transposed codes while the checkpoint's tensors are unchanged (safe unless something
+rewrites them through ``.data``, as some RL weight-sync code does).
 """
 
 from __future__ import annotations
