@@ -114,6 +114,24 @@ def mok_experts(device):
     return experts
 
 
+def step_inputs(device, seed):
+    """x [40, 128] bf16, top_experts [40, 2] of 8, router weights, d_out: seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
+    top = torch.randint(0, 8, (40, 2), generator=gen).to(device)
+    weights = torch.rand(40, 2, generator=gen).to(device)
+    d_out = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
+    return x, top, weights, d_out
+
+
+def step(module, x, top, weights, d_out):
+    """module's output, and the gradients of x and the router weights, for d_out."""
+    leaf_x, leaf_w = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    out = module(leaf_x, top, leaf_w)
+    out.backward(d_out)
+    return out.detach(), leaf_x.grad, leaf_w.grad
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
     """The experts module's gate_up_proj reaches mok as two expert-strided views (no copy):
@@ -121,19 +139,8 @@ def test_fused_gate_up_views_give_the_bits_of_separate_weights(device):
     experts = mok_experts(device)
     separate = mok.nn.MoE(8, 128, 128, device=device)
     separate.load_hf_experts(experts.gate_up_proj.detach(), experts.down_proj.detach())
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
-    top = torch.randint(0, 8, (40, 2), generator=gen).to(device)
-    weights = torch.rand(40, 2, generator=gen).to(device)
-    d_out = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
-
-    def step(module):
-        leaf_x, leaf_w = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
-        out = module(leaf_x, top, leaf_w)
-        out.backward(d_out)
-        return out.detach(), leaf_x.grad, leaf_w.grad
-
-    got, want = step(experts), step(separate)
+    inputs = step_inputs(device, 2)
+    got, want = step(experts, *inputs), step(separate, *inputs)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert torch.equal(
@@ -226,22 +233,6 @@ def test_frozen_experts_skip_their_weight_gradients(device):
     check_frozen_weights(mok_experts(device), x, top, weights)
 
 
-def fp8_inputs(device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
-    top = torch.randint(0, 8, (40, 2), generator=gen).to(device)
-    weights = torch.rand(40, 2, generator=gen).to(device)
-    d_out = torch.randn(40, 128, generator=gen).to(torch.bfloat16).to(device)
-    return x, top, weights, d_out
-
-
-def fp8_step(module, x, top, weights, d_out):
-    leaf_x, leaf_w = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
-    out = module(leaf_x, top, leaf_w)
-    out.backward(d_out)
-    return out.detach(), leaf_x.grad, leaf_w.grad
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_prepare_with_an_fp8_config_runs_the_fp8_layer(device):
     """prepare(model, MoKConfig(precision="fp8_block")): the experts module runs mok's FP8 layer
@@ -252,9 +243,9 @@ def test_prepare_with_an_fp8_config_runs_the_fp8_layer(device):
     assert experts._mok_workspace.config.precision == "fp8_block"
     separate = mok.nn.MoE(8, 128, 128, device=device, config=fp8)
     separate.load_hf_experts(experts.gate_up_proj.detach(), experts.down_proj.detach())
-    inputs = fp8_inputs(device, 13)
+    inputs = step_inputs(device, 13)
 
-    got, want = fp8_step(experts, *inputs), fp8_step(separate, *inputs)
+    got, want = step(experts, *inputs), step(separate, *inputs)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert torch.equal(
@@ -262,7 +253,7 @@ def test_prepare_with_an_fp8_config_runs_the_fp8_layer(device):
     )
     assert torch.equal(experts.down_proj.grad, separate.w_down.grad)
 
-    bf16 = fp8_step(mok_experts(device), *inputs)
+    bf16 = step(mok_experts(device), *inputs)
     assert not torch.equal(got[0], bf16[0])
     # FP8's block-quantized operands against bf16's: a few percent (docs/design.md, FP8).
     assert relative_error(got[0], bf16[0]) < 0.1
@@ -388,7 +379,7 @@ def test_fp8_checkpoint_experts_run_mok_fp8_on_their_codes(device, scale_fmt, sw
     of mok.functional.moe on contiguous (codes, scales) pairs, within FP8's bounds of the bf16
     experts, the config's swiglu_limit applied, and no gradient for the codes or scales."""
     experts, pairs = fp8_checkpoint_experts(device, scale_fmt, swiglu_limit)
-    x, top, weights, d_out = fp8_inputs(device, 17)
+    x, top, weights, d_out = step_inputs(device, 17)
     fp8 = mok.MoKConfig(precision="fp8_block")
 
     def want_module(leaf_x, top_experts, leaf_w):
@@ -397,8 +388,8 @@ def test_fp8_checkpoint_experts_run_mok_fp8_on_their_codes(device, scale_fmt, sw
         )
 
     got, want = (
-        fp8_step(experts, x, top, weights, d_out),
-        fp8_step(want_module, x, top, weights, d_out),
+        step(experts, x, top, weights, d_out),
+        step(want_module, x, top, weights, d_out),
     )
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -426,7 +417,7 @@ def test_fp8_checkpoint_experts_run_mok_fp8_on_their_codes(device, scale_fmt, sw
 )
 def test_fp8_checkpoint_layouts_mok_cannot_serve_are_refused(kwargs, why):
     experts, _ = fp8_checkpoint_experts("cpu", **kwargs)
-    x, top, weights, _ = fp8_inputs("cpu", 19)
+    x, top, weights, _ = step_inputs("cpu", 19)
     with pytest.raises(NotImplementedError, match=f"FP8Experts: its .*{why}"):
         experts(x, top, weights)
 
@@ -436,7 +427,7 @@ def test_fp8_checkpoint_scales_are_read_again_unless_the_version_says_otherwise(
     no version counter sees) is picked up by the next call; with weights_version "auto" they
     are kept until the scale tensor's version counter moves (the mode's contract)."""
     experts, _ = fp8_checkpoint_experts("cpu")
-    x, top, weights, _ = fp8_inputs("cpu", 23)
+    x, top, weights, _ = step_inputs("cpu", 23)
     scales = experts.gate_up_proj_scale_inv
     with torch.no_grad():
         first = experts(x, top, weights)

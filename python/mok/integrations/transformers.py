@@ -64,25 +64,29 @@ def _reject(module, why: str):
     )
 
 
+def _check_gated_silu(module, act: str) -> None:
+    """What both experts forms need: no biases, a gate, a SiLU activation (`act`)."""
+    if getattr(module, "has_bias", False):
+        _reject(module, "its experts have biases (mok's experts have none)")
+    if not getattr(module, "has_gate", True):
+        _reject(module, "its experts have no gate (mok's are SwiGLU)")
+    if act not in _SILU:
+        _reject(module, f"its activation is {act!r}; mok's experts are SwiGLU (silu)")
+
+
 def _check_layout(module) -> None:
     from transformers.integrations.moe import _default_apply_gate
 
-    if getattr(module, "has_bias", False):
-        _reject(module, "its experts have biases (mok's experts have none)")
+    _check_gated_silu(module, getattr(getattr(module, "config", None), "hidden_act", "silu"))
     if not getattr(module, "is_concatenated", True):
         _reject(module, "its gate and up rows are interleaved (mok takes gate rows, then up rows)")
     if getattr(module, "is_transposed", False):
         _reject(module, "its expert weights are stored transposed ([E, H, 2I])")
-    if not getattr(module, "has_gate", True):
-        _reject(module, "its experts have no gate (mok's are SwiGLU)")
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         _reject(
             module,
             "it defines its own gated activation (gpt-oss: gate * sigmoid(1.702 gate) * (up + 1), clamped)",
         )
-    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
-    if act not in _SILU:
-        _reject(module, f"its activation is {act!r}; mok's experts are SwiGLU (silu)")
 
 
 def _is_fp8_checkpoint(module) -> bool:
@@ -92,10 +96,13 @@ def _is_fp8_checkpoint(module) -> bool:
 
 
 def _check_fp8_layout(module) -> None:
-    if getattr(module, "has_bias", False):
-        _reject(module, "its experts have biases (mok's experts have none)")
-    if not getattr(module, "has_gate", True):
-        _reject(module, "its experts have no gate (mok's are SwiGLU)")
+    # FP8Experts reads its activation as transformers' ACT2FN[hidden_activation or hidden_act].
+    config = getattr(module, "config", None)
+    act = next(
+        (getattr(config, n) for n in ("hidden_activation", "hidden_act") if hasattr(config, n)),
+        "silu",
+    )
+    _check_gated_silu(module, act)
     if module.gate_up_proj.dtype != torch.float8_e4m3fn:
         _reject(
             module,
@@ -115,13 +122,6 @@ def _check_fp8_layout(module) -> None:
         )
     if getattr(module, "swiglu_alpha", None) is not None:
         _reject(module, "its activation is gpt-oss's (gate * sigmoid(alpha gate) * (up + 1))")
-    config = getattr(module, "config", None)
-    act = next(
-        (getattr(config, n) for n in ("hidden_activation", "hidden_act") if hasattr(config, n)),
-        "silu",
-    )
-    if act not in _SILU:
-        _reject(module, f"its activation is {act!r}; mok's experts are SwiGLU (silu)")
 
 
 def _config_for(module, config: functional.MoKConfig | None) -> functional.MoKConfig:
@@ -218,6 +218,24 @@ class _FusedGateUpExperts(torch.autograd.Function):
         return d_x, None, d_router_weights, d_gate_up, d_down, None, None
 
 
+def _bf16_hidden_states(hidden_states: Tensor) -> Tensor:
+    """hidden_states as mok's layer takes them: bf16, cast per call under bf16 autocast."""
+    if functional._autocast_to_bf16(hidden_states.device.type):
+        hidden_states = functional._bf16(hidden_states)
+    if hidden_states.dtype != torch.bfloat16:
+        raise ValueError(
+            f"argument `hidden_states` has dtype {hidden_states.dtype}; mok's layer is bf16 "
+            "(load the model with dtype=torch.bfloat16, or run it under "
+            "torch.autocast(dtype=torch.bfloat16))"
+        )
+    return hidden_states
+
+
+def _local_routes(top_k_index: Tensor, num_experts: int) -> Tensor:
+    """Expert-parallel sentinels (ids past the experts) route nowhere, as mok's -1."""
+    return torch.where(top_k_index < num_experts, top_k_index, -1)
+
+
 def mok_experts_forward(
     self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
@@ -226,16 +244,9 @@ def mok_experts_forward(
     gate_up, down = self.gate_up_proj, self.down_proj
     if functional._autocast_to_bf16(hidden_states.device.type):
         # An fp32 model under bf16 autocast (the Trainer's bf16=True): bf16 copies per call.
-        hidden_states, gate_up, down = (functional._bf16(t) for t in (hidden_states, gate_up, down))
-    if hidden_states.dtype != torch.bfloat16:
-        raise ValueError(
-            f"argument `hidden_states` has dtype {hidden_states.dtype}; mok's layer is bf16 "
-            "(load the model with dtype=torch.bfloat16, or run it under "
-            "torch.autocast(dtype=torch.bfloat16))"
-        )
-    num_experts = gate_up.shape[0]
-    # Expert-parallel sentinels (ids past the experts) route nowhere, as mok's -1.
-    top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
+        gate_up, down = functional._bf16(gate_up), functional._bf16(down)
+    hidden_states = _bf16_hidden_states(hidden_states)
+    top_k_index = _local_routes(top_k_index, gate_up.shape[0])
     workspace = _workspace_of(self) or functional._default_workspace(functional._DEFAULT_CONFIG)
     handle = workspace.handle  # on CPU too: its config names the precision
     router_weights = top_k_weights.float()
@@ -278,16 +289,8 @@ def mok_fp8_experts_forward(
     as fp32 copies. The codes and scales get no gradient (frozen, as a fine-tune around FP8
     experts leaves them); hidden_states and top_k_weights do."""
     _check_fp8_layout(self)
-    if functional._autocast_to_bf16(hidden_states.device.type):
-        hidden_states = functional._bf16(hidden_states)
-    if hidden_states.dtype != torch.bfloat16:
-        raise ValueError(
-            f"argument `hidden_states` has dtype {hidden_states.dtype}; mok's layer is bf16 "
-            "(load the model with dtype=torch.bfloat16, or run it under "
-            "torch.autocast(dtype=torch.bfloat16))"
-        )
-    num_experts = self.gate_up_proj.shape[0]
-    top_k_index = torch.where(top_k_index < num_experts, top_k_index, -1)
+    hidden_states = _bf16_hidden_states(hidden_states)
+    top_k_index = _local_routes(top_k_index, self.gate_up_proj.shape[0])
     workspace = _workspace_of(self) or functional._default_workspace(_config_for(self, None))
     gate_scales, up_scales, down_scales = _fp8_scales(self, workspace.weights_version)
     gate_up, down = self.gate_up_proj, self.down_proj
